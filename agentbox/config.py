@@ -1,0 +1,72 @@
+"""The config dataclasses: the one place defaults live. CLI options read their defaults from here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+CACHE_POLICIES = ("session", "lru", "none")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def state_dir() -> Path:
+    """Where the daemon keeps pid/port/log files and verdicts (AGENTBOX_HOME overrides, for tests)."""
+    root = os.environ.get("AGENTBOX_HOME") or os.path.join(
+        os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "agentbox"
+    )
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core process needs to start. Frozen: one instance per engine."""
+
+    model: str = ""
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from kv_cache_gb
+    kv_cache_gb: float | None = None  # None: a share of free memory (see engine/runner.py)
+    max_num_seqs: int = 32  # cap on running requests
+    max_num_batched_tokens: int = 1024  # per-step token budget (chunked prefill falls out of it)
+    max_model_len: int | None = None  # None: the model's own context length
+    attention: str = "auto"
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    cache_policy: str = "session"
+    host_cache_gb: float | None = None  # None: a share of free RAM
+    lease_default_ttl_s: float = 10.0  # TTL of a session lease before its gaps are measured
+    lease_max_ttl_s: float = 120.0
+    lease_max_share: float = 0.8  # leased pages may hold at most this share of the pool
+    admission_queue_size: int = 256
+    admission_timeout_s: float = 30.0
+    record_trace: str | None = None
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.resolved_device.startswith("cuda") else "float32"
+
+    def with_(self, **changes: object) -> EngineConfig:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: derived from the model path
+    api_key: str | None = None  # None: no auth
+    engine: EngineConfig = field(default_factory=EngineConfig)

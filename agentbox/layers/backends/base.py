@@ -1,0 +1,98 @@
+"""The attention backend interface: chosen once at start, used by every attention layer.
+
+The model never knows which backend runs. A backend gets, once per step, the batch's `AttentionMetadata`
+(where each sequence's pages are, how many new tokens it brings) and then, for each layer, the new
+q/k/v of the flattened batch. It writes the new k/v into the paged cache and returns the attention output.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout. Sequences are laid out one after another in the flattened token axis.
+
+    query_lens[i]: new tokens of sequence i in this step (1 for a decode, a chunk for a prefill).
+    kv_lens[i]: tokens of sequence i in the cache after this step (cached + new).
+    page_table: [num_seqs, max_pages] int32, page ids of each sequence, padded with 0.
+    slot_mapping: [num_tokens] int64, cache slot (page * page_size + offset) where each new token's k/v goes.
+    """
+
+    query_lens: list[int]
+    kv_lens: list[int]
+    page_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens)
+
+
+class KVCache:
+    """Per-layer paged key/value storage: k[layer] and v[layer] are [num_slots, num_kv_heads, head_dim]
+    where num_slots = num_pages * page_size. Owned by the engine's runner; handed to backends."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        shape = (num_pages * page_size, num_kv_heads, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+
+
+class AttentionBackend(ABC):
+    """One instance per engine. `begin` is called once per step before the forward pass."""
+
+    name: ClassVar[str]
+
+    def __init__(self, kv_cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.kv_cache = kv_cache
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.meta: AttentionMetadata | None = None
+
+    def begin(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    @abstractmethod
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, num_heads, D]; k, v: [T, num_kv_heads, D] for the step's T new tokens.
+        Stores k/v at meta.slot_mapping in layer `layer_id`'s cache, returns [T, num_heads, D]."""
+
+    @classmethod
+    def available(cls, device: str) -> bool:
+        return True
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    ATTENTION_BACKENDS[cls.name] = cls
+    return cls

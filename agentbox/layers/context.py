@@ -1,0 +1,41 @@
+"""One forward context per step: the attention backend and the step's batch layout.
+
+The runner enters it around the model call; attention layers read it. Nesting is refused so a step's
+layout can never leak into another step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass
+class ForwardContext:
+    backend: AttentionBackend
+    meta: AttentionMetadata
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(backend: AttentionBackend, meta: AttentionMetadata) -> Iterator[ForwardContext]:
+    global _current
+    if _current is not None:
+        raise RuntimeError("forward contexts do not nest: a step is already running")
+    backend.begin(meta)
+    _current = ForwardContext(backend, meta)
+    try:
+        yield _current
+    finally:
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention called outside a forward context (the runner sets one per step)")
+    return _current
