@@ -1,0 +1,78 @@
+"""The paged KV pool's bookkeeping: which pages are free, and how many holders each used page has.
+
+The tensors live in `layers.backends.base.KVCache`; this class only hands out page ids. A page is held by
+running requests and/or by the radix cache; it returns to the free list when its last holder lets go.
+Page 0 is reserved as a scratch page (padding rows of a batch write there), so it is never handed out.
+"""
+
+from __future__ import annotations
+
+
+class PoolExhausted(RuntimeError):
+    pass
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.refcount = [0] * num_pages
+        # A stack: recently freed pages are reused first (warm in cache on GPU).
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def capacity(self) -> int:
+        """Pages that can ever be handed out (all but the scratch page)."""
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        """n fresh pages with one holder each. Raises PoolExhausted; callers check num_free first."""
+        if n > len(self._free):
+            raise PoolExhausted(f"asked for {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for p in pages:
+            if self.refcount[p] <= 0:
+                raise RuntimeError(f"incref of free page {p}")
+            self.refcount[p] += 1
+
+    def decref(self, pages: list[int]) -> int:
+        """Drop one holder from each page; returns how many pages became free."""
+        freed = 0
+        for p in pages:
+            rc = self.refcount[p]
+            if rc <= 0:
+                raise RuntimeError(f"decref of free page {p}")
+            self.refcount[p] = rc - 1
+            if rc == 1:
+                self._free.append(p)
+                freed += 1
+        return freed
+
+    def check_integrity(self) -> None:
+        """free + used == capacity, no page both free and held, no duplicate in the free list."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a page is on the free list twice")
+        if 0 in free or self.refcount[0] != 0:
+            raise AssertionError("the scratch page 0 was handed out")
+        for p in range(1, self.num_pages):
+            held = self.refcount[p] > 0
+            if held == (p in free):
+                raise AssertionError(f"page {p}: refcount {self.refcount[p]} but free={p in free}")
+        if len(free) + sum(1 for rc in self.refcount if rc > 0) != self.capacity:
+            raise AssertionError("free + used != total")

