@@ -1,0 +1,150 @@
+"""Background serving: the state directory's server.json (pid, host, port, model) and server.log, and
+start / stop / status over them. `python -m agentbox.daemon CONFIG_JSON` is the background child."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from agentbox.config import EngineConfig, ServerConfig, state_dir
+
+
+def state_file() -> Path:
+    return state_dir() / "server.json"
+
+
+def log_file() -> Path:
+    return state_dir() / "server.log"
+
+
+def config_to_json(config: ServerConfig) -> str:
+    return json.dumps(dataclasses.asdict(config))
+
+
+def config_from_json(text: str) -> ServerConfig:
+    d = json.loads(text)
+    return ServerConfig(**{**d, "engine": EngineConfig(**d["engine"])})
+
+
+def read_state() -> dict | None:
+    """The running server's record, or None (a record whose process is gone is removed)."""
+    try:
+        st = json.loads(state_file().read_text())
+    except (OSError, ValueError):
+        return None
+    pid = st.get("pid")
+    if not isinstance(pid, int) or not psutil.pid_exists(pid):
+        state_file().unlink(missing_ok=True)
+        return None
+    try:
+        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            state_file().unlink(missing_ok=True)
+            return None
+    except psutil.NoSuchProcess:
+        return None
+    return st
+
+
+def write_state(config: ServerConfig, pid: int, model_name: str) -> None:
+    st = {
+        "pid": pid, "host": config.host, "port": config.port, "model": model_name,
+        "model_path": config.engine.model, "started": time.time(), "log": str(log_file()),
+    }
+    state_file().write_text(json.dumps(st, indent=2))
+
+
+def clear_state(pid: int) -> None:
+    try:
+        if json.loads(state_file().read_text()).get("pid") == pid:
+            state_file().unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def url_of(st: dict) -> str:
+    host = st["host"] if st["host"] not in ("0.0.0.0", "::") else "127.0.0.1"
+    return f"http://{host}:{st['port']}"
+
+
+def health(st: dict, timeout: float = 2.0) -> dict | None:
+    try:
+        r = httpx.get(url_of(st) + "/health", timeout=timeout)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def port_in_use(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def spawn(config: ServerConfig) -> subprocess.Popen:
+    """Starts the server detached from this terminal, its output appended to server.log."""
+    log = open(log_file(), "ab")  # noqa: SIM115 - handed to the child
+    log.write(f"\n==== agentbox serve {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n".encode())
+    log.flush()
+    return subprocess.Popen(
+        [sys.executable, "-m", "agentbox.daemon", config_to_json(config)],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def stop(timeout: float = 20.0) -> dict | None:
+    """Stops the running server (SIGTERM, then SIGKILL past the timeout). Returns what was stopped."""
+    st = read_state()
+    if st is None:
+        return None
+    pid = st["pid"]
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+        proc.send_signal(signal.SIGTERM)
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        for p in alive:
+            p.kill()
+        psutil.wait_procs(alive, timeout=5)
+    except psutil.NoSuchProcess:
+        pass
+    clear_state(pid)
+    return st
+
+
+def tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run_foreground(config: ServerConfig) -> None:
+    from agentbox.server.app import run_server, served_name
+
+    pid = os.getpid()
+    write_state(config, pid, served_name(config))
+    # SIGTERM from `agentbox stop` becomes uvicorn's graceful shutdown (it handles SIGINT/SIGTERM itself).
+    try:
+        run_server(config)
+    finally:
+        clear_state(pid)
+
+
+if __name__ == "__main__":
+    run_foreground(config_from_json(sys.argv[1]))

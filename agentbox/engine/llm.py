@@ -1,0 +1,81 @@
+"""The offline engine API: an in-process EngineCore driven to completion. Used by tests, benchmarks and
+the canary check; serving uses the core in its own process through `EngineClient`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from agentbox.config import EngineConfig
+from agentbox.engine.core import EngineCore
+from agentbox.engine.messages import AddRequest, TokenLogprob
+from agentbox.engine.request import Request
+from agentbox.engine.sampling import SamplingParams
+from agentbox.engine.scheduler import ScheduledSeq, SchedulerOutput
+from agentbox.models.loader import LoadedModel
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    num_cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class LLM:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.core = EngineCore(config, loaded)
+        self._ids = itertools.count()
+
+    @property
+    def loaded(self) -> LoadedModel:
+        return self.core.runner.loaded
+
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        sampling: SamplingParams | list[SamplingParams],
+        session_ids: list[str | None] | None = None,
+    ) -> list[Completion]:
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompt_token_ids)
+        done: dict[str, Completion] = {}
+        order: list[str] = []
+        for i, (ids, sp) in enumerate(zip(prompt_token_ids, params, strict=True)):
+            rid = f"llm-{next(self._ids)}"
+            order.append(rid)
+            done[rid] = Completion(rid, list(ids), [], None, 0, [] if sp.logprobs is not None else None)
+            err = self.core.add(AddRequest(rid, list(ids), sp.validate(), session_ids[i] if session_ids else None))
+            if err is not None:
+                done[rid].finish_reason, done[rid].error = "error", err.error
+        while self.core.has_work():
+            for o in self.core.step():
+                c = done[o.request_id]
+                c.token_ids.extend(o.new_token_ids)
+                c.num_cached_tokens = o.num_cached_tokens
+                if o.logprobs and c.logprobs is not None:
+                    c.logprobs.extend(o.logprobs)
+                if o.finished:
+                    c.finish_reason, c.error = o.finish_reason, o.error
+        return [done[r] for r in order]
+
+    @torch.inference_mode()
+    def logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [vocab] for the next token after the prompt, computed cold in scratch pages."""
+        core = self.core
+        req = Request(f"llm-logits-{next(self._ids)}", list(prompt_token_ids), SamplingParams())
+        need = -(-len(prompt_token_ids) // core.pool.page_size)
+        if core.pool.num_free < need:
+            core.cache.evict(need - core.pool.num_free)
+        req.pages = core.pool.alloc(need)
+        try:
+            out = core.runner.forward_logits(SchedulerOutput([ScheduledSeq(req, len(prompt_token_ids), True)], []))
+            assert out is not None
+            return out[0]
+        finally:
+            core.pool.decref(req.pages)

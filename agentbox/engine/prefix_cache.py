@@ -1,0 +1,56 @@
+"""The interface between the scheduler and a prefix cache, plus the cache that caches nothing.
+
+Reference discipline: a match hands the caller its own reference on each matched page; `insert` consumes
+the caller's references on the pages it is given (new nodes keep them, duplicates are dropped); pages the
+caller holds beyond what it inserts are the caller's to decref.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from agentbox.engine.kv_pool import PagePool
+
+
+@dataclass
+class CacheMatch:
+    pages: list[int]  # GPU pages covering the first num_tokens tokens, one reference each for the caller
+    num_tokens: int
+    num_host_tokens: int = 0  # of num_tokens, those copied back from the host tier
+    handle: object | None = None
+
+
+class PrefixCache(Protocol):
+    def match(self, tokens: Sequence[int], session: str | None) -> CacheMatch: ...
+
+    def insert(self, tokens: Sequence[int], pages: list[int], session: str | None) -> None: ...
+
+    def evict(self, num_pages: int) -> int: ...
+
+    def check_integrity(self) -> None: ...
+
+    def stats(self) -> dict: ...
+
+
+class NoCache:
+    """`--cache-policy none`: nothing is reused across requests; finished pages go straight back."""
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+
+    def match(self, tokens: Sequence[int], session: str | None) -> CacheMatch:
+        return CacheMatch([], 0)
+
+    def insert(self, tokens: Sequence[int], pages: list[int], session: str | None) -> None:
+        self.pool.decref(pages)
+
+    def evict(self, num_pages: int) -> int:
+        return 0
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+
+    def stats(self) -> dict:
+        return {"policy": "none"}

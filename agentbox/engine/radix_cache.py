@@ -1,0 +1,598 @@
+"""The radix prefix cache: a tree over page-aligned token prefixes whose nodes own pages of the GPU pool
+(or, once demoted, of the host tier). Tokens after the last full page are never cached.
+
+Reference discipline (the whole correctness argument):
+- The tree holds exactly one reference on every page a node owns (GPU pool or host pool).
+- `match` gives the caller its own reference (incref) on every matched GPU page. The caller drops it
+  through `insert` (which consumes the caller's references on the pages it is given: new nodes keep them,
+  pages whose prefix the tree already has are decref'd) or `release` (abort, preemption without insert).
+- So a page with refcount 1 is held only by the tree: evictable. A node with any page above 1 is in use by a
+  running request and is never evicted, demoted or dropped.
+- Host pages carry a reference for the caller only inside `match`, while they are being promoted.
+
+Tree shape: children are keyed by their first page of tokens, so siblings differ in the first page. The GPU
+nodes form a top-down closed subtree: a GPU node's parent is a GPU node or the root; demotion goes leaf-first
+and promotion top-down, so a path is always "GPU prefix, then host suffix". `match` splits the last node
+at the match boundary, so a request's references always cover whole nodes.
+
+Eviction (`evict(n)`): GPU leaves (nodes without GPU children) leave in priority-class order through an
+incremental heap with lazy invalidation (a node's `version` is bumped on each push; stale entries are
+skipped; a popped key is recomputed and the node re-pushed if it has grown past the next entry's — keys
+only grow with time except at lease expiry and turn end, where the session's leaves are re-pushed):
+  class 0: no live or expired lease on any session tagging the node; least recently used first.
+  class 1: the best lease among its sessions has expired; earliest expiry first.
+  class 2: a live lease; lowest expected saving per page-second first: the recompute cost of its tokens
+           (tokens x (1 + mean position / ATTN_TOKENS), attention grows with depth) divided by its pages x
+           the time until the session's expected return (last turn end + median gap).
+Under policy "lru" every node is class 0; under "none" nothing is cached. With a host tier an evicted
+GPU node is copied to host (making room by dropping host LRU leaves) instead of dropped; host nodes on a
+matched path are promoted back (allocate GPU pages, copy) instead of being recomputed.
+
+Sessions are tags: every node on a path a session matched or inserted carries its id (so a child's tags
+are a subset of its parent's). `drop_session` removes the session's own suffix; shared prefixes survive.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from agentbox.config import EngineConfig
+from agentbox.engine.host_tier import HostTier, copy_pages
+from agentbox.engine.kv_pool import PagePool
+from agentbox.engine.prefix_cache import CacheMatch
+from agentbox.engine.sessions import LeaseState, Session, SessionTable, sessions_by_lease_age
+from agentbox.layers.backends.base import KVCache
+
+ATTN_TOKENS = 4096.0  # depth at which attention's share of a token's recompute cost equals the MLPs'
+MIN_WAIT_S = 0.05  # an overdue session is "about to return": its saving rate is capped, not infinite
+
+
+class Tier(Enum):
+    GPU = "gpu"
+    HOST = "host"
+
+
+class Node:
+    __slots__ = (
+        "key",
+        "pages",
+        "tier",
+        "parent",
+        "children",
+        "sessions",
+        "start",
+        "last_access",
+        "version",
+        "alive",
+    )
+
+    def __init__(
+        self, key: tuple[int, ...], pages: list[int], tier: Tier, parent: Node | None, start: int
+    ) -> None:
+        self.key = key
+        self.pages = pages
+        self.tier = tier
+        self.parent = parent
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.sessions: set[str] = set()
+        self.start = start  # token offset of key[0] in the sequence
+        self.last_access = 0.0
+        self.version = 0
+        self.alive = True
+
+
+@dataclass
+class Match(CacheMatch):
+    """CacheMatch plus the session the request belongs to (given, or inferred from the tree)."""
+
+    session: str | None = None
+
+
+_Entry = tuple[tuple[int, float], int, int, Node]
+
+
+class RadixCache:
+    def __init__(
+        self,
+        pool: PagePool,
+        kv: KVCache | None = None,
+        sessions: SessionTable | None = None,
+        host: HostTier | None = None,
+        policy: str = "session",
+    ) -> None:
+        if policy not in ("session", "lru", "none"):
+            raise ValueError(f"unknown cache policy {policy!r}")
+        if host is not None and (kv is None or host.pool.page_size != pool.page_size):
+            raise ValueError("a host tier needs the GPU KVCache and the same page size")
+        self.pool = pool
+        self.kv = kv
+        self.sessions = sessions if sessions is not None else SessionTable()
+        self.host = host if policy != "none" else None
+        self.policy = policy
+        self.ps = pool.page_size
+        self.root = Node((), [], Tier.GPU, None, 0)
+        self._gpu_heap: list[_Entry] = []
+        self._host_heap: list[_Entry] = []
+        self._lease_heap: list[tuple[float, str]] = []
+        self._session_nodes: dict[str, set[Node]] = {}
+        self._seq = itertools.count()
+        self.gpu_pages = 0
+        self.host_pages = 0
+        self.evictions = 0  # GPU pages dropped (not demoted)
+        self.demotions = 0  # GPU pages copied to host
+        self.promotions = 0  # host pages copied back to GPU
+        self.host_evictions = 0  # host pages dropped
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, pool: PagePool, kv: KVCache, clock: Callable[[], float] = time.monotonic
+    ) -> RadixCache:
+        """The engine's cache. The host tier belongs to the session policy; lru mirrors general engines."""
+        host = HostTier.sized(kv, config.host_cache_gb) if config.cache_policy == "session" else None
+        return cls(pool, kv, SessionTable.from_config(config, clock), host, config.cache_policy)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.sessions.clock
+
+    # ---- lookup and insert ----
+
+    def match(self, tokens: Sequence[int], session: str | None = None) -> Match:
+        """The longest cached page-aligned prefix, its GPU pages incref'd for the caller (host parts promoted)."""
+        if self.policy == "none":
+            return Match([], 0, session=session)
+        toks = tuple(tokens[: len(tokens) // self.ps * self.ps])
+        path: list[Node] = []
+        node, i = self.root, 0
+        while i < len(toks):
+            child = node.children.get(toks[i : i + self.ps])
+            if child is None:
+                break
+            m = self._common(child.key, toks, i)
+            full = m == len(child.key)
+            if not full:
+                child = self._split(child, m)
+            path.append(child)
+            node, i = child, i + m
+            if not full:
+                break
+        n_gpu = next((j for j, n in enumerate(path) if n.tier is Tier.HOST), len(path))
+        pages = [p for n in path[:n_gpu] for p in n.pages]
+        self.pool.incref(pages)
+        host_nodes = path[n_gpu:]
+        host_tokens = 0
+        if host_nodes:
+            assert self.host is not None
+            self.host.pool.incref([p for n in host_nodes for p in n.pages])  # no host eviction under us
+            for j, n in enumerate(host_nodes):
+                if not self._promote(n):
+                    self.host.pool.decref([p for m in host_nodes[j:] for p in m.pages])
+                    path = path[: n_gpu + j]
+                    break
+                pages += n.pages
+                host_tokens += len(n.key)
+        num_tokens = len(pages) * self.ps
+        last = path[-1] if path else None
+        sid = session if session is not None else self.sessions.infer_session(last, num_tokens)
+        now = self.clock()
+        if path and sid is not None:
+            self._tag(path, sid)
+            self._lease_refreshed(sid)
+        for n in path:
+            n.last_access = now
+            self._push_candidate(n)
+        return Match(pages, num_tokens, host_tokens, last, sid)
+
+    def insert(self, tokens: Sequence[int], pages: list[int], session: str | None = None) -> None:
+        """Cache tokens[:n * page_size] on pages[:n], n = len(tokens) // page_size; pages[n:] stay the
+        caller's. Consumes the caller's reference on pages[:n]. Grants / refreshes the session's lease."""
+        n = len(tokens) // self.ps
+        if len(pages) < n:
+            raise ValueError(f"{n} full pages of tokens but only {len(pages)} pages")
+        pages = pages[:n]
+        if self.policy == "none":
+            self.pool.decref(pages)
+            return
+        toks = tuple(tokens[: n * self.ps])
+        now = self.clock()
+        path: list[Node] = []
+        node, i = self.root, 0
+        while i < len(toks):
+            pi = i // self.ps
+            child = node.children.get(toks[i : i + self.ps])
+            if child is None:
+                child = Node(toks[i:], list(pages[pi:]), Tier.GPU, node, i)
+                node.children[toks[i : i + self.ps]] = child
+                self.gpu_pages += len(child.pages)
+                path.append(child)
+                break
+            m = self._common(child.key, toks, i)
+            if m < len(child.key):
+                child = self._split(child, m)
+            mine = pages[pi : pi + m // self.ps]
+            if child.tier is Tier.GPU:
+                self.pool.decref(mine)  # the tree has these tokens: drop the caller's (duplicate) reference
+            else:
+                # The tree kept these on host; the caller's fresh GPU pages are better than a copy back.
+                assert self.host is not None
+                self.host.pool.decref(child.pages)
+                self.host_pages -= len(child.pages)
+                self.gpu_pages += len(mine)
+                child.pages, child.tier = list(mine), Tier.GPU
+                child.version += 1
+            path.append(child)
+            node, i = child, i + m
+        if session is not None:
+            self._tag(path, session)
+            self.sessions.record_history(session, toks, self.ps)
+            self._lease_refreshed(session)
+        for nd in path:
+            nd.last_access = now
+            self._push_candidate(nd)
+        if session is not None:
+            self._enforce_cap()
+
+    def release(self, pages: list[int]) -> None:
+        """Drop the caller's references on matched pages it will not insert (abort)."""
+        self.pool.decref(pages)
+
+    def end_turn(self, session: str) -> None:
+        """A session's turn is done: its lease runs a fresh TTL and its eviction keys move with it."""
+        self.sessions.end_turn(session)
+        self._lease_refreshed(session)
+        self._repush_session(session)
+        self._enforce_cap()
+
+    # ---- eviction, demotion, promotion ----
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least num_pages GPU pages if possible (demoting to host where it has room). Returns the
+        number of GPU pages freed."""
+        if num_pages <= 0:
+            return 0
+        now = self.clock()
+        self._expire_leases(now)
+        freed = 0
+        held: list[Node] = []
+        while freed < num_pages and self._gpu_heap:
+            key, _, version, n = heapq.heappop(self._gpu_heap)
+            if not self._valid(n, version, Tier.GPU) or not self._is_gpu_leaf(n):
+                continue
+            if self._locked(n):
+                held.append(n)
+                continue
+            cur = self._gpu_key(n, now)
+            if cur > key and self._gpu_heap and cur > self._gpu_heap[0][0]:
+                self._push(n, self._gpu_heap, cur)
+                continue
+            freed += self._evict_gpu_node(n)
+        for n in held:
+            self._push_candidate(n)
+        return freed
+
+    def _evict_gpu_node(self, n: Node) -> int:
+        k = len(n.pages)
+        parent = n.parent
+        assert parent is not None
+        if self.host is not None and self._make_host_room(k):
+            assert self.kv is not None
+            host_pages = self.host.pool.alloc(k)
+            copy_pages(self.kv, n.pages, self.host.kv, host_pages)
+            self.pool.decref(n.pages)
+            n.pages, n.tier = host_pages, Tier.HOST
+            self.gpu_pages -= k
+            self.host_pages += k
+            self.demotions += k
+            n.version += 1  # its GPU heap entries are stale now
+            self._push_candidate(n)
+        else:
+            self._drop_subtree(n)
+            self.evictions += k
+        self._push_candidate(parent)
+        return k
+
+    def _make_host_room(self, k: int) -> bool:
+        assert self.host is not None
+        hp = self.host.pool
+        if k > hp.capacity:
+            return False
+        if hp.num_free < k:
+            self._evict_host(k - hp.num_free)
+        return hp.num_free >= k
+
+    def _evict_host(self, num_pages: int) -> int:
+        """Drop host leaves, least recently used first (the host tier is the last stop before recompute)."""
+        freed = 0
+        held: list[Node] = []
+        while freed < num_pages and self._host_heap:
+            _, _, version, n = heapq.heappop(self._host_heap)
+            if not self._valid(n, version, Tier.HOST) or n.children:
+                continue
+            if self._locked(n):
+                held.append(n)
+                continue
+            parent = n.parent
+            assert parent is not None
+            freed += len(n.pages)
+            self.host_evictions += len(n.pages)
+            self._remove_node(n)
+            self._push_candidate(parent)
+        for n in held:
+            self._push_candidate(n)
+        return freed
+
+    def _promote(self, n: Node) -> bool:
+        """Copy a host node (carrying the caller's lock) back to fresh GPU pages, one extra ref for the caller."""
+        assert self.host is not None and self.kv is not None
+        k = len(n.pages)
+        if self.pool.num_free < k:
+            self.evict(k - self.pool.num_free)
+        if self.pool.num_free < k:
+            return False
+        gpu = self.pool.alloc(k)
+        copy_pages(self.host.kv, n.pages, self.kv, gpu)
+        pass
+        self.host.pool.decref(n.pages + n.pages)  # the caller's lock and the tree's reference
+        n.pages, n.tier = gpu, Tier.GPU
+        n.version += 1
+        self.gpu_pages += k
+        self.host_pages -= k
+        self.promotions += k
+        return True
+
+    def demote(self, num_pages: int) -> int:
+        """Move at least num_pages of unlocked GPU leaves to host now (e.g. ahead of a burst). Returns pages
+        moved; 0 without a host tier."""
+        if self.host is None:
+            return 0
+        before = self.demotions
+        self.evict(num_pages)
+        return self.demotions - before
+
+    def drop_session(self, session: str) -> int:
+        """Forget a session: untag its nodes and free those no other session uses and no request holds.
+        Returns pages freed (both tiers)."""
+        nodes = self._session_nodes.pop(session, set())
+        for n in nodes:
+            n.sessions.discard(session)
+        self.sessions.remove(session)
+        freed = 0
+        for n in sorted(nodes, key=lambda n: n.start, reverse=True):  # children before parents
+            if not n.alive or n.sessions or n.children or self._locked(n):
+                continue
+            parent = n.parent
+            assert parent is not None
+            freed += len(n.pages)
+            self._remove_node(n)
+            self._push_candidate(parent)
+        return freed
+
+    # ---- leases ----
+
+    def _lease_refreshed(self, sid: str) -> None:
+        heapq.heappush(self._lease_heap, (self.sessions.refresh(sid), sid))
+
+    def _expire_leases(self, now: float) -> None:
+        """Leases that ran out since the last call: their leaves drop from class 2 to 1 (keys shrink)."""
+        while self._lease_heap and self._lease_heap[0][0] <= now:
+            expiry, sid = heapq.heappop(self._lease_heap)
+            s = self.sessions.get(sid)
+            if s is not None and s.lease_expiry == expiry:
+                self._repush_session(sid)
+
+    def _leased(self) -> tuple[list[Session], dict[Node, int], int]:
+        live = self.sessions.live() if self.policy == "session" else []
+        count: dict[Node, int] = {}
+        total = 0
+        for s in live:
+            for n in self._session_nodes.get(s.id, ()):
+                if n.tier is Tier.GPU:
+                    c = count.get(n, 0)
+                    if c == 0:
+                        total += len(n.pages)
+                    count[n] = c + 1
+        return live, count, total
+
+    def _enforce_cap(self) -> None:
+        """Leased GPU pages at most max_share of the pool: break the oldest leases first."""
+        live, count, total = self._leased()
+        cap = self.sessions.max_share * self.pool.capacity
+        for s in sessions_by_lease_age(live):
+            if total <= cap:
+                break
+            self.sessions.release_lease(s.id)
+            for n in self._session_nodes.get(s.id, ()):
+                if n in count:
+                    count[n] -= 1
+                    if count[n] == 0:
+                        total -= len(n.pages)
+            self._repush_session(s.id)
+
+    def _gpu_key(self, n: Node, now: float) -> tuple[int, float]:
+        best = (0, n.last_access)
+        if self.policy != "session":
+            return best
+        for sid in n.sessions:
+            s = self.sessions.get(sid)
+            if s is None:
+                continue
+            state = s.lease_state(now)
+            if state is LeaseState.LIVE:
+                key = (2, self._saving_rate(n, s, now))
+            elif state is LeaseState.EXPIRED:
+                assert s.lease_expiry is not None
+                key = (1, s.lease_expiry)
+            else:
+                continue
+            best = max(best, key)
+        return best
+
+    def _saving_rate(self, n: Node, s: Session, now: float) -> float:
+        tokens = len(n.key)
+        cost = tokens * (1.0 + (n.start + tokens / 2) / ATTN_TOKENS)
+        back = (
+            s.last_turn_end if s.last_turn_end is not None else s.last_active
+        ) + self.sessions.expected_gap(s)
+        return cost / (len(n.pages) * max(back - now, MIN_WAIT_S))
+
+    # ---- tree mechanics ----
+
+    def _common(self, key: tuple[int, ...], toks: tuple[int, ...], i: int) -> int:
+        """Whole pages (in tokens) on which key and toks[i:] agree."""
+        n = min(len(key), len(toks) - i)
+        if key[:n] == toks[i : i + n]:
+            return n // self.ps * self.ps
+        j = next(j for j in range(n) if key[j] != toks[i + j])
+        return j // self.ps * self.ps
+
+    def _split(self, n: Node, m: int) -> Node:
+        """Cut n after m tokens (page-aligned, 0 < m < len); returns the new prefix node (n keeps the rest)."""
+        k = m // self.ps
+        parent = n.parent
+        assert parent is not None and 0 < m < len(n.key) and m % self.ps == 0
+        pre = Node(n.key[:m], n.pages[:k], n.tier, parent, n.start)
+        pre.sessions = set(n.sessions)
+        pre.last_access = n.last_access
+        parent.children[n.key[: self.ps]] = pre
+        n.key, n.pages, n.start, n.parent = n.key[m:], n.pages[k:], n.start + m, pre
+        pre.children[n.key[: self.ps]] = n
+        for sid in pre.sessions:
+            self._session_nodes[sid].add(pre)
+        return pre
+
+    def _tag(self, path: list[Node], sid: str) -> None:
+        self.sessions.get_or_create(sid)
+        nodes = self._session_nodes.setdefault(sid, set())
+        for n in path:
+            n.sessions.add(sid)
+            nodes.add(n)
+
+    def _remove_node(self, n: Node) -> None:
+        if self._locked(n):
+            raise RuntimeError("removing a node a request still holds")
+        parent = n.parent
+        assert parent is not None
+        del parent.children[n.key[: self.ps]]
+        if n.tier is Tier.GPU:
+            self.pool.decref(n.pages)
+            self.gpu_pages -= len(n.pages)
+        else:
+            assert self.host is not None
+            self.host.pool.decref(n.pages)
+            self.host_pages -= len(n.pages)
+        for sid in n.sessions:
+            self._session_nodes[sid].discard(n)
+        n.alive = False
+        n.version += 1
+
+    def _drop_subtree(self, n: Node) -> None:
+        for child in list(n.children.values()):
+            self._drop_subtree(child)
+            self.host_evictions += len(child.pages) if child.tier is Tier.HOST else 0
+        self._remove_node(n)
+
+    def _locked(self, n: Node) -> bool:
+        if n.tier is Tier.GPU:
+            rc = self.pool.refcount
+        else:
+            assert self.host is not None
+            rc = self.host.pool.refcount
+        return any(rc[p] > 1 for p in n.pages)
+
+    def _is_gpu_leaf(self, n: Node) -> bool:
+        return n.tier is Tier.GPU and all(c.tier is Tier.HOST for c in n.children.values())
+
+    @staticmethod
+    def _valid(n: Node, version: int, tier: Tier) -> bool:
+        return n.alive and n.version == version and n.tier is tier
+
+    def _push(self, n: Node, heap: list[_Entry], key: tuple[int, float]) -> None:
+        n.version += 1
+        heapq.heappush(heap, (key, next(self._seq), n.version, n))
+
+    def _push_candidate(self, n: Node) -> None:
+        """(Re)enter n in the heap of its tier if it is a leaf there; stale entries die by version."""
+        if n is self.root or not n.alive:
+            return
+        if self._is_gpu_leaf(n):
+            self._push(n, self._gpu_heap, self._gpu_key(n, self.clock()))
+        elif n.tier is Tier.HOST and not n.children:
+            self._push(n, self._host_heap, (0, n.last_access))
+
+    def _repush_session(self, sid: str) -> None:
+        for n in self._session_nodes.get(sid, ()):
+            self._push_candidate(n)
+
+    # ---- counters and checks ----
+
+    def stats(self) -> dict[str, int | str]:
+        _, _, leased = self._leased()
+        return {
+            "policy": self.policy,
+            "gpu_pages": self.gpu_pages,
+            "host_pages": self.host_pages,
+            "host_capacity_pages": self.host.pool.capacity if self.host is not None else 0,
+            "leased_pages": leased,
+            "evictions": self.evictions,
+            "demotions": self.demotions,
+            "promotions": self.promotions,
+            "host_evictions": self.host_evictions,
+            "sessions": len(self.sessions),
+            "live_leases": len(self.sessions.live()),
+        }
+
+    def check_integrity(self, running_refs: Counter[int] | None = None) -> None:
+        """Pools consistent; every GPU page's refcount == (1 if the tree owns it) + running_refs[page]
+        (only >= 1 for owned pages when running_refs is None); host pages exactly 1 if owned else 0; tree
+        shape, tags, counters and heap coverage consistent."""
+        self.pool.check_integrity()
+        if self.host is not None:
+            self.host.pool.check_integrity()
+        owned_gpu: set[int] = set()
+        owned_host: set[int] = set()
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            parent = n.parent
+            assert parent is not None and n.alive, "a detached node in the tree"
+            assert parent.children.get(n.key[: self.ps]) is n, (
+                "child keyed by something else than its first page"
+            )
+            assert n.pages and len(n.key) == len(n.pages) * self.ps, "key and pages disagree"
+            assert n.start == parent.start + len(parent.key), "start offset wrong"
+            assert n.tier is Tier.HOST or parent.tier is Tier.GPU, "a GPU node under a host node"
+            assert parent is self.root or n.sessions <= parent.sessions, "child tagged beyond its parent"
+            for sid in n.sessions:
+                assert n in self._session_nodes.get(sid, ()), f"node tagged {sid} missing from its set"
+            owned = owned_gpu if n.tier is Tier.GPU else owned_host
+            for p in n.pages:
+                assert p not in owned, f"page {p} owned twice"
+                owned.add(p)
+            heap, tier = (self._gpu_heap, Tier.GPU) if self._is_gpu_leaf(n) else (self._host_heap, Tier.HOST)
+            if heap is self._gpu_heap or not n.children:
+                assert any(e[3] is n and self._valid(n, e[2], tier) for e in heap), (
+                    "a leaf missing from its heap"
+                )
+            stack.extend(n.children.values())
+        for sid, nodes in self._session_nodes.items():
+            for n in nodes:
+                assert n.alive and sid in n.sessions, f"session {sid} lists a dead or untagged node"
+        assert self.gpu_pages == len(owned_gpu) and self.host_pages == len(owned_host), "page counters off"
+        refs = running_refs if running_refs is not None else Counter()
+        for p in range(1, self.pool.num_pages):
+            rc = self.pool.refcount[p]
+            if running_refs is None:
+                assert p not in owned_gpu or rc >= 1, f"tree page {p} is free"
+            else:
+                want = (p in owned_gpu) + refs[p]
+                assert rc == want, f"GPU page {p}: refcount {rc}, expected {want}"
+        if self.host is not None:
+            for p in range(1, self.host.pool.num_pages):
+                rc, want = self.host.pool.refcount[p], int(p in owned_host)
+                assert rc == want, f"host page {p}: refcount {rc}, expected {want}"

@@ -1,0 +1,92 @@
+"""Turns one logits row per sampling request into a token: penalties, temperature, top-k/top-p/min-p,
+then a draw from the request's own generator when it has a seed (so a seeded output does not depend on
+what else is in the batch), plus logprobs of the raw distribution when asked."""
+
+from __future__ import annotations
+
+import torch
+
+from agentbox.engine.messages import TokenLogprob
+from agentbox.engine.request import Request
+
+
+def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
+    vocab = logits.shape[-1]
+    for i, r in enumerate(reqs):
+        s = r.sampling
+        if s.repetition_penalty != 1.0:
+            # HF semantics: over prompt and output; shrink positive logits, grow negative ones.
+            seen = torch.tensor(sorted({t for t in r.all_token_ids if t < vocab}), dtype=torch.long, device=logits.device)
+            if seen.numel():
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty)
+        if (s.presence_penalty or s.frequency_penalty) and r.output_token_ids:
+            # OpenAI semantics: over generated tokens only.
+            out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+            counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device).scatter_add_(
+                0, out.clamp(max=vocab - 1), torch.ones_like(out, dtype=logits.dtype)
+            )
+            logits[i] -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks, vectorised over the batch."""
+    dev = logits.device
+    temps = torch.tensor([max(r.sampling.temperature, 1e-5) for r in reqs], device=dev).unsqueeze(1)
+    logits = logits / temps
+    top_k = [r.sampling.top_k for r in reqs]
+    top_p = [r.sampling.top_p for r in reqs]
+    min_p = [r.sampling.min_p for r in reqs]
+    vocab = logits.shape[-1]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev).unsqueeze(1)
+        ranks = torch.arange(vocab, device=dev).unsqueeze(0)
+        drop = ranks >= ks
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep the smallest set whose mass reaches top_p: drop a token when the mass before it already does.
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop |= mass_before >= torch.tensor(top_p, device=dev).unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, idx, sorted_logits)
+    if any(p > 0 for p in min_p):
+        probs = logits.softmax(dim=-1)
+        thresh = torch.tensor(min_p, device=dev).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: float32 [B, V], one row per request in `reqs`. Returns token ids and logprobs entries."""
+    raw = logits
+    logits = logits.clone()
+    if any(
+        r.sampling.repetition_penalty != 1.0 or r.sampling.presence_penalty or r.sampling.frequency_penalty
+        for r in reqs
+    ):
+        _apply_penalties(logits, reqs)
+    greedy_rows = [i for i, r in enumerate(reqs) if r.sampling.greedy]
+    tokens = [0] * len(reqs)
+    if greedy_rows:
+        best = logits[greedy_rows].argmax(dim=-1).tolist()
+        for i, t in zip(greedy_rows, best, strict=True):
+            tokens[i] = t
+    random_rows = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
+    if random_rows:
+        sub = [reqs[i] for i in random_rows]
+        probs = _filter(logits[random_rows], sub).softmax(dim=-1).cpu()
+        for j, i in enumerate(random_rows):
+            tokens[i] = int(torch.multinomial(probs[j], 1, generator=reqs[i].generator()).item())
+    lps: list[TokenLogprob | None] = [None] * len(reqs)
+    want = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
+    if want:
+        logp = raw[want].float().log_softmax(dim=-1)
+        for j, i in enumerate(want):
+            n = reqs[i].sampling.logprobs or 0
+            top: list[tuple[int, float]] = []
+            if n:
+                v, ix = logp[j].topk(n)
+                top = list(zip(ix.tolist(), v.tolist(), strict=True))
+            lps[i] = TokenLogprob(tokens[i], float(logp[j, tokens[i]]), top)
+    return tokens, lps

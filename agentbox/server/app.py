@@ -1,0 +1,111 @@
+"""The FastAPI app: lifespan starts the engine core process and loads the tokenizer; routes live in their
+own modules. This process never runs the model."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import agentbox
+from agentbox.config import ServerConfig
+from agentbox.engine.client import EngineClient
+from agentbox.server import openai_routes
+from agentbox.server.errors import (
+    APIError,
+    api_error_handler,
+    error_body,
+    http_error_handler,
+    validation_error_handler,
+)
+from agentbox.server.generation import ServerState
+
+log = logging.getLogger("agentbox.server")
+
+
+def served_name(config: ServerConfig) -> str:
+    if config.served_model_name:
+        return config.served_model_name
+    p = Path(config.engine.model)
+    name = p.stem if p.suffix == ".gguf" else p.name
+    return name or "model"
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from agentbox.models.loader import load_tokenizer, resolve_model
+
+        engine = EngineClient(config.engine)
+        # Model (engine process) and tokenizer (here) load at the same time.
+        info_task = asyncio.to_thread(engine.start)
+        tok_task = asyncio.to_thread(load_tokenizer, resolve_model(config.engine.model))
+        info, tokenizer = await asyncio.gather(info_task, tok_task)
+        engine.attach_loop(asyncio.get_running_loop())
+        app.state.agentbox = ServerState(config, engine, tokenizer, info, served_name(config))
+        log.info("serving %s on http://%s:%d (engine pid %s)", served_name(config), config.host, config.port, engine.pid)
+        try:
+            yield
+        finally:
+            engine.shutdown()
+
+    app = FastAPI(title="agentbox", version=agentbox.__version__, lifespan=lifespan)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+
+    if config.api_key:
+        @app.middleware("http")
+        async def auth(request: Request, call_next: Any) -> Any:
+            if request.url.path in ("/health", "/version"):
+                return await call_next(request)
+            bearer = request.headers.get("authorization", "")
+            key = request.headers.get("x-api-key") or (bearer[7:] if bearer.lower().startswith("bearer ") else None)
+            if key != config.api_key:
+                return JSONResponse(error_body("invalid API key", "authentication_error"), 401)
+            return await call_next(request)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        state: ServerState = request.app.state.agentbox
+        if state.engine.dead:
+            return JSONResponse({"status": "error", "error": state.engine.dead}, 503)
+        return JSONResponse({"status": "ok", "model": state.model_name})
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": agentbox.__version__}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        state: ServerState = request.app.state.agentbox
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "agentbox",
+            "max_model_len": state.info.max_model_len,
+        }]}
+
+    @app.get("/v1/stats")
+    async def stats(request: Request) -> dict:
+        state: ServerState = request.app.state.agentbox
+        s = await state.engine.stats()
+        return {**s, "model": state.model_name, "engine": vars(state.info), "pid": os.getpid(),
+                "engine_pid": state.engine.pid, "server_uptime_s": time.time() - state.started}
+
+    app.include_router(openai_routes.router)
+    return app
+
+
+def run_server(config: ServerConfig) -> None:
+    import uvicorn
+
+    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)

@@ -1,0 +1,107 @@
+"""One generation as the HTTP routes see it: token ids in, text deltas out, with stop strings applied and
+usage counted from the engine's real counters. Shared by every API dialect."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentbox.config import ServerConfig
+from agentbox.engine.client import EngineClient
+from agentbox.engine.messages import EngineReady, TokenLogprob
+from agentbox.engine.sampling import SamplingParams
+from agentbox.server.detok import Detokenizer, StopChecker
+from agentbox.server.errors import APIError
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    host_cached_tokens: int = 0
+
+    def openai(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass
+class GenEvent:
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    engine: EngineClient
+    tokenizer: Any
+    info: EngineReady
+    model_name: str
+    started: float = field(default_factory=time.time)
+
+    def check_model(self, name: str) -> None:
+        if name not in (self.model_name, self.info.model_name):
+            raise APIError(
+                400, f"model '{name}' is not served here; this server serves '{self.model_name}'",
+                param="model", code="model_not_found",
+            )
+
+    def check_prompt(self, n: int, param: str) -> None:
+        if n >= self.info.max_model_len:
+            raise APIError(
+                400,
+                f"the prompt is {n} tokens long but this server's context is {self.info.max_model_len} tokens",
+                param=param, code="context_length_exceeded",
+            )
+
+    def clamp_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        room = self.info.max_model_len - prompt_len
+        return max(1, min(requested or room, room))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+async def generate(
+    state: ServerState, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None,
+    request_id: str | None = None,
+) -> AsyncIterator[GenEvent]:
+    """Yields text deltas; the last event has finished=True. Abandoning the iterator aborts the request."""
+    rid = request_id or new_id("req")
+    detok = Detokenizer(state.tokenizer, prompt_ids)
+    stops = StopChecker(sampling.stop)
+    usage = Usage(prompt_tokens=len(prompt_ids))
+    stream = state.engine.generate(rid, prompt_ids, sampling, session_id)
+    async with contextlib.aclosing(stream):
+        async for o in stream:
+            if o.error and o.finish_reason == "error":
+                raise APIError(400 if "prompt" in o.error else 500, o.error, code="engine_error",
+                               type_="invalid_request_error" if "prompt" in o.error else "server_error")
+            usage.completion_tokens += len(o.new_token_ids)
+            usage.cached_tokens = o.num_cached_tokens
+            usage.host_cached_tokens = o.num_host_cached_tokens
+            text = stops.feed(detok.add(o.new_token_ids))
+            finished, reason = o.finished, o.finish_reason
+            if stops.stopped and not finished:
+                finished, reason = True, "stop"  # closing the stream below aborts the engine request
+            if finished:
+                if not stops.stopped:
+                    text += stops.feed(detok.flush()) + stops.flush()
+                yield GenEvent(text, o.new_token_ids, o.logprobs, True, reason, usage)
+                return
+            yield GenEvent(text, o.new_token_ids, o.logprobs, usage=usage)

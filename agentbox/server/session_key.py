@@ -1,0 +1,33 @@
+"""Which agent session a request belongs to, from what the client sends (inference from the cached
+prefix happens in the engine when none is given)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+_CLAUDE_USER_ID = re.compile(r"_session_([0-9a-fA-F-]{8,})")
+
+
+def session_key(headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
+    """Order: X-Session-Id header, `session_id` body field, X-Claude-Code-Session-Id header, Anthropic
+    `metadata.user_id` (the `..._session_<uuid>` string, or a JSON string carrying `session_id`)."""
+    if v := headers.get("x-session-id"):
+        return v
+    if isinstance(v := body.get("session_id"), str) and v:
+        return v
+    if v := headers.get("x-claude-code-session-id"):
+        return v
+    meta = body.get("metadata")
+    if isinstance(meta, dict) and isinstance(uid := meta.get("user_id"), str) and uid:
+        if m := _CLAUDE_USER_ID.search(uid):
+            return m.group(1)
+        try:
+            parsed = json.loads(uid)
+        except ValueError:
+            return None
+        if isinstance(parsed, dict) and isinstance(sid := parsed.get("session_id"), str) and sid:
+            return sid
+    return None
