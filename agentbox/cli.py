@@ -214,13 +214,15 @@ def plan_cmd(
     from agentbox.hw.probe import Probe, probe
 
     try:
-        profiles = [find_profile(model)] if model else default_profiles()[:1]
+        profiles = [find_profile(model)] if model else default_profiles()
     except ProfileError as exc:
         _fail(str(exc))
     if not profiles:
         _fail("no model given and no profile has a default_rank")
     machine = Probe.load(hardware) if hardware else probe()
-    result = plan(profiles[0], machine, replace(_P, context=context, sessions=sessions))
+    cfg = replace(_P, context=context, sessions=sessions)
+    plans = [plan(prof, machine, cfg) for prof in profiles]  # no MODEL: the first default that runs here
+    result = next((p for p in plans if p.chosen is not None), plans[0])
     if json_out:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
@@ -304,6 +306,48 @@ def doctor_cmd(
 
 # ---- clients: setup / launch / check (clients + chat) ----
 
+
+@app.command("setup")
+def setup_cmd(
+    client: str = typer.Argument(..., help="claude-code | codex | opencode | aider | env"),
+    url: str | None = typer.Option(None, "--url", help="server root (default: the running server, else http://127.0.0.1:8000)"),  # noqa: UP007
+    model: str | None = typer.Option(None, "--model", help="model name (default: the running server's)"),  # noqa: UP007
+    context: int | None = typer.Option(None, "--context", help="context limit told to opencode (default: the server's)"),  # noqa: UP007
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the change as a diff, write nothing"),
+    undo: bool = typer.Option(False, "--undo", help="restore the config file from the latest backup"),
+) -> None:
+    """Point a coding client at the local server (merges into its config, backs it up first)."""
+    from agentbox.clients import SETUP_CLIENTS, ClientError, resolve_endpoint, setup_client
+
+    if client not in SETUP_CLIENTS:
+        _fail(f"unknown client {client!r}; choose from {', '.join(SETUP_CLIENTS)}")
+    try:
+        endpoint = resolve_endpoint(url, model, context=context, require_model=not undo)
+        lines = setup_client(client, endpoint, dry_run=dry_run, undo=undo)
+    except ClientError as exc:
+        _fail(str(exc))
+    for line in lines:
+        typer.echo(line)
+
+
+@app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def launch_cmd(
+    ctx: typer.Context,
+    client: str = typer.Argument(..., help="claude | codex | opencode (extra arguments go to the client)"),
+    url: str | None = typer.Option(None, "--url", help="server root (default: the running server)"),  # noqa: UP007
+    model: str | None = typer.Option(None, "--model", help="model name (default: the running server's)"),  # noqa: UP007
+) -> None:
+    """Run a coding client with its environment pointed at the local server; writes no file."""
+    from agentbox.clients import LAUNCH_CLIENTS, ClientError, launch_client, resolve_endpoint
+
+    if client not in LAUNCH_CLIENTS:
+        _fail(f"unknown client {client!r}; choose from {', '.join(LAUNCH_CLIENTS)}")
+    try:
+        launch_client(client, resolve_endpoint(url, model), list(ctx.args))
+    except ClientError as exc:
+        _fail(str(exc))
+
+
 # ---- bench ----
 
 bench_app = typer.Typer(help="Benchmarks: agent trace replay, throughput, cache.", no_args_is_help=True)
@@ -384,8 +428,13 @@ def bench_replay(
     if spawn:
         if not model:
             raise typer.BadParameter("--spawn needs --model")
+        from agentbox.config import CACHE_POLICIES
+
+        wanted = [p.strip() for p in policies.split(",") if p.strip()]
+        if not wanted or any(p not in CACHE_POLICIES for p in wanted):
+            raise typer.BadParameter(f"--policies: a comma-separated subset of {', '.join(CACHE_POLICIES)}")
         extra = [*(["--num-pages", str(num_pages)] if num_pages else []), *(serve_arg or [])]
-        targets += [spawning.agentbox_target(model, p.strip(), extra) for p in policies.split(",") if p.strip()]
+        targets += [spawning.agentbox_target(model, p, extra) for p in wanted]
     if llamacpp:
         targets.append(spawning.llamacpp_target(llamacpp, llamacpp_ctx))
     if not targets:

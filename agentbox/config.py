@@ -36,6 +36,7 @@ class EngineConfig:
     attention: str = "auto"
     tensor_parallel_size: int = 1
     seed: int = 0
+    cpu_threads: int | None = None  # None: all cores but one (the API process and the OS keep one)
     cache_policy: str = "session"
     host_cache_gb: float | None = None  # None: a share of free RAM
     lease_default_ttl_s: float = 10.0  # TTL of a session lease before its gaps are measured

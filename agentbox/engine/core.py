@@ -128,6 +128,7 @@ class EngineCore:
         if not out.seqs:
             return results
         tokens, lps = self.runner.execute(out)
+        self.counters["preemptions"] = self.scheduler.num_preemptions
         self.counters["steps"] += 1
         self.counters["computed_tokens"] += out.num_tokens
         sampled = iter(zip(tokens, lps, strict=True))

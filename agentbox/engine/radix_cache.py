@@ -303,10 +303,10 @@ class RadixCache:
         if k > hp.capacity:
             return False
         if hp.num_free < k:
-            self._evict_host(k - hp.num_free)
+            self.evict_host(k - hp.num_free)
         return hp.num_free >= k
 
-    def _evict_host(self, num_pages: int) -> int:
+    def evict_host(self, num_pages: int) -> int:
         """Drop host leaves, least recently used first (the host tier is the last stop before recompute)."""
         freed = 0
         held: list[Node] = []
@@ -337,7 +337,7 @@ class RadixCache:
             return False
         gpu = self.pool.alloc(k)
         copy_pages(self.host.kv, n.pages, self.kv, gpu)
-        pass
+        self.pool.incref(gpu)
         self.host.pool.decref(n.pages + n.pages)  # the caller's lock and the tree's reference
         n.pages, n.tier = gpu, Tier.GPU
         n.version += 1
@@ -377,6 +377,10 @@ class RadixCache:
 
     def _lease_refreshed(self, sid: str) -> None:
         heapq.heappush(self._lease_heap, (self.sessions.refresh(sid), sid))
+        if len(self._lease_heap) > 4 * len(self.sessions) + 64:
+            current = {(s.lease_expiry, s.id) for s in self.sessions if s.lease_expiry is not None}
+            self._lease_heap = [e for e in self._lease_heap if e in current]
+            heapq.heapify(self._lease_heap)
 
     def _expire_leases(self, now: float) -> None:
         """Leases that ran out since the last call: their leaves drop from class 2 to 1 (keys shrink)."""
@@ -515,6 +519,11 @@ class RadixCache:
     def _push(self, n: Node, heap: list[_Entry], key: tuple[int, float]) -> None:
         n.version += 1
         heapq.heappush(heap, (key, next(self._seq), n.version, n))
+        if len(heap) > 4 * (self.gpu_pages + self.host_pages) + 64:
+            # Stale entries pile up when nothing is evicted for a while: drop them (amortized O(1)).
+            tier = Tier.GPU if heap is self._gpu_heap else Tier.HOST
+            heap[:] = [e for e in heap if self._valid(e[3], e[2], tier)]
+            heapq.heapify(heap)
 
     def _push_candidate(self, n: Node) -> None:
         """(Re)enter n in the heap of its tier if it is a leaf there; stale entries die by version."""
@@ -547,6 +556,13 @@ class RadixCache:
             "live_leases": len(self.sessions.live()),
         }
 
+    def session_pages(self, session: str) -> dict[str, int]:
+        """Resident pages on each tier of the nodes this session's sequences pass through (shared ones too)."""
+        out = {Tier.GPU.value: 0, Tier.HOST.value: 0}
+        for n in self._session_nodes.get(session, ()):
+            out[n.tier.value] += len(n.pages)
+        return out
+
     def check_integrity(self, running_refs: Counter[int] | None = None) -> None:
         """Pools consistent; every GPU page's refcount == (1 if the tree owns it) + running_refs[page]
         (only >= 1 for owned pages when running_refs is None); host pages exactly 1 if owned else 0; tree
@@ -556,6 +572,8 @@ class RadixCache:
             self.host.pool.check_integrity()
         owned_gpu: set[int] = set()
         owned_host: set[int] = set()
+        in_heap = {id(e[3]) for e in self._gpu_heap if self._valid(e[3], e[2], Tier.GPU)}
+        in_heap |= {id(e[3]) for e in self._host_heap if self._valid(e[3], e[2], Tier.HOST)}
         stack = list(self.root.children.values())
         while stack:
             n = stack.pop()
@@ -574,11 +592,8 @@ class RadixCache:
             for p in n.pages:
                 assert p not in owned, f"page {p} owned twice"
                 owned.add(p)
-            heap, tier = (self._gpu_heap, Tier.GPU) if self._is_gpu_leaf(n) else (self._host_heap, Tier.HOST)
-            if heap is self._gpu_heap or not n.children:
-                assert any(e[3] is n and self._valid(n, e[2], tier) for e in heap), (
-                    "a leaf missing from its heap"
-                )
+            if self._is_gpu_leaf(n) or (n.tier is Tier.HOST and not n.children):
+                assert id(n) in in_heap, "a leaf missing from its heap"
             stack.extend(n.children.values())
         for sid, nodes in self._session_nodes.items():
             for n in nodes:

@@ -49,6 +49,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
 
     # ---- lifecycle ----
 
@@ -109,6 +110,7 @@ class Scheduler:
         self._release_pages(victim)
         victim.status = Status.WAITING
         victim.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
     def _admit(self, req: Request) -> None:

@@ -1,0 +1,180 @@
+"""Targets of a comparison: external servers by URL, agentbox started once per cache policy, llama.cpp.
+
+A spawned server gets a free loopback port, its output goes to a log file under the output folder, and it
+is stopped (SIGTERM, then SIGKILL) when its replay ends, whatever happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from agentbox.bench.replay import ReplayOptions, ReplayResult, replay_sync
+from agentbox.bench.stats import RunStats, TurnRecord, summarize
+from agentbox.bench.trace import Session
+
+READY_TIMEOUT_S = 600.0  # loading a model on CPU, or compiling kernels on first GPU start
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    url: str | None = None  # an external server: replayed as is
+    command: list[str] | None = None  # a server to start: `{port}` in an argument is replaced
+    ready_paths: tuple[str, ...] = ("/health", "/v1/models")
+    note: str | None = None  # why a target was skipped (command and url both None)
+    meta: dict[str, str] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def agentbox_target(model: str, policy: str, serve_args: list[str]) -> Target:
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentbox.cli",
+        "serve",
+        "--foreground",
+        "--port",
+        "{port}",
+        "--model",
+        model,
+        "--cache-policy",
+        policy,
+        *serve_args,
+    ]
+    return Target(
+        name=f"agentbox-{policy}", command=cmd, ready_paths=("/health",), meta={"cache_policy": policy}
+    )
+
+
+def llamacpp_target(gguf: str, n_ctx: int) -> Target:
+    if importlib.util.find_spec("llama_cpp") is None:
+        return Target(
+            name="llama.cpp", note="llama_cpp is not importable (pip install 'llama-cpp-python[server]')"
+        )
+    cmd = [
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        gguf,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--n_ctx",
+        str(n_ctx),
+    ]
+    return Target(name="llama.cpp", command=cmd, ready_paths=("/v1/models",))
+
+
+def parse_target(spec: str) -> Target:
+    """`NAME=URL` from the command line."""
+    name, sep, url = spec.partition("=")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise ValueError(f"--target wants NAME=URL, got {spec!r}")
+    return Target(name=name, url=url)
+
+
+@contextlib.contextmanager
+def running(target: Target, log_path: Path, timeout_s: float = READY_TIMEOUT_S) -> Iterator[str]:
+    """The target's base URL, with its server started and ready for the duration."""
+    if target.url is not None:
+        yield target.url
+        return
+    if target.command is None:
+        raise ValueError(f"{target.name}: nothing to run ({target.note})")
+    port = free_port()
+    cmd = [a.replace("{port}", str(port)) for a in target.command]
+    url = f"http://127.0.0.1:{port}"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        log.write((" ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_ready(proc, url, target.ready_paths, timeout_s, log_path)
+            yield url
+        finally:
+            _stop(proc)
+
+
+def _wait_ready(
+    proc: subprocess.Popen[bytes], url: str, paths: tuple[str, ...], timeout_s: float, log_path: Path
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode} before ready; see {log_path}")
+            for path in paths:
+                try:
+                    if client.get(url + path).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.5)  # a client waiting on a starting process: there is nothing to block on
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {log_path}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@dataclass(frozen=True)
+class TargetRun:
+    stats: RunStats
+    records: list[TurnRecord]
+
+
+def run_targets(
+    sessions: list[Session],
+    targets: list[Target],
+    options: ReplayOptions,
+    out_dir: Path,
+    on_start: Callable[[Target], Callable[[TurnRecord], None] | None] | None = None,
+    notes: list[str] | None = None,
+) -> list[TargetRun]:
+    """Replay the same sessions against each target in turn (one at a time: they share the machine).
+
+    A target that fails to start or to replay is recorded in `notes` and the comparison goes on.
+    """
+    runs: list[TargetRun] = []
+    for target in targets:
+        if target.url is None and target.command is None:
+            if notes is not None:
+                notes.append(f"{target.name}: skipped, {target.note}")
+            continue
+        on_turn = on_start(target) if on_start else None
+        try:
+            with running(target, out_dir / f"{target.name}.log") as url:
+                result: ReplayResult = replay_sync(sessions, url, options, on_turn)
+        except (RuntimeError, OSError, httpx.HTTPError) as e:
+            if notes is not None:
+                notes.append(f"{target.name}: failed, {e}")
+            continue
+        stats = summarize(target.name, result.records, result.wall_s, model=result.model, **target.meta)
+        runs.append(TargetRun(stats=stats, records=result.records))
+    return runs

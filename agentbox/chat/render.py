@@ -1,0 +1,158 @@
+"""Render a conversation to prompt text with the model's own chat template, the same way every turn.
+
+Prompt stability is part of caching: whatever varies per request but not per conversation (Claude
+Code's billing-header block) is stripped, and every normalisation here is a pure function of the
+messages, so turn N+1's prompt starts with turn N's prompt plus its answer.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+
+
+def normalize_content(content: Any) -> str:
+    """OpenAI message content (a string, None, or a list of text parts) as one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type", "text") in TEXT_PART_TYPES:
+                texts.append(str(part.get("text", "")))
+            else:
+                raise ValueError(f"unsupported content part: {part!r:.80}")
+        return "\n".join(texts)
+    raise ValueError(f"unsupported message content of type {type(content).__name__}")
+
+
+def is_billing_header(text: str) -> bool:
+    return text.lstrip().lower().startswith(BILLING_HEADER)
+
+
+def strip_billing_header(content: Any) -> Any:
+    """Drop Claude Code's per-request `x-anthropic-billing-header: …` text (a block or a first line)."""
+    if isinstance(content, list):
+        return [p for p in content if not (isinstance(p, dict) and is_billing_header(str(p.get("text", ""))))]
+    if isinstance(content, str) and is_billing_header(content):
+        _, _, rest = content.lstrip().partition("\n")
+        return rest.lstrip("\n")
+    return content
+
+
+def normalize_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Tools in the OpenAI `{"type": "function", "function": {...}}` shape the templates expect."""
+    if not tools:
+        return None
+    out = []
+    for t in tools:
+        if t.get("type") == "function" and "function" in t:
+            out.append(t)
+        else:  # a bare function, or Anthropic's {name, description, input_schema}
+            fn = {"name": t["name"], "description": t.get("description", "")}
+            fn["parameters"] = t.get("parameters") or t.get("input_schema") or {"type": "object", "properties": {}}
+            out.append({"type": "function", "function": fn})
+    return out
+
+
+def template_text(tokenizer: Any, tools: bool = False) -> str:
+    t = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(t, dict):  # named templates: prefer the tool_use one when tools are present
+        t = (t.get("tool_use") if tools else None) or t.get("default") or next(iter(t.values()), "")
+    return t
+
+
+def template_takes_string_arguments(template: str) -> bool:
+    """Templates that test `arguments is string` print a string as is; all others need a dict."""
+    return "arguments is string" in template or "arguments is mapping" in template
+
+
+def prepare_messages(messages: list[dict], template: str) -> list[dict]:
+    """The per-message normalisation (pure: same input, same output)."""
+    keep_strings = template_takes_string_arguments(template)
+    out: list[dict] = []
+    for m in messages:
+        m = copy.deepcopy(m)
+        role = m.get("role")
+        if role in ("system", "developer"):
+            m["role"] = "system"
+            m["content"] = normalize_content(strip_billing_header(m.get("content")))
+            if not m["content"].strip():
+                continue
+        else:
+            m["content"] = normalize_content(m.get("content"))
+        if role == "assistant":
+            reasoning = m.pop("reasoning_content", None) or m.pop("reasoning", None)
+            m.pop("reasoning", None)
+            if reasoning:
+                # Templates read one name or the other; both carry the same text.
+                m["reasoning_content"] = m["reasoning"] = reasoning
+            calls = []
+            for call in m.get("tool_calls") or []:
+                fn = dict(call.get("function", call))
+                args = fn.get("arguments")
+                if isinstance(args, str) and not keep_strings:
+                    try:
+                        fn["arguments"] = json.loads(args) if args.strip() else {}
+                    except ValueError:
+                        pass  # leave malformed arguments as sent rather than refuse the turn
+                elif args is None:
+                    fn["arguments"] = "{}" if keep_strings else {}
+                calls.append({**call, "type": "function", "function": fn})
+            if calls:
+                m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def merge_system_messages(messages: list[dict]) -> list[dict]:
+    """All system messages folded into one leading message, in order, for templates that reject others."""
+    systems = [m["content"] for m in messages if m.get("role") == "system"]
+    rest = [m for m in messages if m.get("role") != "system"]
+    if not systems:
+        return rest
+    return [{"role": "system", "content": "\n\n".join(systems)}, *rest]
+
+
+def render_prompt(
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    enable_thinking: bool | None = None,
+) -> str:
+    """The prompt text for `messages` (+ `tools`) under the tokenizer's chat template."""
+    tools_n = normalize_tools(tools)
+    template = template_text(tokenizer, tools=bool(tools_n))
+    prepared = prepare_messages(messages, template)
+    kwargs: dict[str, Any] = {}
+    if enable_thinking is not None:
+        kwargs["enable_thinking"] = enable_thinking
+
+    def apply(msgs: list[dict]) -> str:
+        text = tokenizer.apply_chat_template(
+            msgs, tools=tools_n, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
+        return text if isinstance(text, str) else str(text)
+
+    first_non_system = next((i for i, m in enumerate(prepared) if m["role"] != "system"), len(prepared))
+    has_late_system = any(m["role"] == "system" for m in prepared[first_non_system:])
+    leading = sum(1 for m in prepared[:first_non_system])
+    if not has_late_system and leading <= 1:
+        return apply(prepared)
+    try:
+        return apply(prepared)
+    except TemplateError:
+        # The template rejects a system message past the start: fold them all into the leading one.
+        return apply(merge_system_messages(prepared))

@@ -1,0 +1,247 @@
+"""The planner: which variant of a model runs on this machine, at which tensor-parallel size, and why not the others.
+
+A candidate is accepted when (1) our engine runs its architecture and format, (2) it is not known-bad for
+this GPU's compute capability, and (3) it fits: per device, weights / tp + KV cache for context x sessions
+/ tp + a reserve must stay within free memory. Every candidate carries that arithmetic and its reasons.
+CPU-only machines plan the same way against available RAM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentbox.hub.profiles import QUANTISED_FORMATS, Profile, Variant
+from agentbox.hw.probe import GIB, Probe
+
+# What agentbox's engine runs today (models/ and layers/). Grow these as kernels land.
+ENGINE_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+)
+ENGINE_FORMATS = frozenset({"bf16", "fp16", "fp32", "gguf"})  # gguf: dequantised at load
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    context: int | None = None  # tokens per session; None: min(32768, the model's context length)
+    sessions: int = 1  # sessions whose KV stays resident at full context
+    reserve_gib: float = 1.0  # per GPU: CUDA context, activations, CUDA graphs
+    reserve_share: float = 0.04  # plus this share of the card (allocator fragmentation)
+    cpu_reserve_gib: float = 2.0  # host: the OS, Python, torch itself
+    default_context: int = 32768
+
+
+def engine_rejection(profile: Profile, variant: Variant) -> str | None:
+    """Why our engine cannot run this variant today, or None when it can."""
+    if profile.moe:
+        return f"engine: no MoE support yet ({profile.architecture})"
+    if profile.architecture not in ENGINE_ARCHITECTURES:
+        return f"engine: architecture {profile.architecture} not implemented yet"
+    if variant.format not in ENGINE_FORMATS:
+        return f"engine: no {variant.format} kernels yet"
+    return None
+
+
+def engine_runs(profile: Profile) -> bool:
+    return any(engine_rejection(profile, v) is None for v in profile.variants)
+
+
+@dataclass
+class Candidate:
+    variant: Variant
+    device: str  # "cuda" or "cpu"
+    tp: int
+    weights_bytes: int  # resident on the device(s), all ranks together
+    kv_bytes: int  # all ranks together
+    reserve_bytes: int  # per device
+    available_bytes: int  # per device: free memory of the emptiest device used (or available RAM)
+    reasons: list[str] = field(default_factory=list)  # empty: accepted
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.reasons
+
+    @property
+    def need_per_device(self) -> int:
+        return self.weights_bytes // self.tp + self.kv_bytes // self.tp + self.reserve_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.need_per_device <= self.available_bytes
+
+    @property
+    def arithmetic(self) -> str:
+        where = "per GPU" if self.device == "cuda" else "in RAM"
+        op = "<=" if self.fits else ">"
+        return (
+            f"{_num(self.weights_bytes)}/{self.tp} weights + {_num(self.kv_bytes)}/{self.tp} KV + "
+            f"{_num(self.reserve_bytes)} reserve = {_gb(self.need_per_device)} {op} {_gb(self.available_bytes)} free {where}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "variant": self.variant.name,
+            "format": self.variant.format,
+            "repo": self.variant.repo,
+            "download_bytes": self.variant.size,
+            "device": self.device,
+            "tp": self.tp,
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes": self.kv_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "need_per_device": self.need_per_device,
+            "available_bytes": self.available_bytes,
+            "fits": self.fits,
+            "ok": self.ok,
+            "arithmetic": self.arithmetic,
+            "reasons": self.reasons,
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class Plan:
+    profile: Profile
+    probe: Probe
+    context: int
+    sessions: int
+    candidates: list[Candidate]  # accepted first, best first; then the rejected
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates and self.candidates[0].ok else None
+
+    @property
+    def accepted(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.ok]
+
+    def to_dict(self) -> dict[str, Any]:
+        chosen = self.chosen
+        return {
+            "model": self.profile.name,
+            "machine": describe_machine(self.probe),
+            "context": self.context,
+            "sessions": self.sessions,
+            "kv_bytes_per_token": self.profile.kv_bytes_per_token(_kv_dtype_bytes(self.probe)),
+            "chosen": chosen.variant.name if chosen else None,
+            "candidates": [c.to_dict() for c in self.candidates],
+            "notes": self.notes,
+        }
+
+
+def plan(profile: Profile, probe: Probe, config: PlanConfig | None = None) -> Plan:
+    config = config or PlanConfig()
+    notes: list[str] = []
+    context = config.context or min(config.default_context, profile.context_length)
+    if context > profile.context_length:
+        notes.append(
+            f"context {context} is past the model's {profile.context_length}; planned at {profile.context_length}"
+        )
+        context = profile.context_length
+    sessions = max(1, config.sessions)
+    candidates = [_candidate(profile, v, probe, context, sessions, config) for v in profile.variants]
+    candidates.sort(key=_rank)
+    best = candidates[0] if candidates and candidates[0].ok else None
+    if best is not None and best.device == "cuda" and best.tp < len(probe.gpus):
+        notes.append(
+            f"{best.variant.name} fits at tp={best.tp}, leaving {len(probe.gpus) - best.tp} GPU(s) free; "
+            f"a larger tp splits weights and KV, buying room for more sessions or context"
+        )
+    return Plan(profile, probe, context, sessions, candidates, notes)
+
+
+def _candidate(
+    profile: Profile, variant: Variant, probe: Probe, context: int, sessions: int, config: PlanConfig
+) -> Candidate:
+    device = "cpu" if probe.cpu_only else "cuda"
+    weights = resident_weight_bytes(profile, variant, device)
+    kv = profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * context * sessions
+    reasons: list[str] = []
+    notes: list[str] = []
+    if why := engine_rejection(profile, variant):
+        reasons.append(why)
+    for bad in profile.known_bad:
+        if bad.matches(variant.format, probe.min_sm):
+            where = f"sm_{probe.min_sm}" if bad.sm else "every GPU"
+            reasons.append(f"known bad on {where} ({bad.kernel}): {bad.reason}")
+    for good in profile.known_good:
+        if good.matches(variant.format, probe.min_sm):
+            notes.append(f"known good ({good.kernel}): {good.reason}")
+    if device == "cpu":
+        cand = Candidate(
+            variant, device, 1, weights, kv, int(config.cpu_reserve_gib * GIB), probe.host.ram_free
+        )
+    else:
+        cand = _best_tp(profile, probe, variant, weights, kv, config)
+    if not cand.fits:
+        where = f"per GPU at tp={cand.tp}" if device == "cuda" else "of RAM"
+        reasons.append(
+            f"does not fit: needs {_gb(cand.need_per_device)} {where}, {_gb(cand.available_bytes)} free"
+        )
+    if variant.format == "gguf" and variant.format in ENGINE_FORMATS:
+        notes.append(f"gguf is dequantised at load: {_gb(variant.size)} on disk, {_gb(weights)} resident")
+    cand.reasons, cand.notes = reasons, notes
+    return cand
+
+
+def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:
+    """Bytes the weights occupy once loaded. Quantised formats stay as stored; our engine converts the rest
+    to its compute dtype (bf16 on GPU, fp32 on CPU; see EngineConfig.resolved_dtype)."""
+    if variant.format in QUANTISED_FORMATS:
+        return variant.size
+    return profile.params * (2 if device == "cuda" else 4)
+
+
+def tp_sizes(profile: Profile, num_gpus: int) -> list[int]:
+    """Powers of two up to the GPU count that divide the KV heads (each rank holds whole heads)."""
+    sizes, tp = [], 1
+    while tp <= max(1, num_gpus):
+        if profile.kv_heads % tp == 0:
+            sizes.append(tp)
+        tp *= 2
+    return sizes
+
+
+def _best_tp(
+    profile: Profile, probe: Probe, variant: Variant, weights: int, kv: int, config: PlanConfig
+) -> Candidate:
+    """The smallest tp that fits (fewer collectives per token); the largest tp when none does."""
+    by_free = sorted(probe.gpus, key=lambda g: g.memory_free, reverse=True)
+    cand: Candidate | None = None
+    for tp in tp_sizes(profile, len(probe.gpus)):
+        used = by_free[:tp]
+        reserve = int(config.reserve_gib * GIB + config.reserve_share * max(g.memory_total for g in used))
+        cand = Candidate(variant, "cuda", tp, weights, kv, reserve, min(g.memory_free for g in used))
+        if cand.fits:
+            return cand
+    assert cand is not None  # tp_sizes always yields 1
+    return cand
+
+
+def _rank(c: Candidate) -> tuple[Any, ...]:
+    # Accepted first; among them the most bits per weight (quality), then the fewest ranks, then the least memory.
+    return (not c.ok, -c.variant.bits, c.tp, c.need_per_device, c.variant.name)
+
+
+def _kv_dtype_bytes(probe: Probe) -> int:
+    return 4 if probe.cpu_only else 2
+
+
+def describe_machine(probe: Probe) -> str:
+    if probe.cpu_only:
+        return f"CPU only: {probe.host.cpu_model}, {_gb(probe.host.ram_free)} RAM free"
+    counts: dict[str, int] = {}
+    for g in probe.gpus:
+        key = f"{g.name} ({g.arch}, {_gb(g.memory_total)})"
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n}x {k}" for k, n in counts.items())
+
+
+def _num(n: int) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def _gb(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"

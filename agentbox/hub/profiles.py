@@ -1,0 +1,175 @@
+"""Model profiles: one TOML per model under profiles/ — variants (repo, files, sizes), shape, parsers,
+sampling defaults, template quirks and the known-bad matrix (format x compute capability x kernel)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+# Formats whose bytes on disk are the bytes resident on the device (quantised kernels run them as stored).
+# Everything else the engine converts at load: safetensors to the compute dtype, GGUF dequantised.
+QUANTISED_FORMATS = ("fp8", "awq", "gptq", "nvfp4", "mxfp4")
+
+
+class ProfileError(ValueError):
+    """A profile that is missing or malformed; the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    format: str  # bf16 | fp16 | fp32 | fp8 | awq | gptq | nvfp4 | mxfp4 | gguf
+    bits: float  # average bits per weight: ranks quality between variants
+    repo: str
+    files: tuple[str, ...]  # every file to fetch (common files included)
+    size: int  # bytes on disk of all files (approximate where the profile says so)
+    source: str = "hub"  # hub | embedded
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.format == "gguf"
+
+
+@dataclass(frozen=True)
+class KnownBad:
+    format: str
+    kernel: str
+    reason: str
+    sm: tuple[int, ...] = ()  # empty: every compute capability
+
+    def matches(self, fmt: str, sm: int | None) -> bool:
+        return self.format == fmt and (not self.sm or (sm is not None and sm in self.sm))
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    family: str
+    architecture: str
+    params: int
+    moe: bool
+    layers: int
+    kv_heads: int
+    head_dim: int
+    context_length: int
+    tool_parser: str
+    reasoning_parser: str
+    variants: tuple[Variant, ...]
+    sampling: dict[str, float] = field(default_factory=dict)
+    template_quirks: tuple[str, ...] = ()
+    known_bad: tuple[KnownBad, ...] = ()
+    known_good: tuple[KnownBad, ...] = ()  # same shape; informational (shown by `plan`)
+    default_rank: int | None = None  # serve with no model tries ranked profiles in this order
+    path: Path | None = None
+
+    def variant(self, name: str) -> Variant:
+        for v in self.variants:
+            if v.name == name:
+                return v
+        names = ", ".join(v.name for v in self.variants)
+        raise ProfileError(f"{self.name} has no variant {name!r} (it has: {names})")
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+def profile_dirs() -> list[Path]:
+    """Where profiles are looked up, first match wins: $AGENTBOX_PROFILES, the source tree's profiles/."""
+    dirs = [Path(p) for p in os.environ.get("AGENTBOX_PROFILES", "").split(os.pathsep) if p]
+    dirs.append(Path(__file__).resolve().parents[2] / "profiles")
+    return [d for d in dirs if d.is_dir()]
+
+
+def load_profiles() -> list[Profile]:
+    seen: dict[str, Profile] = {}
+    for d in profile_dirs():
+        for path in sorted(d.glob("*.toml")):
+            prof = load_profile_file(path)
+            seen.setdefault(prof.name.lower(), prof)
+    return list(seen.values())
+
+
+def find_profile(model: str) -> Profile:
+    """By name, case-insensitive; also accepts a repo id (`Qwen/Qwen3-8B`) or the name after the slash."""
+    wanted = model.lower()
+    profiles = load_profiles()
+    for prof in profiles:
+        repos = {v.repo.lower() for v in prof.variants}
+        if wanted in (prof.name.lower(), prof.path.stem.lower() if prof.path else "") or wanted in repos:
+            return prof
+    short = wanted.rsplit("/", 1)[-1]
+    for prof in profiles:
+        if prof.name.lower() == short:
+            return prof
+    names = ", ".join(p.name for p in profiles)
+    raise ProfileError(f"no profile for {model!r}; known models: {names}")
+
+
+def load_profile_file(path: Path) -> Profile:
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ProfileError(f"{path}: {exc}") from exc
+    try:
+        return _profile(data, path)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProfileError(f"{path}: bad or missing field ({exc})") from exc
+
+
+def _profile(data: dict[str, Any], path: Path) -> Profile:
+    common = tuple(data.get("common_files", []))
+    variants = tuple(_variant(v, common) for v in data["variants"])
+    return Profile(
+        name=data["name"],
+        family=data["family"],
+        architecture=data["architecture"],
+        params=int(data["params"]),
+        moe=bool(data.get("moe", False)),
+        layers=int(data["layers"]),
+        kv_heads=int(data["kv_heads"]),
+        head_dim=int(data["head_dim"]),
+        context_length=int(data["context_length"]),
+        tool_parser=data.get("tool_parser", ""),
+        reasoning_parser=data.get("reasoning_parser", ""),
+        variants=variants,
+        sampling=dict(data.get("sampling", {})),
+        template_quirks=tuple(data.get("template_quirks", [])),
+        known_bad=tuple(_known(k) for k in data.get("known_bad", [])),
+        known_good=tuple(_known(k) for k in data.get("known_good", [])),
+        default_rank=data.get("default_rank"),
+        path=path,
+    )
+
+
+def _variant(v: dict[str, Any], common: tuple[str, ...]) -> Variant:
+    files = list(v.get("files", []))
+    shards = int(v.get("shards", 0))
+    if shards == 1:
+        files.append("model.safetensors")
+    elif shards > 1:  # the hub's standard sharded layout
+        files += [f"model-{i:05d}-of-{shards:05d}.safetensors" for i in range(1, shards + 1)]
+        files.append("model.safetensors.index.json")
+    if v.get("common", True):
+        files = list(common) + files
+    if not files:
+        raise ValueError(f"variant {v['name']!r} lists no files")
+    return Variant(
+        name=v["name"],
+        format=v["format"],
+        bits=float(v["bits"]),
+        repo=v.get("repo", ""),
+        files=tuple(files),
+        size=int(v["size"]),
+        source=v.get("source", "hub"),
+    )
+
+
+def _known(k: dict[str, Any]) -> KnownBad:
+    return KnownBad(
+        format=k["format"], kernel=k.get("kernel", "any"), reason=k["reason"], sm=tuple(k.get("sm", []))
+    )

@@ -1,0 +1,158 @@
+"""GGUF checkpoints: a transformers config from the file's metadata, and HF-named dequantised weights.
+
+llama.cpp's converter permutes the rows of Q and K for llama-arch models (it stores rope as interleaved
+pairs); our rotary is neox style like the HF checkpoints, so those rows are permuted back here. Qwen2/Qwen3
+GGUFs are stored unpermuted.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+
+from agentbox.models.gguf_reader import GGUFFile
+
+# GGUF general.architecture -> (config class, HF architectures name)
+GGUF_ARCHS: dict[str, tuple[type[PretrainedConfig], str]] = {
+    "llama": (LlamaConfig, "LlamaForCausalLM"),
+    "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
+    "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_SKIPPED = {"rope_freqs.weight"}  # llama3 rope factors: carried by the config's rope scaling instead
+
+
+@functools.lru_cache(maxsize=2)
+def _open(path: str, mtime_ns: int) -> GGUFFile:
+    # Config, eos lookup and weights read the same file; parse its header once.
+    return GGUFFile(Path(path))
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    return _open(str(path), path.stat().st_mtime_ns)
+
+
+def gguf_metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The HF checkpoint name of a GGUF tensor, or None for tensors we do not load."""
+    if gguf_name in _SKIPPED:
+        return None
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent we know")
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def gguf_config(path: Path) -> PretrainedConfig:
+    reader = open_gguf(path)
+    arch = gguf_metadata(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
+    config_cls, hf_arch = GGUF_ARCHS[arch]
+
+    def meta(key: str, default: Any = None) -> Any:
+        return gguf_metadata(reader, f"{arch}.{key}", default)
+
+    hidden, num_heads = int(meta("embedding_length")), int(meta("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = meta("vocab_size") or len(reader.metadata["tokenizer.ggml.tokens"])
+    kwargs: dict[str, Any] = dict(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", num_heads)),
+        head_dim=int(meta("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(meta("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=gguf_metadata(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=gguf_metadata(reader, "tokenizer.ggml.eos_token_id"),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        architectures=[hf_arch],
+    )
+    if arch in ("llama", "qwen3"):
+        kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+    scaling = _rope_scaling(reader, arch)
+    if scaling is not None:
+        kwargs["rope_scaling"] = scaling
+    return config_cls(**kwargs)
+
+
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
+    kind = gguf_metadata(reader, f"{arch}.rope.scaling.type")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(gguf_metadata(reader, f"{arch}.rope.scaling.factor"))}
+    if kind not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is None:
+        return None
+    # Llama 3.1/3.2 store their llama3 rope as per-frequency divisors; the largest divisor is the factor,
+    # the other parameters are the published ones for that family.
+    factor = float(gguf.quants.dequantize(reader.raw(freqs), freqs.qtype).max())
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's permute: rows stored per head as interleaved (half, 2) pairs go back to HF's
+    (2, half) order."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def gguf_weights(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    reader = open_gguf(path)
+    permuted = gguf_metadata(reader, "general.architecture") == "llama"
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            continue
+        data = gguf.quants.dequantize(reader.raw(tensor), tensor.qtype).reshape(tensor.shape)
+        if not data.flags.writeable:  # F32 tensors come back as a view of the read-only file map
+            data = data.copy()
+        w = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        if permuted and ".q_proj." in name:
+            w = _unpermute(w, config.num_attention_heads)
+        elif permuted and ".k_proj." in name:
+            w = _unpermute(w, config.num_key_value_heads)
+        yield name, w

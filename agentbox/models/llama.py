@@ -1,0 +1,185 @@
+"""The Llama family in one file: Llama 2/3, SmolLM2, Mistral (dense), Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+
+The differences are small switches read from the config: qkv bias (Qwen2 always, others from
+`attention_bias`), a per-head RMSNorm on q and k before rope (Qwen3), explicit head_dim (Qwen3, Mistral
+Nemo), tied embeddings. The file only composes layers; TP splitting lives in the layers' weight loaders.
+The model sees one flattened batch: input_ids [T] and positions [T]; where each token's sequence and cache
+pages are is the attention backend's business (the forward context).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentbox.layers.attention import Attention
+from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from agentbox.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from agentbox.layers.norm import RMSNorm
+from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
+from agentbox.parallel.state import tp_size
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config: Any) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        total_heads, total_kv_heads = config.num_attention_heads, num_kv_heads_of(config)
+        self.head_dim = head_dim_of(config)
+        self.num_heads = total_heads // tp_size()
+        self.num_kv_heads = total_kv_heads // tp_size()
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = config.model_type == "qwen2" or attention_bias  # Qwen2 has q/k/v bias, no o_proj bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias
+        )
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, attention_bias)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = rotary  # shared by every layer: one cos/sin table for the model
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        t = hidden.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim)))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        theta, scaling = rope_parameters(config)
+        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint name -> (our fused parameter, shard id passed to its weight_loader)
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] for the step's flattened batch. Runs inside a forward context."""
+        return self.model(input_ids, positions)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-named tensors (full, unsharded); each parameter's weight_loader takes its TP shard."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # some tied checkpoints still carry a copy
+            shard_id: str | int | None = None
+            for hf_key, (ours, shard) in self.packed_modules_mapping.items():
+                if f".{hf_key}." in name:
+                    name, shard_id = name.replace(f".{hf_key}.", f".{ours}."), shard
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}"
+                )
+            loader = getattr(param, "weight_loader", _default_weight_loader)
+            with torch.no_grad():
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+            loaded.add(name)
+        missing = [n for n in params if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:10])}")
+
+
+def _default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
+    if param.data.shape != loaded_weight.shape:
+        raise ValueError(
+            f"weight shape {tuple(loaded_weight.shape)} != parameter shape {tuple(param.data.shape)}"
+        )
+    param.data.copy_(loaded_weight)

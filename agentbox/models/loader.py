@@ -1,0 +1,198 @@
+"""Find a model on disk, read its config, tokenizer and weights, and build our model class with them.
+
+Two sources: a Hugging Face directory (config.json + safetensors, single or sharded) and a GGUF file
+(config from its metadata, weights dequantised to the model dtype). Nothing here downloads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from agentbox.config import state_dir
+from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_weights, open_gguf
+from agentbox.models.llama import head_dim_of, num_kv_heads_of
+from agentbox.models.registry import model_class
+from agentbox.parallel.state import tp_size
+
+# End-of-turn tokens of common chat templates: generation must stop on them even where the checkpoint's
+# eos is the end-of-document token (SmolLM2, Qwen2.5, Llama 3 instruct).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: Literal["hf", "gguf"]
+    path: Path  # a directory for hf, the .gguf file for gguf
+    name: str
+
+
+def resolve_model(path: str) -> ModelSource:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path {str(p)!r} does not exist")
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ValueError(f"{str(p)!r} is a file but not a .gguf; pass a GGUF file or a model directory")
+        return ModelSource("gguf", p.resolve(), p.stem)
+    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        return ModelSource("hf", p.resolve(), p.resolve().name)
+    ggufs = sorted(p.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource("gguf", ggufs[0].resolve(), ggufs[0].stem)
+    if len(ggufs) > 1:
+        listed = ", ".join(g.name for g in ggufs)
+        raise ValueError(f"{str(p)!r} holds several GGUF files ({listed}); pass the one to load")
+    raise ValueError(
+        f"{str(p)!r} is neither a Hugging Face model directory (config.json + *.safetensors) nor holds a .gguf"
+    )
+
+
+def load_config(src: ModelSource) -> PretrainedConfig:
+    if src.kind == "gguf":
+        return gguf_config(src.path)
+    return AutoConfig.from_pretrained(src.path)
+
+
+def iter_weights(
+    src: ModelSource, config: PretrainedConfig | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full tensors, one at a time (a shard is open only while it is read)."""
+    if src.kind == "gguf":
+        yield from gguf_weights(src.path, config if config is not None else load_config(src))
+        return
+    index = src.path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        paths = [src.path / f for f in files]
+    else:
+        paths = sorted(src.path.glob("*.safetensors"))
+    for path in paths:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
+    if src.kind == "hf":
+        return AutoTokenizer.from_pretrained(src.path)
+    # Converting a GGUF vocabulary takes seconds; keep the converted tokenizer keyed by file identity.
+    stat = src.path.stat()
+    cached = state_dir() / "tokenizers" / f"{src.name}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (cached / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(cached)
+    tokenizer = AutoTokenizer.from_pretrained(src.path.parent, gguf_file=src.path.name)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, cached)  # atomic: a concurrent loader sees all of it or none
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
+    return tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    hf_config: PretrainedConfig
+    num_layers: int
+    num_heads: int  # per TP rank
+    num_kv_heads: int  # per TP rank
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    source: ModelSource
+
+
+def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+    src = resolve_model(path)
+    config = load_config(src)
+    cls = model_class(config)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):  # parameters are allocated in place (torch.empty), never initialised
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    model.load_weights(iter_weights(src, config))  # type: ignore[operator]
+    model.eval().requires_grad_(False)
+    tp = tp_size()
+    return LoadedModel(
+        model=model,
+        hf_config=config,
+        num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads // tp,
+        num_kv_heads=num_kv_heads_of(config) // tp,
+        head_dim=head_dim_of(config),
+        vocab_size=config.vocab_size,
+        max_model_len=_max_model_len(config),
+        eos_token_ids=eos_token_ids(src, config),
+        source=src,
+    )
+
+
+def _max_model_len(config: PretrainedConfig) -> int:
+    length = int(config.max_position_embeddings)
+    window = getattr(config, "sliding_window", None)
+    # Our attention is full attention: past a sliding window it would differ from the model, so stop there.
+    if window and getattr(config, "use_sliding_window", True):
+        length = min(length, int(window))
+    return length
+
+
+def _as_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list | tuple) else [int(value)]
+
+
+def eos_token_ids(src: ModelSource, config: PretrainedConfig) -> list[int]:
+    """Stop tokens: the checkpoint's eos ids plus the chat template's end-of-turn token when it has one."""
+    ids = _as_list(getattr(config, "eos_token_id", None))
+    if src.kind == "gguf":
+        reader = open_gguf(src.path)
+        ids += _as_list(gguf_metadata(reader, "tokenizer.ggml.eos_token_id"))
+        template = gguf_metadata(reader, "tokenizer.chat_template") or ""
+        tokens = gguf_metadata(reader, "tokenizer.ggml.tokens") or []
+        vocab = {tok: i for i, tok in enumerate(tokens) if tok in END_OF_TURN_TOKENS}
+    else:
+        gen = src.path / "generation_config.json"
+        if gen.is_file():
+            ids += _as_list(json.loads(gen.read_text()).get("eos_token_id"))
+        template, vocab = _hf_template_and_special_tokens(src.path)
+    for token in END_OF_TURN_TOKENS:
+        if token in template and token in vocab:
+            ids.append(vocab[token])
+    return list(dict.fromkeys(ids))  # de-duplicated, first-seen order
+
+
+def _hf_template_and_special_tokens(path: Path) -> tuple[str, dict[str, int]]:
+    template, vocab = "", {}
+    tok_config = path / "tokenizer_config.json"
+    if tok_config.is_file():
+        data = json.loads(tok_config.read_text())
+        raw = data.get("chat_template") or ""
+        template = raw if isinstance(raw, str) else " ".join(t.get("template", "") for t in raw)
+        for token_id, entry in (data.get("added_tokens_decoder") or {}).items():
+            vocab[entry.get("content", "")] = int(token_id)
+    if (path / "chat_template.jinja").is_file():
+        template += (path / "chat_template.jinja").read_text()
+    tok_json = path / "tokenizer.json"
+    if tok_json.is_file():
+        for entry in json.loads(tok_json.read_text()).get("added_tokens") or []:
+            vocab.setdefault(entry["content"], int(entry["id"]))
+    return template, vocab

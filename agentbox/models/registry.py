@@ -1,0 +1,28 @@
+"""Model classes keyed by the Hugging Face `architectures` name in config.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from agentbox.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(config: Any) -> type[nn.Module]:
+    """The first supported class among config.architectures; a clear error naming them otherwise."""
+    archs = list(getattr(config, "architectures", None) or [])
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return MODEL_REGISTRY[arch]
+    found = ", ".join(archs) if archs else "none listed in config.json"
+    raise ValueError(
+        f"unsupported model architecture ({found}); supported: {', '.join(sorted(MODEL_REGISTRY))}"
+    )

@@ -1,0 +1,84 @@
+"""Shared test fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentbox.hub.embedded import INSTALL_HINT, embedded_model_path
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct Q4_1 GGUF file; skips the test when it is not installed."""
+    path = embedded_model_path()
+    if path is None:
+        pytest.skip(f"SmolLM2 GGUF not installed: {INSTALL_HINT}")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_loaded(smollm2_path: Path):  # noqa: ANN201 - LoadedModel, imported lazily
+    """SmolLM2 loaded once per test run (fp32, CPU), shared by every in-process engine test."""
+    import torch
+
+    from agentbox.models.loader import load_model
+
+    return load_model(str(smollm2_path), torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_path: Path):  # noqa: ANN201
+    from agentbox.models.loader import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model(str(smollm2_path)))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def agentbox_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("agentbox-home")
+
+
+@pytest.fixture(scope="session")
+def live_server(smollm2_path: Path, agentbox_home: Path):  # noqa: ANN201 - yields the base URL
+    """One real agentbox server per test run, started the way a user does (`agentbox serve`, background),
+    on an ephemeral loopback port, stopped with `agentbox stop` at the end."""
+    import os
+    import subprocess
+    import sys
+
+    port = _free_port()
+    env = {**os.environ, "AGENTBOX_HOME": str(agentbox_home)}
+    cmd = [
+        sys.executable,
+        "-m",
+        "agentbox.cli",
+        "serve",
+        "--model",
+        str(smollm2_path),
+        "--port",
+        str(port),
+        "--num-pages",
+        "512",
+        "--max-num-seqs",
+        "16",
+    ]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        log = agentbox_home / "server.log"
+        raise RuntimeError(f"agentbox serve failed: {r.stderr}\n{log.read_text() if log.exists() else ''}")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        subprocess.run(
+            [sys.executable, "-m", "agentbox.cli", "stop"], env=env, capture_output=True, timeout=60
+        )

@@ -1,0 +1,83 @@
+"""A tiny paged runner for model tests: what the engine's runner does, minus scheduling.
+
+Each sequence owns a list of pages (taken from the top of the pool, so page ids are not in order and the
+page-table indirection is really exercised). `step` runs one batch where every listed sequence brings some
+new tokens (1 for a decode, more for a prefill chunk) and returns each sequence's logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, KVCache
+from agentbox.layers.backends.torch_backend import TorchAttention
+from agentbox.layers.context import forward_context
+from agentbox.models.loader import LoadedModel
+
+
+class PagedRunner:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        num_pages: int = 64,
+        page_size: int = 4,
+        backend_cls: type[AttentionBackend] = TorchAttention,
+        device: str = "cpu",
+    ) -> None:
+        self.model = loaded.model
+        self.device = device
+        self.page_size = page_size
+        dtype = next(self.model.parameters()).dtype
+        self.cache = KVCache(
+            loaded.num_layers, num_pages, page_size, loaded.num_kv_heads, loaded.head_dim, dtype, device
+        )
+        self.backend = backend_cls(
+            self.cache, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, loaded.head_dim**-0.5
+        )
+        self.free_pages = list(range(num_pages))
+        self.pages: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """chunks: sequence id -> its new token ids this step. Returns sequence id -> logits [n_new, vocab]."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        kv_lens: list[int] = []
+        for seq, tokens in chunks.items():
+            start = self.lens.get(seq, 0)
+            pages = self.pages.setdefault(seq, [])
+            for pos in range(start, start + len(tokens)):
+                if pos // self.page_size >= len(pages):
+                    pages.append(self.free_pages.pop())
+                slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
+                positions.append(pos)
+            ids += tokens
+            query_lens.append(len(tokens))
+            kv_lens.append(start + len(tokens))
+            self.lens[seq] = start + len(tokens)
+        max_pages = max(len(self.pages[s]) for s in chunks)
+        table = [self.pages[s] + [0] * (max_pages - len(self.pages[s])) for s in chunks]
+        meta = AttentionMetadata(
+            query_lens=query_lens,
+            kv_lens=kv_lens,
+            page_table=torch.tensor(table, dtype=torch.int32, device=self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            page_size=self.page_size,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        with forward_context(self.backend, meta):
+            hidden = self.model(input_ids, pos_t)
+        logits = self.model.compute_logits(hidden)
+        return dict(zip(chunks, logits.split(query_lens), strict=True))
+
+    def greedy(self, seq: int, prompt: list[int], max_new_tokens: int) -> list[int]:
+        """Prefill the prompt in one step, then decode greedily; returns the generated ids."""
+        out: list[int] = []
+        logits = self.step({seq: prompt})[seq]
+        for _ in range(max_new_tokens):
+            out.append(int(logits[-1].argmax()))
+            logits = self.step({seq: [out[-1]]})[seq]
+        return out

@@ -1,0 +1,142 @@
+"""Client setup writers on a temporary HOME: merge, backup, dry-run, undo; launch without files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from agentbox.clients import ClientError, Endpoint, launch_client, resolve_endpoint, setup_client, toml_writer
+from agentbox.clients.files import backups
+
+EP = Endpoint(url="http://127.0.0.1:8123", model="qwen3-8b", context=65536)
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path / "state"))
+    (tmp_path / "home").mkdir()
+    return tmp_path / "home"
+
+
+def test_claude_code_merge_backup_undo(home: Path) -> None:
+    path = home / ".claude" / "settings.json"
+    path.parent.mkdir()
+    original = '{"theme": "dark", "env": {"KEEP": "1", "ANTHROPIC_MODEL": "old"}, "permissions": {"allow": ["Bash"]}}'
+    path.write_text(original)
+    lines = setup_client("claude-code", EP)
+    assert "backup" in lines[0]
+    data = json.loads(path.read_text())
+    assert data["theme"] == "dark" and data["permissions"] == {"allow": ["Bash"]}
+    env = data["env"]
+    assert env["KEEP"] == "1" and env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:8123"
+    assert env["ANTHROPIC_MODEL"] == env["ANTHROPIC_DEFAULT_HAIKU_MODEL"] == "qwen3-8b"
+    assert env["ANTHROPIC_DEFAULT_OPUS_MODEL"] == env["ANTHROPIC_DEFAULT_SONNET_MODEL"] == "qwen3-8b"
+    assert env["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0" and env["ANTHROPIC_AUTH_TOKEN"]
+    assert len(backups(path)) == 1
+    assert "already set up" in setup_client("claude-code", EP)[0]  # idempotent: no second backup
+    assert len(backups(path)) == 1
+    setup_client("claude-code", EP, undo=True)
+    assert path.read_text() == original and backups(path) == []
+    with pytest.raises(ClientError):
+        setup_client("claude-code", EP, undo=True)
+
+
+def test_dry_run_prints_diff_and_writes_nothing(home: Path) -> None:
+    (diff,) = setup_client("opencode", EP, dry_run=True)
+    assert diff.startswith("---") and '+      "npm": "@ai-sdk/openai-compatible",' in diff
+    assert not (home / ".config").exists()
+
+
+def test_codex_toml_merge_and_undo_of_a_new_file(home: Path) -> None:
+    path = home / ".codex" / "config.toml"
+    path.parent.mkdir()
+    original = (
+        '# my settings\nmodel = "gpt-5"\napproval_policy = "on-request"\n\n'
+        '[model_providers.other]\nname = "Other"\nbase_url = "https://example.com/v1"\n\n'
+        '[mcp_servers.fs]\ncommand = "npx"\nargs = ["-y", "fs-server"]\nenv = { A = "b" }\n'
+    )
+    path.write_text(original)
+    setup_client("codex", EP)
+    data = tomllib.loads(path.read_text())
+    assert data["model"] == "qwen3-8b" and data["model_provider"] == "agentbox"
+    assert data["approval_policy"] == "on-request"
+    assert data["model_providers"]["other"]["base_url"] == "https://example.com/v1"
+    assert data["mcp_servers"]["fs"] == {"command": "npx", "args": ["-y", "fs-server"], "env": {"A": "b"}}
+    provider = data["model_providers"]["agentbox"]
+    assert provider["wire_api"] == "responses" and provider["base_url"] == "http://127.0.0.1:8123/v1"
+    setup_client("codex", EP, undo=True)
+    assert path.read_text() == original
+    # A file setup created is removed again by undo.
+    path.unlink()
+    setup_client("codex", EP)
+    assert path.exists()
+    setup_client("codex", EP, undo=True)
+    assert not path.exists()
+
+
+def test_opencode_provider_with_context_limit(home: Path) -> None:
+    setup_client("opencode", EP)
+    data = json.loads((home / ".config" / "opencode" / "opencode.json").read_text())
+    provider = data["provider"]["agentbox"]
+    assert provider["npm"] == "@ai-sdk/openai-compatible"
+    assert provider["options"]["baseURL"] == "http://127.0.0.1:8123/v1"
+    assert provider["models"]["qwen3-8b"]["limit"]["context"] == 65536
+    assert data["model"] == "agentbox/qwen3-8b"
+
+
+def test_export_only_clients(home: Path) -> None:
+    aider = setup_client("aider", EP)
+    assert "export OPENAI_API_BASE=http://127.0.0.1:8123/v1" in aider
+    env = setup_client("env", EP)
+    assert "export ANTHROPIC_BASE_URL=http://127.0.0.1:8123" in env and "export OPENAI_API_KEY=agentbox" in env
+    assert not any(home.iterdir())
+    with pytest.raises(ClientError):
+        setup_client("vim", EP)
+
+
+def test_endpoint_from_running_server_state(home: Path) -> None:
+    with pytest.raises(ClientError, match="no --model"):
+        resolve_endpoint()
+    assert resolve_endpoint(model="m").url == "http://127.0.0.1:8000"
+    state = Path(os.environ["AGENTBOX_HOME"])
+    state.mkdir(exist_ok=True)
+    (state / "server.json").write_text(json.dumps({"host": "0.0.0.0", "port": 9001, "pid": 1, "model": "smol"}))
+    ep = resolve_endpoint()
+    assert (ep.url, ep.model) == ("http://127.0.0.1:9001", "smol")
+    assert resolve_endpoint("http://h:1/v1/", "m").url == "http://h:1"
+
+
+def test_toml_writer_round_trip() -> None:
+    data = {"a": 1, "b": "x \"q\" \\ é", "c": [1, 2], "t": True, "f": 1.5,
+            "tab": {"k": "v", "sub": {"z": 0}, "inline": {"p": "q"}}, "arr": [{"n": 1}, {"n": 2, "o": {"x": "y"}}],
+            "dotted key": {"1": "one"}}
+    assert tomllib.loads(toml_writer.dumps(data)) == data
+
+
+def test_launch_sets_env_and_touches_no_file(home: Path, tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "claude"
+    fake.write_text('#!/bin/sh\necho "ARGS=$*"\necho "BASE=$ANTHROPIC_BASE_URL MODEL=$ANTHROPIC_MODEL"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "agentbox.cli", "launch", "claude", "--model", "m1", "--url", "http://x:1", "-p", "hi"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ARGS=-p hi" in out.stdout and "BASE=http://x:1 MODEL=m1" in out.stdout
+    assert not any(home.iterdir())
+
+
+def test_launch_without_the_client_installed(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(home))
+    with pytest.raises(ClientError, match="not on PATH"):
+        launch_client("codex", EP, [])

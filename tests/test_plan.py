@@ -1,0 +1,140 @@
+"""The planner on described machines: 2x RTX 5090 (sm_120, 32 GB), 1x RTX 4090 (24 GB), 1x H100 (80 GB), CPU only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from agentbox.hub.plan import Candidate, Plan, PlanConfig, engine_runs, plan, tp_sizes
+from agentbox.hub.profiles import find_profile
+from agentbox.hw.probe import Probe
+
+HW = Path(__file__).parents[1] / "profiles" / "hardware"
+
+
+def machine(name: str) -> Probe:
+    return Probe.load(HW / f"{name}.json")
+
+
+def run(model: str, hw: str, **cfg: int) -> Plan:
+    return plan(find_profile(model), machine(hw), PlanConfig(**cfg))  # type: ignore[arg-type]
+
+
+def cand(p: Plan, variant: str) -> Candidate:
+    return next(c for c in p.candidates if c.variant.name == variant)
+
+
+def test_qwen3_8b_on_two_5090s_runs_bf16_on_one_card() -> None:
+    p = run("Qwen3-8B", "2x-rtx5090")
+    assert p.chosen is not None and (p.chosen.variant.name, p.chosen.tp) == ("bf16", 1)
+    # the arithmetic: 8.19e9 params x 2 bytes, KV 144 KiB/token x 32768 tokens
+    assert p.chosen.weights_bytes == 8_190_735_360 * 2
+    assert p.chosen.kv_bytes == 2 * 36 * 8 * 128 * 2 * 32768
+    assert p.chosen.need_per_device <= p.chosen.available_bytes
+    assert "<= 31.3 GiB free per GPU" in p.chosen.arithmetic
+    assert cand(p, "fp8").reasons == ["engine: no fp8 kernels yet"]
+    assert cand(p, "awq").reasons == ["engine: no awq kernels yet"]
+    assert "dequantised at load" in " ".join(cand(p, "q4_k_m").notes)
+    assert any("leaving 1 GPU(s) free" in n for n in p.notes)
+
+
+def test_more_sessions_move_qwen3_8b_to_tensor_parallel() -> None:
+    p = run("Qwen3-8B", "2x-rtx5090", sessions=4)  # 18 GiB of KV no longer fits next to 15.3 GiB on one card
+    assert p.chosen is not None and p.chosen.tp == 2
+
+
+def test_qwen25_coder_32b_on_two_5090s_nothing_runs_and_says_why() -> None:
+    p = run("Qwen2.5-Coder-32B-Instruct", "2x-rtx5090")
+    assert p.chosen is None
+    bf16 = cand(p, "bf16")
+    assert bf16.tp == 2 and bf16.reasons == [bf16.reasons[0]] and bf16.reasons[0].startswith("does not fit")
+    awq = cand(p, "awq")
+    assert awq.fits  # it would fit, and it is still rejected: the engine lacks AWQ, and AWQ emitted only '!'
+    assert sum("only '!'" in r for r in awq.reasons) == 2  # Marlin and classic AWQ kernels
+
+
+def test_moe_models_are_listed_with_the_reason_not_hidden() -> None:
+    p = run("Qwen3-Coder-30B-A3B-Instruct", "2x-rtx5090")
+    assert p.chosen is None and len(p.candidates) == 4
+    assert all(c.reasons[0].startswith("engine: no MoE support") for c in p.candidates)
+    fp8 = cand(p, "fp8")
+    assert any("garbage on sm_120" in r and "fp8_w8a8" in r for r in fp8.reasons)
+    assert any("FlashInfer's CUTLASS" in n for n in cand(p, "nvfp4").notes)
+    # on Hopper the fp8 MoE kernel is not known bad
+    h100 = run("Qwen3-Coder-30B-A3B-Instruct", "1x-h100")
+    assert not any("garbage" in r for r in cand(h100, "fp8").reasons)
+    for name in ("GLM-4.7-Flash", "gpt-oss-20b", "Qwen3-Coder-30B-A3B-Instruct"):
+        assert not engine_runs(find_profile(name))
+    for name in ("Qwen3-8B", "Qwen2.5-Coder-32B-Instruct", "SmolLM2-135M-Instruct"):
+        assert engine_runs(find_profile(name))
+
+
+def test_gpt_oss_120b_mxfp4_does_not_fit_32gb_cards() -> None:
+    p = run("gpt-oss-120b", "2x-rtx5090")
+    mx = cand(p, "mxfp4")
+    assert mx.tp == 2 and not mx.fits
+    assert mx.weights_bytes / 2 / 1e9 > 32  # weights alone overflow a card's usable memory
+    assert any(r.startswith("does not fit") for r in mx.reasons)
+
+
+def test_rtx_4090_fits_one_session_not_four() -> None:
+    p = run("Qwen3-8B", "1x-rtx4090")
+    assert p.chosen is not None and (p.chosen.variant.name, p.chosen.tp) == ("bf16", 1)
+    four = run("Qwen3-8B", "1x-rtx4090", sessions=4)
+    assert four.chosen is None
+    assert cand(four, "bf16").reasons == [
+        "does not fit: needs 35.2 GiB per GPU at tp=1, 23.5 GiB free"  # 15.3 + 4 x 4.5 KV + 2.0 reserve (GiB)
+    ]
+    assert run("Qwen2.5-Coder-32B-Instruct", "1x-rtx4090").chosen is None
+
+
+def test_h100_runs_the_32b_coder_in_bf16() -> None:
+    p = run("Qwen2.5-Coder-32B-Instruct", "1x-h100")
+    assert p.chosen is not None and (p.chosen.variant.name, p.chosen.tp) == ("bf16", 1)
+    assert run("Qwen3-8B", "1x-h100").chosen.variant.name == "bf16"  # type: ignore[union-attr]
+
+
+def test_cpu_only_plans_against_ram() -> None:
+    p = run("Qwen3-8B", "cpu")
+    assert p.chosen is None
+    bf16 = cand(p, "bf16")
+    assert bf16.device == "cpu" and bf16.weights_bytes == 8_190_735_360 * 4  # fp32 on CPU
+    assert bf16.reasons[0].startswith("does not fit: needs") and "of RAM" in bf16.reasons[0]
+    small = run("SmolLM2-135M-Instruct", "cpu")
+    assert small.chosen is not None and small.chosen.variant.name == "bf16"
+    assert cand(small, "embedded").ok
+
+
+def test_tp_sizes_divide_kv_heads_and_context_is_clamped() -> None:
+    assert tp_sizes(find_profile("SmolLM2-135M-Instruct"), 2) == [1]  # 3 KV heads
+    assert tp_sizes(find_profile("Qwen3-8B"), 8) == [1, 2, 4, 8]
+    assert tp_sizes(find_profile("Qwen3-Coder-30B-A3B-Instruct"), 8) == [1, 2, 4]  # 4 KV heads
+    p = run("SmolLM2-135M-Instruct", "1x-rtx4090", context=100_000)
+    assert p.context == 8192 and "past the model's 8192" in p.notes[0]
+
+
+def test_plan_command_json_and_table() -> None:
+    from agentbox.cli import app
+
+    runner = CliRunner()
+    out = runner.invoke(app, ["plan", "Qwen3-8B", "--hardware", str(HW / "2x-rtx5090.json"), "--json"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.output)
+    assert data["chosen"] == "bf16" and data["context"] == 32768
+    assert {c["variant"] for c in data["candidates"]} == {"bf16", "fp8", "awq", "q8_0", "q4_k_m"}
+    table = runner.invoke(
+        app, ["plan", "Qwen2.5-Coder-32B-Instruct", "--hardware", str(HW / "2x-rtx5090.json")]
+    )
+    assert table.exit_code == 2  # nothing runs: a script can tell
+    assert "does not fit" in table.output and "no variant runs" in table.output
+    bad = runner.invoke(app, ["plan", "no-such-model"])
+    assert bad.exit_code == 1 and "known models" in bad.output
+
+
+@pytest.mark.parametrize("name", ["2x-rtx5090", "1x-rtx4090", "1x-h100", "cpu"])
+def test_described_machines_load(name: str) -> None:
+    p = machine(name)
+    assert p.described and p.cpu_only == (name == "cpu")

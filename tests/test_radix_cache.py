@@ -1,0 +1,490 @@
+"""The radix cache over the GPU pool and the host tier: matching, refcounts, eviction order, sessions.
+
+Page contents are written as a function of (token, position, layer), so every match also proves that the
+pages it returns (including ones demoted to host and promoted back) hold that prefix's k/v.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from agentbox.engine.host_tier import HostTier
+from agentbox.engine.kv_pool import PagePool
+from agentbox.engine.radix_cache import RadixCache, Tier
+from agentbox.engine.sessions import LeaseState, SessionTable
+from agentbox.layers.backends.base import KVCache
+
+LAYERS = 2
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _value(token: int, pos: int, layer: int) -> float:
+    return float(token * 1000 + pos * 10 + layer)
+
+
+def make_cache(
+    num_pages: int = 16,
+    page_size: int = 2,
+    host_pages: int = 0,
+    policy: str = "session",
+    max_share: float = 1.0,
+    clock: Clock | None = None,
+) -> tuple[RadixCache, Clock]:
+    clock = clock or Clock()
+    pool = PagePool(num_pages, page_size)
+    kv = KVCache(LAYERS, num_pages, page_size, 1, 1, torch.float32, "cpu")
+    host = HostTier.like(kv, host_pages) if host_pages else None
+    sessions = SessionTable(default_ttl_s=10.0, max_ttl_s=120.0, max_share=max_share, clock=clock)
+    return RadixCache(pool, kv, sessions, host, policy), clock
+
+
+def compute(cache: RadixCache, tokens: list[int], pages: list[int], start: int) -> None:
+    """What the model would do: write k/v of tokens[start:] into the request's pages."""
+    assert cache.kv is not None
+    ps = cache.ps
+    for pos in range(start, len(tokens)):
+        slot = pages[pos // ps] * ps + pos % ps
+        for layer in range(LAYERS):
+            cache.kv.k[layer][slot] = _value(tokens[pos], pos, layer)
+            cache.kv.v[layer][slot] = -_value(tokens[pos], pos, layer)
+
+
+def assert_holds(cache: RadixCache, tokens: list[int], pages: list[int], n: int) -> None:
+    assert cache.kv is not None
+    ps = cache.ps
+    for pos in range(n):
+        slot = pages[pos // ps] * ps + pos % ps
+        for layer in range(LAYERS):
+            assert cache.kv.k[layer][slot].item() == _value(tokens[pos], pos, layer), (pos, layer)
+            assert cache.kv.v[layer][slot].item() == -_value(tokens[pos], pos, layer), (pos, layer)
+
+
+@dataclass
+class Req:
+    tokens: list[int]
+    session: str | None
+    pages: list[int] = field(default_factory=list)
+
+
+def start(cache: RadixCache, tokens: list[int], session: str | None = None) -> Req | None:
+    """Admit a request the way the scheduler does: match, allocate the rest (evicting), compute."""
+    m = cache.match(tokens, session)
+    assert m.num_tokens == len(m.pages) * cache.ps <= len(tokens)
+    assert_holds(cache, tokens, m.pages, m.num_tokens)
+    need = -(-len(tokens) // cache.ps) - len(m.pages)
+    if cache.pool.num_free < need:
+        cache.evict(need - cache.pool.num_free)
+    if cache.pool.num_free < need:
+        cache.release(m.pages)
+        return None
+    req = Req(tokens, m.session, m.pages + cache.pool.alloc(need))
+    compute(cache, tokens, req.pages, m.num_tokens)
+    return req
+
+
+def finish(cache: RadixCache, req: Req) -> None:
+    full = len(req.tokens) // cache.ps
+    cache.insert(req.tokens, req.pages[:full], req.session)
+    cache.pool.decref(req.pages[full:])
+    if req.session is not None:
+        cache.end_turn(req.session)
+
+
+def run_turn(cache: RadixCache, tokens: list[int], session: str | None = None) -> None:
+    req = start(cache, tokens, session)
+    assert req is not None
+    finish(cache, req)
+
+
+def resident(cache: RadixCache) -> dict[int, Tier]:
+    """First token of each top-level branch -> the tier of its deepest node (tests use 1-node branches)."""
+    out = {}
+    for n in cache.root.children.values():
+        while n.children:
+            n = next(iter(n.children.values()))
+        out[n.key[0]] = n.tier
+    return out
+
+
+# ---- unit tests ----
+
+
+def test_match_reuses_page_aligned_prefix_and_splits() -> None:
+    cache, _ = make_cache(page_size=2)
+    run_turn(cache, [1, 2, 3, 4, 5, 6, 7])  # 3 full pages cached, token 7 never
+    assert cache.gpu_pages == 3
+    m = cache.match([1, 2, 3, 4, 9, 9, 9])
+    assert m.num_tokens == 4 and len(m.pages) == 2 and m.num_host_tokens == 0
+    assert_holds(cache, [1, 2, 3, 4], m.pages, 4)
+    assert all(cache.pool.refcount[p] == 2 for p in m.pages)
+    cache.check_integrity(Counter(m.pages))
+    cache.release(m.pages)
+    m = cache.match([1, 2, 3])
+    assert m.num_tokens == 2  # the partial page is never matched
+    cache.release(m.pages)
+    cache.check_integrity(Counter())
+
+
+def test_insert_of_existing_prefix_drops_the_duplicate_pages() -> None:
+    cache, _ = make_cache(page_size=2)
+    a, b = start(cache, [5, 5, 6, 6]), start(cache, [5, 5, 6, 6, 7, 7])  # computed concurrently
+    assert a is not None and b is not None
+    finish(cache, a)
+    finish(cache, b)
+    assert cache.gpu_pages == 3 and cache.pool.num_used == 3
+    cache.check_integrity(Counter())
+
+
+def test_policy_none_caches_nothing() -> None:
+    cache, _ = make_cache(policy="none")
+    run_turn(cache, [1, 2, 3, 4], "s")
+    assert cache.match([1, 2, 3, 4], "s").num_tokens == 0
+    assert cache.pool.num_used == 0 and cache.gpu_pages == 0
+
+
+def test_running_requests_are_never_evicted() -> None:
+    cache, _ = make_cache(num_pages=9, page_size=2)
+    run_turn(cache, [1, 1, 1, 1])
+    run_turn(cache, [2, 2, 2, 2])
+    m = cache.match([1, 1, 1, 1])
+    assert cache.evict(100) == 2  # only the unheld branch
+    assert resident(cache) == {1: Tier.GPU}
+    cache.check_integrity(Counter(m.pages))
+    cache.release(m.pages)
+    assert cache.evict(100) == 2 and cache.gpu_pages == 0
+    cache.check_integrity(Counter())
+
+
+def _setup_classes(policy: str) -> tuple[RadixCache, Clock]:
+    """Five branches, one 2-page node each, at t=20:
+    1: untagged, used at t=1; 6: untagged, used at t=2 (class 0, LRU order 1 then 6)
+    2: session e, lease expired at t=10 (class 1)
+    3: session far, live, back in ~50 s; 4: session near, live, back any moment (class 2: far first)."""
+    cache, clock = make_cache(num_pages=32, page_size=2, policy=policy)
+    clock.t = 0.0
+    run_turn(cache, [2] * 4, "e")  # lease to t=10
+    for sid, gap in (("far", 50.0), ("near", 1.0)):
+        cache.sessions.begin_turn(sid)
+        cache.sessions.end_turn(sid)
+        clock.t += gap
+        cache.sessions.begin_turn(sid)  # one measured gap
+        clock.t -= gap
+    clock.t = 1.0
+    run_turn(cache, [1] * 4)
+    clock.t = 2.0
+    run_turn(cache, [6] * 4)
+    clock.t = 19.0
+    run_turn(cache, [3] * 4, "far")
+    run_turn(cache, [4] * 4, "near")
+    clock.t = 20.0
+    assert cache.sessions.lease_state("e") is LeaseState.EXPIRED
+    assert cache.sessions.lease_state("far") is LeaseState.LIVE
+    assert cache.sessions.lease_state("near") is LeaseState.LIVE
+    return cache, clock
+
+
+def _eviction_order(cache: RadixCache) -> list[int]:
+    order = []
+    while cache.gpu_pages:
+        before = set(resident(cache))
+        assert cache.evict(1) == 2
+        order += sorted(before - set(resident(cache)))
+        cache.check_integrity(Counter())
+    return order
+
+
+def test_eviction_order_by_class() -> None:
+    cache, _ = _setup_classes("session")
+    assert _eviction_order(cache) == [1, 6, 2, 3, 4]
+    assert cache.evictions == 10
+
+
+def test_lru_policy_ignores_leases() -> None:
+    cache, _ = _setup_classes("lru")
+    assert _eviction_order(cache) == [2, 1, 6, 3, 4]  # by last use only
+
+
+def test_lease_expiry_moves_a_node_down_a_class() -> None:
+    cache, clock = _setup_classes("session")
+    clock.t = 500.0  # every lease has run out: all class 1 now, earliest expiry first
+    order = _eviction_order(cache)
+    assert order[:2] == [1, 6] and order[2] == 2
+
+
+def test_host_tier_demotes_instead_of_dropping_and_promotes_back() -> None:
+    cache, _ = make_cache(num_pages=5, page_size=2, host_pages=5)  # 4 usable pages each
+    run_turn(cache, [1, 2, 3, 4, 5, 6], "a")
+    run_turn(cache, [7, 7, 8, 8], "b")  # needs 2 pages: a's deepest page goes to host
+    assert cache.demotions >= 1 and cache.host_pages >= 1
+    cache.check_integrity(Counter())
+    req = start(cache, [1, 2, 3, 4, 5, 6, 9], "a")
+    assert req is not None
+    assert cache.promotions >= 1
+    assert_holds(cache, [1, 2, 3, 4, 5, 6], req.pages, 6)
+    finish(cache, req)
+    cache.check_integrity(Counter())
+    m = cache.match([1, 2, 3, 4, 5, 6], "a")
+    assert m.num_tokens == 6 and m.num_host_tokens == 0
+    cache.release(m.pages)
+    cache.check_integrity(Counter())
+
+
+def test_promotion_reports_host_tokens() -> None:
+    cache, _ = make_cache(num_pages=5, page_size=2, host_pages=9)
+    run_turn(cache, [1, 1, 2, 2], "a")
+    assert cache.demote(2) == 2 and cache.gpu_pages == 0 and cache.host_pages == 2
+    assert cache.session_pages("a") == {"gpu": 0, "host": 2}
+    m = cache.match([1, 1, 2, 2, 3], "a")
+    assert m.num_tokens == 4 and m.num_host_tokens == 4 and cache.host_pages == 0
+    assert cache.session_pages("a") == {"gpu": 2, "host": 0}
+    assert_holds(cache, [1, 1, 2, 2], m.pages, 4)
+    cache.check_integrity(Counter(m.pages))
+    cache.release(m.pages)
+
+
+def test_drop_session_keeps_shared_prefixes() -> None:
+    cache, _ = make_cache(page_size=2)
+    shared = [9, 9, 8, 8]
+    run_turn(cache, shared + [1, 1, 1, 1], "a")
+    run_turn(cache, shared + [2, 2], "b")
+    assert cache.gpu_pages == 5
+    assert cache.drop_session("a") == 2
+    assert "a" not in cache.sessions and cache.gpu_pages == 3
+    m = cache.match(shared + [2, 2], "b")
+    assert m.num_tokens == 6
+    cache.release(m.pages)
+    m = cache.match(shared + [1, 1], None)
+    assert m.num_tokens == 4
+    cache.release(m.pages)
+    cache.check_integrity(Counter())
+
+
+def test_drop_session_spares_held_nodes() -> None:
+    cache, _ = make_cache(page_size=2)
+    run_turn(cache, [1, 1, 2, 2], "a")
+    m = cache.match([1, 1, 2, 2], "a")
+    assert cache.drop_session("a") == 0
+    cache.check_integrity(Counter(m.pages))
+    cache.release(m.pages)
+    assert cache.evict(10) == 2  # now ordinary, unleased entries
+
+
+def test_session_inference_follows_the_producing_session() -> None:
+    cache, _ = make_cache(page_size=2)
+    system = [7, 7, 7, 7]
+    conversations = {"A": system + [1, 1], "B": system + [2, 2], "C": system + [3, 3]}
+    for sid, prompt in conversations.items():
+        cache.sessions.begin_turn(sid)
+        m = cache.match(prompt, sid)
+        cache.sessions.record_prompt(sid, prompt, m.num_tokens, m.num_host_tokens, cache.ps)
+        cache.release(m.pages)
+        run_turn(cache, prompt + [sid.lower().__hash__() % 5] * 2, sid)  # prompt + "generated"
+    for sid, prompt in conversations.items():
+        m = cache.match(prompt + [0] * 6, None)  # the next turn, without a key
+        assert m.session == sid
+        cache.release(m.pages)
+    fresh = cache.match(system + [4, 4], None)  # a new conversation sharing only the system prompt
+    assert fresh.session is None and fresh.num_tokens == 4
+    cache.release(fresh.pages)
+    assert cache.match([5, 5], None).session is None
+    cache.check_integrity(Counter())
+
+
+def test_lease_cap_releases_the_oldest_leases() -> None:
+    cache, clock = make_cache(num_pages=11, page_size=2, max_share=0.5)  # cap: 5 pages
+    run_turn(cache, [1] * 8, "old")
+    clock.t = 1.0
+    assert cache.stats()["leased_pages"] == 4
+    run_turn(cache, [2] * 6, "new")
+    assert cache.sessions.lease_state("old") is LeaseState.NONE
+    assert cache.sessions.lease_state("new") is LeaseState.LIVE
+    assert cache.stats()["leased_pages"] == 3
+    cache.evict(1)
+    assert resident(cache) == {2: Tier.GPU}  # the released lease went first
+    cache.check_integrity(Counter())
+
+
+def test_hit_refreshes_the_lease() -> None:
+    cache, clock = make_cache(page_size=2)
+    run_turn(cache, [1, 1, 2, 2], "s")
+    clock.t = 9.0
+    assert cache.sessions.lease_state("s") is LeaseState.LIVE
+    cache.release(cache.match([1, 1, 2, 2], "s").pages)
+    clock.t = 15.0  # past the first TTL, within the refreshed one
+    assert cache.sessions.lease_state("s") is LeaseState.LIVE
+    clock.t = 19.5
+    assert cache.sessions.lease_state("s") is LeaseState.EXPIRED
+
+
+def test_recomputed_history_is_counted() -> None:
+    cache, _ = make_cache(num_pages=9, page_size=2)
+    prompt = [1, 1, 2, 2, 3]
+    cache.sessions.begin_turn("s")
+    m = cache.match(prompt, "s")
+    assert cache.sessions.record_prompt("s", prompt, m.num_tokens, m.num_host_tokens, cache.ps) == 0
+    cache.release(m.pages)
+    run_turn(cache, prompt + [4, 4, 4], "s")
+    cache.evict(100)  # history lost
+    nxt = prompt + [4, 4, 4, 5, 5]
+    cache.sessions.begin_turn("s")
+    m = cache.match(nxt, "s")
+    assert m.num_tokens == 0
+    assert cache.sessions.record_prompt("s", nxt, m.num_tokens, m.num_host_tokens, cache.ps) == 8
+    cache.release(m.pages)
+    assert cache.sessions.get("s").recomputed_tokens == 8  # type: ignore[union-attr]
+
+
+def test_stale_heap_entries_are_compacted() -> None:
+    cache, clock = make_cache(num_pages=9, page_size=2)
+    run_turn(cache, [1, 1, 2, 2], "s")
+    for _ in range(500):  # every hit re-pushes the leaf and refreshes the lease; nothing is evicted
+        clock.t += 0.01
+        cache.release(cache.match([1, 1, 2, 2], "s").pages)
+    assert len(cache._gpu_heap) <= 4 * cache.gpu_pages + 65
+    assert len(cache._lease_heap) <= 4 * len(cache.sessions) + 65
+    cache.check_integrity(Counter())
+    assert cache.evict(2) == 2
+
+
+def test_from_config_builds_the_host_tier_for_the_session_policy() -> None:
+    from agentbox.config import EngineConfig
+
+    kv = KVCache(LAYERS, 8, 4, 1, 2, torch.float32, "cpu")
+    per_page = 2 * LAYERS * 4 * 2 * 4
+    for policy, has_host in (("session", True), ("lru", False), ("none", False)):
+        cfg = EngineConfig(cache_policy=policy, host_cache_gb=6 * per_page / 1024**3, lease_max_share=0.5)
+        cache = RadixCache.from_config(cfg, PagePool(8, 4), kv)
+        assert (cache.host is not None) == has_host and cache.policy == policy
+        assert cache.sessions.max_share == 0.5
+        if cache.host is not None:
+            assert cache.host.pool.num_pages == 6
+
+
+def test_insert_rejects_too_few_pages() -> None:
+    cache, _ = make_cache()
+    with pytest.raises(ValueError):
+        cache.insert([1, 2, 3, 4], [1], None)
+
+
+# ---- the state machine ----
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Random traffic over a small GPU pool and host tier; integrity and no leaks after every step."""
+
+    @initialize(
+        page_size=st.integers(2, 4),
+        gpu_pages=st.integers(4, 20),
+        host_pages=st.sampled_from([0, 3, 8, 16, 16]),
+        policy=st.sampled_from(["session", "session", "session", "lru", "none"]),
+        max_share=st.sampled_from([0.3, 0.8, 1.0]),
+    )
+    def setup(self, page_size: int, gpu_pages: int, host_pages: int, policy: str, max_share: float) -> None:
+        self.cache, self.clock = make_cache(gpu_pages, page_size, host_pages, policy, max_share)
+        self.running: list[Req] = []
+
+    tokens = st.lists(st.integers(0, 2), min_size=0, max_size=16)
+    sessions = st.sampled_from([None, "a", "b", "c"])
+
+    @rule(tokens=tokens, session=sessions)
+    def start(self, tokens: list[int], session: str | None) -> None:
+        if session is not None:
+            self.cache.sessions.begin_turn(session)
+        req = start(self.cache, tokens, session)
+        if req is not None:
+            self.running.append(req)
+
+    @rule(tokens=tokens, session=sessions)
+    def turn(self, tokens: list[int], session: str | None) -> None:
+        if session is not None:
+            self.cache.sessions.begin_turn(session)
+        req = start(self.cache, tokens, session)
+        if req is not None:
+            finish(self.cache, req)
+
+    @rule(tokens=tokens, session=sessions)
+    def lock(self, tokens: list[int], session: str | None) -> None:
+        m = self.cache.match(tokens, session)  # a request waiting with its prefix held
+        assert_holds(self.cache, tokens, m.pages, m.num_tokens)
+        self.running.append(Req(tokens[: m.num_tokens], m.session, m.pages))
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 100))
+    def finish(self, i: int) -> None:
+        finish(self.cache, self.running.pop(i % len(self.running)))
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 100))
+    def release(self, i: int) -> None:
+        self.cache.release(self.running.pop(i % len(self.running)).pages)
+
+    @rule(n=st.integers(1, 8))
+    def evict(self, n: int) -> None:
+        free = self.cache.pool.num_free
+        freed = self.cache.evict(n)
+        assert self.cache.pool.num_free == free + freed
+
+    @rule(n=st.integers(1, 8))
+    def demote(self, n: int) -> None:
+        self.cache.demote(n)
+
+    @rule(session=st.sampled_from(["a", "b", "c"]))
+    def drop_session(self, session: str) -> None:
+        self.cache.drop_session(session)
+
+    @rule(dt=st.sampled_from([0.5, 3.0, 30.0]))
+    def tick(self, dt: float) -> None:
+        self.clock.t += dt
+
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        refs = Counter(p for r in self.running for p in r.pages)
+        self.cache.check_integrity(refs)
+        held = len(set(refs))
+        assert self.cache.pool.num_free + len(set(refs) | self._owned()) == self.cache.pool.capacity
+        assert held <= self.cache.pool.num_used
+
+    def _owned(self) -> set[int]:
+        out: set[int] = set()
+        stack = list(self.cache.root.children.values())
+        while stack:
+            n = stack.pop()
+            if n.tier is Tier.GPU:
+                out.update(n.pages)
+            stack.extend(n.children.values())
+        return out
+
+    def teardown(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        for r in self.running:
+            self.cache.release(r.pages)
+        self.running.clear()
+        self.cache.evict(10**6)
+        if self.cache.host is not None:
+            self.cache.evict_host(10**6)
+        assert self.cache.pool.num_free == self.cache.pool.capacity  # nothing leaked
+        assert self.cache.host is None or self.cache.host.pool.num_free == self.cache.host.pool.capacity
+        self.cache.check_integrity(Counter())
+
+
+CacheMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestCacheMachine = CacheMachine.TestCase
