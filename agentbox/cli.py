@@ -348,10 +348,85 @@ def launch_cmd(
         _fail(str(exc))
 
 
+check_app = typer.Typer(help="Checks against a running server.", no_args_is_help=True)
+app.add_typer(check_app, name="check")
+
+
+@check_app.command("tools")
+def check_tools_cmd(
+    url: str | None = typer.Option(None, "--url", help="server root (default: the running server)"),  # noqa: UP007
+    model: str | None = typer.Option(None, "--model", help="model name (default: the server's)"),  # noqa: UP007
+) -> None:
+    """Prove tool calls round-trip: zero-argument calls, reasoning kept apart, parallel and multi-turn calls."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from agentbox.clients import ClientError, resolve_endpoint
+    from agentbox.clients.check import run_checks
+
+    try:
+        ep = resolve_endpoint(url, model, require_model=False)
+    except ClientError as exc:
+        _fail(str(exc))
+    results = run_checks(ep.url, model or ep.model or None, ep.api_key)
+    table = Table(title=f"tool checks against {ep.url}")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for r in results:
+        table.add_row(r.name, "[green]pass[/]" if r.ok else "[red]FAIL[/]", r.detail)
+    Console().print(table)
+    if not all(r.ok for r in results):
+        raise typer.Exit(1)
+
+
 # ---- bench ----
 
 bench_app = typer.Typer(help="Benchmarks: agent trace replay, throughput, cache.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+
+
+def _print_json(report: dict, json_out: Path | None) -> None:
+    import json
+
+    text = json.dumps(report, indent=2)
+    typer.echo(text)
+    if json_out is not None:
+        json_out.write_text(text + "\n")
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    model: str | None = typer.Option(None, "--model", help="HF model dir or .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
+    tokens: int = typer.Option(64, "--tokens", min=2, help="tokens generated per sequence"),
+    prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="prompt tokens per sequence"),
+    batch: list[int] = typer.Option([1, 8], "--batch", help="batch sizes to time (repeatable; 1 is always timed)"),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="alternating runs per batch size; the fastest is kept"),
+    idle_seconds: float = typer.Option(10.0, "--idle-seconds", help="quiet interval for the idle CPU measure (0: skip)"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Prefill/decode tokens/s of our engine and transformers' generate on the same model, and idle CPU."""
+    from agentbox.bench.idle import measure_idle_cpu
+    from agentbox.bench.throughput import compare_throughput
+
+    path = _resolve_model(model)
+    report = compare_throughput(path, tokens, prompt_len, tuple(sorted({1, *batch})), device="cpu", repeats=repeats)
+    if idle_seconds > 0:
+        # A small pool: the default takes a share of free RAM, which is not what is being measured here.
+        report["idle"] = measure_idle_cpu(path, idle_seconds, ["--device", "cpu", "--num-pages", "256"])
+    _print_json(report, json_out)
+
+
+@bench_app.command("cache")
+def bench_cache(
+    model: str | None = typer.Option(None, "--model", help="HF model dir or .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
+    prefix_tokens: int = typer.Option(6000, "--prefix-tokens", min=16, help="tokens of the shared prefix"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Cold vs warm time to first token on a long prefix, and the hit rate on a byte-identical prefix."""
+    from agentbox.bench.cache_bench import cache_report
+
+    _print_json(cache_report(_resolve_model(model), prefix_tokens), json_out)
 
 
 @bench_app.command("replay")
@@ -448,6 +523,51 @@ def bench_replay(
     runs, _ = compare.compare(sessions_list, targets, options, out_dir, meta)
     if not runs:
         raise typer.Exit(1)
+
+
+# ---- top ----
+
+from agentbox.tui import DEFAULT_INTERVAL_S  # noqa: E402  (a constant; textual loads only when top runs)
+
+
+@app.command("top")
+def top_cmd(
+    url: str | None = typer.Option(None, "--url", help="server root (default: the running server, else http://127.0.0.1:8000)"),  # noqa: UP007
+    interval: float = typer.Option(DEFAULT_INTERVAL_S, "--interval", help="seconds between polls"),
+    once: bool = typer.Option(False, "--once", help="print one snapshot and exit (for scripts)"),
+    json_out: bool = typer.Option(False, "--json", help="with --once: print JSON"),
+    api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="the server's API key, if it has one"),  # noqa: UP007
+) -> None:
+    """Live dashboard of agent sessions, cache residency and the machine (keys: s sort, / filter, enter detail,
+    d close session, p pause, q quit)."""
+    import json
+
+    from agentbox import daemon
+
+    if interval <= 0:
+        _fail("--interval must be positive")
+    if url is None:
+        st = daemon.read_state()
+        url = daemon.url_of(st) if st else f"http://{_S.host}:{_S.port}"
+    if once:
+        from rich.console import Console
+
+        from agentbox.tui.panels import once as render_once
+        from agentbox.tui.snapshot import snapshot
+
+        snap = snapshot(url, api_key=api_key)
+        if json_out:
+            typer.echo(json.dumps(snap, indent=2, default=str))
+        else:
+            Console(width=max(Console().width, 140)).print(render_once(snap))
+        if not snap["up"]:
+            raise typer.Exit(1)
+        return
+    if json_out:
+        _fail("--json goes with --once")
+    from agentbox.tui.app import run
+
+    run(url, interval, api_key)
 
 
 def main() -> None:

@@ -31,7 +31,9 @@ def _words(messages: list[dict[str, Any]]) -> int:
     return sum(len(str(m.get("content") or "").split()) for m in messages)
 
 
-def make_reference_app(seen: list[dict[str, Any]]) -> FastAPI:
+def make_reference_app(seen: list[dict[str, Any]], llama_like: bool = False) -> FastAPI:
+    """llama_like: behave as llama-cpp-python's server does, no usage in the stream and (with a model that
+    ignores ignore_eos) an immediate stop with no text."""
     api = FastAPI()
     last_prompt: dict[str, int] = {}
 
@@ -56,6 +58,11 @@ def make_reference_app(seen: list[dict[str, Any]]) -> FastAPI:
                 + json.dumps({**base, "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
                 + "\n\n"
             )
+            if llama_like:
+                end = {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+                yield "data: " + json.dumps(end) + "\n\n"
+                yield "data: [DONE]\n\n"
+                return
             for _ in range(n):
                 yield (
                     "data: "
@@ -198,3 +205,24 @@ def test_flattened_trace_replays_the_same_way(reference_server: tuple[str, list]
     flat = trace.flatten_tools(SESSIONS[:1])
     result = replay_sync(flat, url)
     assert all(r.ok for r in result.records) and "tools" not in seen[0]["body"]
+
+
+def test_a_server_without_usage_still_gets_timed() -> None:
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            make_reference_app([], llama_like=True), host="127.0.0.1", port=port, log_level="error"
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.05)
+        result = replay_sync(SESSIONS[:1], f"http://127.0.0.1:{port}")
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+    assert all(r.ok and not r.usage and r.ttft_s is not None and r.output_tokens == 0 for r in result.records)
+    stats = summarize("llama-like", result.records, result.wall_s)
+    assert stats.turns_without_usage == 4 and stats.recomputed_share is None and stats.ttft_p50_s is not None

@@ -140,6 +140,7 @@ async def _turn(
     ttft: float | None = None
     usage: dict[str, Any] | None = None
     chunks_with_text = 0
+    end_seen: float | None = None
     try:
         async with client.stream("POST", "/chat/completions", json=body, headers=headers) as resp:
             if resp.status_code != 200:
@@ -161,6 +162,8 @@ async def _turn(
                         chunks_with_text += 1
                         if ttft is None:
                             ttft = time.perf_counter() - start
+                    elif choice.get("finish_reason") and ttft is None and end_seen is None:
+                        end_seen = time.perf_counter() - start  # an answer with no text: EOS first
     except (httpx.HTTPError, RuntimeError, json.JSONDecodeError) as e:
         return TurnRecord(
             session,
@@ -174,6 +177,8 @@ async def _turn(
             error=f"{type(e).__name__}: {e}"[:400],
         )
     latency = time.perf_counter() - start
+    if ttft is None:
+        ttft = end_seen  # a server that ignored ignore_eos and stopped at once still took this long
     if usage is None:
         # stream_options.include_usage not honoured: the timings still count, the token counts do not
         return TurnRecord(session, turn, start - t0, ttft, latency, 0, None, chunks_with_text, usage=False)

@@ -79,7 +79,12 @@ def llamacpp_target(gguf: str, n_ctx: int) -> Target:
         "{port}",
         "--n_ctx",
         str(n_ctx),
+        # By default a new request cuts off the stream in flight: concurrent sessions would get empty answers.
+        "--interrupt_requests",
+        "false",
     ]
+    # Its single llama context serves one request at a time and keeps only the last prompt's KV; it does not
+    # honour ignore_eos/min_tokens nor send usage in streams: its row has timings, not token counts.
     return Target(name="llama.cpp", command=cmd, ready_paths=("/v1/models",))
 
 

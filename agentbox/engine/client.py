@@ -19,10 +19,10 @@ from agentbox.engine.messages import (
     AddRequest,
     EngineFailed,
     EngineReady,
+    Query,
+    QueryReply,
     RequestOutput,
     Shutdown,
-    StatsQuery,
-    StatsReply,
     StepOutputs,
 )
 from agentbox.engine.sampling import SamplingParams
@@ -39,7 +39,7 @@ class EngineClient:
         self.config = config
         self.info: EngineReady | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._stats: dict[int, asyncio.Future[dict]] = {}
+        self._queries: dict[int, asyncio.Future[dict | None]] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -85,8 +85,8 @@ class EngineClient:
                 return
             if isinstance(msg, StepOutputs):
                 loop.call_soon_threadsafe(self._dispatch, msg.outputs)
-            elif isinstance(msg, StatsReply):
-                loop.call_soon_threadsafe(self._resolve_stats, msg)
+            elif isinstance(msg, QueryReply):
+                loop.call_soon_threadsafe(self._resolve_query, msg)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
@@ -94,16 +94,16 @@ class EngineClient:
             if q is not None:
                 q.put_nowait(o)
 
-    def _resolve_stats(self, msg: StatsReply) -> None:
-        fut = self._stats.pop(msg.query_id, None)
+    def _resolve_query(self, msg: QueryReply) -> None:
+        fut = self._queries.pop(msg.query_id, None)
         if fut is not None and not fut.done():
-            fut.set_result(msg.stats)
+            fut.set_result(msg.result)
 
     def _on_dead(self, why: str) -> None:
         self.dead = why
         for rid, q in self._queues.items():
             q.put_nowait(RequestOutput(rid, [], finished=True, finish_reason="error", error=why))
-        for fut in self._stats.values():
+        for fut in self._queries.values():
             if not fut.done():
                 fut.set_exception(EngineDead(why))
 
@@ -138,13 +138,20 @@ class EngineClient:
         if not self.dead:
             self._send(AbortRequest(request_id))
 
-    async def stats(self, timeout: float = 5.0) -> dict:
+    async def query(self, kind: str, arg: str | None = None, timeout: float = 10.0) -> dict | None:
+        """stats | sessions | session (arg: id) | drop_session (arg: id); answered between engine steps."""
         assert self._loop is not None
         qid = next(self._ids)
-        fut: asyncio.Future[dict] = self._loop.create_future()
-        self._stats[qid] = fut
-        self._send(StatsQuery(qid))
-        return await asyncio.wait_for(fut, timeout)
+        fut: asyncio.Future[dict | None] = self._loop.create_future()
+        self._queries[qid] = fut
+        self._send(Query(qid, kind, arg))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._queries.pop(qid, None)
+
+    async def stats(self) -> dict:
+        return await self.query("stats") or {}
 
     def shutdown(self) -> None:
         if self._proc is None:

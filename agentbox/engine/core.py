@@ -1,7 +1,8 @@
 """The engine core: scheduler + runner + prefix cache in one loop. Runs in its own process in serving
 (`run_engine_process`), or in-process for the offline API and tests (`LLM`).
 
-Idle means blocked: with no work the process loop sits in `conn.recv()`; it never sleeps-and-polls.
+Idle means blocked: with no work the process loop sits in `conn.recv()`; with only blocked admissions it
+waits on the pipe until the next lease expiry or admission timeout. It never sleeps-and-polls.
 """
 
 from __future__ import annotations
@@ -17,23 +18,20 @@ from agentbox.engine.messages import (
     AddRequest,
     EngineFailed,
     EngineReady,
+    Query,
+    QueryReply,
     RequestOutput,
     Shutdown,
-    StatsQuery,
-    StatsReply,
     StepOutputs,
 )
-from agentbox.engine.prefix_cache import NoCache, PrefixCache
-from agentbox.engine.request import Request
+from agentbox.engine.radix_cache import RadixCache
+from agentbox.engine.request import Request, Status
 from agentbox.engine.runner import ModelRunner
 from agentbox.engine.scheduler import Scheduler
+from agentbox.engine.session_view import session_detail, session_summary
 from agentbox.models.loader import LoadedModel
 
 log = logging.getLogger(__name__)
-
-
-def make_cache(config: EngineConfig, pool: PagePool, runner: ModelRunner) -> PrefixCache:
-    return NoCache(pool)
 
 
 class EngineCore:
@@ -41,16 +39,21 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config, loaded)
         self.pool = PagePool(self.runner.num_pages, config.page_size)
-        self.cache = make_cache(config, self.pool, self.runner)
+        self.cache = RadixCache.from_config(config, self.pool, self.runner.kv_cache)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.max_model_len)
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
         self.started = time.time()
+        self._grammar_compiler = None
         self.counters = {
             "requests": 0,
             "prompt_tokens": 0,
             "cached_tokens": 0,
+            "host_cached_tokens": 0,
+            "recomputed_history_tokens": 0,
             "generated_tokens": 0,
             "computed_tokens": 0,
+            "prefill_tokens": 0,
+            "decode_tokens": 0,
             "steps": 0,
             "preemptions": 0,
         }
@@ -76,16 +79,48 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    # ---- requests ----
+
+    def _grammar_state(self, req: Request) -> object | None:
+        spec = req.sampling.grammar
+        if spec is None:
+            return None
+        if self._grammar_compiler is None:
+            from agentbox.chat.grammar import GrammarCompiler
+            from agentbox.models.loader import load_tokenizer, resolve_model
+
+            tok = load_tokenizer(resolve_model(self.config.model))
+            self._grammar_compiler = GrammarCompiler(
+                tok, self.runner.loaded.vocab_size, stop_token_ids=sorted(self.eos_token_ids)
+            )
+        from agentbox.chat.grammar import GrammarState
+
+        compiled = self._grammar_compiler.compile_for_request(
+            spec.tools, spec.tool_choice, spec.response_format, spec.parser,
+            reasoning=spec.reasoning,  # type: ignore[arg-type]
+            parallel_tool_calls=spec.parallel_tool_calls,
+        )
+        return GrammarState(compiled) if compiled is not None else None
+
     def add(self, msg: AddRequest) -> RequestOutput | None:
-        """Queues a request; returns an immediate error output when it can never run."""
+        """Queues a request; returns an immediate error output when it can never run or cannot queue."""
         n = len(msg.prompt_token_ids)
         if n == 0 or n >= self.max_model_len:
             why = "the prompt is empty" if n == 0 else (
                 f"the prompt has {n} tokens; this server's context is {self.max_model_len} tokens"
             )
-            return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=why)
+            return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=why,
+                                 error_code="prompt_too_long")
         req = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling, msg.session_id)
-        self.scheduler.add(req)
+        try:
+            req.grammar_state = self._grammar_state(req)
+        except Exception as e:  # a schema xgrammar cannot compile is the request's fault
+            return RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
+                                 error=f"cannot build a grammar for this request: {e}", error_code="bad_grammar")
+        code = self.scheduler.add(req)
+        if code is not None:
+            return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error_code=code,
+                                 error="the server's admission queue is full; retry shortly")
         self.counters["requests"] += 1
         return None
 
@@ -105,6 +140,8 @@ class EngineCore:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             num_host_cached_tokens=req.num_host_cached_tokens,
+            num_recomputed_tokens=req.num_recomputed_tokens,
+            session_id=req.session_id,
         )
 
     def _stop_reason(self, req: Request, token: int) -> str | None:
@@ -113,60 +150,142 @@ class EngineCore:
             return "stop"
         if token in s.stop_token_ids:
             return "stop"
+        gs = req.grammar_state
+        if gs is not None and gs.is_terminated():  # type: ignore[attr-defined]
+            return "stop"
         if len(req.output_token_ids) >= s.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
 
+    def _first_token(self, req: Request) -> None:
+        now = time.monotonic()
+        req.first_token_time = now
+        c = self.counters
+        c["prompt_tokens"] += req.num_prompt_tokens
+        c["cached_tokens"] += req.num_cached_tokens
+        c["host_cached_tokens"] += req.num_host_cached_tokens
+        c["recomputed_history_tokens"] += req.num_recomputed_tokens
+        if req.session_id is not None:
+            ttft = now - req.arrival
+            self.cache.sessions.record_ttft(req.session_id, ttft)
+            s = self.cache.sessions.get(req.session_id)
+            if s is not None:
+                s.turn_history.append({
+                    "turn": s.turns, "prompt_tokens": req.num_prompt_tokens, "cached_tokens": req.num_cached_tokens,
+                    "host_cached_tokens": req.num_host_cached_tokens,
+                    "recomputed_tokens": req.num_recomputed_tokens, "ttft_s": round(ttft, 4), "completion_tokens": 0,
+                })
+
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         results: list[RequestOutput] = []
-        for req in out.failed:
+        for req, code, why in out.failed:
             self.scheduler.finish(req, "error")
             o = self._output(req, [], None)
-            o.error = "the request does not fit the KV pool even alone; lower max_tokens or raise --kv-cache-gb"
+            o.error, o.error_code = why, code
             results.append(o)
+        self.counters["preemptions"] = self.scheduler.num_preemptions
         if not out.seqs:
             return results
         tokens, lps = self.runner.execute(out)
-        self.counters["preemptions"] = self.scheduler.num_preemptions
-        self.counters["steps"] += 1
-        self.counters["computed_tokens"] += out.num_tokens
+        c = self.counters
+        c["steps"] += 1
+        c["computed_tokens"] += out.num_tokens
         sampled = iter(zip(tokens, lps, strict=True))
         for s in out.seqs:
             req = s.request
+            decoding = req.num_computed_tokens >= req.num_prompt_tokens
+            c["decode_tokens" if decoding else "prefill_tokens"] += s.num_new_tokens
             req.num_computed_tokens += s.num_new_tokens
+            if req.flushing:
+                self.scheduler.finish(req, req.finish_reason or "stop")
+                continue
             if not s.sample:
                 continue
             token, lp = next(sampled)
             if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-                self.counters["prompt_tokens"] += req.num_prompt_tokens
-                self.counters["cached_tokens"] += req.num_cached_tokens
+                self._first_token(req)
             req.output_token_ids.append(token)
-            self.counters["generated_tokens"] += 1
+            c["generated_tokens"] += 1
+            if req.grammar_state is not None:
+                req.grammar_state.accept(token)  # type: ignore[attr-defined]
             reason = self._stop_reason(req, token)
+            out_ = self._output(req, [token], [lp] if lp is not None else None)
             if reason is not None:
-                self.scheduler.finish(req, reason)
-            results.append(self._output(req, [token], [lp] if lp is not None else None))
+                self._record_completion(req)
+                out_.finished, out_.finish_reason = True, reason
+                if self.config.cache_policy != "none":
+                    # The answer is complete for the client now; one more step computes the last token's KV
+                    # (batched with the others) so the next turn finds prompt + completion cached.
+                    req.flushing, req.finish_reason = True, reason
+                else:
+                    self.scheduler.finish(req, reason)
+            results.append(out_)
         return results
 
+    def _record_completion(self, req: Request) -> None:
+        s = self.cache.sessions.get(req.session_id) if req.session_id else None
+        if s is not None and s.turn_history:
+            s.turn_history[-1]["completion_tokens"] = len(req.output_token_ids)
+
+    # ---- queries ----
+
     def stats(self) -> dict:
+        sch = self.scheduler
         return {
             "uptime_s": time.time() - self.started,
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            "running": len(sch.running),
+            "waiting": sch.num_waiting(),
             "pool": {
                 "total_pages": self.pool.capacity,
                 "free_pages": self.pool.num_free,
                 "used_pages": self.pool.num_used,
                 "page_size": self.pool.page_size,
+                "running_pages": len(sch.running_refs()),
             },
             "cache": self.cache.stats(),
             "counters": dict(self.counters),
+            "admission": {
+                "queued_new_sessions": len(sch.waiting_new),
+                "timeouts": sch.admission_timeouts,
+                "rejections": sch.admission_rejections,
+            },
+            "sessions": {"count": len(self.cache.sessions), "live_leases": len(self.cache.sessions.live())},
         }
 
+    def query(self, q: Query) -> dict | None:
+        if q.kind == "stats":
+            return self.stats()
+        if q.kind == "sessions":
+            return {"data": [session_summary(self, s) for s in self.cache.sessions]}
+        if q.kind == "session":
+            s = self.cache.sessions.get(q.arg or "")
+            return None if s is None else session_detail(self, s)
+        if q.kind == "drop_session":
+            sid = q.arg or ""
+            if sid not in self.cache.sessions:
+                return None
+            active = [r for r in self.scheduler.requests.values() if r.session_id == sid]
+            for r in active:
+                self.scheduler.finish(r, "abort")
+            freed = self.cache.drop_session(sid)
+            self.cache.sessions.remove(sid)
+            return {"id": sid, "deleted": True, "freed_pages": freed, "aborted_requests": [r.request_id for r in active]}
+        raise ValueError(f"unknown query {q.kind!r}")
+
     def check_integrity(self) -> None:
-        self.cache.check_integrity()
+        self.cache.check_integrity(self.scheduler.running_refs())
+
+    def wait_timeout(self) -> float | None:
+        """How long the process loop may block on the pipe: None (forever) when idle."""
+        deadline = self.scheduler.next_deadline()
+        return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+    def progress_possible(self) -> bool:
+        sch = self.scheduler
+        return bool(sch.running or sch.waiting) or (
+            bool(sch.waiting_new) and sch._new_session_fits(sch.waiting_new[0])
+        )
 
 
 def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = logging.INFO) -> None:
@@ -189,8 +308,13 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
             o = core.abort(msg.request_id)
             if o is not None:
                 conn.send(StepOutputs([o]))
-        elif isinstance(msg, StatsQuery):
-            conn.send(StatsReply(msg.query_id, core.stats()))
+        elif isinstance(msg, Query):
+            try:
+                result = core.query(msg)
+            except Exception as e:  # a bad query must not take the engine down
+                log.exception("query failed")
+                result = {"error": str(e)}
+            conn.send(QueryReply(msg.query_id, result))
         elif isinstance(msg, Shutdown):
             return False
         return True
@@ -199,6 +323,10 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
         while True:
             if not core.has_work():
                 if not handle(conn.recv()):  # blocks: idle costs nothing
+                    return
+            elif not core.progress_possible():
+                # Only blocked admissions: wait for a message or the next lease expiry / admission timeout.
+                if conn.poll(core.wait_timeout()) and not handle(conn.recv()):
                     return
             while conn.poll():
                 if not handle(conn.recv()):
@@ -209,3 +337,6 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
                     conn.send(StepOutputs(outs))
     except (EOFError, BrokenPipeError):
         log.info("API process went away; engine exiting")
+
+
+__all__ = ["EngineCore", "Status", "run_engine_process"]

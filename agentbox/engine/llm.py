@@ -4,6 +4,7 @@ the canary check; serving uses the core in its own process through `EngineClient
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,8 @@ class LLM:
             if err is not None:
                 done[rid].finish_reason, done[rid].error = "error", err.error
         while self.core.has_work():
+            if not self.core.progress_possible():
+                time.sleep(self.core.wait_timeout() or 0.0)  # only blocked admissions: wait for a lease to lapse
             for o in self.core.step():
                 c = done[o.request_id]
                 c.token_ids.extend(o.new_token_ids)

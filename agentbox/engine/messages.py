@@ -21,8 +21,12 @@ class AbortRequest:
 
 
 @dataclass
-class StatsQuery:
+class Query:
+    """A read (or a session drop) answered between steps: kind is stats | sessions | session | drop_session."""
+
     query_id: int
+    kind: str
+    arg: str | None = None
 
 
 @dataclass
@@ -47,7 +51,10 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_host_cached_tokens: int = 0
+    num_recomputed_tokens: int = 0
+    session_id: str | None = None
     error: str | None = None
+    error_code: str | None = None  # queue_full | admission_timeout -> 503; prompt_too_long -> 400
 
 
 @dataclass
@@ -56,9 +63,9 @@ class StepOutputs:
 
 
 @dataclass
-class StatsReply:
+class QueryReply:
     query_id: int
-    stats: dict
+    result: dict | None
 
 
 @dataclass

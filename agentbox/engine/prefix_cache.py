@@ -1,4 +1,4 @@
-"""The interface between the scheduler and a prefix cache, plus the cache that caches nothing.
+"""The interface between the scheduler and a prefix cache (implemented by radix_cache.RadixCache).
 
 Reference discipline: a match hands the caller its own reference on each matched page; `insert` consumes
 the caller's references on the pages it is given (new nodes keep them, duplicates are dropped); pages the
@@ -10,8 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
-
-from agentbox.engine.kv_pool import PagePool
 
 
 @dataclass
@@ -32,25 +30,3 @@ class PrefixCache(Protocol):
     def check_integrity(self) -> None: ...
 
     def stats(self) -> dict: ...
-
-
-class NoCache:
-    """`--cache-policy none`: nothing is reused across requests; finished pages go straight back."""
-
-    def __init__(self, pool: PagePool) -> None:
-        self.pool = pool
-
-    def match(self, tokens: Sequence[int], session: str | None) -> CacheMatch:
-        return CacheMatch([], 0)
-
-    def insert(self, tokens: Sequence[int], pages: list[int], session: str | None) -> None:
-        self.pool.decref(pages)
-
-    def evict(self, num_pages: int) -> int:
-        return 0
-
-    def check_integrity(self) -> None:
-        self.pool.check_integrity()
-
-    def stats(self) -> dict:
-        return {"policy": "none"}

@@ -546,7 +546,7 @@ class RadixCache:
             "policy": self.policy,
             "gpu_pages": self.gpu_pages,
             "host_pages": self.host_pages,
-            "host_capacity_pages": self.host.pool.capacity if self.host is not None else 0,
+            "host_total_pages": self.host.pool.capacity if self.host is not None else 0,
             "leased_pages": leased,
             "evictions": self.evictions,
             "demotions": self.demotions,

@@ -21,7 +21,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a request is itself, never equal to another
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -37,9 +37,13 @@ class Request:
     # Cache accounting, from real events (set when the request is admitted).
     num_cached_tokens: int = 0  # prompt tokens served from the cache at admission (all tiers)
     num_host_cached_tokens: int = 0  # of those, copied back from the host tier
+    num_recomputed_tokens: int = 0  # history of its session it had to recompute (cache had dropped it)
+    # Done generating, but its last token's KV is computed one more step so the cache holds the whole turn.
+    flushing: bool = False
+    turn_started: bool = False  # counted once as its session's turn, at first admission
     num_preemptions: int = 0
     first_token_time: float | None = None
-    cache_handle: object | None = None  # the radix cache's match handle, owned by the scheduler
+    grammar_state: object | None = None  # agentbox.chat.grammar.GrammarState when decoding is constrained
     _generator: torch.Generator | None = None
 
     @property

@@ -13,6 +13,18 @@ class InvalidParam(ValueError):
         self.field = field
 
 
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What to constrain decoding to; compiled (and cached) by the engine with agentbox.chat.grammar."""
+
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
+    parser: str | None = None
+    reasoning: str = "none"  # none | inside | optional
+    parallel_tool_calls: bool = True
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -28,6 +40,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob plus the top n
+    grammar: GrammarSpec | None = None
 
     @property
     def greedy(self) -> bool:

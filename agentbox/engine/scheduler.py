@@ -3,20 +3,26 @@
 The idea, written where it is used: every running request wants `num_tokens - num_computed_tokens` more
 tokens computed (1 when decoding, the rest of its prompt when prefilling). Running requests are served
 first, oldest first, each taking what it needs from the step's token budget (a long prompt takes a chunk
-and continues next step: chunked prefill). Then waiting requests are admitted, oldest first, while the
-budget, the running cap and the pool allow. When the pool runs out for a running request, the newest
-running request is preempted: its computed prefix goes to the prefix cache (or back to the pool) and it
-waits to be recomputed. Nothing crashes for lack of pages; a request that alone cannot fit fails cleanly.
+and continues next step: chunked prefill). Then waiting requests are admitted while the budget, the
+running cap and the pool allow: first requests of sessions coming back from a tool (and preempted ones),
+then requests that start a new session. A new session is admitted only while running work plus the
+sessions' leased working sets leave room for its prompt; otherwise it waits (FIFO, bounded), and past the
+admission timeout it is refused (the API answers 503 with Retry-After). Leases stay soft: a running request
+that needs pages breaks them through the cache's eviction order. When the pool runs out for a running
+request, the newest running request is preempted: its computed prefix goes to the prefix cache and it
+waits to be recomputed (mostly from that cache). Nothing crashes for lack of pages.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import itertools
+import time
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from agentbox.config import EngineConfig
 from agentbox.engine.kv_pool import PagePool
-from agentbox.engine.prefix_cache import PrefixCache
+from agentbox.engine.radix_cache import RadixCache
 from agentbox.engine.request import Request, Status
 
 
@@ -32,7 +38,7 @@ class SchedulerOutput:
     """The only contract between the scheduler and the runner."""
 
     seqs: list[ScheduledSeq]
-    failed: list[Request]  # requests that can never fit the pool; finished with an error
+    failed: list[tuple[Request, str, str]]  # (request, error code, message): finished with an error
 
     @property
     def num_tokens(self) -> int:
@@ -40,25 +46,42 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool, cache: PrefixCache, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, pool: PagePool, cache: RadixCache, max_model_len: int) -> None:
         self.config = config
         self.pool = pool
         self.cache = cache
+        self.sessions = cache.sessions
         self.max_model_len = max_model_len
         self.page_size = pool.page_size
-        self.waiting: deque[Request] = deque()
+        self.waiting: deque[Request] = deque()  # returning sessions and preempted requests
+        self.waiting_new: deque[Request] = deque()  # requests that start a new session
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.admission_timeouts = 0
+        self.admission_rejections = 0
+        self._auto_ids = itertools.count()
 
     # ---- lifecycle ----
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request) -> str | None:
+        """Queues a request; returns an error code when the admission queue is full."""
+        returning = req.session_id is not None and req.session_id in self.sessions
+        if not returning and self.config.cache_policy == "session":
+            if len(self.waiting_new) >= self.config.admission_queue_size:
+                self.admission_rejections += 1
+                return "queue_full"
+            self.waiting_new.append(req)
+        else:
+            self.waiting.append(req)
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.waiting_new or self.running)
+
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.waiting_new)
 
     def finish(self, req: Request, reason: str) -> None:
         """Finish (or abort) a request: its computed tokens go to the prefix cache, the rest of its pages back."""
@@ -66,9 +89,13 @@ class Scheduler:
             return
         if req.status is Status.RUNNING:
             self.running.remove(req)
-        else:
+        elif req in self.waiting:
             self.waiting.remove(req)
+        else:
+            self.waiting_new.remove(req)
         self._release_pages(req)
+        if req.turn_started and req.session_id is not None:
+            self.cache.end_turn(req.session_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
@@ -89,6 +116,9 @@ class Scheduler:
         req.pages = []
         req.num_computed_tokens = 0
 
+    def running_refs(self) -> Counter[int]:
+        return Counter(p for r in self.running for p in r.pages)
+
     # ---- one step ----
 
     def _pages_for(self, req: Request, num_tokens: int) -> int:
@@ -106,6 +136,9 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Request) -> None:
+        if victim.flushing:  # its answer is out already; only its cache entry is lost
+            self.finish(victim, victim.finish_reason or "stop")
+            return
         self.running.remove(victim)
         self._release_pages(victim)
         victim.status = Status.WAITING
@@ -118,16 +151,50 @@ class Scheduler:
         m = self.cache.match(req.all_token_ids[: req.num_tokens - 1], req.session_id)
         req.pages = m.pages
         req.num_computed_tokens = m.num_tokens
-        req.cache_handle = m.handle
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = m.num_tokens
-            req.num_host_cached_tokens = m.num_host_tokens
+        if req.turn_started:
+            return
+        # First admission: this is the turn the session's counters see.
+        req.turn_started = True
+        if req.session_id is None:
+            # Inferred from the cached prefix, else a fresh tag so its later turns can be recognised.
+            req.session_id = getattr(m, "session", None) or f"auto-{next(self._auto_ids)}"
+        req.num_cached_tokens = m.num_tokens
+        req.num_host_cached_tokens = m.num_host_tokens
+        self.sessions.begin_turn(req.session_id)
+        req.num_recomputed_tokens = self.sessions.record_prompt(
+            req.session_id, req.prompt_token_ids, m.num_tokens, m.num_host_tokens, self.page_size
+        )
+
+    def _new_session_fits(self, req: Request) -> bool:
+        """Running work plus live leases leave room for this new session's prompt."""
+        if self.config.cache_policy != "session":
+            return True
+        held = len({p for r in self.running for p in r.pages})
+        leased = int(self.cache.stats().get("leased_pages", 0))
+        need = -(-req.num_tokens // self.page_size)
+        return need <= self.pool.capacity - held - leased
+
+    def _expire_admissions(self, failed: list[tuple[Request, str, str]]) -> None:
+        now = time.monotonic()
+        while self.waiting_new and now - self.waiting_new[0].arrival > self.config.admission_timeout_s:
+            req = self.waiting_new[0]
+            self.admission_timeouts += 1
+            failed.append((req, "admission_timeout",
+                           f"the server is busy: no room for a new session within {self.config.admission_timeout_s:.0f} s"))
+            self.finish(req, "error")
+
+    def next_deadline(self) -> float | None:
+        """When a blocked admission queue should be looked at again (monotonic), or None."""
+        if self.running or self.waiting or not self.waiting_new:
+            return None
+        soonest = self.waiting_new[0].arrival + self.config.admission_timeout_s
+        expiries = [s.lease_expiry for s in self.sessions.live() if s.lease_expiry is not None]
+        return min([soonest, *expiries])
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
-        failed: list[Request] = []
-        scheduled: set[str] = set()
+        failed: list[tuple[Request, str, str]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -142,30 +209,27 @@ class Scheduler:
             if req.status is not Status.RUNNING:
                 continue  # req preempted itself; the list shifted
             if self._pages_for(req, req.num_computed_tokens + n) > 0:
-                # Alone and still cannot fit: fail it rather than spin.
-                failed.append(req)
+                failed.append((req, "pool_too_small",
+                               "the request does not fit the KV pool even alone; raise --kv-cache-gb or lower max_tokens"))
                 i += 1
                 continue
-            seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
-            scheduled.add(req.request_id)
+            seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens and not req.flushing))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if self._pages_for(req, req.num_tokens) - 0 > self.pool.capacity:
-                self.waiting.popleft()
-                self.running.append(req)
+        self._expire_admissions(failed)
+        for queue in (self.waiting, self.waiting_new):
+            while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = queue[0]
+                if queue is self.waiting_new and not self._new_session_fits(req):
+                    break  # FIFO: later new sessions wait behind it
+                self._admit(req)
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self._reserve(req, req.num_computed_tokens + n):
+                    self._release_pages(req)  # give the matched prefix back; try again next step
+                    break
+                queue.popleft()
                 req.status = Status.RUNNING
-                failed.append(req)
-                continue
-            self._admit(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve(req, req.num_computed_tokens + n):
-                self._release_pages(req)  # give the matched prefix back; try again next step
-                break
-            self.waiting.popleft()
-            req.status = Status.RUNNING
-            self.running.append(req)
-            seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
-            budget -= n
+                self.running.append(req)
+                seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
+                budget -= n
         return SchedulerOutput(seqs, failed)

@@ -37,6 +37,7 @@ from agentbox.config import EngineConfig
 
 # How many recent gaps a session remembers: agents change pace (a long build, then quick edits).
 GAP_HISTORY = 32
+TURN_HISTORY = 64  # per-session turn records kept for `agentbox top`
 TTL_QUANTILE = 0.9
 TTL_MARGIN = 1.5
 MIN_TTL_S = 2.0
@@ -75,6 +76,8 @@ class Session:
     cached_tokens_gpu: int = 0
     cached_tokens_host: int = 0
     recomputed_tokens: int = 0  # history this session had computed before that had to be computed again
+    history_tokens: int = 0  # history tokens re-sent (what recomputed_tokens is a share of)
+    turn_history: deque[dict] = field(default_factory=lambda: deque(maxlen=TURN_HISTORY))
     last_ttft_s: float | None = None
     # The page hashes of the last sequence inserted for this session: what "its history" is.
     history_hashes: list[int] = field(default_factory=list)
@@ -96,6 +99,7 @@ class Session:
             "cached_tokens_gpu": self.cached_tokens_gpu,
             "cached_tokens_host": self.cached_tokens_host,
             "recomputed_history_tokens": self.recomputed_tokens,
+            "history_tokens": self.history_tokens,
             "last_ttft_s": self.last_ttft_s,
             "gaps_s": [round(g, 3) for g in self.gaps],
         }
@@ -240,6 +244,7 @@ class SessionTable:
             common += 1
         recomputed = max(0, common * page_size - cached_tokens)
         s.recomputed_tokens += recomputed
+        s.history_tokens += common * page_size
         return recomputed
 
     def record_history(self, sid: str, tokens: Sequence[int], page_size: int) -> None:

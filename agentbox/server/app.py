@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import agentbox
 from agentbox.config import ServerConfig
 from agentbox.engine.client import EngineClient
-from agentbox.server import openai_routes
+from agentbox.server import anthropic_routes, openai_routes, responses_routes, sessions_routes
 from agentbox.server.errors import (
     APIError,
     api_error_handler,
@@ -28,7 +28,7 @@ from agentbox.server.errors import (
     http_error_handler,
     validation_error_handler,
 )
-from agentbox.server.generation import ServerState
+from agentbox.server.generation import CLIENT_AGENT, ServerState
 
 log = logging.getLogger("agentbox.server")
 
@@ -64,6 +64,11 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
 
+    @app.middleware("http")
+    async def client_agent(request: Request, call_next: Any) -> Any:
+        CLIENT_AGENT.set(request.headers.get("user-agent"))
+        return await call_next(request)
+
     if config.api_key:
         @app.middleware("http")
         async def auth(request: Request, call_next: Any) -> Any:
@@ -98,10 +103,15 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def stats(request: Request) -> dict:
         state: ServerState = request.app.state.agentbox
         s = await state.engine.stats()
-        return {**s, "model": state.model_name, "engine": vars(state.info), "pid": os.getpid(),
+        engine = {**vars(state.info), "tensor_parallel_size": state.config.engine.tensor_parallel_size,
+                  "cache_policy": state.config.engine.cache_policy}
+        return {**s, "model": state.model_name, "engine": engine, "pid": os.getpid(),
                 "engine_pid": state.engine.pid, "server_uptime_s": time.time() - state.started}
 
     app.include_router(openai_routes.router)
+    app.include_router(anthropic_routes.router)
+    app.include_router(responses_routes.router)
+    app.include_router(sessions_routes.router)
     return app
 
 

@@ -4,6 +4,7 @@ usage counted from the engine's real counters. Shared by every API dialect."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     host_cached_tokens: int = 0
+    session_id: str | None = None
 
     def openai(self) -> dict:
         return {
@@ -52,6 +54,7 @@ class ServerState:
     info: EngineReady
     model_name: str
     started: float = field(default_factory=time.time)
+    clients: dict[str, str] = field(default_factory=dict)  # session id -> User-Agent of its last request
 
     def check_model(self, name: str) -> None:
         if name not in (self.model_name, self.info.model_name):
@@ -73,6 +76,20 @@ class ServerState:
         return max(1, min(requested or room, room))
 
 
+RETRY_AFTER_S = 5
+# The User-Agent of the request being served (set by app.py's middleware), shown per session by `top`.
+CLIENT_AGENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("client_agent", default=None)
+
+
+def engine_error(message: str, code: str | None) -> APIError:
+    """An engine-side failure as the HTTP error a client can act on."""
+    if code in ("queue_full", "admission_timeout"):
+        return APIError(503, message, code=code, type_="overloaded_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if code in ("prompt_too_long", "bad_grammar"):
+        return APIError(400, message, param="messages" if code == "prompt_too_long" else "tools", code=code)
+    return APIError(500, message, code=code or "engine_error", type_="server_error")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -90,11 +107,14 @@ async def generate(
     async with contextlib.aclosing(stream):
         async for o in stream:
             if o.error and o.finish_reason == "error":
-                raise APIError(400 if "prompt" in o.error else 500, o.error, code="engine_error",
-                               type_="invalid_request_error" if "prompt" in o.error else "server_error")
+                raise engine_error(o.error, o.error_code)
             usage.completion_tokens += len(o.new_token_ids)
             usage.cached_tokens = o.num_cached_tokens
             usage.host_cached_tokens = o.num_host_cached_tokens
+            if o.session_id:
+                usage.session_id = o.session_id
+                if agent := CLIENT_AGENT.get():
+                    state.clients[o.session_id] = agent
             text = stops.feed(detok.add(o.new_token_ids))
             finished, reason = o.finished, o.finish_reason
             if stops.stopped and not finished:

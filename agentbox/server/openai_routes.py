@@ -11,7 +11,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from agentbox.engine.messages import TokenLogprob
-from agentbox.engine.sampling import InvalidParam, SamplingParams
+from agentbox.engine.sampling import SamplingParams
+from agentbox.server.chat_pipeline import Conversation, FinalOutput, checked, fold, prepare_chat
 from agentbox.server.errors import APIError
 from agentbox.server.generation import GenEvent, ServerState, Usage, generate, new_id
 from agentbox.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -41,35 +42,7 @@ def sampling_from(body: SamplingFields, max_tokens: int, logprobs: int | None) -
         repetition_penalty=body.repetition_penalty or 1.0,
         logprobs=logprobs,
     )
-    try:
-        return sp.validate()
-    except InvalidParam as e:
-        raise APIError(400, str(e), param=e.field, code="invalid_value") from e
-
-
-def _text_content(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") in ("text", "input_text"))
-    raise APIError(400, "message content must be a string or a list of text parts", param="messages")
-
-
-def render_chat(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    msgs = []
-    for i, m in enumerate(body.messages):
-        if not isinstance(m.get("role"), str):
-            raise APIError(400, f"messages[{i}] has no 'role'", param=f"messages[{i}].role")
-        msgs.append({**m, "content": _text_content(m.get("content"))})
-    try:
-        text = state.tokenizer.apply_chat_template(
-            msgs, tools=body.tools, add_generation_prompt=True, tokenize=False
-        )
-    except Exception as e:  # a template error is the request's fault (roles out of order, etc.)
-        raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e
-    return state.tokenizer.encode(text, add_special_tokens=False)
+    return checked(sp)
 
 
 def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict:
@@ -82,31 +55,64 @@ def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict:
     return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, v) for t, v in x.top]} for x in lps]}
 
 
+def conversation_of(body: ChatCompletionRequest) -> Conversation:
+    extra = body.model_extra or {}
+    return Conversation(
+        messages=body.messages, tools=body.tools, tool_choice=body.tool_choice,
+        response_format=body.response_format,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        structured_tool_calls=extra.get("structured_tool_calls") is not False,
+        enable_thinking=_enable_thinking(extra),
+    )
+
+
+def _enable_thinking(extra: dict[str, Any]) -> bool | None:
+    """vLLM's `chat_template_kwargs.enable_thinking`, or `reasoning_effort: none` to switch it off."""
+    kw = extra.get("chat_template_kwargs")
+    if isinstance(kw, dict) and isinstance(kw.get("enable_thinking"), bool):
+        return kw["enable_thinking"]
+    if extra.get("reasoning_effort") in ("none", "minimal"):
+        return False
+    return None
+
+
+def _message(out: FinalOutput) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": "assistant", "content": out.content if out.content or not out.tool_calls else None}
+    if out.reasoning:
+        msg["reasoning_content"] = msg["reasoning"] = out.reasoning
+    if out.tool_calls:
+        msg["tool_calls"] = [c.to_openai() for c in out.tool_calls]
+    return msg
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state: ServerState = request.app.state.agentbox
     state.check_model(body.model)
-    prompt = render_chat(state, body)
-    state.check_prompt(len(prompt), "messages")
+    chat = prepare_chat(state, conversation_of(body))
+    prompt = chat.prompt_ids
     max_tokens = state.clamp_max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sp = sampling_from(body, max_tokens, logprobs)
+    sp.grammar = chat.grammar()
     sid = session_key(request.headers, body.model_dump())
     cid, created = new_id("chatcmpl"), int(time.time())
     events = generate(state, prompt, sp, sid, cid)
+    proc = chat.output()
     if not body.stream:
-        text, lps, last = "", [], None
+        deltas, lps, last = [], [], None
         async for ev in events:
-            text += ev.text
+            deltas += proc.feed(ev.text)
             lps.extend(ev.logprobs or [])
             last = ev
         assert last is not None
+        deltas += proc.finish()
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
             "choices": [{
-                "index": 0, "message": {"role": "assistant", "content": text},
+                "index": 0, "message": _message(fold(deltas)),
                 "logprobs": _chat_logprobs(state, lps) if logprobs is not None else None,
-                "finish_reason": last.finish_reason,
+                "finish_reason": proc.finish_reason(last.finish_reason),
             }],
             "usage": last.usage.openai(),
         })
@@ -124,16 +130,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             async for e in events:
                 yield e
 
+        def chunk(delta: dict[str, Any], lp: dict | None = None) -> str:
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
+            if lp is not None:
+                choice["logprobs"] = lp
+            return sse({**base, "choices": [choice]})
+
         try:
             async for ev in all_events():
                 usage = ev.usage
-                choice: dict[str, Any] = {"index": 0, "delta": {"content": ev.text} if ev.text else {}, "finish_reason": None}
-                if logprobs is not None and ev.logprobs:
-                    choice["logprobs"] = _chat_logprobs(state, ev.logprobs)
-                if ev.text or choice.get("logprobs"):
-                    yield sse({**base, "choices": [choice]})
+                deltas = proc.feed(ev.text) + (proc.finish() if ev.finished else [])
+                lp = _chat_logprobs(state, ev.logprobs) if logprobs is not None and ev.logprobs else None
+                if lp is not None and not deltas:
+                    yield chunk({}, lp)  # logprobs of tokens whose text is still held back
+                for i, d in enumerate(deltas):
+                    yield chunk(d.to_openai(), lp if i == 0 else None)
                 if ev.finished:
-                    yield sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": ev.finish_reason}]})
+                    reason = proc.finish_reason(ev.finish_reason)
+                    yield sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": reason}]})
         except APIError as e:
             yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
         finally:

@@ -1,0 +1,364 @@
+"""Anthropic Messages: `POST /v1/messages` (what Claude Code speaks) and `/v1/messages/count_tokens`.
+
+The request is translated to the shared chat pipeline's OpenAI-style conversation and back. Errors on
+these routes are Anthropic-shaped, so bodies are parsed here rather than by FastAPI (whose validation
+errors the app answers in OpenAI's shape).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentbox.engine.sampling import SamplingParams
+from agentbox.server.chat_pipeline import Conversation, PreparedChat, checked, fold, prepare_chat
+from agentbox.server.errors import APIError, parse_json_body
+from agentbox.server.generation import GenEvent, ServerState, Usage, generate, new_id
+from agentbox.server.session_key import session_key
+
+router = APIRouter()
+
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class MessagesBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    messages: list[dict[str, Any]] = Field(..., min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CreateBody(MessagesBody):
+    max_tokens: int | None = Field(None, ge=1)
+    stream: bool = False
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> JSONResponse:
+    kind = ERROR_TYPES.get(status, "api_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
+
+
+def _validation_message(e: ValidationError) -> str:
+    first = e.errors()[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()))
+    return f"{loc}: {first.get('msg', 'invalid value')}" if loc else str(first.get("msg"))
+
+
+async def _answer(handler: Callable[[], Awaitable[Any]]) -> Any:
+    try:
+        return await handler()
+    except APIError as e:
+        return anthropic_error(e.status, e.message)
+    except ValidationError as e:
+        return anthropic_error(400, _validation_message(e))
+
+
+# ---- request translation -------------------------------------------------------------------------
+def _text_of(content: Any) -> str:
+    """A tool_result's content (a string or blocks) as text; images cannot reach a text model."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for b in content:
+        if isinstance(b, dict) and b.get("type") == "text":
+            parts.append(str(b.get("text", "")))
+        elif isinstance(b, dict):
+            parts.append(f"[{b.get('type', 'block')} omitted]")
+    return "\n".join(parts)
+
+
+def _user_blocks(blocks: list[Any], out: list[dict]) -> None:
+    """tool_result blocks become tool messages (first, as the call order requires); text a user message."""
+    texts: list[str] = []
+    for b in blocks:
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "tool_result":
+            text = _text_of(b.get("content"))
+            if b.get("is_error"):
+                text = f"Error: {text}"
+            out.append({"role": "tool", "tool_call_id": b.get("tool_use_id", ""), "content": text})
+        elif kind == "text":
+            texts.append(str(b.get("text", "")))
+        elif kind in ("image", "document"):
+            texts.append(f"[{kind} omitted: this model reads text only]")
+        else:
+            raise APIError(400, f"unsupported content block type {kind!r} in a user message")
+    if texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+
+
+def _assistant_blocks(blocks: list[Any]) -> dict:
+    texts, reasoning, calls = [], [], []
+    for b in blocks:
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "text":
+            texts.append(str(b.get("text", "")))
+        elif kind == "thinking":
+            reasoning.append(str(b.get("thinking", "")))
+        elif kind == "tool_use":
+            # Compact-separator JSON, as the grammar writes it: the re-rendered turn matches the cache.
+            args = json.dumps(b.get("input") or {}, ensure_ascii=False)
+            calls.append({"id": b.get("id", ""), "type": "function", "function": {"name": b.get("name", ""), "arguments": args}})
+        elif kind == "redacted_thinking":
+            continue
+        else:
+            raise APIError(400, f"unsupported content block type {kind!r} in an assistant message")
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if reasoning:
+        msg["reasoning_content"] = "".join(reasoning)
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def to_messages(body: MessagesBody) -> list[dict]:
+    out: list[dict] = []
+    if body.system:
+        out.append({"role": "system", "content": body.system if isinstance(body.system, str) else
+                    [{"type": "text", "text": str(b.get("text", ""))} for b in body.system if b.get("type", "text") == "text"]})
+    for i, m in enumerate(body.messages):
+        role, content = m.get("role"), m.get("content")
+        if role not in ("user", "assistant", "system"):
+            raise APIError(400, f"messages.{i}.role: must be 'user' or 'assistant' (got {role!r})")
+        if isinstance(content, str) or content is None:
+            out.append({"role": role, "content": content or ""})
+        elif not isinstance(content, list):
+            raise APIError(400, f"messages.{i}.content: must be a string or a list of content blocks")
+        elif role == "assistant":
+            out.append(_assistant_blocks(content))
+        elif role == "system":
+            out.append({"role": "system", "content": _text_of(content)})
+        else:
+            _user_blocks(content, out)
+    return out
+
+
+def _tools(tools: list[dict] | None) -> list[dict] | None:
+    """Client tools only: server tools (web search, …) carry no input_schema and run elsewhere."""
+    kept = [{"name": t["name"], "description": t.get("description", ""), "input_schema": t["input_schema"]}
+            for t in tools or [] if isinstance(t, dict) and "name" in t and "input_schema" in t]
+    return kept or None
+
+
+def _tool_choice(tc: dict | None) -> tuple[str | dict | None, bool]:
+    """(OpenAI-style tool_choice, parallel allowed)."""
+    if tc is None:
+        return None, True
+    parallel = not tc.get("disable_parallel_tool_use", False)
+    kind = tc.get("type")
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", parallel
+    if kind == "tool" and isinstance(tc.get("name"), str):
+        return {"type": "function", "function": {"name": tc["name"]}}, parallel
+    raise APIError(400, f"tool_choice.type must be auto, any, tool or none (got {kind!r})")
+
+
+def _thinking(th: dict | None) -> bool | None:
+    if not th:
+        return None
+    return th.get("type") in ("enabled", "adaptive")
+
+
+def conversation_of(body: MessagesBody) -> Conversation:
+    choice, parallel = _tool_choice(body.tool_choice)
+    extra = body.model_extra or {}
+    return Conversation(messages=to_messages(body), tools=_tools(body.tools), tool_choice=choice,
+                        parallel_tool_calls=parallel, enable_thinking=_thinking(body.thinking),
+                        structured_tool_calls=extra.get("structured_tool_calls") is not False)
+
+
+# ---- response building ---------------------------------------------------------------------------
+def anthropic_usage(u: Usage) -> dict:
+    """Anthropic counts input as uncached + cache reads + cache writes; we report no separate writes (every
+    prompt is cached as a side effect), so input_tokens + cache_read_input_tokens is the whole prompt."""
+    return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
+            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+
+
+def _tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _signature(text: str) -> str:
+    """Claude Code keeps thinking blocks with their signature; ours is a digest of the reasoning text."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def stop_reason(state: ServerState, chat_reason: str | None, stops: list[str], last: GenEvent,
+                out_ids: list[int]) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence). A stop string ended the turn when it stopped on a non-EOS token."""
+    if chat_reason in STOP_REASONS:
+        return STOP_REASONS[chat_reason], None
+    if chat_reason == "stop" and stops and not (last.token_ids and last.token_ids[-1] in state.info.eos_token_ids):
+        raw = state.tokenizer.decode(out_ids, skip_special_tokens=True)
+        hits = [(raw.find(s), s) for s in stops if s and raw.find(s) >= 0]
+        if hits:
+            return "stop_sequence", min(hits)[1]
+    return "end_turn", None
+
+
+def sse(event: str, data: dict) -> str:
+    return f"event: {event}\ndata: {json.dumps({'type': event, **data}, ensure_ascii=False)}\n\n"
+
+
+async def _prepare(request: Request, body: CreateBody) -> tuple[ServerState, PreparedChat, SamplingParams, str | None]:
+    state: ServerState = request.app.state.agentbox
+    state.check_model(body.model)
+    chat = prepare_chat(state, conversation_of(body))
+    sp = checked(SamplingParams(
+        max_tokens=state.clamp_max_tokens(body.max_tokens, len(chat.prompt_ids)),
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        stop=list(body.stop_sequences or []),
+    ))
+    sp.grammar = chat.grammar()
+    return state, chat, sp, session_key(request.headers, body.model_dump())
+
+
+@router.post("/v1/messages")
+async def messages(request: Request) -> Any:
+    async def handle() -> Any:
+        body = CreateBody.model_validate(parse_json_body(await request.body()))
+        state, chat, sp, sid = await _prepare(request, body)
+        mid = "msg_" + new_id("a")[2:]
+        events = generate(state, chat.prompt_ids, sp, sid, mid)
+        proc = chat.output()
+        head = {"id": mid, "type": "message", "role": "assistant", "model": state.model_name}
+        out_ids: list[int] = []
+        if not body.stream:
+            deltas, last = [], None
+            async for ev in events:
+                deltas += proc.feed(ev.text)
+                out_ids += ev.token_ids
+                last = ev
+            assert last is not None
+            deltas += proc.finish()
+            out = fold(deltas)
+            content: list[dict] = []
+            if out.reasoning:
+                content.append({"type": "thinking", "thinking": out.reasoning, "signature": _signature(out.reasoning)})
+            if out.content:
+                content.append({"type": "text", "text": out.content})
+            for c in out.tool_calls:
+                try:
+                    args = json.loads(c.arguments or "{}")
+                except ValueError:
+                    args = {"_raw": c.arguments}  # malformed: kept visible rather than dropped
+                content.append({"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name, "input": args})
+            reason, seq = stop_reason(state, proc.finish_reason(last.finish_reason), sp.stop, last, out_ids)
+            return JSONResponse({**head, "content": content, "stop_reason": reason, "stop_sequence": seq,
+                                 "usage": anthropic_usage(last.usage)})
+        first = await anext(events)  # engine errors become a 4xx/5xx before the 200 goes out
+        return StreamingResponse(_stream(state, head, first, events, proc, sp, out_ids),
+                                 media_type="text/event-stream")
+
+    return await _answer(handle)
+
+
+async def _stream(state: ServerState, head: dict, first: GenEvent, events: AsyncIterator[GenEvent], proc: Any,
+                  sp: SamplingParams, out_ids: list[int]) -> AsyncIterator[str]:
+    start_usage = {**anthropic_usage(first.usage), "output_tokens": 0}
+    yield sse("message_start", {"message": {**head, "content": [], "stop_reason": None, "stop_sequence": None,
+                                            "usage": start_usage}})
+    yield sse("ping", {})
+    block: dict[str, Any] = {"index": -1, "kind": None, "text": ""}
+
+    def close() -> list[str]:
+        if block["kind"] is None:
+            return []
+        out = []
+        if block["kind"] == "thinking":
+            out.append(sse("content_block_delta", {"index": block["index"], "delta": {
+                "type": "signature_delta", "signature": _signature(block["text"])}}))
+        out.append(sse("content_block_stop", {"index": block["index"]}))
+        block["kind"] = None
+        return out
+
+    def open_block(kind: str, content_block: dict) -> list[str]:
+        out = close()
+        block.update(index=block["index"] + 1, kind=kind, text="")
+        out.append(sse("content_block_start", {"index": block["index"], "content_block": content_block}))
+        return out
+
+    def emit(d: Any) -> list[str]:
+        out: list[str] = []
+        if d.reasoning:
+            if block["kind"] != "thinking":
+                out += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            block["text"] += d.reasoning
+            out.append(sse("content_block_delta", {"index": block["index"], "delta": {
+                "type": "thinking_delta", "thinking": d.reasoning}}))
+        if d.content:
+            if block["kind"] != "text":
+                out += open_block("text", {"type": "text", "text": ""})
+            out.append(sse("content_block_delta", {"index": block["index"], "delta": {
+                "type": "text_delta", "text": d.content}}))
+        if (tc := d.tool_call) is not None:
+            if tc.id is not None:
+                out += open_block("tool_use", {"type": "tool_use", "id": _tool_use_id(tc.id), "name": tc.name,
+                                               "input": {}})
+            if tc.arguments:
+                out.append(sse("content_block_delta", {"index": block["index"], "delta": {
+                    "type": "input_json_delta", "partial_json": tc.arguments}}))
+        return out
+
+    last = first
+    try:
+        ev = first
+        while True:
+            last = ev
+            out_ids += ev.token_ids
+            for d in proc.feed(ev.text) + (proc.finish() if ev.finished else []):
+                for chunk in emit(d):
+                    yield chunk
+            if ev.finished:
+                break
+            ev = await anext(events)
+    except APIError as e:
+        yield sse("error", {"error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}})
+        return
+    finally:
+        await events.aclose()  # a client that went away aborts the engine request
+    for chunk in close():
+        yield chunk
+    reason, seq = stop_reason(state, proc.finish_reason(last.finish_reason), sp.stop, last, out_ids)
+    yield sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
+                                "usage": anthropic_usage(last.usage)})
+    yield sse("message_stop", {})
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request) -> Any:
+    async def handle() -> Any:
+        body = MessagesBody.model_validate(parse_json_body(await request.body()))
+        state: ServerState = request.app.state.agentbox
+        state.check_model(body.model)
+        chat = prepare_chat(state, conversation_of(body), check_length=False)
+        return JSONResponse({"input_tokens": len(chat.prompt_ids)})
+
+    return await _answer(handle)

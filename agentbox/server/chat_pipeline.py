@@ -1,0 +1,193 @@
+"""The chat path every API dialect shares: a dialect-neutral conversation (OpenAI-style messages + tools)
+in, prompt token ids out; generated text in, content / reasoning / tool-call deltas out.
+
+The dialect routes (OpenAI chat, Anthropic messages, OpenAI responses) only translate shapes; which
+template renders the prompt, which parser reads tool calls and how reasoning is split is decided here,
+once, from the model's own chat template, so the three dialects can never disagree about a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentbox.chat.grammar import forced_name
+from agentbox.chat.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from agentbox.chat.render import normalize_tools, render_prompt, template_text
+from agentbox.chat.tool_parsers import Delta, ToolCall, detect_tool_parser, get_tool_parser
+from agentbox.engine.sampling import GrammarSpec, InvalidParam, SamplingParams
+from agentbox.server.errors import APIError
+from agentbox.server.generation import ServerState
+
+DEFAULT_TOOL_PARSER = "hermes"  # what a model with no trained call syntax is steered to by the grammar
+
+
+@dataclass
+class Conversation:
+    """One request, whatever its dialect, in the shape the chat templates read."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {"type": "function", ...}
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    structured_tool_calls: bool = True  # auto + tools: a structural tag keeps every call schema-valid
+    enable_thinking: bool | None = None  # None: the template's default
+
+
+@dataclass
+class FinalOutput:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Text deltas from `generation.generate()` in; content, reasoning and tool-call deltas out.
+
+    Reasoning is split first and the tool parser only ever sees content, so a `<tool_call>` written while
+    thinking is reasoning, and no reasoning text can reach tool arguments.
+    """
+
+    def __init__(self, reasoning_style: str, starts_inside: bool, tool_parser: str | None,
+                 tools: list[dict] | None) -> None:
+        self.splitter = ReasoningSplitter(reasoning_style, starts_inside=starts_inside)
+        self.tools = get_tool_parser(tool_parser, tools).stream() if tool_parser else None
+
+    @property
+    def has_tool_calls(self) -> bool:
+        return self.tools is not None and self.tools.has_tool_calls
+
+    def feed(self, text: str) -> list[Delta]:
+        return self._route(self.splitter.feed(text)) if text else []
+
+    def finish(self) -> list[Delta]:
+        out = self._route(self.splitter.finish())
+        if self.tools is not None:
+            out += self.tools.finish()
+        return out
+
+    def finish_reason(self, engine_reason: str | None) -> str | None:
+        """`tool_calls` when the turn called tools, unless it was cut off (then `length` says so)."""
+        if self.has_tool_calls and engine_reason != "length":
+            return "tool_calls"
+        return engine_reason
+
+    def _route(self, deltas: list[Delta]) -> list[Delta]:
+        out: list[Delta] = []
+        for d in deltas:
+            if d.content is not None and self.tools is not None:
+                out += self.tools.feed(d.content)
+            else:
+                out.append(d)
+        return out
+
+
+def fold(deltas: list[Delta]) -> FinalOutput:
+    """The non-streaming message: every delta folded back together."""
+    out = FinalOutput()
+    calls: dict[int, ToolCall] = {}
+    for d in deltas:
+        out.content += d.content or ""
+        out.reasoning += d.reasoning or ""
+        if (tc := d.tool_call) is not None:
+            call = calls.setdefault(tc.index, ToolCall(id="", name="", arguments=""))
+            call.id = tc.id or call.id
+            call.name = tc.name or call.name
+            call.arguments += tc.arguments
+    out.tool_calls = [calls[i] for i in sorted(calls)]
+    return out
+
+
+@dataclass
+class PreparedChat:
+    """A rendered request: what to send the engine and how to read what comes back."""
+
+    conv: Conversation
+    prompt_text: str
+    prompt_ids: list[int]
+    tools: list[dict] | None  # normalised to {"type": "function", "function": {...}}
+    tool_parser: str | None  # None: tool calls are not parsed (no tools, or tool_choice none)
+    reasoning_style: str  # qwen3 | none
+    starts_inside: bool  # the prompt ends inside an open <think>
+
+    def output(self) -> OutputProcessor:
+        return OutputProcessor(self.reasoning_style, self.starts_inside, self.tool_parser, self.tools)
+
+    def grammar(self) -> GrammarSpec | None:
+        """What the engine constrains decoding to, or None for free output."""
+        c = self.conv
+        choice = c.tool_choice if c.tool_choice is not None else "auto"
+        tools = self.tools if self.tool_parser else None
+        if tools and choice == "auto" and not c.structured_tool_calls:
+            tools = None  # the client switched the structural tag off: free text, parsed after the fact
+        rf = c.response_format if (c.response_format or {}).get("type") in ("json_object", "json_schema") else None
+        if not tools and rf is None:
+            return None
+        if self.starts_inside:
+            reasoning = "inside"
+        elif self.reasoning_style != "none" and c.enable_thinking is not False:
+            reasoning = "optional"
+        else:
+            reasoning = "none"
+        return GrammarSpec(tools=tools, tool_choice=choice if tools else None, response_format=rf,
+                           parser=self.tool_parser if tools else None, reasoning=reasoning,
+                           parallel_tool_calls=c.parallel_tool_calls)
+
+
+def reasoning_style_of(template: str) -> str:
+    """qwen3-style `<think>` blocks when the template knows them; no reasoning split otherwise."""
+    return "qwen3" if "<think>" in template else "none"
+
+
+def _check_tool_choice(tools: list[dict] | None, choice: Any, param: str) -> None:
+    if choice is None or choice in ("auto", "none"):
+        return
+    if choice in ("required", "any"):
+        if not tools:
+            raise APIError(400, "tool_choice requires a tool call but no tools were given", param=param)
+        return
+    name = forced_name(choice)
+    if name is None:
+        raise APIError(400, f"tool_choice {choice!r:.80} is not auto, none, required or a named function",
+                       param=param)
+    if name not in {t["function"]["name"] for t in tools or []}:
+        raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param=param)
+
+
+def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messages",
+                 tool_choice_param: str = "tool_choice", check_length: bool = True) -> PreparedChat:
+    """Render, tokenize and pick the output readers; a bad conversation is a 400 naming `param`."""
+    tok = state.tokenizer
+    for i, m in enumerate(conv.messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(400, f"{param}[{i}] has no 'role'", param=f"{param}[{i}].role")
+    try:
+        tools = normalize_tools(conv.tools)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise APIError(400, f"a tool has no name or is not an object: {e}", param="tools") from e
+    _check_tool_choice(tools, conv.tool_choice, tool_choice_param)
+    template = template_text(tok, tools=bool(tools))
+    try:
+        text = render_prompt(tok, conv.messages, tools, enable_thinking=conv.enable_thinking)
+    except ValueError as e:  # unsupported content parts
+        raise APIError(400, str(e), param=param) from e
+    except Exception as e:  # a template error is the request's fault (roles out of order, etc.)
+        raise APIError(400, f"the chat template rejected these messages: {e}", param=param) from e
+    style = reasoning_style_of(template)
+    parser = None
+    if tools and conv.tool_choice != "none":
+        parser = detect_tool_parser(template) or DEFAULT_TOOL_PARSER
+    ids = tok.encode(text, add_special_tokens=False)
+    if check_length:
+        state.check_prompt(len(ids), param)
+    return PreparedChat(conv, text, ids, tools, parser, style,
+                        starts_inside=prompt_opens_reasoning(text, style) if style != "none" else False)
+
+
+def checked(sp: SamplingParams) -> SamplingParams:
+    """Validate sampling values; a bad one is a 400 naming its field."""
+    try:
+        return sp.validate()
+    except InvalidParam as e:
+        raise APIError(400, str(e), param=e.field, code="invalid_value") from e

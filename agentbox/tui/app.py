@@ -1,0 +1,277 @@
+"""`agentbox top`: a live Textual dashboard of agent sessions, cache residency and the machine.
+
+Every `interval` seconds one poll runs in a worker thread (HTTP to the server, psutil / NVML locally) and
+the panels are redrawn from its snapshot. A poll never overlaps the previous one, and a down server is
+polled at the same interval — the dashboard waits, it never spins. Everything is reachable from the
+keyboard (no mouse over SSH): arrows move the session cursor, enter opens, d closes, s sorts, / filters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Footer, Input, Static
+
+from agentbox.tui import DEFAULT_INTERVAL_S, panels
+from agentbox.tui.snapshot import Poller
+
+
+class SessionTable(DataTable):
+    """The session table; enter opens the selected session (shown in the footer, unlike DataTable's own)."""
+
+    BINDINGS = [Binding("enter", "select_cursor", "detail", show=True)]
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """y / enter confirms, n / escape cancels."""
+
+    BINDINGS = [Binding("y,enter", "answer(True)", "yes"), Binding("n,escape", "answer(False)", "no")]
+    DEFAULT_CSS = """
+    ConfirmScreen { align: center middle; }
+    ConfirmScreen > Static { width: 64; padding: 1 2; border: thick $error; background: $surface; }
+    """
+
+    def __init__(self, question: str) -> None:
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        yield Static(Text.assemble(self.question, "\n\n", ("y", "bold"), " yes   ", ("n", "bold"), " no"))
+
+    def action_answer(self, yes: bool) -> None:
+        self.dismiss(yes)
+
+
+class DetailScreen(ModalScreen[None]):
+    """One session's turns: prompt and cached tokens, hit rate and time to first token per turn."""
+
+    BINDINGS = [Binding("escape,q,enter", "app.pop_screen", "back")]
+    DEFAULT_CSS = """
+    DetailScreen { align: center middle; }
+    DetailScreen > VerticalScroll { width: 90%; height: 80%; border: thick $accent; background: $surface;
+                                    padding: 0 1; }
+    """
+
+    def __init__(self, detail: dict[str, Any] | None, sid: str) -> None:
+        super().__init__()
+        self.detail = detail
+        self.sid = sid
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            if self.detail is None:
+                yield Static(f"session {self.sid}: no detail (gone, or the server has no /v1/sessions/ID)",
+                             id="detail")
+            else:
+                yield Static(panels.sessions_table([self.detail]), id="detail-summary")
+                yield Static(panels.turns_table(self.detail), id="detail")
+            yield Static(Text("escape: back", style="dim"))
+
+
+class TopApp(App[None]):
+    TITLE = "agentbox top"
+    CSS = """
+    Screen { layout: vertical; }
+    #header { height: 1; background: $boost; }
+    #down { height: auto; padding: 1 2; display: none; }
+    #main { height: 1fr; }
+    #left { width: 1fr; }
+    #sessions { height: 1fr; }
+    #filter { display: none; }
+    #right { width: 58; }
+    .panel { height: auto; border: round $primary; padding: 0 1; }
+    """
+    BINDINGS = [
+        Binding("s", "sort", "sort"),
+        Binding("slash", "filter", "filter"),
+        Binding("d", "close_session", "close session"),
+        Binding("p", "pause", "pause"),
+        Binding("q", "quit", "quit"),
+    ]
+
+    def __init__(self, url: str, interval: float = DEFAULT_INTERVAL_S, api_key: str | None = None) -> None:
+        super().__init__()
+        self.url = url.rstrip("/")
+        self.interval = max(0.1, interval)
+        self.poller = Poller(self.url, api_key=api_key)
+        self.snap: dict[str, Any] | None = None
+        self.paused = False
+        self.sort_index = 0
+        self.filter_text = ""
+        self.polls = 0  # completed polls, for tests and the screenshot script to wait on
+        self._polling = False
+
+    # ---- layout ----
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="header")
+        yield Static(id="down")
+        with Horizontal(id="main"):
+            with Vertical(id="left"):
+                yield SessionTable(id="sessions", cursor_type="row", zebra_stripes=True)
+                yield Input(placeholder="filter by id, client or state; enter applies, escape clears", id="filter")
+            with Vertical(id="right"):
+                yield Static(id="pool", classes="panel")
+                yield Static(id="rates", classes="panel")
+                yield Static(id="machine", classes="panel")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        table = self.query_one("#sessions", DataTable)
+        for c in panels.SESSION_COLUMNS:
+            table.add_column(c.title, key=c.key)
+        table.focus()
+        self.query_one("#header", Static).update(panels.header({"url": self.url}))
+        self.set_interval(self.interval, self.poll)
+        self.poll()
+
+    # ---- polling ----
+
+    def poll(self) -> None:
+        if self.paused or self._polling:
+            return
+        self._polling = True
+        self.run_worker(self._poll_thread, thread=True, group="poll", exit_on_error=False)
+
+    def _poll_thread(self) -> None:
+        try:
+            snap = self.poller.poll()
+        except Exception as exc:  # a bug in a probe must not kill the dashboard; show it as an error
+            snap = {"url": self.url, "up": False, "error": f"{type(exc).__name__}: {exc}"}
+        try:
+            self.call_from_thread(self._show, snap)
+        except RuntimeError:  # the app is shutting down
+            self._polling = False
+
+    def _show(self, snap: dict[str, Any]) -> None:
+        self._polling = False
+        self.snap = snap
+        self.polls += 1
+        self.refresh_view()
+
+    def refresh_view(self) -> None:
+        snap = self.snap
+        if snap is None:
+            return
+        self.query_one("#header", Static).update(panels.header(snap, self.paused))
+        down = self.query_one("#down", Static)
+        main = self.query_one("#main")
+        if not snap.get("up"):
+            down.update(panels.down_message(snap, self.interval))
+            down.display, main.display = True, False
+            return
+        down.display, main.display = False, True
+        self._fill_table(snap.get("sessions"))
+        self.query_one("#pool", Static).update(panels.pool_panel(snap, width=52))
+        self.query_one("#rates", Static).update(panels.rates_panel(snap, self.poller.rates.history))
+        self.query_one("#machine", Static).update(panels.machine_panel(snap))
+
+    def _fill_table(self, sessions: list[dict[str, Any]] | None) -> None:
+        table = self.query_one("#sessions", DataTable)
+        col = panels.SESSION_COLUMNS[self.sort_index]
+        # Numbers sort largest first (the busiest session on top); names alphabetically.
+        reverse = col.key not in ("id", "client", "state")
+        rows = panels.select_sessions(sessions or [], col.key, reverse, self.filter_text)
+        selected = self.selected_session()
+        table.clear()
+        for s in rows:
+            table.add_row(*(c.cell(s) for c in panels.SESSION_COLUMNS), key=str(s.get("id")))
+        keys = [str(s.get("id")) for s in rows]
+        if selected in keys:  # the cursor stays on its session across redraws and re-sorts
+            table.move_cursor(row=keys.index(selected), animate=False)
+        marker = "▼" if reverse else "▲"
+        table.border_title = (f"sessions ({len(rows)}"
+                              + (f" of {len(sessions or [])}, filter '{self.filter_text}'" if self.filter_text else "")
+                              + f")  sorted by {col.title} {marker}"
+                              + ("" if sessions is not None else "  – no /v1/sessions on this server"))
+
+    def session_ids(self) -> list[str]:
+        table = self.query_one("#sessions", DataTable)
+        return [str(k.value) for k in table.rows]
+
+    def selected_session(self) -> str | None:
+        table = self.query_one("#sessions", DataTable)
+        if table.row_count == 0:
+            return None
+        row = table.coordinate_to_cell_key(table.cursor_coordinate).row_key
+        return None if row.value is None else str(row.value)
+
+    # ---- actions ----
+
+    def action_sort(self) -> None:
+        self.sort_index = (self.sort_index + 1) % len(panels.SESSION_COLUMNS)
+        self.refresh_view()
+
+    def action_pause(self) -> None:
+        self.paused = not self.paused
+        self.refresh_view()
+        self.notify("paused: press p to resume" if self.paused else "resumed")
+
+    def action_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = True
+        box.value = self.filter_text
+        box.focus()
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        self.filter_text = event.value
+        self.refresh_view()
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        event.input.display = bool(self.filter_text)
+        self.query_one("#sessions", DataTable).focus()
+
+    def on_key(self, event: Any) -> None:
+        box = self.query_one("#filter", Input)
+        if event.key == "escape" and box.has_focus:
+            box.value = ""
+            box.display = False
+            self.query_one("#sessions", DataTable).focus()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.action_open()
+
+    def action_open(self) -> None:
+        sid = self.selected_session()
+        if sid is None or len(self.screen_stack) > 1:
+            return
+        self.run_worker(lambda: self._open_thread(sid), thread=True, group="detail", exit_on_error=False)
+
+    def _open_thread(self, sid: str) -> None:
+        try:
+            detail = self.poller.api.session(sid)
+        except Exception as exc:
+            self.call_from_thread(self.notify, f"session {sid}: {exc}", severity="error")
+            return
+        self.call_from_thread(self.push_screen, DetailScreen(detail, sid))
+
+    def action_close_session(self) -> None:
+        sid = self.selected_session()
+        if sid is None or len(self.screen_stack) > 1:
+            return
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self.run_worker(lambda: self._delete_thread(sid), thread=True, group="delete", exit_on_error=False)
+
+        self.push_screen(ConfirmScreen(f"Close session {sid}? Its own cached history is dropped."), confirmed)
+
+    def _delete_thread(self, sid: str) -> None:
+        try:
+            out = self.poller.api.delete_session(sid)
+        except Exception as exc:  # ServerDown, or an HTTP error status (e.g. 404: already gone)
+            self.call_from_thread(self.notify, f"could not close {sid}: {exc}", severity="error")
+            return
+        self.call_from_thread(self.notify, f"closed {sid}: freed {out.get('freed_pages', '–')} pages")
+        self.call_from_thread(self.poll)
+
+    def on_unmount(self) -> None:
+        self.poller.close()
+
+
+def run(url: str, interval: float = DEFAULT_INTERVAL_S, api_key: str | None = None) -> None:
+    TopApp(url, interval, api_key).run()

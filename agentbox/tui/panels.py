@@ -1,0 +1,312 @@
+"""Rich renderables of a snapshot: the dashboard's panels and `top --once`'s tables are the same functions.
+Any figure the server does not export shows as "–"."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from agentbox.tui.rates import sparkline
+from agentbox.tui.snapshot import START_HINT, fmt_duration
+
+DASH = "–"
+# The server's own CPU while no request runs: above this it is burning a core doing nothing (DESIGN.md).
+IDLE_CPU_ALARM_PERCENT = 3.0
+SPARK_WIDTH = 26
+
+
+def _n(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def fmt_tokens(v: Any) -> str:
+    x = _n(v)
+    if x is None:
+        return DASH
+    if abs(x) >= 1e6:
+        return f"{x / 1e6:.1f}M"
+    if abs(x) >= 1e4:
+        return f"{x / 1e3:.0f}k"
+    if abs(x) >= 1e3:
+        return f"{x / 1e3:.1f}k"
+    return f"{x:.0f}"
+
+
+def fmt_pct(v: Any) -> str:
+    x = _n(v)
+    return DASH if x is None else f"{100 * x:.0f}%"
+
+
+def fmt_secs(v: Any) -> str:
+    x = _n(v)
+    if x is None:
+        return DASH
+    return f"{x * 1000:.0f}ms" if x < 1 else f"{x:.1f}s"
+
+
+def fmt_bytes(v: Any) -> str:
+    x = _n(v)
+    if x is None:
+        return DASH
+    return f"{x / 2**30:.1f}G" if x >= 2**30 else f"{x / 2**20:.0f}M"
+
+
+# ---- the session table ----
+
+_STATE_STYLE = {"generating": "bold green", "waiting_tool": "yellow", "idle": "dim"}
+_LEASE_STYLE = {"live": "green", "expired": "red", "none": "dim"}
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    title: str
+    value: Callable[[Mapping[str, Any]], Any]  # what it sorts by
+    cell: Callable[[Mapping[str, Any]], Text | str]  # what it shows
+
+
+def _lease(s: Mapping[str, Any]) -> Text:
+    state = s.get("lease_state")
+    left = _n(s.get("lease_expires_in_s"))
+    label = (f"{left:.1f}s" if left < 10 else f"{left:.0f}s") if state == "live" and left is not None else (state or DASH)
+    return Text(label, style=_LEASE_STYLE.get(state or "", ""))
+
+
+def _state(s: Mapping[str, Any]) -> Text:
+    state = s.get("state") or DASH
+    return Text(state.replace("waiting_tool", "tool wait"), style=_STATE_STYLE.get(state, ""))
+
+
+def _hit(key: str) -> Callable[[Mapping[str, Any]], Text]:
+    def cell(s: Mapping[str, Any]) -> Text:
+        x = _n(s.get(key))
+        style = "" if x is None else ("green" if x >= 0.8 else "yellow" if x >= 0.4 else "red")
+        return Text(fmt_pct(x), style=style)
+
+    return cell
+
+
+def _num_value(key: str) -> Callable[[Mapping[str, Any]], Any]:
+    return lambda s: _n(s.get(key)) if _n(s.get(key)) is not None else -1.0
+
+
+SESSION_COLUMNS: tuple[Column, ...] = (
+    Column("id", "session", lambda s: str(s.get("id", "")), lambda s: _clip(s.get("id"), 22)),
+    Column("client", "client", lambda s: str(s.get("client") or ""), lambda s: _short_client(s.get("client"))),
+    Column("turns", "turns", _num_value("turns"), lambda s: fmt_tokens(s.get("turns"))),
+    Column("state", "state", lambda s: str(s.get("state") or ""), _state),
+    Column("resident_tokens_gpu", "GPU tok", _num_value("resident_tokens_gpu"),
+           lambda s: fmt_tokens(s.get("resident_tokens_gpu"))),
+    Column("resident_tokens_host", "host tok", _num_value("resident_tokens_host"),
+           lambda s: fmt_tokens(s.get("resident_tokens_host"))),
+    Column("lease_expires_in_s", "lease", _num_value("lease_expires_in_s"), _lease),
+    Column("last_turn_hit_rate", "hit last", _num_value("last_turn_hit_rate"), _hit("last_turn_hit_rate")),
+    Column("hit_rate", "hit life", _num_value("hit_rate"), _hit("hit_rate")),
+    Column("recomputed_history_tokens", "recomp", _num_value("recomputed_history_tokens"),
+           lambda s: fmt_tokens(s.get("recomputed_history_tokens"))),
+    Column("last_ttft_s", "TTFT", _num_value("last_ttft_s"), lambda s: fmt_secs(s.get("last_ttft_s"))),
+)
+
+
+def _short_client(ua: Any) -> str:
+    """User-Agent's first product token ("claude-cli/1.0.3 (external, cli)" -> "claude-cli/1.0.3")."""
+    if not ua:
+        return DASH
+    return _clip(str(ua).split(" ")[0], 20)
+
+
+def _clip(v: Any, n: int) -> str:
+    """Long ids (Claude Code's are UUIDs) keep their head and tail: both tell sessions apart."""
+    s = DASH if v is None else str(v)
+    return s if len(s) <= n else s[: n - 7] + "…" + s[-6:]
+
+
+def select_sessions(sessions: Iterable[Mapping[str, Any]], sort: str = "id", reverse: bool = False,
+                    filter_text: str = "") -> list[Mapping[str, Any]]:
+    """The sessions the table shows: matching the filter (substring of id, client or state), sorted."""
+    col = next((c for c in SESSION_COLUMNS if c.key == sort), SESSION_COLUMNS[0])
+    needle = filter_text.lower().strip()
+    rows = [s for s in sessions
+            if not needle or any(needle in str(s.get(k) or "").lower() for k in ("id", "client", "state"))]
+    return sorted(rows, key=col.value, reverse=reverse)
+
+
+def sessions_table(sessions: list[dict[str, Any]] | None, sort: str = "id") -> RenderableType:
+    if sessions is None:
+        return Text("sessions: – (this server has no /v1/sessions endpoint)", style="dim")
+    table = Table(title="sessions", title_justify="left", expand=False, header_style="bold")
+    for c in SESSION_COLUMNS:
+        table.add_column(c.title, justify="left" if c.key in ("id", "client", "state") else "right")
+    for s in select_sessions(sessions, sort):
+        table.add_row(*(c.cell(s) for c in SESSION_COLUMNS))
+    if not sessions:
+        table.caption = "no sessions yet"
+    return table
+
+
+def turns_table(detail: Mapping[str, Any]) -> Table:
+    table = Table(title=f"session {detail.get('id', DASH)}: turns", title_justify="left", header_style="bold")
+    for title in ("turn", "prompt tok", "cached tok", "hit", "TTFT", "completion tok"):
+        table.add_column(title, justify="right")
+    for t in detail.get("turn_history") or []:
+        prompt, cached = _n(t.get("prompt_tokens")), _n(t.get("cached_tokens"))
+        hit = cached / prompt if prompt and cached is not None else None
+        table.add_row(str(t.get("turn", DASH)), fmt_tokens(prompt), fmt_tokens(cached), _hit("h")({"h": hit}),
+                      fmt_secs(t.get("ttft_s")), fmt_tokens(t.get("completion_tokens")))
+    return table
+
+
+# ---- header, gauges, rates, machine ----
+
+
+def header(snap: Mapping[str, Any], paused: bool = False) -> Text:
+    st = snap.get("stats") or {}
+    eng = st.get("engine") or {}
+    t = Text()
+    t.append(" agentbox top ", style="bold reverse")
+    t.append(f"  {st.get('model') or eng.get('model_name') or DASH}", style="bold")
+    t.append(f"  {eng.get('device', DASH)}/{eng.get('dtype', DASH)}")
+    t.append(f"  attn {eng.get('attention_backend', DASH)}  TP {eng.get('tensor_parallel_size', DASH)}")
+    t.append(f"  up {fmt_duration(st.get('server_uptime_s', st.get('uptime_s')))}")
+    t.append(f"  {snap.get('url', DASH)}", style="cyan")
+    if snap.get("stale"):
+        t.append(f"  stale: {snap['stale']}", style="bold yellow")
+    if paused:
+        t.append("  PAUSED", style="bold yellow")
+    return t
+
+
+def down_message(snap: Mapping[str, Any], interval: float | None = None) -> Text:
+    t = Text()
+    t.append(f"No agentbox server answers at {snap.get('url')}.\n", style="bold red")
+    t.append(f"({snap.get('error')})\n\n", style="dim")
+    t.append("Start it:   ")
+    t.append(START_HINT, style="bold")
+    if interval is not None:
+        t.append(f"\n\nRetrying every {interval:g} s; this view reconnects by itself.", style="dim")
+    return t
+
+
+def _gauge(parts: list[tuple[str, float | None, str]], total: float | None, width: int) -> Text:
+    """A bar of `width` cells split among the parts in proportion, then a legend with the counts."""
+    t = Text()
+    if not total:
+        t.append("─" * width, style="dim")
+    else:
+        used = 0
+        for name, v, style in parts:
+            if name == "free":  # the unfilled rest of the bar
+                continue
+            cells = round((v or 0) / total * width)
+            cells = min(cells, width - used)
+            t.append("█" * cells, style=style)
+            used += cells
+        t.append("·" * (width - used), style="grey37")
+    t.append("\n")
+    for name, v, style in parts:
+        t.append("■ ", style=style)
+        t.append(f"{name} {fmt_tokens(v)}  ")
+    return t
+
+
+def pool_panel(snap: Mapping[str, Any], width: int = 40) -> Group:
+    st = snap.get("stats") or {}
+    pool = st.get("pool") or {}
+    cache = st.get("cache") or {}
+    total, free, used = _n(pool.get("total_pages")), _n(pool.get("free_pages")), _n(pool.get("used_pages"))
+    tree, leased = _n(cache.get("gpu_pages")), _n(cache.get("leased_pages"))
+    # A partition of the pool: the tree owns `gpu_pages` (leased ⊂ them); running requests alone hold the
+    # rest of the used pages (pages a request shares with the tree count as leased / cached).
+    in_use = max(0.0, used - tree) if used is not None and tree is not None else used
+    cached = max(0.0, tree - leased) if tree is not None and leased is not None else tree
+    ps = pool.get("page_size")
+    title = Text(f"KV pool (pages of {ps if ps is not None else DASH} tokens, {fmt_tokens(total)} total)",
+                 style="bold")
+    gpu = _gauge([("in use", in_use, "magenta"), ("leased", leased, "green"), ("cached", cached, "blue"),
+                  ("free", free, "grey50")], total, width)
+    host_total = _n(cache.get("host_total_pages", cache.get("host_capacity_pages")))
+    host = _n(cache.get("host_pages"))
+    host_title = Text(f"host tier ({fmt_tokens(host_total)} pages)", style="bold")
+    host_free = max(0.0, host_total - host) if host_total is not None and host is not None else None
+    host_g = _gauge([("held", host, "cyan"), ("free", host_free, "grey50")], host_total, width)
+    moves = Text(f"evictions {fmt_tokens(cache.get('evictions'))}  demotions {fmt_tokens(cache.get('demotions'))}  "
+                 f"promotions {fmt_tokens(cache.get('promotions'))}", style="dim")
+    return Group(title, gpu, host_title, host_g, moves)
+
+
+def _series(label: str, now: str, values: Iterable[float | None], top: float | None, style: str) -> Text:
+    t = Text()
+    t.append(f"{label:<16}", style="bold")
+    t.append(f"{now:>9} ")
+    t.append(sparkline(list(values), SPARK_WIDTH, top), style=style)
+    return t
+
+
+def _latest(values: Iterable[float | None], now: float | None) -> float | None:
+    if now is not None:
+        return now
+    return next((v for v in reversed(list(values)) if v is not None), None)
+
+
+def rates_panel(snap: Mapping[str, Any], history: Mapping[str, Iterable[float | None]]) -> Group:
+    r = snap.get("rates") or {}
+    life = snap.get("lifetime_hit_rate")
+    # A ratio exists only for polls in which prompts finished: show the latest one there was.
+    hit = _latest(history.get("hit_rate", ()), r.get("hit_rate"))
+    rec = _latest(history.get("recompute_ratio", ()), r.get("recompute_ratio"))
+    return Group(
+        _series("hit rate", fmt_pct(hit), history.get("hit_rate", ()), 1.0, "green"),
+        Text(f"{'':<16}{'lifetime ' + fmt_pct(life):>9}", style="dim"),
+        _series("recompute ratio", fmt_pct(rec), history.get("recompute_ratio", ()), 1.0, "red"),
+        _series("prefill tok/s", fmt_tokens(r.get("prefill_tps")), history.get("prefill_tps", ()), None, "magenta"),
+        _series("decode tok/s", fmt_tokens(r.get("decode_tps")), history.get("decode_tps", ()), None, "cyan"),
+    )
+
+
+def machine_panel(snap: Mapping[str, Any]) -> Group:
+    st = snap.get("stats") or {}
+    local = snap.get("local")
+    lines: list[RenderableType] = []
+    adm = st.get("admission") or {}
+    queued = adm.get("queued", adm.get("queued_new_sessions", DASH))
+    lines.append(Text(f"requests {st.get('running', DASH)} running, {st.get('waiting', DASH)} waiting"))
+    lines.append(Text(f"admission queue {queued}, {adm.get('timeouts', DASH)} timed out"))
+    if local is None:
+        lines.append(Text("server is not on this machine: no process or GPU figures", style="dim"))
+        return Group(*lines)
+    proc = local.get("process")
+    if proc:
+        cpu = proc["cpu_percent"]
+        idle_burn = st.get("running") == 0 and cpu > IDLE_CPU_ALARM_PERCENT
+        t = Text("server CPU ")
+        t.append(f"{cpu:5.1f} %", style="bold red" if idle_burn else "green")
+        t.append(f"  mem {fmt_bytes(proc['rss_bytes'])}  {proc['processes']} procs (pid {proc['pid']})")
+        if idle_burn:
+            t.append("  busy while idle!", style="bold red")
+        lines.append(t)
+    gpus = local.get("gpus")
+    if not gpus:
+        lines.append(Text(f"no GPU ({local.get('gpu_error') or 'none found'})", style="dim"))
+    for g in gpus or []:
+        mem_u, mem_t = g.get("memory_used_bytes"), g.get("memory_total_bytes")
+        power, temp, util = _n(g.get("power_w")), _n(g.get("temperature_c")), _n(g.get("util_percent"))
+        lines.append(Text(
+            f"GPU{g['index']} {str(g.get('name') or '')[:22]:<22} util {DASH if util is None else f'{util:3.0f}'} %  "
+            f"mem {fmt_bytes(mem_u)}/{fmt_bytes(mem_t)}  {DASH if power is None else f'{power:.0f}'} W  "
+            f"{DASH if temp is None else f'{temp:.0f}'} °C"
+        ))
+    return Group(*lines)
+
+
+def once(snap: Mapping[str, Any], history: Mapping[str, Iterable[float | None]] | None = None) -> RenderableType:
+    """The whole snapshot for `top --once` (no sparkline history: one rate from two polls)."""
+    if not snap.get("up"):
+        return down_message(snap)
+    hist = history or {k: [v] for k, v in (snap.get("rates") or {}).items()}
+    return Group(header(snap), Text(""), sessions_table(snap.get("sessions")), Text(""), pool_panel(snap),
+                 Text(""), rates_panel(snap, hist), Text(""), machine_panel(snap))
