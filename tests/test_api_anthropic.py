@@ -35,7 +35,7 @@ def _events(raw: str) -> list[tuple[str, dict]]:
 
 
 def test_streamed_tool_round_trip(client: anthropic.Anthropic) -> None:
-    with client.messages.stream(model=MODEL, max_tokens=48, messages=ASK, tools=[WEATHER], **T0,
+    with client.messages.stream(model=MODEL, max_tokens=128, messages=ASK, tools=[WEATHER], **T0,
                                 tool_choice={"type": "tool", "name": "get_weather"}) as stream:
         msg = stream.get_final_message()
     assert msg.stop_reason == "tool_use"

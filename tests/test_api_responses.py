@@ -12,7 +12,7 @@ import pytest
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 pytestmark = pytest.mark.slow
 SHELL = {"type": "function", "name": "shell", "description": "Run a shell command.",
-         "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+         "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3}},
                         "required": ["command"]}}
 INPUT = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files here."}]}]
 
@@ -24,7 +24,7 @@ def client(live_server: str) -> openai.OpenAI:
 
 def test_streamed_function_call_round_trip(client: openai.OpenAI) -> None:
     stream = client.responses.create(model=MODEL, input=INPUT, instructions="You are Codex.", tools=[SHELL],
-                                     tool_choice={"type": "function", "name": "shell"}, max_output_tokens=48,
+                                     tool_choice={"type": "function", "name": "shell"}, max_output_tokens=128,
                                      temperature=0, stream=True)
     events = list(stream)
     kinds = [e.type for e in events]

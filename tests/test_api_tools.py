@@ -69,7 +69,7 @@ MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.mark.slow
 def test_forced_zero_argument_call_non_streaming(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER, PING], max_tokens=32,
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, tools=[WEATHER, PING], max_tokens=128,
                                        tool_choice={"type": "function", "function": {"name": "ping"}}, temperature=0)
     ch = r.choices[0]
     assert ch.finish_reason == "tool_calls"
@@ -83,7 +83,7 @@ def test_forced_zero_argument_call_non_streaming(client: openai.OpenAI) -> None:
 @pytest.mark.slow
 def test_streamed_call_shape_then_results_round_trip(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model=MODEL, messages=MSGS, tools=[WEATHER, PING], max_tokens=48, temperature=0, stream=True,
+        model=MODEL, messages=MSGS, tools=[WEATHER, PING], max_tokens=128, temperature=0, stream=True,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     firsts, args, finish = [], "", None
     for chunk in stream:

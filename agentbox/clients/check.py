@@ -14,7 +14,7 @@ LIST_FILES = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {}}}}
 READ_FILE = {"type": "function", "function": {
     "name": "read_file", "description": "Read one file.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+    "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 40}}, "required": ["path"]}}}
 TOOLS = [LIST_FILES, READ_FILE]
 THINK_TAGS = ("<think>", "</think>")
 
@@ -71,7 +71,7 @@ class Checker:
         self.base = [{"role": "system", "content": "You are a coding agent. Use the tools."},
                      {"role": "user", "content": "Look at the project files and read setup.py."}]
 
-    def call(self, messages: list[dict], choice: Any, max_tokens: int = 48, **kw: Any) -> tuple[list[Any], str]:
+    def call(self, messages: list[dict], choice: Any, max_tokens: int = 128, **kw: Any) -> tuple[list[Any], str]:
         r = self.client.chat.completions.create(model=self.model, messages=messages, tools=TOOLS, tool_choice=choice,
                                                 max_tokens=max_tokens, temperature=0, **kw)
         ch = r.choices[0]
@@ -95,7 +95,7 @@ class Checker:
     def reasoning_apart(self) -> str:
         stream = self.client.chat.completions.create(
             model=self.model, messages=[{"role": "user", "content": "Think step by step: what is 2 + 3?"}],
-            max_tokens=64, temperature=0, stream=True)
+            max_tokens=128, temperature=0, stream=True)
         content, reasoning = "", ""
         for chunk in stream:
             if not chunk.choices:
@@ -113,7 +113,7 @@ class Checker:
 
     def streamed_required_call(self) -> str:
         stream = self.client.chat.completions.create(
-            model=self.model, messages=self.base, tools=TOOLS, tool_choice="required", max_tokens=48, temperature=0,
+            model=self.model, messages=self.base, tools=TOOLS, tool_choice="required", max_tokens=160, temperature=0,
             stream=True)
         calls: dict[int, dict] = {}
         finish = None

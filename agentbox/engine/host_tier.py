@@ -18,6 +18,7 @@ from agentbox.engine.kv_pool import PagePool
 from agentbox.layers.backends.base import KVCache
 
 # With no --host-cache-gb, the tier takes this share of the RAM that is available at start.
+DEFAULT_HOST_POOL_MULTIPLE = 4
 DEFAULT_HOST_SHARE = 0.25
 
 
@@ -63,8 +64,9 @@ class HostTier:
         kv = KVCache(0, num_pages, gpu_kv.page_size, kv_heads, head_dim, dtype, "cpu")
         shape = (num_pages * gpu_kv.page_size, kv_heads, head_dim)
         pin = torch.cuda.is_available()
-        kv.k = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        kv.v = [torch.zeros(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        # empty, not zeros: a page is always written before it is read, and untouched memory stays uncommitted.
+        kv.k = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        kv.v = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         return cls(PagePool(num_pages, gpu_kv.page_size), kv)
 
     @classmethod
@@ -88,7 +90,10 @@ def host_pages_for(gpu_kv: KVCache, host_cache_gb: float | None) -> int:
     if host_cache_gb is None:
         import psutil
 
-        budget = psutil.virtual_memory().available * DEFAULT_HOST_SHARE
+        # A share of free RAM, but no more than a few times the GPU pool: beyond that the tier only costs
+        # memory (pinned memory on GPU machines is not swappable) without holding more sessions in practice.
+        budget = min(psutil.virtual_memory().available * DEFAULT_HOST_SHARE,
+                     DEFAULT_HOST_POOL_MULTIPLE * page_bytes(gpu_kv) * gpu_kv.num_pages)
     else:
         budget = host_cache_gb * 1024**3
     return int(budget // page_bytes(gpu_kv))

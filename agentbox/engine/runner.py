@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 
-import psutil
 import torch
 
 from agentbox.config import EngineConfig
@@ -45,6 +44,12 @@ def pick_backend(name: str, device: str) -> type[AttentionBackend]:
 class ModelRunner:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if config.tensor_parallel_size != 1:
+            # The layers are TP-aware, but the multi-process worker loop is not built yet: say so plainly.
+            raise ValueError(
+                f"tensor parallel size {config.tensor_parallel_size} is not supported yet (only 1); "
+                "pick a model or variant that fits one device (`agentbox plan` shows which)"
+            )
         self.device = torch.device(config.resolved_device)
         self.dtype = DTYPES[config.resolved_dtype]
         torch.manual_seed(config.seed)
@@ -79,6 +84,8 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * GPU_KV_SHARE)
         else:
+            import psutil  # here, not at the top: the GPU check imports the engine where psutil may be absent
+
             budget = min(int(psutil.virtual_memory().available * CPU_KV_SHARE), CPU_KV_MAX_BYTES)
         return max(2, budget // page_bytes)
 

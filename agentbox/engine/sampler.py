@@ -57,10 +57,23 @@ def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     return logits
 
 
+def _apply_grammar(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
+    """Mask every token the request's grammar does not allow next (xgrammar bitmask, in place)."""
+    from agentbox.chat.grammar import allocate_bitmask, apply_bitmask
+
+    bitmask = allocate_bitmask(len(reqs), logits.shape[-1])
+    for i in rows:
+        reqs[i].grammar_state.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
+    apply_bitmask(logits, bitmask, indices=rows)
+
+
 def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: float32 [B, V], one row per request in `reqs`. Returns token ids and logprobs entries."""
     raw = logits
     logits = logits.clone()
+    constrained = [i for i, r in enumerate(reqs) if r.grammar_state is not None]
+    if constrained:
+        _apply_grammar(logits, reqs, constrained)
     if any(
         r.sampling.repetition_penalty != 1.0 or r.sampling.presence_penalty or r.sampling.frequency_penalty
         for r in reqs

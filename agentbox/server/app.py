@@ -41,6 +41,20 @@ def served_name(config: ServerConfig) -> str:
     return name or "model"
 
 
+class ClientAgentMiddleware:
+    """Remembers the request's User-Agent for the session table. Plain ASGI: Starlette's BaseHTTPMiddleware
+    wraps streaming bodies in a way that cut our SSE streams short."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            agent = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"user-agent"), None)
+            CLIENT_AGENT.set(agent)
+        await self.app(scope, receive, send)
+
+
 def create_app(config: ServerConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -64,10 +78,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
 
-    @app.middleware("http")
-    async def client_agent(request: Request, call_next: Any) -> Any:
-        CLIENT_AGENT.set(request.headers.get("user-agent"))
-        return await call_next(request)
+    app.add_middleware(ClientAgentMiddleware)
 
     if config.api_key:
         @app.middleware("http")

@@ -56,6 +56,7 @@ class KVCache:
         self.num_pages = num_pages
         self.page_size = page_size
         shape = (num_pages * page_size, num_kv_heads, head_dim)
+        # zeros, not empty: padded rows of a batch read stale slots through a mask, and NaN garbage * 0 is NaN.
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
