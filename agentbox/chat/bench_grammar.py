@@ -36,13 +36,13 @@ def bench_grammar(tokenizer: Any = None, *, vocab_size: int | None = None, parse
     import torch
 
     if tokenizer is None:
-        from agentbox.chat.tokenizer import load_tokenizer
         from agentbox.hub.embedded import embedded_model_path
+        from agentbox.models.loader import load_tokenizer, resolve_model
 
         path = embedded_model_path()
         if path is None:
             raise RuntimeError("no tokenizer given and the embedded SmolLM2 is not installed")
-        tokenizer = load_tokenizer(path)
+        tokenizer = load_tokenizer(resolve_model(str(path)))
     vocab = vocab_size or len(tokenizer)
     t0 = time.perf_counter()
     compiler = GrammarCompiler(tokenizer, vocab)

@@ -33,6 +33,7 @@ from agentbox.chat.tool_parsers import ALIASES
 
 Reasoning = Literal["none", "inside", "optional"]
 CACHE_ENTRIES = 128
+MAX_PARALLEL_CALLS = 4  # calls one `tool_choice=required` turn may make
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,20 @@ class GrammarCompiler:
         if mode == "forced":
             return tags[0]
         if mode == "required":
-            return TagsWithSeparatorFormat(tags=tags, separator=syntax.separator or " ", at_least_one=True,
-                                           stop_after_first=one)
+            call = TagsWithSeparatorFormat(tags=tags, separator=syntax.separator or " ", at_least_one=True,
+                                           stop_after_first=True)
+            if one:
+                return call
+            # At most MAX_PARALLEL_CALLS calls, unrolled: an unbounded repetition lets a weak model under
+            # greedy decoding call forever (each further call is as likely as the first) until max_tokens.
+            more: Any = None
+            for _ in range(MAX_PARALLEL_CALLS - 1):
+                step = [ConstStringFormat(value=syntax.separator)] if syntax.separator else []
+                step.append(call)
+                if more is not None:
+                    step.append(more)
+                more = OptionalFormat(content=SequenceFormat(elements=step))
+            return SequenceFormat(elements=[call, more]) if more is not None else call
         return TriggeredTagsFormat(triggers=[syntax.trigger], tags=tags, stop_after_first=one)
 
 

@@ -71,7 +71,7 @@ class Checker:
         self.base = [{"role": "system", "content": "You are a coding agent. Use the tools."},
                      {"role": "user", "content": "Look at the project files and read setup.py."}]
 
-    def call(self, messages: list[dict], choice: Any, max_tokens: int = 128, **kw: Any) -> tuple[list[Any], str]:
+    def call(self, messages: list[dict], choice: Any, max_tokens: int = 256, **kw: Any) -> tuple[list[Any], str]:
         r = self.client.chat.completions.create(model=self.model, messages=messages, tools=TOOLS, tool_choice=choice,
                                                 max_tokens=max_tokens, temperature=0, **kw)
         ch = r.choices[0]
@@ -113,7 +113,7 @@ class Checker:
 
     def streamed_required_call(self) -> str:
         stream = self.client.chat.completions.create(
-            model=self.model, messages=self.base, tools=TOOLS, tool_choice="required", max_tokens=160, temperature=0,
+            model=self.model, messages=self.base, tools=TOOLS, tool_choice="required", max_tokens=256, temperature=0,
             stream=True)
         calls: dict[int, dict] = {}
         finish = None

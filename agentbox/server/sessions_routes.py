@@ -16,6 +16,11 @@ def _state(request: Request) -> ServerState:
     return request.app.state.agentbox
 
 
+def _not_found(session_id: str) -> APIError:
+    return APIError(404, f"no session '{session_id}'", param="session_id", code="session_not_found",
+                    type_="not_found_error")
+
+
 def _with_client(state: ServerState, s: dict) -> dict:
     return {**s, "client": state.clients.get(s["id"])}
 
@@ -32,8 +37,7 @@ async def get_session(session_id: str, request: Request) -> dict:
     state = _state(request)
     res = await state.engine.query("session", session_id)
     if res is None:
-        raise APIError(404, f"no session '{session_id}'", param="session_id", code="session_not_found",
-                       type_="not_found_error")
+        raise _not_found(session_id)
     return _with_client(state, res)
 
 
@@ -42,8 +46,7 @@ async def delete_session(session_id: str, request: Request) -> dict:
     state = _state(request)
     res = await state.engine.query("drop_session", session_id)
     if res is None:
-        raise APIError(404, f"no session '{session_id}'", param="session_id", code="session_not_found",
-                       type_="not_found_error")
+        raise _not_found(session_id)
     state.clients.pop(session_id, None)
     return res
 
