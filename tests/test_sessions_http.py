@@ -40,8 +40,9 @@ def test_second_turn_is_cached_and_session_can_be_dropped(live_server: str) -> N
 def test_keyless_conversations_are_grouped_by_prefix(live_server: str) -> None:
     topics = {
         "a": "Explain how a hash map handles collisions, with an example in Python code please.",
-        "b": "Describe the steps of a TCP three-way handshake and why each step is needed.",
-        "c": "Write a short plan for migrating a small web service from Flask to FastAPI.",
+        # Lengths far apart, so each conversation's prompt-token total identifies its session below.
+        "b": "Describe the steps of a TCP three-way handshake and why each step is needed. " * 3,
+        "c": "Write a short plan for migrating a small web service from Flask to FastAPI. " * 6,
     }
     convs = {k: [{"role": "user", "content": v}] for k, v in topics.items()}
     prompts: dict[str, list[int]] = {k: [] for k in topics}
