@@ -231,9 +231,9 @@ async def _prepare(request: Request, body: CreateBody) -> tuple[ServerState, Pre
     chat = prepare_chat(state, conversation_of(body))
     sp = checked(SamplingParams(
         max_tokens=state.clamp_max_tokens(body.max_tokens, len(chat.prompt_ids)),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
+        temperature=state.pick("temperature", body.temperature, 1.0),
+        top_p=state.pick("top_p", body.top_p, 1.0),
+        top_k=state.pick("top_k", body.top_k, 0),
         stop=list(body.stop_sequences or []),
     ))
     sp.grammar = chat.grammar()

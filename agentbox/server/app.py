@@ -41,6 +41,23 @@ def served_name(config: ServerConfig) -> str:
     return name or "model"
 
 
+def profile_sampling(model_path: str, name: str) -> tuple[dict[str, float], bool]:
+    """The model profile's sampling defaults and whether it is a thinking model ({} and False when no
+    profile matches the model's file or directory name)."""
+    from agentbox.hub.profiles import load_profiles
+
+    key = f"{Path(model_path).name} {name}".lower()
+    try:
+        profiles = load_profiles()
+    except Exception:  # profiles are advice; a broken or missing profile dir must not stop serving
+        log.warning("could not load model profiles; no sampling defaults applied", exc_info=True)
+        return {}, False
+    for p in sorted(profiles, key=lambda p: -len(p.name)):  # the most specific name wins
+        if p.name.lower() in key:
+            return dict(p.sampling), bool(p.reasoning_parser and p.reasoning_parser != "none")
+    return {}, False
+
+
 class ClientAgentMiddleware:
     """Remembers the request's User-Agent for the session table. Plain ASGI: Starlette's BaseHTTPMiddleware
     wraps streaming bodies in a way that cut our SSE streams short."""
@@ -66,7 +83,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         tok_task = asyncio.to_thread(load_tokenizer, resolve_model(config.engine.model))
         info, tokenizer = await asyncio.gather(info_task, tok_task)
         engine.attach_loop(asyncio.get_running_loop())
-        app.state.agentbox = ServerState(config, engine, tokenizer, info, served_name(config))
+        defaults, thinking = profile_sampling(config.engine.model, served_name(config))
+        app.state.agentbox = ServerState(config, engine, tokenizer, info, served_name(config),
+                                         sampling_defaults=defaults, thinking_model=thinking)
         log.info("serving %s on http://%s:%d (engine pid %s)", served_name(config), config.host, config.port, engine.pid)
         try:
             yield

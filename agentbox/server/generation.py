@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -55,6 +56,21 @@ class ServerState:
     model_name: str
     started: float = field(default_factory=time.time)
     clients: dict[str, str] = field(default_factory=dict)  # session id -> User-Agent of its last request
+    # The model profile's sampling defaults (applied where the client sends none) and whether it thinks.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+    thinking_model: bool = False
+
+    def pick(self, name: str, sent: float | int | None, fallback: float | int) -> float | int:
+        """The client's value, else the model profile's default, else the API's."""
+        if sent is not None:
+            return sent
+        return type(fallback)(self.sampling_defaults.get(name, fallback))
+
+    def warn_if_greedy_thinking(self, temperature: float) -> None:
+        if self.thinking_model and temperature == 0.0:
+            log.warning("greedy decoding (temperature 0) on thinking model %s: it tends to loop inside its "
+                        "reasoning; the model card recommends temperature %s", self.model_name,
+                        self.sampling_defaults.get("temperature", "> 0"))
 
     def check_model(self, name: str) -> None:
         if name not in (self.model_name, self.info.model_name):
@@ -76,6 +92,7 @@ class ServerState:
         return max(1, min(requested or room, room))
 
 
+log = logging.getLogger("agentbox.server")
 RETRY_AFTER_S = 5
 # The User-Agent of the request being served (set by app.py's middleware), shown per session by `top`.
 CLIENT_AGENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("client_agent", default=None)
@@ -100,6 +117,7 @@ async def generate(
 ) -> AsyncIterator[GenEvent]:
     """Yields text deltas; the last event has finished=True. Abandoning the iterator aborts the request."""
     rid = request_id or new_id("req")
+    state.warn_if_greedy_thinking(sampling.temperature)
     detok = Detokenizer(state.tokenizer, prompt_ids)
     stops = StopChecker(sampling.stop)
     usage = Usage(prompt_tokens=len(prompt_ids))

@@ -25,14 +25,14 @@ def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def sampling_from(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_from(state: ServerState, body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     sp = SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
+        temperature=state.pick("temperature", body.temperature, 1.0),
+        top_p=state.pick("top_p", body.top_p, 1.0),
+        top_k=state.pick("top_k", body.top_k, 0),
+        min_p=state.pick("min_p", body.min_p, 0.0),
         seed=body.seed,
         stop=stop,
         stop_token_ids=list(body.stop_token_ids or []),
@@ -93,7 +93,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     prompt = chat.prompt_ids
     max_tokens = state.clamp_max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sp = sampling_from(body, max_tokens, logprobs)
+    sp = sampling_from(state, body, max_tokens, logprobs)
     sp.grammar = chat.grammar()
     sid = session_key(request.headers, body.model_dump())
     cid, created = new_id("chatcmpl"), int(time.time())
@@ -186,7 +186,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
         prompt = list(body.prompt)
     state.check_prompt(len(prompt), "prompt")
     max_tokens = state.clamp_max_tokens(body.max_tokens or 16, len(prompt))
-    sp = sampling_from(body, max_tokens, body.logprobs)
+    sp = sampling_from(state, body, max_tokens, body.logprobs)
     sid = session_key(request.headers, body.model_dump())
     cid, created = new_id("cmpl"), int(time.time())
     events = generate(state, prompt, sp, sid, cid)

@@ -232,8 +232,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
     chat = prepare_chat(state, conversation_of(body), param="input")
     sp = checked(SamplingParams(
         max_tokens=state.clamp_max_tokens(body.max_output_tokens, len(chat.prompt_ids)),
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
+        temperature=state.pick("temperature", body.temperature, 1.0),
+        top_p=state.pick("top_p", body.top_p, 1.0),
     ))
     sp.grammar = chat.grammar()
     sid = session_key(request.headers, body.model_dump())
