@@ -88,7 +88,8 @@ def serve(
         model=str(Path(model_path).resolve()), dtype=dtype, device=device, attention=attention, page_size=page_size,
         num_pages=num_pages, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
-        host_cache_gb=host_cache_gb, record_trace=record_trace, seed=seed, tensor_parallel_size=tp,
+        host_cache_gb=host_cache_gb, record_trace=str(Path(record_trace).resolve()) if record_trace else None,
+        seed=seed, tensor_parallel_size=tp,
     )
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key, engine=engine)
     if foreground:

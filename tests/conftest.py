@@ -73,6 +73,8 @@ def live_server(smollm2_path: Path, agentbox_home: Path):  # noqa: ANN201 - yiel
         "16",
         "--max-model-len",
         "2048",
+        "--record-trace",
+        str(agentbox_home / "recorded.jsonl"),
     ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:

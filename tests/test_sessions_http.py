@@ -58,3 +58,18 @@ def test_keyless_conversations_are_grouped_by_prefix(live_server: str) -> None:
         mine = [s for s in sessions if s["prompt_tokens"] == sum(prompts[k]) and s["turns"] == 2]
         assert len(mine) == 1, f"conversation {k}: {sessions}"
         assert mine[0]["id"].startswith("auto-")
+
+
+def test_record_trace_captures_live_traffic_as_a_replayable_trace(live_server: str, agentbox_home) -> None:  # noqa: ANN001
+    from agentbox.bench.trace import load
+
+    h = {"X-Session-Id": "recorded-1"}
+    msgs = [{"role": "user", "content": "Open README.md and summarise it."}]
+    text, _ = chat(live_server, msgs, h)
+    msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "Now list the tests."}]
+    chat(live_server, msgs, h)
+    sessions = {s.id: s for s in load(agentbox_home / "recorded.jsonl")}
+    rec = sessions["recorded-1"]
+    assert len(rec.turns) == 2
+    assert rec.turns[0].output == text  # the assistant message as the client sent it back
+    assert rec.turns[1].messages == [{"role": "user", "content": "Now list the tests."}]

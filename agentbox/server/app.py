@@ -86,6 +86,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         defaults, thinking = profile_sampling(config.engine.model, served_name(config))
         app.state.agentbox = ServerState(config, engine, tokenizer, info, served_name(config),
                                          sampling_defaults=defaults, thinking_model=thinking)
+        if config.engine.record_trace:
+            from agentbox.bench.record import TraceRecorder
+
+            app.state.agentbox.recorder = TraceRecorder(config.engine.record_trace)
+            log.info("recording traffic as a replayable trace to %s", config.engine.record_trace)
         log.info("serving %s on http://%s:%d (engine pid %s)", served_name(config), config.host, config.port, engine.pid)
         try:
             yield

@@ -58,6 +58,7 @@ class ServerState:
     clients: dict[str, str] = field(default_factory=dict)  # session id -> User-Agent of its last request
     # The model profile's sampling defaults (applied where the client sends none) and whether it thinks.
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    recorder: Any = None  # agentbox.bench.record.TraceRecorder under `serve --record-trace FILE`
     thinking_model: bool = False
 
     def pick(self, name: str, sent: float | int | None, fallback: float | int) -> float | int:
@@ -113,14 +114,16 @@ def new_id(prefix: str) -> str:
 
 async def generate(
     state: ServerState, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None,
-    request_id: str | None = None,
+    request_id: str | None = None, record: tuple[list[dict], list[dict] | None] | None = None,
 ) -> AsyncIterator[GenEvent]:
-    """Yields text deltas; the last event has finished=True. Abandoning the iterator aborts the request."""
+    """Yields text deltas; the last event has finished=True. Abandoning the iterator aborts the request.
+    `record` (messages, tools): the conversation as the client sent it, for `serve --record-trace`."""
     rid = request_id or new_id("req")
     state.warn_if_greedy_thinking(sampling.temperature)
     detok = Detokenizer(state.tokenizer, prompt_ids)
     stops = StopChecker(sampling.stop)
     usage = Usage(prompt_tokens=len(prompt_ids))
+    started, produced = time.monotonic(), []
     stream = state.engine.generate(rid, prompt_ids, sampling, session_id)
     async with contextlib.aclosing(stream):
         async for o in stream:
@@ -140,6 +143,12 @@ async def generate(
             if finished:
                 if not stops.stopped:
                     text += stops.feed(detok.flush()) + stops.flush()
+                if state.recorder is not None and record is not None:
+                    state.recorder.record(usage.session_id or session_id or rid, record[0], record[1],
+                                          "".join(produced) + text, None, usage.completion_tokens, started,
+                                          time.monotonic())
+                    state.recorder.save()
                 yield GenEvent(text, o.new_token_ids, o.logprobs, True, reason, usage)
                 return
+            produced.append(text)
             yield GenEvent(text, o.new_token_ids, o.logprobs, usage=usage)

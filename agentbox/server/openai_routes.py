@@ -97,7 +97,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     sp.grammar = chat.grammar()
     sid = session_key(request.headers, body.model_dump())
     cid, created = new_id("chatcmpl"), int(time.time())
-    events = generate(state, prompt, sp, sid, cid)
+    events = generate(state, prompt, sp, sid, cid, record=(chat.conv.messages, chat.conv.tools))
     proc = chat.output()
     if not body.stream:
         deltas, lps, last = [], [], None

@@ -239,7 +239,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
     sid = session_key(request.headers, body.model_dump())
     rid = "resp_" + new_id("r")[2:]
     created = int(time.time())
-    events = generate(state, chat.prompt_ids, sp, sid, rid)
+    events = generate(state, chat.prompt_ids, sp, sid, rid, record=(chat.conv.messages, chat.conv.tools))
     proc = chat.output()
     builder = OutputBuilder()
 
