@@ -43,7 +43,7 @@ class EngineConfig:
     lease_max_ttl_s: float = 120.0
     lease_max_share: float = 0.8  # leased pages may hold at most this share of the pool
     admission_queue_size: int = 256
-    admission_timeout_s: float = 30.0
+    admission_timeout_s: float = 120.0  # a CPU turn can take tens of seconds; agents retry a 503 anyway
     record_trace: str | None = None
 
     @property

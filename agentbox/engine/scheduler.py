@@ -184,8 +184,11 @@ class Scheduler:
             return True
         held = len({p for r in self.running for p in r.pages})
         leased = int(self.cache.stats().get("leased_pages", 0))
+        # Leased pages the host tier can take are not in the way: they are demoted (copied out, and back
+        # on return) instead of holding a new session at the door.
+        host_room = self.cache.host.pool.num_free if self.cache.host is not None else 0
         need = -(-req.num_tokens // self.page_size)
-        return need <= self.pool.capacity - held - leased
+        return need <= self.pool.capacity - held - max(0, leased - host_room)
 
     def _expire_admissions(self, failed: list[tuple[Request, str, str]]) -> None:
         now = time.monotonic()
