@@ -292,9 +292,9 @@ def test_session_inference_follows_the_producing_session() -> None:
         m = cache.match(prompt, sid)
         cache.sessions.record_prompt(sid, prompt, m.num_tokens, m.num_host_tokens, cache.ps)
         cache.release(m.pages)
-        run_turn(cache, prompt + [sid.lower().__hash__() % 5] * 2, sid)  # prompt + "generated"
+        run_turn(cache, prompt + [ord(sid) % 5] * 2, sid)  # prompt + "generated"
     for sid, prompt in conversations.items():
-        m = cache.match(prompt + [0] * 6, None)  # the next turn, without a key
+        m = cache.match(prompt + [ord(sid) % 5] * 2 + [0] * 4, None)  # the next turn re-sends it all, no key
         assert m.session == sid
         cache.release(m.pages)
     fresh = cache.match(system + [4, 4], None)  # a new conversation sharing only the system prompt

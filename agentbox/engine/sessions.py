@@ -81,7 +81,8 @@ class Session:
     last_ttft_s: float | None = None
     # The page hashes of the last sequence inserted for this session: what "its history" is.
     history_hashes: list[int] = field(default_factory=list)
-    last_prompt_tokens: int = 0  # the last prompt's length, page-floored (session inference uses it)
+    last_prompt_tokens: int = 0  # the last prompt's length, page-floored
+    last_sequence_tokens: int = 0  # the last inserted sequence (prompt + completion), page-floored
 
     def lease_state(self, now: float) -> LeaseState:
         if self.lease_expiry is None:
@@ -248,7 +249,9 @@ class SessionTable:
         return recomputed
 
     def record_history(self, sid: str, tokens: Sequence[int], page_size: int) -> None:
-        self.get_or_create(sid).history_hashes = page_hashes(tokens, page_size)
+        s = self.get_or_create(sid)
+        s.history_hashes = page_hashes(tokens, page_size)
+        s.last_sequence_tokens = len(tokens) // page_size * page_size
 
     def record_ttft(self, sid: str, seconds: float) -> None:
         self.get_or_create(sid).last_ttft_s = seconds
@@ -259,7 +262,7 @@ class SessionTable:
         """The session a keyless request belongs to, from where its cached prefix ends.
 
         The deepest tagged node on the matched path names the candidates: sessions whose sequences pass
-        through it. A candidate qualifies only if the match reaches at least its last prompt (page-floored):
+        through it. A candidate qualifies only if the match reaches at least its last sequence (page-floored):
         an agent's next turn re-sends its whole transcript, while a new conversation that merely shares a
         system prompt ends its match inside that prompt. Among qualifiers the most recently active wins.
         """
@@ -271,7 +274,9 @@ class SessionTable:
         best: Session | None = None
         for sid in node.sessions:
             s = self._sessions.get(sid)
-            if s is None or s.last_prompt_tokens > matched_tokens:
+            # The match must cover the session's whole last sequence (prompt and answer): a new conversation
+            # that shares only a system prompt with a short earlier one must not be folded into it.
+            if s is None or max(s.last_prompt_tokens, s.last_sequence_tokens) > matched_tokens:
                 continue
             if best is None or s.last_active > best.last_active:
                 best = s
