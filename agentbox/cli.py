@@ -36,6 +36,18 @@ def _resolve_model(model: str | None) -> tuple[str, int]:
     return str(resolved.path), resolved.tp
 
 
+def _bench_model(model: str | None) -> str:
+    """Benchmarks default to the embedded SmolLM2 (a fixed reference), not the machine's planned model."""
+    if model:
+        return model
+    from agentbox.hub.embedded import INSTALL_HINT, embedded_model_path
+
+    path = embedded_model_path()
+    if path is None:
+        _fail(f"no --model given and the embedded SmolLM2 is not installed: {INSTALL_HINT}")
+    return str(path)
+
+
 def _fail(message: str, code: int = 1) -> NoReturn:
     typer.secho(f"error: {message}", fg="red", err=True)
     raise typer.Exit(code)
@@ -415,7 +427,7 @@ def bench_throughput(
     from agentbox.bench.idle import measure_idle_cpu
     from agentbox.bench.throughput import compare_throughput
 
-    path = _resolve_model(model)
+    path = _bench_model(model)
     report = compare_throughput(path, tokens, prompt_len, tuple(sorted({1, *batch})), device="cpu", repeats=repeats)
     if idle_seconds > 0:
         # A small pool: the default takes a share of free RAM, which is not what is being measured here.
@@ -432,7 +444,7 @@ def bench_cache(
     """Cold vs warm time to first token on a long prefix, and the hit rate on a byte-identical prefix."""
     from agentbox.bench.cache_bench import cache_report
 
-    _print_json(cache_report(_resolve_model(model), prefix_tokens), json_out)
+    _print_json(cache_report(_bench_model(model), prefix_tokens), json_out)
 
 
 @bench_app.command("replay")
@@ -544,7 +556,7 @@ def bench_grammar_cmd(
     from agentbox.chat.bench_grammar import bench_grammar
     from agentbox.models.loader import load_tokenizer, resolve_model
 
-    tok = load_tokenizer(resolve_model(_resolve_model(model)[0])) if model else None
+    tok = load_tokenizer(resolve_model(_bench_model(model))) if model else None
     typer.echo(json.dumps(bench_grammar(tok, parser=parser, num_tools=num_tools, tokens=tokens), indent=2))
 
 
