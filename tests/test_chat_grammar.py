@@ -70,7 +70,7 @@ def check(value, schema: dict) -> None:
         assert isinstance(value, str) and len(value) <= schema.get("maxLength", 10**9)
     elif t == "integer":
         assert isinstance(value, int) and not isinstance(value, bool)
-        assert schema.get("minimum", -(10**18)) <= value <= schema.get("maximum", 10**18)
+        assert schema.get("minimum", -float("inf")) <= value <= schema.get("maximum", float("inf"))
     elif t == "number":
         assert isinstance(value, (int, float)) and not isinstance(value, bool)
     elif t == "boolean":

@@ -101,7 +101,23 @@ def _function(tool: dict) -> dict:
 
 def _schema(tool: dict) -> dict:
     params = _function(tool).get("parameters") or {"type": "object", "properties": {}}
-    return params
+    return bounded_strings_as_patterns(params)
+
+
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """Rewrite length-bounded strings as an equivalent pattern. xgrammar's rule for minLength/maxLength
+    strings admits raw control characters (seen: a call whose argument held a raw 0x15, which no JSON parser
+    accepts); its pattern rule escapes them as JSON requires."""
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_strings_as_patterns(v) for k, v in schema.items()}
+    if (out.get("type") == "string" and ("maxLength" in out or "minLength" in out)
+            and not {"pattern", "enum", "const", "format"} & out.keys()):
+        lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
+        out["pattern"] = "^[^\\x00-\\x1f\"\\\\]{%d,%s}$" % (lo, "" if hi is None else int(hi))
+    return out
 
 
 def forced_name(tool_choice: Any) -> str | None:
