@@ -116,7 +116,8 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     if (out.get("type") == "string" and ("maxLength" in out or "minLength" in out)
             and not {"pattern", "enum", "const", "format"} & out.keys()):
         lo, hi = int(out.pop("minLength", 0)), out.pop("maxLength", None)
-        out["pattern"] = "^[^\\x00-\\x1f\"\\\\]{%d,%s}$" % (lo, "" if hi is None else int(hi))
+        upper = "" if hi is None else str(int(hi))
+        out["pattern"] = r'^[^\x00-\x1f"\\]{' + f"{lo},{upper}" + "}$"
     return out
 
 
