@@ -86,12 +86,12 @@ class TorchAttention(AttentionBackend):
         b, max_q, h, d = lay.num_seqs, lay.max_q, self.num_heads, self.head_dim
         keys = k_cache[lay.kv_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, max_kv, D]
         values = v_cache[lay.kv_slots].to(q.dtype).transpose(1, 2)
-        if self.num_kv_heads != h:
-            group = h // self.num_kv_heads
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
         queries = q.new_zeros(b * max_q, h, d)
         queries[lay.q_index] = q
         queries = queries.view(b, max_q, h, d).transpose(1, 2)  # [B, H, max_q, D]
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=lay.mask, scale=self.scale)
+        # enable_gqa: SDPA reads each kv head for its group of query heads, no repeat_interleave copies
+        # (measured ~6 % of a CPU decode step).
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=lay.mask, scale=self.scale, enable_gqa=self.num_kv_heads != h
+        )
         return out.transpose(1, 2).reshape(b * max_q, h, d)[lay.q_index]
