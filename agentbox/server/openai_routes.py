@@ -21,6 +21,13 @@ from agentbox.server.session_key import session_key
 router = APIRouter()
 
 
+async def _chain(first: GenEvent, rest: AsyncIterator[GenEvent]) -> AsyncIterator[GenEvent]:
+    """The first event (awaited before the 200 went out, so errors become HTTP errors) and then the rest."""
+    yield first
+    async for e in rest:
+        yield e
+
+
 def sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -125,11 +132,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         yield sse({**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
         usage = Usage()
 
-        async def all_events() -> AsyncIterator[GenEvent]:
-            yield first
-            async for e in events:
-                yield e
-
         def chunk(delta: dict[str, Any], lp: dict | None = None) -> str:
             choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": None}
             if lp is not None:
@@ -137,7 +139,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             return sse({**base, "choices": [choice]})
 
         try:
-            async for ev in all_events():
+            async for ev in _chain(first, events):
                 usage = ev.usage
                 deltas = proc.feed(ev.text) + (proc.finish() if ev.finished else [])
                 lp = _chat_logprobs(state, ev.logprobs) if logprobs is not None and ev.logprobs else None
@@ -208,13 +210,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     async def stream() -> AsyncIterator[str]:
         usage, offset = Usage(), 0
 
-        async def all_events() -> AsyncIterator[GenEvent]:
-            yield first
-            async for e in events:
-                yield e
-
         try:
-            async for ev in all_events():
+            async for ev in _chain(first, events):
                 usage = ev.usage
                 lp = _completion_logprobs(state, ev.logprobs, offset) if body.logprobs is not None and ev.logprobs else None
                 offset += len(ev.text)
