@@ -19,15 +19,15 @@ def rec(
     return TurnRecord(session, turn, 0.0, ttft, (ttft or 0) + 1.0, prompt, cached, out, error)
 
 
-# Session a: a perfect cache (every turn's history was cached). Session b: turn 1 lost 150 of its
-# 300-token history, turn 2 lost all of it. Session c: its turn 1 failed, so c1 and c2 carry no history.
+# History at turn k is turn k-1's prompt. Session a: a perfect cache (every turn's history was cached).
+# Session b: turn 1 lost 100 of its 250-token history, turn 2 lost all of it. Session c: its turn 1 failed, so c1 and c2 carry no history.
 RECORDS = [
     rec("a", 0, 1.0, 200, 0, 20),
-    rec("a", 1, 0.2, 260, 220, 20),  # history 200 + 20 = 220, all cached → 0 recomputed
-    rec("a", 2, 0.3, 330, 280, 20),  # history 260 + 20 = 280, all cached → 0
+    rec("a", 1, 0.2, 260, 220, 20),  # history 200, all cached → 0 recomputed
+    rec("a", 2, 0.3, 330, 280, 20),  # history 260, all cached → 0
     rec("b", 0, 2.0, 250, 100, 50),  # turn 0: shared prefix hit, no history yet
-    rec("b", 1, 1.5, 400, 150, 50),  # history 300, cached 150 → 150 recomputed
-    rec("b", 2, 4.0, 500, None, 50),  # history 450, nothing reported → 450 recomputed
+    rec("b", 1, 1.5, 400, 150, 50),  # history 250, cached 150 → 100 recomputed
+    rec("b", 2, 4.0, 500, None, 50),  # history 400, nothing reported → 400 recomputed
     rec("c", 0, 3.0, 100, 0, 10),
     rec("c", 1, None, 0, None, 0, error="HTTP 500"),
     rec("c", 2, 0.5, 180, 100, 10),  # previous turn failed: not counted
@@ -35,7 +35,7 @@ RECORDS = [
 
 
 def test_history_and_recomputed_history() -> None:
-    assert history_accounting(RECORDS) == (220 + 280 + 300 + 450, 0 + 0 + 150 + 450)
+    assert history_accounting(RECORDS) == (200 + 260 + 250 + 400, 0 + 0 + 100 + 400)
 
 
 def test_summary_numbers() -> None:
@@ -45,8 +45,8 @@ def test_summary_numbers() -> None:
     assert s.cached_tokens == 0 + 220 + 280 + 100 + 150 + 0 + 100
     assert s.cache_reported
     assert s.output_tokens == 60 + 150 + 20
-    assert s.history_tokens == 1250 and s.recomputed_tokens == 600
-    assert s.recomputed_share == pytest.approx(600 / 1250)
+    assert s.history_tokens == 1110 and s.recomputed_tokens == 500
+    assert s.recomputed_share == pytest.approx(500 / 1110)
     assert s.output_tok_per_s == pytest.approx(23.0) and s.prompt_tok_per_s == pytest.approx(222.0)
     # TTFTs of the 8 good turns, sorted: 0.2 0.3 0.5 1.0 1.5 2.0 3.0 4.0
     assert s.ttft_p50_s == pytest.approx((1.0 + 1.5) / 2)
@@ -54,7 +54,7 @@ def test_summary_numbers() -> None:
     assert s.ttft_p99_s == pytest.approx(3.0 + 0.93 * (4.0 - 3.0))  # rank 6.93
     assert s.ttft_by_turn_s == [pytest.approx(2.0), pytest.approx(0.85), pytest.approx(0.5)]
     assert s.extra == {"cache_policy": "lru"}
-    assert s.to_json()["recomputed_share"] == pytest.approx(0.48)
+    assert s.to_json()["recomputed_share"] == pytest.approx(500 / 1110)
 
 
 def test_a_server_that_never_reports_cache_recomputes_all_history() -> None:

@@ -60,6 +60,8 @@ def test_policies_lru_and_none_and_counters(smollm2_loaded, smollm2_path, smollm
         assert b.token_ids == a.token_ids
         st = llm.core.stats()
         assert st["counters"]["cached_tokens"] == b.num_cached_tokens
+        # b re-sent the history a computed (its prompt's full pages): what was not cached was recomputed
+        assert st["counters"]["recomputed_history_tokens"] == len(ids) // PS * PS - b.num_cached_tokens
         llm.core.check_integrity()
 
 
@@ -107,4 +109,34 @@ def test_admission_returning_sessions_first_and_timeout(smollm2_loaded, smollm2_
     # (Finish order depends on timing; outcomes do not: A was admitted past the queued B, B timed out.)
     assert sorted(order) == [("a2", None), ("b", "admission_timeout")]
     assert core.scheduler.admission_timeouts == 1
+    core.check_integrity()
+
+
+def test_cached_tokens_count_the_admission_that_ran(smollm2_loaded, smollm2_path, smollm2_tokenizer) -> None:  # noqa: ANN001
+    # B's history sits on the host tier; B comes back while A holds most of the pool, so B's first admission
+    # attempt cannot promote it and is put back. When A is done, B starts with its whole history copied in:
+    # its counters must say so (they once kept the first attempt's empty match and reported a recompute).
+    from agentbox.engine.messages import AddRequest
+
+    tok = smollm2_tokenizer
+    llm = make(smollm2_loaded, smollm2_path, num_pages=24, host_cache_gb=0.05)
+    core = llm.core
+    b1 = tok.encode("Agent B: " + "list the files and run the tests " * 12)[: 8 * PS]
+    out = llm.generate([b1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), ["B"])[0]
+    history = b1 + out.token_ids
+    assert core.cache.demote(core.pool.capacity) > 0 and core.cache.gpu_pages == 0
+    a_len = (core.pool.capacity - 4) * PS
+    core.add(AddRequest("a", [11] * a_len, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), "A"))
+    core.step()  # A prefilled: it now holds all but a few pages
+    core.add(AddRequest("b2", history + tok.encode(" next"), SamplingParams(max_tokens=2, temperature=0), "B"))
+    done = {}
+    while core.has_work():
+        for o in core.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done["b2"].error_code is None and done["a"].error_code is None
+    assert core.cache.promotions >= len(history) // PS
+    assert done["b2"].num_cached_tokens == len(history) // PS * PS
+    s = core.cache.sessions.get("B")
+    assert s is not None and s.recomputed_tokens == 0
     core.check_integrity()

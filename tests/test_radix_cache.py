@@ -1,113 +1,21 @@
 """The radix cache over the GPU pool and the host tier: matching, refcounts, eviction order, sessions.
 
-Page contents are written as a function of (token, position, layer), so every match also proves that the
-pages it returns (including ones demoted to host and promoted back) hold that prefix's k/v.
+The requests and the cache come from radix_harness.py; the random-traffic state machine is in
+test_radix_cache_machine.py.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
-import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from radix_harness import LAYERS, Clock, assert_holds, finish, make_cache, run_turn, start
 
-from agentbox.engine.host_tier import HostTier
 from agentbox.engine.kv_pool import PagePool
 from agentbox.engine.radix_cache import RadixCache, Tier
-from agentbox.engine.sessions import LeaseState, SessionTable
+from agentbox.engine.sessions import LeaseState
 from agentbox.layers.backends.base import KVCache
-
-LAYERS = 2
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _value(token: int, pos: int, layer: int) -> float:
-    return float(token * 1000 + pos * 10 + layer)
-
-
-def make_cache(
-    num_pages: int = 16,
-    page_size: int = 2,
-    host_pages: int = 0,
-    policy: str = "session",
-    max_share: float = 1.0,
-    clock: Clock | None = None,
-) -> tuple[RadixCache, Clock]:
-    clock = clock or Clock()
-    pool = PagePool(num_pages, page_size)
-    kv = KVCache(LAYERS, num_pages, page_size, 1, 1, torch.float32, "cpu")
-    host = HostTier.like(kv, host_pages) if host_pages else None
-    sessions = SessionTable(default_ttl_s=10.0, max_ttl_s=120.0, max_share=max_share, clock=clock)
-    return RadixCache(pool, kv, sessions, host, policy), clock
-
-
-def compute(cache: RadixCache, tokens: list[int], pages: list[int], start: int) -> None:
-    """What the model would do: write k/v of tokens[start:] into the request's pages."""
-    assert cache.kv is not None
-    ps = cache.ps
-    for pos in range(start, len(tokens)):
-        slot = pages[pos // ps] * ps + pos % ps
-        for layer in range(LAYERS):
-            cache.kv.k[layer][slot] = _value(tokens[pos], pos, layer)
-            cache.kv.v[layer][slot] = -_value(tokens[pos], pos, layer)
-
-
-def assert_holds(cache: RadixCache, tokens: list[int], pages: list[int], n: int) -> None:
-    assert cache.kv is not None
-    ps = cache.ps
-    for pos in range(n):
-        slot = pages[pos // ps] * ps + pos % ps
-        for layer in range(LAYERS):
-            assert cache.kv.k[layer][slot].item() == _value(tokens[pos], pos, layer), (pos, layer)
-            assert cache.kv.v[layer][slot].item() == -_value(tokens[pos], pos, layer), (pos, layer)
-
-
-@dataclass
-class Req:
-    tokens: list[int]
-    session: str | None
-    pages: list[int] = field(default_factory=list)
-
-
-def start(cache: RadixCache, tokens: list[int], session: str | None = None) -> Req | None:
-    """Admit a request the way the scheduler does: match, allocate the rest (evicting), compute."""
-    m = cache.match(tokens, session)
-    assert m.num_tokens == len(m.pages) * cache.ps <= len(tokens)
-    assert_holds(cache, tokens, m.pages, m.num_tokens)
-    need = -(-len(tokens) // cache.ps) - len(m.pages)
-    if cache.pool.num_free < need:
-        cache.evict(need - cache.pool.num_free)
-    if cache.pool.num_free < need:
-        cache.release(m.pages)
-        return None
-    req = Req(tokens, m.session, m.pages + cache.pool.alloc(need))
-    compute(cache, tokens, req.pages, m.num_tokens)
-    return req
-
-
-def finish(cache: RadixCache, req: Req) -> None:
-    full = len(req.tokens) // cache.ps
-    cache.insert(req.tokens, req.pages[:full], req.session)
-    cache.pool.decref(req.pages[full:])
-    if req.session is not None:
-        cache.end_turn(req.session)
-
-
-def run_turn(cache: RadixCache, tokens: list[int], session: str | None = None) -> None:
-    req = start(cache, tokens, session)
-    assert req is not None
-    finish(cache, req)
 
 
 def resident(cache: RadixCache) -> dict[int, Tier]:
@@ -378,113 +286,3 @@ def test_insert_rejects_too_few_pages() -> None:
     cache, _ = make_cache()
     with pytest.raises(ValueError):
         cache.insert([1, 2, 3, 4], [1], None)
-
-
-# ---- the state machine ----
-
-
-class CacheMachine(RuleBasedStateMachine):
-    """Random traffic over a small GPU pool and host tier; integrity and no leaks after every step."""
-
-    @initialize(
-        page_size=st.integers(2, 4),
-        gpu_pages=st.integers(4, 20),
-        host_pages=st.sampled_from([0, 3, 8, 16, 16]),
-        policy=st.sampled_from(["session", "session", "session", "lru", "none"]),
-        max_share=st.sampled_from([0.3, 0.8, 1.0]),
-    )
-    def setup(self, page_size: int, gpu_pages: int, host_pages: int, policy: str, max_share: float) -> None:
-        self.cache, self.clock = make_cache(gpu_pages, page_size, host_pages, policy, max_share)
-        self.running: list[Req] = []
-
-    tokens = st.lists(st.integers(0, 2), min_size=0, max_size=16)
-    sessions = st.sampled_from([None, "a", "b", "c"])
-
-    @rule(tokens=tokens, session=sessions)
-    def start(self, tokens: list[int], session: str | None) -> None:
-        if session is not None:
-            self.cache.sessions.begin_turn(session)
-        req = start(self.cache, tokens, session)
-        if req is not None:
-            self.running.append(req)
-
-    @rule(tokens=tokens, session=sessions)
-    def turn(self, tokens: list[int], session: str | None) -> None:
-        if session is not None:
-            self.cache.sessions.begin_turn(session)
-        req = start(self.cache, tokens, session)
-        if req is not None:
-            finish(self.cache, req)
-
-    @rule(tokens=tokens, session=sessions)
-    def lock(self, tokens: list[int], session: str | None) -> None:
-        m = self.cache.match(tokens, session)  # a request waiting with its prefix held
-        assert_holds(self.cache, tokens, m.pages, m.num_tokens)
-        self.running.append(Req(tokens[: m.num_tokens], m.session, m.pages))
-
-    @precondition(lambda self: self.running)
-    @rule(i=st.integers(0, 100))
-    def finish(self, i: int) -> None:
-        finish(self.cache, self.running.pop(i % len(self.running)))
-
-    @precondition(lambda self: self.running)
-    @rule(i=st.integers(0, 100))
-    def release(self, i: int) -> None:
-        self.cache.release(self.running.pop(i % len(self.running)).pages)
-
-    @rule(n=st.integers(1, 8))
-    def evict(self, n: int) -> None:
-        free = self.cache.pool.num_free
-        freed = self.cache.evict(n)
-        assert self.cache.pool.num_free == free + freed
-
-    @rule(n=st.integers(1, 8))
-    def demote(self, n: int) -> None:
-        self.cache.demote(n)
-
-    @rule(session=st.sampled_from(["a", "b", "c"]))
-    def drop_session(self, session: str) -> None:
-        self.cache.drop_session(session)
-
-    @rule(dt=st.sampled_from([0.5, 3.0, 30.0]))
-    def tick(self, dt: float) -> None:
-        self.clock.t += dt
-
-    @invariant()
-    def consistent(self) -> None:
-        if not hasattr(self, "cache"):
-            return
-        refs = Counter(p for r in self.running for p in r.pages)
-        self.cache.check_integrity(refs)
-        held = len(set(refs))
-        assert self.cache.pool.num_free + len(set(refs) | self._owned()) == self.cache.pool.capacity
-        assert held <= self.cache.pool.num_used
-
-    def _owned(self) -> set[int]:
-        out: set[int] = set()
-        stack = list(self.cache.root.children.values())
-        while stack:
-            n = stack.pop()
-            if n.tier is Tier.GPU:
-                out.update(n.pages)
-            stack.extend(n.children.values())
-        return out
-
-    def teardown(self) -> None:
-        if not hasattr(self, "cache"):
-            return
-        for r in self.running:
-            self.cache.release(r.pages)
-        self.running.clear()
-        self.cache.evict(10**6)
-        if self.cache.host is not None:
-            self.cache.evict_host(10**6)
-        assert self.cache.pool.num_free == self.cache.pool.capacity  # nothing leaked
-        assert self.cache.host is None or self.cache.host.pool.num_free == self.cache.host.pool.capacity
-        self.cache.check_integrity(Counter())
-
-
-CacheMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-TestCacheMachine = CacheMachine.TestCase

@@ -113,6 +113,23 @@ def test_counters_and_recomputed_history() -> None:
     assert d["recomputed_history_tokens"] == 6 and d["last_ttft_s"] == 0.25 and d["lease_state"] == "none"
 
 
+def test_history_is_not_shrunk_by_a_prefix_given_back() -> None:
+    # An admission that must retry gives its matched prefix back, and a preempted request its computed part:
+    # both re-insert a prefix of what the session already computed, which must not become its history.
+    table = SessionTable(clock=Clock())
+    history = [1, 2, 3, 4, 5, 6, 7, 8]
+    table.record_history("s", history, 2)
+    table.record_history("s", history[:2], 2)
+    table.record_history("s", [], 2)
+    s = table.get("s")
+    assert s is not None and s.last_sequence_tokens == 8
+    assert table.record_prompt("s", history + [9, 9], cached_tokens=2, host_tokens=0, page_size=2) == 6
+    # A sequence that goes past or away from the history replaces it.
+    table.record_history("s", [1, 2, 7, 7], 2)
+    assert s.last_sequence_tokens == 4
+    assert table.record_prompt("s", history, cached_tokens=0, host_tokens=0, page_size=2) == 2
+
+
 def test_page_hashes_chain_the_prefix() -> None:
     a, b = page_hashes([1, 2, 3, 4, 5], 2), page_hashes([9, 9, 3, 4], 2)
     assert len(a) == 2 and a[1] != b[1]  # same page, different prefix

@@ -6,11 +6,7 @@ idle means blocked (DESIGN.md, process model); a server spinning in a poll loop 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -20,57 +16,17 @@ from typing import Any
 import httpx
 import psutil
 
-READY_TIMEOUT_S = 600.0  # loading a model on a busy CPU
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from agentbox.bench.spawn import agentbox_command, spawned
 
 
 @contextlib.contextmanager
 def serve_subprocess(model: str, serve_args: Sequence[str] = ()) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """`agentbox serve --foreground` on a free loopback port with a throwaway AGENTBOX_HOME; yields the base
-    URL and the process once /health answers; stops it (SIGTERM, then SIGKILL) whatever happens."""
-    with tempfile.TemporaryDirectory(prefix="agentbox-idle-") as home:
-        port = _free_port()
-        cmd = [sys.executable, "-m", "agentbox.cli", "serve", "--foreground", "--port", str(port),
-               "--model", model, *serve_args]
-        log_path = Path(home) / "serve.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**os.environ, "AGENTBOX_HOME": home})
-            try:
-                url = f"http://127.0.0.1:{port}"
-                _wait_ready(proc, url, log_path)
-                yield url, proc
-            finally:
-                _stop(proc)
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    with httpx.Client(timeout=5.0) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"agentbox serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(url + "/health").status_code == 200:
-                    return
-            time.sleep(0.5)  # waiting on another process to start: there is nothing to block on
-    raise RuntimeError(f"agentbox serve not ready after {READY_TIMEOUT_S:.0f} s:\n{log_path.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # its own session (start_new_session): only what we started
-        proc.wait(timeout=10)
+    URL and the process once /health answers; stops it whatever happens."""
+    with tempfile.TemporaryDirectory(prefix="agentbox-idle-") as d, spawned(
+        agentbox_command(model, serve_args), Path(d) / "serve.log"
+    ) as (url, proc):
+        yield url, proc
 
 
 def _tree_cpu(root: psutil.Process) -> dict[int, tuple[str, float]]:

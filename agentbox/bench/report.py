@@ -67,7 +67,10 @@ def write_json(path: Path, runs: list[TargetRun], meta: dict[str, Any], notes: l
     doc = {
         "meta": meta,
         "notes": notes,
-        "runs": [{"stats": r.stats.to_json(), "turns": [rec.__dict__ for rec in r.records]} for r in runs],
+        "runs": [
+            {"stats": r.stats.to_json(), "server": r.server_stats, "turns": [rec.__dict__ for rec in r.records]}
+            for r in runs
+        ],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

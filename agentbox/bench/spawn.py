@@ -15,9 +15,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -36,6 +37,7 @@ class Target:
     ready_paths: tuple[str, ...] = ("/health", "/v1/models")
     note: str | None = None  # why a target was skipped (command and url both None)
     meta: dict[str, str] = field(default_factory=dict)
+    stats_path: str | None = None  # the server's own counters, read once its replay ends (agentbox: /v1/stats)
 
 
 def free_port() -> int:
@@ -44,23 +46,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def agentbox_command(model: str, serve_args: Sequence[str] = ()) -> list[str]:
+    """`agentbox serve --foreground` on the placeholder port `{port}`, in this interpreter."""
+    return [sys.executable, "-m", "agentbox.cli", "serve", "--foreground", "--port", "{port}", "--model", model,
+            *serve_args]
+
+
 def agentbox_target(model: str, policy: str, serve_args: list[str]) -> Target:
-    cmd = [
-        sys.executable,
-        "-m",
-        "agentbox.cli",
-        "serve",
-        "--foreground",
-        "--port",
-        "{port}",
-        "--model",
-        model,
-        "--cache-policy",
-        policy,
-        *serve_args,
-    ]
     return Target(
-        name=f"agentbox-{policy}", command=cmd, ready_paths=("/health",), meta={"cache_policy": policy}
+        name=f"agentbox-{policy}",
+        command=agentbox_command(model, ["--cache-policy", policy, *serve_args]),
+        ready_paths=("/health",),
+        meta={"cache_policy": policy},
+        stats_path="/v1/stats",
     )
 
 
@@ -106,8 +104,21 @@ def running(target: Target, log_path: Path, timeout_s: float = READY_TIMEOUT_S) 
         return
     if target.command is None:
         raise ValueError(f"{target.name}: nothing to run ({target.note})")
+    with spawned(target.command, log_path, target.ready_paths, timeout_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def spawned(
+    command: Sequence[str],
+    log_path: Path,
+    ready_paths: tuple[str, ...] = ("/health",),
+    timeout_s: float = READY_TIMEOUT_S,
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Start `command` (`{port}` replaced by a free loopback port), wait until one of `ready_paths` answers
+    200, yield (base URL, process), and stop it whatever happens. Output goes to log_path."""
     port = free_port()
-    cmd = [a.replace("{port}", str(port)) for a in target.command]
+    cmd = [a.replace("{port}", str(port)) for a in command]
     url = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # Each spawned server gets its own state directory, so it neither collides with a server the user
@@ -118,8 +129,8 @@ def running(target: Target, log_path: Path, timeout_s: float = READY_TIMEOUT_S) 
         env = {**os.environ, "AGENTBOX_HOME": home}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
-            _wait_ready(proc, url, target.ready_paths, timeout_s, log_path)
-            yield url
+            _wait_ready(proc, url, ready_paths, timeout_s, log_path)
+            yield url, proc
         finally:
             _stop(proc)
 
@@ -131,7 +142,9 @@ def _wait_ready(
     with httpx.Client(timeout=5.0) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode} before ready; see {log_path}")
+                raise RuntimeError(
+                    f"server exited with {proc.returncode} before ready; see {log_path}:\n{_tail(log_path)}"
+                )
             for path in paths:
                 try:
                     if client.get(url + path).status_code == 200:
@@ -139,7 +152,15 @@ def _wait_ready(
                 except httpx.HTTPError:
                     pass
             time.sleep(0.5)  # a client waiting on a starting process: there is nothing to block on
-    raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {log_path}")
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {log_path}:\n{_tail(log_path)}")
+
+
+def _tail(log_path: Path, chars: int = 3000) -> str:
+    """The end of a server's log: the cause is there, and the log may live in a folder about to go."""
+    try:
+        return log_path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -149,7 +170,8 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        # Its own session (start_new_session): the whole group is only what we started, engine core included.
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
 
 
@@ -157,6 +179,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 class TargetRun:
     stats: RunStats
     records: list[TurnRecord]
+    server_stats: dict[str, Any] | None = None  # the server's own view (evictions, demotions, its counters)
 
 
 def run_targets(
@@ -181,10 +204,22 @@ def run_targets(
         try:
             with running(target, out_dir / f"{target.name}.log") as url:
                 result: ReplayResult = replay_sync(sessions, url, options, on_turn)
+                server_stats = _server_stats(url, target.stats_path)
         except (RuntimeError, OSError, httpx.HTTPError) as e:
             if notes is not None:
                 notes.append(f"{target.name}: failed, {e}")
             continue
         stats = summarize(target.name, result.records, result.wall_s, model=result.model, **target.meta)
-        runs.append(TargetRun(stats=stats, records=result.records))
+        runs.append(TargetRun(stats=stats, records=result.records, server_stats=server_stats))
     return runs
+
+
+def _server_stats(url: str, path: str | None) -> dict[str, Any] | None:
+    """The server's own counters after the replay, or None (none offered, or not answering)."""
+    if path is None:
+        return None
+    try:
+        resp = httpx.get(url + path, timeout=10.0)
+        return resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None

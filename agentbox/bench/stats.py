@@ -1,12 +1,13 @@
 """Per-turn records of a replay and the run statistics computed from them (pure functions).
 
 Recomputed history is the number this benchmark exists for. At turn k of a session, the history is what
-that session had already sent and received: turn k-1's prompt tokens plus its output tokens, as the server
-reported them. What the server did not report as cached out of that history, it computed again. Summed
-over all turns and divided by the summed history, that is the share of history recomputed (the published
-replay study measured 51-55 % for LRU prefix caches under 24 concurrent agents). Note the floor: the
-replayer appends the recorded answer, not the model's, so even a perfect cache misses about the answer's
-tokens at each turn.
+the server had already computed for that session and turn k re-sends: turn k-1's prompt, as the server
+reported it. (The replayer appends the *recorded* answer, not the model's, so the model's own output tokens
+were computed but are never re-sent, and the recorded answer's tokens are new to the server: neither is
+history.) What the server did not report as cached out of that history, it computed again. Summed over all
+turns and divided by the summed history, that is the share of history recomputed (the published replay
+study measured 51-55 % for LRU prefix caches under 24 concurrent agents). A page-granular cache still
+misses the previous prompt's last partial page each turn (up to page_size - 1 tokens).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def history_accounting(records: list[TurnRecord]) -> tuple[int, int]:
         prev = by_key.get((r.session, r.turn - 1))
         if r.turn == 0 or prev is None or not (r.ok and prev.ok and r.usage and prev.usage):
             continue
-        h = prev.prompt_tokens + prev.output_tokens
+        h = prev.prompt_tokens
         history += h
         recomputed += max(0, h - (r.cached_tokens or 0))
     return history, recomputed

@@ -22,7 +22,7 @@ only grow with time except at lease expiry and turn end, where the session's lea
   class 0: no live or expired lease on any session tagging the node; least recently used first.
   class 1: the best lease among its sessions has expired; earliest expiry first.
   class 2: a live lease; lowest expected saving per page-second first: the recompute cost of its tokens
-           (tokens x (1 + mean position / ATTN_TOKENS), attention grows with depth) divided by its pages x
+           (tokens x (1 + mean position / ATTN_TOKENS), attention grows with depth; evict_order.py) divided by its pages x
            the time until the session's expected return (last turn end + median gap).
 Under policy "lru" every node is class 0; under "none" nothing is cached. With a host tier an evicted
 GPU node is copied to host (making room by dropping host LRU leaves) instead of dropped; host nodes on a
@@ -39,60 +39,15 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import Enum
 
 from agentbox.config import EngineConfig
+from agentbox.engine.evict_order import gpu_key
 from agentbox.engine.host_tier import HostTier, copy_pages
 from agentbox.engine.kv_pool import PagePool
-from agentbox.engine.prefix_cache import CacheMatch
-from agentbox.engine.sessions import LeaseState, Session, SessionTable, sessions_by_lease_age
+from agentbox.engine.radix_check import check_integrity
+from agentbox.engine.radix_node import Match, Node, Tier
+from agentbox.engine.sessions import Session, SessionTable, sessions_by_lease_age
 from agentbox.layers.backends.base import KVCache
-
-ATTN_TOKENS = 4096.0  # depth at which attention's share of a token's recompute cost equals the MLPs'
-MIN_WAIT_S = 0.05  # an overdue session is "about to return": its saving rate is capped, not infinite
-
-
-class Tier(Enum):
-    GPU = "gpu"
-    HOST = "host"
-
-
-class Node:
-    __slots__ = (
-        "key",
-        "pages",
-        "tier",
-        "parent",
-        "children",
-        "sessions",
-        "start",
-        "last_access",
-        "version",
-        "alive",
-    )
-
-    def __init__(
-        self, key: tuple[int, ...], pages: list[int], tier: Tier, parent: Node | None, start: int
-    ) -> None:
-        self.key = key
-        self.pages = pages
-        self.tier = tier
-        self.parent = parent
-        self.children: dict[tuple[int, ...], Node] = {}
-        self.sessions: set[str] = set()
-        self.start = start  # token offset of key[0] in the sequence
-        self.last_access = 0.0
-        self.version = 0
-        self.alive = True
-
-
-@dataclass
-class Match(CacheMatch):
-    """CacheMatch plus the session the request belongs to (given, or inferred from the tree)."""
-
-    session: str | None = None
-
 
 _Entry = tuple[tuple[int, float], int, int, Node]
 
@@ -197,6 +152,8 @@ class RadixCache:
             raise ValueError(f"{n} full pages of tokens but only {len(pages)} pages")
         pages = pages[:n]
         if self.policy == "none":
+            if session is not None:  # nothing is kept, but the session did compute it: its next turn recomputes
+                self.sessions.record_history(session, tokens[: n * self.ps], self.ps)
             self.pool.decref(pages)
             return
         toks = tuple(tokens[: n * self.ps])
@@ -267,7 +224,7 @@ class RadixCache:
             if self._locked(n):
                 held.append(n)
                 continue
-            cur = self._gpu_key(n, now)
+            cur = gpu_key(n, self.sessions, self.policy, now)
             if cur > key and self._gpu_heap and cur > self._gpu_heap[0][0]:
                 self._push(n, self._gpu_heap, cur)
                 continue
@@ -418,33 +375,6 @@ class RadixCache:
                         total -= len(n.pages)
             self._repush_session(s.id)
 
-    def _gpu_key(self, n: Node, now: float) -> tuple[int, float]:
-        best = (0, n.last_access)
-        if self.policy != "session":
-            return best
-        for sid in n.sessions:
-            s = self.sessions.get(sid)
-            if s is None:
-                continue
-            state = s.lease_state(now)
-            if state is LeaseState.LIVE:
-                key = (2, self._saving_rate(n, s, now))
-            elif state is LeaseState.EXPIRED:
-                assert s.lease_expiry is not None
-                key = (1, s.lease_expiry)
-            else:
-                continue
-            best = max(best, key)
-        return best
-
-    def _saving_rate(self, n: Node, s: Session, now: float) -> float:
-        tokens = len(n.key)
-        cost = tokens * (1.0 + (n.start + tokens / 2) / ATTN_TOKENS)
-        back = (
-            s.last_turn_end if s.last_turn_end is not None else s.last_active
-        ) + self.sessions.expected_gap(s)
-        return cost / (len(n.pages) * max(back - now, MIN_WAIT_S))
-
     # ---- tree mechanics ----
 
     def _common(self, key: tuple[int, ...], toks: tuple[int, ...], i: int) -> int:
@@ -530,7 +460,7 @@ class RadixCache:
         if n is self.root or not n.alive:
             return
         if self._is_gpu_leaf(n):
-            self._push(n, self._gpu_heap, self._gpu_key(n, self.clock()))
+            self._push(n, self._gpu_heap, gpu_key(n, self.sessions, self.policy, self.clock()))
         elif n.tier is Tier.HOST and not n.children:
             self._push(n, self._host_heap, (0, n.last_access))
 
@@ -564,50 +494,4 @@ class RadixCache:
         return out
 
     def check_integrity(self, running_refs: Counter[int] | None = None) -> None:
-        """Pools consistent; every GPU page's refcount == (1 if the tree owns it) + running_refs[page]
-        (only >= 1 for owned pages when running_refs is None); host pages exactly 1 if owned else 0; tree
-        shape, tags, counters and heap coverage consistent."""
-        self.pool.check_integrity()
-        if self.host is not None:
-            self.host.pool.check_integrity()
-        owned_gpu: set[int] = set()
-        owned_host: set[int] = set()
-        in_heap = {id(e[3]) for e in self._gpu_heap if self._valid(e[3], e[2], Tier.GPU)}
-        in_heap |= {id(e[3]) for e in self._host_heap if self._valid(e[3], e[2], Tier.HOST)}
-        stack = list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            parent = n.parent
-            assert parent is not None and n.alive, "a detached node in the tree"
-            assert parent.children.get(n.key[: self.ps]) is n, (
-                "child keyed by something else than its first page"
-            )
-            assert n.pages and len(n.key) == len(n.pages) * self.ps, "key and pages disagree"
-            assert n.start == parent.start + len(parent.key), "start offset wrong"
-            assert n.tier is Tier.HOST or parent.tier is Tier.GPU, "a GPU node under a host node"
-            assert parent is self.root or n.sessions <= parent.sessions, "child tagged beyond its parent"
-            for sid in n.sessions:
-                assert n in self._session_nodes.get(sid, ()), f"node tagged {sid} missing from its set"
-            owned = owned_gpu if n.tier is Tier.GPU else owned_host
-            for p in n.pages:
-                assert p not in owned, f"page {p} owned twice"
-                owned.add(p)
-            if self._is_gpu_leaf(n) or (n.tier is Tier.HOST and not n.children):
-                assert id(n) in in_heap, "a leaf missing from its heap"
-            stack.extend(n.children.values())
-        for sid, nodes in self._session_nodes.items():
-            for n in nodes:
-                assert n.alive and sid in n.sessions, f"session {sid} lists a dead or untagged node"
-        assert self.gpu_pages == len(owned_gpu) and self.host_pages == len(owned_host), "page counters off"
-        refs = running_refs if running_refs is not None else Counter()
-        for p in range(1, self.pool.num_pages):
-            rc = self.pool.refcount[p]
-            if running_refs is None:
-                assert p not in owned_gpu or rc >= 1, f"tree page {p} is free"
-            else:
-                want = (p in owned_gpu) + refs[p]
-                assert rc == want, f"GPU page {p}: refcount {rc}, expected {want}"
-        if self.host is not None:
-            for p in range(1, self.host.pool.num_pages):
-                rc, want = self.host.pool.refcount[p], int(p in owned_host)
-                assert rc == want, f"host page {p}: refcount {rc}, expected {want}"
+        check_integrity(self, running_refs)

@@ -34,13 +34,14 @@ class Request:
     pages: list[int] = field(default_factory=list)  # this request's page table, one page per page_size tokens
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    # Cache accounting, from real events (set when the request is admitted).
+    # Cache accounting, from real events (set when the request first starts running).
     num_cached_tokens: int = 0  # prompt tokens served from the cache at admission (all tiers)
     num_host_cached_tokens: int = 0  # of those, copied back from the host tier
     num_recomputed_tokens: int = 0  # history of its session it had to recompute (cache had dropped it)
     # Done generating, but its last token's KV is computed one more step so the cache holds the whole turn.
     flushing: bool = False
-    turn_started: bool = False  # counted once as its session's turn, at first admission
+    turn_started: bool = False  # counted once as its session's turn, at its first admission attempt
+    prompt_counted: bool = False  # its cache counters were set, at its first successful admission
     num_preemptions: int = 0
     first_token_time: float | None = None
     grammar_state: object | None = None  # agentbox.chat.grammar.GrammarState when decoding is constrained

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from agentbox.config import EngineConfig
 from agentbox.engine.kv_pool import PagePool
+from agentbox.engine.prefix_cache import CacheMatch
 from agentbox.engine.radix_cache import RadixCache
 from agentbox.engine.request import Request, Status
 
@@ -159,21 +160,29 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
-    def _admit(self, req: Request) -> None:
+    def _admit(self, req: Request) -> CacheMatch:
         # Match at most num_tokens - 1 tokens: the last one must be computed to get logits to sample from.
         m = self.cache.match(req.all_token_ids[: req.num_tokens - 1], req.session_id)
         req.pages = m.pages
         req.num_computed_tokens = m.num_tokens
-        if req.turn_started:
+        if not req.turn_started:
+            # First attempt: the turn begins (the gap since the session's last turn ends here).
+            req.turn_started = True
+            if req.session_id is None:
+                # Inferred from the cached prefix, else a fresh tag so its later turns can be recognised.
+                req.session_id = getattr(m, "session", None) or f"auto-{next(self._auto_ids)}"
+            self.sessions.begin_turn(req.session_id)
+        return m
+
+    def _count_prompt(self, req: Request, m: CacheMatch) -> None:
+        """Cache counters come from the match the request actually starts with, not an attempt that was
+        put back: a host path that could not be promoted while the pool was full is promoted on the retry."""
+        if req.prompt_counted:
             return
-        # First admission: this is the turn the session's counters see.
-        req.turn_started = True
-        if req.session_id is None:
-            # Inferred from the cached prefix, else a fresh tag so its later turns can be recognised.
-            req.session_id = getattr(m, "session", None) or f"auto-{next(self._auto_ids)}"
+        req.prompt_counted = True
+        assert req.session_id is not None
         req.num_cached_tokens = m.num_tokens
         req.num_host_cached_tokens = m.num_host_tokens
-        self.sessions.begin_turn(req.session_id)
         req.num_recomputed_tokens = self.sessions.record_prompt(
             req.session_id, req.prompt_token_ids, m.num_tokens, m.num_host_tokens, self.page_size
         )
@@ -238,12 +247,13 @@ class Scheduler:
                 req = queue[0]
                 if queue is self.waiting_new and not self._new_session_fits(req):
                     break  # FIFO: later new sessions wait behind it
-                self._admit(req)
+                m = self._admit(req)
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 if not self._fits_whole(req) or not self._reserve(req, req.num_computed_tokens + n):
                     self._release_pages(req)  # give the matched prefix back; try again next step
                     break
                 queue.popleft()
+                self._count_prompt(req, m)
                 req.status = Status.RUNNING
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))

@@ -249,9 +249,16 @@ class SessionTable:
         return recomputed
 
     def record_history(self, sid: str, tokens: Sequence[int], page_size: int) -> None:
+        """The session computed `tokens`: they are its history now, unless they are a prefix of the history it
+        has (a matched prefix given back by an admission that must retry, or a preempted request's computed
+        part): that must not shrink it, or the next turn's recompute would go uncounted."""
         s = self.get_or_create(sid)
-        s.history_hashes = page_hashes(tokens, page_size)
-        s.last_sequence_tokens = len(tokens) // page_size * page_size
+        hashes = page_hashes(tokens, page_size)
+        old = s.history_hashes
+        if len(hashes) <= len(old) and (not hashes or old[len(hashes) - 1] == hashes[-1]):
+            return
+        s.history_hashes = hashes
+        s.last_sequence_tokens = len(hashes) * page_size
 
     def record_ttft(self, sid: str, seconds: float) -> None:
         self.get_or_create(sid).last_ttft_s = seconds

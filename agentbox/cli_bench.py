@@ -1,0 +1,179 @@
+"""`agentbox bench`: agent trace replay, throughput, cache and grammar benchmarks. cli.py adds `bench_app`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from agentbox.cli_common import fail
+
+bench_app = typer.Typer(help="Benchmarks: agent trace replay, throughput, cache.", no_args_is_help=True)
+
+
+def _bench_model(model: str | None) -> str:
+    """Benchmarks default to the embedded SmolLM2 (a fixed reference), not the machine's planned model."""
+    if model:
+        return model
+    from agentbox.hub.embedded import INSTALL_HINT, embedded_model_path
+
+    path = embedded_model_path()
+    if path is None:
+        fail(f"no --model given and the embedded SmolLM2 is not installed: {INSTALL_HINT}")
+    return str(path)
+
+
+def _print_json(report: dict, json_out: Path | None) -> None:
+    import json
+
+    text = json.dumps(report, indent=2)
+    typer.echo(text)
+    if json_out is not None:
+        json_out.write_text(text + "\n")
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    model: str | None = typer.Option(None, "--model", help="HF model dir or .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
+    tokens: int = typer.Option(64, "--tokens", min=2, help="tokens generated per sequence"),
+    prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="prompt tokens per sequence"),
+    batch: list[int] = typer.Option([1, 8], "--batch", help="batch sizes to time (repeatable; 1 is always timed)"),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="alternating runs per batch size; the fastest is kept"),
+    idle_seconds: float = typer.Option(10.0, "--idle-seconds", help="quiet interval for the idle CPU measure (0: skip)"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Prefill/decode tokens/s of our engine and transformers' generate on the same model, and idle CPU."""
+    from agentbox.bench.idle import measure_idle_cpu
+    from agentbox.bench.throughput import compare_throughput
+
+    path = _bench_model(model)
+    report = compare_throughput(path, tokens, prompt_len, tuple(sorted({1, *batch})), device="cpu", repeats=repeats)
+    if idle_seconds > 0:
+        # A small pool: the default takes a share of free RAM, which is not what is being measured here.
+        report["idle"] = measure_idle_cpu(path, idle_seconds, ["--device", "cpu", "--num-pages", "256"])
+    _print_json(report, json_out)
+
+
+@bench_app.command("cache")
+def bench_cache(
+    model: str | None = typer.Option(None, "--model", help="HF model dir or .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
+    prefix_tokens: int = typer.Option(6000, "--prefix-tokens", min=16, help="tokens of the shared prefix"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Cold vs warm time to first token on a long prefix, and the hit rate on a byte-identical prefix."""
+    from agentbox.bench.cache_bench import cache_report
+
+    _print_json(cache_report(_bench_model(model), prefix_tokens), json_out)
+
+
+@bench_app.command("replay")
+def bench_replay(
+    trace_file: str = typer.Option(None, "--trace", help="A trace JSONL file (docs/bench.md)."),
+    openhands_file: str = typer.Option(None, "--openhands", help="An OpenHands-style trajectory file."),
+    synthetic: bool = typer.Option(False, "--synthetic", help="A seeded synthetic trace (the default)."),
+    sessions: int = typer.Option(None, help="Sessions (synthetic: how many; files: the first N)."),
+    turns: int = typer.Option(None, help="Synthetic: median turns per session; files: the first N turns."),
+    turn_spread: float = typer.Option(None, help="Synthetic: log-normal spread of turn counts (0: all equal)."),
+    scale: float = typer.Option(None, help="Synthetic: multiply every token size (0.1 for a CPU run)."),
+    result_scale: float = typer.Option(None, help="Synthetic: multiply tool result sizes."),
+    prefix_tokens: int = typer.Option(None, help="Synthetic: system prompt + tools size before --scale."),
+    max_context: int = typer.Option(None, help="Synthetic: end a session before its history passes this."),
+    wait: str = typer.Option(None, help="Tool wait: 'lognormal' (median ~0.42 s) or seconds (0.5, 5, 60)."),
+    seed: int = typer.Option(0, help="Seed of the synthetic trace and sampled waits."),
+    url: str = typer.Option(None, help="An OpenAI-compatible server to replay against."),
+    target: list[str] = typer.Option(None, "--target", help="NAME=URL of another server (repeatable)."),
+    spawn: bool = typer.Option(False, help="Start agentbox once per --policies value."),
+    model: str = typer.Option(None, help="Model for --spawn (a path or a profile name)."),
+    policies: str = typer.Option("session,lru,none", help="Cache policies for --spawn, comma separated."),
+    num_pages: int = typer.Option(None, help="--spawn: KV pool pages (set it so histories do not all fit)."),
+    serve_arg: list[str] = typer.Option(None, "--serve-arg", help="--spawn: extra `serve` argument (repeatable)."),
+    llamacpp: str = typer.Option(None, help="Also start llama-cpp-python's server on this GGUF."),
+    llamacpp_ctx: int = typer.Option(8192, help="n_ctx of the llama.cpp server."),
+    served_model: str = typer.Option(None, help="Model name to request (default: the server's first)."),
+    flatten_tools: bool = typer.Option(False, help="Send tools and tool turns as plain text, for every engine."),
+    force_length: bool = typer.Option(True, help="Send ignore_eos/min_tokens so answers have the recorded length."),
+    max_concurrency: int = typer.Option(None, help="Cap on sessions in flight (default: all at once)."),
+    save_trace: str = typer.Option(None, help="Also write the replayed trace to this JSONL file."),
+    out: str = typer.Option(None, help="Output folder (default: bench/results/replay-<time>)."),
+) -> None:
+    """Replay concurrent agent sessions; report total time, time to first token and recomputed history."""
+    import sys
+    import time
+    from dataclasses import fields, replace
+    from pathlib import Path
+
+    from agentbox.bench import compare, synth, trace
+    from agentbox.bench import spawn as spawning
+    from agentbox.bench.replay import ReplayOptions
+
+    if trace_file and openhands_file:
+        raise typer.BadParameter("pass one of --trace and --openhands")
+    if synthetic and (trace_file or openhands_file):
+        raise typer.BadParameter("--synthetic replaces --trace / --openhands")
+    wait_value: str | float | None = None
+    if wait is not None:
+        try:
+            wait_value = "lognormal" if wait == "lognormal" else float(wait)
+        except ValueError as e:
+            raise typer.BadParameter(f"--wait wants 'lognormal' or seconds, got {wait!r}") from e
+    knobs = {"sessions": sessions, "turns": turns, "turn_sigma": turn_spread, "scale": scale, "result_scale": result_scale,
+             "prefix_tokens": prefix_tokens, "max_context_tokens": max_context, "wait": wait_value, "seed": seed}
+    cfg = replace(synth.SynthConfig(), **{f.name: knobs[f.name] for f in fields(synth.SynthConfig)
+                                          if knobs.get(f.name) is not None})
+    sessions_list = compare.build_trace(
+        trace_file=Path(trace_file) if trace_file else None,
+        openhands_file=Path(openhands_file) if openhands_file else None,
+        synth_cfg=cfg, sessions=sessions, turns=turns, wait=wait_value, seed=seed,
+    )
+    if flatten_tools:
+        sessions_list = trace.flatten_tools(sessions_list)
+    if save_trace:
+        trace.save(sessions_list, save_trace)
+
+    targets: list[spawning.Target] = []
+    if url:
+        targets.append(spawning.Target(name="server", url=url))
+    try:
+        targets += [spawning.parse_target(t) for t in target or []]
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    if spawn:
+        if not model:
+            raise typer.BadParameter("--spawn needs --model")
+        from agentbox.config import CACHE_POLICIES
+
+        wanted = [p.strip() for p in policies.split(",") if p.strip()]
+        if not wanted or any(p not in CACHE_POLICIES for p in wanted):
+            raise typer.BadParameter(f"--policies: a comma-separated subset of {', '.join(CACHE_POLICIES)}")
+        extra = [*(["--num-pages", str(num_pages)] if num_pages else []), *(serve_arg or [])]
+        targets += [spawning.agentbox_target(model, p, extra) for p in wanted]
+    if llamacpp:
+        targets.append(spawning.llamacpp_target(llamacpp, llamacpp_ctx))
+    if not targets:
+        raise typer.BadParameter("nothing to replay against: pass --url, --target, --spawn or --llamacpp")
+
+    out_dir = Path(out or f"bench/results/replay-{time.strftime('%Y%m%d-%H%M%S')}")
+    options = ReplayOptions(model=served_model, force_length=force_length, max_concurrency=max_concurrency)
+    meta = {"command": " ".join(["agentbox", *sys.argv[1:]]), "trace": compare.describe(sessions_list),
+            "source": trace_file or openhands_file or "synthetic",
+            "synth": {f.name: getattr(cfg, f.name) for f in fields(cfg)} if not (trace_file or openhands_file) else None}
+    runs, _ = compare.compare(sessions_list, targets, options, out_dir, meta)
+    if not runs:
+        raise typer.Exit(1)
+
+
+@bench_app.command("grammar")
+def bench_grammar_cmd(
+    model: str | None = typer.Option(None, help="tokenizer source (default: the embedded SmolLM2)"),
+    parser: str = typer.Option("hermes", help="tool-call syntax to compile for"),
+    num_tools: int = typer.Option(8, help="tools in the compiled set"),
+    tokens: int = typer.Option(256, help="tokens to mask in the overhead measurement"),
+) -> None:
+    """Grammar compile time (uncached vs cached) and per-token mask overhead, as JSON."""
+    import json
+
+    from agentbox.chat.bench_grammar import bench_grammar
+    from agentbox.models.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(_bench_model(model))) if model else None
+    typer.echo(json.dumps(bench_grammar(tok, parser=parser, num_tools=num_tools, tokens=tokens), indent=2))
