@@ -263,7 +263,7 @@ def test_stale_heap_entries_are_compacted() -> None:
         clock.t += 0.01
         cache.release(cache.match([1, 1, 2, 2], "s").pages)
     assert len(cache._gpu_heap) <= 4 * cache.gpu_pages + 65
-    assert len(cache._lease_heap) <= 4 * len(cache.sessions) + 65
+    assert cache.index.num_expiry_entries() <= 4 * len(cache.sessions) + 65
     cache.check_integrity(Counter())
     assert cache.evict(2) == 2
 

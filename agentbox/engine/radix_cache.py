@@ -29,7 +29,8 @@ GPU node is copied to host (making room by dropping host LRU leaves) instead of 
 matched path are promoted back (allocate GPU pages, copy) instead of being recomputed.
 
 Sessions are tags: every node on a path a session matched or inserted carries its id (so a child's tags
-are a subset of its parent's). `drop_session` removes the session's own suffix; shared prefixes survive.
+are a subset of its parent's). `drop_session` removes the session's own suffix; shared prefixes survive. The per-session
+bookkeeping (tags, lease expiries, the lease cap) is session_index.py.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from agentbox.engine.host_tier import HostTier, copy_pages
 from agentbox.engine.kv_pool import PagePool
 from agentbox.engine.radix_check import check_integrity
 from agentbox.engine.radix_node import Match, Node, Tier
-from agentbox.engine.sessions import Session, SessionTable, sessions_by_lease_age
+from agentbox.engine.session_index import SessionIndex
+from agentbox.engine.sessions import SessionTable
 from agentbox.layers.backends.base import KVCache
 
 _Entry = tuple[tuple[int, float], int, int, Node]
@@ -74,8 +76,7 @@ class RadixCache:
         self.root = Node((), [], Tier.GPU, None, 0)
         self._gpu_heap: list[_Entry] = []
         self._host_heap: list[_Entry] = []
-        self._lease_heap: list[tuple[float, str]] = []
-        self._session_nodes: dict[str, set[Node]] = {}
+        self.index = SessionIndex(self.sessions, policy)
         self._seq = itertools.count()
         self.gpu_pages = 0
         self.host_pages = 0
@@ -137,8 +138,8 @@ class RadixCache:
         sid = session if session is not None else self.sessions.infer_session(last, num_tokens)
         now = self.clock()
         if path and sid is not None:
-            self._tag(path, sid)
-            self._lease_refreshed(sid)
+            self.index.tag(path, sid)
+            self.index.refreshed(sid)
         for n in path:
             n.last_access = now
             self._push_candidate(n)
@@ -151,12 +152,12 @@ class RadixCache:
         if len(pages) < n:
             raise ValueError(f"{n} full pages of tokens but only {len(pages)} pages")
         pages = pages[:n]
+        toks = tuple(tokens[: n * self.ps])
+        if session is not None:  # the session computed these, whether or not the policy keeps them
+            self.sessions.record_history(session, toks, self.ps)
         if self.policy == "none":
-            if session is not None:  # nothing is kept, but the session did compute it: its next turn recomputes
-                self.sessions.record_history(session, tokens[: n * self.ps], self.ps)
             self.pool.decref(pages)
             return
-        toks = tuple(tokens[: n * self.ps])
         now = self.clock()
         path: list[Node] = []
         node, i = self.root, 0
@@ -186,9 +187,8 @@ class RadixCache:
             path.append(child)
             node, i = child, i + m
         if session is not None:
-            self._tag(path, session)
-            self.sessions.record_history(session, toks, self.ps)
-            self._lease_refreshed(session)
+            self.index.tag(path, session)
+            self.index.refreshed(session)
         for nd in path:
             nd.last_access = now
             self._push_candidate(nd)
@@ -202,7 +202,7 @@ class RadixCache:
     def end_turn(self, session: str) -> None:
         """A session's turn is done: its lease runs a fresh TTL and its eviction keys move with it."""
         self.sessions.end_turn(session)
-        self._lease_refreshed(session)
+        self.index.refreshed(session)
         self._repush_session(session)
         self._enforce_cap()
 
@@ -214,7 +214,8 @@ class RadixCache:
         if num_pages <= 0:
             return 0
         now = self.clock()
-        self._expire_leases(now)
+        for sid in self.index.expired(now):
+            self._repush_session(sid)
         freed = 0
         held: list[Node] = []
         while freed < num_pages and self._gpu_heap:
@@ -315,10 +316,7 @@ class RadixCache:
     def drop_session(self, session: str) -> int:
         """Forget a session: untag its nodes and free those no other session uses and no request holds.
         Returns pages freed (both tiers)."""
-        nodes = self._session_nodes.pop(session, set())
-        for n in nodes:
-            n.sessions.discard(session)
-        self.sessions.remove(session)
+        nodes = self.index.forget(session)
         freed = 0
         for n in sorted(nodes, key=lambda n: n.start, reverse=True):  # children before parents
             if not n.alive or n.sessions or n.children or self._locked(n):
@@ -330,50 +328,9 @@ class RadixCache:
             self._push_candidate(parent)
         return freed
 
-    # ---- leases ----
-
-    def _lease_refreshed(self, sid: str) -> None:
-        heapq.heappush(self._lease_heap, (self.sessions.refresh(sid), sid))
-        if len(self._lease_heap) > 4 * len(self.sessions) + 64:
-            current = {(s.lease_expiry, s.id) for s in self.sessions if s.lease_expiry is not None}
-            self._lease_heap = [e for e in self._lease_heap if e in current]
-            heapq.heapify(self._lease_heap)
-
-    def _expire_leases(self, now: float) -> None:
-        """Leases that ran out since the last call: their leaves drop from class 2 to 1 (keys shrink)."""
-        while self._lease_heap and self._lease_heap[0][0] <= now:
-            expiry, sid = heapq.heappop(self._lease_heap)
-            s = self.sessions.get(sid)
-            if s is not None and s.lease_expiry == expiry:
-                self._repush_session(sid)
-
-    def _leased(self) -> tuple[list[Session], dict[Node, int], int]:
-        live = self.sessions.live() if self.policy == "session" else []
-        count: dict[Node, int] = {}
-        total = 0
-        for s in live:
-            for n in self._session_nodes.get(s.id, ()):
-                if n.tier is Tier.GPU:
-                    c = count.get(n, 0)
-                    if c == 0:
-                        total += len(n.pages)
-                    count[n] = c + 1
-        return live, count, total
-
     def _enforce_cap(self) -> None:
-        """Leased GPU pages at most max_share of the pool: break the oldest leases first."""
-        live, count, total = self._leased()
-        cap = self.sessions.max_share * self.pool.capacity
-        for s in sessions_by_lease_age(live):
-            if total <= cap:
-                break
-            self.sessions.release_lease(s.id)
-            for n in self._session_nodes.get(s.id, ()):
-                if n in count:
-                    count[n] -= 1
-                    if count[n] == 0:
-                        total -= len(n.pages)
-            self._repush_session(s.id)
+        for sid in self.index.release_over_cap(self.pool.capacity):
+            self._repush_session(sid)
 
     # ---- tree mechanics ----
 
@@ -396,16 +353,8 @@ class RadixCache:
         parent.children[n.key[: self.ps]] = pre
         n.key, n.pages, n.start, n.parent = n.key[m:], n.pages[k:], n.start + m, pre
         pre.children[n.key[: self.ps]] = n
-        for sid in pre.sessions:
-            self._session_nodes[sid].add(pre)
+        self.index.split(pre)
         return pre
-
-    def _tag(self, path: list[Node], sid: str) -> None:
-        self.sessions.get_or_create(sid)
-        nodes = self._session_nodes.setdefault(sid, set())
-        for n in path:
-            n.sessions.add(sid)
-            nodes.add(n)
 
     def _remove_node(self, n: Node) -> None:
         if self._locked(n):
@@ -420,8 +369,7 @@ class RadixCache:
             assert self.host is not None
             self.host.pool.decref(n.pages)
             self.host_pages -= len(n.pages)
-        for sid in n.sessions:
-            self._session_nodes[sid].discard(n)
+        self.index.removed(n)
         n.alive = False
         n.version += 1
 
@@ -465,19 +413,18 @@ class RadixCache:
             self._push(n, self._host_heap, (0, n.last_access))
 
     def _repush_session(self, sid: str) -> None:
-        for n in self._session_nodes.get(sid, ()):
+        for n in self.index.of(sid):
             self._push_candidate(n)
 
     # ---- counters and checks ----
 
     def stats(self) -> dict[str, int | str]:
-        _, _, leased = self._leased()
         return {
             "policy": self.policy,
             "gpu_pages": self.gpu_pages,
             "host_pages": self.host_pages,
             "host_total_pages": self.host.pool.capacity if self.host is not None else 0,
-            "leased_pages": leased,
+            "leased_pages": self.index.leased_pages(),
             "evictions": self.evictions,
             "demotions": self.demotions,
             "promotions": self.promotions,
@@ -487,11 +434,7 @@ class RadixCache:
         }
 
     def session_pages(self, session: str) -> dict[str, int]:
-        """Resident pages on each tier of the nodes this session's sequences pass through (shared ones too)."""
-        out = {Tier.GPU.value: 0, Tier.HOST.value: 0}
-        for n in self._session_nodes.get(session, ()):
-            out[n.tier.value] += len(n.pages)
-        return out
+        return self.index.pages_by_tier(session)
 
     def check_integrity(self, running_refs: Counter[int] | None = None) -> None:
         check_integrity(self, running_refs)

@@ -36,7 +36,7 @@ def check_integrity(cache: RadixCache, running_refs: Counter[int] | None = None)
         assert n.tier is Tier.HOST or parent.tier is Tier.GPU, "a GPU node under a host node"
         assert parent is cache.root or n.sessions <= parent.sessions, "child tagged beyond its parent"
         for sid in n.sessions:
-            assert n in cache._session_nodes.get(sid, ()), f"node tagged {sid} missing from its set"
+            assert n in cache.index.of(sid), f"node tagged {sid} missing from its set"
         owned = owned_gpu if n.tier is Tier.GPU else owned_host
         for p in n.pages:
             assert p not in owned, f"page {p} owned twice"
@@ -44,7 +44,7 @@ def check_integrity(cache: RadixCache, running_refs: Counter[int] | None = None)
         if cache._is_gpu_leaf(n) or (n.tier is Tier.HOST and not n.children):
             assert id(n) in in_heap, "a leaf missing from its heap"
         stack.extend(n.children.values())
-    for sid, nodes in cache._session_nodes.items():
+    for sid, nodes in cache.index.nodes.items():
         for n in nodes:
             assert n.alive and sid in n.sessions, f"session {sid} lists a dead or untagged node"
     assert cache.gpu_pages == len(owned_gpu) and cache.host_pages == len(owned_host), "page counters off"

@@ -192,7 +192,7 @@ class Scheduler:
         if self.config.cache_policy != "session":
             return True
         held = len({p for r in self.running for p in r.pages})
-        leased = int(self.cache.stats().get("leased_pages", 0))
+        leased = self.cache.index.leased_pages()
         # Leased pages the host tier can take are not in the way: they are demoted (copied out, and back
         # on return) instead of holding a new session at the door.
         host_room = self.cache.host.pool.num_free if self.cache.host is not None else 0
