@@ -8,6 +8,8 @@ and all-reduce their partial sums inside forward, so the model file never calls 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,7 +23,7 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-class LinearBase(nn.Module):
+class LinearBase(nn.Module, ABC):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None) -> None:
         super().__init__()
         self.tp_dim = tp_dim
@@ -35,10 +37,11 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    @abstractmethod
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        raise NotImplementedError
+        """Copy this rank's shard of a checkpoint tensor into `param` (each layer shards its own way)."""
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         if dst.shape != src.shape:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,7 +104,7 @@ def collect(deltas: list[Delta]) -> ParsedOutput:
     return ParsedOutput("".join(content), [calls[i] for i in sorted(calls)])
 
 
-class ToolParser:
+class ToolParser(ABC):
     """Base of every family. Subclasses set `openers` and implement `parse_block`."""
 
     name = ""
@@ -132,8 +133,9 @@ class ToolParser:
                     break
         return keep
 
+    @abstractmethod
     def parse_block(self, text: str, final: bool) -> BlockProgress:
-        raise NotImplementedError
+        """Parse one call block from its opener on (each family has its own syntax)."""
 
     # ---- the public API ----------------------------------------------------------------------
     def stream(self) -> ToolStream:
