@@ -8,7 +8,11 @@ waits on the pipe until the next lease expiry or admission timeout. It never sle
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from agentbox.config import EngineConfig
@@ -30,14 +34,39 @@ from agentbox.engine.runner import ModelRunner
 from agentbox.engine.scheduler import Scheduler
 from agentbox.engine.session_view import session_detail, session_summary
 from agentbox.models.loader import LoadedModel
+from agentbox.parallel.state import destroy_distributed
+from agentbox.parallel.worker import RankDeath, start_group
 
 log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        on_rank_death: Callable[[RankDeath], None] | None = None,
+    ) -> None:
+        """At tp > 1 this spawns ranks 1..N-1 and joins their group as rank 0; `on_rank_death` is called
+        from a watchdog thread when one dies (default: the next step raises, naming the rank)."""
+        if config.tensor_parallel_size > 1 and config.host_cache_gb != 0.0:
+            # The host tier copies pages of rank 0's KV pool only; with heads spread over ranks it would
+            # need every rank to copy in step. Until then tp > 1 runs without it.
+            log.info("tensor parallel %d: the host-RAM KV tier is off", config.tensor_parallel_size)
+            config = replace(config, host_cache_gb=0.0)
         self.config = config
-        self.runner = ModelRunner(config, loaded)
+        self.rank_death: RankDeath | None = None
+        self.workers = start_group(config)
+        try:
+            self.runner = ModelRunner(config, loaded, self.workers)
+        except Exception as e:
+            if self.workers is None:
+                raise
+            why = self.workers.failure()
+            self.close()
+            raise RuntimeError(why or str(e)) from e
+        if self.workers is not None:
+            self.workers.watch(on_rank_death or self._note_death)
         self.pool = PagePool(self.runner.num_pages, config.page_size)
         self.cache = RadixCache.from_config(config, self.pool, self.runner.kv_cache)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.max_model_len)
@@ -58,6 +87,17 @@ class EngineCore:
             "preemptions": 0,
         }
 
+    def _note_death(self, death: RankDeath) -> None:
+        log.error("%s", death.describe())
+        self.rank_death = death
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers and leaves the group (nothing to do at tp 1)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+            destroy_distributed()
+
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
@@ -74,6 +114,8 @@ class EngineCore:
             attention_backend=self.runner.backend.name,
             device=str(self.runner.device),
             dtype=self.config.resolved_dtype,
+            tensor_parallel_size=self.runner.tp,
+            weight_bytes_per_rank=list(self.runner.weight_bytes_per_rank),
         )
 
     def has_work(self) -> bool:
@@ -153,7 +195,7 @@ class EngineCore:
         gs = req.grammar_state
         if gs is not None and gs.is_terminated():  # type: ignore[attr-defined]
             return "stop"
-        if len(req.output_token_ids) >= s.max_tokens or req.num_tokens >= self.max_model_len:
+        if req.num_output_tokens >= s.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -187,7 +229,9 @@ class EngineCore:
         self.counters["preemptions"] = self.scheduler.num_preemptions
         if not out.seqs:
             return results
-        tokens, lps = self.runner.execute(out)
+        if self.rank_death is not None:
+            raise RuntimeError(self.rank_death.describe())
+        tokens, lps = self.runner.step(out)
         c = self.counters
         c["steps"] += 1
         c["computed_tokens"] += out.num_tokens
@@ -205,7 +249,7 @@ class EngineCore:
             token, lp = next(sampled)
             if req.first_token_time is None:
                 self._first_token(req)
-            req.output_token_ids.append(token)
+            req.append_output(token)
             c["generated_tokens"] += 1
             if req.grammar_state is not None:
                 req.grammar_state.accept(token)  # type: ignore[attr-defined]
@@ -226,7 +270,7 @@ class EngineCore:
     def _record_completion(self, req: Request) -> None:
         s = self.cache.sessions.get(req.session_id) if req.session_id else None
         if s is not None and s.turn_history:
-            s.turn_history[-1]["completion_tokens"] = len(req.output_token_ids)
+            s.turn_history[-1]["completion_tokens"] = req.num_output_tokens
 
     # ---- queries ----
 
@@ -251,6 +295,15 @@ class EngineCore:
                 "rejections": sch.admission_rejections,
             },
             "sessions": {"count": len(self.cache.sessions), "live_leases": len(self.cache.sessions.live())},
+            "parallel": self._parallel_stats(),
+        }
+
+    def _parallel_stats(self) -> dict:
+        w = self.workers
+        return {
+            "tensor_parallel_size": self.runner.tp,
+            "weight_bytes_per_rank": list(self.runner.weight_bytes_per_rank),
+            "step_send_us": round(1e6 * w.send_seconds / w.steps_sent, 1) if w is not None and w.steps_sent else 0.0,
         }
 
     def query(self, q: Query) -> dict | None:
@@ -291,30 +344,52 @@ class EngineCore:
 def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = logging.INFO) -> None:
     """Entry point of the engine core process."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    send_lock = threading.Lock()  # the tp watchdog thread may report a death while the loop sends
+
+    def send(msg: object) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    core: EngineCore | None = None
+
+    def on_rank_death(death: RankDeath) -> None:
+        # A collective with a dead peer may never return (NCCL), so the loop cannot be trusted to notice:
+        # report, end the other ranks, and exit; the API process fails in-flight requests and restarts us.
+        why = death.describe()
+        log.error("%s; the engine exits", why)
+        try:
+            send(EngineFailed(why, dead_rank=death.rank))
+        except OSError:
+            pass
+        if core is not None and core.workers is not None:
+            core.workers.kill()
+        os._exit(3)
+
     try:
-        core = EngineCore(config)
+        core = EngineCore(config, on_rank_death=on_rank_death)
     except Exception as e:  # any load failure is reported to the API process, which explains it
         log.exception("engine failed to start")
-        conn.send(EngineFailed(f"{type(e).__name__}: {e}"))
+        send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
-    conn.send(core.ready_message())
+    send(core.ready_message())
 
     def handle(msg: object) -> bool:
+        assert core is not None
         if isinstance(msg, AddRequest):
             err = core.add(msg)
             if err is not None:
-                conn.send(StepOutputs([err]))
+                send(StepOutputs([err]))
         elif isinstance(msg, AbortRequest):
             o = core.abort(msg.request_id)
             if o is not None:
-                conn.send(StepOutputs([o]))
+                send(StepOutputs([o]))
         elif isinstance(msg, Query):
             try:
                 result = core.query(msg)
             except Exception as e:  # a bad query must not take the engine down
                 log.exception("query failed")
                 result = {"error": str(e)}
-            conn.send(QueryReply(msg.query_id, result))
+            send(QueryReply(msg.query_id, result))
         elif isinstance(msg, Shutdown):
             return False
         return True
@@ -334,9 +409,11 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
             if core.has_work():
                 outs = core.step()
                 if outs:
-                    conn.send(StepOutputs(outs))
+                    send(StepOutputs(outs))
     except (EOFError, BrokenPipeError):
         log.info("API process went away; engine exiting")
+    finally:
+        core.close()
 
 
 __all__ = ["EngineCore", "Status", "run_engine_process"]

@@ -34,6 +34,16 @@ class LLM:
         self.core = EngineCore(config, loaded)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (a no-op at tp 1)."""
+        self.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def loaded(self) -> LoadedModel:
         return self.core.runner.loaded

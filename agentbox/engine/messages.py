@@ -79,8 +79,13 @@ class EngineReady:
     attention_backend: str
     device: str
     dtype: str
+    tensor_parallel_size: int = 1
+    weight_bytes_per_rank: list[int] = field(default_factory=list)  # resident parameter bytes, rank order
 
 
 @dataclass
 class EngineFailed:
+    """The engine could not start, or a tensor-parallel rank died (dead_rank) and the engine exited."""
+
     error: str
+    dead_rank: int | None = None

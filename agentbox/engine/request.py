@@ -24,14 +24,15 @@ class Status(enum.Enum):
 @dataclass(eq=False)  # identity: a request is itself, never equal to another
 class Request:
     request_id: str
-    prompt_token_ids: list[int]
+    # Prompt then output, in one list that only grows: a step reads its new tokens by slice, never by
+    # concatenating prompt + output (that was 30k tokens copied per agent per decode step).
+    token_ids: list[int]
     sampling: SamplingParams
     session_id: str | None = None
     arrival: float = field(default_factory=time.monotonic)
 
-    output_token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0
-    pages: list[int] = field(default_factory=list)  # this request's page table, one page per page_size tokens
     status: Status = Status.WAITING
     finish_reason: str | None = None
     # Cache accounting, from real events (set when the request first starts running).
@@ -46,18 +47,49 @@ class Request:
     first_token_time: float | None = None
     grammar_state: object | None = None  # agentbox.chat.grammar.GrammarState when decoding is constrained
     _generator: torch.Generator | None = None
+    _pages: list[int] = field(default_factory=list, repr=False)
+    # The runner's persistent page-table row for this request and how many of `pages` it holds already
+    # (engine/page_table.py); assigning `pages` anew resets it, `pages.extend` keeps it.
+    table_row: int | None = field(default=None, repr=False)
+    pages_in_table: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def pages(self) -> list[int]:
+        """This request's page table, one page per page_size tokens. Grow it with `extend`; assign a new
+        list to replace it (the runner's table row is then rewritten)."""
+        return self._pages
+
+    @pages.setter
+    def pages(self, pages: list[int]) -> None:
+        self._pages = pages
+        self.pages_in_table = 0
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt + output: the stored list itself, not a copy (read it, do not mutate it)."""
+        return self.token_ids
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def append_output(self, token: int) -> None:
+        self.token_ids.append(token)
 
     @property
     def is_finished(self) -> bool:

@@ -1,21 +1,30 @@
-"""The model runner: owns the model, the paged KV tensors and the attention backend; turns a
-SchedulerOutput into one forward pass and one sampled token per request that reached its end."""
+"""The model runner, in two halves. Rank 0 turns a SchedulerOutput into a `StepInputs` (`prepare`: the
+only half that sees Requests); every tensor-parallel rank runs `execute(StepInputs)` on its own shard of
+the weights and its own heads of the KV pool. Only rank 0 samples: the LM head all-gathers the logits, so
+rank 0 holds the whole vocabulary row after `execute`."""
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentbox.config import EngineConfig
 from agentbox.engine.messages import TokenLogprob
+from agentbox.engine.page_table import PageTable, RowAssigner
 from agentbox.engine.sampler import sample
 from agentbox.engine.scheduler import SchedulerOutput
+from agentbox.engine.step_inputs import StepInputs
 from agentbox.layers.backends import ATTENTION_BACKENDS
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
 from agentbox.models.loader import LoadedModel, load_model
+from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
+
+if TYPE_CHECKING:
+    from agentbox.parallel.worker import TPWorkers
 
 log = logging.getLogger(__name__)
 
@@ -41,27 +50,49 @@ def pick_backend(name: str, device: str) -> type[AttentionBackend]:
     return cls
 
 
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r runs on the r-th GPU after the configured one (cuda -> cuda:r, cuda:2 -> cuda:2+r), or the CPU."""
+    dev = torch.device(config.resolved_device)
+    if dev.type != "cuda":
+        return dev
+    return torch.device("cuda", (dev.index or 0) + rank)
+
+
+def resident_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's parameters, each storage counted once (a tied LM head shares the embedding)."""
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, workers: TPWorkers | None = None
+    ) -> None:
         self.config = config
-        if config.tensor_parallel_size != 1:
-            # The layers are TP-aware, but the multi-process worker loop is not built yet: say so plainly.
-            raise ValueError(
-                f"tensor parallel size {config.tensor_parallel_size} is not supported yet (only 1); "
-                "pick a model or variant that fits one device (`agentbox plan` shows which)"
-            )
-        self.device = torch.device(config.resolved_device)
+        self.rank, self.tp = tp_rank(), tp_size()
+        if self.tp != config.tensor_parallel_size:
+            raise RuntimeError(f"tp state {self.tp} != config {config.tensor_parallel_size} (join the group first)")
+        self.workers = workers
+        self.device = rank_device(config, self.rank)
         self.dtype = DTYPES[config.resolved_dtype]
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             # Oversubscribed threads are far slower than fewer threads on a small CPU (measured 5x at 2 vs 1
-            # thread on 2 cores with the API process busy), so leave one core to everything else.
-            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+            # thread on 2 cores with the API process busy), so leave one core to everything else and split
+            # the rest between the ranks.
+            torch.set_num_threads(config.cpu_threads or max(1, ((os.cpu_count() or 2) - 1) // self.tp))
+        elif self.tp > 1:
+            torch.cuda.set_device(self.device)
         self.loaded = loaded or load_model(config.model, self.dtype, self.device)
         lm = self.loaded
+        self.weight_bytes = resident_weight_bytes(lm.model)
+        self.weight_bytes_per_rank = control_all_gather(self.weight_bytes)
         self.page_size = config.page_size
         page_bytes = KVCache.bytes_per_page(lm.num_layers, self.page_size, lm.num_kv_heads, lm.head_dim, self.dtype)
-        self.num_pages = config.num_pages or self._auto_num_pages(page_bytes)
+        # Page ids mean the same slots on every rank, so every rank's pool has the smallest rank's size.
+        self.num_pages = min(control_all_gather(config.num_pages or self._auto_num_pages(page_bytes)))
         self.kv_cache = KVCache(
             lm.num_layers, self.num_pages, self.page_size, lm.num_kv_heads, lm.head_dim, self.dtype, self.device
         )
@@ -72,9 +103,14 @@ class ModelRunner:
         self.backend = backend_cls(
             self.kv_cache, lm.num_heads, lm.num_kv_heads, lm.head_dim, lm.head_dim**-0.5
         )
+        # One row per running request plus one for a one-off logits call (LLM.logits).
+        num_rows = config.max_num_seqs + 1
+        self.page_table = PageTable(num_rows, -(-self.max_model_len // self.page_size) + 1, self.device)
+        self.rows = RowAssigner(num_rows) if self.rank == 0 else None
         log.info(
-            "KV pool: %d pages of %d tokens (%.1f MiB), attention backend %s, max_model_len %d",
-            self.num_pages, self.page_size, self.num_pages * page_bytes / 2**20, backend_cls.name, self.max_model_len,
+            "rank %d/%d: weights %.1f MiB, KV pool %d pages of %d tokens (%.1f MiB), attention backend %s, "
+            "max_model_len %d", self.rank, self.tp, self.weight_bytes / 2**20, self.num_pages, self.page_size,
+            self.num_pages * page_bytes / 2**20, backend_cls.name, self.max_model_len,
         )
 
     def _auto_num_pages(self, page_bytes: int) -> int:
@@ -86,55 +122,83 @@ class ModelRunner:
         else:
             import psutil  # here, not at the top: the GPU check imports the engine where psutil may be absent
 
-            budget = min(int(psutil.virtual_memory().available * CPU_KV_SHARE), CPU_KV_MAX_BYTES)
+            budget = min(int(psutil.virtual_memory().available * CPU_KV_SHARE), CPU_KV_MAX_BYTES) // self.tp
         return max(2, budget // page_bytes)
 
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Runs the step's forward pass; returns one token (and logprobs) per seq with sample=True, in order."""
-        logits = self.forward_logits(out)
-        if logits is None:
-            return [], []
-        return sample(logits, [s.request for s in out.seqs if s.sample])
+    # ---- rank 0: Requests -> StepInputs ----
 
-    @torch.inference_mode()
-    def forward_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """float32 logits [N, vocab] at the last new token of each seq with sample=True (None if none)."""
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The step's tensors. Work is proportional to the step's new tokens and new pages, never to a
+        request's context: tokens are sliced from the request's list, pages reach the table once."""
+        assert self.rows is not None, "only rank 0 prepares steps"
         ps = self.page_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         query_lens: list[int] = []
         kv_lens: list[int] = []
-        last_rows: list[int] = []
+        sample_rows: list[int] = []
+        rows, updates = self.rows.assign([s.request for s in out.seqs])
         for s in out.seqs:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            toks = r.all_token_ids
-            ids.extend(toks[start:end])
-            pos.extend(range(start, end))
+            ids += r.token_ids[start:end]
             pages = r.pages
-            slots.extend(pages[p // ps] * ps + p % ps for p in range(start, end))
-            query_lens.append(s.num_new_tokens)
+            if end - start == 1:
+                pos.append(start)
+                slots.append(pages[start // ps] * ps + start % ps)
+            else:
+                pos += range(start, end)
+                slots += [pages[p // ps] * ps + p % ps for p in range(start, end)]
+            query_lens.append(end - start)
             kv_lens.append(end)
             if s.sample:
-                last_rows.append(len(ids) - 1)
-        max_pages = max(len(s.request.pages) for s in out.seqs)
-        table = torch.zeros((len(out.seqs), max_pages), dtype=torch.int32)
-        for i, s in enumerate(out.seqs):
-            table[i, : len(s.request.pages)] = torch.tensor(s.request.pages, dtype=torch.int32)
-        dev = self.device
-        meta = AttentionMetadata(
+                sample_rows.append(len(ids) - 1)
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
             query_lens=query_lens,
             kv_lens=kv_lens,
-            page_table=table.to(dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            page_size=ps,
+            table_rows=torch.tensor(rows, dtype=torch.int64),
+            page_updates=torch.tensor(updates, dtype=torch.int64).reshape(-1, 3),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
+            num_table_cols=-(-max(kv_lens) // ps),
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
-        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+
+    # ---- every rank: StepInputs -> logits ----
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> torch.Tensor | None:
+        """The forward pass; float32 logits [S, vocab] at step.sample_rows (None when nothing samples).
+        At tp > 1 every rank gets the gathered logits; rank 0 is the one that samples them."""
+        self.page_table.apply(step.page_updates)
+        dev = self.device
+        meta = AttentionMetadata(
+            query_lens=step.query_lens,
+            kv_lens=step.kv_lens,
+            page_table=self.page_table.rows(step.table_rows, step.num_table_cols),
+            slot_mapping=step.slot_mapping.to(dev),
+            page_size=self.page_size,
+        )
         with forward_context(self.backend, meta):
-            hidden = self.loaded.model(input_ids, positions)
-        if not last_rows:
+            hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
+        if not step.sample_rows.numel():
             return None
-        return self.loaded.model.compute_logits(hidden[torch.tensor(last_rows, device=dev)]).float()
+        return self.loaded.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()
+
+    # ---- rank 0: one whole step ----
+
+    def forward_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """float32 logits [N, vocab] at the last new token of each seq with sample=True (None if none)."""
+        step = self.prepare(out)
+        if self.workers is not None:
+            self.workers.send_step(step)
+        return self.execute(step)
+
+    def step(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Runs the step on every rank; returns one token (and logprobs) per seq with sample=True, in order."""
+        logits = self.forward_logits(out)
+        if logits is None:
+            return [], []
+        return sample(logits, [s.request for s in out.seqs if s.sample])

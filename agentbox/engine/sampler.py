@@ -20,7 +20,7 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             if seen.numel():
                 vals = logits[i, seen]
                 logits[i, seen] = torch.where(vals > 0, vals / s.repetition_penalty, vals * s.repetition_penalty)
-        if (s.presence_penalty or s.frequency_penalty) and r.output_token_ids:
+        if (s.presence_penalty or s.frequency_penalty) and r.num_output_tokens:
             # OpenAI semantics: over generated tokens only.
             out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
             counts = torch.zeros(vocab, dtype=logits.dtype, device=logits.device).scatter_add_(

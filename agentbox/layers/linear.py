@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentbox.parallel.state import all_reduce, tp_rank, tp_size
+from agentbox.parallel.state import all_reduce, head_shard, tp_rank, tp_size
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -99,7 +99,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matmul; heads are split across ranks (kv heads must divide)."""
+    """q, k and v projections in one matmul; each rank holds the heads `parallel.state.head_shard` gives
+    it (whole KV groups, unevenly when the KV heads do not divide the tp size)."""
 
     def __init__(
         self,
@@ -109,35 +110,39 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_kv_heads: int,
         bias: bool = False,
     ) -> None:
-        tp = tp_size()
         self.head_dim = head_dim
-        self.num_heads = _divide(total_num_heads, tp, "attention heads")
-        self.num_kv_heads = _divide(total_num_kv_heads, tp, "key/value heads")
-        output_size = (total_num_heads + 2 * total_num_kv_heads) * head_dim
-        super().__init__(hidden_size, output_size, bias)
+        self.shard = head_shard(total_num_heads, total_num_kv_heads)
+        self.num_heads = self.shard.num_heads
+        self.num_kv_heads = self.shard.num_kv_heads
+        LinearBase.__init__(self, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, 0)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
     ) -> None:
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        d, sh = self.head_dim, self.shard
+        q_size, kv_size = sh.num_heads * d, sh.num_kv_heads * d
         if shard_id == "q":
-            offset, size = 0, q_size
+            offset, size, start = 0, q_size, sh.q_start * d
         elif shard_id == "k":
-            offset, size = q_size, kv_size
+            offset, size, start = q_size, kv_size, sh.kv_start * d
         elif shard_id == "v":
-            offset, size = q_size + kv_size, kv_size
+            offset, size, start = q_size + kv_size, kv_size, sh.kv_start * d
         else:
             raise ValueError(f"QKVParallelLinear shard id must be 'q', 'k' or 'v', got {shard_id!r}")
         dst = param.data.narrow(0, offset, size)
-        self._copy(dst, loaded_weight.narrow(0, self.tp_rank * size, size), f"shard {shard_id}")
+        self._copy(dst, loaded_weight.narrow(0, start, size), f"shard {shard_id}")
 
 
 class RowParallelLinear(LinearBase):
-    """y = x W^T with W split by input columns; partial sums are all-reduced here. Bias added once."""
+    """y = x W^T with W split by input columns; partial sums are all-reduced here. Bias added once.
+    `input_shard` (start, size) overrides the even split (o_proj follows its rank's attention heads)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(_divide(input_size, tp_size(), "input size"), output_size, bias, 1)
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, input_shard: tuple[int, int] | None = None
+    ) -> None:
+        self.input_start = None if input_shard is None else input_shard[0]
+        local = _divide(input_size, tp_size(), "input size") if input_shard is None else input_shard[1]
+        super().__init__(local, output_size, bias, 1)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
@@ -146,7 +151,8 @@ class RowParallelLinear(LinearBase):
             self._copy(param.data, loaded_weight, "bias")
             return
         size = param.data.size(1)
-        self._copy(param.data, loaded_weight.narrow(1, self.tp_rank * size, size), "weight")
+        start = self.tp_rank * size if self.input_start is None else self.input_start
+        self._copy(param.data, loaded_weight.narrow(1, start, size), "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None

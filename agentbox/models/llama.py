@@ -21,7 +21,6 @@ from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agentbox.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from agentbox.layers.norm import RMSNorm
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
-from agentbox.parallel.state import tp_size
 
 
 def head_dim_of(config: Any) -> int:
@@ -37,14 +36,17 @@ class LlamaAttention(nn.Module):
         super().__init__()
         total_heads, total_kv_heads = config.num_attention_heads, num_kv_heads_of(config)
         self.head_dim = head_dim_of(config)
-        self.num_heads = total_heads // tp_size()
-        self.num_kv_heads = total_kv_heads // tp_size()
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = config.model_type == "qwen2" or attention_bias  # Qwen2 has q/k/v bias, no o_proj bias
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias
         )
-        self.o_proj = RowParallelLinear(total_heads * self.head_dim, config.hidden_size, attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        sh = self.qkv_proj.shard
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, config.hidden_size, attention_bias,
+            input_shard=(sh.q_start * self.head_dim, sh.num_heads * self.head_dim),
+        )
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

@@ -24,7 +24,7 @@ from agentbox.config import state_dir
 from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_weights, open_gguf
 from agentbox.models.llama import head_dim_of, num_kv_heads_of
 from agentbox.models.registry import model_class
-from agentbox.parallel.state import tp_size
+from agentbox.parallel.state import head_shard
 
 # End-of-turn tokens of common chat templates: generation must stop on them even where the checkpoint's
 # eos is the end-of-document token (SmolLM2, Qwen2.5, Llama 3 instruct).
@@ -130,13 +130,13 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
         torch.set_default_dtype(previous_dtype)
     model.load_weights(iter_weights(src, config))  # type: ignore[operator]
     model.eval().requires_grad_(False)
-    tp = tp_size()
+    shard = head_shard(config.num_attention_heads, num_kv_heads_of(config))
     return LoadedModel(
         model=model,
         hf_config=config,
         num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads // tp,
-        num_kv_heads=num_kv_heads_of(config) // tp,
+        num_heads=shard.num_heads,
+        num_kv_heads=shard.num_kv_heads,
         head_dim=head_dim_of(config),
         vocab_size=config.vocab_size,
         max_model_len=_max_model_len(config),

@@ -1,4 +1,10 @@
-"""Tensor-parallel process-group state. At tp=1 every collective is a no-op, so layers call them freely."""
+"""Tensor-parallel process-group state. At tp=1 every collective is a no-op, so layers call them freely.
+
+Two groups at tp > 1: the default group carries the layers' collectives (NCCL on CUDA, gloo on CPU) and
+a gloo group on CPU carries control (start-up agreement: pool size, resident bytes). Steps themselves do
+not cross a collective: rank 0 writes each step to the workers' pipes (parallel/worker.py), so an idle
+worker sits in a blocking pipe read instead of a spinning NCCL broadcast.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ class TPState:
 
 
 _state = TPState()
+_control: object | None = None  # torch.distributed ProcessGroup (gloo) at tp > 1
 
 
 def set_tp_state(rank: int, size: int) -> None:
@@ -27,6 +34,77 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _state.size
+
+
+def init_distributed(rank: int, size: int, port: int, device: torch.device, timeout_s: float = 600.0) -> None:
+    """Joins the tp group (rank 0 and every worker call it with the same port) and sets the tp state.
+    timeout_s bounds every collective: a step on a live group takes milliseconds, loading takes minutes."""
+    global _control
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    set_tp_state(rank, size)
+    if size == 1:
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+    )
+    _control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+
+
+def destroy_distributed() -> None:
+    global _control
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _control = None
+    set_tp_state(0, 1)
+
+
+def control_all_gather(value: int) -> list[int]:
+    """Every rank's `value`, in rank order, over the CPU control group ([value] at tp 1)."""
+    if _state.size == 1:
+        return [value]
+    mine = torch.tensor([value], dtype=torch.int64)
+    parts = [torch.zeros(1, dtype=torch.int64) for _ in range(_state.size)]
+    torch.distributed.all_gather(parts, mine, group=_control)
+    return [int(p.item()) for p in parts]
+
+
+def shard_range(n: int, size: int, rank: int) -> tuple[int, int]:
+    """(start, count) of rank's contiguous share of n items; earlier ranks take one more when n % size."""
+    base, extra = divmod(n, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    q_start: int
+    num_heads: int
+    kv_start: int
+    num_kv_heads: int
+
+
+def head_shard(total_heads: int, total_kv_heads: int, size: int | None = None, rank: int | None = None) -> HeadShard:
+    """This rank's attention heads. KV heads are split whole (unevenly when they do not divide: SmolLM2's
+    3 KV heads at tp 2 become 2 + 1) and each rank takes the query heads of its KV groups; with fewer KV
+    heads than ranks each KV head is replicated on tp / kv ranks and the query heads split evenly."""
+    size = _state.size if size is None else size
+    rank = _state.rank if rank is None else rank
+    group = total_heads // total_kv_heads
+    if total_kv_heads >= size:
+        kv_start, kv_count = shard_range(total_kv_heads, size, rank)
+        return HeadShard(kv_start * group, kv_count * group, kv_start, kv_count)
+    if size % total_kv_heads or total_heads % size:
+        raise ValueError(
+            f"{total_heads} attention heads with {total_kv_heads} key/value heads cannot be split over "
+            f"{size} tensor-parallel ranks"
+        )
+    per_rank = total_heads // size
+    return HeadShard(rank * per_rank, per_rank, rank // (size // total_kv_heads), 1)
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
