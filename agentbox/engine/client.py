@@ -2,6 +2,10 @@
 
 The core runs in its own process (spawned, so CUDA initialises cleanly there). One reader thread blocks on
 the pipe and hands each output to the asyncio loop; the loop never polls.
+
+When the engine dies (a tensor-parallel rank was killed, OOM, a CUDA error), every in-flight request gets
+an error that says why, `dead` makes /health answer unhealthy, and the engine is started again in the
+background (its caches are lost; the log says so). If it cannot start again, the server is asked to exit.
 """
 
 from __future__ import annotations
@@ -10,8 +14,11 @@ import asyncio
 import itertools
 import logging
 import multiprocessing as mp
+import os
+import signal
 import threading
 from collections.abc import AsyncIterator
+from multiprocessing.connection import Connection
 
 from agentbox.config import EngineConfig
 from agentbox.engine.messages import (
@@ -45,48 +52,58 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: mp.process.BaseProcess | None = None
         self.dead: str | None = None
+        self.restarts = 0  # engine restarts after a death, for /v1/stats and the log
+        self.max_restarts = 3  # past this the server exits instead of looping on a broken machine
 
-    def start(self) -> EngineReady:
-        """Spawns the core and blocks until it has loaded the model (or failed, raising with its reason)."""
+    def _spawn(self) -> tuple[mp.process.BaseProcess, Connection, EngineReady]:
+        """Spawns a core and blocks until it has loaded the model (or failed, raising with its reason)."""
         from agentbox.engine.core import run_engine_process
 
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        self._proc = ctx.Process(
+        proc = ctx.Process(
             target=run_engine_process, args=(child, self.config, logging.getLogger().level or logging.INFO),
             name="agentbox-engine", daemon=True,
         )
-        self._proc.start()
+        proc.start()
         child.close()
-        self._conn = parent
         try:
             msg = parent.recv()
         except EOFError as e:
+            proc.join(5)
             raise RuntimeError("the engine process died while loading the model; see the log above") from e
         if isinstance(msg, EngineFailed):
-            self._proc.join(5)
+            proc.join(5)
             raise RuntimeError(f"the engine could not start: {msg.error}")
         assert isinstance(msg, EngineReady)
-        self.info = msg
-        return msg
+        return proc, parent, msg
+
+    def start(self) -> EngineReady:
+        self._proc, self._conn, self.info = self._spawn()
+        return self.info
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        threading.Thread(target=self._reader, name="engine-reader", daemon=True).start()
+        self._start_reader()
 
-    def _reader(self) -> None:
+    def _start_reader(self) -> None:
+        threading.Thread(target=self._reader, args=(self._conn,), name="engine-reader", daemon=True).start()
+
+    def _reader(self, conn: Connection) -> None:
         loop = self._loop
         assert loop is not None
         while True:
             try:
-                msg = self._conn.recv()
+                msg = conn.recv()
             except (EOFError, OSError):
-                loop.call_soon_threadsafe(self._on_dead, "the engine process exited")
+                loop.call_soon_threadsafe(self._on_dead, "the engine process exited", conn)
                 return
             if isinstance(msg, StepOutputs):
                 loop.call_soon_threadsafe(self._dispatch, msg.outputs)
             elif isinstance(msg, QueryReply):
                 loop.call_soon_threadsafe(self._resolve_query, msg)
+            elif isinstance(msg, EngineFailed):  # a rank died; the engine exits right after this message
+                loop.call_soon_threadsafe(self._on_dead, msg.error, conn)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
@@ -99,13 +116,50 @@ class EngineClient:
         if fut is not None and not fut.done():
             fut.set_result(msg.result)
 
-    def _on_dead(self, why: str) -> None:
+    def _on_dead(self, why: str, conn: Connection) -> None:
+        if conn is not self._conn or self.dead is not None:
+            return  # an older engine's last words, or the EOF that follows its failure message
         self.dead = why
+        log.error("engine failed: %s", why)
         for rid, q in self._queues.items():
-            q.put_nowait(RequestOutput(rid, [], finished=True, finish_reason="error", error=why))
+            q.put_nowait(RequestOutput(rid, [], finished=True, finish_reason="error", error=why,
+                                       error_code="engine_dead"))
         for fut in self._queries.values():
             if not fut.done():
                 fut.set_exception(EngineDead(why))
+        if self._proc is not None:  # not a shutdown we asked for
+            threading.Thread(target=self._restart, args=(why,), name="engine-restart", daemon=True).start()
+
+    def _restart(self, why: str) -> None:
+        old = self._proc
+        if old is not None:
+            old.join(10)  # it exits on its own after a rank death; reap it, workers included
+            if old.is_alive():
+                old.kill()
+                old.join(5)
+        if self.restarts >= self.max_restarts:
+            log.error("the engine died %d times; the server exits", self.restarts + 1)
+            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+            return
+        self.restarts += 1
+        try:
+            proc, conn, info = self._spawn()
+        except Exception as e:
+            log.error("the engine could not restart (%s); the server exits", e)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._restarted, proc, conn, info, why)
+
+    def _restarted(self, proc: mp.process.BaseProcess, conn: Connection, info: EngineReady, why: str) -> None:
+        if self._proc is None:  # shut down while restarting
+            conn.close()
+            proc.kill()
+            return
+        self._proc, self._conn, self.info = proc, conn, info
+        self.dead = None
+        self._start_reader()
+        log.warning("engine restarted after: %s (restart %d; every session's cache was lost)", why, self.restarts)
 
     def _send(self, msg: object) -> None:
         if self.dead:
@@ -154,17 +208,18 @@ class EngineClient:
         return await self.query("stats") or {}
 
     def shutdown(self) -> None:
-        if self._proc is None:
+        proc, self._proc = self._proc, None  # None first: the reader's EOF is then not a death to restart
+        if proc is None:
             return
         try:
-            self._send(Shutdown())
-        except (EngineDead, OSError, BrokenPipeError):
+            with self._send_lock:
+                self._conn.send(Shutdown())
+        except (OSError, BrokenPipeError):
             pass
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(5)
-        self._proc = None
+        proc.join(10)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
 
     @property
     def pid(self) -> int | None:

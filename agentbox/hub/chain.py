@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from rich.console import Console
@@ -18,7 +19,7 @@ from agentbox.hub.embedded import INSTALL_HINT
 from agentbox.hub.plan import Plan, PlanConfig, describe_machine, plan
 from agentbox.hub.profiles import Profile, load_profiles
 from agentbox.hub.pull import OfflineError, PullError, local_path, pull
-from agentbox.hub.verify import Runner, Verdict, VerdictStore, verify
+from agentbox.hub.verify import Runner, Verdict, VerdictStore, engine_runner, verify
 from agentbox.hw.probe import Probe
 
 
@@ -98,8 +99,10 @@ def resolve_default(
                     continue
             say(f"[bold]verify[/] {label}: canary at {path}")
             try:
+                # The canary runs at the plan's tp: a model planned across two GPUs does not fit one.
                 verdict: Verdict | None = verify(
-                    path, v.name, probe, model=profile.name, runner=runner, store=store
+                    path, v.name, probe, model=profile.name, runner=runner or partial(engine_runner, tp=cand.tp),
+                    store=store,
                 )
             except ImportError as exc:  # no engine in this install: nothing was learned about the model
                 say(f"  canary skipped: the engine does not import ({exc})")

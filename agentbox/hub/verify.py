@@ -145,8 +145,8 @@ def verify(
     return verdict
 
 
-def engine_runner(path: Path, prompt: str, max_tokens: int) -> CanaryOutput:
-    """The canary through agentbox's own engine (what `serve` will run)."""
+def engine_runner(path: Path, prompt: str, max_tokens: int, tp: int = 1) -> CanaryOutput:
+    """The canary through agentbox's own engine (what `serve` will run, at the tp it will run)."""
     import torch
 
     from agentbox.config import EngineConfig
@@ -155,7 +155,7 @@ def engine_runner(path: Path, prompt: str, max_tokens: int) -> CanaryOutput:
 
     tokenizer = _tokenizer(path)
     ids = _prompt_ids(tokenizer, prompt)
-    llm = LLM(EngineConfig(model=str(path)))
+    llm = LLM(EngineConfig(model=str(path), tensor_parallel_size=tp))
     try:
         logits = llm.logits(ids)
         finite = bool(torch.isfinite(logits).all())

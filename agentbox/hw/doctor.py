@@ -4,8 +4,10 @@ running server's health — and each problem found, with the command or setting 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,7 +104,9 @@ def doctor(
                     "pick a smaller model (`agentbox plan MODEL`), or lower --context / --sessions",
                 )
             )
-        elif local_path(profile, chosen.variant) is None:
+        else:
+            problems += tp_problems(chosen.tp)
+        if chosen is not None and local_path(profile, chosen.variant) is None:
             if (
                 disk := disk_problem(
                     f"{profile.name}:{chosen.variant.name}", chosen.variant.size, models_dir()
@@ -188,6 +192,36 @@ def software_problems(probe: Probe) -> list[Problem]:
             )
         )
     return out
+
+
+def tp_problems(tp: int, peer: Callable[[int, int], bool] | None = None, count: int | None = None) -> list[Problem]:
+    """Whether the first `tp` GPUs can talk for tensor parallel. Without peer-to-peer access (consumer
+    cards) NCCL's P2P transport is known to hang (multi-RTX-4090 boxes); NCCL_P2P_DISABLE=1 routes the
+    all-reduces through host memory instead. `peer`/`count` default to torch's answers."""
+    if tp <= 1:
+        return []
+    if peer is None or count is None:
+        try:
+            import torch
+        except ImportError:
+            return []  # software_problems already says torch is missing
+        if not torch.cuda.is_available():
+            return []
+        peer, count = peer or torch.cuda.can_device_access_peer, torch.cuda.device_count() if count is None else count
+    if count < tp:
+        return [Problem("error", f"the plan runs tensor parallel over {tp} GPUs but {count} are visible",
+                        "check CUDA_VISIBLE_DEVICES, or serve a smaller model with --tp 1")]
+    missing = [f"{i}->{j}" for i in range(tp) for j in range(tp) if i != j and not peer(i, j)]
+    if not missing:
+        return [Problem("info", f"GPUs 0..{tp - 1} have peer-to-peer access (NCCL for --tp {tp})", "nothing to do")]
+    if os.environ.get("NCCL_P2P_DISABLE") == "1":
+        return [Problem("info", f"no GPU peer access ({', '.join(missing)}); NCCL_P2P_DISABLE=1 is set, so "
+                        "tensor-parallel traffic goes through host memory", "nothing to do")]
+    return [Problem(
+        "warning",
+        f"GPUs {', '.join(missing)} have no peer-to-peer access: NCCL can hang at --tp {tp} on such cards",
+        "export NCCL_P2P_DISABLE=1 before `agentbox serve` (the engine also sets it itself when it sees this)",
+    )]
 
 
 def wheel_runs_on(arch_list: list[str], sm: int) -> bool:

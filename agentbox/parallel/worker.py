@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing as mp
+import os
 import signal
 import socket
 import threading
@@ -173,6 +174,21 @@ class TPWorkers:
             p.join(5)
 
 
+def _p2p_guard(config: EngineConfig) -> None:
+    """Without GPU peer access NCCL's P2P transport can hang (multi-RTX-4090 boxes): route it through
+    host memory instead, before any rank initialises NCCL (the workers inherit the environment)."""
+    import torch
+
+    from agentbox.engine.runner import rank_device
+
+    if rank_device(config, 0).type != "cuda" or "NCCL_P2P_DISABLE" in os.environ:
+        return
+    devs = [rank_device(config, r).index or 0 for r in range(config.tensor_parallel_size)]
+    if any(not torch.cuda.can_device_access_peer(a, b) for a in devs for b in devs if a != b):
+        log.warning("GPUs %s lack peer-to-peer access: setting NCCL_P2P_DISABLE=1", devs)
+        os.environ["NCCL_P2P_DISABLE"] = "1"
+
+
 def start_group(config: EngineConfig) -> TPWorkers | None:
     """At tp > 1: spawns the workers and joins the group as rank 0 (None at tp 1)."""
     from agentbox.engine.runner import rank_device
@@ -180,6 +196,7 @@ def start_group(config: EngineConfig) -> TPWorkers | None:
 
     if config.tensor_parallel_size == 1:
         return None
+    _p2p_guard(config)
     workers = TPWorkers(config)
     # Join in a thread so that a worker dying before it joins fails the start now, not at the timeout.
     errors: list[BaseException] = []
