@@ -63,7 +63,9 @@ class EngineClient:
         parent, child = ctx.Pipe()
         proc = ctx.Process(
             target=run_engine_process, args=(child, self.config, logging.getLogger().level or logging.INFO),
-            name="agentbox-engine", daemon=True,
+            # Not a daemon: a daemonic process may not have children, and tp workers are its children. It
+            # still ends with us: it exits on the pipe's EOF, and asks the kernel to kill it if we die.
+            name="agentbox-engine", daemon=False,
         )
         proc.start()
         child.close()

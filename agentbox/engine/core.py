@@ -344,6 +344,8 @@ class EngineCore:
 def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = logging.INFO) -> None:
     """Entry point of the engine core process."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    # No PR_SET_PDEATHSIG here: it fires when the parent *thread* ends, and a restarted engine is spawned
+    # by a short-lived thread. The pipe's EOF ends this process when the API process goes.
     send_lock = threading.Lock()  # the tp watchdog thread may report a death while the loop sends
 
     def send(msg: object) -> None:
@@ -351,10 +353,13 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
             conn.send(msg)
 
     core: EngineCore | None = None
+    dying = threading.Lock()
 
     def on_rank_death(death: RankDeath) -> None:
         # A collective with a dead peer may never return (NCCL), so the loop cannot be trusted to notice:
         # report, end the other ranks, and exit; the API process fails in-flight requests and restarts us.
+        # Called by the watchdog, or by the loop when a step fails because a peer went away (gloo).
+        dying.acquire()  # once: the other caller blocks here until the process exits
         why = death.describe()
         log.error("%s; the engine exits", why)
         try:
@@ -407,7 +412,13 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
                 if not handle(conn.recv()):
                     return
             if core.has_work():
-                outs = core.step()
+                try:
+                    outs = core.step()
+                except Exception:
+                    death = core.workers.wait_for_death(5.0) if core.workers is not None else None
+                    if death is not None:
+                        on_rank_death(death)  # does not return
+                    raise
                 if outs:
                     send(StepOutputs(outs))
     except (EOFError, BrokenPipeError):

@@ -54,7 +54,9 @@ class RankDeath:
         return f"tensor-parallel rank {self.rank} (pid {self.pid}) died: {how}"
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies, so no rank outlives its engine. (It is
+    tied to the parent *thread*: workers are spawned from the engine's main thread, which lives as long.)"""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux: the pipe closing still ends the loop
@@ -69,7 +71,7 @@ def free_port() -> int:
 
 def worker_main(rank: int, config: EngineConfig, port: int, conn: Connection, log_level: int) -> None:
     """Entry point of rank `rank` (>= 1): join the group, load the shard, then run steps until told to stop."""
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     from agentbox.engine.runner import ModelRunner, rank_device
     from agentbox.parallel.state import init_distributed
@@ -139,15 +141,22 @@ class TPWorkers:
         """Calls on_death (from a watchdog thread) when a worker exits while the engine still runs."""
 
         def run() -> None:
-            wait([p.sentinel for p in self.procs])  # blocks until some worker exits
-            if self._closing:
-                return
-            for rank, p in enumerate(self.procs, start=1):
-                if not p.is_alive():
-                    on_death(RankDeath(rank, p.pid, p.exitcode))
-                    return
+            death = self.wait_for_death(None)  # blocks until some worker exits
+            if death is not None and not self._closing:
+                on_death(death)
 
         threading.Thread(target=run, name="tp-watchdog", daemon=True).start()
+
+    def wait_for_death(self, timeout: float | None) -> RankDeath | None:
+        """The first dead worker, waiting up to `timeout` (None: forever) for one to exit. A failed
+        collective usually means a peer is going down; its exit code follows in a moment."""
+        ready = wait([p.sentinel for p in self.procs], timeout=timeout)
+        for rank, p in enumerate(self.procs, start=1):
+            if p.sentinel in ready:
+                # The sentinel closes as the process tears down, a moment before it can be reaped.
+                p.join(5.0)
+                return RankDeath(rank, p.pid, p.exitcode)
+        return None
 
     def close(self, timeout: float = 10.0) -> None:
         self._closing = True
