@@ -54,6 +54,17 @@ def bench_throughput(
     _print_json(report, json_out)
 
 
+@bench_app.command("step")
+def bench_step(
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Host time per decode step (scheduling + input preparation, model excluded) at 1k and 32k tokens of
+    context, batch 1 and 32, on a tiny random model; the 32k/1k ratio should stay near 1."""
+    from agentbox.bench.step_bench import step_report
+
+    _print_json(step_report(), json_out)
+
+
 @bench_app.command("cache")
 def bench_cache(
     model: str | None = typer.Option(None, "--model", help="HF model dir or .gguf (default: the embedded SmolLM2)"),  # noqa: UP007

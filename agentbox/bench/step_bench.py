@@ -1,0 +1,98 @@
+"""Host time per decode step: scheduling plus input preparation (Requests -> StepInputs -> the packed
+buffer a tp worker receives), the model excluded. It must not grow with context: a step's work is its new
+tokens and new pages, never a request's whole token list or page list. Measured at two context lengths and
+two batch sizes on a tiny random model, with the pre-split runner's per-step work (prompt + output
+concatenated, page table rebuilt from Python lists) as the baseline in the same run."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers import LlamaConfig
+
+from agentbox.bench.throughput import random_model
+from agentbox.config import EngineConfig
+from agentbox.engine.core import EngineCore
+from agentbox.engine.request import Request, Status
+from agentbox.engine.sampling import SamplingParams
+from agentbox.engine.scheduler import SchedulerOutput
+
+
+def _tiny(max_len: int) -> LlamaConfig:
+    return LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                       num_attention_heads=1, num_key_value_heads=1, vocab_size=128, max_position_embeddings=max_len)
+
+
+def legacy_prepare(out: SchedulerOutput, page_size: int) -> torch.Tensor:
+    """The runner's per-step host work before the split, for the baseline: every token list concatenated,
+    the page table rebuilt from Python lists."""
+    ids: list[int] = []
+    slots: list[int] = []
+    for s in out.seqs:
+        r = s.request
+        toks = r.prompt_token_ids + r.output_token_ids
+        start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+        ids.extend(toks[start:end])
+        slots.extend(r.pages[p // page_size] * page_size + p % page_size for p in range(start, end))
+    table = torch.zeros((len(out.seqs), max(len(s.request.pages) for s in out.seqs)), dtype=torch.int32)
+    for i, s in enumerate(out.seqs):
+        table[i, : len(s.request.pages)] = torch.tensor(s.request.pages, dtype=torch.int32)
+    return table
+
+
+def _decoding(core: EngineCore, batch: int, context: int) -> list[Request]:
+    """`batch` requests as if their `context`-token prompts were prefilled: pages held, running."""
+    ps = core.config.page_size
+    reqs = []
+    for i in range(batch):
+        r = Request(f"bench-{i}", [(i + j) % 100 + 1 for j in range(context)], SamplingParams(max_tokens=1 << 20))
+        r.pages = core.pool.alloc(-(-(context + 1) // ps))
+        r.num_computed_tokens = context - 1
+        r.status = Status.RUNNING
+        core.scheduler.running.append(r)
+        core.scheduler.requests[r.request_id] = r
+        reqs.append(r)
+    return reqs
+
+
+def host_step_us(batch: int, context: int, steps: int = 200) -> dict[str, float]:
+    """Median microseconds per decode step of schedule + prepare + pack, and of the legacy preparation."""
+    ps = EngineConfig.page_size
+    pages = batch * (-(-(context + steps + 2) // ps) + 1) + 8
+    config = EngineConfig(model="random", device="cpu", dtype="float32", cache_policy="none", num_pages=pages,
+                          max_num_seqs=batch, max_num_batched_tokens=max(batch, 64), cpu_threads=1)
+    core = EngineCore(config, random_model(_tiny(context + steps + 64), torch.float32, "cpu"))
+    reqs = _decoding(core, batch, context)
+    ours: list[float] = []
+    legacy: list[float] = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = core.scheduler.schedule()
+        core.runner.prepare(out).pack()
+        t1 = time.perf_counter()
+        legacy_prepare(out, ps)
+        t2 = time.perf_counter()
+        ours.append(t1 - t0)
+        legacy.append(t2 - t1)
+        for s in out.seqs:  # what the core does after the model, minus sampling: one more token each
+            s.request.num_computed_tokens += s.num_new_tokens
+            s.request.append_output(7)
+    assert len(out.seqs) == len(reqs)
+    ours.sort()
+    legacy.sort()
+    return {"host_us": round(1e6 * ours[steps // 2], 1), "legacy_prepare_us": round(1e6 * legacy[steps // 2], 1)}
+
+
+def step_report(contexts: tuple[int, int] = (1024, 32768), batches: tuple[int, ...] = (1, 32)) -> dict[str, Any]:
+    short, long = contexts
+    report: dict[str, Any] = {"what": "host time per decode step (schedule + prepare + pack), model excluded"}
+    for b in batches:
+        a, z = host_step_us(b, short), host_step_us(b, long)
+        report[f"batch_{b}"] = {
+            f"ctx_{short}": a, f"ctx_{long}": z,
+            "ratio_long_over_short": round(z["host_us"] / a["host_us"], 3),
+            "legacy_ratio_long_over_short": round(z["legacy_prepare_us"] / a["legacy_prepare_us"], 3),
+        }
+    return report
