@@ -40,17 +40,22 @@ def bench_throughput(
     batch: list[int] = typer.Option([1, 8], "--batch", help="batch sizes to time (repeatable; 1 is always timed)"),
     repeats: int = typer.Option(1, "--repeats", min=1, help="alternating runs per batch size; the fastest is kept"),
     idle_seconds: float = typer.Option(10.0, "--idle-seconds", help="quiet interval for the idle CPU measure (0: skip)"),
+    tp: int = typer.Option(1, "--tp", min=1, help="also run at this tensor-parallel size and compare with tp 1"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """Prefill/decode tokens/s of our engine and transformers' generate on the same model, and idle CPU."""
+    """Prefill/decode tokens/s of our engine and transformers' generate on the same model, and idle CPU.
+    With --tp N: the tp N / tp 1 decode step-time ratio, the per-step broadcast cost, and idle at tp N."""
     from agentbox.bench.idle import measure_idle_cpu
-    from agentbox.bench.throughput import compare_throughput
+    from agentbox.bench.throughput import compare_throughput, tp_comparison
 
     path = _bench_model(model)
-    report = compare_throughput(path, tokens, prompt_len, tuple(sorted({1, *batch})), device="cpu", repeats=repeats)
+    batches = tuple(sorted({1, *batch}))
+    report = compare_throughput(path, tokens, prompt_len, batches, device="cpu", repeats=repeats)
+    if tp > 1:
+        report["tensor_parallel"] = tp_comparison(path, tp, tokens, prompt_len, batches, device="cpu", repeats=repeats)
     if idle_seconds > 0:
         # A small pool: the default takes a share of free RAM, which is not what is being measured here.
-        report["idle"] = measure_idle_cpu(path, idle_seconds, ["--device", "cpu", "--num-pages", "256"])
+        report["idle"] = measure_idle_cpu(path, idle_seconds, ["--device", "cpu", "--num-pages", "256", "--tp", str(tp)])
     _print_json(report, json_out)
 
 

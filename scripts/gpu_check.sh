@@ -62,4 +62,16 @@ cat "$json"
 if [[ -n "${OUT:-}" ]]; then
     cp "$json" "$OUT/gpu_check.json"
 fi
+# ---- tensor parallel (tp engineer): tp 2 over NCCL against tp 1; needs two GPUs ----
+ngpu="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+if [[ "$ngpu" -ge 2 ]]; then
+    run timeout 400 "$PY" -m agentbox.bench.tp_check >"$extra/tp_check.json"
+    cat "$extra/tp_check.json"
+    if [[ -n "${OUT:-}" ]]; then
+        cp "$extra/tp_check.json" "$OUT/tp_check.json"
+    fi
+else
+    echo "gpu_check: tp 2 check skipped: $ngpu GPU visible, tensor parallel needs two (CPU tests cover tp 2 over gloo)" >&2
+fi
+
 echo "gpu_check: all passed" >&2

@@ -207,6 +207,48 @@ def compare_throughput(
     return report
 
 
+def tp_comparison(
+    model: str, tp: int, new_tokens: int, prompt_len: int, batches: tuple[int, ...], device: str = "cpu",
+    dtype: str = "auto", repeats: int = 1,
+) -> dict[str, Any]:
+    """Our engine at tp 1 and at `tp` on the same model: decode step time of each, their ratio, and what
+    rank 0 spends per step writing the step to the workers (pack + pipe writes)."""
+    runs: dict[int, dict[str, Any]] = {}
+    for size in (1, tp):
+        config = EngineConfig(
+            model=model, device=device, dtype=dtype, cache_policy="none", tensor_parallel_size=size,
+            max_num_seqs=max(batches),
+            num_pages=max(batches) * -(-(prompt_len + new_tokens) // EngineConfig.page_size) + 8,
+        )
+        with LLM(config) as llm:
+            vocab = llm.loaded.vocab_size
+            engine_rates(llm, random_prompts(1, 8, vocab, 1), 2)  # warm-up
+            w = llm.core.workers
+            sent_s, sent_n = (w.send_seconds, w.steps_sent) if w is not None else (0.0, 0)
+            per_batch = {}
+            for b in batches:
+                best = max((engine_rates(llm, random_prompts(b, prompt_len, vocab, 2 + r), new_tokens)
+                            for r in range(repeats)), key=lambda r: r.decode_tok_s)
+                per_batch[f"batch_{b}"] = {"decode_step_ms": round(1e3 * best.decode_s / (new_tokens - 1), 3),
+                                           "decode_tok_s": round(best.decode_tok_s, 1)}
+            runs[size] = {
+                "per_batch": per_batch,
+                "weight_bytes_per_rank": list(llm.core.runner.weight_bytes_per_rank),
+                "step_send_us": round(1e6 * (w.send_seconds - sent_s) / max(1, w.steps_sent - sent_n), 1)
+                if w is not None else 0.0,
+            }
+    return {
+        "tp": tp,
+        f"tp{tp}": runs[tp],
+        "tp1": runs[1],
+        "broadcast_us_per_step": runs[tp]["step_send_us"],
+        "step_time_ratio": {
+            b: round(runs[tp]["per_batch"][b]["decode_step_ms"] / runs[1]["per_batch"][b]["decode_step_ms"], 3)
+            for b in runs[1]["per_batch"]
+        },
+    }
+
+
 # ---- random-weight models (the GPU check builds Qwen3-8B's shape in place, no download) ----
 
 
