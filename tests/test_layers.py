@@ -241,8 +241,19 @@ def test_qkv_and_merged_loaders_place_shards(restore_tp: None) -> None:
         g, u = m(x).chunk(2, -1)
         torch.testing.assert_close(g, F.linear(x, gate[rank * 3 : (rank + 1) * 3]))
         torch.testing.assert_close(u, F.linear(x, up[rank * 3 : (rank + 1) * 3]))
-    with pytest.raises(ValueError, match="not divisible"):
-        per_rank(lambda: QKVParallelLinear(hidden, d, heads, 1))
+    # One KV head over two ranks is replicated; each rank keeps half the query heads.
+    assert [(m.num_heads, m.shard.kv_start, m.num_kv_heads) for m in per_rank(
+        lambda: QKVParallelLinear(hidden, d, heads, 1))] == [(2, 0, 1), (2, 0, 1)]
+    with pytest.raises(ValueError, match="cannot be split"):
+        per_rank(lambda: QKVParallelLinear(hidden, d, 3, 1))
+
+
+def test_head_shard_uneven_kv_groups() -> None:
+    from agentbox.parallel.state import HeadShard, head_shard
+
+    # SmolLM2-135M: 9 query heads in 3 KV groups over 2 ranks -> groups 0-1 and group 2.
+    assert [head_shard(9, 3, 2, r) for r in range(2)] == [HeadShard(0, 6, 0, 2), HeadShard(6, 3, 2, 1)]
+    assert [head_shard(8, 2, 4, r).kv_start for r in range(4)] == [0, 0, 1, 1]  # replicated KV heads
 
 
 def test_vocab_parallel_embedding_and_tied_head(restore_tp: None) -> None:
