@@ -171,3 +171,21 @@ def test_serve_tp2_idle_death_restart(tiny_with_tokenizer: Path) -> None:
     while not all(_gone(p) for p in tree):
         assert time.monotonic() < deadline, [p for p in tree if not _gone(p)]
         time.sleep(0.2)
+
+
+def test_doctor_peer_access_advice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentbox.hw.doctor import tp_problems
+
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    (no_p2p,) = tp_problems(2, peer=lambda a, b: False, count=2)
+    assert no_p2p.severity == "warning" and "NCCL_P2P_DISABLE=1" in no_p2p.fix
+    assert tp_problems(2, peer=lambda a, b: True, count=2)[0].severity == "info"
+    assert tp_problems(4, peer=lambda a, b: True, count=2)[0].severity == "error"
+    assert tp_problems(1) == []
+
+
+def test_bench_step_reports_both_paths() -> None:
+    from agentbox.bench.step_bench import host_step_us
+
+    r = host_step_us(batch=2, context=100, steps=5)
+    assert r["host_us"] > 0 and r["legacy_prepare_us"] > 0

@@ -70,7 +70,7 @@ def host_step_us(batch: int, context: int, steps: int = 200) -> dict[str, float]
     for _ in range(steps):
         t0 = time.perf_counter()
         out = core.scheduler.schedule()
-        core.runner.prepare(out).pack()
+        nbytes = len(core.runner.prepare(out).pack())
         t1 = time.perf_counter()
         legacy_prepare(out, ps)
         t2 = time.perf_counter()
@@ -82,7 +82,8 @@ def host_step_us(batch: int, context: int, steps: int = 200) -> dict[str, float]
     assert len(out.seqs) == len(reqs)
     ours.sort()
     legacy.sort()
-    return {"host_us": round(1e6 * ours[steps // 2], 1), "legacy_prepare_us": round(1e6 * legacy[steps // 2], 1)}
+    return {"host_us": round(1e6 * ours[steps // 2], 1), "legacy_prepare_us": round(1e6 * legacy[steps // 2], 1),
+            "step_bytes": nbytes}  # what a tp worker receives per decode step
 
 
 def step_report(contexts: tuple[int, int] = (1024, 32768), batches: tuple[int, ...] = (1, 32)) -> dict[str, Any]:
