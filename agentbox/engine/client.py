@@ -11,6 +11,7 @@ background (its caches are lost; the log says so). If it cannot start again, the
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import multiprocessing as mp
@@ -82,6 +83,9 @@ class EngineClient:
 
     def start(self) -> EngineReady:
         self._proc, self._conn, self.info = self._spawn()
+        # The engine is not a daemon (it has tp workers), and multiprocessing joins non-daemons at exit:
+        # a server that fails after this point (say, its tokenizer) must still stop it, or exit would hang.
+        atexit.register(self.shutdown)
         return self.info
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
