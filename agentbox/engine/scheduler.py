@@ -249,7 +249,8 @@ class Scheduler:
                     break  # FIFO: later new sessions wait behind it
                 # Match at most num_tokens - 1 tokens: the last one must be computed to get logits to sample from.
                 m = self.cache.match(req.all_token_ids[: req.num_tokens - 1], req.session_id)
-                if self._admission_need(req, m, min(req.num_tokens - m.num_tokens, budget)) > self.cache.reclaimable(m):
+                need = self._admission_need(req, m, min(req.num_tokens - m.num_tokens, budget))
+                if need > self.pool.num_free and need > self.cache.reclaimable(m):
                     break  # nothing was taken: it looks again next step
                 queue.popleft()
                 n = self._admit(req, self.cache.lock(m), budget)
