@@ -51,7 +51,7 @@ def test_lookup_has_no_side_effects() -> None:
 
 
 def test_lock_commits_what_the_lookup_found() -> None:
-    cache, clock = _mixed_cache()
+    cache, _ = _mixed_cache()
     expiry = cache.sessions.get("b").lease_expiry  # type: ignore[union-attr]
     m = cache.match([7, 7, 2, 2, 2, 2, 5], None)
     lock = cache.lock(m)
@@ -68,7 +68,6 @@ def test_lock_commits_what_the_lookup_found() -> None:
     cache.check_integrity(Counter(lock.pages + part.pages))
     cache.release(lock.pages + part.pages)
     cache.check_integrity(Counter())
-    del clock
 
 
 def test_a_lookup_the_tree_changed_under_is_refused() -> None:
