@@ -20,7 +20,7 @@ from agentbox.engine.messages import (
 )
 from agentbox.engine.sampling import SamplingParams
 
-STATS_KEYS = {"uptime_s", "running", "waiting", "pool", "cache", "counters", "admission", "sessions"}
+STATS_KEYS = {"uptime_s", "running", "waiting", "pool", "cache", "counters", "admission", "sessions", "parallel"}
 POOL_KEYS = {"total_pages", "free_pages", "used_pages", "page_size", "running_pages"}
 CACHE_KEYS = {"policy", "gpu_pages", "host_pages", "host_total_pages", "leased_pages", "evictions", "demotions",
               "promotions", "host_evictions", "sessions", "live_leases"}
@@ -54,6 +54,7 @@ def test_query_answers_are_typed_and_keep_their_json(smollm2_loaded, smollm2_pat
     assert set(st["counters"]) == COUNTER_KEYS
     assert set(st["admission"]) == {"queued_new_sessions", "timeouts", "rejections"}
     assert set(st["sessions"]) == {"count", "live_leases"}
+    assert st["parallel"]["tensor_parallel_size"] == 1
     assert st["cache"]["policy"] == "session" and st["sessions"]["count"] == 1
     assert st["counters"]["requests"] == 2 and st["counters"]["cached_tokens"] == second.num_cached_tokens
     assert st["counters"]["generated_tokens"] == 6

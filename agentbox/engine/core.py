@@ -22,6 +22,7 @@ from agentbox.engine.messages import (
     EngineFailed,
     EngineReady,
     EngineStats,
+    ParallelStats,
     PoolStats,
     Query,
     QueryFailed,
@@ -254,6 +255,7 @@ class EngineCore:
                 rejections=sch.admission_rejections,
             ),
             sessions=SessionCounts(count=len(self.cache.sessions), live_leases=len(self.cache.sessions.live())),
+            parallel=ParallelStats(tensor_parallel_size=self.config.tensor_parallel_size),
         )
 
     def query(self, q: Query) -> QueryResult:

@@ -136,6 +136,13 @@ class SessionCounts:
 
 
 @dataclass(frozen=True)
+class ParallelStats:
+    tensor_parallel_size: int = 1
+    weight_bytes_per_rank: list[int] = field(default_factory=list)  # resident parameter bytes, rank order
+    step_send_us: float | None = None  # rank 0's mean time to send a step to the workers; None: no workers
+
+
+@dataclass(frozen=True)
 class EngineStats:
     uptime_s: float
     running: int
@@ -145,6 +152,7 @@ class EngineStats:
     counters: EngineCounters
     admission: AdmissionStats
     sessions: SessionCounts
+    parallel: ParallelStats
 
 
 class SessionState(Enum):
