@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import HealthCheck, event, given, settings
 from radix_harness import Clock, check_lock, make_cache, run_turn, snapshot
 
 from agentbox.config import EngineConfig
@@ -169,3 +171,53 @@ def test_a_keyless_request_gets_its_session_when_admitted() -> None:
     assert req.session_id == "agent" and req.num_cached_tokens == 8
     sch.finish(req, "stop")
     cache.check_integrity(Counter())
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_scheduler_admission_under_random_traffic(data: st.DataObject) -> None:
+    """Agents' turns (each re-sends its session's last prompt plus new tokens) through the scheduler over a
+    small pool and host tier: an admission either fits (its reservation never fails: reclaimable was right)
+    or changes nothing, and the pools stay consistent after every step. The 'model' computes nothing and
+    answers at once, so only prompts exercise the cache."""
+    ps = data.draw(st.sampled_from([2, 4]), "page size")
+    gpu = data.draw(st.integers(6, 16), "gpu pages")
+    policy = data.draw(st.sampled_from(["session", "session", "lru", "none"]), "policy")
+    host = data.draw(st.sampled_from([0, 6, 24]), "host pages") if policy == "session" else 0
+    cache, clock = make_cache(gpu, ps, host, policy)
+    cfg = EngineConfig(page_size=ps, max_num_batched_tokens=data.draw(st.integers(2, 12), "budget"),
+                       max_num_seqs=data.draw(st.integers(2, 4), "max seqs"), cache_policy=policy,
+                       admission_timeout_s=1e9)
+    max_len = (gpu - 1) * ps
+    sch = Scheduler(cfg, cache.pool, cache, max_model_len=max_len)
+    last: dict[str, list[int]] = {}
+    arrivals = data.draw(st.lists(st.tuples(st.sampled_from([None, "a", "b", "c"]),
+                                            st.lists(st.integers(0, 3), min_size=1, max_size=8)),
+                                  min_size=1, max_size=16), "turns")
+    pending = list(enumerate(arrivals))
+    declined = 0
+    for _ in range(500):
+        if pending and data.draw(st.booleans(), "arrive now"):
+            i, (sid, new) = pending.pop(0)
+            prompt = (last.get(sid, []) if sid else []) + new
+            prompt = prompt[-(max_len - 1):]
+            if sid:
+                last[sid] = prompt
+            sch.add(Request(f"r{i}", prompt, SamplingParams(max_tokens=1), sid))
+        heads = [q[0] for q in (sch.waiting, sch.waiting_new) if q]
+        out = sch.schedule()  # raises if an admission's reservation fails after its check passed
+        room = len(sch.running) < cfg.max_num_seqs and out.num_tokens < cfg.max_num_batched_tokens
+        declined += room and any(r.status is Status.WAITING for r in heads)
+        for req, _code, _why in out.failed:
+            sch.finish(req, "error")
+        for s in out.seqs:
+            s.request.num_computed_tokens += s.num_new_tokens
+            if s.sample:
+                sch.finish(s.request, "length")
+        cache.check_integrity(sch.running_refs())
+        clock.t += 0.25
+        if not pending and not sch.has_work():
+            break
+    assert not sch.has_work()
+    cache.check_integrity(Counter())
+    event(f"declined={declined > 0} promoted={cache.promotions > 0}")
