@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from agentbox.cli_common import fail
+from agentbox.config import CachePolicy
 
 bench_app = typer.Typer(help="Benchmarks: agent trace replay, throughput, cache.", no_args_is_help=True)
 
@@ -100,7 +101,7 @@ def bench_replay(
     target: list[str] = typer.Option(None, "--target", help="NAME=URL of another server (repeatable)."),
     spawn: bool = typer.Option(False, help="Start agentbox once per --policies value."),
     model: str = typer.Option(None, help="Model for --spawn (a path or a profile name)."),
-    policies: str = typer.Option("session,lru,none", help="Cache policies for --spawn, comma separated."),
+    policies: str = typer.Option(",".join(p.value for p in CachePolicy), help="Cache policies for --spawn, comma separated."),
     num_pages: int = typer.Option(None, help="--spawn: KV pool pages (set it so histories do not all fit)."),
     serve_arg: list[str] = typer.Option(None, "--serve-arg", help="--spawn: extra `serve` argument (repeatable)."),
     llamacpp: str = typer.Option(None, help="Also start llama-cpp-python's server on this GGUF."),
@@ -156,13 +157,15 @@ def bench_replay(
     if spawn:
         if not model:
             raise typer.BadParameter("--spawn needs --model")
-        from agentbox.config import CACHE_POLICIES
-
-        wanted = [p.strip() for p in policies.split(",") if p.strip()]
-        if not wanted or any(p not in CACHE_POLICIES for p in wanted):
-            raise typer.BadParameter(f"--policies: a comma-separated subset of {', '.join(CACHE_POLICIES)}")
+        choices = ", ".join(p.value for p in CachePolicy)
+        try:
+            wanted = [CachePolicy(p.strip()) for p in policies.split(",") if p.strip()]
+        except ValueError:
+            wanted = []
+        if not wanted:
+            raise typer.BadParameter(f"--policies: a comma-separated subset of {choices}")
         extra = [*(["--num-pages", str(num_pages)] if num_pages else []), *(serve_arg or [])]
-        targets += [spawning.agentbox_target(model, p, extra) for p in wanted]
+        targets += [spawning.agentbox_target(model, p.value, extra) for p in wanted]
     if llamacpp:
         targets.append(spawning.llamacpp_target(llamacpp, llamacpp_ctx))
     if not targets:

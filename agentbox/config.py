@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
-CACHE_POLICIES = ("session", "lru", "none")
+
+class CachePolicy(str, Enum):
+    """What the prefix cache keeps between turns (the CLI's --cache-policy choices are these values)."""
+
+    SESSION = "session"  # session leases, eviction by expected saving, host-RAM tier
+    LRU = "lru"  # a plain prefix cache, least recently used first (what general engines do)
+    NONE = "none"  # nothing: every prompt is computed in full (the cold baseline)
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -37,7 +46,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     seed: int = 0
     cpu_threads: int | None = None  # None: all cores but one (the API process and the OS keep one)
-    cache_policy: str = "session"
+    cache_policy: CachePolicy = CachePolicy.SESSION
     host_cache_gb: float | None = None  # None: a share of free RAM
     lease_default_ttl_s: float = 10.0  # TTL of a session lease before its gaps are measured
     lease_max_ttl_s: float = 120.0
@@ -45,6 +54,15 @@ class EngineConfig:
     admission_queue_size: int = 256
     admission_timeout_s: float = 120.0  # a CPU turn can take tens of seconds; agents retry a 503 anyway
     record_trace: str | None = None
+
+    def __post_init__(self) -> None:
+        # Callers may name the policy ("lru"); an unknown name fails here, naming the field.
+        try:
+            policy = CachePolicy(self.cache_policy)
+        except ValueError:
+            choices = ", ".join(p.value for p in CachePolicy)
+            raise ValueError(f"cache_policy must be one of {choices} (got {self.cache_policy!r})") from None
+        object.__setattr__(self, "cache_policy", policy)
 
     @property
     def resolved_device(self) -> str:
@@ -59,9 +77,6 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device.startswith("cuda") else "float32"
-
-    def with_(self, **changes: object) -> EngineConfig:
-        return replace(self, **changes)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

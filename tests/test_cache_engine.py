@@ -59,9 +59,9 @@ def test_policies_lru_and_none_and_counters(smollm2_loaded, smollm2_path, smollm
         assert (b.num_cached_tokens == (len(ids) - 1) // PS * PS) is expect_hit
         assert b.token_ids == a.token_ids
         st = llm.core.stats()
-        assert st["counters"]["cached_tokens"] == b.num_cached_tokens
+        assert st.counters.cached_tokens == b.num_cached_tokens
         # b re-sent the history a computed (its prompt's full pages): what was not cached was recomputed
-        assert st["counters"]["recomputed_history_tokens"] == len(ids) // PS * PS - b.num_cached_tokens
+        assert st.counters.recomputed_history_tokens == len(ids) // PS * PS - b.num_cached_tokens
         llm.core.check_integrity()
 
 
@@ -92,7 +92,7 @@ def test_admission_returning_sessions_first_and_timeout(smollm2_loaded, smollm2_
     a1 = tok.encode("Agent A: " + "read the file and fix the bug " * 14)
     out = llm.generate([a1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), ["A"])[0]
     assert core.cache.sessions.lease_state("A").value == "live"
-    leased = core.cache.stats()["leased_pages"]
+    leased = core.cache.stats().leased_pages
     assert leased > 0
     # B, a new session whose prompt does not fit beside A's leased working set, waits; A, back from its
     # tool, goes first even though it arrived later.

@@ -64,7 +64,7 @@ def test_preemption_by_recompute_when_pages_run_out(smollm2_loaded, smollm2_path
     llm = make_llm(smollm2_loaded, smollm2_path, num_pages=13, page_size=4, cache_policy="lru")
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == alone
-    assert llm.core.counters["preemptions"] > 0
+    assert llm.core.counters.preemptions > 0
     llm.core.check_integrity()
     assert llm.core.pool.num_free + llm.core.cache.gpu_pages == llm.core.pool.capacity  # the rest is cache
 

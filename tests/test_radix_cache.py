@@ -1,4 +1,4 @@
-"""The radix cache over the GPU pool and the host tier: matching, refcounts, eviction order, sessions.
+"""The radix cache over the GPU pool and the host tier: lookup and lock, refcounts, eviction order, sessions.
 
 The requests and the cache come from radix_harness.py; the random-traffic state machine is in
 test_radix_cache_machine.py.
@@ -35,13 +35,13 @@ def test_match_reuses_page_aligned_prefix_and_splits() -> None:
     cache, _ = make_cache(page_size=2)
     run_turn(cache, [1, 2, 3, 4, 5, 6, 7])  # 3 full pages cached, token 7 never
     assert cache.gpu_pages == 3
-    m = cache.match([1, 2, 3, 4, 9, 9, 9])
+    m = cache.lock(cache.match([1, 2, 3, 4, 9, 9, 9]))
     assert m.num_tokens == 4 and len(m.pages) == 2 and m.num_host_tokens == 0
     assert_holds(cache, [1, 2, 3, 4], m.pages, 4)
     assert all(cache.pool.refcount[p] == 2 for p in m.pages)
     cache.check_integrity(Counter(m.pages))
     cache.release(m.pages)
-    m = cache.match([1, 2, 3])
+    m = cache.lock(cache.match([1, 2, 3]))
     assert m.num_tokens == 2  # the partial page is never matched
     cache.release(m.pages)
     cache.check_integrity(Counter())
@@ -68,7 +68,7 @@ def test_running_requests_are_never_evicted() -> None:
     cache, _ = make_cache(num_pages=9, page_size=2)
     run_turn(cache, [1, 1, 1, 1])
     run_turn(cache, [2, 2, 2, 2])
-    m = cache.match([1, 1, 1, 1])
+    m = cache.lock(cache.match([1, 1, 1, 1]))
     assert cache.evict(100) == 2  # only the unheld branch
     assert resident(cache) == {1: Tier.GPU}
     cache.check_integrity(Counter(m.pages))
@@ -145,7 +145,7 @@ def test_host_tier_demotes_instead_of_dropping_and_promotes_back() -> None:
     assert_holds(cache, [1, 2, 3, 4, 5, 6], req.pages, 6)
     finish(cache, req)
     cache.check_integrity(Counter())
-    m = cache.match([1, 2, 3, 4, 5, 6], "a")
+    m = cache.lock(cache.match([1, 2, 3, 4, 5, 6], "a"))
     assert m.num_tokens == 6 and m.num_host_tokens == 0
     cache.release(m.pages)
     cache.check_integrity(Counter())
@@ -155,10 +155,10 @@ def test_promotion_reports_host_tokens() -> None:
     cache, _ = make_cache(num_pages=5, page_size=2, host_pages=9)
     run_turn(cache, [1, 1, 2, 2], "a")
     assert cache.demote(2) == 2 and cache.gpu_pages == 0 and cache.host_pages == 2
-    assert cache.session_pages("a") == {"gpu": 0, "host": 2}
-    m = cache.match([1, 1, 2, 2, 3], "a")
+    assert cache.session_pages("a") == {Tier.GPU: 0, Tier.HOST: 2}
+    m = cache.lock(cache.match([1, 1, 2, 2, 3], "a"))
     assert m.num_tokens == 4 and m.num_host_tokens == 4 and cache.host_pages == 0
-    assert cache.session_pages("a") == {"gpu": 2, "host": 0}
+    assert cache.session_pages("a") == {Tier.GPU: 2, Tier.HOST: 0}
     assert_holds(cache, [1, 1, 2, 2], m.pages, 4)
     cache.check_integrity(Counter(m.pages))
     cache.release(m.pages)
@@ -172,10 +172,10 @@ def test_drop_session_keeps_shared_prefixes() -> None:
     assert cache.gpu_pages == 5
     assert cache.drop_session("a") == 2
     assert "a" not in cache.sessions and cache.gpu_pages == 3
-    m = cache.match(shared + [2, 2], "b")
+    m = cache.lock(cache.match(shared + [2, 2], "b"))
     assert m.num_tokens == 6
     cache.release(m.pages)
-    m = cache.match(shared + [1, 1], None)
+    m = cache.lock(cache.match(shared + [1, 1], None))
     assert m.num_tokens == 4
     cache.release(m.pages)
     cache.check_integrity(Counter())
@@ -184,7 +184,7 @@ def test_drop_session_keeps_shared_prefixes() -> None:
 def test_drop_session_spares_held_nodes() -> None:
     cache, _ = make_cache(page_size=2)
     run_turn(cache, [1, 1, 2, 2], "a")
-    m = cache.match([1, 1, 2, 2], "a")
+    m = cache.lock(cache.match([1, 1, 2, 2], "a"))
     assert cache.drop_session("a") == 0
     cache.check_integrity(Counter(m.pages))
     cache.release(m.pages)
@@ -197,17 +197,15 @@ def test_session_inference_follows_the_producing_session() -> None:
     conversations = {"A": system + [1, 1], "B": system + [2, 2], "C": system + [3, 3]}
     for sid, prompt in conversations.items():
         cache.sessions.begin_turn(sid)
-        m = cache.match(prompt, sid)
+        m = cache.lock(cache.match(prompt, sid))
         cache.sessions.record_prompt(sid, prompt, m.num_tokens, m.num_host_tokens, cache.ps)
         cache.release(m.pages)
         run_turn(cache, prompt + [ord(sid) % 5] * 2, sid)  # prompt + "generated"
     for sid, prompt in conversations.items():
         m = cache.match(prompt + [ord(sid) % 5] * 2 + [0] * 4, None)  # the next turn re-sends it all, no key
         assert m.session == sid
-        cache.release(m.pages)
     fresh = cache.match(system + [4, 4], None)  # a new conversation sharing only the system prompt
     assert fresh.session is None and fresh.num_tokens == 4
-    cache.release(fresh.pages)
     assert cache.match([5, 5], None).session is None
     cache.check_integrity(Counter())
 
@@ -216,11 +214,11 @@ def test_lease_cap_releases_the_oldest_leases() -> None:
     cache, clock = make_cache(num_pages=11, page_size=2, max_share=0.5)  # cap: 5 pages
     run_turn(cache, [1] * 8, "old")
     clock.t = 1.0
-    assert cache.stats()["leased_pages"] == 4
+    assert cache.stats().leased_pages == 4
     run_turn(cache, [2] * 6, "new")
     assert cache.sessions.lease_state("old") is LeaseState.NONE
     assert cache.sessions.lease_state("new") is LeaseState.LIVE
-    assert cache.stats()["leased_pages"] == 3
+    assert cache.stats().leased_pages == 3
     cache.evict(1)
     assert resident(cache) == {2: Tier.GPU}  # the released lease went first
     cache.check_integrity(Counter())
@@ -231,7 +229,7 @@ def test_hit_refreshes_the_lease() -> None:
     run_turn(cache, [1, 1, 2, 2], "s")
     clock.t = 9.0
     assert cache.sessions.lease_state("s") is LeaseState.LIVE
-    cache.release(cache.match([1, 1, 2, 2], "s").pages)
+    cache.release(cache.lock(cache.match([1, 1, 2, 2], "s")).pages)
     clock.t = 15.0  # past the first TTL, within the refreshed one
     assert cache.sessions.lease_state("s") is LeaseState.LIVE
     clock.t = 19.5
@@ -242,14 +240,14 @@ def test_recomputed_history_is_counted() -> None:
     cache, _ = make_cache(num_pages=9, page_size=2)
     prompt = [1, 1, 2, 2, 3]
     cache.sessions.begin_turn("s")
-    m = cache.match(prompt, "s")
+    m = cache.lock(cache.match(prompt, "s"))
     assert cache.sessions.record_prompt("s", prompt, m.num_tokens, m.num_host_tokens, cache.ps) == 0
     cache.release(m.pages)
     run_turn(cache, prompt + [4, 4, 4], "s")
     cache.evict(100)  # history lost
     nxt = prompt + [4, 4, 4, 5, 5]
     cache.sessions.begin_turn("s")
-    m = cache.match(nxt, "s")
+    m = cache.lock(cache.match(nxt, "s"))
     assert m.num_tokens == 0
     assert cache.sessions.record_prompt("s", nxt, m.num_tokens, m.num_host_tokens, cache.ps) == 8
     cache.release(m.pages)
@@ -261,7 +259,7 @@ def test_stale_heap_entries_are_compacted() -> None:
     run_turn(cache, [1, 1, 2, 2], "s")
     for _ in range(500):  # every hit re-pushes the leaf and refreshes the lease; nothing is evicted
         clock.t += 0.01
-        cache.release(cache.match([1, 1, 2, 2], "s").pages)
+        cache.release(cache.lock(cache.match([1, 1, 2, 2], "s")).pages)
     assert len(cache._gpu_heap) <= 4 * cache.gpu_pages + 65
     assert cache.index.num_expiry_entries() <= 4 * len(cache.sessions) + 65
     cache.check_integrity(Counter())

@@ -1,15 +1,21 @@
-"""The radix cache under random traffic: a hypothesis state machine over a small GPU pool and host tier."""
+"""The radix cache under random traffic: a hypothesis state machine over a small GPU pool and host tier.
+
+Requests look up, then lock: a lookup (kept or dropped) changes nothing, an admission that does not fit
+changes nothing, a lookup the tree has changed under is refused, and `reclaimable` is exactly what eviction
+frees once the match is locked."""
 
 from __future__ import annotations
 
 from collections import Counter
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from radix_harness import Req, assert_holds, finish, make_cache, start
+from radix_harness import Req, check_lock, finish, make_cache, snapshot, start
 
 from agentbox.engine.radix_cache import Tier
+from agentbox.engine.radix_node import Match
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -25,6 +31,7 @@ class CacheMachine(RuleBasedStateMachine):
     def setup(self, page_size: int, gpu_pages: int, host_pages: int, policy: str, max_share: float) -> None:
         self.cache, self.clock = make_cache(gpu_pages, page_size, host_pages, policy, max_share)
         self.running: list[Req] = []
+        self.pending: list[tuple[Match, list[int]]] = []  # lookups kept for later (most go stale)
 
     tokens = st.lists(st.integers(0, 2), min_size=0, max_size=16)
     sessions = st.sampled_from([None, "a", "b", "c"])
@@ -33,9 +40,48 @@ class CacheMachine(RuleBasedStateMachine):
     def start(self, tokens: list[int], session: str | None) -> None:
         if session is not None:
             self.cache.sessions.begin_turn(session)
+        before = snapshot(self.cache)
         req = start(self.cache, tokens, session)
         if req is not None:
             self.running.append(req)
+        else:
+            assert snapshot(self.cache) == before, "an admission that did not fit changed the cache"
+
+    @rule(tokens=tokens, session=sessions, keep=st.booleans())
+    def lookup(self, tokens: list[int], session: str | None, keep: bool) -> None:
+        before = snapshot(self.cache)
+        m = self.cache.match(tokens, session)
+        r = self.cache.reclaimable(m)
+        assert snapshot(self.cache) == before, "a lookup changed the cache"
+        assert m == self.cache.match(tokens, session) and r == self.cache.reclaimable(m)
+        assert m.num_tokens <= len(tokens) and m.num_tokens % self.cache.ps == 0
+        if keep:
+            self.pending.append((m, tokens))
+
+    @precondition(lambda self: self.pending)
+    @rule()
+    def lock_pending(self) -> None:
+        m, tokens = self.pending.pop()
+        if m.epoch != self.cache._epoch:
+            with pytest.raises(ValueError, match="stale"):
+                self.cache.lock(m)
+            return
+        lock = self.cache.lock(m)
+        check_lock(self.cache, tokens, lock)
+        self.running.append(Req(tokens[: lock.num_tokens], lock.session, lock.pages))
+
+    @rule(tokens=tokens, session=sessions)
+    def reclaim(self, tokens: list[int], session: str | None) -> None:
+        """reclaimable(m) is exact: after locking m, evicting everything frees that many pages, less those
+        the lock took to promote m's host part."""
+        m = self.cache.match(tokens, session)
+        r = self.cache.reclaimable(m)
+        lock = self.cache.lock(m)
+        check_lock(self.cache, tokens, lock)
+        self.running.append(Req(tokens[: lock.num_tokens], lock.session, lock.pages))
+        promoted = len(lock.pages) - m.num_gpu_tokens // self.cache.ps
+        self.cache.evict(10**6)
+        assert self.cache.pool.num_free == r - promoted
 
     @rule(tokens=tokens, session=sessions)
     def turn(self, tokens: list[int], session: str | None) -> None:
@@ -47,9 +93,9 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(tokens=tokens, session=sessions)
     def lock(self, tokens: list[int], session: str | None) -> None:
-        m = self.cache.match(tokens, session)  # a request waiting with its prefix held
-        assert_holds(self.cache, tokens, m.pages, m.num_tokens)
-        self.running.append(Req(tokens[: m.num_tokens], m.session, m.pages))
+        lock = self.cache.lock(self.cache.match(tokens, session))  # a request waiting with its prefix held
+        check_lock(self.cache, tokens, lock)
+        self.running.append(Req(tokens[: lock.num_tokens], lock.session, lock.pages))
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 100))

@@ -109,13 +109,12 @@ def test_counters_and_recomputed_history() -> None:
     s = table.get("s")
     assert s is not None
     assert (s.prompt_tokens, s.cached_tokens_gpu, s.cached_tokens_host, s.recomputed_tokens) == (22, 4, 4, 6)
-    d = s.to_dict(table.clock())
-    assert d["recomputed_history_tokens"] == 6 and d["last_ttft_s"] == 0.25 and d["lease_state"] == "none"
+    assert s.last_ttft_s == 0.25 and s.lease_state(table.clock()) is LeaseState.NONE
 
 
 def test_history_is_not_shrunk_by_a_prefix_given_back() -> None:
-    # An admission that must retry gives its matched prefix back, and a preempted request its computed part:
-    # both re-insert a prefix of what the session already computed, which must not become its history.
+    # A preempted (or aborted) request gives its computed part back: it re-inserts a prefix of what the
+    # session already computed, which must not become its history.
     table = SessionTable(clock=Clock())
     history = [1, 2, 3, 4, 5, 6, 7, 8]
     table.record_history("s", history, 2)

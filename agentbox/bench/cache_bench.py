@@ -15,8 +15,9 @@ from typing import Any
 import torch
 
 from agentbox.bench.throughput import random_prompts
-from agentbox.config import EngineConfig
+from agentbox.config import CachePolicy, EngineConfig
 from agentbox.engine.llm import LLM, Completion
+from agentbox.engine.messages import to_json
 from agentbox.engine.sampling import SamplingParams
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # time to first token = wall time
@@ -37,7 +38,7 @@ def cache_report(
     # The pool holds a full 8k context (SmolLM2's) and the turns' tails, so nothing is evicted mid-run.
     need = max(8192, prefix_tokens + 4 * (question_tokens + answer_tokens))
     config = EngineConfig(
-        model=model, cache_policy="session", num_pages=-(-need // page) + 16, cpu_threads=cpu_threads,
+        model=model, cache_policy=CachePolicy.SESSION, num_pages=-(-need // page) + 16, cpu_threads=cpu_threads,
         host_cache_gb=0.0,  # everything fits in the pool: the host tier would only take RAM here
     )
     llm = LLM(config)
@@ -62,7 +63,7 @@ def cache_report(
         "model": model,
         "device": config.resolved_device,
         "torch_threads": torch.get_num_threads(),
-        "cache_policy": config.cache_policy,
+        "cache_policy": config.cache_policy.value,
         "prefix_tokens": prefix_tokens,
         "cold": {"prompt_tokens": len(turn1), "cached_tokens": out1.num_cached_tokens, "ttft_s": cold_s},
         "warm": {"prompt_tokens": len(turn2), "cached_tokens": out2.num_cached_tokens, "ttft_s": warm_s},
@@ -72,5 +73,5 @@ def cache_report(
             "cached_tokens": same.num_cached_tokens,
             "hit_rate": same.num_cached_tokens / len(turn1),
         },
-        "stats": llm.core.stats()["cache"],
+        "stats": to_json(llm.core.stats().cache),
     }

@@ -27,9 +27,16 @@ from agentbox.engine.messages import (
     AddRequest,
     EngineFailed,
     EngineReady,
+    EngineStats,
     Query,
+    QueryFailed,
+    QueryKind,
     QueryReply,
+    QueryResult,
     RequestOutput,
+    SessionDetail,
+    SessionDropped,
+    SessionList,
     Shutdown,
     StepOutputs,
 )
@@ -42,12 +49,16 @@ class EngineDead(RuntimeError):
     pass
 
 
+class QueryError(RuntimeError):
+    """The engine could not answer a query (it logged why); the engine itself keeps running."""
+
+
 class EngineClient:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.info: EngineReady | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._queries: dict[int, asyncio.Future[dict | None]] = {}
+        self._queries: dict[int, asyncio.Future[QueryResult]] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -198,20 +209,42 @@ class EngineClient:
         if not self.dead:
             self._send(AbortRequest(request_id))
 
-    async def query(self, kind: str, arg: str | None = None, timeout: float = 10.0) -> dict | None:
-        """stats | sessions | session (arg: id) | drop_session (arg: id); answered between engine steps."""
+    async def query(self, kind: QueryKind, arg: str | None = None, timeout: float = 10.0) -> QueryResult:
+        """One query, answered between engine steps (see QueryKind for what each kind returns)."""
         assert self._loop is not None
         qid = next(self._ids)
-        fut: asyncio.Future[dict | None] = self._loop.create_future()
+        fut: asyncio.Future[QueryResult] = self._loop.create_future()
         self._queries[qid] = fut
         self._send(Query(qid, kind, arg))
         try:
-            return await asyncio.wait_for(fut, timeout)
+            res = await asyncio.wait_for(fut, timeout)
         finally:
             self._queries.pop(qid, None)
+        if isinstance(res, QueryFailed):
+            raise QueryError(f"the engine could not answer {kind.value}: {res.error}")
+        return res
 
-    async def stats(self) -> dict:
-        return await self.query("stats") or {}
+    async def stats(self) -> EngineStats:
+        res = await self.query(QueryKind.STATS)
+        assert isinstance(res, EngineStats)
+        return res
+
+    async def sessions(self) -> SessionList:
+        res = await self.query(QueryKind.SESSIONS)
+        assert isinstance(res, SessionList)
+        return res
+
+    async def session(self, session_id: str) -> SessionDetail | None:
+        """The session's detail, or None when the engine does not know it."""
+        res = await self.query(QueryKind.SESSION, session_id)
+        assert res is None or isinstance(res, SessionDetail)
+        return res
+
+    async def drop_session(self, session_id: str) -> SessionDropped | None:
+        """Forget a session (aborting its requests); None when the engine does not know it."""
+        res = await self.query(QueryKind.DROP_SESSION, session_id)
+        assert res is None or isinstance(res, SessionDropped)
+        return res
 
     def shutdown(self) -> None:
         proc, self._proc = self._proc, None  # None first: the reader's EOF is then not a death to restart

@@ -15,18 +15,30 @@ from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
-from agentbox.config import EngineConfig
+from agentbox.config import CachePolicy, EngineConfig
 from agentbox.engine.kv_pool import PagePool
 from agentbox.engine.messages import (
     AbortRequest,
     AddRequest,
+    AdmissionStats,
+    EngineCounters,
     EngineFailed,
     EngineReady,
+    EngineStats,
+    ParallelStats,
+    PoolStats,
     Query,
+    QueryFailed,
+    QueryKind,
     QueryReply,
+    QueryResult,
     RequestOutput,
+    SessionCounts,
+    SessionDropped,
+    SessionList,
     Shutdown,
     StepOutputs,
+    TurnRecord,
 )
 from agentbox.engine.radix_cache import RadixCache
 from agentbox.engine.request import Request, Status
@@ -73,19 +85,7 @@ class EngineCore:
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
         self.started = time.time()
         self._grammar_compiler = None
-        self.counters = {
-            "requests": 0,
-            "prompt_tokens": 0,
-            "cached_tokens": 0,
-            "host_cached_tokens": 0,
-            "recomputed_history_tokens": 0,
-            "generated_tokens": 0,
-            "computed_tokens": 0,
-            "prefill_tokens": 0,
-            "decode_tokens": 0,
-            "steps": 0,
-            "preemptions": 0,
-        }
+        self.counters = EngineCounters()
 
     def _note_death(self, death: RankDeath) -> None:
         log.error("%s", death.describe())
@@ -163,7 +163,7 @@ class EngineCore:
         if code is not None:
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error_code=code,
                                  error="the server's admission queue is full; retry shortly")
-        self.counters["requests"] += 1
+        self.counters.requests += 1
         return None
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -203,20 +203,20 @@ class EngineCore:
         now = time.monotonic()
         req.first_token_time = now
         c = self.counters
-        c["prompt_tokens"] += req.num_prompt_tokens
-        c["cached_tokens"] += req.num_cached_tokens
-        c["host_cached_tokens"] += req.num_host_cached_tokens
-        c["recomputed_history_tokens"] += req.num_recomputed_tokens
+        c.prompt_tokens += req.num_prompt_tokens
+        c.cached_tokens += req.num_cached_tokens
+        c.host_cached_tokens += req.num_host_cached_tokens
+        c.recomputed_history_tokens += req.num_recomputed_tokens
         if req.session_id is not None:
             ttft = now - req.arrival
             self.cache.sessions.record_ttft(req.session_id, ttft)
             s = self.cache.sessions.get(req.session_id)
             if s is not None:
-                s.turn_history.append({
-                    "turn": s.turns, "prompt_tokens": req.num_prompt_tokens, "cached_tokens": req.num_cached_tokens,
-                    "host_cached_tokens": req.num_host_cached_tokens,
-                    "recomputed_tokens": req.num_recomputed_tokens, "ttft_s": round(ttft, 4), "completion_tokens": 0,
-                })
+                s.turn_history.append(TurnRecord(
+                    turn=s.turns, prompt_tokens=req.num_prompt_tokens, cached_tokens=req.num_cached_tokens,
+                    host_cached_tokens=req.num_host_cached_tokens, recomputed_tokens=req.num_recomputed_tokens,
+                    ttft_s=round(ttft, 4),
+                ))
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
@@ -226,20 +226,23 @@ class EngineCore:
             o = self._output(req, [], None)
             o.error, o.error_code = why, code
             results.append(o)
-        self.counters["preemptions"] = self.scheduler.num_preemptions
+        self.counters.preemptions = self.scheduler.num_preemptions
         if not out.seqs:
             return results
         if self.rank_death is not None:
             raise RuntimeError(self.rank_death.describe())
         tokens, lps = self.runner.step(out)
         c = self.counters
-        c["steps"] += 1
-        c["computed_tokens"] += out.num_tokens
+        c.steps += 1
+        c.computed_tokens += out.num_tokens
         sampled = iter(zip(tokens, lps, strict=True))
         for s in out.seqs:
             req = s.request
             decoding = req.num_computed_tokens >= req.num_prompt_tokens
-            c["decode_tokens" if decoding else "prefill_tokens"] += s.num_new_tokens
+            if decoding:
+                c.decode_tokens += s.num_new_tokens
+            else:
+                c.prefill_tokens += s.num_new_tokens
             req.num_computed_tokens += s.num_new_tokens
             if req.flushing:
                 self.scheduler.finish(req, req.finish_reason or "stop")
@@ -250,7 +253,7 @@ class EngineCore:
             if req.first_token_time is None:
                 self._first_token(req)
             req.append_output(token)
-            c["generated_tokens"] += 1
+            c.generated_tokens += 1
             if req.grammar_state is not None:
                 req.grammar_state.accept(token)  # type: ignore[attr-defined]
             reason = self._stop_reason(req, token)
@@ -258,7 +261,7 @@ class EngineCore:
             if reason is not None:
                 self._record_completion(req)
                 out_.finished, out_.finish_reason = True, reason
-                if self.config.cache_policy != "none":
+                if self.config.cache_policy is not CachePolicy.NONE:
                     # The answer is complete for the client now; one more step computes the last token's KV
                     # (batched with the others) so the next turn finds prompt + completion cached.
                     req.flushing, req.finish_reason = True, reason
@@ -270,51 +273,51 @@ class EngineCore:
     def _record_completion(self, req: Request) -> None:
         s = self.cache.sessions.get(req.session_id) if req.session_id else None
         if s is not None and s.turn_history:
-            s.turn_history[-1]["completion_tokens"] = req.num_output_tokens
+            s.turn_history[-1].completion_tokens = req.num_output_tokens
 
     # ---- queries ----
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         sch = self.scheduler
-        return {
-            "uptime_s": time.time() - self.started,
-            "running": len(sch.running),
-            "waiting": sch.num_waiting(),
-            "pool": {
-                "total_pages": self.pool.capacity,
-                "free_pages": self.pool.num_free,
-                "used_pages": self.pool.num_used,
-                "page_size": self.pool.page_size,
-                "running_pages": len(sch.running_refs()),
-            },
-            "cache": self.cache.stats(),
-            "counters": dict(self.counters),
-            "admission": {
-                "queued_new_sessions": len(sch.waiting_new),
-                "timeouts": sch.admission_timeouts,
-                "rejections": sch.admission_rejections,
-            },
-            "sessions": {"count": len(self.cache.sessions), "live_leases": len(self.cache.sessions.live())},
-            "parallel": self._parallel_stats(),
-        }
+        return EngineStats(
+            uptime_s=time.time() - self.started,
+            running=len(sch.running),
+            waiting=sch.num_waiting(),
+            pool=PoolStats(
+                total_pages=self.pool.capacity,
+                free_pages=self.pool.num_free,
+                used_pages=self.pool.num_used,
+                page_size=self.pool.page_size,
+                running_pages=len(sch.running_refs()),
+            ),
+            cache=self.cache.stats(),
+            counters=replace(self.counters),
+            admission=AdmissionStats(
+                queued_new_sessions=len(sch.waiting_new),
+                timeouts=sch.admission_timeouts,
+                rejections=sch.admission_rejections,
+            ),
+            sessions=SessionCounts(count=len(self.cache.sessions), live_leases=len(self.cache.sessions.live())),
+            parallel=self._parallel_stats(),
+        )
 
-    def _parallel_stats(self) -> dict:
+    def _parallel_stats(self) -> ParallelStats:
         w = self.workers
-        return {
-            "tensor_parallel_size": self.runner.tp,
-            "weight_bytes_per_rank": list(self.runner.weight_bytes_per_rank),
-            "step_send_us": round(1e6 * w.send_seconds / w.steps_sent, 1) if w is not None and w.steps_sent else 0.0,
-        }
+        return ParallelStats(
+            tensor_parallel_size=self.runner.tp,
+            weight_bytes_per_rank=list(self.runner.weight_bytes_per_rank),
+            step_send_us=round(1e6 * w.send_seconds / w.steps_sent, 1) if w is not None and w.steps_sent else None,
+        )
 
-    def query(self, q: Query) -> dict | None:
-        if q.kind == "stats":
+    def query(self, q: Query) -> QueryResult:
+        if q.kind is QueryKind.STATS:
             return self.stats()
-        if q.kind == "sessions":
-            return {"data": [session_summary(self, s) for s in self.cache.sessions]}
-        if q.kind == "session":
+        if q.kind is QueryKind.SESSIONS:
+            return SessionList([session_summary(self, s) for s in self.cache.sessions])
+        if q.kind is QueryKind.SESSION:
             s = self.cache.sessions.get(q.arg or "")
             return None if s is None else session_detail(self, s)
-        if q.kind == "drop_session":
+        if q.kind is QueryKind.DROP_SESSION:
             sid = q.arg or ""
             if sid not in self.cache.sessions:
                 return None
@@ -323,8 +326,8 @@ class EngineCore:
                 self.scheduler.finish(r, "abort")
             freed = self.cache.drop_session(sid)
             self.cache.sessions.remove(sid)
-            return {"id": sid, "deleted": True, "freed_pages": freed, "aborted_requests": [r.request_id for r in active]}
-        raise ValueError(f"unknown query {q.kind!r}")
+            return SessionDropped(id=sid, deleted=True, freed_pages=freed, aborted_requests=[r.request_id for r in active])
+        return QueryFailed(f"unknown query {q.kind!r}")
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.scheduler.running_refs())
@@ -393,7 +396,7 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
                 result = core.query(msg)
             except Exception as e:  # a bad query must not take the engine down
                 log.exception("query failed")
-                result = {"error": str(e)}
+                result = QueryFailed(f"{type(e).__name__}: {e}")
             send(QueryReply(msg.query_id, result))
         elif isinstance(msg, Shutdown):
             return False

@@ -19,6 +19,9 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.refcount = [0] * num_pages
+        # Pages with more than one holder: the radix cache's pages that requests have locked (nothing else
+        # shares a page), which eviction cannot free. Kept as a count so admission can ask in O(1).
+        self.num_shared = 0
         # A stack: recently freed pages are reused first (warm in cache on GPU).
         self._free: list[int] = list(range(num_pages - 1, 0, -1))
 
@@ -49,6 +52,7 @@ class PagePool:
             if self.refcount[p] <= 0:
                 raise RuntimeError(f"incref of free page {p}")
             self.refcount[p] += 1
+            self.num_shared += self.refcount[p] == 2
 
     def decref(self, pages: list[int]) -> int:
         """Drop one holder from each page; returns how many pages became free."""
@@ -58,13 +62,14 @@ class PagePool:
             if rc <= 0:
                 raise RuntimeError(f"decref of free page {p}")
             self.refcount[p] = rc - 1
+            self.num_shared -= rc == 2
             if rc == 1:
                 self._free.append(p)
                 freed += 1
         return freed
 
     def check_integrity(self) -> None:
-        """free + used == capacity, no page both free and held, no duplicate in the free list."""
+        """free + used == capacity, no page both free and held, no duplicate in the free list, the shared count."""
         free = set(self._free)
         if len(free) != len(self._free):
             raise AssertionError("a page is on the free list twice")
@@ -76,3 +81,5 @@ class PagePool:
                 raise AssertionError(f"page {p}: refcount {self.refcount[p]} but free={p in free}")
         if len(free) + sum(1 for rc in self.refcount if rc > 0) != self.capacity:
             raise AssertionError("free + used != total")
+        if self.num_shared != sum(1 for rc in self.refcount if rc > 1):
+            raise AssertionError(f"num_shared {self.num_shared} disagrees with the refcounts")

@@ -1,19 +1,36 @@
 """The radix prefix cache: a tree over page-aligned token prefixes whose nodes own pages of the GPU pool
 (or, once demoted, of the host tier). Tokens after the last full page are never cached.
 
+Look up, then lock (mini-sglang's `match_prefix` / `lock_handle` contract):
+- `match(tokens, session)` is a pure lookup. It returns a `Match` (radix_node.py) naming the longest cached
+  page-aligned prefix: its nodes, its tokens on each tier, the session (given, or inferred from the tags).
+  It changes nothing: no reference, no split, no tag, no lease refresh, no promotion, no access time, no heap
+  entry. Looking and then declining (an admission that does not fit) leaves nothing to undo.
+- `reclaimable(match)` (pure) is how many GPU pages the caller could have after locking the match: the free
+  pages plus every tree page eviction can free without touching the match or another request's lock.
+  An admission checks its need against it before it locks anything.
+- `lock(match)` commits: it splits the last node at the match boundary (so a lock covers whole nodes),
+  gives the caller a reference on every GPU page, promotes the host nodes (copies them back, evicting for
+  room), tags the session on the path, refreshes its lease and the nodes' access times. It returns a
+  `Lock` with the caller's pages. A match describes the tree as it was: after any change to the tree's shape
+  or tiers (an epoch counter) `lock` refuses it, and the caller looks again.
+
 Reference discipline (the whole correctness argument):
 - The tree holds exactly one reference on every page a node owns (GPU pool or host pool).
-- `match` gives the caller its own reference (incref) on every matched GPU page. The caller drops it
-  through `insert` (which consumes the caller's references on the pages it is given: new nodes keep them,
-  pages whose prefix the tree already has are decref'd) or `release` (abort, preemption without insert).
-- So a page with refcount 1 is held only by the tree: evictable. A node with any page above 1 is in use by a
-  running request and is never evicted, demoted or dropped.
-- Host pages carry a reference for the caller only inside `match`, while they are being promoted.
+- `lock` gives the caller its own reference on every page of the prefix. The caller drops it through
+  `insert` (which consumes the caller's references on the pages it is given: new nodes keep them, pages
+  whose prefix the tree already has are decref'd) or `release` (abort).
+- So a page with refcount 1 is held only by the tree: evictable. A node with any page above 1 is locked by a
+  running request and is never evicted, demoted or dropped. A lock covers a whole path from the root, so
+  the locked nodes are closed under "parent of", every page with refcount above 1 is a tree page, and
+  every other GPU tree page can be freed leaf-first: `reclaimable` is exact, free + gpu_pages -
+  pool.num_shared - the match's GPU pages not yet shared.
+- Host pages carry a reference for the caller only inside `lock`, while they are being promoted.
 
 Tree shape: children are keyed by their first page of tokens, so siblings differ in the first page. The GPU
 nodes form a top-down closed subtree: a GPU node's parent is a GPU node or the root; demotion goes leaf-first
-and promotion top-down, so a path is always "GPU prefix, then host suffix". `match` splits the last node
-at the match boundary, so a request's references always cover whole nodes.
+and promotion top-down, so a path is always "GPU prefix, then host suffix". `lock` splits the last node at
+the match boundary, so a request's references always cover whole nodes.
 
 Eviction (`evict(n)`): GPU leaves (nodes without GPU children) leave in priority-class order through an
 incremental heap with lazy invalidation (a node's `version` is bumped on each push; stale entries are
@@ -24,11 +41,11 @@ only grow with time except at lease expiry and turn end, where the session's lea
   class 2: a live lease; lowest expected saving per page-second first: the recompute cost of its tokens
            (tokens x (1 + mean position / ATTN_TOKENS), attention grows with depth; evict_order.py) divided by its pages x
            the time until the session's expected return (last turn end + median gap).
-Under policy "lru" every node is class 0; under "none" nothing is cached. With a host tier an evicted
+Under `CachePolicy.LRU` every node is class 0; under `NONE` nothing is cached. With a host tier an evicted
 GPU node is copied to host (making room by dropping host LRU leaves) instead of dropped; host nodes on a
 matched path are promoted back (allocate GPU pages, copy) instead of being recomputed.
 
-Sessions are tags: every node on a path a session matched or inserted carries its id (so a child's tags
+Sessions are tags: every node on a path a session locked or inserted carries its id (so a child's tags
 are a subset of its parent's). `drop_session` removes the session's own suffix; shared prefixes survive. The per-session
 bookkeeping (tags, lease expiries, the lease cap) is session_index.py.
 """
@@ -41,12 +58,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-from agentbox.config import EngineConfig
+from agentbox.config import CachePolicy, EngineConfig
 from agentbox.engine.evict_order import gpu_key
 from agentbox.engine.host_tier import HostTier, copy_pages
 from agentbox.engine.kv_pool import PagePool
+from agentbox.engine.messages import CacheStats
 from agentbox.engine.radix_check import check_integrity
-from agentbox.engine.radix_node import Match, Node, Tier
+from agentbox.engine.radix_node import Lock, Match, Node, Tier
 from agentbox.engine.session_index import SessionIndex
 from agentbox.engine.sessions import SessionTable
 from agentbox.layers.backends.base import KVCache
@@ -61,16 +79,15 @@ class RadixCache:
         kv: KVCache | None = None,
         sessions: SessionTable | None = None,
         host: HostTier | None = None,
-        policy: str = "session",
+        policy: CachePolicy = CachePolicy.SESSION,
     ) -> None:
-        if policy not in ("session", "lru", "none"):
-            raise ValueError(f"unknown cache policy {policy!r}")
+        policy = CachePolicy(policy)
         if host is not None and (kv is None or host.pool.page_size != pool.page_size):
             raise ValueError("a host tier needs the GPU KVCache and the same page size")
         self.pool = pool
         self.kv = kv
         self.sessions = sessions if sessions is not None else SessionTable()
-        self.host = host if policy != "none" else None
+        self.host = host if policy is not CachePolicy.NONE else None
         self.policy = policy
         self.ps = pool.page_size
         self.root = Node((), [], Tier.GPU, None, 0)
@@ -78,6 +95,7 @@ class RadixCache:
         self._host_heap: list[_Entry] = []
         self.index = SessionIndex(self.sessions, policy)
         self._seq = itertools.count()
+        self._epoch = 0  # bumped on every change of the tree's shape or tiers: a Match from before is stale
         self.gpu_pages = 0
         self.host_pages = 0
         self.evictions = 0  # GPU pages dropped (not demoted)
@@ -90,7 +108,7 @@ class RadixCache:
         cls, config: EngineConfig, pool: PagePool, kv: KVCache, clock: Callable[[], float] = time.monotonic
     ) -> RadixCache:
         """The engine's cache. The host tier belongs to the session policy; lru mirrors general engines."""
-        host = HostTier.sized(kv, config.host_cache_gb) if config.cache_policy == "session" else None
+        host = HostTier.sized(kv, config.host_cache_gb) if config.cache_policy is CachePolicy.SESSION else None
         return cls(pool, kv, SessionTable.from_config(config, clock), host, config.cache_policy)
 
     @property
@@ -100,24 +118,46 @@ class RadixCache:
     # ---- lookup and insert ----
 
     def match(self, tokens: Sequence[int], session: str | None = None) -> Match:
-        """The longest cached page-aligned prefix, its GPU pages incref'd for the caller (host parts promoted)."""
-        if self.policy == "none":
-            return Match([], 0, session=session)
+        """The longest cached page-aligned prefix of tokens, and the session (given, else inferred). Pure."""
+        if self.policy is CachePolicy.NONE:
+            return Match((), 0, 0, session, self._epoch)
         toks = tuple(tokens[: len(tokens) // self.ps * self.ps])
         path: list[Node] = []
-        node, i = self.root, 0
+        node, i, host = self.root, 0, 0
         while i < len(toks):
             child = node.children.get(toks[i : i + self.ps])
             if child is None:
                 break
-            m = self._common(child.key, toks, i)
-            full = m == len(child.key)
-            if not full:
-                child = self._split(child, m)
+            m = self._common(child.key, toks, i)  # >= one page: children are keyed by their first page
             path.append(child)
-            node, i = child, i + m
-            if not full:
+            i += m
+            host += m if child.tier is Tier.HOST else 0
+            if m < len(child.key):
                 break
+            node = child
+        sid = session if session is not None else self.sessions.infer_session(path[-1] if path else None, i)
+        return Match(tuple(path), i, host, sid, self._epoch)
+
+    def reclaimable(self, m: Match) -> int:
+        """GPU pages the caller could have after locking m: free pages, plus the unlocked tree pages outside
+        m's GPU prefix (eviction frees them all, leaf-first; promoting m's host part uses pages of this
+        count). Pure."""
+        self._check_fresh(m)
+        rc = self.pool.refcount
+        mine = sum(1 for p in self._gpu_prefix_pages(m) if rc[p] == 1)
+        return self.pool.num_free + self.gpu_pages - self.pool.num_shared - mine
+
+    def lock(self, m: Match) -> Lock:
+        """Commit a lookup: the caller's reference on each GPU page of the prefix (host parts promoted first),
+        the session tagged on the path and its lease refreshed. Host parts that cannot be promoted for lack of
+        GPU pages are left out (a shorter lock); `reclaimable` tells the caller beforehand."""
+        self._check_fresh(m)
+        if not m.path:
+            return Lock([], 0, 0, m.session)
+        path = list(m.path)
+        last = path[-1]
+        if last.start + len(last.key) > m.num_tokens:
+            path[-1] = self._split(last, m.num_tokens - last.start)
         n_gpu = next((j for j, n in enumerate(path) if n.tier is Tier.HOST), len(path))
         pages = [p for n in path[:n_gpu] for p in n.pages]
         self.pool.incref(pages)
@@ -128,14 +168,12 @@ class RadixCache:
             self.host.pool.incref([p for n in host_nodes for p in n.pages])  # no host eviction under us
             for j, n in enumerate(host_nodes):
                 if not self._promote(n):
-                    self.host.pool.decref([p for m in host_nodes[j:] for p in m.pages])
+                    self.host.pool.decref([p for m_ in host_nodes[j:] for p in m_.pages])
                     path = path[: n_gpu + j]
                     break
                 pages += n.pages
                 host_tokens += len(n.key)
-        num_tokens = len(pages) * self.ps
-        last = path[-1] if path else None
-        sid = session if session is not None else self.sessions.infer_session(last, num_tokens)
+        sid = m.session
         now = self.clock()
         if path and sid is not None:
             self.index.tag(path, sid)
@@ -143,7 +181,19 @@ class RadixCache:
         for n in path:
             n.last_access = now
             self._push_candidate(n)
-        return Match(pages, num_tokens, host_tokens, last, sid)
+        return Lock(pages, len(pages) * self.ps, host_tokens, sid)
+
+    def _check_fresh(self, m: Match) -> None:
+        if m.epoch != self._epoch:
+            raise ValueError("a stale Match: the tree changed since the lookup; match again")
+
+    def _gpu_prefix_pages(self, m: Match) -> list[int]:
+        out: list[int] = []
+        for n in m.path:
+            if n.tier is not Tier.GPU:
+                break
+            out += n.pages[: min(len(n.key), m.num_tokens - n.start) // self.ps]
+        return out
 
     def insert(self, tokens: Sequence[int], pages: list[int], session: str | None = None) -> None:
         """Cache tokens[:n * page_size] on pages[:n], n = len(tokens) // page_size; pages[n:] stay the
@@ -155,7 +205,7 @@ class RadixCache:
         toks = tuple(tokens[: n * self.ps])
         if session is not None:  # the session computed these, whether or not the policy keeps them
             self.sessions.record_history(session, toks, self.ps)
-        if self.policy == "none":
+        if self.policy is CachePolicy.NONE:
             self.pool.decref(pages)
             return
         now = self.clock()
@@ -167,6 +217,7 @@ class RadixCache:
             if child is None:
                 child = Node(toks[i:], list(pages[pi:]), Tier.GPU, node, i)
                 node.children[toks[i : i + self.ps]] = child
+                self._epoch += 1
                 self.gpu_pages += len(child.pages)
                 path.append(child)
                 break
@@ -184,6 +235,7 @@ class RadixCache:
                 self.gpu_pages += len(mine)
                 child.pages, child.tier = list(mine), Tier.GPU
                 child.version += 1
+                self._epoch += 1
             path.append(child)
             node, i = child, i + m
         if session is not None:
@@ -196,7 +248,7 @@ class RadixCache:
             self._enforce_cap()
 
     def release(self, pages: list[int]) -> None:
-        """Drop the caller's references on matched pages it will not insert (abort)."""
+        """Drop the caller's references on locked pages it will not insert (abort)."""
         self.pool.decref(pages)
 
     def end_turn(self, session: str) -> None:
@@ -244,6 +296,7 @@ class RadixCache:
             copy_pages(self.kv, n.pages, self.host.kv, host_pages)
             self.pool.decref(n.pages)
             n.pages, n.tier = host_pages, Tier.HOST
+            self._epoch += 1
             self.gpu_pages -= k
             self.host_pages += k
             self.demotions += k
@@ -299,6 +352,7 @@ class RadixCache:
         self.host.pool.decref(n.pages + n.pages)  # the caller's lock and the tree's reference
         n.pages, n.tier = gpu, Tier.GPU
         n.version += 1
+        self._epoch += 1
         self.gpu_pages += k
         self.host_pages -= k
         self.promotions += k
@@ -354,6 +408,7 @@ class RadixCache:
         n.key, n.pages, n.start, n.parent = n.key[m:], n.pages[k:], n.start + m, pre
         pre.children[n.key[: self.ps]] = n
         self.index.split(pre)
+        self._epoch += 1
         return pre
 
     def _remove_node(self, n: Node) -> None:
@@ -370,6 +425,7 @@ class RadixCache:
             self.host.pool.decref(n.pages)
             self.host_pages -= len(n.pages)
         self.index.removed(n)
+        self._epoch += 1
         n.alive = False
         n.version += 1
 
@@ -418,22 +474,22 @@ class RadixCache:
 
     # ---- counters and checks ----
 
-    def stats(self) -> dict[str, int | str]:
-        return {
-            "policy": self.policy,
-            "gpu_pages": self.gpu_pages,
-            "host_pages": self.host_pages,
-            "host_total_pages": self.host.pool.capacity if self.host is not None else 0,
-            "leased_pages": self.index.leased_pages(),
-            "evictions": self.evictions,
-            "demotions": self.demotions,
-            "promotions": self.promotions,
-            "host_evictions": self.host_evictions,
-            "sessions": len(self.sessions),
-            "live_leases": len(self.sessions.live()),
-        }
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            policy=self.policy,
+            gpu_pages=self.gpu_pages,
+            host_pages=self.host_pages,
+            host_total_pages=self.host.pool.capacity if self.host is not None else 0,
+            leased_pages=self.index.leased_pages(),
+            evictions=self.evictions,
+            demotions=self.demotions,
+            promotions=self.promotions,
+            host_evictions=self.host_evictions,
+            sessions=len(self.sessions),
+            live_leases=len(self.sessions.live()),
+        )
 
-    def session_pages(self, session: str) -> dict[str, int]:
+    def session_pages(self, session: str) -> dict[Tier, int]:
         return self.index.pages_by_tier(session)
 
     def check_integrity(self, running_refs: Counter[int] | None = None) -> None:

@@ -51,6 +51,8 @@ def check_integrity(cache: RadixCache, running_refs: Counter[int] | None = None)
     refs = running_refs if running_refs is not None else Counter()
     for p in range(1, cache.pool.num_pages):
         rc = cache.pool.refcount[p]
+        # Only the tree's pages are shared (by locks): what `reclaimable` counts on.
+        assert rc <= 1 or p in owned_gpu, f"GPU page {p}: {rc} holders but not a tree page"
         if running_refs is None:
             assert p not in owned_gpu or rc >= 1, f"tree page {p} is free"
         else:

@@ -1,12 +1,11 @@
-"""The radix cache's nodes: a run of page-aligned tokens, the pages holding their KV on one tier, and the
-sessions whose sequences pass through it. The tree mechanics live in radix_cache.py."""
+"""The radix cache's nodes (a run of page-aligned tokens, the pages holding their KV on one tier, the sessions
+whose sequences pass through it) and the two results of using the tree: a `Match` (what a pure lookup found,
+nothing held) and a `Lock` (what locking a match gave the caller). The tree mechanics live in radix_cache.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-
-from agentbox.engine.prefix_cache import CacheMatch
 
 
 class Tier(Enum):
@@ -43,8 +42,28 @@ class Node:
         self.alive = True
 
 
-@dataclass
-class Match(CacheMatch):
-    """CacheMatch plus the session the request belongs to (given, or inferred from the tree)."""
+@dataclass(frozen=True)
+class Match:
+    """What `RadixCache.match` found: a description of the tree, holding nothing. Valid until the cache next
+    changes (`lock` refuses it after that); nodes are not split yet, so the last one may be matched in part."""
 
-    session: str | None = None
+    path: tuple[Node, ...]  # root to the deepest matched node; GPU nodes first, then host nodes
+    num_tokens: int  # page-aligned tokens matched, both tiers
+    num_host_tokens: int  # of num_tokens, those on host nodes (a lock copies them back)
+    session: str | None  # the given session, else the one inferred from the tree's tags
+    epoch: int  # the cache's mutation count when the lookup ran
+
+    @property
+    def num_gpu_tokens(self) -> int:
+        return self.num_tokens - self.num_host_tokens
+
+
+@dataclass(frozen=True)
+class Lock:
+    """What `RadixCache.lock` gave the caller: its own reference on every page of the prefix. The caller hands
+    them back through `insert` (turn done, preemption) or `release` (abort)."""
+
+    pages: list[int]  # GPU pages covering the first num_tokens tokens, one reference each for the caller
+    num_tokens: int
+    num_host_tokens: int  # of num_tokens, those copied back from the host tier
+    session: str | None

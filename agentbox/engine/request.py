@@ -41,9 +41,7 @@ class Request:
     num_recomputed_tokens: int = 0  # history of its session it had to recompute (cache had dropped it)
     # Done generating, but its last token's KV is computed one more step so the cache holds the whole turn.
     flushing: bool = False
-    turn_started: bool = False  # counted once as its session's turn, at its first admission attempt
-    prompt_counted: bool = False  # its cache counters were set, at its first successful admission
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # > 0: it was admitted before (its turn began, its counters are set)
     first_token_time: float | None = None
     grammar_state: object | None = None  # agentbox.chat.grammar.GrammarState when decoding is constrained
     _generator: torch.Generator | None = None

@@ -8,7 +8,12 @@ running cap and the pool allow: first requests of sessions coming back from a to
 then requests that start a new session. A new session is admitted only while running work plus the
 sessions' leased working sets leave room for its prompt; otherwise it waits (FIFO, bounded), and past the
 admission timeout it is refused (the API answers 503 with Retry-After). Leases stay soft: a running request
-that needs pages breaks them through the cache's eviction order. When the pool runs out for a running
+that needs pages breaks them through the cache's eviction order.
+
+Admission looks before it takes: a pure cache lookup, then a pure check that the pages the request needs
+(its first chunk alone, or its whole prompt beside the running requests' remaining prompts) are free or
+reclaimable without touching its match; only then the lock (references, promotion from host, session tag,
+lease) and the reservation. A request that does not fit leaves the cache exactly as it was. When the pool runs out for a running
 request, the newest running request is preempted: its computed prefix goes to the prefix cache and it
 waits to be recomputed (mostly from that cache). Nothing crashes for lack of pages.
 """
@@ -20,10 +25,10 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from agentbox.config import EngineConfig
+from agentbox.config import CachePolicy, EngineConfig
 from agentbox.engine.kv_pool import PagePool
-from agentbox.engine.prefix_cache import CacheMatch
 from agentbox.engine.radix_cache import RadixCache
+from agentbox.engine.radix_node import Lock, Match
 from agentbox.engine.request import Request, Status
 
 
@@ -68,7 +73,7 @@ class Scheduler:
     def add(self, req: Request) -> str | None:
         """Queues a request; returns an error code when the admission queue is full."""
         returning = req.session_id is not None and req.session_id in self.sessions
-        if not returning and self.config.cache_policy == "session":
+        if not returning and self.config.cache_policy is CachePolicy.SESSION:
             if len(self.waiting_new) >= self.config.admission_queue_size:
                 self.admission_rejections += 1
                 return "queue_full"
@@ -88,6 +93,7 @@ class Scheduler:
         """Finish (or abort) a request: its computed tokens go to the prefix cache, the rest of its pages back."""
         if req.is_finished:
             return
+        began = req.status is Status.RUNNING or req.num_preemptions > 0  # admitted once: its turn began
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:
@@ -95,7 +101,7 @@ class Scheduler:
         else:
             self.waiting_new.remove(req)
         self._release_pages(req)
-        if req.turn_started and req.session_id is not None:
+        if began and req.session_id is not None:
             self.cache.end_turn(req.session_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
@@ -136,19 +142,6 @@ class Scheduler:
         req.pages.extend(self.pool.alloc(need))
         return True
 
-    def _fits_whole(self, req: Request) -> bool:
-        """Admit only what the pool can carry to the end of its prompt beside the running requests' own
-        remaining prompts; admitting on the first chunk alone makes later chunks preempt each other in a
-        loop (measured: 52 preemptions and 2x the prompt tokens computed in one replay)."""
-        if not self.running:
-            return True  # alone it always fits (max_model_len <= pool), and something must run
-        want = max(0, self._pages_for(req, req.num_tokens)) + sum(
-            max(0, self._pages_for(r, r.num_tokens)) for r in self.running
-        )
-        if self.pool.num_free < want:
-            self.cache.evict(want - self.pool.num_free)
-        return self.pool.num_free >= want
-
     def _preempt(self, victim: Request) -> None:
         if victim.flushing:  # its answer is out already; only its cache entry is lost
             self.finish(victim, victim.finish_reason or "stop")
@@ -160,36 +153,43 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
 
-    def _admit(self, req: Request) -> CacheMatch:
-        # Match at most num_tokens - 1 tokens: the last one must be computed to get logits to sample from.
-        m = self.cache.match(req.all_token_ids[: req.num_tokens - 1], req.session_id)
-        req.pages = m.pages
-        req.num_computed_tokens = m.num_tokens
-        if not req.turn_started:
-            # First attempt: the turn begins (the gap since the session's last turn ends here).
-            req.turn_started = True
+    def _admission_need(self, req: Request, m: Match, n: int) -> int:
+        """New GPU pages admitting req on m would take (host parts of m are promoted into new pages). Alone:
+        its first chunk of n tokens (alone it always fits, max_model_len <= pool, and something must run).
+        Beside running requests: its whole prompt plus their remaining prompts; admitting on the first chunk
+        alone makes later chunks preempt each other in a loop (measured: 52 preemptions and 2x the prompt
+        tokens computed in one replay)."""
+        have = m.num_gpu_tokens // self.page_size
+        if not self.running:
+            return -(-(m.num_tokens + n) // self.page_size) - have
+        return max(0, -(-req.num_tokens // self.page_size) - have) + sum(
+            max(0, self._pages_for(r, r.num_tokens)) for r in self.running
+        )
+
+    def _admit(self, req: Request, lock: Lock, budget: int) -> int:
+        """Start req on its locked prefix and reserve its first chunk; returns the chunk's size. At its first
+        admission (not a return after preemption) its turn begins and its cache counters are set: they come
+        from this admission, the one that ran."""
+        req.pages = list(lock.pages)
+        req.num_computed_tokens = lock.num_tokens
+        if req.num_preemptions == 0:
             if req.session_id is None:
                 # Inferred from the cached prefix, else a fresh tag so its later turns can be recognised.
-                req.session_id = getattr(m, "session", None) or f"auto-{next(self._auto_ids)}"
-            self.sessions.begin_turn(req.session_id)
-        return m
-
-    def _count_prompt(self, req: Request, m: CacheMatch) -> None:
-        """Cache counters come from the match the request actually starts with, not an attempt that was
-        put back: a host path that could not be promoted while the pool was full is promoted on the retry."""
-        if req.prompt_counted:
-            return
-        req.prompt_counted = True
-        assert req.session_id is not None
-        req.num_cached_tokens = m.num_tokens
-        req.num_host_cached_tokens = m.num_host_tokens
-        req.num_recomputed_tokens = self.sessions.record_prompt(
-            req.session_id, req.prompt_token_ids, m.num_tokens, m.num_host_tokens, self.page_size
-        )
+                req.session_id = lock.session or f"auto-{next(self._auto_ids)}"
+            self.sessions.begin_turn(req.session_id)  # the gap since the session's last turn ends here
+            req.num_cached_tokens = lock.num_tokens
+            req.num_host_cached_tokens = lock.num_host_tokens
+            req.num_recomputed_tokens = self.sessions.record_prompt(
+                req.session_id, req.prompt_token_ids, lock.num_tokens, lock.num_host_tokens, self.page_size
+            )
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if not self._reserve(req, req.num_computed_tokens + n):
+            raise RuntimeError("admission: the cache could not free the pages it reported reclaimable")
+        return n
 
     def _new_session_fits(self, req: Request) -> bool:
         """Running work plus live leases leave room for this new session's prompt."""
-        if self.config.cache_policy != "session":
+        if self.config.cache_policy is not CachePolicy.SESSION:
             return True
         held = len({p for r in self.running for p in r.pages})
         leased = self.cache.index.leased_pages()
@@ -247,13 +247,13 @@ class Scheduler:
                 req = queue[0]
                 if queue is self.waiting_new and not self._new_session_fits(req):
                     break  # FIFO: later new sessions wait behind it
-                m = self._admit(req)
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                if not self._fits_whole(req) or not self._reserve(req, req.num_computed_tokens + n):
-                    self._release_pages(req)  # give the matched prefix back; try again next step
-                    break
+                # Match at most num_tokens - 1 tokens: the last one must be computed to get logits to sample from.
+                m = self.cache.match(req.all_token_ids[: req.num_tokens - 1], req.session_id)
+                need = self._admission_need(req, m, min(req.num_tokens - m.num_tokens, budget))
+                if need > self.pool.num_free and need > self.cache.reclaimable(m):
+                    break  # nothing was taken: it looks again next step
                 queue.popleft()
-                self._count_prompt(req, m)
+                n = self._admit(req, self.cache.lock(m), budget)
                 req.status = Status.RUNNING
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))

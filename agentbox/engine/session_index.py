@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import heapq
 
+from agentbox.config import CachePolicy
 from agentbox.engine.radix_node import Node, Tier
 from agentbox.engine.sessions import Session, SessionTable, sessions_by_lease_age
 
 
 class SessionIndex:
-    def __init__(self, sessions: SessionTable, policy: str) -> None:
+    def __init__(self, sessions: SessionTable, policy: CachePolicy) -> None:
         self.sessions = sessions
         self.policy = policy
         self.nodes: dict[str, set[Node]] = {}  # session -> the nodes tagged with it
@@ -46,11 +47,11 @@ class SessionIndex:
         self.sessions.remove(sid)
         return nodes
 
-    def pages_by_tier(self, sid: str) -> dict[str, int]:
+    def pages_by_tier(self, sid: str) -> dict[Tier, int]:
         """Resident pages on each tier of the nodes this session's sequences pass through (shared ones too)."""
-        out = {Tier.GPU.value: 0, Tier.HOST.value: 0}
+        out = {Tier.GPU: 0, Tier.HOST: 0}
         for n in self.of(sid):
-            out[n.tier.value] += len(n.pages)
+            out[n.tier] += len(n.pages)
         return out
 
     # ---- lease expiry ----
@@ -80,7 +81,7 @@ class SessionIndex:
 
     def _leased(self) -> tuple[list[Session], dict[Node, int], int]:
         """Live leases, how many of them hold each GPU node, and the GPU pages they hold in all."""
-        live = self.sessions.live() if self.policy == "session" else []
+        live = self.sessions.live() if self.policy is CachePolicy.SESSION else []
         count: dict[Node, int] = {}
         total = 0
         for s in live:

@@ -14,10 +14,10 @@ released by the cap). The cap itself — leased pages at most `max_share` of the
 
 Time comes from an injectable `clock` (seconds, monotonic) so tests are deterministic.
 
-Use from the scheduler:
-    sessions.begin_turn(sid)                       # a request of session sid arrives (measures the gap)
-    m = cache.match(tokens, sid)                   # refreshes the lease on a hit; infers sid when None
-    sessions.record_prompt(sid, tokens, m.num_tokens, m.num_host_tokens)   # counters, once per request
+Use from the scheduler, once a request's admission is decided:
+    lock = cache.lock(cache.match(tokens, sid))    # refreshes the lease on a hit; infers sid when None
+    sessions.begin_turn(sid)                       # the session's turn starts (measures the gap)
+    sessions.record_prompt(sid, tokens, lock.num_tokens, lock.num_host_tokens)   # counters, once per request
     sessions.record_ttft(sid, seconds)
     cache.insert(tokens, pages, sid)               # grants / refreshes the lease, enforces the cap
     cache.end_turn(sid)                            # turn done: gap clock starts, eviction keys refresh
@@ -31,9 +31,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from agentbox.config import EngineConfig
+
+if TYPE_CHECKING:
+    from agentbox.engine.messages import TurnRecord
 
 # How many recent gaps a session remembers: agents change pace (a long build, then quick edits).
 GAP_HISTORY = 32
@@ -77,7 +80,7 @@ class Session:
     cached_tokens_host: int = 0
     recomputed_tokens: int = 0  # history this session had computed before that had to be computed again
     history_tokens: int = 0  # history tokens re-sent (what recomputed_tokens is a share of)
-    turn_history: deque[dict] = field(default_factory=lambda: deque(maxlen=TURN_HISTORY))
+    turn_history: deque[TurnRecord] = field(default_factory=lambda: deque(maxlen=TURN_HISTORY))
     last_ttft_s: float | None = None
     # The page hashes of the last sequence inserted for this session: what "its history" is.
     history_hashes: list[int] = field(default_factory=list)
@@ -88,22 +91,6 @@ class Session:
         if self.lease_expiry is None:
             return LeaseState.NONE
         return LeaseState.LIVE if self.lease_expiry > now else LeaseState.EXPIRED
-
-    def to_dict(self, now: float) -> dict[str, object]:
-        state = self.lease_state(now)
-        return {
-            "id": self.id,
-            "turns": self.turns,
-            "lease_state": state.value,
-            "lease_expires_in_s": None if self.lease_expiry is None else round(self.lease_expiry - now, 3),
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens_gpu": self.cached_tokens_gpu,
-            "cached_tokens_host": self.cached_tokens_host,
-            "recomputed_history_tokens": self.recomputed_tokens,
-            "history_tokens": self.history_tokens,
-            "last_ttft_s": self.last_ttft_s,
-            "gaps_s": [round(g, 3) for g in self.gaps],
-        }
 
 
 class TaggedNode(Protocol):
@@ -250,8 +237,8 @@ class SessionTable:
 
     def record_history(self, sid: str, tokens: Sequence[int], page_size: int) -> None:
         """The session computed `tokens`: they are its history now, unless they are a prefix of the history it
-        has (a matched prefix given back by an admission that must retry, or a preempted request's computed
-        part): that must not shrink it, or the next turn's recompute would go uncounted."""
+        has (the computed part of a preempted or aborted request): that must not shrink it, or the next
+        turn's recompute would go uncounted."""
         s = self.get_or_create(sid)
         hashes = page_hashes(tokens, page_size)
         old = s.history_hashes

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import agentbox
 from agentbox.config import ServerConfig
 from agentbox.engine.client import EngineClient
+from agentbox.engine.messages import to_json
 from agentbox.server import anthropic_routes, openai_routes, responses_routes, sessions_routes
 from agentbox.server.errors import (
     APIError,
@@ -137,9 +138,9 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.get("/v1/stats")
     async def stats(request: Request) -> dict:
         state: ServerState = request.app.state.agentbox
-        s = await state.engine.stats()
+        s = to_json(await state.engine.stats())
         engine = {**vars(state.info), "tensor_parallel_size": state.config.engine.tensor_parallel_size,
-                  "cache_policy": state.config.engine.cache_policy}
+                  "cache_policy": state.config.engine.cache_policy.value}
         return {**s, "model": state.model_name, "engine": engine, "pid": os.getpid(),
                 "engine_pid": state.engine.pid, "server_uptime_s": time.time() - state.started}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
+from agentbox.engine.messages import to_json
 from agentbox.server.errors import APIError
 from agentbox.server.generation import ServerState
 
@@ -28,27 +29,27 @@ def _with_client(state: ServerState, s: dict) -> dict:
 @router.get("/v1/sessions")
 async def list_sessions(request: Request) -> dict:
     state = _state(request)
-    res = await state.engine.query("sessions") or {"data": []}
-    return {"object": "list", "data": [_with_client(state, s) for s in res["data"]]}
+    res = await state.engine.sessions()
+    return {"object": "list", "data": [_with_client(state, to_json(s)) for s in res.data]}
 
 
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> dict:
     state = _state(request)
-    res = await state.engine.query("session", session_id)
+    res = await state.engine.session(session_id)
     if res is None:
         raise _not_found(session_id)
-    return _with_client(state, res)
+    return _with_client(state, to_json(res))
 
 
 @router.delete("/v1/sessions/{session_id}")
 async def delete_session(session_id: str, request: Request) -> dict:
     state = _state(request)
-    res = await state.engine.query("drop_session", session_id)
+    res = await state.engine.drop_session(session_id)
     if res is None:
         raise _not_found(session_id)
     state.clients.pop(session_id, None)
-    return res
+    return to_json(res)
 
 
 def _metric(lines: list[str], name: str, kind: str, help_: str, value: float, labels: str = "") -> None:
@@ -60,7 +61,7 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, value: float, la
 
 @router.get("/metrics")
 async def metrics(request: Request) -> PlainTextResponse:
-    s = await _state(request).engine.stats()
+    s = to_json(await _state(request).engine.stats())
     c, pool, cache, adm = s["counters"], s["pool"], s["cache"], s["admission"]
     out: list[str] = []
     m = lambda *a: _metric(out, *a)  # noqa: E731
@@ -74,7 +75,7 @@ async def metrics(request: Request) -> PlainTextResponse:
     m("agentbox_preemptions_total", "counter", "Requests preempted for lack of pages.", c["preemptions"])
     m("agentbox_cache_hit_rate", "gauge", "cached / prompt tokens since start.",
       c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0)
-    hist = sum(x.get("history_tokens", 0) for x in (await _state(request).engine.query("sessions") or {"data": []})["data"])
+    hist = sum(x.history_tokens for x in (await _state(request).engine.sessions()).data)
     m("agentbox_recompute_ratio", "gauge", "recomputed / re-sent history tokens since start.",
       c["recomputed_history_tokens"] / hist if hist else 0.0)
     m("agentbox_pool_pages", "gauge", "KV pool pages by use.", pool["used_pages"], 'tier="gpu",use="used"')
