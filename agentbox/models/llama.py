@@ -9,7 +9,6 @@ pages are is the attention backend's business (the forward context).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -145,41 +144,3 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (full, unsharded); each parameter's weight_loader takes its TP shard."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # some tied checkpoints still carry a copy
-            shard_id: str | int | None = None
-            for hf_key, (ours, shard) in self.packed_modules_mapping.items():
-                if f".{hf_key}." in name:
-                    name, shard_id = name.replace(f".{hf_key}.", f".{ours}."), shard
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}"
-                )
-            loader = getattr(param, "weight_loader", _default_weight_loader)
-            with torch.no_grad():
-                if shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard_id)
-            loaded.add(name)
-        missing = [n for n in params if n not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:10])}")
-
-
-def _default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-    if param.data.shape != loaded_weight.shape:
-        raise ValueError(
-            f"weight shape {tuple(loaded_weight.shape)} != parameter shape {tuple(param.data.shape)}"
-        )
-    param.data.copy_(loaded_weight)

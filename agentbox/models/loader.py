@@ -24,6 +24,7 @@ from agentbox.config import state_dir
 from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_weights, open_gguf
 from agentbox.models.llama import head_dim_of, num_kv_heads_of
 from agentbox.models.registry import model_class
+from agentbox.models.weight_loader import load_weights
 from agentbox.parallel.state import tp_size
 
 # End-of-turn tokens of common chat templates: generation must stop on them even where the checkpoint's
@@ -128,7 +129,7 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
             model = cls(config)
     finally:
         torch.set_default_dtype(previous_dtype)
-    model.load_weights(iter_weights(src, config))  # type: ignore[operator]
+    load_weights(model, iter_weights(src, config))
     model.eval().requires_grad_(False)
     tp = tp_size()
     return LoadedModel(
