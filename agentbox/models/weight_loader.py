@@ -94,6 +94,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     missing = [n for n in params if n not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:10])}")
+    for module in model.modules():  # once, after every weight is in place (repacking for kernels)
+        hook = getattr(module, "process_weights_after_loading", None)
+        if callable(hook):
+            hook()
 
 
 def _param(params: dict[str, nn.Parameter], ours: str, name: str, model: nn.Module) -> nn.Parameter:
