@@ -149,8 +149,9 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
 def _max_model_len(config: PretrainedConfig) -> int:
     length = int(config.max_position_embeddings)
     window = getattr(config, "sliding_window", None)
-    # Our attention is full attention: past a sliding window it would differ from the model, so stop there.
-    if window and getattr(config, "use_sliding_window", True):
+    # Configs with `layer_types` (gpt-oss, Qwen2/3) get their windows from the attention layer. Others
+    # (Mistral) would run full attention where the model slides, so stop at the window there.
+    if window and getattr(config, "use_sliding_window", True) and not getattr(config, "layer_types", None):
         length = min(length, int(window))
     return length
 
