@@ -20,10 +20,10 @@ from agentbox.engine.sampling import SamplingParams
 from agentbox.layers.mxfp4 import dequant_mxfp4
 from agentbox.models.loader import load_model
 
-E, H, I = 8, 64, 64
+E, H, INTER = 8, 64, 64
 CONFIG = GptOssConfig(
     hidden_size=H,
-    intermediate_size=I,
+    intermediate_size=INTER,
     num_hidden_layers=2,  # sliding, full
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -58,10 +58,10 @@ def write_mxfp4(path: Path) -> torch.nn.Module:
     for layer in range(CONFIG.num_hidden_layers):
         pre = f"model.layers.{layer}.mlp.experts."
         del weights[pre + "gate_up_proj"], weights[pre + "down_proj"]
-        weights[pre + "gate_up_proj_blocks"] = torch.randint(0, 256, (E, 2 * I, H // 32, 16), generator=g, dtype=torch.uint8)
-        weights[pre + "gate_up_proj_scales"] = torch.randint(119, 126, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8)
-        weights[pre + "down_proj_blocks"] = torch.randint(0, 256, (E, H, I // 32, 16), generator=g, dtype=torch.uint8)
-        weights[pre + "down_proj_scales"] = torch.randint(119, 126, (E, H, I // 32), generator=g, dtype=torch.uint8)
+        weights[pre + "gate_up_proj_blocks"] = torch.randint(0, 256, (E, 2 * INTER, H // 32, 16), generator=g, dtype=torch.uint8)
+        weights[pre + "gate_up_proj_scales"] = torch.randint(119, 126, (E, 2 * INTER, H // 32), generator=g, dtype=torch.uint8)
+        weights[pre + "down_proj_blocks"] = torch.randint(0, 256, (E, H, INTER // 32, 16), generator=g, dtype=torch.uint8)
+        weights[pre + "down_proj_scales"] = torch.randint(119, 126, (E, H, INTER // 32), generator=g, dtype=torch.uint8)
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {
@@ -109,7 +109,7 @@ def test_mxfp4_matches_transformers_dequantised_load(mxfp4) -> None:  # noqa: AN
     experts = ours.model.model.layers[0].mlp.experts
     assert experts.w13_blocks.dtype == torch.uint8 and not hasattr(experts, "w13_weight")  # resident as stored
     ref_gate_up = hf.model.layers[0].mlp.experts.gate_up_proj[3]  # [H, 2I], gate/up interleaved
-    ours_gate = dequant_mxfp4(experts.w13_blocks[3], experts.w13_scales[3], torch.float32)[:I]
+    ours_gate = dequant_mxfp4(experts.w13_blocks[3], experts.w13_scales[3], torch.float32)[:INTER]
     torch.testing.assert_close(ours_gate, ref_gate_up[:, 0::2].t(), atol=0, rtol=0)
     torch.testing.assert_close(paged_logits(ours), hf_logits(hf), atol=1e-4, rtol=1e-4)
 
