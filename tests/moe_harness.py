@@ -41,7 +41,7 @@ def paged_logits(loaded, page_size: int = 4) -> torch.Tensor:  # noqa: ANN001 - 
     return torch.cat(out)
 
 
-def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out_dir: str) -> None:
+def _tp_worker(rank: int, world: int, init_file: str, model_dirs: list[str], out_dir: str) -> None:
     import torch.distributed as dist
 
     from agentbox.models.loader import load_model
@@ -51,16 +51,21 @@ def _tp_worker(rank: int, world: int, init_file: str, model_dir: str, out_dir: s
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         set_tp_state(rank, world)
-        loaded = load_model(model_dir, torch.float32, "cpu")
-        logits = paged_logits(loaded)
-        torch.save(logits, os.path.join(out_dir, f"rank{rank}.pt"))
+        for m, model_dir in enumerate(model_dirs):
+            logits = paged_logits(load_model(model_dir, torch.float32, "cpu"))
+            torch.save(logits, os.path.join(out_dir, f"model{m}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def tp_logits(model_dir: Path, world: int = 2) -> list[torch.Tensor]:
-    """paged_logits at tensor-parallel size `world` over gloo: one result per rank (all must agree)."""
+def tp_logits(model_dirs: list[Path], world: int = 2) -> list[list[torch.Tensor]]:
+    """paged_logits of each model at tensor-parallel size `world` over gloo, one result per rank (all must
+    agree). One spawn for all models: starting the processes costs more than the models."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        mp.spawn(_tp_worker, args=(world, init_file, str(model_dir), tmp), nprocs=world, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+        dirs = [str(d) for d in model_dirs]
+        mp.spawn(_tp_worker, args=(world, init_file, dirs, tmp), nprocs=world, join=True)
+        return [
+            [torch.load(os.path.join(tmp, f"model{m}-rank{r}.pt")) for r in range(world)]
+            for m in range(len(dirs))
+        ]
