@@ -107,11 +107,15 @@ class UnquantizedExperts(ExpertMethod):
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         w13, w2 = layer.w13_weight, layer.w2_weight
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
-        if x.is_cuda and layer.activation is MoEActivation.SILU and b13 is None and b2 is None:
+
+        def act(gate_up: torch.Tensor) -> torch.Tensor:
+            return activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
+
+        if x.is_cuda:  # the Triton grouped GEMM (kernels/fused_moe.py); its twin is the loop below
             from agentbox.kernels.fused_moe import fused_moe, triton_available
 
             if triton_available():
-                return fused_moe(x, w13, w2, topk_weights, topk_ids)
+                return fused_moe(x, w13, w2, topk_weights, topk_ids, act, b13, b2)
         return moe_ref(
             x, topk_weights, topk_ids, lambda e: (w13[e], w2[e]), layer.activation, b13, b2,
             layer.swiglu_alpha, layer.swiglu_limit,
