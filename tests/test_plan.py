@@ -84,6 +84,17 @@ def test_gpt_oss_20b_mxfp4_runs_on_a_24gb_card() -> None:
     assert cand(p, "bf16").reasons[0].startswith("does not fit")
 
 
+def test_gpt_oss_20b_on_a_16gb_card_fits_with_a_shorter_context() -> None:
+    p = run("gpt-oss-20b", "1x-rtx4080")
+    mx = cand(p, "mxfp4")
+    assert p.chosen is None and mx.reasons[0].startswith("does not fit")  # 0.5 GiB short at 32k tokens
+    longest = next(n for n in mx.notes if n.startswith("fits at tp=1 up to"))
+    context = int(longest.rsplit("--context ", 1)[1].rstrip(")"))
+    shorter = run("gpt-oss-20b", "1x-rtx4080", context=context)
+    assert shorter.chosen is not None and shorter.chosen.variant.name == "mxfp4"
+    assert run("gpt-oss-20b", "1x-rtx4080", context=context + 1024).chosen is None
+
+
 def test_glm_flash_stays_refused_with_its_reason() -> None:
     p = run("GLM-4.7-Flash", "1x-h100")
     assert p.chosen is None
