@@ -125,3 +125,18 @@ def test_prepare_messages_is_pure_and_keeps_unmatched_results() -> None:
     assert [(m["role"], m.get("content")) for m in out] == [
         ("assistant", ""), ("assistant", ""), ("tool", "B"), ("tool", "?")]
     assert messages[0]["tool_calls"] == calls and len(messages) == 3  # input untouched
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b", "Qwen3-Coder-30B-A3B-Instruct"])
+def test_moe_profiles_name_what_exists(name: str) -> None:
+    from agentbox.chat.reasoning import get_reasoning_splitter
+    from agentbox.hub.plan import engine_runs
+    from agentbox.hub.profiles import find_profile
+    from agentbox.models.registry import MODEL_REGISTRY
+
+    prof = find_profile(name)
+    assert prof.architecture in MODEL_REGISTRY and engine_runs(prof)
+    assert get_tool_parser(prof.tool_parser).name in ("openai", "qwen3_coder")
+    splitter = get_reasoning_splitter(prof.reasoning_parser or None)
+    assert isinstance(splitter, HarmonySplitter) == name.startswith("gpt-oss")
+    assert prof.active_params < prof.params
