@@ -112,3 +112,24 @@ def test_mxfp4_matches_transformers_dequantised_load(mxfp4) -> None:  # noqa: AN
     ours_gate = dequant_mxfp4(experts.w13_blocks[3], experts.w13_scales[3], torch.float32)[:INTER]
     torch.testing.assert_close(ours_gate, ref_gate_up[:, 0::2].t(), atol=0, rtol=0)
     torch.testing.assert_close(paged_logits(ours), hf_logits(hf), atol=1e-4, rtol=1e-4)
+
+
+def test_mixed_batch_with_windows_equals_each_sequence_alone(bf16_layout) -> None:  # noqa: ANN001
+    """Padded rows, chunks after a cached prefix and decodes side by side, each past the 4-token window."""
+    from model_harness import PagedRunner
+
+    _, _, ours = bf16_layout
+    seqs = {0: PROMPT, 1: [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], 2: [100, 101], 3: list(range(30, 47))}
+    alone = {s: PagedRunner(ours).step({s: toks})[s] for s, toks in seqs.items()}
+    runner = PagedRunner(ours, num_pages=64, page_size=4)
+    plan = [
+        {0: PROMPT[:10], 1: seqs[1][:5], 2: seqs[2][:1], 3: seqs[3][:3]},
+        {0: PROMPT[10:11], 1: seqs[1][5:9], 2: seqs[2][1:2], 3: seqs[3][3:12]},
+        {0: PROMPT[11:], 1: seqs[1][9:], 3: seqs[3][12:]},
+    ]
+    pieces: dict[int, list[torch.Tensor]] = {s: [] for s in seqs}
+    for chunks in plan:
+        for s, logits in runner.step(chunks).items():
+            pieces[s].append(logits)
+    for s in seqs:
+        torch.testing.assert_close(torch.cat(pieces[s]), alone[s], atol=1e-5, rtol=1e-5)
