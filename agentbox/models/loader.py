@@ -177,6 +177,8 @@ def eos_token_ids(src: ModelSource, config: PretrainedConfig) -> list[int]:
             ids += _as_list(json.loads(gen.read_text()).get("eos_token_id"))
         template, vocab = _hf_template_and_special_tokens(src.path)
     for token in END_OF_TURN_TOKENS:
+        if token == "<|end|>" and "<|channel|>" in template:
+            continue  # harmony (gpt-oss): <|end|> closes one message (say, the analysis), not the turn
         if token in template and token in vocab:
             ids.append(vocab[token])
     return list(dict.fromkeys(ids))  # de-duplicated, first-seen order
