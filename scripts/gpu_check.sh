@@ -74,4 +74,13 @@ else
     echo "gpu_check: tp 2 check skipped: $ngpu GPU visible, tensor parallel needs two (CPU tests cover tp 2 over gloo)" >&2
 fi
 
+# MoE (issue 14): bf16 logits of tiny Qwen3-MoE and gpt-oss against transformers, the fused-MoE kernel
+# against its torch twin at Qwen3-30B-A3B's expert shape, decode tok/s at batch 1 and 16 of a random
+# 4-layer model of that shape. Needs agentbox.kernels importable (the wheel's layout). About a minute.
+moe_json="$extra/gpu_moe.json"
+run timeout 240 "$PY" -m agentbox.bench.gpu_moe >"$moe_json"
+cat "$moe_json"
+if [[ -n "${OUT:-}" ]]; then
+    cp "$moe_json" "$OUT/gpu_moe.json"
+fi
 echo "gpu_check: all passed" >&2

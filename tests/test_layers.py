@@ -315,5 +315,5 @@ def test_rotary_matches_transformers_at_any_positions(kind: str) -> None:
 
 
 def test_unsupported_rope_scaling_is_refused() -> None:
-    with pytest.raises(ValueError, match="'yarn' is not supported"):
-        RotaryEmbedding(64, 128, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+    with pytest.raises(ValueError, match="'longrope' is not supported"):
+        RotaryEmbedding(64, 128, 10000.0, {"rope_type": "longrope", "factor": 4.0})

@@ -56,19 +56,52 @@ def test_qwen25_coder_32b_on_two_5090s_nothing_runs_and_says_why() -> None:
     assert sum("only '!'" in r for r in awq.reasons) == 2  # Marlin and classic AWQ kernels
 
 
-def test_moe_models_are_listed_with_the_reason_not_hidden() -> None:
+def test_qwen3_coder_moe_on_two_5090s_counts_every_expert_and_says_what_fits() -> None:
     p = run("Qwen3-Coder-30B-A3B-Instruct", "2x-rtx5090")
-    assert p.chosen is None and len(p.candidates) == 4
-    assert all(c.reasons[0].startswith("engine: no MoE support") for c in p.candidates)
+    bf16 = cand(p, "bf16")
+    # all 128 experts resident: 30.5B params x 2 bytes, split over 2 cards; a token reads only 3.3B of them
+    assert bf16.tp == 2 and bf16.weights_bytes == 30_532_122_624 * 2
+    assert bf16.decode_weight_bytes == 3_300_000_000 * 2
+    assert bf16.reasons[0].startswith("does not fit")  # 32.2 GiB per card at 32k tokens: 0.9 GiB short
+    assert "fits at tp=2 up to 13,312 tokens of context (--context 13312)" in bf16.notes
+    shorter = run("Qwen3-Coder-30B-A3B-Instruct", "2x-rtx5090", context=13312)
+    assert shorter.chosen is not None and (shorter.chosen.variant.name, shorter.chosen.tp) == ("bf16", 2)
     fp8 = cand(p, "fp8")
+    assert fp8.reasons[0] == "engine: no fp8 kernels yet"
     assert any("garbage on sm_120" in r and "fp8_w8a8" in r for r in fp8.reasons)
     assert any("FlashInfer's CUTLASS" in n for n in cand(p, "nvfp4").notes)
-    # on Hopper the fp8 MoE kernel is not known bad
+    assert cand(p, "q4_k_m").reasons[0].startswith("engine: GGUF MoE experts")
+    # on Hopper the fp8 MoE kernel is not known bad, and bf16 fits on one card
     h100 = run("Qwen3-Coder-30B-A3B-Instruct", "1x-h100")
     assert not any("garbage" in r for r in cand(h100, "fp8").reasons)
-    for name in ("GLM-4.7-Flash", "gpt-oss-20b", "Qwen3-Coder-30B-A3B-Instruct"):
-        assert not engine_runs(find_profile(name))
-    for name in ("Qwen3-8B", "Qwen2.5-Coder-32B-Instruct", "SmolLM2-135M-Instruct"):
+    assert h100.chosen is not None and (h100.chosen.variant.name, h100.chosen.tp) == ("bf16", 1)
+
+
+def test_gpt_oss_20b_mxfp4_runs_on_a_24gb_card() -> None:
+    p = run("gpt-oss-20b", "1x-rtx4090")
+    assert p.chosen is not None and (p.chosen.variant.name, p.chosen.tp) == ("mxfp4", 1)
+    assert p.chosen.weights_bytes == 13_761_300_000  # MXFP4 experts stay MXFP4 in memory
+    assert cand(p, "bf16").reasons[0].startswith("does not fit")
+
+
+def test_gpt_oss_20b_on_a_16gb_card_fits_with_a_shorter_context() -> None:
+    p = run("gpt-oss-20b", "1x-rtx4080")
+    mx = cand(p, "mxfp4")
+    assert p.chosen is None and mx.reasons[0].startswith("does not fit")  # 0.5 GiB short at 32k tokens
+    longest = next(n for n in mx.notes if n.startswith("fits at tp=1 up to"))
+    context = int(longest.rsplit("--context ", 1)[1].rstrip(")"))
+    shorter = run("gpt-oss-20b", "1x-rtx4080", context=context)
+    assert shorter.chosen is not None and shorter.chosen.variant.name == "mxfp4"
+    assert run("gpt-oss-20b", "1x-rtx4080", context=context + 1024).chosen is None
+
+
+def test_glm_flash_stays_refused_with_its_reason() -> None:
+    p = run("GLM-4.7-Flash", "1x-h100")
+    assert p.chosen is None
+    assert all(c.reasons[0] == "engine: Glm4MoeLiteForCausalLM: multi-head latent attention (MLA) is not implemented"
+               for c in p.candidates)
+    assert not engine_runs(find_profile("GLM-4.7-Flash"))
+    for name in ("gpt-oss-20b", "Qwen3-Coder-30B-A3B-Instruct", "Qwen3-8B", "SmolLM2-135M-Instruct"):
         assert engine_runs(find_profile(name))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agentbox.chat.harmony import HarmonySplitter
 from agentbox.chat.tool_parsers.base import Delta
 
 
@@ -111,5 +112,11 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def get_reasoning_splitter(name: str | None, *, starts_inside: bool = False) -> ReasoningSplitter:
+# Formats whose reasoning is not a tag pair but a channel: their own splitter, same interface.
+HARMONY_STYLES = ("harmony", "openai_gptoss")
+
+
+def get_reasoning_splitter(name: str | None, *, starts_inside: bool = False) -> ReasoningSplitter | HarmonySplitter:
+    if name in HARMONY_STYLES:
+        return HarmonySplitter()
     return ReasoningSplitter(name or "none", starts_inside=starts_inside)

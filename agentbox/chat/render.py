@@ -13,6 +13,8 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
+from agentbox.chat import harmony
+
 BILLING_HEADER = "x-anthropic-billing-header:"
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
 
@@ -136,6 +138,8 @@ def render_prompt(
     tools_n = normalize_tools(tools)
     template = template_text(tokenizer, tools=bool(tools_n))
     prepared = prepare_messages(messages, template)
+    if harmony.is_harmony_template(template):
+        prepared, tools_n = harmony.prepare_messages(prepared), harmony.prepare_tools(tools_n)
     kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking

@@ -16,9 +16,20 @@ from agentbox.hw.probe import GIB, Probe
 
 # What agentbox's engine runs today (models/ and layers/). Grow these as kernels land.
 ENGINE_ARCHITECTURES = frozenset(
-    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "GptOssForCausalLM",
+    }
 )
 ENGINE_FORMATS = frozenset({"bf16", "fp16", "fp32", "gguf"})  # gguf: dequantised at load
+# Formats one architecture runs beyond those: gpt-oss's MXFP4 experts stay resident (layers/mxfp4.py).
+ARCHITECTURE_FORMATS: dict[str, frozenset[str]] = {"GptOssForCausalLM": frozenset({"mxfp4"})}
+# Architectures known and deliberately not run, with the missing piece named.
+ARCHITECTURE_GAPS = {"Glm4MoeLiteForCausalLM": "multi-head latent attention (MLA) is not implemented"}
 
 
 @dataclass(frozen=True)
@@ -33,12 +44,15 @@ class PlanConfig:
 
 def engine_rejection(profile: Profile, variant: Variant) -> str | None:
     """Why our engine cannot run this variant today, or None when it can."""
-    if profile.moe:
-        return f"engine: no MoE support yet ({profile.architecture})"
-    if profile.architecture not in ENGINE_ARCHITECTURES:
-        return f"engine: architecture {profile.architecture} not implemented yet"
-    if variant.format not in ENGINE_FORMATS:
+    arch = profile.architecture
+    if arch in ARCHITECTURE_GAPS:
+        return f"engine: {arch}: {ARCHITECTURE_GAPS[arch]}"
+    if arch not in ENGINE_ARCHITECTURES:
+        return f"engine: architecture {arch} not implemented yet"
+    if variant.format not in ENGINE_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
         return f"engine: no {variant.format} kernels yet"
+    if profile.moe and variant.format == "gguf":
+        return "engine: GGUF MoE experts (ffn_*_exps tensors) are not mapped by the GGUF loader yet"
     return None
 
 
@@ -57,6 +71,7 @@ class Candidate:
     available_bytes: int  # per device: free memory of the emptiest device used (or available RAM)
     reasons: list[str] = field(default_factory=list)  # empty: accepted
     notes: list[str] = field(default_factory=list)
+    decode_weight_bytes: int = 0  # weights one decoded token reads (MoE: the active parameters only)
 
     @property
     def ok(self) -> bool:
@@ -95,6 +110,7 @@ class Candidate:
             "fits": self.fits,
             "ok": self.ok,
             "arithmetic": self.arithmetic,
+            "decode_weight_bytes": self.decode_weight_bytes,
             "reasons": self.reasons,
             "notes": self.notes,
         }
@@ -125,6 +141,8 @@ class Plan:
             "context": self.context,
             "sessions": self.sessions,
             "kv_bytes_per_token": self.profile.kv_bytes_per_token(_kv_dtype_bytes(self.probe)),
+            "params": self.profile.params,
+            "active_params": self.profile.active_params,
             "chosen": chosen.variant.name if chosen else None,
             "candidates": [c.to_dict() for c in self.candidates],
             "notes": self.notes,
@@ -182,8 +200,32 @@ def _candidate(
         )
     if variant.format == "gguf" and variant.format in ENGINE_FORMATS:
         notes.append(f"gguf is dequantised at load: {_gb(variant.size)} on disk, {_gb(weights)} resident")
+    if profile.moe:
+        # Every expert is resident (memory above); a decoded token reads only the active share (speed).
+        notes.append(
+            f"MoE: all experts resident; a token reads {profile.active_params / 1e9:.1f}B of "
+            f"{profile.params / 1e9:.1f}B params ({_gb(active_weight_bytes(profile, variant, device))} per decode step)"
+        )
+    if not cand.fits and (longest := fitting_context(cand, profile, probe, sessions)) >= MIN_USEFUL_CONTEXT:
+        notes.append(f"fits at tp={cand.tp} up to {longest:,} tokens of context (--context {longest})")
     cand.reasons, cand.notes = reasons, notes
+    cand.decode_weight_bytes = active_weight_bytes(profile, variant, device)
     return cand
+
+
+MIN_USEFUL_CONTEXT = 4096  # below this an agent's system prompt alone does not fit
+
+
+def fitting_context(cand: Candidate, profile: Profile, probe: Probe, sessions: int) -> int:
+    """The longest context (a multiple of 1024 tokens) at which this candidate fits at its tp; 0 if none."""
+    per_token = profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * sessions
+    room = (cand.available_bytes - cand.reserve_bytes - cand.weights_bytes // cand.tp) * cand.tp
+    return max(0, room // per_token // 1024 * 1024)
+
+
+def active_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:
+    """Weight bytes one decoded token reads: the active parameters at the variant's resident width."""
+    return resident_weight_bytes(profile, variant, device) * profile.active_params // profile.params
 
 
 def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:

@@ -65,6 +65,11 @@ class Profile:
     known_good: tuple[KnownBad, ...] = ()  # same shape; informational (shown by `plan`)
     default_rank: int | None = None  # serve with no model tries ranked profiles in this order
     path: Path | None = None
+    active_params_: int | None = None  # MoE: parameters one token reads (routed experts + the rest)
+
+    @property
+    def active_params(self) -> int:
+        return self.active_params_ or self.params
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:
@@ -143,6 +148,7 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         known_good=tuple(_known(k) for k in data.get("known_good", [])),
         default_rank=data.get("default_rank"),
         path=path,
+        active_params_=int(data["active_params"]) if "active_params" in data else None,
     )
 
 

@@ -2,8 +2,8 @@
 
 cos/sin are tabulated once in fp32 for every position up to max_position and indexed by the step's
 `positions` tensor, so any positions work (a decode at 5000, a prefix-cached chunk starting at 640) and the
-lookup is a plain gather that CUDA graphs can capture. Scaling types: default, linear and llama3; anything
-else (dynamic NTK, yarn, longrope) is refused rather than silently computed wrong.
+lookup is a plain gather that CUDA graphs can capture. Scaling types: default, linear, llama3 and yarn
+(gpt-oss); anything else (dynamic NTK, longrope) is refused rather than silently computed wrong.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -28,6 +28,37 @@ def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
         scaling = dict(getattr(config, "rope_scaling", None) or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     return theta, (None if rope_type == "default" else scaling)
+
+
+def _yarn(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as transformers computes it: low-frequency dims interpolated by `factor`,
+    high-frequency dims kept, a linear ramp between; cos/sin scaled by the attention factor."""
+    factor = float(scaling["factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all else get_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # the ramp needs a non-empty range
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -66,13 +97,18 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
-        inv_freq = _inv_freq(head_dim, theta, scaling).to(torch.get_default_device())
+        attention = 1.0
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
+            inv_freq, attention = _yarn(head_dim, theta, scaling)
+        else:
+            inv_freq = _inv_freq(head_dim, theta, scaling)
+        inv_freq = inv_freq.to(torch.get_default_device())
         t = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         # Not persistent: derived from the config, never part of a checkpoint.
-        self.register_buffer("cos_cached", emb.cos(), persistent=False)
-        self.register_buffer("sin_cached", emb.sin(), persistent=False)
+        self.register_buffer("cos_cached", emb.cos() * attention, persistent=False)
+        self.register_buffer("sin_cached", emb.sin() * attention, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -2,14 +2,16 @@
 
 The differences are small switches read from the config: qkv bias (Qwen2 always, others from
 `attention_bias`), a per-head RMSNorm on q and k before rope (Qwen3), explicit head_dim (Qwen3, Mistral
-Nemo), tied embeddings. The file only composes layers; TP splitting lives in the layers' weight loaders.
+Nemo), tied embeddings, per-layer sliding windows (`layer_types`) and learned attention sinks (gpt-oss).
+MoE families (qwen3_moe.py, gpt_oss.py) reuse this attention and decoder layer and bring their own MLP.
+The file only composes layers; TP splitting lives in the layers' weight loaders.
 The model sees one flattened batch: input_ids [T] and positions [T]; where each token's sequence and cache
 pages are is the attention backend's business (the forward context).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +24,9 @@ from agentbox.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from agentbox.layers.norm import RMSNorm
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
 
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
+SINK_MODEL_TYPES = ("gpt_oss",)
+
 
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -31,10 +36,19 @@ def num_kv_heads_of(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def sliding_window_of(config: Any, layer_id: int) -> int | None:
+    """The layer's window when config.layer_types marks it sliding (gpt-oss: every other layer)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types and layer_types[layer_id] == "sliding_attention":
+        return int(config.sliding_window)
+    return None
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         total_heads, total_kv_heads = config.num_attention_heads, num_kv_heads_of(config)
+        self.total_heads = total_heads
         self.head_dim = head_dim_of(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = config.model_type == "qwen2" or attention_bias  # Qwen2 has q/k/v bias, no o_proj bias
@@ -47,12 +61,25 @@ class LlamaAttention(nn.Module):
             total_heads * self.head_dim, config.hidden_size, attention_bias,
             input_shard=(sh.q_start * self.head_dim, sh.num_heads * self.head_dim),
         )
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in QK_NORM_MODEL_TYPES
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.sinks: nn.Parameter | None = None
+        if config.model_type in SINK_MODEL_TYPES:  # one learned logit per head, split with the heads
+            self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
         self.rotary_emb = rotary  # shared by every layer: one cos/sin table for the model
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_id)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_id,
+            sliding_window=sliding_window_of(config, layer_id), sinks=self.sinks,
+        )
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        sh = self.qkv_proj.shard  # the sinks follow this rank's query heads
+        if loaded.numel() != self.total_heads:
+            raise ValueError(f"sinks: {loaded.numel()} values for {self.total_heads} heads")
+        param.data.copy_(loaded.narrow(0, sh.q_start, sh.num_heads))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
@@ -67,12 +94,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
 
@@ -81,11 +108,14 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+MLPFactory = Callable[[Any, int], nn.Module]  # (config, layer_id) -> the layer's MLP
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding, make_mlp: MLPFactory) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary)
-        self.mlp = LlamaMLP(config)
+        self.mlp = make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -102,13 +132,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, make_mlp: MLPFactory) -> None:
         super().__init__()
         theta, scaling = rope_parameters(config)
         rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers)]
+            [LlamaDecoderLayer(config, i, rotary, make_mlp) for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -130,10 +160,14 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    @staticmethod
+    def make_mlp(config: Any, layer_id: int) -> nn.Module:
+        return LlamaMLP(config)
+
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -147,41 +181,3 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors (full, unsharded); each parameter's weight_loader takes its TP shard."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # some tied checkpoints still carry a copy
-            shard_id: str | int | None = None
-            for hf_key, (ours, shard) in self.packed_modules_mapping.items():
-                if f".{hf_key}." in name:
-                    name, shard_id = name.replace(f".{hf_key}.", f".{ours}."), shard
-                    break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}"
-                )
-            loader = getattr(param, "weight_loader", _default_weight_loader)
-            with torch.no_grad():
-                if shard_id is None:
-                    loader(param, tensor)
-                else:
-                    loader(param, tensor, shard_id)
-            loaded.add(name)
-        missing = [n for n in params if n not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:10])}")
-
-
-def _default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-    if param.data.shape != loaded_weight.shape:
-        raise ValueError(
-            f"weight shape {tuple(loaded_weight.shape)} != parameter shape {tuple(param.data.shape)}"
-        )
-    param.data.copy_(loaded_weight)

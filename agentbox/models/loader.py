@@ -24,6 +24,7 @@ from agentbox.config import state_dir
 from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_weights, open_gguf
 from agentbox.models.llama import head_dim_of, num_kv_heads_of
 from agentbox.models.registry import model_class
+from agentbox.models.weight_loader import load_weights
 from agentbox.parallel.state import head_shard
 
 # End-of-turn tokens of common chat templates: generation must stop on them even where the checkpoint's
@@ -128,7 +129,7 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
             model = cls(config)
     finally:
         torch.set_default_dtype(previous_dtype)
-    model.load_weights(iter_weights(src, config))  # type: ignore[operator]
+    load_weights(model, iter_weights(src, config))
     model.eval().requires_grad_(False)
     shard = head_shard(config.num_attention_heads, num_kv_heads_of(config))
     return LoadedModel(
@@ -148,8 +149,9 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
 def _max_model_len(config: PretrainedConfig) -> int:
     length = int(config.max_position_embeddings)
     window = getattr(config, "sliding_window", None)
-    # Our attention is full attention: past a sliding window it would differ from the model, so stop there.
-    if window and getattr(config, "use_sliding_window", True):
+    # Configs with `layer_types` (gpt-oss, Qwen2/3) get their windows from the attention layer. Others
+    # (Mistral) would run full attention where the model slides, so stop at the window there.
+    if window and getattr(config, "use_sliding_window", True) and not getattr(config, "layer_types", None):
         length = min(length, int(window))
     return length
 
@@ -175,6 +177,8 @@ def eos_token_ids(src: ModelSource, config: PretrainedConfig) -> list[int]:
             ids += _as_list(json.loads(gen.read_text()).get("eos_token_id"))
         template, vocab = _hf_template_and_special_tokens(src.path)
     for token in END_OF_TURN_TOKENS:
+        if token == "<|end|>" and "<|channel|>" in template:
+            continue  # harmony (gpt-oss): <|end|> closes one message (say, the analysis), not the turn
         if token in template and token in vocab:
             ids.append(vocab[token])
     return list(dict.fromkeys(ids))  # de-duplicated, first-seen order

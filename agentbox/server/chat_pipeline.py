@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentbox.chat.grammar import forced_name
-from agentbox.chat.reasoning import ReasoningSplitter, prompt_opens_reasoning
+from agentbox.chat.harmony import is_harmony_template
+from agentbox.chat.reasoning import get_reasoning_splitter, prompt_opens_reasoning
 from agentbox.chat.render import normalize_tools, render_prompt, template_text
 from agentbox.chat.tool_parsers import Delta, ToolCall, detect_tool_parser, get_tool_parser
 from agentbox.engine.sampling import GrammarSpec, InvalidParam, SamplingParams
@@ -51,7 +52,7 @@ class OutputProcessor:
 
     def __init__(self, reasoning_style: str, starts_inside: bool, tool_parser: str | None,
                  tools: list[dict] | None) -> None:
-        self.splitter = ReasoningSplitter(reasoning_style, starts_inside=starts_inside)
+        self.splitter = get_reasoning_splitter(reasoning_style, starts_inside=starts_inside)
         self.tools = get_tool_parser(tool_parser, tools).stream() if tool_parser else None
 
     @property
@@ -108,7 +109,7 @@ class PreparedChat:
     prompt_ids: list[int]
     tools: list[dict] | None  # normalised to {"type": "function", "function": {...}}
     tool_parser: str | None  # None: tool calls are not parsed (no tools, or tool_choice none)
-    reasoning_style: str  # qwen3 | none
+    reasoning_style: str  # qwen3 | harmony | none
     starts_inside: bool  # the prompt ends inside an open <think>
 
     def output(self) -> OutputProcessor:
@@ -136,7 +137,9 @@ class PreparedChat:
 
 
 def reasoning_style_of(template: str) -> str:
-    """qwen3-style `<think>` blocks when the template knows them; no reasoning split otherwise."""
+    """harmony channels (gpt-oss), qwen3-style `<think>` blocks when the template knows them; else none."""
+    if is_harmony_template(template):
+        return "harmony"
     return "qwen3" if "<think>" in template else "none"
 
 

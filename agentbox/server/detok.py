@@ -9,16 +9,17 @@ class Detokenizer:
     """Emits text as tokens arrive, holding back an incomplete UTF-8 sequence (shown as U+FFFD) until the
     next token completes it. Decodes a short window, not the whole output, so cost stays per token."""
 
-    def __init__(self, tokenizer: Any, prompt_tail: list[int] | None = None) -> None:
+    def __init__(self, tokenizer: Any, prompt_tail: list[int] | None = None, skip_special_tokens: bool = True) -> None:
         self.tok = tokenizer
+        self.skip = skip_special_tokens  # False for harmony (gpt-oss): its channel markup is special tokens
         self.ids: list[int] = list(prompt_tail or [])[-4:]
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def add(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
@@ -26,8 +27,8 @@ class Detokenizer:
         return ""
 
     def flush(self) -> str:
-        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
-        full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip)
+        full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
         self.read_offset = self.prefix_offset = len(self.ids)
         return full[len(prefix) :] if len(full) > len(prefix) else ""
 

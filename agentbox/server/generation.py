@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentbox.chat.harmony import keeps_special_tokens
 from agentbox.config import ServerConfig
 from agentbox.engine.client import EngineClient
 from agentbox.engine.messages import EngineReady, TokenLogprob
@@ -120,7 +121,7 @@ async def generate(
     `record` (messages, tools): the conversation as the client sent it, for `serve --record-trace`."""
     rid = request_id or new_id("req")
     state.warn_if_greedy_thinking(sampling.temperature)
-    detok = Detokenizer(state.tokenizer, prompt_ids)
+    detok = Detokenizer(state.tokenizer, prompt_ids, skip_special_tokens=not keeps_special_tokens(state.tokenizer))
     stops = StopChecker(sampling.stop)
     usage = Usage(prompt_tokens=len(prompt_ids))
     started, produced = time.monotonic(), []

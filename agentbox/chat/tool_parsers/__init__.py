@@ -12,13 +12,15 @@ from agentbox.chat.tool_parsers.base import (
     collect,
     new_call_id,
 )
+from agentbox.chat.tool_parsers.harmony import HarmonyToolParser
 from agentbox.chat.tool_parsers.json_family import HermesParser, Llama3JsonParser, MistralParser
 from agentbox.chat.tool_parsers.xml_family import Glm45Parser, Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Qwen3CoderParser, Glm45Parser, Llama3JsonParser, MistralParser)
+    p.name: p
+    for p in (HermesParser, Qwen3CoderParser, Glm45Parser, Llama3JsonParser, MistralParser, HarmonyToolParser)
 }
-ALIASES = {"qwen25": "hermes", "qwen2_5": "hermes", "qwen3": "hermes", "glm47": "glm45", "llama3": "llama3_json"}
+ALIASES = {"gpt_oss": "openai", "harmony": "openai", "qwen25": "hermes", "qwen2_5": "hermes", "qwen3": "hermes", "glm47": "glm45", "llama3": "llama3_json"}
 
 
 def get_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
@@ -35,6 +37,8 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     are checked before the hermes one.
     """
     t = chat_template or ""
+    if "<|channel|>" in t and "commentary" in t:  # harmony (gpt-oss): calls go to the commentary channel
+        return "openai"
     if "<function=" in t and "<parameter=" in t:
         return "qwen3_coder"
     if "<arg_key>" in t:

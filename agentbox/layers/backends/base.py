@@ -82,9 +82,20 @@ class AttentionBackend(ABC):
         self.meta = meta
 
     @abstractmethod
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """q: [T, num_heads, D]; k, v: [T, num_kv_heads, D] for the step's T new tokens.
-        Stores k/v at meta.slot_mapping in layer `layer_id`'s cache, returns [T, num_heads, D]."""
+        Stores k/v at meta.slot_mapping in layer `layer_id`'s cache, returns [T, num_heads, D].
+        sliding_window W: a query at position p sees keys max(0, p-W+1)..p. sinks: [num_heads] float
+        logits joining each row's softmax denominator, contributing no value."""
 
     @classmethod
     def available(cls, device: str) -> bool:

@@ -1,0 +1,170 @@
+"""Fused MoE: every expert's tokens in one grouped GEMM per projection (Triton), and its torch twin.
+
+The routed (token, slot) pairs are sorted by expert and each expert's run padded to a multiple of BLOCK_M
+(`align_to_experts`), so a BLOCK_M row tile of the sorted list belongs to one expert. One launch then
+covers all experts: program (m, n) multiplies its tile's rows by its expert's weight columns [n*BLOCK_N, ..).
+The gate_up GEMM gathers token rows of x (pair p reads row p // top_k); the down GEMM reads the pair's
+own intermediate row and multiplies by its routing weight, so the final sum over k is a plain reshape-sum.
+Activation and biases run between the two launches in torch (one elementwise pass).
+
+Alignment is computed on the device with sizes that depend only on T, k and E (an upper bound on the
+padded length), so there is no host sync per layer and the launch grid is fixed for a batch size.
+Under TRITON_INTERPRET=1 (CPU tests): fp32 / fp16 only, no bf16 tl.dot, no autotune.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+    HAS_TRITON = False
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+
+
+def triton_available() -> bool:
+    return HAS_TRITON
+
+
+def align_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_pairs [P], block_expert [P // block_m]) with P = T*k + E*(block_m - 1) rounded up to block_m.
+
+    sorted_pairs lists pair indices (t * k + slot) grouped by expert, each group padded to a multiple of
+    block_m with T*k (an index past every pair: the kernels mask it). block_expert[b] is the expert of tile
+    b, or -1 for tiles past the last group."""
+    flat = topk_ids.flatten()
+    n = flat.numel()
+    cap = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    group_start = torch.cumsum(padded, 0) - padded
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.arange(n, device=flat.device) - first_of_expert[sorted_experts]
+    sorted_pairs = torch.full((cap,), n, dtype=torch.int64, device=flat.device)
+    sorted_pairs[group_start[sorted_experts] + rank_in_expert] = order
+    tile_start = torch.arange(0, cap, block_m, device=flat.device)
+    block_expert = torch.searchsorted(torch.cumsum(padded, 0), tile_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return sorted_pairs, block_expert
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _grouped_gemm_kernel(
+        a_ptr, b_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr,
+        num_pairs, N, K,
+        stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+        ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(pairs_ptr + offs_m)
+        valid = pairs < num_pairs
+        rows = pairs // ROW_DIV  # gate_up: the pair's token row of x; down: the pair's own row
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :],
+                        mask=valid[:, None] & (kk[None, :] < K), other=0.0)
+            b = tl.load(b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + kk[:, None] * stride_bk,
+                        mask=(kk[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+            acc += tl.dot(a, b)
+        if MUL_WEIGHT:
+            w = tl.load(weight_ptr + pairs, mask=valid, other=0.0)
+            acc = acc * w[:, None]
+        tl.store(c_ptr + pairs[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def _grouped_gemm(
+    a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor, num_pairs: int,
+    row_div: int, weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """c[p] = a[p // row_div] @ w[expert(p)].T (times weights[p]) for every routed pair p; c: [num_pairs, N]."""
+    n, k = w.shape[1], w.shape[2]
+    c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    a = a.contiguous()
+    grid = (block_expert.numel(), triton.cdiv(n, BLOCK_N))
+    _grouped_gemm_kernel[grid](
+        a, w, c, pairs, block_expert, weights if weights is not None else c,
+        num_pairs, n, k,
+        a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
+        ROW_DIV=row_div, MUL_WEIGHT=weights is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+    )
+    return c
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, H]; w13 [E, 2I, H] (gate rows, then up); w2 [E, H, I]; topk_* [T, k]. Returns [T, H]."""
+    if not HAS_TRITON:
+        raise RuntimeError("the triton package is not installed; the MoE layer uses its torch reference")
+    t, k = topk_ids.shape
+    num_pairs = t * k
+    pairs, block_expert = align_to_experts(topk_ids, w13.shape[0], BLOCK_M)
+    flat_ids = topk_ids.flatten()
+    inter = _grouped_gemm(x, w13, pairs, block_expert, num_pairs, k, None)  # [T*k, 2I]
+    if w13_bias is not None:
+        inter = inter + w13_bias[flat_ids].to(inter.dtype)
+    h = act(inter)
+    weights = topk_weights.flatten().to(torch.float32).contiguous()
+    if w2_bias is None:
+        out = _grouped_gemm(h, w2, pairs, block_expert, num_pairs, 1, weights)
+    else:  # the bias is weighted with its expert's output: add it before the weight, in torch
+        out = _grouped_gemm(h, w2, pairs, block_expert, num_pairs, 1, None)
+        out = (out + w2_bias[flat_ids].to(out.dtype)) * weights[:, None].to(out.dtype)
+    return out.view(t, k, -1).sum(dim=1)
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch twin: one expert at a time over the tokens routed to it."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(topk_ids).tolist():
+        token, slot = torch.where(topk_ids == e)
+        h = F.linear(x[token], w13[e], None if w13_bias is None else w13_bias[e])
+        y = F.linear(act(h), w2[e], None if w2_bias is None else w2_bias[e])
+        out.index_add_(0, token, y * topk_weights[token, slot, None].to(x.dtype))
+    return out
