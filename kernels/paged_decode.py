@@ -4,7 +4,7 @@ query heads of one KV head grouped into one tile (GQA), read straight from our p
 Stage 1, grid (batch, kv_heads, num_splits): each program walks its share of the sequence's visible keys
 (BLOCK_N at a time; each key's slot comes from the page table, so any page size works, 1 included) for the
 GROUP query heads that share its KV head, with an online softmax, and writes a normalised partial output and
-its log-sum-exp. Stage 2, grid (batch, heads): merges the splits' partials by their log-sum-exps; the head's
+its log-sum-exp. Stage 2, grid (batch, kv_heads): merges the splits' partials by their log-sum-exps; the head's
 sink logit (if any) joins the denominator there. The grid depends only on the batch size, never on lengths,
 so a CUDA graph captured at one batch size replays for any context (num_splits is fixed per backend).
 
@@ -78,32 +78,39 @@ if HAS_TRITON:
     @triton.jit
     def _decode_merge_kernel(
         mid_o_ptr, mid_lse_ptr, sink_ptr, o_ptr, stride_ob, stride_oh,
-        NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
-        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_SINKS: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
+        # One program per (sequence, KV head) merges its GROUP query heads, two passes over the splits.
         b = tl.program_id(0)
-        h = tl.program_id(1)
-        row = b * NUM_HEADS + h
-        offs_s = tl.arange(0, BLOCK_S)
-        mask_s = offs_s < NUM_SPLITS
+        kvh = tl.program_id(1)
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GROUP
+        heads = kvh * GROUP + offs_h
+        rows = b * (GROUP * tl.num_programs(1)) + heads
         offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < HEAD_DIM
-        lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
-        m = tl.max(lse, 0)
+        mask = mask_h[:, None] & (offs_d[None, :] < HEAD_DIM)
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            m = tl.maximum(m, tl.load(mid_lse_ptr + rows * NUM_SPLITS + s, mask=mask_h, other=float("-inf")))
         if HAS_SINKS:
-            sink = tl.load(sink_ptr + h).to(tl.float32)
+            sink = tl.load(sink_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)
             m = tl.maximum(m, sink)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp(lse - m_safe)
-        denom = tl.sum(w, 0)
+        denom = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for s in tl.static_range(NUM_SPLITS):
+            w = tl.exp(tl.load(mid_lse_ptr + rows * NUM_SPLITS + s, mask=mask_h, other=float("-inf")) - m_safe)
+            part = tl.load(mid_o_ptr + (rows[:, None] * NUM_SPLITS + s) * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
+            acc += part * w[:, None]
+            denom += w
         if HAS_SINKS:
             denom += tl.exp(sink - m_safe)
-        parts = tl.load(
-            mid_o_ptr + (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
-            mask=mask_s[:, None] & mask_d[None, :], other=0.0,
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+        tl.store(
+            o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+            mask=mask,
         )
-        out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-        tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty), mask=mask_d)
 
 
 def paged_decode(
@@ -133,17 +140,18 @@ def paged_decode(
     out = torch.empty_like(q)
     block_d = next_pow2(head_dim)
     # tl.dot needs every tile side >= 16: small GQA groups are padded with masked heads.
+    block_h = max(16, next_pow2(group))
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, kv_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0), scale, window_arg(sliding_window),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, NUM_SPLITS=num_splits,
-        BLOCK_H=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=block_n,
     )
-    _decode_merge_kernel[(batch, num_heads)](
+    _decode_merge_kernel[(batch, num_kv_heads)](
         mid_o, mid_lse, sinks if sinks is not None else mid_lse, out, out.stride(0), out.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None,
-        BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d,
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, HAS_SINKS=sinks is not None,
+        BLOCK_H=block_h, BLOCK_D=block_d,
     )
     return out
 

@@ -12,8 +12,8 @@ from agentbox.config import EngineConfig
 from agentbox.engine.messages import TokenLogprob
 from agentbox.engine.sampler import sample
 from agentbox.engine.scheduler import SchedulerOutput
-from agentbox.layers.backends import ATTENTION_BACKENDS
-from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, KVCache
+from agentbox.layers.backends import select_backend
+from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
 from agentbox.models.loader import LoadedModel, load_model
 
@@ -25,20 +25,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 GPU_KV_SHARE = 0.85
 CPU_KV_SHARE = 0.25
 CPU_KV_MAX_BYTES = 4 << 30
-
-
-def pick_backend(name: str, device: str) -> type[AttentionBackend]:
-    if name == "auto":
-        for candidate in ("flashinfer", "triton", "torch"):
-            cls = ATTENTION_BACKENDS.get(candidate)
-            if cls is not None and cls.available(device):
-                return cls
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
-    cls = ATTENTION_BACKENDS[name]
-    if not cls.available(device):
-        raise ValueError(f"attention backend {name!r} cannot run on {device}")
-    return cls
 
 
 class ModelRunner:
@@ -68,7 +54,7 @@ class ModelRunner:
         # The pool must hold at least one full-length request, or such a request could never run.
         pool_tokens = (self.num_pages - 1) * self.page_size
         self.max_model_len = min(config.max_model_len or lm.max_model_len, lm.max_model_len, pool_tokens)
-        backend_cls = pick_backend(config.attention, self.device.type)
+        backend_cls = select_backend(config.attention, self.device.type)
         self.backend = backend_cls(
             self.kv_cache, lm.num_heads, lm.num_kv_heads, lm.head_dim, lm.head_dim**-0.5
         )
