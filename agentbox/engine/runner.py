@@ -9,6 +9,7 @@ import os
 import torch
 
 from agentbox.config import EngineConfig
+from agentbox.engine.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.messages import TokenLogprob
 from agentbox.engine.sampler import sample
 from agentbox.engine.scheduler import SchedulerOutput
@@ -57,6 +58,13 @@ class ModelRunner:
         backend_cls = select_backend(config.attention, self.device.type)
         self.backend = backend_cls(
             self.kv_cache, lm.num_heads, lm.num_kv_heads, lm.head_dim, lm.head_dim**-0.5
+        )
+        self.graphs = build_decode_graphs(
+            not config.enforce_eager, self.device, self.backend,
+            lambda: DecodeGraphs(
+                lm.model, self.backend, self.page_size, config.max_num_seqs,
+                -(-self.max_model_len // self.page_size) + 1, self.device,
+            ),
         )
         log.info(
             "KV pool: %d pages of %d tokens (%.1f MiB), attention backend %s, max_model_len %d",
@@ -110,6 +118,11 @@ class ModelRunner:
         for i, s in enumerate(out.seqs):
             table[i, : len(s.request.pages)] = torch.tensor(s.request.pages, dtype=torch.int32)
         dev = self.device
+        if self.graphs is not None and self.graphs.fits(query_lens, len(last_rows)):
+            return self.graphs.run(
+                torch.tensor(ids, dtype=torch.int64).to(dev), torch.tensor(pos, dtype=torch.int64).to(dev),
+                torch.tensor(slots, dtype=torch.int64).to(dev), kv_lens, table.to(dev),
+            )
         meta = AttentionMetadata(
             query_lens=query_lens,
             kv_lens=kv_lens,

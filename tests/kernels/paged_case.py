@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Token ids for the tiny models (vocab 256).
+PROMPT = [5, 17, 200, 3, 99, 42, 7, 128, 64, 1, 250, 33, 8, 111, 30, 77, 19, 2, 50, 61, 14, 9]
 
 
 @dataclass

@@ -11,33 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 from model_harness import PagedRunner
-from transformers import AutoModelForCausalLM, Qwen3Config
+from paged_case import PROMPT
 
 from agentbox.bench.throughput import transformers_model
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 from agentbox.layers.backends import TorchAttention, TritonAttention, select_backend
-from agentbox.models.loader import LoadedModel, load_model
+from agentbox.models.loader import LoadedModel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-PROMPT = [5, 17, 200, 3, 99, 42, 7, 128, 64, 1, 250, 33, 8, 111, 30, 77, 19, 2, 50, 61, 14, 9]
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    config = Qwen3Config(
-        architectures=["Qwen3ForCausalLM"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    hf.save_pretrained(path)
-    return load_model(str(path), torch.float32, DEVICE)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
