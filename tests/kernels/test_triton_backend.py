@@ -67,3 +67,38 @@ def test_smollm2_triton_greedy_matches_transformers(smollm2_loaded: LoadedModel,
     assert llm.core.runner.backend.name == "triton"
     got = llm.generate([prompt], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0].token_ids
     assert got == expected
+
+
+def test_triton_backend_passes_sinks_and_window() -> None:
+    # The backend's forward with gpt-oss's per-layer arguments, prefill then decode, against the torch twin.
+    from agentbox.kernels.attention_ref import paged_attention_ref
+
+    from agentbox.layers.backends.base import AttentionMetadata, KVCache
+
+    h, hkv, d, ps = 8, 2, 16, 4
+    cache = KVCache(1, 8, ps, hkv, d, torch.float32, DEVICE)
+    backend = TritonAttention(cache, h, hkv, d, d**-0.5)
+    sinks = torch.linspace(-1, 1, h, device=DEVICE)
+    gen = torch.Generator().manual_seed(2)
+    table = torch.tensor([[5, 2, 7]], dtype=torch.int32, device=DEVICE)
+    for start, n in ((0, 9), (9, 1)):
+        q, k, v = (torch.randn(n, x, d, generator=gen).to(DEVICE) for x in (h, hkv, hkv))
+        pos = torch.arange(start, start + n, device=DEVICE)
+        slots = table[0].long()[pos // ps] * ps + pos % ps
+        meta = AttentionMetadata([n], [start + n], table, slots, ps)
+        backend.begin(meta)
+        got = backend.forward(0, q, k, v, sliding_window=3, sinks=sinks)
+        expected = paged_attention_ref(
+            q, cache.k[0], cache.v[0], table, meta.query_start_loc, meta.kv_lens_tensor, ps, d**-0.5, 3, sinks
+        )
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_serve_refuses_an_unknown_attention_backend() -> None:
+    from typer.testing import CliRunner
+
+    from agentbox.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--model", "x", "--attention", "nope"])
+    assert result.exit_code != 0
+    assert "--attention must be one of auto, torch, triton" in result.output

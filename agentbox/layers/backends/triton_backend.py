@@ -12,6 +12,7 @@ against transformers); `auto` never picks it there (the interpreter is thousands
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from types import ModuleType
 from typing import ClassVar
 
@@ -23,6 +24,20 @@ from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, K
 # of them). Fixed, so a captured graph's grid never changes; the interpreter gets fewer, being serial.
 GPU_DECODE_SPLITS = 16
 INTERPRETER_DECODE_SPLITS = 1
+# Tile sizes on a GPU (the kernels' defaults, 16/32, are the interpreter's): 64-row tiles feed the tensor cores
+# in 16-bit; fp32 tiles are twice the bytes, so half the rows keep the pipelined loads within shared memory.
+
+
+@dataclass(frozen=True)
+class Tiles:
+    decode_n: int  # keys per step of paged_decode's loop
+    extend_m: int  # query rows per prefix_extend program
+    extend_n: int  # keys per step of prefix_extend's loop
+
+
+INTERPRETER_TILES = Tiles(32, 16, 32)
+GPU_TILES_16BIT = Tiles(64, 64, 64)
+GPU_TILES_FP32 = Tiles(32, 32, 32)
 
 
 def _kernels() -> tuple[ModuleType, ModuleType, ModuleType]:
@@ -43,6 +58,10 @@ class TritonAttention(AttentionBackend):
         from agentbox.kernels._triton import interpreting
 
         self.num_splits = INTERPRETER_DECODE_SPLITS if interpreting() else GPU_DECODE_SPLITS
+        if interpreting():
+            self.tiles = INTERPRETER_TILES
+        else:
+            self.tiles = GPU_TILES_FP32 if kv_cache.k[0].dtype == torch.float32 else GPU_TILES_16BIT
         self.decode_only = False
 
     @classmethod
@@ -82,10 +101,12 @@ class TritonAttention(AttentionBackend):
         common = dict(page_size=meta.page_size, scale=self.scale, sliding_window=sliding_window, sinks=sinks)
         if self.decode_only:
             return self._decode.paged_decode(
-                q, k_cache, v_cache, meta.page_table, meta.kv_lens_tensor, num_splits=self.num_splits, **common
+                q, k_cache, v_cache, meta.page_table, meta.kv_lens_tensor, num_splits=self.num_splits,
+                block_n=self.tiles.decode_n, **common,
             )
         return self._extend.prefix_extend(
             q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.kv_lens_tensor,
-            max_query_len=meta.max_query_len, **common,
+            max_query_len=meta.max_query_len, block_m=self.tiles.extend_m, block_n=self.tiles.extend_n,
+            **common,
         )
 
