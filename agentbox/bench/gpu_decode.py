@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,16 +56,21 @@ def published_bandwidth(name: str) -> float | None:
     return next((bw for key, bw in BANDWIDTH.items() if key in name), None)
 
 
-def copy_bandwidth(nbytes: int = 4 << 30, repeats: int = 5) -> float:
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, nbytes: int = 4 << 30, repeats: int = 5) -> float:
     """Bytes moved per second (read + write) by a device-to-device copy: the ceiling a kernel can reach here."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    torch.cuda.synchronize()
+    _sync(device)
     start = time.perf_counter()
     for _ in range(repeats):
         dst.copy_(src)
-    torch.cuda.synchronize()
+    _sync(device)
     elapsed = time.perf_counter() - start
     del src, dst
     return 2 * nbytes * repeats / elapsed
@@ -75,15 +81,27 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(seen.values())
 
 
-def engine_decode(loaded: LoadedModel, attention: str, enforce_eager: bool) -> dict[str, Any]:
-    pages = max(BATCHES) * -(-(PROMPT_LEN + NEW_TOKENS) // EngineConfig.page_size) + 8
+@dataclass(frozen=True)
+class Shape:
+    """What one run measures: the model's config, where, and the batch/prompt/generation sizes."""
+
+    config: Any
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+    batches: tuple[int, ...] = BATCHES
+    prompt_len: int = PROMPT_LEN
+    new_tokens: int = NEW_TOKENS
+
+
+def engine_decode(loaded: LoadedModel, shape: Shape, attention: str, enforce_eager: bool) -> dict[str, Any]:
+    pages = max(shape.batches) * -(-(shape.prompt_len + shape.new_tokens) // EngineConfig.page_size) + 8
     config = EngineConfig(
-        device="cuda", dtype="bfloat16", attention=attention, enforce_eager=enforce_eager, num_pages=pages,
-        max_num_seqs=max(BATCHES), cache_policy="none",
+        device=shape.device, dtype=str(shape.dtype).removeprefix("torch."), attention=attention,
+        enforce_eager=enforce_eager, num_pages=pages, max_num_seqs=max(shape.batches), cache_policy="none",
     )
     t0 = time.perf_counter()
     llm = LLM(config, loaded=loaded)
-    torch.cuda.synchronize()
+    _sync(shape.device)
     out: dict[str, Any] = {
         "attention_backend": llm.core.runner.backend.name,
         "cuda_graphs": llm.core.runner.graphs is not None,
@@ -91,47 +109,55 @@ def engine_decode(loaded: LoadedModel, attention: str, enforce_eager: bool) -> d
     }
     vocab = loaded.vocab_size
     engine_rates(llm, random_prompts(1, 8, vocab, 0), 4)  # warm-up
-    for i, b in enumerate(BATCHES):
-        r = engine_rates(llm, random_prompts(b, PROMPT_LEN, vocab, i + 1), NEW_TOKENS)
-        torch.cuda.synchronize()
+    for i, b in enumerate(shape.batches):
+        r = engine_rates(llm, random_prompts(b, shape.prompt_len, vocab, i + 1), shape.new_tokens)
+        _sync(shape.device)
         out[f"batch_{b}"] = r.as_dict()
     del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+    _release(shape.device)
     return out
 
 
-def hf_decode(config: Any) -> dict[str, Any]:
+def _release(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def hf_decode(shape: Shape) -> dict[str, Any]:
     """transformers' generate on its own randomly initialised copy of the shape (its speed does not depend on
-    the values), bf16, sdpa attention, its default dynamic cache."""
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    the values), sdpa attention, its default dynamic cache."""
+    with torch.device(shape.device):
+        hf = AutoModelForCausalLM.from_config(shape.config, dtype=shape.dtype).eval()
+    vocab = shape.config.vocab_size
     out: dict[str, Any] = {}
-    transformers_rates(hf, random_prompts(1, 8, config.vocab_size, 0), 4)  # warm-up
-    for i, b in enumerate(BATCHES):
-        out[f"batch_{b}"] = transformers_rates(hf, random_prompts(b, PROMPT_LEN, config.vocab_size, i + 1), NEW_TOKENS).as_dict()
+    transformers_rates(hf, random_prompts(1, 8, vocab, 0), 4)  # warm-up
+    for i, b in enumerate(shape.batches):
+        r = transformers_rates(hf, random_prompts(b, shape.prompt_len, vocab, i + 1), shape.new_tokens)
+        out[f"batch_{b}"] = r.as_dict()
     del hf
-    gc.collect()
-    torch.cuda.empty_cache()
+    _release(shape.device)
     return out
 
 
-def gpu_decode_report() -> dict[str, Any]:
-    name = torch.cuda.get_device_name(0)
-    config = qwen3_8b_config()
-    measured_bw = copy_bandwidth()
+def gpu_decode_report(shape: Shape | None = None, backends: tuple[str, ...] = ("torch", "triton", "flashinfer")) -> dict[str, Any]:
+    shape = shape or Shape(qwen3_8b_config())
+    cuda = shape.device.startswith("cuda")
+    name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    measured_bw = copy_bandwidth(shape.device, nbytes=(4 << 30) if cuda else (64 << 20))
     report: dict[str, Any] = {
         "gpu": name,
         "torch": torch.__version__,
-        "model": "random weights, Qwen3-8B shape, bf16",
-        "prompt_len": PROMPT_LEN,
-        "new_tokens": NEW_TOKENS,
-        "transformers": hf_decode(config),
+        "model": f"random weights, {shape.config.model_type} {shape.config.hidden_size}x{shape.config.num_hidden_layers}, "
+        f"{str(shape.dtype).removeprefix('torch.')}",
+        "prompt_len": shape.prompt_len,
+        "new_tokens": shape.new_tokens,
+        "transformers": hf_decode(shape),
     }
-    loaded = random_model(config, torch.bfloat16, "cuda")
+    loaded = random_model(shape.config, shape.dtype, shape.device)
     nbytes = weight_bytes(loaded.model)
     runs: dict[str, Any] = {}
-    for attention in ("torch", "triton", "flashinfer"):
+    for attention in backends:
         if attention not in ATTENTION_BACKENDS:
             runs[attention] = {"skipped": "not installed"}
             continue
@@ -141,12 +167,13 @@ def gpu_decode_report() -> dict[str, Any]:
                 runs[key] = {"skipped": f"the {attention} backend has no CUDA-graph support (eager only)"}
                 continue
             try:
-                runs[key] = engine_decode(loaded, attention, eager)
+                runs[key] = engine_decode(loaded, shape, attention, eager)
             except Exception as e:  # one backend failing must not hide the others' numbers
                 runs[key] = {"error": f"{type(e).__name__}: {e}"}
     report["engine"] = runs
+    widest = f"batch_{max(shape.batches)}"
     hf1 = report["transformers"]["batch_1"]["decode_tok_s"]
-    hf32 = report["transformers"][f"batch_{max(BATCHES)}"]["decode_tok_s"]
+    hf_widest = report["transformers"][widest]["decode_tok_s"]
     published = published_bandwidth(name)
     ceiling: dict[str, Any] = {
         "weight_bytes": nbytes,
@@ -165,7 +192,7 @@ def gpu_decode_report() -> dict[str, Any]:
             "fraction_of_measured_copy": achieved / measured_bw,
         }
         ratios[f"{key}_batch_1_over_transformers"] = tok_s / hf1
-        ratios[f"{key}_batch_{max(BATCHES)}_over_transformers"] = run[f"batch_{max(BATCHES)}"]["decode_tok_s"] / hf32
+        ratios[f"{key}_{widest}_over_transformers"] = run[widest]["decode_tok_s"] / hf_widest
     report["bandwidth_at_batch_1"] = ceiling
     report["ratios"] = ratios
     return report
