@@ -32,9 +32,10 @@ class FlashInferAttention(AttentionBackend):
         import flashinfer
 
         self._fi = flashinfer
-        device = kv_cache.k[0].device
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrappers: dict[tuple[bool, int], Any] = {}  # (decode?, window_left) -> planned wrapper
+        self._device = kv_cache.k[0].device
+        # (decode?, window_left) -> wrapper, made once (each holds pinned host buffers); planned once per step.
+        self._wrappers: dict[tuple[bool, int], Any] = {}
+        self._planned: set[tuple[bool, int]] = set()
         self._csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
@@ -57,9 +58,10 @@ class FlashInferAttention(AttentionBackend):
         last = torch.tensor([kv - (n - 1) * ps for kv, n in zip(meta.kv_lens, pages_per_seq, strict=True)],
                             dtype=torch.int32)
         qo = torch.tensor([0, *torch.tensor(meta.query_lens).cumsum(0).tolist()], dtype=torch.int32)
-        device = self._workspace.device
-        self._csr = (qo.to(device), indptr.to(device), indices.to(device), last.to(device))
-        self._wrappers = {}  # re-planned lazily for this step's layout
+        # As vLLM hands them over: offsets and last-page lengths on the host (plan reads them there, no sync),
+        # the page ids on the device (the kernels read them).
+        self._csr = (qo, indptr, indices.to(self._device), last)
+        self._planned = set()  # re-planned lazily for this step's layout
 
     def _wrapper(self, window_left: int, dtype: torch.dtype) -> Any:
         meta, csr = self.meta, self._csr
@@ -67,24 +69,31 @@ class FlashInferAttention(AttentionBackend):
         decode = meta.is_decode_only
         key = (decode, window_left)
         wrapper = self._wrappers.get(key)
-        if wrapper is not None:
+        if wrapper is not None and key in self._planned:
             return wrapper
+        if wrapper is None:
+            # Its own workspace: a plan lives in it, and two windows (gpt-oss) are planned in one step.
+            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self._device)
+            if decode:
+                # Tensor cores: flashinfer's decode kernels without them take only some GQA group sizes.
+                wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+            else:
+                wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            self._wrappers[key] = wrapper
         qo, indptr, indices, last = csr
         kv_dtype = self.kv_cache.k[0].dtype
         if decode:
-            wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
             wrapper.plan(
                 indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, meta.page_size,
                 window_left=window_left, q_data_type=dtype, kv_data_type=kv_dtype, sm_scale=self.scale,
             )
         else:
-            wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
             wrapper.plan(
                 qo, indptr, indices, last, self.num_heads, self.num_kv_heads, self.head_dim, meta.page_size,
                 causal=True, window_left=window_left, q_data_type=dtype, kv_data_type=kv_dtype,
                 sm_scale=self.scale,
             )
-        self._wrappers[key] = wrapper
+        self._planned.add(key)
         return wrapper
 
     def forward(
