@@ -4,7 +4,7 @@
 # agentbox/kernels as the wheel does, and the engine imports without the HTTP stack). Under 8 minutes.
 #   1. pytest -m gpu tests/test_gpu.py: our logits against transformers in bf16 (torch and triton backends),
 #      the Triton kernels in bf16 against their torch twins, CUDA-graph replay == eager logits, engine greedy
-#      batched == alone, graphs == eager.
+#      batched == alone, graphs == eager; then tests/kernels' kernel tests, compiled for the GPU.
 #   2. blocks, each printing one JSON object that lands in the report under the block's name:
 #      gpu_decode (agentbox/bench/gpu_decode.py): decode tok/s at batch 1 and 32 on a random-weight model of
 #      Qwen3-8B's shape for each attention backend with CUDA graphs off and on, transformers' generate in the
@@ -66,6 +66,8 @@ run "$PY" -c 'import agentbox.engine.llm, agentbox.bench.gpu_decode, agentbox.ke
 print("engine and kernels import without the HTTP stack")'
 
 run timeout 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
+# The kernel tests against their torch twins, compiled for the GPU this time (on CPU they run interpreted).
+run timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_*.py tests/kernels/test_graph_runner.py
 
 # ---- blocks: each prints one JSON object; the report is {name: object}, in the order they ran ----
 results="$extra/results"
