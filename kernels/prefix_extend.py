@@ -2,9 +2,10 @@
 attend to all of its cached keys and causally to each other, read straight from the page tables.
 
 The new tokens' k/v are stored in the cache first (kernels/store_kv.py), so cached prefix and new tokens are
-one range of positions 0 .. kv_len - 1 and one loop serves both. Grid (batch, query blocks, heads): program
-(i, m, h) takes BLOCK_M consecutive new tokens of sequence i for head h; blocks past the sequence's q_len exit
-at once, so ragged batches cost only a few empty programs. Keys are walked from the earliest position the
+one range of positions 0 .. kv_len - 1 and one loop serves both. Grid (batch, token blocks, kv heads):
+program (i, t, h) takes a few consecutive new tokens of sequence i for all the query heads of KV head h (GQA:
+its K/V tiles are loaded once for the group; block_m rows of (token, head) per program); blocks past the
+sequence's q_len exit at once, so ragged batches cost only a few empty programs. Keys are walked from the earliest position the
 block can see (its sliding window) to its last query's position. A sink starts the online softmax as one
 extra logit with no value. Masking and sinks follow kernels/attention_ref.py.
 """
@@ -22,40 +23,44 @@ if HAS_TRITON:
         q_ptr, k_ptr, v_ptr, o_ptr, pt_ptr, q_start_ptr, kv_len_ptr, sink_ptr,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_pt,
         scale, window,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_SINKS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        HAS_SINKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
+        # Tile rows are (token, head of the group) pairs, BLOCK_T tokens x GROUP_PAD heads: the group's heads
+        # share every K/V tile they load.
         b = tl.program_id(0)
-        mblk = tl.program_id(1)
-        h = tl.program_id(2)
-        kvh = h // GROUP
+        tblk = tl.program_id(1)
+        kvh = tl.program_id(2)
         q_lo = tl.load(q_start_ptr + b)
         q_len = tl.load(q_start_ptr + b + 1) - q_lo
-        if mblk * BLOCK_M >= q_len:
+        if tblk * BLOCK_T >= q_len:
             return
         kv_len = tl.load(kv_len_ptr + b)
         ctx = kv_len - q_len  # tokens cached before this step's first new token
 
-        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < q_len
-        q_pos = ctx + offs_m
+        offs_r = tl.arange(0, BLOCK_T * GROUP_PAD)
+        tok = tblk * BLOCK_T + offs_r // GROUP_PAD
+        g = offs_r % GROUP_PAD
+        heads = kvh * GROUP + g
+        mask_r = (tok < q_len) & (g < GROUP)
+        q_pos = ctx + tok
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
-        rows = (q_lo + offs_m).to(tl.int64)
+        rows = (q_lo + tok).to(tl.int64)
         q = tl.load(
-            q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-            mask=mask_m[:, None] & mask_d[None, :], other=0.0,
+            q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_r[:, None] & mask_d[None, :], other=0.0,
         )
         if HAS_SINKS:
-            m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sink_ptr + h).to(tl.float32)
-            l_i = tl.full([BLOCK_M], 1.0, tl.float32)  # exp(sink - m_i)
+            m_i = tl.load(sink_ptr + heads, mask=mask_r, other=0.0).to(tl.float32)
+            l_i = tl.full([BLOCK_T * GROUP_PAD], 1.0, tl.float32)  # exp(sink - m_i)
         else:
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            m_i = tl.full([BLOCK_T * GROUP_PAD], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_T * GROUP_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_T * GROUP_PAD, BLOCK_D], tl.float32)
 
-        last = tl.minimum(ctx + (mblk + 1) * BLOCK_M, kv_len)  # one past the block's last query position
-        first = tl.maximum(ctx + mblk * BLOCK_M - window + 1, 0)
+        last = tl.minimum(ctx + (tblk + 1) * BLOCK_T, kv_len)  # one past the block's last query position
+        first = tl.maximum(ctx + tblk * BLOCK_T - window + 1, 0)
         for n0 in range(first, last, BLOCK_N):
             pos = n0 + tl.arange(0, BLOCK_N)
             mask_n = pos < last
@@ -69,7 +74,7 @@ if HAS_TRITON:
             )
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A row may see nothing in this block (window start, rows past q_len): keep its exps at 0, not NaN.
+            # A row may see nothing in this block (window start, padded rows): keep its exps at 0, not NaN.
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(qk - m_safe[:, None])
@@ -79,8 +84,8 @@ if HAS_TRITON:
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
-            o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-            out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :],
+            o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(o_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d[None, :],
         )
 
 
@@ -112,13 +117,16 @@ def prefix_extend(
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch = kv_lens.shape[0]
-    grid = (batch, triton.cdiv(max_query_len, block_m), num_heads)
+    group = num_heads // num_kv_heads
+    group_pad = next_pow2(group)
+    block_t = max(block_m, group_pad) // group_pad  # tokens per program: block_m rows of (token, head)
+    grid = (batch, triton.cdiv(max_query_len, block_t), num_kv_heads)
     _prefix_extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, query_start, kv_lens, sinks if sinks is not None else q,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), scale, window_arg(sliding_window),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_SINKS=sinks is not None,
-        BLOCK_M=block_m, BLOCK_D=next_pow2(head_dim), BLOCK_N=block_n,
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_SINKS=sinks is not None,
+        BLOCK_T=block_t, BLOCK_D=next_pow2(head_dim), BLOCK_N=block_n,
     )
     return out
 

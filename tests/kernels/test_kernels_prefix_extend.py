@@ -1,5 +1,5 @@
 """prefix_extend against its torch twin: a fresh prompt, a chunk over a cached prefix and a decode in one
-ragged batch (chunked prefill), page sizes 1 and 16, GQA ratios 1/4/8, sinks, sliding windows, fp16; and a
+ragged batch (chunked prefill), page sizes 1 and 16, GQA ratios 1/3/4/8, sinks, sliding windows, fp16; and a
 prompt run in chunks gives what it gives in one piece."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ Q_LENS = [19, 5, 1]
 KV_LENS = [19, 40, 33]  # a whole prompt, a chunk after 35 cached tokens, a decode at position 32
 
 
-@pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(1, 2, 2), (16, 8, 2), (16, 8, 1), (1, 4, 1)])
+@pytest.mark.parametrize(("page_size", "num_heads", "num_kv_heads"), [(1, 2, 2), (16, 8, 2), (16, 8, 1), (1, 4, 1), (16, 6, 2)])
 @pytest.mark.parametrize("variant", ["plain", "sinks", "window"])
 def test_prefix_extend_matches_reference(page_size: int, num_heads: int, num_kv_heads: int, variant: str) -> None:
     case = paged_case(Q_LENS, KV_LENS, page_size=page_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
