@@ -67,7 +67,10 @@ def serve(
     api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="require this key (Bearer or x-api-key)"),  # noqa: UP007
     dtype: str = typer.Option(_E.dtype, help="auto | float32 | bfloat16 | float16"),
     device: str = typer.Option(_E.device, help="auto | cpu | cuda | cuda:N"),
-    attention: str = typer.Option(_E.attention, help="attention backend: auto | torch"),
+    attention: str = typer.Option(
+        _E.attention, help="attention backend: auto (flashinfer, then triton, then torch) or one installed here by name"
+    ),
+    enforce_eager: bool = typer.Option(_E.enforce_eager, "--enforce-eager", help="no CUDA graphs for decode"),
     page_size: int = typer.Option(_E.page_size, help="tokens per KV page"),
     num_pages: int | None = typer.Option(None, help="KV pool size in pages (default: from --kv-cache-gb)"),  # noqa: UP007
     kv_cache_gb: float | None = typer.Option(None, help="KV pool size in GiB (default: a share of free memory)"),  # noqa: UP007
@@ -86,6 +89,10 @@ def serve(
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    from agentbox.layers.backends import backend_choices
+
+    if attention not in backend_choices():
+        fail(f"--attention must be one of {', '.join(backend_choices())} (got {attention!r})")
     if page_size < 1 or (page_size & (page_size - 1)):
         fail(f"--page-size must be a power of two (got {page_size})")
     running = daemon.read_state()
@@ -101,7 +108,8 @@ def serve(
     if daemon.port_in_use(host, port):
         fail(f"port {port} on {host} is already in use by another program; pick another with --port")
     engine = EngineConfig(
-        model=str(Path(model_path).resolve()), dtype=dtype, device=device, attention=attention, page_size=page_size,
+        model=str(Path(model_path).resolve()), dtype=dtype, device=device, attention=attention,
+        enforce_eager=enforce_eager, page_size=page_size,
         num_pages=num_pages, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
         host_cache_gb=host_cache_gb, record_trace=str(Path(record_trace).resolve()) if record_trace else None,

@@ -42,7 +42,8 @@ class EngineConfig:
     max_num_seqs: int = 32  # cap on running requests
     max_num_batched_tokens: int = 1024  # per-step token budget (chunked prefill falls out of it)
     max_model_len: int | None = None  # None: the model's own context length
-    attention: str = "auto"
+    attention: str = "auto"  # auto | a name in layers/backends' registry (auto: flashinfer, triton, torch)
+    enforce_eager: bool = False  # True: no CUDA graphs for decode (engine/graph_runner.py)
     tensor_parallel_size: int = 1
     seed: int = 0
     cpu_threads: int | None = None  # None: all cores but one (the API process and the OS keep one)

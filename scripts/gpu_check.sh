@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
 # GPU check, for a machine with torch, triton, transformers, safetensors and numpy, a CUDA device, and no
-# network: runs from this working tree (nothing pip-installed from the network; agentbox imports from the
-# tree through PYTHONPATH, and the engine imports without the HTTP stack).
-#   1. pytest -m gpu tests/test_gpu.py: our logits against transformers in bf16, engine greedy batched == alone
-#   2. python -m agentbox.bench.throughput --gpu: JSON with the bf16 logits check on a tiny random Qwen3 and
-#      decode tokens/s at batch 1 and 32 on a random-weight model of Qwen3-8B's shape, built in place.
+# network: runs from a copy of this working tree (nothing pip-installed; the copy puts kernels/ at
+# agentbox/kernels as the wheel does, and the engine imports without the HTTP stack). Under 8 minutes.
+#   1. pytest -m gpu tests/test_gpu.py: our logits against transformers in bf16 (torch and triton backends),
+#      the Triton kernels in bf16 against their torch twins, CUDA-graph replay == eager logits, engine greedy
+#      batched == alone, graphs == eager; then tests/kernels' kernel tests, compiled for the GPU.
+#   2. blocks, each printing one JSON object that lands in the report under the block's name:
+#      gpu_decode (agentbox/bench/gpu_decode.py): decode tok/s at batch 1 and 32 on a random-weight model of
+#      Qwen3-8B's shape for each attention backend with CUDA graphs off and on, transformers' generate in the
+#      same run, and the share of the memory-bandwidth ceiling reached at batch 1.
+#      Other checks append their own `block NAME SECONDS COMMAND...` line (see "blocks" below).
 # A small pure-Python package the tree needs and the machine lacks (gguf, pytest and its helpers; psutil,
 # abi3 x86_64) is unpacked from scripts/wheels/ into a temporary folder, never into the machine's Python.
-# Usage: scripts/gpu_check.sh            (PYTHON=... to pick the interpreter; the JSON also lands in
-#        $OUT/gpu_check.json when OUT is set)
+# Usage: scripts/gpu_check.sh            (PYTHON=... to pick the interpreter; the JSON report also lands
+#        in $OUT/gpu_check.json when OUT is set)
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$repo"
 PY="${PYTHON:-python3}"
 extra="$(mktemp -d)"
 trap 'rm -rf "$extra"' EXIT
-export PYTHONPATH="$repo:$extra${PYTHONPATH:+:$PYTHONPATH}"
+# The tree as the wheel lays it out (kernels/ is agentbox.kernels), run from there so `python -m` finds it.
+tree="$extra/tree"
+mkdir -p "$tree"
+cp -r "$repo/agentbox" "$repo/tests" "$repo/pyproject.toml" "$tree/"
+cp -r "$repo/kernels" "$tree/agentbox/kernels"
+cd "$tree"
+export PYTHONPATH="$tree:$extra${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 run() {
@@ -34,7 +44,7 @@ for pair in gguf:gguf psutil:psutil pytest:pytest pluggy:pluggy iniconfig:inicon
     mod="${pair%%:*}"
     whl_prefix="${pair##*:}"
     if ! "$PY" -c "import $mod" 2>/dev/null; then
-        whl="$(ls scripts/wheels/"$whl_prefix"-*.whl 2>/dev/null | head -n 1 || true)"
+        whl="$(ls "$repo"/scripts/wheels/"$whl_prefix"-*.whl 2>/dev/null | head -n 1 || true)"
         if [[ -z "$whl" ]]; then
             echo "error: python module '$mod' is missing and scripts/wheels has no wheel for it" >&2
             exit 1
@@ -48,39 +58,50 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
         mod="${pair%%:*}"
         if ! "$PY" -c "import $mod" 2>/dev/null; then
             run "$PY" -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' \
-                "$(ls scripts/wheels/"${pair##*:}"-*.whl | head -n 1)" "$extra"
+                "$(ls "$repo"/scripts/wheels/"${pair##*:}"-*.whl | head -n 1)" "$extra"
         fi
     done
 fi
-run "$PY" -c 'import agentbox.engine.llm, agentbox.bench.throughput; print("engine imports without the HTTP stack")'
+run "$PY" -c 'import agentbox.engine.llm, agentbox.bench.gpu_decode, agentbox.kernels.paged_decode
+print("engine and kernels import without the HTTP stack")'
 
-run timeout 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
+run timeout 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py
+# The kernel tests against their torch twins, compiled for the GPU this time (on CPU they run interpreted).
+run timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_*.py tests/kernels/test_graph_runner.py
+
+# ---- blocks: each prints one JSON object; the report is {name: object}, in the order they ran ----
+results="$extra/results"
+mkdir -p "$results"
+block() {  # block NAME SECONDS COMMAND...
+    local name="$1" limit="$2"
+    shift 2
+    echo "+ [$name] $*" >&2
+    timeout "$limit" "$@" >"$results/$(printf '%02d' "$(ls "$results" | wc -l)")-$name.json"
+}
+
+block gpu_decode 180 "$PY" -m agentbox.bench.gpu_decode
+# MoE (issue 14): bf16 logits of tiny Qwen3-MoE and gpt-oss against transformers, the fused-MoE kernel
+# against its twin at Qwen3-30B-A3B's expert shape, decode tok/s at batch 1 and 16 (random 4-layer model).
+block gpu_moe 90 "$PY" -m agentbox.bench.gpu_moe
+# Tensor parallel (issue 11): tp 2 over NCCL against tp 1; needs two GPUs (CPU tests cover tp 2 over gloo).
+ngpu="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
+if [[ "$ngpu" -ge 2 ]]; then
+    block tp_check 120 "$PY" -m agentbox.bench.tp_check
+else
+    echo "gpu_check: tp 2 check skipped: $ngpu GPU visible, tensor parallel needs two" >&2
+fi
+# Other blocks go here, one line each. Time limits so far: 150 + 120 + 200 s (expected well under, most of
+# it Triton compiling on a cold cache); keep the sum under 8 minutes.
 
 json="$extra/gpu_check.json"
-run timeout 400 "$PY" -m agentbox.bench.throughput --gpu >"$json"
+"$PY" - "$results" >"$json" <<'PYEOF'
+import json, pathlib, sys
+parts = sorted(pathlib.Path(sys.argv[1]).glob("*.json"))
+print(json.dumps({p.stem.split("-", 1)[1]: json.loads(p.read_text()) for p in parts}, indent=2))
+PYEOF
 cat "$json"
 if [[ -n "${OUT:-}" ]]; then
     cp "$json" "$OUT/gpu_check.json"
 fi
 # ---- tensor parallel (tp engineer): tp 2 over NCCL against tp 1; needs two GPUs ----
-ngpu="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
-if [[ "$ngpu" -ge 2 ]]; then
-    run timeout 400 "$PY" -m agentbox.bench.tp_check >"$extra/tp_check.json"
-    cat "$extra/tp_check.json"
-    if [[ -n "${OUT:-}" ]]; then
-        cp "$extra/tp_check.json" "$OUT/tp_check.json"
-    fi
-else
-    echo "gpu_check: tp 2 check skipped: $ngpu GPU visible, tensor parallel needs two (CPU tests cover tp 2 over gloo)" >&2
-fi
-
-# MoE (issue 14): bf16 logits of tiny Qwen3-MoE and gpt-oss against transformers, the fused-MoE kernel
-# against its torch twin at Qwen3-30B-A3B's expert shape, decode tok/s at batch 1 and 16 of a random
-# 4-layer model of that shape. Needs agentbox.kernels importable (the wheel's layout). About a minute.
-moe_json="$extra/gpu_moe.json"
-run timeout 240 "$PY" -m agentbox.bench.gpu_moe >"$moe_json"
-cat "$moe_json"
-if [[ -n "${OUT:-}" ]]; then
-    cp "$moe_json" "$OUT/gpu_moe.json"
-fi
 echo "gpu_check: all passed" >&2

@@ -74,7 +74,7 @@ class EngineClient:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         proc = ctx.Process(
-            target=run_engine_process, args=(child, self.config, logging.getLogger().level or logging.INFO),
+            target=run_engine_process, args=(child, self.config, _engine_log_level()),
             # Not a daemon: a daemonic process may not have children, and tp workers are its children. It
             # still ends with us: it exits on the pipe's EOF, and asks the kernel to kill it if we die.
             name="agentbox-engine", daemon=False,
@@ -263,3 +263,9 @@ class EngineClient:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
+
+
+def _engine_log_level() -> int:
+    # The engine's start-up lines (KV pool, attention backend and why) belong in the serve log. The API
+    # process's root logger is usually unconfigured (WARNING by default), which must not silence them.
+    return min(logging.getLogger().getEffectiveLevel(), logging.INFO)

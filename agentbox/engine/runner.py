@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from agentbox.config import EngineConfig
+from agentbox.engine.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.messages import TokenLogprob
 from agentbox.engine.page_table import PageTable, RowAssigner
 from agentbox.engine.sampler import sample
 from agentbox.engine.scheduler import SchedulerOutput
 from agentbox.engine.step_inputs import StepInputs
-from agentbox.layers.backends import ATTENTION_BACKENDS
-from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, KVCache
+from agentbox.layers.backends import select_backend
+from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
 from agentbox.models.loader import LoadedModel, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
@@ -34,20 +35,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 GPU_KV_SHARE = 0.85
 CPU_KV_SHARE = 0.25
 CPU_KV_MAX_BYTES = 4 << 30
-
-
-def pick_backend(name: str, device: str) -> type[AttentionBackend]:
-    if name == "auto":
-        for candidate in ("flashinfer", "triton", "torch"):
-            cls = ATTENTION_BACKENDS.get(candidate)
-            if cls is not None and cls.available(device):
-                return cls
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(ATTENTION_BACKENDS)}")
-    cls = ATTENTION_BACKENDS[name]
-    if not cls.available(device):
-        raise ValueError(f"attention backend {name!r} cannot run on {device}")
-    return cls
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -99,7 +86,7 @@ class ModelRunner:
         # The pool must hold at least one full-length request, or such a request could never run.
         pool_tokens = (self.num_pages - 1) * self.page_size
         self.max_model_len = min(config.max_model_len or lm.max_model_len, lm.max_model_len, pool_tokens)
-        backend_cls = pick_backend(config.attention, self.device.type)
+        backend_cls = select_backend(config.attention, self.device.type)
         self.backend = backend_cls(
             self.kv_cache, lm.num_heads, lm.num_kv_heads, lm.head_dim, lm.head_dim**-0.5
         )
@@ -107,6 +94,13 @@ class ModelRunner:
         num_rows = config.max_num_seqs + 1
         self.page_table = PageTable(num_rows, -(-self.max_model_len // self.page_size) + 1, self.device)
         self.rows = RowAssigner(num_rows) if self.rank == 0 else None
+        self.graphs = build_decode_graphs(
+            not config.enforce_eager, self.device, self.backend,
+            lambda: DecodeGraphs(
+                lm.model, self.backend, self.page_size, config.max_num_seqs, self.page_table.table.shape[1],
+                self.device,
+            ),
+        )
         log.info(
             "rank %d/%d: weights %.1f MiB, KV pool %d pages of %d tokens (%.1f MiB), attention backend %s, "
             "max_model_len %d", self.rank, self.tp, self.weight_bytes / 2**20, self.num_pages, self.page_size,
@@ -174,6 +168,11 @@ class ModelRunner:
         At tp > 1 every rank gets the gathered logits; rank 0 is the one that samples them."""
         self.page_table.apply(step.page_updates)
         dev = self.device
+        if self.graphs is not None and self.graphs.fits(step.query_lens, int(step.sample_rows.numel())):
+            return self.graphs.run(
+                step.input_ids.to(dev), step.positions.to(dev), step.slot_mapping.to(dev), step.kv_lens,
+                self.page_table.rows(step.table_rows, step.num_table_cols),
+            )
         meta = AttentionMetadata(
             query_lens=step.query_lens,
             kv_lens=step.kv_lens,

@@ -67,8 +67,20 @@ def _apply_grammar(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -
     apply_bitmask(logits, bitmask, indices=rows)
 
 
+def _plain_greedy(r: Request) -> bool:
+    s = r.sampling
+    return (
+        s.greedy and r.grammar_state is None and s.logprobs is None and s.repetition_penalty == 1.0
+        and not s.presence_penalty and not s.frequency_penalty
+    )
+
+
 def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
     """logits: float32 [B, V], one row per request in `reqs`. Returns token ids and logprobs entries."""
+    if all(_plain_greedy(r) for r in reqs):
+        # The common agent case (greedy, no grammar, penalties or logprobs): one argmax on the device and one
+        # host sync for the ids, no copy of the [B, vocab] logits (19 MB at batch 32 of a 152k vocabulary).
+        return logits.argmax(dim=-1).tolist(), [None] * len(reqs)
     raw = logits
     logits = logits.clone()
     constrained = [i for i, r in enumerate(reqs) if r.grammar_state is not None]

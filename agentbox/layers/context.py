@@ -23,11 +23,17 @@ _current: ForwardContext | None = None
 
 
 @contextmanager
-def forward_context(backend: AttentionBackend, meta: AttentionMetadata) -> Iterator[ForwardContext]:
+def forward_context(
+    backend: AttentionBackend, meta: AttentionMetadata, *, capture: bool = False
+) -> Iterator[ForwardContext]:
+    """capture: the step is being captured into a CUDA graph (the backend's begin_capture hook runs)."""
     global _current
     if _current is not None:
         raise RuntimeError("forward contexts do not nest: a step is already running")
-    backend.begin(meta)
+    if capture:
+        backend.begin_capture(meta)
+    else:
+        backend.begin(meta)
     _current = ForwardContext(backend, meta)
     try:
         yield _current

@@ -21,7 +21,12 @@ class AttentionMetadata:
     query_lens[i]: new tokens of sequence i in this step (1 for a decode, a chunk for a prefill).
     kv_lens[i]: tokens of sequence i in the cache after this step (cached + new).
     page_table: [num_seqs, max_pages] int32, page ids of each sequence, padded with 0.
-    slot_mapping: [num_tokens] int64, cache slot (page * page_size + offset) where each new token's k/v goes.
+    slot_mapping: [num_tokens] int64, cache slot (page * page_size + offset) where each new token's k/v goes;
+      a negative slot writes nowhere (the CUDA-graph runner's padding rows).
+    query_start_loc: [num_seqs + 1] int32 on the device, offsets of each sequence's new tokens.
+    kv_lens_tensor: [num_seqs] int32 on the device, kv_lens as a tensor (0 for a padding row).
+    The two device tensors are what kernels and CUDA graphs read: the graph runner hands in views of its static
+    buffers; otherwise `ensure_device_tensors` builds them from the lists once per step.
     """
 
     query_lens: list[int]
@@ -29,10 +34,25 @@ class AttentionMetadata:
     page_table: torch.Tensor
     slot_mapping: torch.Tensor
     page_size: int
+    query_start_loc: torch.Tensor | None = None
+    kv_lens_tensor: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    def ensure_device_tensors(self, device: torch.device) -> None:
+        if self.query_start_loc is None:
+            starts = [0]
+            for n in self.query_lens:
+                starts.append(starts[-1] + n)
+            self.query_start_loc = torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True)
+        if self.kv_lens_tensor is None:
+            self.kv_lens_tensor = torch.tensor(self.kv_lens, dtype=torch.int32).to(device, non_blocking=True)
 
     @property
     def is_decode_only(self) -> bool:
@@ -66,9 +86,16 @@ class KVCache:
 
 
 class AttentionBackend(ABC):
-    """One instance per engine. `begin` is called once per step before the forward pass."""
+    """One instance per engine. `begin` is called once per step before the forward pass.
+
+    CUDA graphs (engine/graph_runner.py): a backend with `supports_cuda_graphs` reads only the metadata's device
+    tensors on a decode step, so a graph captured once per batch size replays for any lengths. The runner calls
+    `init_capture` once, `begin_capture` before capturing each batch size (the metadata's tensors are then its
+    static buffers) and `begin_replay` before each replay (host-side work only: no allocation, no new tensors).
+    """
 
     name: ClassVar[str]
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, kv_cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.kv_cache = kv_cache
@@ -79,6 +106,16 @@ class AttentionBackend(ABC):
         self.meta: AttentionMetadata | None = None
 
     def begin(self, meta: AttentionMetadata) -> None:
+        self.meta = meta
+
+    def init_capture(self, max_batch: int, max_pages: int) -> None:
+        """Once, before any capture: room for the largest captured batch (none needed by default)."""
+        del max_batch, max_pages
+
+    def begin_capture(self, meta: AttentionMetadata) -> None:
+        self.begin(meta)
+
+    def begin_replay(self, meta: AttentionMetadata) -> None:
         self.meta = meta
 
     @abstractmethod
@@ -98,8 +135,14 @@ class AttentionBackend(ABC):
         logits joining each row's softmax denominator, contributing no value."""
 
     @classmethod
+    def unavailable_reason(cls, device: str, auto: bool = False) -> str | None:
+        """None when the backend can run on `device` (a device type: cpu, cuda); else why not, for the log.
+        auto: asked by `--attention auto`, which may decline a backend that runs but should not be the default."""
+        return None
+
+    @classmethod
     def available(cls, device: str) -> bool:
-        return True
+        return cls.unavailable_reason(device) is None
 
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
