@@ -21,6 +21,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from agentbox.config import state_dir
+from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
 from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_weights, open_gguf
 from agentbox.models.llama import head_dim_of, num_kv_heads_of
 from agentbox.models.registry import model_class
@@ -57,6 +58,10 @@ def resolve_model(path: str) -> ModelSource:
     raise ValueError(
         f"{str(p)!r} is neither a Hugging Face model directory (config.json + *.safetensors) nor holds a .gguf"
     )
+
+
+def quant_config(src: ModelSource, config: PretrainedConfig) -> QuantConfig:
+    return QuantConfig.of(config)
 
 
 def load_config(src: ModelSource) -> PretrainedConfig:
@@ -124,11 +129,14 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):  # parameters are allocated in place (torch.empty), never initialised
+        # Parameters are allocated in place (torch.empty), never initialised; the checkpoint's quantisation
+        # picks every linear layer's method.
+        with torch.device(device), quant_context(quant_config(src, config)):
             model = cls(config)
     finally:
         torch.set_default_dtype(previous_dtype)
     model.load_weights(iter_weights(src, config))  # type: ignore[operator]
+    process_weights_after_loading(model)
     model.eval().requires_grad_(False)
     tp = tp_size()
     return LoadedModel(
