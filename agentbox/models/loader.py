@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from agentbox.config import state_dir
 from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
-from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_weights, open_gguf
+from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_quant_config, gguf_weights, open_gguf
 from agentbox.models.llama import head_dim_of, num_kv_heads_of
 from agentbox.models.registry import model_class
 from agentbox.parallel.state import tp_size
@@ -61,7 +61,8 @@ def resolve_model(path: str) -> ModelSource:
 
 
 def quant_config(src: ModelSource, config: PretrainedConfig) -> QuantConfig:
-    return QuantConfig.of(config)
+    """The checkpoint's quantisation: config.json's quantization_config, or a GGUF file's tensor types."""
+    return gguf_quant_config(src.path) if src.kind == "gguf" else QuantConfig.of(config)
 
 
 def load_config(src: ModelSource) -> PretrainedConfig:
@@ -71,11 +72,12 @@ def load_config(src: ModelSource) -> PretrainedConfig:
 
 
 def iter_weights(
-    src: ModelSource, config: PretrainedConfig | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full tensors, one at a time (a shard is open only while it is read)."""
+    src: ModelSource, config: PretrainedConfig | None = None, keep_quantised: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """HF-named full tensors, one at a time (a shard is open only while it is read). With `keep_quantised`
+    a GGUF's linear weights come as `GGUFBlocks` (the GGUF linear method takes them); otherwise dense."""
     if src.kind == "gguf":
-        yield from gguf_weights(src.path, config if config is not None else load_config(src))
+        yield from gguf_weights(src.path, config if config is not None else load_config(src), keep_quantised)
         return
     index = src.path / "model.safetensors.index.json"
     if index.is_file():
@@ -135,7 +137,7 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
             model = cls(config)
     finally:
         torch.set_default_dtype(previous_dtype)
-    model.load_weights(iter_weights(src, config))  # type: ignore[operator]
+    model.load_weights(iter_weights(src, config, keep_quantised=True))  # type: ignore[operator]
     process_weights_after_loading(model)
     model.eval().requires_grad_(False)
     tp = tp_size()
