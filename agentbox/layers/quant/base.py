@@ -39,7 +39,7 @@ class QuantConfig:
     desc_act: bool = False  # GPTQ act-order: g_idx permutes the groups
     block_size: tuple[int, int] = (128, 128)  # FP8: [out, in] elements per weight_scale_inv entry
     skip_modules: tuple[str, ...] = field(default_factory=tuple)  # modules_to_not_convert
-    gguf_kernel: Any = None  # an int4.Int4Kernel to force (tests, benchmarks); None: the device's default
+    kernel: Any = None  # an int4.Int4Kernel to force (benchmarks); None: the device's default
 
     @staticmethod
     def of(hf_config: Any) -> QuantConfig:

@@ -38,7 +38,11 @@ class MethodInfo:
 # Only methods with a registered implementation appear here (tests/test_quant_registry.py checks it).
 METHODS: dict[QuantMethod, MethodInfo] = {
     QuantMethod.UNQUANTIZED: MethodInfo(("bf16", "fp16", "fp32"), False, KernelStatus.VERIFIED),
-    QuantMethod.GGUF: MethodInfo(("gguf",), False, KernelStatus.VERIFIED),  # dequantised at load
+    # Q4_0/Q4_1/Q4_K layers stay 4-bit on GPU (w4a16); other types, and merged layers mixing them (Q4_K_M
+    # puts attn_v and half the ffn_down in Q6_K), are dequantised: planned dense, the file's mix unknown.
+    QuantMethod.GGUF: MethodInfo(("gguf",), False, KernelStatus.INTERPRETER_ONLY),
+    QuantMethod.AWQ: MethodInfo(("awq",), True, KernelStatus.INTERPRETER_ONLY),
+    QuantMethod.GPTQ: MethodInfo(("gptq",), True, KernelStatus.INTERPRETER_ONLY),
 }
 
 

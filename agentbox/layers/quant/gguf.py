@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 import gguf
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from agentbox.layers.quant import int4
@@ -123,26 +122,19 @@ class GGUFLinearMethod(LinearMethod):
         if rows != layer.output_size or any(p.shape[1] != layer.input_size for p in parts):
             raise ValueError(f"GGUF: shards cover {rows} of {layer.output_size} rows of a linear layer")
         device = layer.weight.device
-        kernel = int4.default_cpu_kernel() if device.type == "cpu" else int4.Int4Kernel.DENSE
-        if self.config.gguf_kernel is not None:
-            kernel = self.config.gguf_kernel
-        if kernel is int4.Int4Kernel.INT4_CPU and all(
+        kernel = self.config.kernel or int4.default_kernel(device)
+        if kernel is not int4.Int4Kernel.DENSE and all(
             isinstance(p, GGUFBlocks) and p.qtype in INT4_TYPES for p in parts
         ):
             groups = [int4_groups(p) for p in parts]  # type: ignore[arg-type]
             q, scale, offset = (torch.cat([g[i] for g in groups]) for i in range(3))
-            packed, sz = int4.pack_int4_cpu(q, scale, offset)
-            layer.weight = quant_param(packed, Sharding(None, None))
-            layer.scales_zeros = quant_param(sz, Sharding(None, None))
-            self.kernel = kernel
+            int4.install(layer, q, scale, offset, kernel, self.dtype, device)
         else:
             dense = [p.dequantize() if isinstance(p, GGUFBlocks) else p.float() for p in parts]
             layer.weight = quant_param(torch.cat(dense).to(device=device, dtype=self.dtype), Sharding(0, 1))
-            self.kernel = int4.Int4Kernel.DENSE
+            layer.int4_kernel = int4.Int4Kernel.DENSE
+        self.kernel = layer.int4_kernel
         self.shards = {}
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.kernel is int4.Int4Kernel.INT4_CPU:
-            out = int4.int4_cpu_mm(x, layer.weight, 32, layer.scales_zeros)
-            return out + bias if bias is not None else out
-        return F.linear(x, layer.weight, bias)
+        return int4.apply(layer, x, bias)

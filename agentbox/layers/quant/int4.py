@@ -21,6 +21,7 @@ import torch
 class Int4Kernel(Enum):
     DENSE = "dense"  # dequantised once at load to the compute dtype
     INT4_CPU = "int4-cpu"  # torch's tinygemm CPU kernel: packed nibbles + bf16 scale/zero per group
+    TRITON = "triton"  # kernels/w4a16.py: codes packed along K in int32, scale/offset in the compute dtype
 
 
 @functools.cache
@@ -58,3 +59,68 @@ def int4_cpu_mm(x: torch.Tensor, packed: torch.Tensor, group: int, sz: torch.Ten
     shape = x.shape
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), packed, group, sz)
     return out.to(x.dtype).reshape(*shape[:-1], -1)
+
+
+def pack_rows_int32(q: torch.Tensor) -> torch.Tensor:
+    """[K, N] codes -> [K / 8, N] int32, eight consecutive rows per word, row k at bits 4 * (k % 8)
+    (GPTQ's qweight order; what the Triton w4a16 kernel reads)."""
+    k, n = q.shape
+    q = q.to(torch.int32).reshape(k // 8, 8, n)
+    out = torch.zeros(k // 8, n, dtype=torch.int32)
+    for i in range(8):
+        out |= q[:, i] << (4 * i)
+    return out
+
+
+def unpack_rows_int32(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_rows_int32: [K / 8, N] int32 -> [K, N] uint8 codes."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    q = (packed.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF
+    return q.reshape(-1, packed.shape[1]).to(torch.uint8)
+
+
+def install(
+    layer: torch.nn.Module,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    kernel: Int4Kernel,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Replace a layer's checkpoint parameters by the form `kernel` runs (q [N, K], scale/offset [N, K/g]).
+    Parameters (not buffers), so resident_weight_bytes counts them."""
+    from agentbox.layers.quant.base import Sharding, quant_param
+
+    none = Sharding(None, None)
+    layer.int4_group = q.shape[1] // scale.shape[1]
+    if kernel is Int4Kernel.DENSE:
+        layer.weight = quant_param(dequantize(q, scale, offset).to(device=device, dtype=dtype), none)
+    elif kernel is Int4Kernel.INT4_CPU:
+        packed, sz = pack_int4_cpu(q, scale, offset)
+        layer.weight = quant_param(packed, none)
+        layer.scales_zeros = quant_param(sz, none)
+    else:  # TRITON: codes packed along K, scale/offset [K/g, N] in the compute dtype
+        layer.qweight_t = quant_param(pack_rows_int32(q.t().contiguous()).to(device), none)
+        layer.scale_t = quant_param(scale.t().contiguous().to(device=device, dtype=dtype), none)
+        layer.offset_t = quant_param(offset.t().contiguous().to(device=device, dtype=dtype), none)
+    layer.int4_kernel = kernel
+
+
+def apply(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    kernel: Int4Kernel = layer.int4_kernel
+    if kernel is Int4Kernel.DENSE:
+        return torch.nn.functional.linear(x, layer.weight, bias)
+    if kernel is Int4Kernel.INT4_CPU:
+        out = int4_cpu_mm(x, layer.weight, layer.int4_group, layer.scales_zeros)
+    else:
+        from agentbox.kernels.w4a16 import w4a16_matmul
+
+        shape = x.shape
+        out = w4a16_matmul(x.reshape(-1, shape[-1]), layer.qweight_t, layer.scale_t, layer.offset_t, layer.int4_group)
+        out = out.reshape(*shape[:-1], -1)
+    return out + bias if bias is not None else out
+
+
+def default_kernel(device: torch.device) -> Int4Kernel:
+    return default_cpu_kernel() if device.type == "cpu" else Int4Kernel.TRITON
