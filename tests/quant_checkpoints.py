@@ -104,3 +104,41 @@ def write_int4(path: Path, method: str, sym: bool = False, act_order: bool = Fal
               "damp_percent": 0.01, "static_groups": False, "true_sequential": True, "checkpoint_format": "gptq"}
     (path / "config.json").write_text(json.dumps({**CONFIG, "model_type": "qwen2", "quantization_config": qc}))
     return hf
+
+
+FP8_CONFIG = dict(
+    architectures=["Qwen3ForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=128, max_position_embeddings=128,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16", model_type="qwen3",
+)
+
+
+def write_fp8(path: Path, block: tuple[int, int] = (128, 128)) -> torch.nn.Module:
+    """A Qwen3-*-FP8 style checkpoint (e4m3 weights + float32 weight_scale_inv per 128x128 block) of a tiny
+    Qwen3 whose every dim is whole blocks; returns the dequantised twin."""
+    from transformers import Qwen3Config
+
+    torch.manual_seed(0)
+    cfg = {k: v for k, v in FP8_CONFIG.items() if k != "model_type"}
+    hf = AutoModelForCausalLM.from_config(Qwen3Config(**cfg), attn_implementation="eager").float().eval()
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_((1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p)).bfloat16().float())
+            if not name.endswith("_proj.weight"):
+                state[name] = p.detach().bfloat16()
+                continue
+            out, inp = p.shape
+            bo, bi = block
+            tiles = p.reshape(out // bo, bo, inp // bi, bi)
+            scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-8)
+            q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+            deq = (q.float() * scale[:, None, :, None]).reshape(out, inp)
+            state[name] = q.reshape(out, inp)
+            state[name.replace(".weight", ".weight_scale_inv")] = scale.float()
+            p.copy_(deq)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"))
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    (path / "config.json").write_text(json.dumps({**FP8_CONFIG, "quantization_config": qc}))
+    return hf
