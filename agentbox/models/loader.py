@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from agentbox.config import state_dir
 from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
+from agentbox.layers.quant.lazy import LazySlice
 from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_quant_config, gguf_weights, open_gguf
 from agentbox.models.llama import head_dim_of, num_kv_heads_of
 from agentbox.models.registry import model_class
@@ -72,12 +73,13 @@ def load_config(src: ModelSource) -> PretrainedConfig:
 
 
 def iter_weights(
-    src: ModelSource, config: PretrainedConfig | None = None, keep_quantised: bool = False
+    src: ModelSource, config: PretrainedConfig | None = None, for_engine: bool = False
 ) -> Iterator[tuple[str, Any]]:
-    """HF-named full tensors, one at a time (a shard is open only while it is read). With `keep_quantised`
-    a GGUF's linear weights come as `GGUFBlocks` (the GGUF linear method takes them); otherwise dense."""
+    """HF-named full tensors, one at a time (a shard is open only while it is read). `for_engine`: what our
+    layers' loaders take besides plain tensors: a GGUF's linear weights as `GGUFBlocks`, and under tensor
+    parallelism linear weights as `LazySlice`s each rank narrows before reading. Otherwise dense tensors."""
     if src.kind == "gguf":
-        yield from gguf_weights(src.path, config if config is not None else load_config(src), keep_quantised)
+        yield from gguf_weights(src.path, config if config is not None else load_config(src), for_engine)
         return
     index = src.path / "model.safetensors.index.json"
     if index.is_file():
@@ -85,10 +87,23 @@ def iter_weights(
         paths = [src.path / f for f in files]
     else:
         paths = sorted(src.path.glob("*.safetensors"))
+    # Under tensor parallelism a linear layer's weights come as lazy slices: each rank reads only the rows or
+    # columns of its shard. Everything else (embeddings, norms, MoE experts) is read whole, as before.
+    sliced = for_engine and tp_size() > 1
     for path in paths:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if sliced and _linear_tensor(name):
+                    yield name, LazySlice.of(f.get_slice(name))
+                else:
+                    yield name, f.get_tensor(name)
+
+
+_LINEAR_SUFFIXES = ("_proj.weight", "_proj.bias", ".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale_inv")
+
+
+def _linear_tensor(name: str) -> bool:
+    return name.endswith(_LINEAR_SUFFIXES) and ".experts." not in name
 
 
 def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
@@ -137,7 +152,7 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
             model = cls(config)
     finally:
         torch.set_default_dtype(previous_dtype)
-    model.load_weights(iter_weights(src, config, keep_quantised=True))  # type: ignore[operator]
+    model.load_weights(iter_weights(src, config, for_engine=True))  # type: ignore[operator]
     process_weights_after_loading(model)
     model.eval().requires_grad_(False)
     tp = tp_size()

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from agentbox.layers.quant.formats import QuantMethod
+from agentbox.layers.quant.lazy import materialize
 
 if TYPE_CHECKING:
     from agentbox.layers.linear import LinearBase
@@ -140,7 +141,7 @@ class LinearMethod(ABC):
             src = _narrow(src, sh.in_axis, rng[0], rng[1], sh.in_pack, name)
         if dst.shape != src.shape:
             raise ValueError(f"{type(layer).__name__}: {name} shard shape {tuple(src.shape)} != {tuple(dst.shape)}")
-        dst.copy_(src)
+        dst.copy_(materialize(src))  # a LazySlice is read here: only this rank's part
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         """Once, after every shard is in: repack for the kernel this device runs."""

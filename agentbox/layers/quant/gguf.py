@@ -18,6 +18,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from agentbox.layers.quant import int4
 from agentbox.layers.quant.base import LinearMethod, Sharding, ShardRanges, quant_param, register
 from agentbox.layers.quant.formats import QuantMethod
+from agentbox.layers.quant.lazy import materialize
 
 if TYPE_CHECKING:
     from agentbox.layers.linear import LinearBase
@@ -114,7 +115,7 @@ class GGUFLinearMethod(LinearMethod):
             self.shards[dst_off] = loaded.narrow((src_off, size), cols)
         else:
             t = loaded.narrow(0, src_off, size)
-            self.shards[dst_off] = t.narrow(1, cols[0], cols[1]) if cols is not None else t
+            self.shards[dst_off] = materialize(t.narrow(1, cols[0], cols[1]) if cols is not None else t)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         parts = [self.shards[k] for k in sorted(self.shards)]
