@@ -11,7 +11,9 @@ weight is dequantised once at load (`Int4Kernel.DENSE`); with AVX512-BF16 the in
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from enum import Enum
 from pathlib import Path
 
@@ -24,6 +26,20 @@ class Int4Kernel(Enum):
     TRITON = "triton"  # kernels/w4a16.py: codes packed along K in int32, scale/offset in the compute dtype
 
 
+_override: Int4Kernel | None = None
+
+
+@contextlib.contextmanager
+def cpu_kernel(kernel: Int4Kernel) -> Iterator[None]:
+    """Models loaded inside use `kernel` on CPU (the GGUF benchmark times each choice on one machine)."""
+    global _override
+    previous, _override = _override, kernel
+    try:
+        yield
+    finally:
+        _override = previous
+
+
 @functools.cache
 def cpu_has_avx512_bf16() -> bool:
     try:
@@ -33,6 +49,8 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def default_cpu_kernel() -> Int4Kernel:
+    if _override is not None:
+        return _override
     return Int4Kernel.INT4_CPU if cpu_has_avx512_bf16() else Int4Kernel.DENSE
 
 
