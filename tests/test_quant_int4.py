@@ -55,3 +55,14 @@ def test_int4_cpu_kernel_keeps_weights_4bit(case: str, tmp_path: Path, monkeypat
         m.bias.numel() * 4 for m in layers if m.bias is not None
     )
     assert abs(got_bytes - file_bytes) <= 0.1 * file_bytes, (got_bytes, file_bytes)
+
+
+def test_the_engine_serves_a_gptq_checkpoint(tmp_path: Path) -> None:
+    from agentbox.config import EngineConfig
+    from agentbox.engine.llm import LLM
+
+    hf = write_int4(tmp_path, "gptq", sym=True)
+    llm = LLM(EngineConfig(model=str(tmp_path), device="cpu", num_pages=16))
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPT])).logits[0, -1]
+    torch.testing.assert_close(llm.logits(PROMPT), expected, atol=1e-4, rtol=1e-4)
