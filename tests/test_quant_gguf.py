@@ -146,3 +146,26 @@ def test_int4_cpu_kernel_path_and_resident_bytes(tmp_path: Path, monkeypatch: py
     linear_bytes = sum(resident_weight_bytes(m) for m in layers)
     file_bytes = sum(state[n].numel() for n in state if n.endswith("_proj.weight")) // 32 * 20  # Q4_1: 20 B / 32
     assert abs(linear_bytes - file_bytes) <= 0.1 * file_bytes
+
+
+def test_a_shard_inside_a_block_is_cut_densely() -> None:
+    """Row-parallel shards that split a Q4_K block (256 columns) fall back to this rank's dense rows."""
+    from agentbox.layers.linear import RowParallelLinear
+    from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
+    from agentbox.parallel.state import set_tp_state
+
+    rng = np.random.default_rng(2)
+    blocks = GGUFBlocks(Q.Q4_K, (8, 512), quantise(np.zeros((8, 512), np.float32), Q.Q4_K, rng))
+    full = blocks.dequantize()
+    try:
+        for rank, (start, size) in enumerate([(0, 320), (320, 192)]):
+            set_tp_state(rank, 2)
+            with quant_context(QuantConfig(QuantMethod.GGUF)):
+                layer = RowParallelLinear(512, 8)
+            layer.in_range = lambda start=start, size=size: (start, size)  # an uneven head split, as tp's
+            layer.input_size = size
+            layer.weight.weight_loader(layer.weight, blocks)
+            process_weights_after_loading(layer)
+            torch.testing.assert_close(layer.weight.data, full[:, start : start + size])
+    finally:
+        set_tp_state(0, 1)

@@ -112,7 +112,14 @@ class GGUFLinearMethod(LinearMethod):
         dst_off, src_off, size = layer.out_range(shard_id)
         cols = layer.in_range()
         if isinstance(loaded, GGUFBlocks):
-            self.shards[dst_off] = loaded.narrow((src_off, size), cols)
+            bs = loaded.block[0]
+            if cols is not None and (cols[0] % bs or cols[1] % bs):
+                # A row-parallel shard inside a block (heads of 64 columns, Q4_K blocks of 256): this rank's
+                # rows are dequantised and cut densely, as the loader did before blocks were kept.
+                dense = loaded.narrow((src_off, size), None).dequantize()
+                self.shards[dst_off] = dense.narrow(1, cols[0], cols[1]).contiguous()
+            else:
+                self.shards[dst_off] = loaded.narrow((src_off, size), cols)
         else:
             t = loaded.narrow(0, src_off, size)
             self.shards[dst_off] = materialize(t.narrow(1, cols[0], cols[1]) if cols is not None else t)
