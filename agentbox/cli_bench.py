@@ -69,6 +69,19 @@ def bench_step(
     from agentbox.bench.step_bench import step_report
 
     _print_json(step_report(), json_out)
+@bench_app.command("llamacpp")
+def bench_llamacpp(
+    model: str | None = typer.Option(None, "--model", help="a .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
+    tokens: int = typer.Option(64, "--tokens", min=2, help="tokens generated per request"),
+    prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="prompt tokens per request"),
+    threads: int = typer.Option(1, "--threads", min=1, help="CPU threads for both engines"),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="requests per side; the fastest is kept"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Single-stream prefill/decode of our GGUF kernels against llama.cpp's server on the same file."""
+    from agentbox.bench.llamacpp import compare_llamacpp
+
+    _print_json(compare_llamacpp(_bench_model(model), prompt_len, tokens, threads, repeats), json_out)
 
 
 @bench_app.command("cache")

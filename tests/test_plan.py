@@ -35,8 +35,11 @@ def test_qwen3_8b_on_two_5090s_runs_bf16_on_one_card() -> None:
     assert p.chosen.kv_bytes == 2 * 36 * 8 * 128 * 2 * 32768
     assert p.chosen.need_per_device <= p.chosen.available_bytes
     assert "<= 31.3 GiB free per GPU" in p.chosen.arithmetic
-    assert cand(p, "fp8").reasons == ["engine: no fp8 kernels yet"]
-    assert cand(p, "awq").reasons == ["engine: no awq kernels yet"]
+    fp8 = cand(p, "fp8")  # runnable (w8a16), planned at the file's size
+    assert fp8.ok and fp8.weights_bytes == fp8.variant.size
+    awq = cand(p, "awq")  # runnable, planned at the file's size, with the unverified-kernel caveat
+    assert awq.ok and awq.weights_bytes == awq.variant.size
+    assert any("only under Triton's CPU interpreter" in n for n in awq.notes)
     assert "dequantised at load" in " ".join(cand(p, "q4_k_m").notes)
     assert any("leaving 1 GPU(s) free" in n for n in p.notes)
 
@@ -46,14 +49,17 @@ def test_more_sessions_move_qwen3_8b_to_tensor_parallel() -> None:
     assert p.chosen is not None and p.chosen.tp == 2
 
 
-def test_qwen25_coder_32b_on_two_5090s_nothing_runs_and_says_why() -> None:
+def test_qwen25_coder_32b_on_two_5090s_runs_gptq_with_its_caveat_and_says_why_not_the_rest() -> None:
     p = run("Qwen2.5-Coder-32B-Instruct", "2x-rtx5090")
-    assert p.chosen is None
+    assert p.chosen is not None and p.chosen.variant.name == "gptq-int4"
+    assert p.chosen.weights_bytes == p.chosen.variant.size  # stays 4-bit: resident ~ the file
+    assert any("only under Triton's CPU interpreter" in n for n in p.chosen.notes)
     bf16 = cand(p, "bf16")
     assert bf16.tp == 2 and bf16.reasons == [bf16.reasons[0]] and bf16.reasons[0].startswith("does not fit")
     awq = cand(p, "awq")
-    assert awq.fits  # it would fit, and it is still rejected: the engine lacks AWQ, and AWQ emitted only '!'
+    assert awq.fits  # it would fit, and it is still rejected: this AWQ checkpoint emitted only '!'
     assert sum("only '!'" in r for r in awq.reasons) == 2  # Marlin and classic AWQ kernels
+    assert not any(r.startswith("engine:") for r in awq.reasons)  # our engine runs AWQ
 
 
 def test_qwen3_coder_moe_on_two_5090s_counts_every_expert_and_says_what_fits() -> None:
@@ -159,7 +165,7 @@ def test_plan_command_json_and_table() -> None:
     assert data["chosen"] == "bf16" and data["context"] == 32768
     assert {c["variant"] for c in data["candidates"]} == {"bf16", "fp8", "awq", "q8_0", "q4_k_m"}
     table = runner.invoke(
-        app, ["plan", "Qwen2.5-Coder-32B-Instruct", "--hardware", str(HW / "2x-rtx5090.json")]
+        app, ["plan", "gpt-oss-120b", "--hardware", str(HW / "2x-rtx5090.json")]
     )
     assert table.exit_code == 2  # nothing runs: a script can tell
     assert "does not fit" in table.output and "no variant runs" in table.output

@@ -21,6 +21,7 @@ from agentbox.engine.step_inputs import StepInputs
 from agentbox.layers.backends import select_backend
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
+from agentbox.layers.quant import resident_weight_bytes
 from agentbox.models.loader import LoadedModel, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 
@@ -43,14 +44,6 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     if dev.type != "cuda":
         return dev
     return torch.device("cuda", (dev.index or 0) + rank)
-
-
-def resident_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of this rank's parameters, each storage counted once (a tied LM head shares the embedding)."""
-    seen: dict[int, int] = {}
-    for p in model.parameters():
-        seen[p.data_ptr()] = p.numel() * p.element_size()
-    return sum(seen.values())
 
 
 class ModelRunner:

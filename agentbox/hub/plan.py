@@ -13,6 +13,7 @@ from typing import Any
 
 from agentbox.hub.profiles import QUANTISED_FORMATS, Profile, Variant
 from agentbox.hw.probe import GIB, Probe
+from agentbox.layers.quant.formats import METHODS, KernelStatus, QuantMethod, engine_formats, method_of_format
 
 # What agentbox's engine runs today (models/ and layers/). Grow these as kernels land.
 ENGINE_ARCHITECTURES = frozenset(
@@ -25,7 +26,8 @@ ENGINE_ARCHITECTURES = frozenset(
         "GptOssForCausalLM",
     }
 )
-ENGINE_FORMATS = frozenset({"bf16", "fp16", "fp32", "gguf"})  # gguf: dequantised at load
+QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)
+ENGINE_FORMATS = engine_formats()  # the linear-method registry's formats (layers/quant/formats.py)
 # Formats one architecture runs beyond those: gpt-oss's MXFP4 experts stay resident (layers/mxfp4.py).
 ARCHITECTURE_FORMATS: dict[str, frozenset[str]] = {"GptOssForCausalLM": frozenset({"mxfp4"})}
 # Architectures known and deliberately not run, with the missing piece named.
@@ -198,8 +200,11 @@ def _candidate(
         reasons.append(
             f"does not fit: needs {_gb(cand.need_per_device)} {where}, {_gb(cand.available_bytes)} free"
         )
-    if variant.format == "gguf" and variant.format in ENGINE_FORMATS:
-        notes.append(f"gguf is dequantised at load: {_gb(variant.size)} on disk, {_gb(weights)} resident")
+    method = method_of_format(variant.format)
+    if method is not None and method in QUANTISED_METHODS and weights > variant.size * 1.1:
+        notes.append(f"{variant.format} is dequantised at load: {_gb(variant.size)} on disk, {_gb(weights)} resident")
+    if (caveat := kernel_caveat(variant, device)) is not None:
+        notes.append(caveat)
     if profile.moe:
         # Every expert is resident (memory above); a decoded token reads only the active share (speed).
         notes.append(
@@ -229,11 +234,32 @@ def active_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:
 
 
 def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:
-    """Bytes the weights occupy once loaded. Quantised formats stay as stored; our engine converts the rest
-    to its compute dtype (bf16 on GPU, fp32 on CPU; see EngineConfig.resolved_dtype)."""
-    if variant.format in QUANTISED_FORMATS:
+    """Bytes the weights occupy once loaded. A method that keeps its weights quantised holds about the
+    file's bytes; the rest become the compute dtype (bf16 on GPU, fp32 on CPU; EngineConfig.resolved_dtype).
+    On CPU every quantised method is dequantised once at load (the faster path on AVX2; see
+    layers/quant/int4.py), so it is planned at fp32 there."""
+    method = method_of_format(variant.format)
+    if method is None and variant.format in QUANTISED_FORMATS:
+        return variant.size  # not runnable here anyway: planned as an engine that keeps it quantised
+    if method is not None and METHODS[method].stays_quantised and device == "cuda":
         return variant.size
     return profile.params * (2 if device == "cuda" else 4)
+
+
+def kernel_caveat(variant: Variant, device: str) -> str | None:
+    """What is not verified about the kernel this variant would run on (the canary checks it first)."""
+    method = method_of_format(variant.format)
+    if method is None or device != "cuda":
+        return None
+    status = METHODS[method].gpu
+    if status is KernelStatus.INTERPRETER_ONLY:
+        return (
+            f"{variant.format}: our Triton kernel is verified only under Triton's CPU interpreter, not on this "
+            f"GPU family; the canary runs before the first serve"
+        )
+    if status is KernelStatus.DEQUANT_FALLBACK:
+        return f"{variant.format}: no fused GPU kernel yet; weights dequantised per matmul (slow decode)"
+    return None
 
 
 def tp_sizes(profile: Profile, num_gpus: int) -> list[int]:

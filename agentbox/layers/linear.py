@@ -1,19 +1,21 @@
-"""Tensor-parallel linear layers (nano-vllm style).
+"""Tensor-parallel linear layers (nano-vllm style), each holding a linear method (`layers/quant/`).
 
 Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that takes the full
-Hugging Face tensor and copies this rank's shard into place, so the model's loader never needs to know
-how a layer is split. Column-parallel layers split the output dim; row-parallel layers split the input dim
-and all-reduce their partial sums inside forward, so the model file never calls a collective.
+checkpoint tensor and copies this rank's shard into place, so the model's loader never needs to know how a
+layer is split. The layer computes the shard in logical [out, in] coordinates (`out_range`, `in_range`);
+its method maps them onto whatever layout it stores (dense, packed int4, blocks, per-group scales).
+Column-parallel layers split the output dim; row-parallel layers split the input dim and all-reduce their
+partial sums inside forward, so the model file never calls a collective.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from agentbox.layers.quant import LinearMethod, Sharding, linear_method, quant_param
 from agentbox.parallel.state import all_reduce, head_shard, tp_rank, tp_size
 
 
@@ -23,79 +25,65 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-class LinearBase(nn.Module, ABC):
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None) -> None:
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, prefix: str = "") -> None:
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_rank = tp_rank()
         self.tp_size = tp_size()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.input_size, self.output_size = input_size, output_size  # this rank's
+        self.quant_method: LinearMethod = linear_method(prefix)
+        self.quant_method.create_weights(self, input_size, output_size, torch.get_default_dtype())
         if bias:
-            self.bias: nn.Parameter | None = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            self.bias: nn.Parameter | None = quant_param(torch.empty(output_size), Sharding(0, None))
         else:
             self.register_parameter("bias", None)
+        for p in self.parameters(recurse=False):
+            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    @abstractmethod
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
-        """Copy this rank's shard of a checkpoint tensor into `param` (each layer shards its own way)."""
+    def out_range(self, shard_id: str | int | None) -> tuple[int, int, int]:
+        """(offset in this layer's output rows, offset in the checkpoint tensor's rows, rows)."""
+        return 0, 0, self.output_size
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-        if dst.shape != src.shape:
-            raise ValueError(
-                f"{type(self).__name__}: {name} shard shape {tuple(src.shape)} != {tuple(dst.shape)}"
-            )
-        dst.copy_(src)
+    def in_range(self) -> tuple[int, int] | None:
+        return None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: str | int | None = None) -> None:
+        name = next((n for n, p in self.named_parameters(recurse=False) if p is param), "weight")
+        self.quant_method.load(self, param, loaded_weight, shard_id, name if shard_id is None else f"shard {shard_id}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, output_size, bias, None)
-
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
-        self._copy(param.data, loaded_weight, "weight")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, prefix: str = "") -> None:
+        super().__init__(input_size, output_size, bias, None, prefix)
 
 
 class ColumnParallelLinear(LinearBase):
     """y = x W^T with W split by output rows; each rank returns its slice of the output features."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, _divide(output_size, tp_size(), "output size"), bias, 0)
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, prefix: str = "") -> None:
+        super().__init__(input_size, _divide(output_size, tp_size(), "output size"), bias, 0, prefix)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
-        size = param.data.size(0)
-        self._copy(param.data, loaded_weight.narrow(0, self.tp_rank * size, size), "weight")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def out_range(self, shard_id: str | int | None) -> tuple[int, int, int]:
+        return 0, self.tp_rank * self.output_size, self.output_size
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections stacked in one matmul (gate_up: shard ids 0 and 1)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, prefix: str = "") -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, prefix)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
+    def out_range(self, shard_id: str | int | None) -> tuple[int, int, int]:
         if not isinstance(shard_id, int):
             raise ValueError(f"MergedColumnParallelLinear needs an integer shard id, got {shard_id!r}")
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         size = self.output_sizes[shard_id] // self.tp_size
-        dst = param.data.narrow(0, offset, size)
-        self._copy(dst, loaded_weight.narrow(0, self.tp_rank * size, size), f"shard {shard_id}")
+        return offset, self.tp_rank * size, size
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -109,16 +97,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: int,
         bias: bool = False,
+        prefix: str = "",
     ) -> None:
         self.head_dim = head_dim
         self.shard = head_shard(total_num_heads, total_num_kv_heads)
         self.num_heads = self.shard.num_heads
         self.num_kv_heads = self.shard.num_kv_heads
-        LinearBase.__init__(self, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, 0)
+        LinearBase.__init__(self, hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, 0, prefix)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
+    def out_range(self, shard_id: str | int | None) -> tuple[int, int, int]:
         d, sh = self.head_dim, self.shard
         q_size, kv_size = sh.num_heads * d, sh.num_kv_heads * d
         if shard_id == "q":
@@ -129,8 +116,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             offset, size, start = q_size + kv_size, kv_size, sh.kv_start * d
         else:
             raise ValueError(f"QKVParallelLinear shard id must be 'q', 'k' or 'v', got {shard_id!r}")
-        dst = param.data.narrow(0, offset, size)
-        self._copy(dst, loaded_weight.narrow(0, start, size), f"shard {shard_id}")
+        return offset, start, size
 
 
 class RowParallelLinear(LinearBase):
@@ -138,22 +124,21 @@ class RowParallelLinear(LinearBase):
     `input_shard` (start, size) overrides the even split (o_proj follows its rank's attention heads)."""
 
     def __init__(
-        self, input_size: int, output_size: int, bias: bool = False, input_shard: tuple[int, int] | None = None
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        prefix: str = "",
+        input_shard: tuple[int, int] | None = None,
     ) -> None:
         self.input_start = None if input_shard is None else input_shard[0]
         local = _divide(input_size, tp_size(), "input size") if input_shard is None else input_shard[1]
-        super().__init__(local, output_size, bias, 1)
+        super().__init__(local, output_size, bias, 1, prefix)
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
-        if param.data.dim() == 1:  # bias: replicated, only rank 0 adds it
-            self._copy(param.data, loaded_weight, "bias")
-            return
-        size = param.data.size(1)
-        start = self.tp_rank * size if self.input_start is None else self.input_start
-        self._copy(param.data, loaded_weight.narrow(1, start, size), "weight")
+    def in_range(self) -> tuple[int, int] | None:
+        start = self.tp_rank * self.input_size if self.input_start is None else self.input_start
+        return start, self.input_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return all_reduce(F.linear(x, self.weight, bias))
+        return all_reduce(self.quant_method.apply(self, x, bias))

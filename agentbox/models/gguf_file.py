@@ -18,7 +18,9 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from agentbox.models.gguf_reader import GGUFFile
+from agentbox.layers.quant import QuantConfig, QuantMethod
+from agentbox.layers.quant.gguf import FLOAT_TYPES, GGUFBlocks
+from agentbox.models.gguf_reader import GGUFFile, GGUFTensor
 
 # GGUF general.architecture -> (config class, HF architectures name)
 GGUF_ARCHS: dict[str, tuple[type[PretrainedConfig], str]] = {
@@ -140,12 +142,42 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def gguf_weights(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _kept_quantised(name: str, tensor: GGUFTensor) -> bool:
+    """Linear-layer weights stay as the file's blocks; embeddings, norms and float tensors are dense."""
+    return name.endswith("_proj.weight") and tensor.qtype not in FLOAT_TYPES and len(tensor.shape) == 2
+
+
+def gguf_quant_config(path: Path) -> QuantConfig:
+    """The file's tensor types choose: any quantised linear weight makes it the GGUF method."""
+    reader = open_gguf(path)
+    quantised = any(
+        (name := hf_tensor_name(t.name)) is not None and _kept_quantised(name, t) for t in reader.tensors
+    )
+    return QuantConfig(QuantMethod.GGUF) if quantised else QuantConfig()
+
+
+def _unpermute_rows(raw: np.ndarray, n_head: int) -> np.ndarray:
+    """`_unpermute` on whole stored rows (each row is its blocks' bytes, so rows move as units)."""
+    dim = raw.shape[0] // n_head // 2
+    return raw.reshape(n_head, dim, 2, -1).swapaxes(2, 1).reshape(raw.shape)
+
+
+def gguf_weights(
+    path: Path, config: PretrainedConfig, keep_quantised: bool = False
+) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """HF-named weights; with `keep_quantised`, linear weights come as GGUFBlocks (views of the file)."""
     reader = open_gguf(path)
     permuted = gguf_metadata(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
+            continue
+        if keep_quantised and _kept_quantised(name, tensor):
+            raw = reader.raw(tensor)
+            heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+            if permuted and (".q_proj." in name or ".k_proj." in name):
+                raw = _unpermute_rows(raw, heads)
+            yield name, GGUFBlocks(tensor.qtype, (tensor.shape[0], tensor.shape[1]), raw)
             continue
         data = gguf.quants.dequantize(reader.raw(tensor), tensor.qtype).reshape(tensor.shape)
         if not data.flags.writeable:  # F32 tensors come back as a view of the read-only file map

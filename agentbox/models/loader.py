@@ -21,11 +21,13 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from agentbox.config import state_dir
-from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_weights, open_gguf
+from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
+from agentbox.layers.quant.lazy import LazySlice
+from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_quant_config, gguf_weights, open_gguf
 from agentbox.models.llama import head_dim_of, num_kv_heads_of
 from agentbox.models.registry import model_class
 from agentbox.models.weight_loader import load_weights
-from agentbox.parallel.state import head_shard
+from agentbox.parallel.state import head_shard, tp_size
 
 # End-of-turn tokens of common chat templates: generation must stop on them even where the checkpoint's
 # eos is the end-of-document token (SmolLM2, Qwen2.5, Llama 3 instruct).
@@ -60,6 +62,11 @@ def resolve_model(path: str) -> ModelSource:
     )
 
 
+def quant_config(src: ModelSource, config: PretrainedConfig) -> QuantConfig:
+    """The checkpoint's quantisation: config.json's quantization_config, or a GGUF file's tensor types."""
+    return gguf_quant_config(src.path) if src.kind == "gguf" else QuantConfig.of(config)
+
+
 def load_config(src: ModelSource) -> PretrainedConfig:
     if src.kind == "gguf":
         return gguf_config(src.path)
@@ -67,11 +74,13 @@ def load_config(src: ModelSource) -> PretrainedConfig:
 
 
 def iter_weights(
-    src: ModelSource, config: PretrainedConfig | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full tensors, one at a time (a shard is open only while it is read)."""
+    src: ModelSource, config: PretrainedConfig | None = None, for_engine: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """HF-named full tensors, one at a time (a shard is open only while it is read). `for_engine`: what our
+    layers' loaders take besides plain tensors: a GGUF's linear weights as `GGUFBlocks`, and under tensor
+    parallelism linear weights as `LazySlice`s each rank narrows before reading. Otherwise dense tensors."""
     if src.kind == "gguf":
-        yield from gguf_weights(src.path, config if config is not None else load_config(src))
+        yield from gguf_weights(src.path, config if config is not None else load_config(src), for_engine)
         return
     index = src.path / "model.safetensors.index.json"
     if index.is_file():
@@ -79,10 +88,23 @@ def iter_weights(
         paths = [src.path / f for f in files]
     else:
         paths = sorted(src.path.glob("*.safetensors"))
+    # Under tensor parallelism a linear layer's weights come as lazy slices: each rank reads only the rows or
+    # columns of its shard. Everything else (embeddings, norms, MoE experts) is read whole, as before.
+    sliced = for_engine and tp_size() > 1
     for path in paths:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if sliced and _linear_tensor(name):
+                    yield name, LazySlice.of(f.get_slice(name))
+                else:
+                    yield name, f.get_tensor(name)
+
+
+_LINEAR_SUFFIXES = ("_proj.weight", "_proj.bias", ".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale_inv")
+
+
+def _linear_tensor(name: str) -> bool:
+    return name.endswith(_LINEAR_SUFFIXES) and ".experts." not in name
 
 
 def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
@@ -125,11 +147,14 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):  # parameters are allocated in place (torch.empty), never initialised
+        # Parameters are allocated in place (torch.empty), never initialised; the checkpoint's quantisation
+        # picks every linear layer's method.
+        with torch.device(device), quant_context(quant_config(src, config)):
             model = cls(config)
     finally:
         torch.set_default_dtype(previous_dtype)
-    load_weights(model, iter_weights(src, config))
+    load_weights(model, iter_weights(src, config, for_engine=True))
+    process_weights_after_loading(model)
     model.eval().requires_grad_(False)
     shard = head_shard(config.num_attention_heads, num_kv_heads_of(config))
     return LoadedModel(

@@ -1,0 +1,99 @@
+"""Single-stream prefill and decode of our engine against llama.cpp's server on the same GGUF, at the same
+thread count, in one run: each CPU kernel our GGUF method can use (dense dequantised, torch's int4), and
+llama.cpp (llama-cpp-python's server) when it is installed. Ratios are ours / llama.cpp.
+
+Ours is timed in process (engine steps, as `bench throughput` does); llama.cpp over its HTTP stream (first
+streamed token closes the prefill, the last one the decode), which costs it an SSE event per token (well
+under a millisecond on loopback). Prompts are the same random token ids for both, detokenised for
+llama.cpp; its server does not honour ignore_eos, so its decode rate counts the tokens it did stream.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from agentbox.bench.spawn import llamacpp_target, spawned
+from agentbox.bench.throughput import Rates, engine_rates, random_prompts
+from agentbox.config import EngineConfig
+from agentbox.engine.llm import LLM
+from agentbox.layers.quant import int4, resident_weight_bytes
+from agentbox.models.loader import load_tokenizer, resolve_model
+
+
+def _ours(gguf: str, kernel: int4.Int4Kernel, prompts: list[list[int]], new_tokens: int, threads: int) -> dict[str, Any]:
+    with int4.cpu_kernel(kernel):
+        llm = LLM(EngineConfig(model=gguf, device="cpu", cpu_threads=threads, cache_policy="none", num_pages=64))
+    engine_rates(llm, random_prompts(1, 8, llm.loaded.vocab_size, 0), 2)  # warm-up
+    runs = [engine_rates(llm, [p], new_tokens) for p in prompts]
+    out = {"resident_weight_bytes": resident_weight_bytes(llm.loaded.model), **_best(runs)}
+    del llm
+    gc.collect()
+    return out
+
+
+def _best(runs: list[Rates]) -> dict[str, Any]:
+    return {
+        "prefill_tok_s": max(r.prefill_tok_s for r in runs),
+        "decode_tok_s": max(r.decode_tok_s for r in runs),
+        "runs": [r.as_dict() for r in runs],
+    }
+
+
+def _llamacpp_rates(url: str, text: str, prompt_len: int, new_tokens: int) -> Rates:
+    body = {"prompt": text, "max_tokens": new_tokens, "temperature": 0.0, "stream": True}
+    times: list[float] = []
+    start = time.perf_counter()
+    with httpx.Client(timeout=600.0) as client, client.stream("POST", url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    if len(times) < 2:
+        raise RuntimeError(f"llama.cpp streamed {len(times)} tokens")
+    return Rates(1, prompt_len, len(times), times[0] - start, times[-1] - times[0])
+
+
+def _llamacpp(gguf: str, texts: list[str], prompt_len: int, new_tokens: int, threads: int) -> dict[str, Any]:
+    target = llamacpp_target(gguf, n_ctx=prompt_len + new_tokens + 64)
+    if target.command is None:
+        return {"skipped": target.note}
+    cmd = [*target.command, "--n_threads", str(threads), "--n_threads_batch", str(threads)]
+    with tempfile.TemporaryDirectory() as tmp, spawned(cmd, Path(tmp) / "llama.cpp.log", target.ready_paths) as (url, _):
+        _llamacpp_rates(url, texts[0][:200], 8, 2)  # warm-up
+        return _best([_llamacpp_rates(url, t, prompt_len, new_tokens) for t in texts])
+
+
+def compare_llamacpp(gguf: str, prompt_len: int = 128, new_tokens: int = 64, threads: int = 1, repeats: int = 2) -> dict[str, Any]:
+    src = resolve_model(gguf)
+    if src.kind != "gguf":
+        raise ValueError(f"{gguf!r} is not a GGUF file: the llama.cpp comparison needs one")
+    tokenizer = load_tokenizer(src)
+    prompts = random_prompts(repeats, prompt_len, len(tokenizer), seed=3)
+    texts = [tokenizer.decode(p) for p in prompts]
+    previous = torch.get_num_threads()
+    report: dict[str, Any] = {"model": gguf, "threads": threads, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                              "repeats": repeats, "avx512_bf16": int4.cpu_has_avx512_bf16(),
+                              "default_kernel": int4.default_cpu_kernel().value}
+    try:
+        report["ours"] = {k.value: _ours(gguf, k, prompts, new_tokens, threads)
+                          for k in (int4.Int4Kernel.DENSE, int4.Int4Kernel.INT4_CPU)}
+    finally:
+        torch.set_num_threads(previous)
+    report["llama.cpp"] = theirs = _llamacpp(gguf, texts, prompt_len, new_tokens, threads)
+    if "skipped" not in theirs:
+        report["ratios"] = {
+            f"{phase}_{kernel}": ours[f"{phase}_tok_s"] / theirs[f"{phase}_tok_s"]
+            for kernel, ours in report["ours"].items() for phase in ("prefill", "decode")
+        }
+    return report

@@ -1,0 +1,28 @@
+"""Linear methods: how a linear layer holds and applies its weight, chosen by the checkpoint."""
+
+from agentbox.layers.quant import awq, fp8, gguf, gptq, unquantized  # noqa: F401  (registers the methods)
+from agentbox.layers.quant.base import (
+    LinearMethod,
+    QuantConfig,
+    Sharding,
+    linear_method,
+    process_weights_after_loading,
+    quant_context,
+    quant_param,
+    registered,
+    resident_weight_bytes,
+)
+from agentbox.layers.quant.formats import QuantMethod
+
+__all__ = [
+    "LinearMethod",
+    "QuantConfig",
+    "QuantMethod",
+    "Sharding",
+    "linear_method",
+    "process_weights_after_loading",
+    "quant_context",
+    "quant_param",
+    "registered",
+    "resident_weight_bytes",
+]

@@ -1,0 +1,217 @@
+"""The linear-method interface and its registry.
+
+A linear layer (`layers/linear.py`) owns no weight layout of its own: its method creates the parameters,
+loads checkpoint tensors into them (this rank's TP shard), post-processes them once after loading
+(repacking for a kernel), and applies the matmul. The checkpoint chooses the method (`QuantConfig.of`),
+the loader makes it current while the model is built (`quant_context`), and each layer asks for it.
+
+TP shards are computed once, by the layer, in logical coordinates of the [out, in] weight; every parameter
+says which of its axes carry the output and input dims and how many logical elements one stored element
+covers there (`Sharding`: 8 for int4 packed into int32, 128 for a per-group scale), so one generic loader
+narrows every layout. A shard that does not fall on a pack or group boundary is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+from torch import nn
+
+from agentbox.layers.quant.formats import QuantMethod
+from agentbox.layers.quant.lazy import materialize
+
+if TYPE_CHECKING:
+    from agentbox.layers.linear import LinearBase
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What a checkpoint says about its quantisation (config.json's `quantization_config`, or GGUF)."""
+
+    method: QuantMethod = QuantMethod.UNQUANTIZED
+    bits: int = 16
+    group_size: int = -1  # -1: one group per row (per-channel)
+    sym: bool = True  # GPTQ: symmetric (zero point 8 implied; qzeros still stored)
+    desc_act: bool = False  # GPTQ act-order: g_idx permutes the groups
+    block_size: tuple[int, int] = (128, 128)  # FP8: [out, in] elements per weight_scale_inv entry
+    skip_modules: tuple[str, ...] = field(default_factory=tuple)  # modules_to_not_convert
+    kernel: Any = None  # an int4.Int4Kernel to force (benchmarks); None: the device's default
+
+    @staticmethod
+    def of(hf_config: Any) -> QuantConfig:
+        """The checkpoint's method. Unknown methods are refused by name rather than run unquantised."""
+        raw = getattr(hf_config, "quantization_config", None)
+        if raw is None:
+            return QuantConfig()
+        q = raw if isinstance(raw, dict) else raw.to_dict()
+        name = str(q.get("quant_method", "")).lower()
+        skip = tuple(q.get("modules_to_not_convert") or ())
+        if name == "fp8":
+            block = q.get("weight_block_size")
+            if not block or len(block) != 2:
+                raise ValueError("quantization_config.weight_block_size: FP8 needs a [out, in] block size")
+            return QuantConfig(QuantMethod.FP8_BLOCK, 8, block_size=(int(block[0]), int(block[1])), skip_modules=skip)
+        if name in ("awq", "gptq"):
+            bits = int(q.get("bits", q.get("w_bit", 4)))
+            if bits != 4:
+                raise ValueError(f"quantization_config.bits: {name} with {bits} bits is not supported (4 only)")
+            group = int(q.get("group_size", q.get("q_group_size", 128)))
+            if name == "awq":
+                version = str(q.get("version", "gemm")).lower()
+                if version != "gemm":
+                    raise ValueError(f"quantization_config.version: AWQ {version!r} is not supported (gemm only)")
+                return QuantConfig(QuantMethod.AWQ, 4, group, sym=False, skip_modules=skip)
+            return QuantConfig(
+                QuantMethod.GPTQ, 4, group, sym=bool(q.get("sym", True)), desc_act=bool(q.get("desc_act", False)),
+                skip_modules=skip,
+            )
+        if name == "gguf":
+            return QuantConfig(QuantMethod.GGUF)
+        if name == "mxfp4":
+            # gpt-oss: only the experts are MXFP4 and the MoE layer reads them as stored (layers/mxfp4.py);
+            # its attention and router linears are unquantised.
+            return QuantConfig(skip_modules=skip)
+        raise ValueError(f"quantization_config.quant_method {name!r} is not supported (fp8, awq, gptq, gguf, mxfp4)")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """Where a parameter keeps the logical output / input dims (None: it has no such axis, replicated)."""
+
+    out_axis: int | None
+    in_axis: int | None
+    out_pack: int = 1  # logical output elements per stored element along out_axis
+    in_pack: int = 1  # logical input elements per stored element along in_axis
+
+
+def quant_param(data: torch.Tensor, sharding: Sharding) -> nn.Parameter:
+    p = nn.Parameter(data, requires_grad=False)
+    p.sharding = sharding  # type: ignore[attr-defined]
+    return p
+
+
+class ShardRanges(Protocol):
+    """What a layer tells its method about one checkpoint tensor: logical ranges, this rank's part."""
+
+    def out_range(self, shard_id: str | int | None) -> tuple[int, int, int]:
+        """(offset in this layer's output rows, offset in the checkpoint tensor's rows, row count)."""
+        ...
+
+    def in_range(self) -> tuple[int, int] | None:
+        """(start, size) of this rank's input columns in the checkpoint tensor; None: all of them."""
+        ...
+
+
+def _narrow(t: torch.Tensor, axis: int, start: int, size: int, pack: int, what: str) -> torch.Tensor:
+    # A shard must start on a pack/group boundary; its end may cut a partial last block (FP8 scales of a
+    # dim that is not a multiple of 128 cover it with one more row), which the shape check then judges.
+    if start % pack:
+        raise ValueError(
+            f"{what}: tensor-parallel shard [{start}, {start + size}) does not fall on a {pack}-element "
+            f"boundary of the quantised layout"
+        )
+    return t.narrow(axis, start // pack, min(-(-size // pack), t.shape[axis] - start // pack))
+
+
+class LinearMethod(ABC):
+    """One way of holding and applying a linear layer's weight."""
+
+    kind: ClassVar[QuantMethod]
+
+    def __init__(self, config: QuantConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        """Register this rank's parameters on `layer` (each `quant_param` with its Sharding)."""
+
+    def load(
+        self, layer: ShardRanges, param: nn.Parameter, loaded: Any, shard_id: str | int | None, name: str
+    ) -> None:
+        """Copy this rank's shard of a checkpoint tensor into `param` (narrowed along its Sharding)."""
+        sh: Sharding = param.sharding  # type: ignore[attr-defined]
+        dst, src = param.data, loaded
+        dst_off, src_off, size = layer.out_range(shard_id)
+        if sh.out_axis is not None:
+            dst = _narrow(dst, sh.out_axis, dst_off, size, sh.out_pack, name)
+            src = _narrow(src, sh.out_axis, src_off, size, sh.out_pack, name)
+        rng = layer.in_range()
+        if rng is not None and sh.in_axis is not None:
+            src = _narrow(src, sh.in_axis, rng[0], rng[1], sh.in_pack, name)
+        if dst.shape != src.shape:
+            raise ValueError(f"{type(layer).__name__}: {name} shard shape {tuple(src.shape)} != {tuple(dst.shape)}")
+        dst.copy_(materialize(src))  # a LazySlice is read here: only this rank's part
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Once, after every shard is in: repack for the kernel this device runs."""
+        return None
+
+    @abstractmethod
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] -> [..., out] for this rank."""
+
+    def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
+        """This rank's weight as a dense [out, in] fp32 tensor (the method's torch reference)."""
+        raise NotImplementedError(f"{type(self).__name__} has no dense reference")
+
+
+_REGISTRY: dict[QuantMethod, type[LinearMethod]] = {}
+
+
+def register(cls: type[LinearMethod]) -> type[LinearMethod]:
+    _REGISTRY[cls.kind] = cls
+    return cls
+
+
+def registered() -> dict[QuantMethod, type[LinearMethod]]:
+    return dict(_REGISTRY)
+
+
+_current = QuantConfig()
+
+
+@contextlib.contextmanager
+def quant_context(config: QuantConfig) -> Iterator[None]:
+    """Layers built inside take their method from `config` (the loader wraps model construction)."""
+    global _current
+    previous, _current = _current, config
+    try:
+        yield
+    finally:
+        _current = previous
+
+
+def linear_method(prefix: str = "") -> LinearMethod:
+    config = _current
+    if config.method is not QuantMethod.UNQUANTIZED and any(s in prefix for s in config.skip_modules):
+        config = QuantConfig()
+    if config.method not in _REGISTRY:
+        raise ValueError(f"no linear method registered for {config.method.value}")
+    return _REGISTRY[config.method](config)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, LinearMethod):
+            method.process_weights_after_loading(module)  # type: ignore[arg-type]
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter the model holds, measured from the tensors (shared storage, e.g. a tied LM
+    head, counted once). Methods keep their repacked tensors as parameters, so they are counted too; buffers
+    (rotary tables) are not weights."""
+    seen: set[int] = set()
+    total = 0
+    for t in model.parameters():
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.numel() == 0:
+            continue
+        seen.add(key)
+        total += t.untyped_storage().nbytes()
+    return total

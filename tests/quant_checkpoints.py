@@ -1,0 +1,144 @@
+"""Tiny random checkpoints quantised by the tests into published on-disk layouts (names, dtypes, shapes and
+config keys as released checkpoints have them), each with its dequantised twin for transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from agentbox.layers.quant.awq import awq_pack
+from agentbox.layers.quant.int4 import pack_rows_int32
+
+CONFIG = dict(
+    architectures=["Qwen2ForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="float16",
+)
+INPUT_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+PROMPT = [5, 17, 100, 3, 99, 42, 7, 120, 64, 1, 33, 8]
+
+
+def random_hf(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(Qwen2Config(**CONFIG), attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_((1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p)).half().float())
+    return hf
+
+
+def _asym(w: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit over `rows` of w [in, out] (in-major): codes, fp16 scale [out], zero [out]."""
+    part = w[rows]
+    lo, hi = part.min(0).values.clamp(max=0), part.max(0).values.clamp(min=0)
+    scale = ((hi - lo) / 15).clamp(min=1e-6).half()
+    zero = torch.round(-lo / scale.float()).clamp(0, 15)
+    q = torch.clamp(torch.round(part / scale.float()) + zero, 0, 15)
+    return q.to(torch.uint8), scale, zero.to(torch.uint8)
+
+
+def _sym(w: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    part = w[rows]
+    scale = (part.abs().max(0).values / 7).clamp(min=1e-6).half()
+    q = torch.clamp(torch.round(part / scale.float()) + 8, 0, 15)
+    return q.to(torch.uint8), scale, torch.full_like(scale, 8, dtype=torch.uint8)
+
+
+def quantise_int4(
+    w_out_in: torch.Tensor, group: int, sym: bool, g_idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [in, out], scales [groups, out] fp16, zeros [groups, out], dequantised [out, in] fp32)."""
+    w = w_out_in.t().float()
+    k, n = w.shape
+    q = torch.empty(k, n, dtype=torch.uint8)
+    groups = k // group
+    scales, zeros = torch.empty(groups, n, dtype=torch.float16), torch.empty(groups, n, dtype=torch.uint8)
+    for gi in range(groups):
+        rows = (g_idx == gi).nonzero().flatten()
+        q[rows], scales[gi], zeros[gi] = (_sym if sym else _asym)(w, rows)
+    deq = (q.float() - zeros[g_idx].float()) * scales[g_idx].float()
+    return q, scales, zeros, deq.t().contiguous()
+
+
+def write_int4(path: Path, method: str, sym: bool = False, act_order: bool = False, group: int = 128) -> torch.nn.Module:
+    """An AWQ (AutoAWQ GEMM) or GPTQ (v1) checkpoint of a tiny Qwen2; returns the dequantised twin."""
+    hf = random_hf()
+    state: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(1)
+    perms: dict[tuple[str, int], torch.Tensor] = {}
+    for name, p in hf.state_dict().items():
+        if not name.endswith("_proj.weight"):
+            state[name] = p.half()
+            continue
+        base = name.removesuffix(".weight")
+        k = p.shape[1]
+        g_idx = torch.arange(k) // group
+        if act_order:  # the order follows the layer input's Hessian: q/k/v share one, gate/up another
+            proj = base.rsplit(".", 1)[1]
+            key = (base.rsplit(".", 2)[0], INPUT_OF.get(proj, proj))
+            if key not in perms:
+                perms[key] = torch.randperm(k, generator=gen)
+            g_idx = g_idx[perms[key]]
+        q, scales, zeros, deq = quantise_int4(p, group, sym, g_idx)
+        if method == "awq":
+            state[f"{base}.qweight"] = awq_pack(q)
+            state[f"{base}.qzeros"] = awq_pack(zeros)
+        else:
+            state[f"{base}.qweight"] = pack_rows_int32(q)
+            state[f"{base}.qzeros"] = pack_rows_int32((zeros.to(torch.int32) - 1).t().contiguous()).t().contiguous()
+            state[f"{base}.g_idx"] = g_idx.to(torch.int32)
+        state[f"{base}.scales"] = scales
+        with torch.no_grad():
+            p.copy_(deq)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"))
+    if method == "awq":
+        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+              "modules_to_not_convert": None}
+    else:
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": act_order,
+              "damp_percent": 0.01, "static_groups": False, "true_sequential": True, "checkpoint_format": "gptq"}
+    (path / "config.json").write_text(json.dumps({**CONFIG, "model_type": "qwen2", "quantization_config": qc}))
+    return hf
+
+
+FP8_CONFIG = dict(
+    architectures=["Qwen3ForCausalLM"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=128, vocab_size=128, max_position_embeddings=128,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16", model_type="qwen3",
+)
+
+
+def write_fp8(path: Path, block: tuple[int, int] = (128, 128)) -> torch.nn.Module:
+    """A Qwen3-*-FP8 style checkpoint (e4m3 weights + float32 weight_scale_inv per 128x128 block) of a tiny
+    Qwen3 whose every dim is whole blocks; returns the dequantised twin."""
+    from transformers import Qwen3Config
+
+    torch.manual_seed(0)
+    cfg = {k: v for k, v in FP8_CONFIG.items() if k != "model_type"}
+    hf = AutoModelForCausalLM.from_config(Qwen3Config(**cfg), attn_implementation="eager").float().eval()
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_((1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p)).bfloat16().float())
+            if not name.endswith("_proj.weight"):
+                state[name] = p.detach().bfloat16()
+                continue
+            out, inp = p.shape
+            bo, bi = block
+            tiles = p.reshape(out // bo, bo, inp // bi, bi)
+            scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-8)
+            q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+            deq = (q.float() * scale[:, None, :, None]).reshape(out, inp)
+            state[name] = q.reshape(out, inp)
+            state[name.replace(".weight", ".weight_scale_inv")] = scale.float()
+            p.copy_(deq)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path / "model.safetensors"))
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    (path / "config.json").write_text(json.dumps({**FP8_CONFIG, "quantization_config": qc}))
+    return hf

@@ -1,0 +1,23 @@
+"""`agentbox bench llamacpp` on the embedded SmolLM2 GGUF: both of our CPU kernels are timed and report
+their resident bytes; llama.cpp is compared when installed, and named as skipped when not. No timing
+assertions: speed is what the benchmark reports."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from agentbox.bench.llamacpp import compare_llamacpp
+
+
+def test_llamacpp_report_shape(smollm2_path: Path) -> None:
+    report = compare_llamacpp(str(smollm2_path), prompt_len=8, new_tokens=3, threads=1, repeats=1)
+    assert set(report["ours"]) == {"dense", "int4-cpu"}
+    dense, packed = report["ours"]["dense"], report["ours"]["int4-cpu"]
+    assert dense["prefill_tok_s"] > 0 and packed["decode_tok_s"] > 0
+    # int4 keeps SmolLM2's 4-bit layers packed: well under the fp32 model's bytes
+    assert packed["resident_weight_bytes"] < 0.5 * dense["resident_weight_bytes"]
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert "not importable" in report["llama.cpp"]["skipped"] and "ratios" not in report
+    else:
+        assert set(report["ratios"]) == {f"{p}_{k}" for p in ("prefill", "decode") for k in ("dense", "int4-cpu")}
