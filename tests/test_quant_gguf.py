@@ -161,10 +161,9 @@ def test_a_shard_inside_a_block_is_cut_densely() -> None:
         for rank, (start, size) in enumerate([(0, 320), (320, 192)]):
             set_tp_state(rank, 2)
             with quant_context(QuantConfig(QuantMethod.GGUF)):
-                layer = RowParallelLinear(512, 8)
-            layer.in_range = lambda start=start, size=size: (start, size)  # an uneven head split, as tp's
-            layer.input_size = size
+                layer = RowParallelLinear(512, 8, input_shard=(start, size))  # an uneven head split
             layer.weight.weight_loader(layer.weight, blocks)
+            torch.testing.assert_close(layer.quant_method.dequantized_weight(layer), full[:, start : start + size])
             process_weights_after_loading(layer)
             torch.testing.assert_close(layer.weight.data, full[:, start : start + size])
     finally:

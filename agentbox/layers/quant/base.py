@@ -155,9 +155,10 @@ class LinearMethod(ABC):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out] for this rank."""
 
+    @abstractmethod
     def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
-        """This rank's weight as a dense [out, in] fp32 tensor (the method's torch reference)."""
-        raise NotImplementedError(f"{type(self).__name__} has no dense reference")
+        """This rank's loaded weight as a dense [out, in] fp32 tensor (the method's torch reference; read
+        before post-processing, which may repack it)."""
 
 
 _REGISTRY: dict[QuantMethod, type[LinearMethod]] = {}

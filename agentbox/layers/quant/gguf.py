@@ -124,8 +124,14 @@ class GGUFLinearMethod(LinearMethod):
             t = loaded.narrow(0, src_off, size)
             self.shards[dst_off] = materialize(t.narrow(1, cols[0], cols[1]) if cols is not None else t)
 
+    def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
+        return torch.cat([p.dequantize() if isinstance(p, GGUFBlocks) else p.float() for p in self._parts()])
+
+    def _parts(self) -> list[GGUFBlocks | torch.Tensor]:
+        return [self.shards[k] for k in sorted(self.shards)]
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        parts = [self.shards[k] for k in sorted(self.shards)]
+        parts = self._parts()
         rows = sum(p.shape[0] for p in parts)
         if rows != layer.output_size or any(p.shape[1] != layer.input_size for p in parts):
             raise ValueError(f"GGUF: shards cover {rows} of {layer.output_size} rows of a linear layer")
