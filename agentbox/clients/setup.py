@@ -7,7 +7,7 @@ import shutil
 from typing import NoReturn
 
 from agentbox.clients import files
-from agentbox.clients.targets import ClientError, Endpoint, launch_command, plan
+from agentbox.clients.targets import ClientError, Endpoint, check_fits, launch_command, plan
 
 
 def setup_client(client: str, ep: Endpoint, *, dry_run: bool = False, undo: bool = False) -> list[str]:
@@ -31,15 +31,17 @@ def setup_client(client: str, ep: Endpoint, *, dry_run: bool = False, undo: bool
         return [f"restored {p.path} from {restored.name}"]
     if dry_run:
         diff = files.unified_diff(p.path, p.old, p.new)
-        return [diff.rstrip("\n") if diff else f"{p.path} is already set up"]
+        return [diff.rstrip("\n") if diff else f"{p.path} is already set up", *p.exports]
     saved = files.write_with_backup(p.path, p.new)
     if saved is None:
-        return [f"{p.path} is already set up"]
-    return [f"wrote {p.path} (backup: {saved.name}; undo with --undo)", *([p.note] if p.note else [])]
+        return [f"{p.path} is already set up", *p.exports]
+    return [f"wrote {p.path} (backup: {saved.name}; undo with --undo)", *p.exports, *([p.note] if p.note else [])]
 
 
-def launch_client(client: str, ep: Endpoint, args: list[str]) -> NoReturn:
+def launch_client(client: str, ep: Endpoint, args: list[str], *, force: bool = False) -> NoReturn:
     """Replace this process with the client, its environment pointed at the server. Writes no file."""
+    if not force:
+        check_fits(client, ep)
     try:
         argv, extra = launch_command(client, ep, args)
     except ValueError as e:

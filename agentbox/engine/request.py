@@ -9,10 +9,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentbox.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from agentbox.engine.grammar import GrammarState
+    from agentbox.engine.loop_guard import LoopGuard
 
 
 class Status(enum.Enum):
@@ -44,7 +49,8 @@ class Request:
     prompt_counted: bool = False  # its cache counters were set, at its first successful admission
     num_preemptions: int = 0
     first_token_time: float | None = None
-    grammar_state: object | None = None  # agentbox.chat.grammar.GrammarState when decoding is constrained
+    grammar_state: GrammarState | None = None  # when decoding is constrained
+    loop_guard: LoopGuard | None = None  # engine/loop_guard.py, unless `serve --no-loop-guard`
     _generator: torch.Generator | None = None
 
     @property
