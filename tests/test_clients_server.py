@@ -61,13 +61,14 @@ def test_engine_lines_reach_agentbox_logs(live_server: str, agentbox_home: Path)
     assert "KV pool" in out and "max_model_len 2048" in out
 
 
-def test_max_model_len_above_the_models_is_an_error(smollm2_path: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "AGENTBOX_HOME": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "serve", "--model", str(smollm2_path), "--port", "1",
-                        "--foreground", "--max-model-len", "32768", "--num-pages", "64"],
-                       env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0
-    assert "--max-model-len 32768 is above the 8192 positions" in r.stdout + r.stderr
+def test_max_model_len_above_the_models_is_an_error(smollm2_path: Path, smollm2_loaded) -> None:  # noqa: ANN001
+    from agentbox.config import EngineConfig
+    from agentbox.engine.core import EngineCore
+
+    with pytest.raises(ValueError, match="--max-model-len 32768 is above the 8192 positions this model supports"):
+        EngineCore(EngineConfig(model=str(smollm2_path), max_model_len=32768, num_pages=64), loaded=smollm2_loaded)
+    assert EngineCore(EngineConfig(model=str(smollm2_path), max_model_len=4096, num_pages=512),
+                      loaded=smollm2_loaded).max_model_len == 4096
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +129,7 @@ def test_api_key_flow_setup_launch_check(keyed_server: tuple[str, dict], tmp_pat
     (bin_dir / "claude").chmod(0o755)
     out = cli("launch", "claude", "-p", "hi", extra={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
     assert out.returncode != 0 and "ran" not in out.stdout
-    assert "23000 tokens" in out.stderr + out.stdout and "2048" in out.stderr + out.stdout
+    assert "24000 tokens" in out.stderr + out.stdout and "2048" in out.stderr + out.stdout
     # check tools with the key from --api-key (and a wrong key fails clearly)
     bad = cli("check", "tools", "--url", url, "--api-key", "wrong")
     assert bad.returncode != 0 and "requires an API key" in bad.stderr + bad.stdout

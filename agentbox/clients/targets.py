@@ -27,10 +27,11 @@ PROVIDER_ID = "agentbox"
 NO_KEY = "agentbox"  # clients insist on a non-empty key; the server ignores it when auth is off
 KEY_ENV = "AGENTBOX_API_KEY"  # where Codex's provider reads the key (`env_key`), and `serve --api-key`'s env
 OUTPUT_SHARE = 4  # the output limit told to clients leaves at least 3/4 of the context for the prompt
-# Each client's own prompt (system prompt + tool definitions) in tokens, measured by the real-client tests
-# (tests/test_real_clients.py, SmolLM2's tokenizer) with the pinned versions; launch refuses a context
-# that cannot hold it plus a minimal answer.
-CLIENT_PROMPT_TOKENS = {"claude": 23_000, "codex": 9_000, "aider": 2_000, "opencode": 9_000}
+# Each client's own first prompt (system prompt + tool definitions) in tokens, measured by the real-client
+# tests (tests/test_real_clients.py, SmolLM2's tokenizer, a one-line task) with the pinned versions: Claude
+# Code 2.1.332 about 24.8k, Codex 0.171.0 about 6.5k, aider 0.86.2 about 0.7k. launch refuses a context
+# that cannot hold it plus a minimal answer. opencode is not measured, so not checked.
+CLIENT_PROMPT_TOKENS = {"claude": 24_000, "codex": 6_500, "aider": 700}
 MIN_ANSWER_TOKENS = 1024
 
 

@@ -113,7 +113,8 @@ class EngineCore:
         req = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling, msg.session_id)
         try:
             req.grammar_state = self._grammar_state(req)
-            req.loop_guard = LoopGuard.from_config(self.config)
+            # ignore_eos asks for exactly max_tokens tokens (benchmarks): no guard cuts those short
+            req.loop_guard = None if msg.sampling.ignore_eos else LoopGuard.from_config(self.config)
         except Exception as e:  # a schema xgrammar cannot compile is the request's fault
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
                                  error=f"cannot build a grammar for this request: {e}", error_code="bad_grammar")
