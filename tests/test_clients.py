@@ -142,3 +142,12 @@ def test_launch_without_the_client_installed(home: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("PATH", str(home))
     with pytest.raises(ClientError, match="not on PATH"):
         launch_client("codex", EP, [])
+
+
+def test_setup_without_a_server_asks_for_the_context_and_undo_needs_none(home: Path) -> None:
+    no_ctx = Endpoint(url="http://127.0.0.1:9", model="m")
+    with pytest.raises(ClientError, match="pass --context"):
+        setup_client("opencode", no_ctx)
+    setup_client("opencode", EP)
+    assert setup_client("opencode", no_ctx, undo=True)[0].startswith("restored")
+    assert not (home / ".config" / "opencode" / "opencode.json").exists()

@@ -7,11 +7,21 @@ import shutil
 from typing import NoReturn
 
 from agentbox.clients import files
-from agentbox.clients.targets import ClientError, Endpoint, check_fits, launch_command, plan
+from agentbox.clients.targets import ClientError, Endpoint, check_fits, config_path, launch_command, plan
 
 
 def setup_client(client: str, ep: Endpoint, *, dry_run: bool = False, undo: bool = False) -> list[str]:
     """Apply (or preview, or undo) a client's setup; returns the lines to show the user."""
+    path = config_path(client)
+    if undo and path is not None:  # undo needs no server numbers, only the file
+        if dry_run:
+            found = files.backups(path)
+            return [f"would restore {found[-1]}" if found else f"no agentbox backup of {path}"]
+        try:
+            restored = files.undo(path)
+        except FileNotFoundError as e:
+            raise ClientError(str(e)) from e
+        return [f"restored {path} from {restored.name}"]
     try:
         p = plan(client, ep)
     except ValueError as e:  # includes JSON / TOML decode errors of an existing file
@@ -20,15 +30,6 @@ def setup_client(client: str, ep: Endpoint, *, dry_run: bool = False, undo: bool
         if undo:
             return ["nothing to undo: this client's setup only prints environment lines"]
         return [*p.exports, *([f"# {p.note}"] if p.note else [])]
-    if undo:
-        if dry_run:
-            found = files.backups(p.path)
-            return [f"would restore {found[-1]}" if found else f"no agentbox backup of {p.path}"]
-        try:
-            restored = files.undo(p.path)
-        except FileNotFoundError as e:
-            raise ClientError(str(e)) from e
-        return [f"restored {p.path} from {restored.name}"]
     if dry_run:
         diff = files.unified_diff(p.path, p.old, p.new)
         return [diff.rstrip("\n") if diff else f"{p.path} is already set up", *p.exports]

@@ -211,15 +211,27 @@ def _load_json(path: Path, text: str) -> dict[str, Any]:
     return data
 
 
+CONFIG_FILES = {"claude-code": ".claude/settings.json", "codex": ".codex/config.toml",
+                "opencode": ".config/opencode/opencode.json", "aider": ".aider.model.metadata.json"}
+
+
+def config_path(client: str) -> Path | None:
+    """The file `setup` writes for a client (None for export-only ones)."""
+    rel = CONFIG_FILES.get(client)
+    return home() / rel if rel else None
+
+
 def plan(client: str, ep: Endpoint) -> Plan:
     if client == "claude-code":
-        path = home() / ".claude" / "settings.json"
+        path = config_path(client)
+        assert path is not None
         old = _read(path)
         data = _load_json(path, old)
         data["env"] = {**(data.get("env") or {}), **claude_env(ep)}
         return Plan(path, old, json.dumps(data, indent=2, ensure_ascii=False) + "\n", note="then run: claude")
     if client == "codex":
-        path = home() / ".codex" / "config.toml"
+        path = config_path(client)
+        assert path is not None
         old = _read(path)
         data = tomllib.loads(old) if old.strip() else {}
         data["model"] = ep.model
@@ -230,7 +242,8 @@ def plan(client: str, ep: Endpoint) -> Plan:
         note = f"then run: export {KEY_ENV}=...; codex" if ep.has_key else "then run: codex"
         return Plan(path, old, toml_writer.dumps(data), note=note)
     if client == "opencode":
-        path = home() / ".config" / "opencode" / "opencode.json"
+        path = config_path(client)
+        assert path is not None
         old = _read(path)
         data = _load_json(path, old)
         data.setdefault("$schema", "https://opencode.ai/config.json")
@@ -240,7 +253,8 @@ def plan(client: str, ep: Endpoint) -> Plan:
         return Plan(path, old, json.dumps(data, indent=2, ensure_ascii=False) + "\n", note="then run: opencode")
     if client == "aider":
         env = {"OPENAI_API_BASE": ep.openai_url, "OPENAI_API_KEY": ep.api_key}
-        path = home() / ".aider.model.metadata.json"
+        path = config_path(client)
+        assert path is not None
         old = _read(path)
         data = _load_json(path, old)
         data.update(aider_metadata(ep))
