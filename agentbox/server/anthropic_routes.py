@@ -53,9 +53,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
-def anthropic_error(status: int, message: str) -> JSONResponse:
+def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     kind = ERROR_TYPES.get(status, "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status, headers=headers)
 
 
 def _validation_message(e: ValidationError) -> str:
@@ -68,7 +68,7 @@ async def _answer(handler: Callable[[], Awaitable[Any]]) -> Any:
     try:
         return await handler()
     except APIError as e:
-        return anthropic_error(e.status, e.message)
+        return anthropic_error(e.status, e.message, e.headers)  # Retry-After on a 503 included
     except ValidationError as e:
         return anthropic_error(400, _validation_message(e))
 
