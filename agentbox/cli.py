@@ -82,6 +82,7 @@ def serve(
     record_trace: str | None = typer.Option(None, help="record live traffic as a replayable trace (JSONL)"),  # noqa: UP007
     seed: int = typer.Option(_E.seed, help="seed for unseeded sampling"),
     tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007
+    loop_guard: bool = typer.Option(_E.loop_guard, "--loop-guard/--no-loop-guard", help="end generations stuck repeating a cycle of tokens (finish reason length)"),
 ) -> None:
     """Start the inference server (in the background unless --foreground)."""
     from agentbox import daemon
@@ -113,7 +114,7 @@ def serve(
         num_pages=num_pages, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
         host_cache_gb=host_cache_gb, record_trace=str(Path(record_trace).resolve()) if record_trace else None,
-        seed=seed, tensor_parallel_size=tp,
+        seed=seed, tensor_parallel_size=tp, loop_guard=loop_guard,
     )
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key, engine=engine)
     if foreground:

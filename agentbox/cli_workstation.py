@@ -138,7 +138,8 @@ def setup_cmd(
     client: str = typer.Argument(..., help="claude-code | codex | opencode | aider | env"),
     url: str | None = typer.Option(None, "--url", help="server root (default: the running server, else http://127.0.0.1:8000)"),  # noqa: UP007
     model: str | None = typer.Option(None, "--model", help="model name (default: the running server's)"),  # noqa: UP007
-    context: int | None = typer.Option(None, "--context", help="context limit told to opencode (default: the server's)"),  # noqa: UP007
+    context: int | None = typer.Option(None, "--context", help="context window told to the client (default: the server's)"),  # noqa: UP007
+    api_key: str | None = typer.Option(None, "--api-key", envvar="AGENTBOX_API_KEY", help="the server's API key (default: the running server's)"),  # noqa: UP007
     dry_run: bool = typer.Option(False, "--dry-run", help="print the change as a diff, write nothing"),
     undo: bool = typer.Option(False, "--undo", help="restore the config file from the latest backup"),
 ) -> None:
@@ -148,7 +149,7 @@ def setup_cmd(
     if client not in SETUP_CLIENTS:
         fail(f"unknown client {client!r}; choose from {', '.join(SETUP_CLIENTS)}")
     try:
-        endpoint = resolve_endpoint(url, model, context=context, require_model=not undo)
+        endpoint = resolve_endpoint(url, model, api_key, context=context, require_model=not undo)
         lines = setup_client(client, endpoint, dry_run=dry_run, undo=undo)
     except ClientError as exc:
         fail(str(exc))
@@ -159,9 +160,11 @@ def setup_cmd(
 @workstation_app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch_cmd(
     ctx: typer.Context,
-    client: str = typer.Argument(..., help="claude | codex | opencode (extra arguments go to the client)"),
+    client: str = typer.Argument(..., help="claude | codex | opencode | aider (extra arguments go to the client)"),
     url: str | None = typer.Option(None, "--url", help="server root (default: the running server)"),  # noqa: UP007
     model: str | None = typer.Option(None, "--model", help="model name (default: the running server's)"),  # noqa: UP007
+    api_key: str | None = typer.Option(None, "--api-key", envvar="AGENTBOX_API_KEY", help="the server's API key (default: the running server's)"),  # noqa: UP007
+    force: bool = typer.Option(False, "--force", help="launch even when the client's own prompt does not fit the context"),
 ) -> None:
     """Run a coding client with its environment pointed at the local server; writes no file."""
     from agentbox.clients import LAUNCH_CLIENTS, ClientError, launch_client, resolve_endpoint
@@ -169,7 +172,7 @@ def launch_cmd(
     if client not in LAUNCH_CLIENTS:
         fail(f"unknown client {client!r}; choose from {', '.join(LAUNCH_CLIENTS)}")
     try:
-        launch_client(client, resolve_endpoint(url, model), list(ctx.args))
+        launch_client(client, resolve_endpoint(url, model, api_key), list(ctx.args), force=force)
     except ClientError as exc:
         fail(str(exc))
 
@@ -181,6 +184,7 @@ check_app = typer.Typer(help="Checks against a running server.", no_args_is_help
 def check_tools_cmd(
     url: str | None = typer.Option(None, "--url", help="server root (default: the running server)"),  # noqa: UP007
     model: str | None = typer.Option(None, "--model", help="model name (default: the server's)"),  # noqa: UP007
+    api_key: str | None = typer.Option(None, "--api-key", envvar="AGENTBOX_API_KEY", help="the server's API key (default: the running server's)"),  # noqa: UP007
 ) -> None:
     """Prove tool calls round-trip: zero-argument calls, reasoning kept apart, parallel and multi-turn calls."""
     from rich.console import Console
@@ -190,7 +194,7 @@ def check_tools_cmd(
     from agentbox.clients.check import run_checks
 
     try:
-        ep = resolve_endpoint(url, model, require_model=False)
+        ep = resolve_endpoint(url, model, api_key, require_model=False)
     except ClientError as exc:
         fail(str(exc))
     results = run_checks(ep.url, model or ep.model or None, ep.api_key)

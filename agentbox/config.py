@@ -55,6 +55,15 @@ class EngineConfig:
     admission_queue_size: int = 256
     admission_timeout_s: float = 120.0  # a CPU turn can take tens of seconds; agents retry a 503 anyway
     record_trace: str | None = None
+    # Loop guard (engine/loop_guard.py): a cycle of at most `loop_guard_max_period` tokens repeated
+    # `loop_guard_min_repeats` times over at least `loop_guard_min_tokens` tokens ends the generation.
+    loop_guard: bool = True
+    loop_guard_max_period: int = 48
+    loop_guard_min_repeats: int = 8
+    loop_guard_min_tokens: int = 128
+    # A grammar-bound output starts closing (the shortest completion its grammar accepts) once the tokens
+    # left are within this window of what closing needs; see engine/grammar.py.
+    grammar_close_window: int = 96
 
     def __post_init__(self) -> None:
         # Callers may name the policy ("lru"); an unknown name fails here, naming the field.
@@ -86,4 +95,6 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None  # None: derived from the model path
     api_key: str | None = None  # None: no auth
+    # Output budget for a request with no max_tokens when the model's profile names none.
+    default_max_tokens: int = 4096
     engine: EngineConfig = field(default_factory=EngineConfig)

@@ -58,7 +58,9 @@ def write_state(config: ServerConfig, pid: int, model_name: str) -> None:
     st = {
         "pid": pid, "host": config.host, "port": config.port, "model": model_name,
         "model_path": config.engine.model, "started": time.time(), "log": str(log_file()),
+        "api_key": config.api_key,  # read by setup / launch / check tools; the file is the user's alone
     }
+    state_file().touch(mode=0o600)
     state_file().write_text(json.dumps(st, indent=2))
 
 

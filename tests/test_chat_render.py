@@ -168,3 +168,45 @@ def test_normalize_content() -> None:
     with pytest.raises(ValueError):
         normalize_content([{"type": "image_url", "image_url": {"url": "x"}}])
     assert json.loads(json.dumps(normalize_content("plain"))) == "plain"
+
+
+READ = {"type": "function", "function": {"name": "read_file", "description": "Read one file.",
+                                         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
+TOOL_TURN = [
+    {"role": "user", "content": "read a.py"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "print(1)"},
+]
+
+
+@pytest.mark.parametrize("parser", ["hermes", "qwen3_coder", "glm45", "llama3_json", "mistral"])
+def test_template_without_tools_gets_them_in_the_system_turn(tokenizer, parser: str) -> None:
+    """SmolLM2's template has no tools section: the fallback writes the definitions and the call format,
+    in the parser's own syntax, and re-renders past calls so the parser reads them back."""
+    from agentbox.chat.tool_parsers import get_tool_parser
+    from agentbox.chat.tool_prompt import call_text, template_renders_tools
+
+    assert not template_renders_tools(tokenizer, tokenizer.chat_template)
+    plain = render_prompt(tokenizer, TOOL_TURN[:1])
+    text = render_prompt(tokenizer, TOOL_TURN, [READ], tool_parser=parser)
+    assert '"name": "read_file"' in text and "Read one file." in text and "# Tools" in text
+    assert "You are a helpful AI assistant named SmolLM" not in text  # our system turn replaces the default
+    assert "<tool_response>\nprint(1)\n</tool_response>" in text
+    call = call_text("read_file", '{"path": "a.py"}', parser)
+    assert call in text
+    parsed = get_tool_parser(parser, [READ]).parse(call)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("read_file", {"path": "a.py"})]
+    assert len(tokenizer.encode(text)) > len(tokenizer.encode(plain)) + 50
+    # prompt stability: the next turn's prompt starts with this turn's prompt (without the generation prompt)
+    nxt = render_prompt(tokenizer, [*TOOL_TURN, {"role": "assistant", "content": "done"}, {"role": "user", "content": "ok"}],
+                        [READ], tool_parser=parser)
+    assert nxt.startswith(text.removesuffix("<|im_start|>assistant\n"))
+
+
+def test_template_with_tools_renders_them_itself(qwen_tok) -> None:
+    from agentbox.chat.tool_prompt import template_renders_tools
+
+    assert template_renders_tools(qwen_tok, qwen_tok.chat_template)
+    text = render_prompt(qwen_tok, TOOL_TURN[:1], [READ])
+    assert text.count('"name": "read_file"') == 1 and "To call a function, write" not in text

@@ -87,16 +87,18 @@ def test_opencode_provider_with_context_limit(home: Path) -> None:
     provider = data["provider"]["agentbox"]
     assert provider["npm"] == "@ai-sdk/openai-compatible"
     assert provider["options"]["baseURL"] == "http://127.0.0.1:8123/v1"
-    assert provider["models"]["qwen3-8b"]["limit"]["context"] == 65536
+    assert provider["models"]["qwen3-8b"]["limit"] == {"context": 65536, "output": 65536 // 4}
     assert data["model"] == "agentbox/qwen3-8b"
 
 
-def test_export_only_clients(home: Path) -> None:
-    aider = setup_client("aider", EP)
-    assert "export OPENAI_API_BASE=http://127.0.0.1:8123/v1" in aider
+def test_export_clients_and_aider_metadata(home: Path) -> None:
     env = setup_client("env", EP)
     assert "export ANTHROPIC_BASE_URL=http://127.0.0.1:8123" in env and "export OPENAI_API_KEY=agentbox" in env
     assert not any(home.iterdir())
+    aider = setup_client("aider", EP)
+    assert "export OPENAI_API_BASE=http://127.0.0.1:8123/v1" in aider
+    meta = json.loads((home / ".aider.model.metadata.json").read_text())["openai/qwen3-8b"]
+    assert meta["max_input_tokens"] + meta["max_output_tokens"] == 65536 and meta["max_output_tokens"] == 16384
     with pytest.raises(ClientError):
         setup_client("vim", EP)
 
@@ -140,3 +142,12 @@ def test_launch_without_the_client_installed(home: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("PATH", str(home))
     with pytest.raises(ClientError, match="not on PATH"):
         launch_client("codex", EP, [])
+
+
+def test_setup_without_a_server_asks_for_the_context_and_undo_needs_none(home: Path) -> None:
+    no_ctx = Endpoint(url="http://127.0.0.1:9", model="m")
+    with pytest.raises(ClientError, match="pass --context"):
+        setup_client("opencode", no_ctx)
+    setup_client("opencode", EP)
+    assert setup_client("opencode", no_ctx, undo=True)[0].startswith("restored")
+    assert not (home / ".config" / "opencode" / "opencode.json").exists()

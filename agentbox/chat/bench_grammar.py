@@ -6,7 +6,8 @@ import statistics
 import time
 from typing import Any
 
-from agentbox.chat.grammar import GrammarCompiler, GrammarState, allocate_bitmask, apply_bitmask
+from agentbox.chat.grammar import grammar_spec
+from agentbox.engine.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
 
 
 def sample_tools(n: int) -> list[dict]:
@@ -52,22 +53,24 @@ def bench_grammar(tokenizer: Any = None, *, vocab_size: int | None = None, parse
     compile_ms: dict[str, dict[str, float]] = {}
     for choice in ("required", "auto"):
         t0 = time.perf_counter()
-        grammar = compiler.compile_for_request(tools, choice, None, parser)
+        spec = grammar_spec(tools, choice, None, parser)
+        assert spec is not None
+        grammar = compiler.compile(spec)
         uncached = time.perf_counter() - t0
         t0 = time.perf_counter()
-        again = compiler.compile_for_request(tools, choice, None, parser)
+        again = compiler.compile(spec)
         cached = time.perf_counter() - t0
         assert again is grammar
         compile_ms[choice] = {"uncached_ms": _ms(uncached), "cached_ms": _ms(cached)}
 
     # Per-token overhead: fill + apply + accept, against the same random sampling without a mask.
-    grammar = compiler.compile_for_request(tools, "required", None, parser)
-    assert grammar is not None
+    required = grammar_spec(tools, "required", None, parser)
+    assert required is not None
     gen = torch.Generator().manual_seed(seed)
     bitmask = allocate_bitmask(1, vocab)
     masked: list[float] = []
     plain: list[float] = []
-    state = GrammarState(grammar)
+    state = compiler.state(required)
     for _ in range(tokens):
         logits = torch.randn(1, vocab, generator=gen)
         t0 = time.perf_counter()
@@ -80,7 +83,7 @@ def bench_grammar(tokenizer: Any = None, *, vocab_size: int | None = None, parse
         state.accept(token)
         masked.append(time.perf_counter() - t0 - plain[-1])
         if state.is_terminated():
-            state = GrammarState(grammar)
+            state = compiler.state(required)
     masked.sort()
     return {
         "parser": parser,

@@ -14,6 +14,7 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from agentbox.chat import harmony
+from agentbox.chat.tool_prompt import fold_tools_into_messages, template_renders_tools
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 TEXT_PART_TYPES = ("text", "input_text", "output_text")
@@ -133,13 +134,17 @@ def render_prompt(
     *,
     add_generation_prompt: bool = True,
     enable_thinking: bool | None = None,
+    tool_parser: str = "hermes",
 ) -> str:
-    """The prompt text for `messages` (+ `tools`) under the tokenizer's chat template."""
+    """The prompt text for `messages` (+ `tools`) under the tokenizer's chat template. A template that
+    prints no tools gets them in the system turn, in `tool_parser`'s call syntax (chat/tool_prompt.py)."""
     tools_n = normalize_tools(tools)
     template = template_text(tokenizer, tools=bool(tools_n))
     prepared = prepare_messages(messages, template)
     if harmony.is_harmony_template(template):
         prepared, tools_n = harmony.prepare_messages(prepared), harmony.prepare_tools(tools_n)
+    elif tools_n and not template_renders_tools(tokenizer, template):
+        prepared, tools_n = fold_tools_into_messages(prepared, tools_n, tool_parser), None
     kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking

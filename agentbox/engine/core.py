@@ -14,9 +14,11 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from agentbox.config import CachePolicy, EngineConfig
 from agentbox.engine.kv_pool import PagePool
+from agentbox.engine.loop_guard import LoopGuard
 from agentbox.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -48,6 +50,9 @@ from agentbox.engine.session_view import session_detail, session_summary
 from agentbox.models.loader import LoadedModel
 from agentbox.parallel.state import destroy_distributed
 from agentbox.parallel.worker import RankDeath, start_group
+
+if TYPE_CHECKING:
+    from agentbox.engine.grammar import GrammarState  # xgrammar loads only when a request needs it
 
 log = logging.getLogger(__name__)
 
@@ -123,26 +128,20 @@ class EngineCore:
 
     # ---- requests ----
 
-    def _grammar_state(self, req: Request) -> object | None:
+    def _grammar_state(self, req: Request) -> GrammarState | None:
         spec = req.sampling.grammar
         if spec is None:
             return None
         if self._grammar_compiler is None:
-            from agentbox.chat.grammar import GrammarCompiler
+            from agentbox.engine.grammar import GrammarCompiler
             from agentbox.models.loader import load_tokenizer, resolve_model
 
             tok = load_tokenizer(resolve_model(self.config.model))
             self._grammar_compiler = GrammarCompiler(
-                tok, self.runner.loaded.vocab_size, stop_token_ids=sorted(self.eos_token_ids)
+                tok, self.runner.loaded.vocab_size, stop_token_ids=sorted(self.eos_token_ids),
+                close_window=self.config.grammar_close_window,
             )
-        from agentbox.chat.grammar import GrammarState
-
-        compiled = self._grammar_compiler.compile_for_request(
-            spec.tools, spec.tool_choice, spec.response_format, spec.parser,
-            reasoning=spec.reasoning,  # type: ignore[arg-type]
-            parallel_tool_calls=spec.parallel_tool_calls,
-        )
-        return GrammarState(compiled) if compiled is not None else None
+        return self._grammar_compiler.state(spec)
 
     def add(self, msg: AddRequest) -> RequestOutput | None:
         """Queues a request; returns an immediate error output when it can never run or cannot queue."""
@@ -156,6 +155,8 @@ class EngineCore:
         req = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling, msg.session_id)
         try:
             req.grammar_state = self._grammar_state(req)
+            # ignore_eos asks for exactly max_tokens tokens (benchmarks): no guard cuts those short
+            req.loop_guard = None if msg.sampling.ignore_eos else LoopGuard.from_config(self.config)
         except Exception as e:  # a schema xgrammar cannot compile is the request's fault
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
                                  error=f"cannot build a grammar for this request: {e}", error_code="bad_grammar")
@@ -193,8 +194,17 @@ class EngineCore:
         if token in s.stop_token_ids:
             return "stop"
         gs = req.grammar_state
-        if gs is not None and gs.is_terminated():  # type: ignore[attr-defined]
+        if gs is not None and gs.is_terminated():
             return "stop"
+        if req.loop_guard is not None and req.loop_guard.feed(token) and not (gs is not None and gs.closing):
+            log.warning("loop guard: request %s repeats a %d-token cycle; %s", req.request_id,
+                        req.loop_guard.period, "closing its grammar" if gs is not None else "ending it (length)")
+            if gs is None:
+                return "length"
+            gs.start_closing("loop")  # a grammar-bound output ends at a point its grammar accepts
+        if gs is not None:
+            gs.check_budget(min(s.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens),
+                            req.num_output_tokens)
         if req.num_output_tokens >= s.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -255,7 +265,7 @@ class EngineCore:
             req.append_output(token)
             c.generated_tokens += 1
             if req.grammar_state is not None:
-                req.grammar_state.accept(token)  # type: ignore[attr-defined]
+                req.grammar_state.accept(token)
             reason = self._stop_reason(req, token)
             out_ = self._output(req, [token], [lp] if lp is not None else None)
             if reason is not None:

@@ -9,10 +9,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentbox.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from agentbox.engine.grammar import GrammarState
+    from agentbox.engine.loop_guard import LoopGuard
 
 
 class Status(enum.Enum):
@@ -43,7 +48,8 @@ class Request:
     flushing: bool = False
     num_preemptions: int = 0  # > 0: it was admitted before (its turn began, its counters are set)
     first_token_time: float | None = None
-    grammar_state: object | None = None  # agentbox.chat.grammar.GrammarState when decoding is constrained
+    grammar_state: GrammarState | None = None  # when decoding is constrained
+    loop_guard: LoopGuard | None = None  # engine/loop_guard.py, unless `serve --no-loop-guard`
     _generator: torch.Generator | None = None
     _pages: list[int] = field(default_factory=list, repr=False)
     # The runner's persistent page-table row for this request and how many of `pages` it holds already

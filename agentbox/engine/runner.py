@@ -78,6 +78,8 @@ class ModelRunner:
         )
         # The pool must hold at least one full-length request, or such a request could never run.
         pool_tokens = (self.num_pages - 1) * self.page_size
+        if config.max_model_len and config.max_model_len > lm.max_model_len:
+            raise ValueError(f"--max-model-len {config.max_model_len} is above the {lm.max_model_len} positions this model supports")
         self.max_model_len = min(config.max_model_len or lm.max_model_len, lm.max_model_len, pool_tokens)
         backend_cls = select_backend(config.attention, self.device.type)
         self.backend = backend_cls(

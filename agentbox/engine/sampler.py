@@ -58,13 +58,19 @@ def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 
 
 def _apply_grammar(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
-    """Mask every token the request's grammar does not allow next (xgrammar bitmask, in place)."""
-    from agentbox.chat.grammar import allocate_bitmask, apply_bitmask
+    """Mask every token the request's grammar does not allow next (xgrammar bitmask, in place); a state
+    that is closing leaves exactly one token, the next of its shortest completion."""
+    from agentbox.engine.grammar import allocate_bitmask, apply_bitmask
 
     bitmask = allocate_bitmask(len(reqs), logits.shape[-1])
     for i in rows:
         reqs[i].grammar_state.fill_bitmask(bitmask, i)  # type: ignore[union-attr]
     apply_bitmask(logits, bitmask, indices=rows)
+    for i in rows:
+        forced = reqs[i].grammar_state.forced_token()  # type: ignore[union-attr]
+        if forced is not None:
+            logits[i] = float("-inf")
+            logits[i, forced] = 0.0
 
 
 def _plain_greedy(r: Request) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agentbox.engine.grammar_spec import GrammarSpec
+
 
 class InvalidParam(ValueError):
     """A sampling value out of range; `field` names the offending request field."""
@@ -11,18 +13,6 @@ class InvalidParam(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """What to constrain decoding to; compiled (and cached) by the engine with agentbox.chat.grammar."""
-
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    response_format: dict | None = None
-    parser: str | None = None
-    reasoning: str = "none"  # none | inside | optional
-    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -40,7 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: off; n >= 0: the chosen token's logprob plus the top n
-    grammar: GrammarSpec | None = None
+    grammar: GrammarSpec | None = None  # built by chat/grammar.py, compiled by engine/grammar.py
 
     @property
     def greedy(self) -> bool:

@@ -64,6 +64,9 @@ class Profile:
     known_bad: tuple[KnownBad, ...] = ()
     known_good: tuple[KnownBad, ...] = ()  # same shape; informational (shown by `plan`)
     default_rank: int | None = None  # serve with no model tries ranked profiles in this order
+    # Output budget for a request that sends no max_tokens: enough for an agent writing a whole file,
+    # bounded so a looping answer cannot run to the end of the context.
+    max_output_tokens: int | None = None
     path: Path | None = None
     active_params_: int | None = None  # MoE: parameters one token reads (routed experts + the rest)
 
@@ -147,6 +150,7 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         known_bad=tuple(_known(k) for k in data.get("known_bad", [])),
         known_good=tuple(_known(k) for k in data.get("known_good", [])),
         default_rank=data.get("default_rank"),
+        max_output_tokens=int(data["max_output_tokens"]) if "max_output_tokens" in data else None,
         path=path,
         active_params_=int(data["active_params"]) if "active_params" in data else None,
     )

@@ -53,9 +53,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
 
-def anthropic_error(status: int, message: str) -> JSONResponse:
+def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     kind = ERROR_TYPES.get(status, "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status)
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status, headers=headers)
 
 
 def _validation_message(e: ValidationError) -> str:
@@ -68,7 +68,7 @@ async def _answer(handler: Callable[[], Awaitable[Any]]) -> Any:
     try:
         return await handler()
     except APIError as e:
-        return anthropic_error(e.status, e.message)
+        return anthropic_error(e.status, e.message, e.headers)  # Retry-After on a 503 included
     except ValidationError as e:
         return anthropic_error(400, _validation_message(e))
 
@@ -183,10 +183,27 @@ def _thinking(th: dict | None) -> bool | None:
     return th.get("type") in ("enabled", "adaptive")
 
 
+def _response_format(output_config: Any) -> dict | None:
+    """`output_config.format` (`{"type": "json_schema", "schema": …}`) as the chat pipeline's response_format,
+    enforced by the grammar as on the OpenAI routes (Claude Code uses it for its title request)."""
+    if output_config is None:
+        return None
+    fmt = output_config.get("format") if isinstance(output_config, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise APIError(400, "output_config.format.type: only 'json_schema' is supported")
+    schema = fmt.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise APIError(400, "output_config.format.schema: must be a JSON schema object")
+    return {"type": "json_schema", "json_schema": {"schema": schema or {"type": "object"}}}
+
+
 def conversation_of(body: MessagesBody) -> Conversation:
     choice, parallel = _tool_choice(body.tool_choice)
     extra = body.model_extra or {}
     return Conversation(messages=to_messages(body), tools=_tools(body.tools), tool_choice=choice,
+                        response_format=_response_format(extra.get("output_config")),
                         parallel_tool_calls=parallel, enable_thinking=_thinking(body.thinking),
                         structured_tool_calls=extra.get("structured_tool_calls") is not False)
 

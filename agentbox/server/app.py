@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,18 @@ def served_name(config: ServerConfig) -> str:
     return name or "model"
 
 
-def profile_sampling(model_path: str, name: str) -> tuple[dict[str, float], bool]:
-    """The model profile's sampling defaults and whether it is a thinking model ({} and False when no
-    profile matches the model's file or directory name)."""
+@dataclass(frozen=True)
+class ModelDefaults:
+    """What the model's profile says about serving it (empty when no profile matches)."""
+
+    sampling: dict[str, float] = field(default_factory=dict)
+    thinking: bool = False
+    tool_parser: str | None = None
+    max_output_tokens: int | None = None
+
+
+def model_defaults(model_path: str, name: str) -> ModelDefaults:
+    """The profile whose name is in the model's file or directory name (the most specific wins)."""
     from agentbox.hub.profiles import load_profiles
 
     key = f"{Path(model_path).name} {name}".lower()
@@ -52,11 +62,12 @@ def profile_sampling(model_path: str, name: str) -> tuple[dict[str, float], bool
         profiles = load_profiles()
     except Exception:  # profiles are advice; a broken or missing profile dir must not stop serving
         log.warning("could not load model profiles; no sampling defaults applied", exc_info=True)
-        return {}, False
-    for p in sorted(profiles, key=lambda p: -len(p.name)):  # the most specific name wins
+        return ModelDefaults()
+    for p in sorted(profiles, key=lambda p: -len(p.name)):
         if p.name.lower() in key:
-            return dict(p.sampling), bool(p.reasoning_parser and p.reasoning_parser != "none")
-    return {}, False
+            return ModelDefaults(dict(p.sampling), bool(p.reasoning_parser and p.reasoning_parser != "none"),
+                                 p.tool_parser or None, p.max_output_tokens)
+    return ModelDefaults()
 
 
 class ClientAgentMiddleware:
@@ -84,9 +95,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         tok_task = asyncio.to_thread(load_tokenizer, resolve_model(config.engine.model))
         info, tokenizer = await asyncio.gather(info_task, tok_task)
         engine.attach_loop(asyncio.get_running_loop())
-        defaults, thinking = profile_sampling(config.engine.model, served_name(config))
+        d = model_defaults(config.engine.model, served_name(config))
         app.state.agentbox = ServerState(config, engine, tokenizer, info, served_name(config),
-                                         sampling_defaults=defaults, thinking_model=thinking)
+                                         sampling_defaults=d.sampling, thinking_model=d.thinking,
+                                         tool_parser=d.tool_parser,
+                                         default_max_tokens=d.max_output_tokens or config.default_max_tokens)
         if config.engine.record_trace:
             from agentbox.bench.record import TraceRecorder
 
@@ -108,13 +121,21 @@ def create_app(config: ServerConfig) -> FastAPI:
     if config.api_key:
         @app.middleware("http")
         async def auth(request: Request, call_next: Any) -> Any:
-            if request.url.path in ("/health", "/version"):
+            path = request.url.path
+            if path in ("/", "/health", "/version"):
                 return await call_next(request)
             bearer = request.headers.get("authorization", "")
             key = request.headers.get("x-api-key") or (bearer[7:] if bearer.lower().startswith("bearer ") else None)
             if key != config.api_key:
+                if path.startswith("/v1/messages"):  # Anthropic clients read Anthropic's error shape
+                    return anthropic_routes.anthropic_error(401, "invalid x-api-key")
                 return JSONResponse(error_body("invalid API key", "authentication_error"), 401)
             return await call_next(request)
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> dict:
+        # Claude Code probes `HEAD /` at every start; a 404 there reads as a broken server.
+        return {"status": "ok", "name": "agentbox", "version": agentbox.__version__}
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -132,7 +153,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         state: ServerState = request.app.state.agentbox
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "agentbox",
-            "max_model_len": state.info.max_model_len,
+            "max_model_len": state.info.max_model_len, "max_output_tokens": state.default_max_tokens,
         }]}
 
     @app.get("/v1/stats")
@@ -154,4 +175,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 def run_server(config: ServerConfig) -> None:
     import uvicorn
 
+    # INFO on the root logger: the engine process takes its level from here, so its lines (KV pool,
+    # max_model_len, loop guard) reach server.log and `agentbox logs` along with the API's warnings.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)

@@ -8,19 +8,25 @@ once, from the model's own chat template, so the three dialects can never disagr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+import logging
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from agentbox.chat.grammar import forced_name
+from agentbox.chat.grammar import forced_name, grammar_spec
 from agentbox.chat.harmony import is_harmony_template
 from agentbox.chat.reasoning import get_reasoning_splitter, prompt_opens_reasoning
 from agentbox.chat.render import normalize_tools, render_prompt, template_text
-from agentbox.chat.tool_parsers import Delta, ToolCall, detect_tool_parser, get_tool_parser
-from agentbox.engine.sampling import GrammarSpec, InvalidParam, SamplingParams
+from agentbox.chat.tool_parsers import ALIASES, PARSERS, Delta, ToolCall, detect_tool_parser, get_tool_parser
+from agentbox.chat.tool_prompt import template_renders_tools
+from agentbox.engine.grammar_spec import GrammarSpec, ReasoningMode
+from agentbox.engine.sampling import InvalidParam, SamplingParams
 from agentbox.server.errors import APIError
 from agentbox.server.generation import ServerState
 
 DEFAULT_TOOL_PARSER = "hermes"  # what a model with no trained call syntax is steered to by the grammar
+log = logging.getLogger("agentbox.server")
+_warned_fallback: set[str] = set()  # models already warned about (once per model, not per request)
 
 
 @dataclass
@@ -43,6 +49,46 @@ class FinalOutput:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
+class DistinctCalls:
+    """Holds each tool call's deltas until the call is complete and drops a call equal (same name, same
+    arguments) to an earlier one of the turn: under tool_choice=required a weak model repeats its call
+    until the grammar's cap, and an agent would run each copy."""
+
+    def __init__(self) -> None:
+        self.pending: list[Delta] = []
+        self.seen: set[tuple[str, str]] = set()
+        self.next_index = 0
+
+    def feed(self, deltas: list[Delta]) -> list[Delta]:
+        out: list[Delta] = []
+        for d in deltas:
+            tc = d.tool_call
+            if tc is None:
+                out.append(d)
+                continue
+            if self.pending and self.pending[0].tool_call.index != tc.index:  # type: ignore[union-attr]
+                out += self.finish()
+            self.pending.append(d)
+        return out
+
+    def finish(self) -> list[Delta]:
+        pending, self.pending = self.pending, []
+        if not pending:
+            return []
+        calls = [d.tool_call for d in pending if d.tool_call is not None]
+        name = next((c.name for c in calls if c.name), "")
+        args = "".join(c.arguments for c in calls)
+        try:
+            key = (name, json.dumps(json.loads(args or "{}"), sort_keys=True))
+        except ValueError:
+            key = (name, args)
+        if key in self.seen:
+            return []
+        self.seen.add(key)
+        index, self.next_index = self.next_index, self.next_index + 1
+        return [replace(d, tool_call=replace(c, index=index)) for d, c in zip(pending, calls, strict=True)]
+
+
 class OutputProcessor:
     """Text deltas from `generation.generate()` in; content, reasoning and tool-call deltas out.
 
@@ -51,9 +97,10 @@ class OutputProcessor:
     """
 
     def __init__(self, reasoning_style: str, starts_inside: bool, tool_parser: str | None,
-                 tools: list[dict] | None) -> None:
+                 tools: list[dict] | None, distinct_calls: bool = False) -> None:
         self.splitter = get_reasoning_splitter(reasoning_style, starts_inside=starts_inside)
         self.tools = get_tool_parser(tool_parser, tools).stream() if tool_parser else None
+        self.distinct = DistinctCalls() if distinct_calls and self.tools is not None else None
 
     @property
     def has_tool_calls(self) -> bool:
@@ -65,7 +112,9 @@ class OutputProcessor:
     def finish(self) -> list[Delta]:
         out = self._route(self.splitter.finish())
         if self.tools is not None:
-            out += self.tools.finish()
+            out += self.tools.finish() if self.distinct is None else self.distinct.feed(self.tools.finish())
+        if self.distinct is not None:
+            out += self.distinct.finish()
         return out
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
@@ -78,7 +127,8 @@ class OutputProcessor:
         out: list[Delta] = []
         for d in deltas:
             if d.content is not None and self.tools is not None:
-                out += self.tools.feed(d.content)
+                calls = self.tools.feed(d.content)
+                out += calls if self.distinct is None else self.distinct.feed(calls)
             else:
                 out.append(d)
         return out
@@ -113,7 +163,9 @@ class PreparedChat:
     starts_inside: bool  # the prompt ends inside an open <think>
 
     def output(self) -> OutputProcessor:
-        return OutputProcessor(self.reasoning_style, self.starts_inside, self.tool_parser, self.tools)
+        c = self.conv
+        distinct = c.tool_choice in ("required", "any") and c.parallel_tool_calls
+        return OutputProcessor(self.reasoning_style, self.starts_inside, self.tool_parser, self.tools, distinct)
 
     def grammar(self) -> GrammarSpec | None:
         """What the engine constrains decoding to, or None for free output."""
@@ -126,14 +178,16 @@ class PreparedChat:
         if not tools and rf is None:
             return None
         if self.starts_inside:
-            reasoning = "inside"
+            reasoning = ReasoningMode.INSIDE
         elif self.reasoning_style != "none" and c.enable_thinking is not False:
-            reasoning = "optional"
+            reasoning = ReasoningMode.OPTIONAL
         else:
-            reasoning = "none"
-        return GrammarSpec(tools=tools, tool_choice=choice if tools else None, response_format=rf,
-                           parser=self.tool_parser if tools else None, reasoning=reasoning,
-                           parallel_tool_calls=c.parallel_tool_calls)
+            reasoning = ReasoningMode.NONE
+        try:
+            return grammar_spec(tools, choice if tools else None, rf, self.tool_parser if tools else None,
+                                reasoning, c.parallel_tool_calls)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from e
 
 
 def reasoning_style_of(template: str) -> str:
@@ -158,6 +212,12 @@ def _check_tool_choice(tools: list[dict] | None, choice: Any, param: str) -> Non
         raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", param=param)
 
 
+def tool_syntax(profile_parser: str | None, template: str) -> str:
+    """The call syntax a model is read in: its profile's parser, else the template's, else hermes."""
+    name = ALIASES.get(profile_parser or "", profile_parser or "")
+    return name if name in PARSERS else detect_tool_parser(template) or DEFAULT_TOOL_PARSER
+
+
 def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messages",
                  tool_choice_param: str = "tool_choice", check_length: bool = True) -> PreparedChat:
     """Render, tokenize and pick the output readers; a bad conversation is a 400 naming `param`."""
@@ -171,16 +231,20 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
         raise APIError(400, f"a tool has no name or is not an object: {e}", param="tools") from e
     _check_tool_choice(tools, conv.tool_choice, tool_choice_param)
     template = template_text(tok, tools=bool(tools))
+    syntax = tool_syntax(state.tool_parser, template)
+    if tools and state.model_name not in _warned_fallback and not template_renders_tools(tok, template):
+        _warned_fallback.add(state.model_name)
+        log.warning("the chat template of %s has no tools section; tool definitions and the %s call format "
+                    "go into the system turn instead (see README, 'Tools for templates without them')",
+                    state.model_name, syntax)
     try:
-        text = render_prompt(tok, conv.messages, tools, enable_thinking=conv.enable_thinking)
+        text = render_prompt(tok, conv.messages, tools, enable_thinking=conv.enable_thinking, tool_parser=syntax)
     except ValueError as e:  # unsupported content parts
         raise APIError(400, str(e), param=param) from e
     except Exception as e:  # a template error is the request's fault (roles out of order, etc.)
         raise APIError(400, f"the chat template rejected these messages: {e}", param=param) from e
     style = reasoning_style_of(template)
-    parser = None
-    if tools and conv.tool_choice != "none":
-        parser = detect_tool_parser(template) or DEFAULT_TOOL_PARSER
+    parser = syntax if tools and conv.tool_choice != "none" else None
     ids = tok.encode(text, add_special_tokens=False)
     if check_length:
         state.check_prompt(len(ids), param)

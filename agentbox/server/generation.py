@@ -61,6 +61,8 @@ class ServerState:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     recorder: Any = None  # agentbox.bench.record.TraceRecorder under `serve --record-trace FILE`
     thinking_model: bool = False
+    tool_parser: str | None = None  # the profile's call syntax; None: read from the template
+    default_max_tokens: int = 4096  # the profile's output budget for requests that send no max_tokens
 
     def pick(self, name: str, sent: float | int | None, fallback: float | int) -> float | int:
         """The client's value, else the model profile's default, else the API's."""
@@ -90,8 +92,10 @@ class ServerState:
             )
 
     def clamp_max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """The client's max_tokens as sent, else the model's default output budget; capped only by the
+        room the context leaves."""
         room = self.info.max_model_len - prompt_len
-        return max(1, min(requested or room, room))
+        return max(1, min(requested or self.default_max_tokens, room))
 
 
 log = logging.getLogger("agentbox.server")

@@ -12,13 +12,16 @@ _CLAUDE_USER_ID = re.compile(r"_session_([0-9a-fA-F-]{8,})")
 
 
 def session_key(headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
-    """Order: X-Session-Id header, `session_id` body field, X-Claude-Code-Session-Id header, Anthropic
-    `metadata.user_id` (the `..._session_<uuid>` string, or a JSON string carrying `session_id`)."""
+    """Order: X-Session-Id header, `session_id` body field, X-Claude-Code-Session-Id header, Codex's
+    `session-id` header, Anthropic `metadata.user_id` (the `..._session_<uuid>` string, or a JSON string
+    carrying `session_id`)."""
     if v := headers.get("x-session-id"):
         return v
     if isinstance(v := body.get("session_id"), str) and v:
         return v
     if v := headers.get("x-claude-code-session-id"):
+        return v
+    if v := headers.get("session-id") or headers.get("session_id"):
         return v
     meta = body.get("metadata")
     if isinstance(meta, dict) and isinstance(uid := meta.get("user_id"), str) and uid:

@@ -1,0 +1,153 @@
+"""The real agent clients, as themselves, through `agentbox launch`: pinned Claude Code and Codex CLIs (npm)
+and aider (PyPI, its own venv), cached under ~/.cache/agentbox-test-clients between runs (first install:
+about 40 s for the two npm packages, 2.5 min for aider on 2 cores; skipped with the reason where npm or the
+network is absent). The model is a tiny random Qwen3-shaped one with 64k positions and SmolLM2's tokenizer
+(whose template has no tools section, so the tools fallback is on the path), wired to end its turn: a
+constant dimension of the residual stream that only the end-of-turn row of the head reads. Each client runs
+two non-interactive turns: both complete without an API error, the prompt the server saw carries the
+client's tools, and a later request reports cached tokens."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+CACHE = Path(os.environ.get("AGENTBOX_TEST_CLIENTS", Path.home() / ".cache" / "agentbox-test-clients"))
+NPM_PINS = {"claude": "@anthropic-ai/claude-code@2.1.332", "codex": "@openai/codex@0.171.0"}
+AIDER_PIN = "aider-chat==0.86.2"
+
+
+def npm_bin(name: str) -> Path:
+    """The pinned npm client, installed into the cache on first use."""
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed: the Claude Code and Codex CLIs come from npm")
+    exe = CACHE / "npm" / "node_modules" / ".bin" / name
+    if not exe.exists():
+        (CACHE / "npm").mkdir(parents=True, exist_ok=True)
+        r = subprocess.run(["npm", "install", "--prefix", str(CACHE / "npm"), "--no-audit", "--no-fund",
+                            *NPM_PINS.values()], capture_output=True, text=True, timeout=900)
+        if r.returncode != 0:
+            pytest.skip(f"npm could not install {', '.join(NPM_PINS.values())}: {r.stderr[-400:]}")
+    return exe
+
+
+def aider_bin() -> Path:
+    """aider in its own cached venv (its pins must not touch the project's)."""
+    venv = CACHE / "aider-venv"
+    exe = venv / "bin" / "aider"
+    if not exe.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+        r = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", AIDER_PIN], capture_output=True, text=True,
+                           timeout=1200)
+        if r.returncode != 0:
+            pytest.skip(f"pip could not install {AIDER_PIN}: {r.stderr[-400:]}")
+    return exe
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:  # noqa: ANN001
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    d = tmp_path_factory.mktemp("tiny-qwen3-64k")
+    eot = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    cfg = Qwen3Config(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=65536,
+                      eos_token_id=eot, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        # The stream stays the embedding (attention and MLP write nothing); dimension 0 is a constant that
+        # only the end-of-turn row reads: every turn ends at once, so a real client finishes its turns.
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 4.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[eot, 0] = 30.0
+    model.save_pretrained(d, safe_serialization=True)
+    smollm2_tokenizer.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    home = tmp_path_factory.mktemp("real-clients")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (home / "home").mkdir()
+    (home / "work").mkdir()
+    env = {**os.environ, "AGENTBOX_HOME": str(home / "state"), "HOME": str(home / "home")}
+    trace = home / "trace.jsonl"
+    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "serve", "--model", str(tiny_qwen3), "--port", str(port),
+                        "--num-pages", "8192", "--max-num-batched-tokens", "4096", "--record-trace", str(trace)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    try:
+        yield f"http://127.0.0.1:{port}", env, home, trace
+    finally:
+        subprocess.run([sys.executable, "-m", "agentbox.cli", "stop"], env=env, capture_output=True, timeout=60)
+
+
+def launch(server: tuple, exe: Path, client: str, *args: str) -> subprocess.CompletedProcess:
+    _, env, home, _ = server
+    env = {**env, "PATH": f"{exe.parent}{os.pathsep}{env['PATH']}"}
+    return subprocess.run([sys.executable, "-m", "agentbox.cli", "launch", client, *args], env=env, cwd=home / "work",
+                          capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+
+
+def counters(server: tuple) -> dict:
+    return httpx.get(server[0] + "/v1/stats", timeout=10).json()["counters"]
+
+
+def assert_turns_ok(server: tuple, before: dict, tool_name: str | None, min_prompt: int) -> None:
+    """The client's tools reached the prompt (the trace holds them; the prompts are as long as a prompt
+    carrying them), and a later request was served from the cache."""
+    after = counters(server)
+    trace = server[3].read_text() if server[3].exists() else ""
+    if tool_name is not None:
+        assert f'"{tool_name}"' in trace, trace[:2000]
+    prompts = after["prompt_tokens"] - before["prompt_tokens"]
+    print(f"{tool_name}: {after['requests'] - before['requests']} requests, {prompts} prompt tokens")
+    assert after["requests"] - before["requests"] >= 2 and prompts >= 2 * min_prompt, (before, after)
+    assert after["cached_tokens"] - before["cached_tokens"] >= min_prompt // 2, (before, after)
+
+
+def test_claude_code(server: tuple) -> None:
+    exe = npm_bin("claude")
+    before = counters(server)
+    for prompt in ("Say hello.", "Say hello again."):
+        r = launch(server, exe, "claude", "--force", "-p", prompt)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "API Error" not in r.stdout + r.stderr
+    assert_turns_ok(server, before, "Bash", 10_000)
+
+
+def test_codex(server: tuple) -> None:
+    exe = npm_bin("codex")
+    before = counters(server)
+    for prompt in ("Say hello.", "Say hello again."):
+        r = launch(server, exe, "codex", "exec", "--skip-git-repo-check", prompt)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "stream error" not in (r.stdout + r.stderr).lower()
+    assert_turns_ok(server, before, "shell", 2_000)
+
+
+def test_aider(server: tuple) -> None:
+    exe = aider_bin()
+    before = counters(server)
+    for prompt in ("Say hello.", "Say hello again."):
+        r = launch(server, exe, "aider", "--message", prompt, "--yes-always", "--no-git", "--no-auto-commits",
+                   "--no-pretty", "--no-stream")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "litellm.APIError" not in r.stdout + r.stderr
+    assert_turns_ok(server, before, None, 500)  # aider edits through text formats: it sends no tools
