@@ -69,7 +69,7 @@ class EngineClient:
 
     def _spawn(self) -> tuple[mp.process.BaseProcess, Connection, EngineReady]:
         """Spawns a core and blocks until it has loaded the model (or failed, raising with its reason)."""
-        from agentbox.engine.core import run_engine_process
+        from agentbox.engine.core_process import run_engine_process
 
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()

@@ -1,4 +1,4 @@
-"""The order in which the session policy gives GPU pages up: a heap key per leaf node (radix_cache.py's
+"""The order in which the session policy gives GPU pages up: a heap key per leaf node (radix_evict.py's
 docstring has the three classes). Pure functions of a node, the session table and the clock."""
 
 from __future__ import annotations

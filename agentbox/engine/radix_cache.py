@@ -32,18 +32,10 @@ nodes form a top-down closed subtree: a GPU node's parent is a GPU node or the r
 and promotion top-down, so a path is always "GPU prefix, then host suffix". `lock` splits the last node at
 the match boundary, so a request's references always cover whole nodes.
 
-Eviction (`evict(n)`): GPU leaves (nodes without GPU children) leave in priority-class order through an
-incremental heap with lazy invalidation (a node's `version` is bumped on each push; stale entries are
-skipped; a popped key is recomputed and the node re-pushed if it has grown past the next entry's — keys
-only grow with time except at lease expiry and turn end, where the session's leaves are re-pushed):
-  class 0: no live or expired lease on any session tagging the node; least recently used first.
-  class 1: the best lease among its sessions has expired; earliest expiry first.
-  class 2: a live lease; lowest expected saving per page-second first: the recompute cost of its tokens
-           (tokens x (1 + mean position / ATTN_TOKENS), attention grows with depth; evict_order.py) divided by its pages x
-           the time until the session's expected return (last turn end + median gap).
-Under `CachePolicy.LRU` every node is class 0; under `NONE` nothing is cached. With a host tier an evicted
-GPU node is copied to host (making room by dropping host LRU leaves) instead of dropped; host nodes on a
-matched path are promoted back (allocate GPU pages, copy) instead of being recomputed.
+Eviction, demotion and promotion (`evict`, `evict_host`, `demote`; promotion inside `lock`) are an
+`Evictor` (radix_evict.py, with the priority classes and the heaps): the cache tells it which nodes became
+leaves and it calls back through a small `Tree` view (`locked`, `remove`, `retier`). Under `CachePolicy.NONE`
+nothing is cached.
 
 Sessions are tags: every node on a path a session locked or inserted carries its id (so a child's tags
 are a subset of its parent's). `drop_session` removes the session's own suffix; shared prefixes survive. The per-session
@@ -52,24 +44,20 @@ bookkeeping (tags, lease expiries, the lease cap) is session_index.py.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 from agentbox.config import CachePolicy, EngineConfig
-from agentbox.engine.evict_order import gpu_key
-from agentbox.engine.host_tier import HostTier, copy_pages
+from agentbox.engine.host_tier import HostTier
 from agentbox.engine.kv_pool import PagePool
 from agentbox.engine.messages import CacheStats
 from agentbox.engine.radix_check import check_integrity
+from agentbox.engine.radix_evict import Evictor, HeapEntry
 from agentbox.engine.radix_node import Lock, Match, Node, Tier
 from agentbox.engine.session_index import SessionIndex
 from agentbox.engine.sessions import SessionTable
 from agentbox.layers.backends.base import KVCache
-
-_Entry = tuple[tuple[int, float], int, int, Node]
 
 
 class RadixCache:
@@ -91,17 +79,11 @@ class RadixCache:
         self.policy = policy
         self.ps = pool.page_size
         self.root = Node((), [], Tier.GPU, None, 0)
-        self._gpu_heap: list[_Entry] = []
-        self._host_heap: list[_Entry] = []
         self.index = SessionIndex(self.sessions, policy)
-        self._seq = itertools.count()
         self._epoch = 0  # bumped on every change of the tree's shape or tiers: a Match from before is stale
         self.gpu_pages = 0
         self.host_pages = 0
-        self.evictions = 0  # GPU pages dropped (not demoted)
-        self.demotions = 0  # GPU pages copied to host
-        self.promotions = 0  # host pages copied back to GPU
-        self.host_evictions = 0  # host pages dropped
+        self.evictor = Evictor(self)
 
     @classmethod
     def from_config(
@@ -114,6 +96,23 @@ class RadixCache:
     @property
     def clock(self) -> Callable[[], float]:
         return self.sessions.clock
+
+    # The counters are the evictor's.
+    @property
+    def evictions(self) -> int:  # GPU pages dropped (not demoted)
+        return self.evictor.evictions
+
+    @property
+    def demotions(self) -> int:  # GPU pages copied to host
+        return self.evictor.demotions
+
+    @property
+    def promotions(self) -> int:  # host pages copied back to GPU
+        return self.evictor.promotions
+
+    @property
+    def host_evictions(self) -> int:  # host pages dropped
+        return self.evictor.host_evictions
 
     # ---- lookup and insert ----
 
@@ -167,7 +166,7 @@ class RadixCache:
             assert self.host is not None
             self.host.pool.incref([p for n in host_nodes for p in n.pages])  # no host eviction under us
             for j, n in enumerate(host_nodes):
-                if not self._promote(n):
+                if not self.evictor.promote(n):
                     self.host.pool.decref([p for m_ in host_nodes[j:] for p in m_.pages])
                     path = path[: n_gpu + j]
                     break
@@ -180,7 +179,7 @@ class RadixCache:
             self.index.refreshed(sid)
         for n in path:
             n.last_access = now
-            self._push_candidate(n)
+            self.evictor.push_candidate(n)
         return Lock(pages, len(pages) * self.ps, host_tokens, sid)
 
     def _check_fresh(self, m: Match) -> None:
@@ -231,11 +230,7 @@ class RadixCache:
                 # The tree kept these on host; the caller's fresh GPU pages are better than a copy back.
                 assert self.host is not None
                 self.host.pool.decref(child.pages)
-                self.host_pages -= len(child.pages)
-                self.gpu_pages += len(mine)
-                child.pages, child.tier = list(mine), Tier.GPU
-                child.version += 1
-                self._epoch += 1
+                self.retier(child, list(mine), Tier.GPU)
             path.append(child)
             node, i = child, i + m
         if session is not None:
@@ -243,7 +238,7 @@ class RadixCache:
             self.index.refreshed(session)
         for nd in path:
             nd.last_access = now
-            self._push_candidate(nd)
+            self.evictor.push_candidate(nd)
         if session is not None:
             self._enforce_cap()
 
@@ -255,117 +250,24 @@ class RadixCache:
         """A session's turn is done: its lease runs a fresh TTL and its eviction keys move with it."""
         self.sessions.end_turn(session)
         self.index.refreshed(session)
-        self._repush_session(session)
+        self.evictor.repush_session(session)
         self._enforce_cap()
 
-    # ---- eviction, demotion, promotion ----
+    # ---- eviction, demotion, promotion (radix_evict.py) ----
 
     def evict(self, num_pages: int) -> int:
         """Free at least num_pages GPU pages if possible (demoting to host where it has room). Returns the
         number of GPU pages freed."""
-        if num_pages <= 0:
-            return 0
-        now = self.clock()
-        for sid in self.index.expired(now):
-            self._repush_session(sid)
-        freed = 0
-        held: list[Node] = []
-        while freed < num_pages and self._gpu_heap:
-            key, _, version, n = heapq.heappop(self._gpu_heap)
-            if not self._valid(n, version, Tier.GPU) or not self._is_gpu_leaf(n):
-                continue
-            if self._locked(n):
-                held.append(n)
-                continue
-            cur = gpu_key(n, self.sessions, self.policy, now)
-            if cur > key and self._gpu_heap and cur > self._gpu_heap[0][0]:
-                self._push(n, self._gpu_heap, cur)
-                continue
-            freed += self._evict_gpu_node(n)
-        for n in held:
-            self._push_candidate(n)
-        return freed
-
-    def _evict_gpu_node(self, n: Node) -> int:
-        k = len(n.pages)
-        parent = n.parent
-        assert parent is not None
-        if self.host is not None and self._make_host_room(k):
-            assert self.kv is not None
-            host_pages = self.host.pool.alloc(k)
-            copy_pages(self.kv, n.pages, self.host.kv, host_pages)
-            self.pool.decref(n.pages)
-            n.pages, n.tier = host_pages, Tier.HOST
-            self._epoch += 1
-            self.gpu_pages -= k
-            self.host_pages += k
-            self.demotions += k
-            n.version += 1  # its GPU heap entries are stale now
-            self._push_candidate(n)
-        else:
-            self._drop_subtree(n)
-            self.evictions += k
-        self._push_candidate(parent)
-        return k
-
-    def _make_host_room(self, k: int) -> bool:
-        assert self.host is not None
-        hp = self.host.pool
-        if k > hp.capacity:
-            return False
-        if hp.num_free < k:
-            self.evict_host(k - hp.num_free)
-        return hp.num_free >= k
+        return self.evictor.evict(num_pages)
 
     def evict_host(self, num_pages: int) -> int:
         """Drop host leaves, least recently used first (the host tier is the last stop before recompute)."""
-        freed = 0
-        held: list[Node] = []
-        while freed < num_pages and self._host_heap:
-            _, _, version, n = heapq.heappop(self._host_heap)
-            if not self._valid(n, version, Tier.HOST) or n.children:
-                continue
-            if self._locked(n):
-                held.append(n)
-                continue
-            parent = n.parent
-            assert parent is not None
-            freed += len(n.pages)
-            self.host_evictions += len(n.pages)
-            self._remove_node(n)
-            self._push_candidate(parent)
-        for n in held:
-            self._push_candidate(n)
-        return freed
-
-    def _promote(self, n: Node) -> bool:
-        """Copy a host node (carrying the caller's lock) back to fresh GPU pages, one extra ref for the caller."""
-        assert self.host is not None and self.kv is not None
-        k = len(n.pages)
-        if self.pool.num_free < k:
-            self.evict(k - self.pool.num_free)
-        if self.pool.num_free < k:
-            return False
-        gpu = self.pool.alloc(k)
-        copy_pages(self.host.kv, n.pages, self.kv, gpu)
-        self.pool.incref(gpu)
-        self.host.pool.decref(n.pages + n.pages)  # the caller's lock and the tree's reference
-        n.pages, n.tier = gpu, Tier.GPU
-        n.version += 1
-        self._epoch += 1
-        self.gpu_pages += k
-        self.host_pages -= k
-        self.promotions += k
-        return True
+        return self.evictor.evict_host(num_pages)
 
     def demote(self, num_pages: int) -> int:
         """Move at least num_pages of unlocked GPU leaves to host now (e.g. ahead of a burst). Returns pages
         moved; 0 without a host tier."""
-        if self.host is None:
-            return 0
-        before = self.demotions
-        self.evict(num_pages)
-        return self.demotions - before
+        return self.evictor.demote(num_pages)
 
     def drop_session(self, session: str) -> int:
         """Forget a session: untag its nodes and free those no other session uses and no request holds.
@@ -373,20 +275,20 @@ class RadixCache:
         nodes = self.index.forget(session)
         freed = 0
         for n in sorted(nodes, key=lambda n: n.start, reverse=True):  # children before parents
-            if not n.alive or n.sessions or n.children or self._locked(n):
+            if not n.alive or n.sessions or n.children or self.locked(n):
                 continue
             parent = n.parent
             assert parent is not None
             freed += len(n.pages)
-            self._remove_node(n)
-            self._push_candidate(parent)
+            self.remove(n)
+            self.evictor.push_candidate(parent)
         return freed
 
     def _enforce_cap(self) -> None:
         for sid in self.index.release_over_cap(self.pool.capacity):
-            self._repush_session(sid)
+            self.evictor.repush_session(sid)
 
-    # ---- tree mechanics ----
+    # ---- tree mechanics (`remove`, `retier` and `locked` are also the evictor's view: radix_evict.Tree) ----
 
     def _common(self, key: tuple[int, ...], toks: tuple[int, ...], i: int) -> int:
         """Whole pages (in tokens) on which key and toks[i:] agree."""
@@ -411,66 +313,54 @@ class RadixCache:
         self._epoch += 1
         return pre
 
-    def _remove_node(self, n: Node) -> None:
-        if self._locked(n):
+    def remove(self, n: Node) -> None:
+        """Detach n (no children, unlocked) and drop the tree's reference on its pages."""
+        if self.locked(n):
             raise RuntimeError("removing a node a request still holds")
         parent = n.parent
         assert parent is not None
         del parent.children[n.key[: self.ps]]
-        if n.tier is Tier.GPU:
-            self.pool.decref(n.pages)
-            self.gpu_pages -= len(n.pages)
-        else:
-            assert self.host is not None
-            self.host.pool.decref(n.pages)
-            self.host_pages -= len(n.pages)
+        self._pool_of(n.tier).decref(n.pages)
+        self._count(n, -1)
         self.index.removed(n)
         self._epoch += 1
         n.alive = False
         n.version += 1
 
-    def _drop_subtree(self, n: Node) -> None:
-        for child in list(n.children.values()):
-            self._drop_subtree(child)
-            self.host_evictions += len(child.pages) if child.tier is Tier.HOST else 0
-        self._remove_node(n)
+    def retier(self, n: Node, pages: list[int], tier: Tier) -> None:
+        """n's tokens now live on `pages` of `tier`: the caller copied them and settled the old pages'
+        references. Its heap entries and every Match go stale."""
+        self._count(n, -1)
+        n.pages, n.tier = pages, tier
+        self._count(n, 1)
+        n.version += 1
+        self._epoch += 1
 
-    def _locked(self, n: Node) -> bool:
-        if n.tier is Tier.GPU:
-            rc = self.pool.refcount
-        else:
-            assert self.host is not None
-            rc = self.host.pool.refcount
+    def locked(self, n: Node) -> bool:
+        """A running request holds a reference on one of n's pages (so n is never evicted, demoted or dropped)."""
+        rc = self._pool_of(n.tier).refcount
         return any(rc[p] > 1 for p in n.pages)
 
-    def _is_gpu_leaf(self, n: Node) -> bool:
-        return n.tier is Tier.GPU and all(c.tier is Tier.HOST for c in n.children.values())
+    def _pool_of(self, tier: Tier) -> PagePool:
+        if tier is Tier.GPU:
+            return self.pool
+        assert self.host is not None
+        return self.host.pool
 
-    @staticmethod
-    def _valid(n: Node, version: int, tier: Tier) -> bool:
-        return n.alive and n.version == version and n.tier is tier
+    def _count(self, n: Node, sign: int) -> None:
+        if n.tier is Tier.GPU:
+            self.gpu_pages += sign * len(n.pages)
+        else:
+            self.host_pages += sign * len(n.pages)
 
-    def _push(self, n: Node, heap: list[_Entry], key: tuple[int, float]) -> None:
-        n.version += 1
-        heapq.heappush(heap, (key, next(self._seq), n.version, n))
-        if len(heap) > 4 * (self.gpu_pages + self.host_pages) + 64:
-            # Stale entries pile up when nothing is evicted for a while: drop them (amortized O(1)).
-            tier = Tier.GPU if heap is self._gpu_heap else Tier.HOST
-            heap[:] = [e for e in heap if self._valid(e[3], e[2], tier)]
-            heapq.heapify(heap)
+    # The tests' window on the heaps (snapshots, the compaction bound); the heaps are the evictor's.
+    @property
+    def _gpu_heap(self) -> list[HeapEntry]:
+        return self.evictor.gpu_heap
 
-    def _push_candidate(self, n: Node) -> None:
-        """(Re)enter n in the heap of its tier if it is a leaf there; stale entries die by version."""
-        if n is self.root or not n.alive:
-            return
-        if self._is_gpu_leaf(n):
-            self._push(n, self._gpu_heap, gpu_key(n, self.sessions, self.policy, self.clock()))
-        elif n.tier is Tier.HOST and not n.children:
-            self._push(n, self._host_heap, (0, n.last_access))
-
-    def _repush_session(self, sid: str) -> None:
-        for n in self.index.of(sid):
-            self._push_candidate(n)
+    @property
+    def _host_heap(self) -> list[HeapEntry]:
+        return self.evictor.host_heap
 
     # ---- counters and checks ----
 

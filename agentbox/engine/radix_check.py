@@ -21,8 +21,7 @@ def check_integrity(cache: RadixCache, running_refs: Counter[int] | None = None)
         cache.host.pool.check_integrity()
     owned_gpu: set[int] = set()
     owned_host: set[int] = set()
-    in_heap = {id(e[3]) for e in cache._gpu_heap if cache._valid(e[3], e[2], Tier.GPU)}
-    in_heap |= {id(e[3]) for e in cache._host_heap if cache._valid(e[3], e[2], Tier.HOST)}
+    in_heap = {id(n) for n in cache.evictor.queued()}
     stack = list(cache.root.children.values())
     while stack:
         n = stack.pop()
@@ -41,7 +40,7 @@ def check_integrity(cache: RadixCache, running_refs: Counter[int] | None = None)
         for p in n.pages:
             assert p not in owned, f"page {p} owned twice"
             owned.add(p)
-        if cache._is_gpu_leaf(n) or (n.tier is Tier.HOST and not n.children):
+        if n.is_gpu_leaf() or n.is_host_leaf():
             assert id(n) in in_heap, "a leaf missing from its heap"
         stack.extend(n.children.values())
     for sid, nodes in cache.index.nodes.items():

@@ -1,6 +1,7 @@
 """The radix cache's nodes (a run of page-aligned tokens, the pages holding their KV on one tier, the sessions
 whose sequences pass through it) and the two results of using the tree: a `Match` (what a pure lookup found,
-nothing held) and a `Lock` (what locking a match gave the caller). The tree mechanics live in radix_cache.py."""
+nothing held) and a `Lock` (what locking a match gave the caller). The tree mechanics live in radix_cache.py,
+eviction in radix_evict.py."""
 
 from __future__ import annotations
 
@@ -40,6 +41,13 @@ class Node:
         self.last_access = 0.0
         self.version = 0
         self.alive = True
+
+    def is_gpu_leaf(self) -> bool:
+        """A GPU node without GPU children: the GPU tier's eviction candidates."""
+        return self.tier is Tier.GPU and all(c.tier is Tier.HOST for c in self.children.values())
+
+    def is_host_leaf(self) -> bool:
+        return self.tier is Tier.HOST and not self.children
 
 
 @dataclass(frozen=True)
