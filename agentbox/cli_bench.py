@@ -65,10 +65,13 @@ def bench_step(
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
     """Host time per decode step (scheduling + input preparation, model excluded) at 1k and 32k tokens of
-    context, batch 1 and 32, on a tiny random model; the 32k/1k ratio should stay near 1."""
-    from agentbox.bench.step_bench import step_report
+    context, batch 1 and 32, on a tiny random model; the 32k/1k ratio should stay near 1. Then the whole
+    decode step of the torch attention backend at 512, 4k and 8k tokens, its view path against its gather path."""
+    from agentbox.bench.step_bench import decode_report, step_report
 
-    _print_json(step_report(), json_out)
+    report = step_report()
+    report["torch_decode_step"] = decode_report()
+    _print_json(report, json_out)
 @bench_app.command("llamacpp")
 def bench_llamacpp(
     model: str | None = typer.Option(None, "--model", help="a .gguf (default: the embedded SmolLM2)"),  # noqa: UP007

@@ -110,6 +110,62 @@ def test_torch_backend_matches_naive(layout: str, heads: int, kv_heads: int, dty
     torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
+def consecutive_step(query_lens: list[int], kv_lens: list[int], page_size: int) -> AttentionMetadata:
+    """Sequence i owns a run of consecutive pages (as a fresh pool hands them out), runs in reverse order."""
+    counts = [math.ceil(kv / page_size) for kv in kv_lens]
+    first, pages = 1 + sum(counts), []
+    for n in counts:
+        first -= n
+        pages.append(list(range(first, first + n)))
+    slots = [[p[j // page_size] * page_size + j % page_size for j in range(kv)] for p, kv in zip(pages, kv_lens, strict=True)]
+    width = max(counts)
+    return AttentionMetadata(
+        query_lens=query_lens,
+        kv_lens=kv_lens,
+        page_table=torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.int32),
+        slot_mapping=torch.tensor(
+            [s for seq, q, kv in zip(slots, query_lens, kv_lens, strict=True) for s in seq[kv - q :]], dtype=torch.int64
+        ),
+        page_size=page_size,
+    )
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_view_path_equals_gather_path(window: int | None, with_sinks: bool) -> None:
+    """Consecutive pages take the view path (no copy of the history); it gives the gather path's outputs on a
+    ragged batch of decodes, a fresh prefill and prefill chunks after cached prefixes, with GQA, sinks and a
+    window; pages out of order fall back to the gather."""
+    query_lens, kv_lens = [1, 6, 1, 3, 12, 5], [33, 6, 2, 11, 12, 40]
+    heads, kv_heads, d, page_size = 6, 2, 16, 4
+    meta = consecutive_step(query_lens, kv_lens, page_size)
+    torch.manual_seed(3)
+    cache = KVCache(1, 40, page_size, kv_heads, d, torch.float32, "cpu")
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    t = sum(query_lens)
+    q, k, v = torch.randn(t, heads, d), torch.randn(t, kv_heads, d), torch.randn(t, kv_heads, d)
+    sinks = torch.randn(heads) if with_sinks else None
+    outs = []
+    for use_views in (True, False):
+        caches = KVCache(1, 40, page_size, kv_heads, d, torch.float32, "cpu")
+        caches.k[0].copy_(cache.k[0])
+        caches.v[0].copy_(cache.v[0])
+        backend = TorchAttention(caches, heads, kv_heads, d, d**-0.5)
+        backend.use_views, backend.view_min_mean_kv = use_views, 0  # short sequences, views all the same
+        backend.begin(meta)
+        assert (backend.bases is not None) == use_views
+        outs.append(backend.forward(0, q, k, v, sliding_window=window, sinks=sinks))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-5)
+    shuffled, _ = make_step(query_lens, kv_lens, page_size, num_pages=40, seed=5)
+    backend.use_views = True
+    backend.begin(shuffled)
+    assert backend.bases is None and backend.layout is not None
+    backend.view_min_mean_kv = 128  # the default: these sequences are too short to gain from views
+    backend.begin(meta)
+    assert backend.bases is None
+
+
 def test_layout_mask_and_indices() -> None:
     meta, _ = make_step([1, 3], [4, 5], page_size=2, num_pages=8)
     lay = build_layout(meta, torch.device("cpu"))

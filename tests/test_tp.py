@@ -189,3 +189,10 @@ def test_bench_step_reports_both_paths() -> None:
 
     r = host_step_us(batch=2, context=100, steps=5)
     assert r["host_us"] > 0 and r["legacy_prepare_us"] > 0
+
+
+def test_bench_decode_step_times_both_attention_paths() -> None:
+    from agentbox.bench.step_bench import decode_step_ms
+
+    r = decode_step_ms(context=200, steps=2)  # raises if the view path did not run
+    assert r["view_ms"] > 0 and r["gather_ms"] > 0 and r["gather_over_view"] > 0

@@ -2,7 +2,12 @@
 buffer a tp worker receives), the model excluded. It must not grow with context: a step's work is its new
 tokens and new pages, never a request's whole token list or page list. Measured at two context lengths and
 two batch sizes on a tiny random model, with the pre-split runner's per-step work (prompt + output
-concatenated, page table rebuilt from Python lists) as the baseline in the same run."""
+concatenated, page table rebuilt from Python lists) as the baseline in the same run.
+
+Also the whole decode step (schedule, prepare, model, sample) of the torch attention backend at 512, 4k and
+8k tokens of context, batch 1, on a small random Llama, with the backend's gather path (every layer copies
+the history out of the pages) as the baseline against its view path (attention over a slice of the cache)
+in the same run, steps of the two interleaved so that load on the machine hits both alike."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from agentbox.engine.core import EngineCore
 from agentbox.engine.request import Request, Status
 from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.scheduler import SchedulerOutput
+from agentbox.layers.backends.torch_backend import TorchAttention
 
 
 def _tiny(max_len: int) -> LlamaConfig:
@@ -42,12 +48,19 @@ def legacy_prepare(out: SchedulerOutput, page_size: int) -> torch.Tensor:
     return table
 
 
+def _small(max_len: int) -> LlamaConfig:
+    """Small but shaped like a real model: GQA (4 query heads on 2 kv heads), head_dim 64, 4 layers."""
+    return LlamaConfig(architectures=["LlamaForCausalLM"], hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, max_position_embeddings=max_len)
+
+
 def _decoding(core: EngineCore, batch: int, context: int) -> list[Request]:
     """`batch` requests as if their `context`-token prompts were prefilled: pages held, running."""
     ps = core.config.page_size
     reqs = []
     for i in range(batch):
-        r = Request(f"bench-{i}", [(i + j) % 100 + 1 for j in range(context)], SamplingParams(max_tokens=1 << 20))
+        params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
+        r = Request(f"bench-{i}", [(i + j) % 100 + 1 for j in range(context)], params)
         r.pages = core.pool.alloc(-(-(context + 1) // ps))
         r.num_computed_tokens = context - 1
         r.status = Status.RUNNING
@@ -96,4 +109,38 @@ def step_report(contexts: tuple[int, int] = (1024, 32768), batches: tuple[int, .
             "ratio_long_over_short": round(z["host_us"] / a["host_us"], 3),
             "legacy_ratio_long_over_short": round(z["legacy_prepare_us"] / a["legacy_prepare_us"], 3),
         }
+    return report
+
+
+def decode_step_ms(context: int, steps: int = 12) -> dict[str, float]:
+    """Median milliseconds of a whole batch-1 decode step (core.step) at `context` tokens, torch backend's
+    view path and gather path alternating step by step on the same engine."""
+    ps = EngineConfig.page_size
+    config = EngineConfig(model="random", device="cpu", dtype="float32", cache_policy="none",
+                          num_pages=-(-(context + 2 * steps + 8) // ps) + 4, max_num_seqs=1, attention="torch",
+                          cpu_threads=1)
+    core = EngineCore(config, random_model(_small(context + 2 * steps + 64), torch.float32, "cpu"))
+    backend = core.runner.backend
+    assert isinstance(backend, TorchAttention)
+    _decoding(core, 1, context)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(2 * steps + 2):
+        backend.use_views = i % 2 == 0
+        t0 = time.perf_counter()
+        core.step()
+        if i >= 2:  # the first two steps warm both paths up
+            times[backend.use_views].append(time.perf_counter() - t0)
+        if backend.use_views and backend.bases is None:
+            raise RuntimeError(f"the view path did not run at {context} tokens (pages not consecutive?)")
+    view, gather = (sorted(times[k])[steps // 2] * 1e3 for k in (True, False))
+    return {"view_ms": round(view, 2), "gather_ms": round(gather, 2), "gather_over_view": round(gather / view, 2)}
+
+
+def decode_report(contexts: tuple[int, ...] = (512, 4096, 8192)) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "what": "decode step time, torch attention backend, batch 1, 4-layer random Llama (256 hidden, 4 heads on "
+                "2 kv heads x 64), fp32, 1 CPU thread: view path (no copy of the history) vs gather path",
+    }
+    for c in contexts:
+        report[f"ctx_{c}"] = decode_step_ms(c)
     return report

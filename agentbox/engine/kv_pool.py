@@ -57,7 +57,9 @@ class PagePool:
     def decref(self, pages: list[int]) -> int:
         """Drop one holder from each page; returns how many pages became free."""
         freed = 0
-        for p in pages:
+        # Pushed last page first, so that a freed run comes back off the stack in its order: consecutive pages
+        # let the torch attention backend read a sequence's history as one slice of the cache instead of a copy.
+        for p in reversed(pages):
             rc = self.refcount[p]
             if rc <= 0:
                 raise RuntimeError(f"decref of free page {p}")
