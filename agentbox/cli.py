@@ -44,7 +44,7 @@ def _check_tp(tp: int, device: str) -> None:
     if tp < 1:
         fail(f"--tp must be at least 1 (got {tp})")
     if tp == 1 or device == "cpu":
-        return  # on CPU, --tp N runs N gloo ranks on this host (how the tests prove tensor parallel)
+        return  # on CPU, --tp N runs N ranks on this host over shared memory (how the tests prove tensor parallel)
     import torch
 
     if not torch.cuda.is_available():

@@ -47,7 +47,7 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
     def on_rank_death(death: RankDeath) -> None:
         # A collective with a dead peer may never return (NCCL), so the loop cannot be trusted to notice:
         # report, end the other ranks, and exit; the API process fails in-flight requests and restarts us.
-        # Called by the watchdog, or by the loop when a step fails because a peer went away (gloo).
+        # Called by the watchdog, or by the loop when a step fails because a peer went away.
         dying.acquire()  # once: the other caller blocks here until the process exits
         why = death.describe()
         log.error("%s; the engine exits", why)

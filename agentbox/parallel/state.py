@@ -1,9 +1,9 @@
 """Tensor-parallel process-group state. At tp=1 every collective is a no-op, so layers call them freely.
 
-Two groups at tp > 1: the default group carries the layers' collectives (NCCL on CUDA, gloo on CPU) and
-a gloo group on CPU carries control (start-up agreement: pool size, resident bytes). Steps themselves do
-not cross a collective: rank 0 writes each step to the workers' pipes (parallel/worker.py), so an idle
-worker sits in a blocking pipe read instead of a spinning NCCL broadcast.
+At tp > 1 the layers' collectives and the start-up agreement (pool size, resident bytes) go over NCCL on
+CUDA and over shared memory on CPU (parallel/shm_group.py: gloo's transport thread wakes every 10 ms, so
+it is not used). Steps themselves do not cross a collective: rank 0 writes each step to the workers'
+pipes (parallel/worker.py), so an idle worker sits in a blocking pipe read, not a spinning broadcast.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from agentbox.parallel.shm_group import ShmGroup
 
 
 @dataclass(frozen=True)
@@ -20,7 +22,8 @@ class TPState:
 
 
 _state = TPState()
-_control: object | None = None  # torch.distributed ProcessGroup (gloo) at tp > 1
+_shm: ShmGroup | None = None  # the CPU group at tp > 1 (else torch.distributed's default group)
+_device = torch.device("cpu")  # where control tensors live (NCCL takes only device tensors)
 
 
 def set_tp_state(rank: int, size: int) -> None:
@@ -36,41 +39,50 @@ def tp_size() -> int:
     return _state.size
 
 
-def init_distributed(rank: int, size: int, port: int, device: torch.device, timeout_s: float = 600.0) -> None:
-    """Joins the tp group (rank 0 and every worker call it with the same port) and sets the tp state.
-    timeout_s bounds every collective: a step on a live group takes milliseconds, loading takes minutes."""
-    global _control
+def init_distributed(
+    rank: int, size: int, port: int, device: torch.device, shm: ShmGroup | None = None, timeout_s: float = 600.0
+) -> None:
+    """Joins the tp group (rank 0 and every worker call it with the same port) and sets the tp state. On CPU
+    the group is `shm` (made by rank 0 before it spawned the workers); on CUDA it is NCCL over `port`.
+    timeout_s bounds every NCCL collective: a step on a live group takes milliseconds, loading minutes."""
+    global _shm, _device
     from datetime import timedelta
 
     import torch.distributed as dist
 
     set_tp_state(rank, size)
+    _device = device
     if size == 1:
         return
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cpu":
+        if shm is None:
+            raise ValueError("tensor parallel on CPU needs the shared-memory group rank 0 made")
+        _shm = shm.for_rank(rank)
+        return
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
+        "nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, timeout=timedelta(seconds=timeout_s)
     )
-    _control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
 
 
 def destroy_distributed() -> None:
-    global _control
+    global _shm
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    _control = None
+    _shm = None
     set_tp_state(0, 1)
 
 
 def control_all_gather(value: int) -> list[int]:
-    """Every rank's `value`, in rank order, over the CPU control group ([value] at tp 1)."""
+    """Every rank's `value`, in rank order ([value] at tp 1)."""
     if _state.size == 1:
         return [value]
-    mine = torch.tensor([value], dtype=torch.int64)
-    parts = [torch.zeros(1, dtype=torch.int64) for _ in range(_state.size)]
-    torch.distributed.all_gather(parts, mine, group=_control)
+    mine = torch.tensor([value], dtype=torch.int64, device=_device)
+    if _shm is not None:
+        return [int(p.item()) for p in _shm.all_gather(mine)]
+    parts = [torch.zeros_like(mine) for _ in range(_state.size)]
+    torch.distributed.all_gather(parts, mine)
     return [int(p.item()) for p in parts]
 
 
@@ -110,13 +122,17 @@ def head_shard(total_heads: int, total_kv_heads: int, size: int | None = None, r
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _state.size == 1:
         return x
-    torch.distributed.all_reduce(x)
+    if _shm is not None:
+        return _shm.all_reduce(x)
+    torch.distributed.all_reduce(x)  # NCCL, or a group a test made itself
     return x
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _state.size == 1:
         return x
+    if _shm is not None:
+        return torch.cat(_shm.all_gather(x), dim=-1)
     parts = [torch.empty_like(x) for _ in range(_state.size)]
     torch.distributed.all_gather(parts, x.contiguous())
     return torch.cat(parts, dim=-1)

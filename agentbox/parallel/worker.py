@@ -2,13 +2,13 @@
 
 Rank 0 (the engine core) owns the scheduler, the cache and the sessions; a worker owns only a ModelRunner.
 Each step, rank 0 writes the packed `StepInputs` (engine/step_inputs.py, a few hundred bytes for a decode
-step) to every worker's pipe and all ranks run `execute`; the layers' collectives (NCCL on CUDA, gloo on
-CPU) meet inside the forward pass. An idle worker is blocked in `recv_bytes` on its pipe: no spinning
+step) to every worker's pipe and all ranks run `execute`; the layers' collectives (NCCL on CUDA, shared
+memory on CPU: parallel/shm_group.py) meet inside the forward pass. An idle worker is blocked in `recv_bytes` on its pipe: no spinning
 collective, no polling sleep. An empty message (or the pipe closing) tells it to exit.
 
 Death: a watchdog thread in rank 0 blocks on the workers' process sentinels. When one exits unasked, the
 engine reports which rank died and exits itself (a collective with a dead peer may never return, on NCCL
-in particular); the API process then fails the in-flight requests and restarts the engine. Workers ask
+in particular, or a shared-memory barrier); the API process then fails the in-flight requests and restarts the engine. Workers ask
 the kernel to kill them if their parent dies, so no rank outlives the engine.
 """
 
@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, wait
 
 from agentbox.config import EngineConfig
 from agentbox.engine.step_inputs import StepInputs
+from agentbox.parallel.shm_group import ShmGroup
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def worker_main(rank: int, config: EngineConfig, port: int, conn: Connection, log_level: int) -> None:
+def worker_main(
+    rank: int, config: EngineConfig, port: int, shm: ShmGroup | None, conn: Connection, log_level: int
+) -> None:
     """Entry point of rank `rank` (>= 1): join the group, load the shard, then run steps until told to stop."""
     die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
@@ -77,7 +80,7 @@ def worker_main(rank: int, config: EngineConfig, port: int, conn: Connection, lo
     from agentbox.parallel.state import init_distributed
 
     try:
-        init_distributed(rank, config.tensor_parallel_size, port, rank_device(config, rank))
+        init_distributed(rank, config.tensor_parallel_size, port, rank_device(config, rank), shm)
         runner = ModelRunner(config)
     except Exception as e:
         log.exception("rank %d failed to start", rank)
@@ -98,14 +101,18 @@ class TPWorkers:
 
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.tensor_parallel_size
+        from agentbox.engine.runner import rank_device
+
         self.port = free_port()
         ctx = mp.get_context("spawn")
+        # On CPU the ranks' collectives go through shared memory made here, before the workers exist.
+        self.shm = ShmGroup.create(self.size, ctx) if rank_device(config, 0).type == "cpu" else None
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
         level = logging.getLogger().level or logging.INFO
         for rank in range(1, self.size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(rank, config, self.port, child, level),
+            p = ctx.Process(target=worker_main, args=(rank, config, self.port, self.shm, child, level),
                             name=f"agentbox-tp{rank}", daemon=True)
             p.start()
             child.close()
@@ -212,7 +219,7 @@ def start_group(config: EngineConfig) -> TPWorkers | None:
 
     def join() -> None:
         try:
-            init_distributed(0, workers.size, workers.port, rank_device(config, 0))
+            init_distributed(0, workers.size, workers.port, rank_device(config, 0), workers.shm)
         except BaseException as e:  # noqa: BLE001 - handed to the starting thread
             errors.append(e)
 
