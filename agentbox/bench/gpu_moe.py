@@ -13,14 +13,13 @@ Runs in about a minute on one GPU; imports no HTTP stack.
 from __future__ import annotations
 
 import json
-import tempfile
 import time
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GptOssConfig, PretrainedConfig, Qwen3MoeConfig
+from transformers import GptOssConfig, PretrainedConfig, Qwen3MoeConfig
 
-from agentbox.bench.throughput import engine_rates, random_model, random_prompts
+from agentbox.bench.throughput import engine_rates, logits_check, random_model, random_prompts
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
 
@@ -46,27 +45,6 @@ def tiny_configs() -> dict[str, PretrainedConfig]:
                                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                                  "truncate": False, "original_max_position_embeddings": 128,
                                                  "rope_theta": 150000.0}),
-    }
-
-
-def logits_check(config: PretrainedConfig, device: str, dtype: torch.dtype) -> dict[str, Any]:
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
-    prompt = random_prompts(1, 40, config.vocab_size, seed=7)[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        hf.save_pretrained(tmp)
-        hf = hf.to(device=device, dtype=dtype)
-        with torch.inference_mode():
-            expected = hf(torch.tensor([prompt], device=device)).logits[0, -1].float()
-        llm = LLM(EngineConfig(model=tmp, device=device, dtype=str(dtype).removeprefix("torch."), num_pages=16))
-        got = llm.logits(prompt)
-    return {
-        "max_abs_diff": (got - expected).abs().max().item(),
-        "max_abs_logit": expected.abs().max().item(),
-        "top1_match": int(got.argmax()) == int(expected.argmax()),
     }
 
 

@@ -306,16 +306,11 @@ def random_model(config: PretrainedConfig, dtype: torch.dtype, device: str | tor
     )
 
 
-def tiny_qwen3_logits_check(device: str, dtype: torch.dtype) -> dict[str, Any]:
-    """Our logits against transformers' for a tiny random Qwen3 saved as a checkpoint and loaded back."""
-    from transformers import Qwen3Config
-
-    config = Qwen3Config(
-        architectures=["Qwen3ForCausalLM"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
-    )
+def logits_check(config: PretrainedConfig, device: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Our last-position logits against transformers' for a random model of `config`, saved as a checkpoint
+    and loaded back by our loader (eager attention on the HF side: it is the one that knows sinks)."""
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config).eval()
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.08 * torch.randn_like(p))
@@ -327,13 +322,22 @@ def tiny_qwen3_logits_check(device: str, dtype: torch.dtype) -> dict[str, Any]:
             expected = hf(torch.tensor([prompt], device=device)).logits[0, -1].float()
         llm = LLM(EngineConfig(model=tmp, device=device, dtype=str(dtype).removeprefix("torch."), num_pages=16))
         got = llm.logits(prompt)
-    diff = (got - expected).abs().max().item()
     return {
         "dtype": str(dtype).removeprefix("torch."),
-        "max_abs_diff": diff,
+        "max_abs_diff": (got - expected).abs().max().item(),
         "max_abs_logit": expected.abs().max().item(),
         "top1_match": int(got.argmax()) == int(expected.argmax()),
     }
+
+
+def tiny_qwen3_logits_check(device: str, dtype: torch.dtype) -> dict[str, Any]:
+    """Our logits against transformers' for a tiny random Qwen3."""
+    from transformers import Qwen3Config
+
+    return logits_check(Qwen3Config(
+        architectures=["Qwen3ForCausalLM"], hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=512,
+    ), device, dtype)
 
 
 def gpu_report(batches: tuple[int, ...] = (1, 32), prompt_len: int = 128, new_tokens: int = 64) -> dict[str, Any]:
