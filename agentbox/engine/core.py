@@ -340,7 +340,7 @@ class EngineCore:
     def progress_possible(self) -> bool:
         sch = self.scheduler
         return bool(sch.running or sch.waiting) or (
-            bool(sch.waiting_new) and sch._new_session_fits(sch.waiting_new[0])
+            bool(sch.waiting_new) and sch.new_session_fits(sch.waiting_new[0])
         )
 
 

@@ -187,7 +187,7 @@ class Scheduler:
             raise RuntimeError("admission: the cache could not free the pages it reported reclaimable")
         return n
 
-    def _new_session_fits(self, req: Request) -> bool:
+    def new_session_fits(self, req: Request) -> bool:
         """Running work plus live leases leave room for this new session's prompt."""
         if self.config.cache_policy is not CachePolicy.SESSION:
             return True
@@ -245,7 +245,7 @@ class Scheduler:
         for queue in (self.waiting, self.waiting_new):
             while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = queue[0]
-                if queue is self.waiting_new and not self._new_session_fits(req):
+                if queue is self.waiting_new and not self.new_session_fits(req):
                     break  # FIFO: later new sessions wait behind it
                 # Match at most num_tokens - 1 tokens: the last one must be computed to get logits to sample from.
                 m = self.cache.match(req.all_token_ids[: req.num_tokens - 1], req.session_id)
