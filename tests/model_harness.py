@@ -81,3 +81,23 @@ class PagedRunner:
             out.append(int(logits[-1].argmax()))
             logits = self.step({seq: [out[-1]]})[seq]
         return out
+
+
+def assert_mixed_batch_equals_alone(ours: LoadedModel, prompt: list[int]) -> None:
+    """Four sequences (`prompt` and three others) stepped together on 4-token pages: step 1 prefills first
+    chunks; step 2 has 0 and 2 decoding while 1 and 3 prefill a chunk after their cached prefix; step 3 has
+    everyone finish in one mixed step. Their logits equal each sequence run alone."""
+    seqs = {0: prompt, 1: [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], 2: [100, 101], 3: list(range(30, 47))}
+    alone = {s: PagedRunner(ours).step({s: toks})[s] for s, toks in seqs.items()}
+    runner = PagedRunner(ours, num_pages=64, page_size=4)
+    plan = [
+        {0: prompt[:10], 1: seqs[1][:5], 2: seqs[2][:1], 3: seqs[3][:3]},
+        {0: prompt[10:11], 1: seqs[1][5:9], 2: seqs[2][1:2], 3: seqs[3][3:12]},
+        {0: prompt[11:], 1: seqs[1][9:], 3: seqs[3][12:]},
+    ]
+    pieces: dict[int, list[torch.Tensor]] = {s: [] for s in seqs}
+    for chunks in plan:
+        for s, logits in runner.step(chunks).items():
+            pieces[s].append(logits)
+    for s in seqs:
+        torch.testing.assert_close(torch.cat(pieces[s]), alone[s], atol=1e-5, rtol=1e-5)

@@ -69,3 +69,17 @@ def tp_logits(model_dirs: list[Path], world: int = 2) -> list[list[torch.Tensor]
             [torch.load(os.path.join(tmp, f"model{m}-rank{r}.pt")) for r in range(world)]
             for m in range(len(dirs))
         ]
+
+
+def engine_greedy_matches(path: Path, hf: torch.nn.Module, ours, n: int = 12):  # noqa: ANN001, ANN201
+    """Our engine's greedy tokens for PROMPT equal transformers' generate; returns the LLM for more checks."""
+    from agentbox.config import EngineConfig
+    from agentbox.engine.llm import LLM
+    from agentbox.engine.sampling import SamplingParams
+
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    llm = LLM(EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch"), loaded=ours)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
+    assert out.token_ids == ref[0, len(PROMPT) :].tolist()
+    return llm

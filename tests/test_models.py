@@ -10,7 +10,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from model_harness import PagedRunner
+from model_harness import PagedRunner, assert_mixed_batch_equals_alone
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -104,22 +104,7 @@ def test_chunked_prefill_and_decode_match_transformers(tiny: tuple[torch.nn.Modu
 
 def test_mixed_batch_equals_each_sequence_alone(tiny: tuple[torch.nn.Module, LoadedModel]) -> None:
     _, ours = tiny
-    seqs = {0: PROMPT, 1: [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], 2: [100, 101], 3: list(range(30, 47))}
-    alone = {s: PagedRunner(ours).step({s: toks})[s] for s, toks in seqs.items()}
-    runner = PagedRunner(ours, num_pages=64, page_size=4)
-    # Step 1: prefill first chunks. Step 2: 0 and 2 decode while 1 and 3 prefill a chunk after their prefix.
-    # Step 3: everyone finishes its tokens in one mixed step.
-    plan = [
-        {0: PROMPT[:10], 1: seqs[1][:5], 2: seqs[2][:1], 3: seqs[3][:3]},
-        {0: PROMPT[10:11], 1: seqs[1][5:9], 2: seqs[2][1:2], 3: seqs[3][3:12]},
-        {0: PROMPT[11:], 1: seqs[1][9:], 3: seqs[3][12:]},
-    ]
-    pieces: dict[int, list[torch.Tensor]] = {s: [] for s in seqs}
-    for chunks in plan:
-        for s, logits in runner.step(chunks).items():
-            pieces[s].append(logits)
-    for s in seqs:
-        torch.testing.assert_close(torch.cat(pieces[s]), alone[s], atol=1e-5, rtol=1e-5)
+    assert_mixed_batch_equals_alone(ours, PROMPT)
 
 
 def test_sharded_checkpoint_loads_the_same(tmp_path: Path) -> None:

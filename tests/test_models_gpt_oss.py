@@ -10,13 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_harness import PROMPT, hf_logits, paged_logits, save_random
+from moe_harness import PROMPT, engine_greedy_matches, hf_logits, paged_logits, save_random
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 
-from agentbox.config import EngineConfig
-from agentbox.engine.llm import LLM
-from agentbox.engine.sampling import SamplingParams
 from agentbox.layers.mxfp4 import dequant_mxfp4
 from agentbox.models.loader import load_model
 
@@ -96,12 +93,7 @@ def test_prefill_and_decode_match_transformers(bf16_layout) -> None:  # noqa: AN
 
 def test_engine_greedy_matches_transformers(bf16_layout) -> None:  # noqa: ANN001
     path, hf, ours = bf16_layout
-    n = 12
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None)
-    llm = LLM(EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch"), loaded=ours)
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
-    assert out.token_ids == ref[0, len(PROMPT) :].tolist()
+    engine_greedy_matches(path, hf, ours)
 
 
 def test_mxfp4_matches_transformers_dequantised_load(mxfp4) -> None:  # noqa: ANN001
@@ -116,20 +108,7 @@ def test_mxfp4_matches_transformers_dequantised_load(mxfp4) -> None:  # noqa: AN
 
 def test_mixed_batch_with_windows_equals_each_sequence_alone(bf16_layout) -> None:  # noqa: ANN001
     """Padded rows, chunks after a cached prefix and decodes side by side, each past the 4-token window."""
-    from model_harness import PagedRunner
+    from model_harness import assert_mixed_batch_equals_alone
 
     _, _, ours = bf16_layout
-    seqs = {0: PROMPT, 1: [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11], 2: [100, 101], 3: list(range(30, 47))}
-    alone = {s: PagedRunner(ours).step({s: toks})[s] for s, toks in seqs.items()}
-    runner = PagedRunner(ours, num_pages=64, page_size=4)
-    plan = [
-        {0: PROMPT[:10], 1: seqs[1][:5], 2: seqs[2][:1], 3: seqs[3][:3]},
-        {0: PROMPT[10:11], 1: seqs[1][5:9], 2: seqs[2][1:2], 3: seqs[3][3:12]},
-        {0: PROMPT[11:], 1: seqs[1][9:], 3: seqs[3][12:]},
-    ]
-    pieces: dict[int, list[torch.Tensor]] = {s: [] for s in seqs}
-    for chunks in plan:
-        for s, logits in runner.step(chunks).items():
-            pieces[s].append(logits)
-    for s in seqs:
-        torch.testing.assert_close(torch.cat(pieces[s]), alone[s], atol=1e-5, rtol=1e-5)
+    assert_mixed_batch_equals_alone(ours, PROMPT)

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_harness import PROMPT, hf_logits, paged_logits, save_random
+from moe_harness import PROMPT, engine_greedy_matches, hf_logits, paged_logits, save_random
 from transformers import Qwen3MoeConfig
 
-from agentbox.config import EngineConfig
-from agentbox.engine.llm import LLM
-from agentbox.engine.sampling import SamplingParams
 from agentbox.layers.moe import FusedMoE
 from agentbox.models.loader import load_model
 
@@ -58,10 +55,5 @@ def test_prefill_and_decode_match_transformers(tiny) -> None:  # noqa: ANN001
 
 def test_engine_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001
     path, hf, ours = tiny
-    n = 12
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None)
-    llm = LLM(EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch"), loaded=ours)
-    out = llm.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
-    assert out.token_ids == ref[0, len(PROMPT) :].tolist()
+    llm = engine_greedy_matches(path, hf, ours)
     torch.testing.assert_close(llm.logits(PROMPT), hf_logits(hf)[len(PROMPT) - 1], atol=1e-4, rtol=1e-4)
