@@ -31,41 +31,46 @@ def random_hf(seed: int = 0) -> torch.nn.Module:
     return hf
 
 
-def _asym(w: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit over `rows` of w [in, out] (in-major): codes, fp16 scale [out], zero [out]."""
+def _asym(
+    w: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit over `rows` of w [in, out] (in-major): codes, scale [out] in `dtype`, zero [out]."""
     part = w[rows]
     lo, hi = part.min(0).values.clamp(max=0), part.max(0).values.clamp(min=0)
-    scale = ((hi - lo) / 15).clamp(min=1e-6).half()
+    scale = ((hi - lo) / 15).clamp(min=1e-6).to(dtype)
     zero = torch.round(-lo / scale.float()).clamp(0, 15)
     q = torch.clamp(torch.round(part / scale.float()) + zero, 0, 15)
     return q.to(torch.uint8), scale, zero.to(torch.uint8)
 
 
-def _sym(w: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sym(
+    w: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     part = w[rows]
-    scale = (part.abs().max(0).values / 7).clamp(min=1e-6).half()
+    scale = (part.abs().max(0).values / 7).clamp(min=1e-6).to(dtype)
     q = torch.clamp(torch.round(part / scale.float()) + 8, 0, 15)
     return q.to(torch.uint8), scale, torch.full_like(scale, 8, dtype=torch.uint8)
 
 
 def quantise_int4(
-    w_out_in: torch.Tensor, group: int, sym: bool, g_idx: torch.Tensor
+    w_out_in: torch.Tensor, group: int, sym: bool, g_idx: torch.Tensor, dtype: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes [in, out], scales [groups, out] fp16, zeros [groups, out], dequantised [out, in] fp32)."""
+    """(codes [in, out], scales [groups, out] in `dtype`, zeros [groups, out], dequantised [out, in] fp32)."""
     w = w_out_in.t().float()
     k, n = w.shape
     q = torch.empty(k, n, dtype=torch.uint8)
     groups = k // group
-    scales, zeros = torch.empty(groups, n, dtype=torch.float16), torch.empty(groups, n, dtype=torch.uint8)
+    scales, zeros = torch.empty(groups, n, dtype=dtype), torch.empty(groups, n, dtype=torch.uint8)
     for gi in range(groups):
         rows = (g_idx == gi).nonzero().flatten()
-        q[rows], scales[gi], zeros[gi] = (_sym if sym else _asym)(w, rows)
+        q[rows], scales[gi], zeros[gi] = (_sym if sym else _asym)(w, rows, dtype)
     deq = (q.float() - zeros[g_idx].float()) * scales[g_idx].float()
     return q, scales, zeros, deq.t().contiguous()
 
 
 def write_int4(path: Path, method: str, sym: bool = False, act_order: bool = False, group: int = 128) -> torch.nn.Module:
-    """An AWQ (AutoAWQ GEMM) or GPTQ (v1) checkpoint of a tiny Qwen2; returns the dequantised twin."""
+    """An AWQ (AutoAWQ GEMM), GPTQ (v1) or compressed-tensors W4A16 (pack-quantized, bf16 scales) checkpoint
+    of a tiny Qwen2; returns the dequantised twin."""
     hf = random_hf()
     state: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(1)
@@ -83,15 +88,25 @@ def write_int4(path: Path, method: str, sym: bool = False, act_order: bool = Fal
             if key not in perms:
                 perms[key] = torch.randperm(k, generator=gen)
             g_idx = g_idx[perms[key]]
-        q, scales, zeros, deq = quantise_int4(p, group, sym, g_idx)
-        if method == "awq":
+        ct = method == "compressed-tensors"
+        q, scales, zeros, deq = quantise_int4(p, group, sym, g_idx, torch.bfloat16 if ct else torch.float16)
+        if ct:  # codes packed along the input, zero points along the output; both as signed value + 8
+            state[f"{base}.weight_packed"] = pack_rows_int32(q).t().contiguous()
+            state[f"{base}.weight_scale"] = scales.t().contiguous()
+            state[f"{base}.weight_shape"] = torch.tensor(p.shape)  # int64, as compressed-tensors writes it
+            if not sym:
+                state[f"{base}.weight_zero_point"] = pack_rows_int32(zeros.t().contiguous())
+            if act_order:
+                state[f"{base}.weight_g_idx"] = g_idx.to(torch.int32)
+        elif method == "awq":
             state[f"{base}.qweight"] = awq_pack(q)
             state[f"{base}.qzeros"] = awq_pack(zeros)
         else:
             state[f"{base}.qweight"] = pack_rows_int32(q)
             state[f"{base}.qzeros"] = pack_rows_int32((zeros.to(torch.int32) - 1).t().contiguous()).t().contiguous()
             state[f"{base}.g_idx"] = g_idx.to(torch.int32)
-        state[f"{base}.scales"] = scales
+        if not ct:
+            state[f"{base}.scales"] = scales
         with torch.no_grad():
             p.copy_(deq)
     path.mkdir(parents=True, exist_ok=True)
@@ -99,11 +114,29 @@ def write_int4(path: Path, method: str, sym: bool = False, act_order: bool = Fal
     if method == "awq":
         qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
               "modules_to_not_convert": None}
+    elif method == "compressed-tensors":
+        qc = compressed_tensors_config(group, sym, act_order)
     else:
         qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": act_order,
               "damp_percent": 0.01, "static_groups": False, "true_sequential": True, "checkpoint_format": "gptq"}
     (path / "config.json").write_text(json.dumps({**CONFIG, "model_type": "qwen2", "quantization_config": qc}))
     return hf
+
+
+def compressed_tensors_config(group: int, sym: bool, act_order: bool) -> dict[str, object]:
+    """config.json's quantization_config as llm-compressor writes it for a W4A16 GPTQ recipe."""
+    weights = {
+        "num_bits": 4, "type": "int", "symmetric": sym, "group_size": group, "strategy": "group",
+        "actorder": "group" if act_order else None, "block_structure": None, "dynamic": False,
+        "observer": "minmax", "observer_kwargs": {},
+    }
+    return {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": "pack-quantized"}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None,
+        "version": "0.9.2",
+    }
 
 
 FP8_CONFIG = dict(

@@ -1,5 +1,5 @@
-"""AWQ (AutoAWQ GEMM) and GPTQ (sym / asym, act-order) int4 checkpoints quantised by the test, loaded by our
-loader, against transformers running the dequantised twin."""
+"""AWQ (AutoAWQ GEMM), GPTQ (sym / asym, act-order) and compressed-tensors W4A16 (pack-quantized) int4
+checkpoints quantised by the test, loaded by our loader, against transformers running the dequantised twin."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ CASES = {
     "gptq-sym": dict(method="gptq", sym=True),
     "gptq-asym": dict(method="gptq", sym=False),
     "gptq-act-order": dict(method="gptq", sym=False, act_order=True),
+    "w4a16-sym": dict(method="compressed-tensors", sym=True),
+    "w4a16-asym-act-order": dict(method="compressed-tensors", sym=False, act_order=True),
 }
 
 
@@ -35,7 +37,7 @@ def test_int4_checkpoint_matches_the_dequantised_twin(case: str, tmp_path: Path)
     assert PagedRunner(ours).greedy(0, PROMPT, 8) == ref[0, len(PROMPT) :].tolist()
 
 
-@pytest.mark.parametrize("case", ["awq", "gptq-act-order"])
+@pytest.mark.parametrize("case", ["awq", "gptq-act-order", "w4a16-asym-act-order"])
 def test_int4_cpu_kernel_keeps_weights_4bit(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from agentbox.layers.quant import int4
 
@@ -66,3 +68,35 @@ def test_the_engine_serves_a_gptq_checkpoint(tmp_path: Path) -> None:
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPT])).logits[0, -1]
     torch.testing.assert_close(llm.logits(PROMPT), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_compressed_tensors_schemes_other_than_w4a16_are_refused_by_field() -> None:
+    from quant_checkpoints import compressed_tensors_config
+    from transformers import Qwen2Config
+
+    from agentbox.layers.quant import QuantConfig
+
+    def refused(change: dict[str, object], match: str) -> None:
+        qc = compressed_tensors_config(128, True, False)
+        group = qc["config_groups"]["group_0"]  # type: ignore[index]
+        for key, value in change.items():
+            if key.startswith("weights."):
+                group["weights"][key.removeprefix("weights.")] = value
+            elif key in ("targets", "input_activations"):
+                group[key] = value
+            else:
+                qc[key] = value
+        if "format" in change:
+            group["format"] = change["format"]
+        with pytest.raises(ValueError, match=match):
+            QuantConfig.of(Qwen2Config(quantization_config=qc))
+
+    got = QuantConfig.of(Qwen2Config(quantization_config=compressed_tensors_config(64, False, True)))
+    assert (got.method, got.group_size, got.sym, got.desc_act) == (QuantMethod.COMPRESSED_TENSORS, 64, False, True)
+    refused({"format": "float-quantized"}, r"config_groups.group_0.format 'float-quantized'")
+    refused({"weights.num_bits": 8}, r"group_0.weights: 8-bit int is not supported")
+    refused({"weights.strategy": "channel"}, r"weights.strategy 'channel'")
+    refused({"input_activations": {"num_bits": 8}}, r"input_activations")
+    refused({"targets": ["re:.*q_proj"]}, r"targets")
+    refused({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, r"ignore: only lm_head")
+    refused({"sparsity_config": {"format": "sparse-24-bitmask"}}, r"sparsity_config.format")

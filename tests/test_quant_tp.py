@@ -1,5 +1,6 @@
 """Quantised checkpoints at tensor-parallel size 2: two gloo ranks in this test, each loading only its
-shard of an AWQ and an FP8 checkpoint, against the same checkpoints at tp 1."""
+shard of an AWQ, a compressed-tensors W4A16 (asym, act-order) and an FP8 checkpoint, against the same
+checkpoints at tp 1."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from quant_checkpoints import PROMPT, write_fp8, write_int4
 from agentbox.models.loader import load_model
 from agentbox.parallel.state import set_tp_state
 
+NAMES = ("awq", "w4a16", "fp8")
+
 
 def _logits(model: Path) -> torch.Tensor:
     return PagedRunner(load_model(str(model), torch.float32, "cpu")).step({0: PROMPT})[0]
@@ -24,18 +27,19 @@ def _rank(rank: int, root: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{root / 'store'}", rank=rank, world_size=2)
     set_tp_state(rank, 2)
     try:
-        for name in ("awq", "fp8"):
+        for name in NAMES:
             torch.save(_logits(root / name), root / f"{name}-rank{rank}.pt")
     finally:
         dist.destroy_process_group()
         set_tp_state(0, 1)
 
 
-def test_awq_and_fp8_at_tp2_equal_tp1(tmp_path: Path) -> None:
+def test_quantised_checkpoints_at_tp2_equal_tp1(tmp_path: Path) -> None:
     write_int4(tmp_path / "awq", "awq")
+    write_int4(tmp_path / "w4a16", "compressed-tensors", act_order=True)
     write_fp8(tmp_path / "fp8")
     mp.spawn(_rank, args=(tmp_path,), nprocs=2, join=True)
-    for name in ("awq", "fp8"):
+    for name in NAMES:
         one = _logits(tmp_path / name)
         for rank in (0, 1):  # the head all-gathers the vocab: both ranks hold every logit
             torch.testing.assert_close(torch.load(tmp_path / f"{name}-rank{rank}.pt"), one, atol=1e-4, rtol=1e-4)

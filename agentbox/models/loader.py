@@ -100,7 +100,10 @@ def iter_weights(
                     yield name, f.get_tensor(name)
 
 
-_LINEAR_SUFFIXES = ("_proj.weight", "_proj.bias", ".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale_inv")
+_LINEAR_SUFFIXES = (
+    "_proj.weight", "_proj.bias", ".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale_inv",
+    ".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_g_idx",  # compressed-tensors
+)
 
 
 def _linear_tensor(name: str) -> bool:

@@ -1,6 +1,13 @@
 """Linear methods: how a linear layer holds and applies its weight, chosen by the checkpoint."""
 
-from agentbox.layers.quant import awq, fp8, gguf, gptq, unquantized  # noqa: F401  (registers the methods)
+from agentbox.layers.quant import (  # noqa: F401  (registers the methods)
+    awq,
+    compressed_tensors,
+    fp8,
+    gguf,
+    gptq,
+    unquantized,
+)
 from agentbox.layers.quant.base import (
     LinearMethod,
     QuantConfig,

@@ -70,13 +70,59 @@ class QuantConfig:
                 QuantMethod.GPTQ, 4, group, sym=bool(q.get("sym", True)), desc_act=bool(q.get("desc_act", False)),
                 skip_modules=skip,
             )
+        if name == "compressed-tensors":
+            return _compressed_tensors(q)
         if name == "gguf":
             return QuantConfig(QuantMethod.GGUF)
         if name == "mxfp4":
             # gpt-oss: only the experts are MXFP4 and the MoE layer reads them as stored (layers/mxfp4.py);
             # its attention and router linears are unquantised.
             return QuantConfig(skip_modules=skip)
-        raise ValueError(f"quantization_config.quant_method {name!r} is not supported (fp8, awq, gptq, gguf, mxfp4)")
+        raise ValueError(
+            f"quantization_config.quant_method {name!r} is not supported "
+            "(fp8, awq, gptq, compressed-tensors, gguf, mxfp4)"
+        )
+
+
+def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
+    """llm-compressor's config: W4A16 `pack-quantized` over every Linear, the LM head left out. Other schemes
+    (W8A8, FP8, NVFP4, sparsity, per-module targets) are refused by the field that says so."""
+    what = "quantization_config"
+    groups = q.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{what}.config_groups: compressed-tensors needs at least one config group")
+    sparsity = q.get("sparsity_config") or {}
+    if sparsity.get("format") not in (None, "dense"):
+        raise ValueError(f"{what}.sparsity_config.format {sparsity.get('format')!r} is not supported (dense only)")
+    ignored = [m for m in q.get("ignore") or () if not str(m).endswith("lm_head")]
+    if ignored:  # our LM head is never quantised; other unquantised modules would need per-module methods
+        raise ValueError(f"{what}.ignore: only lm_head may be left unquantised, not {ignored}")
+    weights: list[dict[str, Any]] = []
+    for key, group in groups.items():
+        at = f"{what}.config_groups.{key}"
+        fmt = group.get("format") or q.get("format")
+        if fmt != "pack-quantized":
+            raise ValueError(f"{at}.format {fmt!r} is not supported (pack-quantized only)")
+        if list(group.get("targets") or ()) != ["Linear"]:
+            raise ValueError(f"{at}.targets {group.get('targets')!r} is not supported ([Linear] only)")
+        if group.get("input_activations") is not None:
+            raise ValueError(f"{at}.input_activations: activation quantisation is not supported (W4A16 only)")
+        w = group.get("weights") or {}
+        if int(w.get("num_bits", 0)) != 4 or w.get("type", "int") != "int":
+            raise ValueError(f"{at}.weights: {w.get('num_bits')}-bit {w.get('type')} is not supported (4-bit int)")
+        if w.get("strategy") != "group" or not isinstance(w.get("group_size"), int) or w["group_size"] <= 0:
+            raise ValueError(f"{at}.weights.strategy {w.get('strategy')!r} is not supported (group, with a group_size)")
+        if w.get("actorder") not in (None, False, True, "group", "dynamic", "weight", "static"):
+            raise ValueError(f"{at}.weights.actorder {w.get('actorder')!r} is not supported")
+        weights.append(w)
+    if any(w != weights[0] for w in weights):
+        raise ValueError(f"{what}.config_groups: groups with different weight schemes are not supported")
+    w = weights[0]
+    # actorder "group" stores weight_g_idx (groups permuted); "weight" only reordered the solve: groups stay in order.
+    return QuantConfig(
+        QuantMethod.COMPRESSED_TENSORS, 4, int(w["group_size"]), sym=bool(w.get("symmetric", True)),
+        desc_act=w.get("actorder") in (True, "group", "dynamic"),
+    )
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ class QuantMethod(Enum):
     FP8_BLOCK = "fp8"
     AWQ = "awq"
     GPTQ = "gptq"
+    COMPRESSED_TENSORS = "compressed-tensors"  # W4A16 pack-quantized
 
 
 class KernelStatus(Enum):
@@ -44,6 +45,7 @@ METHODS: dict[QuantMethod, MethodInfo] = {
     QuantMethod.FP8_BLOCK: MethodInfo(("fp8",), True, KernelStatus.INTERPRETER_ONLY),  # w8a16; no w8a8 yet
     QuantMethod.AWQ: MethodInfo(("awq",), True, KernelStatus.INTERPRETER_ONLY),
     QuantMethod.GPTQ: MethodInfo(("gptq",), True, KernelStatus.INTERPRETER_ONLY),
+    QuantMethod.COMPRESSED_TENSORS: MethodInfo(("w4a16",), True, KernelStatus.INTERPRETER_ONLY),  # GPTQ's kernels
 }
 
 

@@ -36,17 +36,28 @@ def unpack_cols_int32(packed: torch.Tensor) -> torch.Tensor:
 class GPTQLinearMethod(LinearMethod):
     kind = QuantMethod.GPTQ
 
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+    checkpoint_names: tuple[str, ...] = ("qweight", "qzeros", "scales", "g_idx")  # dropped once repacked
+    g_idx_name = "g_idx"
+
+    def groups(self, layer: LinearBase, input_size: int, output_size: int) -> tuple[int, bool]:
+        """(groups in this rank's scale / zero tables, whether TP splits them along the input); sets
+        self.group."""
         g = self.config.group_size if self.config.group_size > 0 else input_size
         if input_size % g or input_size % 8 or output_size % 8:
-            raise ValueError(f"GPTQ: a [{output_size}, {input_size}] shard does not fit group {g} / 8-row packing")
-        self.dtype, self.group = dtype, g
+            raise ValueError(
+                f"{self.kind.value}: a [{output_size}, {input_size}] shard does not fit group {g} / 8-row packing"
+            )
+        self.group = g
         self.g_idx_loaded = False
         # With act-order a row-parallel shard's rows belong to groups anywhere in the table: keep it whole.
-        groups = input_size // g
-        group_axis = None if self.config.desc_act else 0
         if self.config.desc_act and layer.tp_dim == 1:
-            groups = input_size * layer.tp_size // g
+            return input_size * layer.tp_size // g, False
+        return input_size // g, not self.config.desc_act
+
+    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        groups, split = self.groups(layer, input_size, output_size)
+        g, group_axis = self.group, 0 if split else None
         layer.qweight = quant_param(torch.empty(input_size // 8, output_size, dtype=torch.int32), Sharding(1, 0, 1, 8))
         layer.qzeros = quant_param(torch.empty(groups, output_size // 8, dtype=torch.int32), Sharding(1, group_axis, 8, g))
         layer.scales = quant_param(torch.empty(groups, output_size, dtype=torch.float16), Sharding(1, group_axis, 1, g))
@@ -55,21 +66,26 @@ class GPTQLinearMethod(LinearMethod):
     def load(
         self, layer: ShardRanges, param: torch.nn.Parameter, loaded: Any, shard_id: str | int | None, name: str
     ) -> None:
-        if param is getattr(layer, "g_idx", None) and shard_id is not None and self.g_idx_loaded:
+        g_idx = getattr(layer, self.g_idx_name, None)
+        if param is g_idx and shard_id is not None and self.g_idx_loaded:
             before = param.data.clone()
             super().load(layer, param, loaded, shard_id, name)
             if not torch.equal(before, param.data):  # fused shards read the same input: one order for all
-                raise ValueError(f"GPTQ: {name} has a g_idx different from its fused siblings'")
+                raise ValueError(f"{self.kind.value}: {name} has a g_idx different from its fused siblings'")
             return
         super().load(layer, param, loaded, shard_id, name)
-        if param is getattr(layer, "g_idx", None):
+        if param is g_idx:
             self.g_idx_loaded = True
+
+    def g_idx(self, layer: LinearBase) -> torch.Tensor:
+        """The group of each of this rank's input rows."""
+        return layer.g_idx.data.long()
 
     def _rows(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per input row k: codes [in, out], scale [in, out], zero [in, out] (the reference's terms)."""
         q = int4.unpack_rows_int32(layer.qweight.data)
         z = unpack_cols_int32(layer.qzeros.data).float() + 1
-        g = layer.g_idx.data.long()
+        g = self.g_idx(layer)
         return q, layer.scales.data.float()[g], z[g]
 
     def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
@@ -77,15 +93,17 @@ class GPTQLinearMethod(LinearMethod):
         return ((q.float() - z) * s).t().contiguous()
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        device = layer.qweight.device
+        g_idx = self.g_idx(layer)
+        device = g_idx.device
         q, s, z = (t.cpu() for t in self._rows(layer))
-        g_idx = layer.g_idx.data.cpu().long()
+        g_idx = g_idx.cpu()
         perm = torch.argsort(g_idx, stable=True)
         counts = torch.bincount(g_idx)
         contiguous = bool((counts[counts > 0] == self.group).all())
         kernel = self.config.kernel or int4.default_kernel(device)
-        for name in ("qweight", "qzeros", "scales", "g_idx"):
-            delattr(layer, name)
+        for name in self.checkpoint_names:
+            if hasattr(layer, name):
+                delattr(layer, name)
         layer.act_perm = None
         if not contiguous:  # a shard holding parts of groups (act-order across TP ranks): dense
             kernel = int4.Int4Kernel.DENSE
