@@ -130,3 +130,27 @@ def test_anthropic_messages(server: tuple[str, str]) -> None:
         else:
             assert msg.stop_reason == "tool_use" and "text" not in blocks
             assert (blocks["tool_use"].name, blocks["tool_use"].input) == ("get_weather", {"city": "Paris"})
+
+
+def test_reasoning_effort_on_every_api_and_bad_values_name_their_field(server: tuple[str, str]) -> None:
+    """Each API's effort field is accepted by the real server (the template renders it: test_chat_harmony.py
+    checks the text); a value outside the API's set is a 400 naming the field, and the server keeps serving."""
+    kind, base = server
+    oa = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    an = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    model, user = _model(base), [{"role": "user", "content": "2+2?"}]
+    with pytest.raises(openai.BadRequestError) as bad_chat:
+        oa.chat.completions.create(model=model, messages=user, max_tokens=50, reasoning_effort="extreme")  # type: ignore[arg-type]
+    assert bad_chat.value.body["param"] == "reasoning_effort"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as bad_responses:
+        oa.responses.create(model=model, input="2+2?", max_output_tokens=50, reasoning={"effort": "max"})  # type: ignore[typeddict-item]
+    assert bad_responses.value.body["param"] == "reasoning.effort"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError, match=r"output_config\.effort"):
+        an.messages.create(model=model, max_tokens=50, messages=user, extra_body={"output_config": {"effort": "none"}})
+    chat = oa.chat.completions.create(model=model, messages=user, max_tokens=200, reasoning_effort="high")
+    resp = oa.responses.create(model=model, input="2+2?", max_output_tokens=200, reasoning={"effort": "low"})
+    msg = an.messages.create(model=model, max_tokens=200, messages=user, extra_body={"output_config": {"effort": "max"}})
+    assert resp.status == "completed" and msg.content and chat.choices[0].message.model_extra
+    if kind == "final":
+        assert (chat.choices[0].message.content, resp.output_text) == ("Four.", "Four.")
+        assert msg.stop_reason == "end_turn"

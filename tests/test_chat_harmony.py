@@ -140,3 +140,57 @@ def test_moe_profiles_name_what_exists(name: str) -> None:
     splitter = get_reasoning_splitter(prof.reasoning_parser or None)
     assert isinstance(splitter, HarmonySplitter) == name.startswith("gpt-oss")
     assert prof.active_params < prof.params
+
+
+EFFORT_CASES = [  # (API, effort as that API sends it, the level gpt-oss's system message must carry)
+    ("chat", None, "medium"), ("chat", "high", "high"), ("chat", "low", "low"), ("chat", "none", "low"),
+    ("responses", "high", "high"), ("responses", "minimal", "low"), ("responses", "xhigh", "high"),
+    ("anthropic", "medium", "medium"), ("anthropic", "max", "high"), ("anthropic", None, "medium"),
+]
+
+
+def _conversation(api: str, effort: str | None) -> object:
+    """The request as each API's route reads it (its body model and its own translation)."""
+    from agentbox.server import anthropic_routes, openai_routes, responses_routes
+    from agentbox.server.protocol import ChatCompletionRequest
+
+    user = [{"role": "user", "content": "hi"}]
+    if api == "chat":
+        body = ChatCompletionRequest(model="m", messages=user, **({"reasoning_effort": effort} if effort else {}))
+        return openai_routes.conversation_of(body)
+    if api == "responses":
+        req = responses_routes.ResponsesRequest(model="m", input="hi", reasoning={"effort": effort, "summary": "auto"})
+        return responses_routes.conversation_of(req)
+    extra = {"output_config": {"effort": effort}} if effort else {}
+    return anthropic_routes.conversation_of(anthropic_routes.MessagesBody(model="m", messages=user, **extra))
+
+
+@pytest.mark.parametrize(("api", "effort", "level"), EFFORT_CASES)
+def test_reasoning_effort_reaches_the_system_message(
+    tokenizer: PreTrainedTokenizerFast, api: str, effort: str | None, level: str
+) -> None:
+    conv = _conversation(api, effort)
+    text = render_prompt(tokenizer, conv.messages, conv.tools, enable_thinking=conv.enable_thinking,  # type: ignore[attr-defined]
+                         reasoning_effort=conv.reasoning_effort)  # type: ignore[attr-defined]
+    system = text[: text.index("<|end|>")]
+    assert system.startswith("<|start|>system<|message|>")
+    assert f"\nReasoning: {level}\n" in system and system.count("Reasoning:") == 1
+    # templates with an on/off switch (Qwen3) still read none / minimal as off
+    assert conv.enable_thinking is (False if effort in ("none", "minimal") else None)  # type: ignore[attr-defined]
+
+
+def test_bad_reasoning_effort_is_refused_naming_its_field() -> None:
+    from pydantic import ValidationError
+
+    from agentbox.server import anthropic_routes, responses_routes
+    from agentbox.server.errors import APIError
+    from agentbox.server.protocol import ChatCompletionRequest
+
+    with pytest.raises(ValidationError, match="reasoning_effort"):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], reasoning_effort="max")
+    with pytest.raises(ValidationError, match=r"reasoning\.effort"):
+        responses_routes.ResponsesRequest(model="m", input="hi", reasoning={"effort": "extreme"})
+    body = anthropic_routes.MessagesBody(model="m", messages=[{"role": "user", "content": "hi"}],
+                                         output_config={"effort": "minimal"})
+    with pytest.raises(APIError, match=r"output_config\.effort: 'minimal' is not one of low, medium, high"):
+        anthropic_routes.conversation_of(body)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from agentbox.chat.effort import ReasoningEffort
 from agentbox.chat.tool_parsers.base import Delta
 from agentbox.chat.tool_parsers.harmony import CALL, CALL_OPENER, MESSAGE, partial_suffix
 
@@ -134,6 +135,14 @@ class HarmonySplitter:
             self.buf = self.buf[len(self.buf) - keep :]
             return out
         return out
+
+
+def template_effort(effort: ReasoningEffort) -> str:
+    """The level the gpt-oss template prints (`Reasoning: …`): it knows low, medium and high. It cannot
+    switch reasoning off, so none / minimal ask for its least; xhigh / max for its most."""
+    if effort in (ReasoningEffort.NONE, ReasoningEffort.MINIMAL, ReasoningEffort.LOW):
+        return "low"
+    return "medium" if effort is ReasoningEffort.MEDIUM else "high"
 
 
 def prepare_tools(tools: list[dict] | None) -> list[dict] | None:

@@ -14,6 +14,7 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from agentbox.chat import harmony
+from agentbox.chat.effort import ReasoningEffort
 from agentbox.chat.tool_prompt import fold_tools_into_messages, template_renders_tools
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -134,10 +135,12 @@ def render_prompt(
     *,
     add_generation_prompt: bool = True,
     enable_thinking: bool | None = None,
+    reasoning_effort: ReasoningEffort | None = None,
     tool_parser: str = "hermes",
 ) -> str:
     """The prompt text for `messages` (+ `tools`) under the tokenizer's chat template. A template that
-    prints no tools gets them in the system turn, in `tool_parser`'s call syntax (chat/tool_prompt.py)."""
+    prints no tools gets them in the system turn, in `tool_parser`'s call syntax (chat/tool_prompt.py).
+    `reasoning_effort` reaches templates that read a `reasoning_effort` variable (gpt-oss: as its level)."""
     tools_n = normalize_tools(tools)
     template = template_text(tokenizer, tools=bool(tools_n))
     prepared = prepare_messages(messages, template)
@@ -148,6 +151,9 @@ def render_prompt(
     kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
+    if reasoning_effort is not None and "reasoning_effort" in template:
+        is_harmony = harmony.is_harmony_template(template)
+        kwargs["reasoning_effort"] = harmony.template_effort(reasoning_effort) if is_harmony else reasoning_effort.value
 
     def apply(msgs: list[dict]) -> str:
         text = tokenizer.apply_chat_template(

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from agentbox.chat.effort import ANTHROPIC_EFFORTS, ReasoningEffort
 from agentbox.engine.sampling import SamplingParams
 from agentbox.server.chat_pipeline import Conversation, PreparedChat, checked, fold, prepare_chat
 from agentbox.server.errors import APIError, parse_json_body
@@ -199,12 +200,23 @@ def _response_format(output_config: Any) -> dict | None:
     return {"type": "json_schema", "json_schema": {"schema": schema or {"type": "object"}}}
 
 
+def _effort(output_config: Any) -> ReasoningEffort | None:
+    """`output_config.effort` (low … max). `thinking.budget_tokens` carries none (chat/effort.py says why)."""
+    effort = output_config.get("effort") if isinstance(output_config, dict) else None
+    if effort is None:
+        return None
+    if effort not in ANTHROPIC_EFFORTS:
+        raise APIError(400, f"output_config.effort: {effort!r:.40} is not one of {', '.join(ANTHROPIC_EFFORTS)}")
+    return ReasoningEffort(effort)
+
+
 def conversation_of(body: MessagesBody) -> Conversation:
     choice, parallel = _tool_choice(body.tool_choice)
     extra = body.model_extra or {}
     return Conversation(messages=to_messages(body), tools=_tools(body.tools), tool_choice=choice,
                         response_format=_response_format(extra.get("output_config")),
                         parallel_tool_calls=parallel, enable_thinking=_thinking(body.thinking),
+                        reasoning_effort=_effort(extra.get("output_config")),
                         structured_tool_calls=extra.get("structured_tool_calls") is not False)
 
 

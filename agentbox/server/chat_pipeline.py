@@ -13,6 +13,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agentbox.chat.effort import ReasoningEffort
 from agentbox.chat.grammar import forced_name, grammar_spec
 from agentbox.chat.harmony import is_harmony_template
 from agentbox.chat.reasoning import get_reasoning_splitter, prompt_opens_reasoning
@@ -40,6 +41,7 @@ class Conversation:
     parallel_tool_calls: bool = True
     structured_tool_calls: bool = True  # auto + tools: a structural tag keeps every call schema-valid
     enable_thinking: bool | None = None  # None: the template's default
+    reasoning_effort: ReasoningEffort | None = None  # None: the template's default (gpt-oss: medium)
 
 
 @dataclass
@@ -238,7 +240,8 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
                     "go into the system turn instead (see README, 'Tools for templates without them')",
                     state.model_name, syntax)
     try:
-        text = render_prompt(tok, conv.messages, tools, enable_thinking=conv.enable_thinking, tool_parser=syntax)
+        text = render_prompt(tok, conv.messages, tools, enable_thinking=conv.enable_thinking,
+                             reasoning_effort=conv.reasoning_effort, tool_parser=syntax)
     except ValueError as e:  # unsupported content parts
         raise APIError(400, str(e), param=param) from e
     except Exception as e:  # a template error is the request's fault (roles out of order, etc.)

@@ -10,12 +10,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from agentbox.chat.effort import ReasoningEffort
 from agentbox.engine.messages import TokenLogprob
 from agentbox.engine.sampling import SamplingParams
 from agentbox.server.chat_pipeline import Conversation, FinalOutput, checked, fold, prepare_chat
 from agentbox.server.errors import APIError
 from agentbox.server.generation import GenEvent, ServerState, Usage, generate, new_id
-from agentbox.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from agentbox.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, effort_of
 from agentbox.server.session_key import session_key
 
 router = APIRouter()
@@ -64,21 +65,22 @@ def _chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> dict:
 
 def conversation_of(body: ChatCompletionRequest) -> Conversation:
     extra = body.model_extra or {}
+    effort = effort_of(body.reasoning_effort)
     return Conversation(
         messages=body.messages, tools=body.tools, tool_choice=body.tool_choice,
         response_format=body.response_format,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         structured_tool_calls=extra.get("structured_tool_calls") is not False,
-        enable_thinking=_enable_thinking(extra),
+        enable_thinking=_enable_thinking(extra, effort), reasoning_effort=effort,
     )
 
 
-def _enable_thinking(extra: dict[str, Any]) -> bool | None:
+def _enable_thinking(extra: dict[str, Any], effort: ReasoningEffort | None) -> bool | None:
     """vLLM's `chat_template_kwargs.enable_thinking`, or `reasoning_effort: none` to switch it off."""
     kw = extra.get("chat_template_kwargs")
     if isinstance(kw, dict) and isinstance(kw.get("enable_thinking"), bool):
         return kw["enable_thinking"]
-    if extra.get("reasoning_effort") in ("none", "minimal"):
+    if effort is not None and effort.switches_thinking_off:
         return False
     return None
 

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentbox.chat.effort import OpenAIEffort, ReasoningEffort
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -45,6 +47,18 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    reasoning_effort: OpenAIEffort | None = None
+
+
+class ResponsesReasoning(BaseModel):
+    """Responses' `reasoning` object (`summary` and others accepted, unused)."""
+
+    model_config = ConfigDict(extra="allow")
+    effort: OpenAIEffort | None = None
+
+
+def effort_of(value: str | None) -> ReasoningEffort | None:
+    return ReasoningEffort(value) if value is not None else None
 
 
 class CompletionRequest(SamplingFields):

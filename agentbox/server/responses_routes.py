@@ -21,6 +21,7 @@ from agentbox.engine.sampling import SamplingParams
 from agentbox.server.chat_pipeline import Conversation, OutputProcessor, checked, prepare_chat
 from agentbox.server.errors import APIError
 from agentbox.server.generation import GenEvent, ServerState, Usage, generate, new_id
+from agentbox.server.protocol import ResponsesReasoning, effort_of
 from agentbox.server.session_key import session_key
 
 router = APIRouter()
@@ -39,7 +40,7 @@ class ResponsesRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
-    reasoning: dict[str, Any] | None = None
+    reasoning: ResponsesReasoning | None = None
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
     session_id: str | None = None
@@ -127,12 +128,13 @@ def _response_format(text: dict | None) -> dict | None:
 
 def conversation_of(body: ResponsesRequest) -> Conversation:
     extra = body.model_extra or {}
-    effort = (body.reasoning or {}).get("effort")
+    effort = effort_of(body.reasoning.effort if body.reasoning else None)
     return Conversation(
         messages=to_messages(body), tools=_tools(body.tools), tool_choice=_tool_choice(body.tool_choice),
         response_format=_response_format(body.text), parallel_tool_calls=body.parallel_tool_calls is not False,
         structured_tool_calls=extra.get("structured_tool_calls") is not False,
-        enable_thinking=False if effort in ("none", "minimal") else None,
+        enable_thinking=False if effort is not None and effort.switches_thinking_off else None,
+        reasoning_effort=effort,
     )
 
 
@@ -251,7 +253,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
             "parallel_tool_calls": body.parallel_tool_calls is not False, "text": body.text or {"format": {"type": "text"}},
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "error": None, "max_output_tokens": body.max_output_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
-            "previous_response_id": None, "reasoning": body.reasoning, "store": False, "metadata": {},
+            "previous_response_id": None, "reasoning": body.reasoning.model_dump() if body.reasoning else None, "store": False, "metadata": {},
             "output_text": "".join(p["text"] for i in output if i["type"] == "message" for p in i.get("content", [])),
         }
 
