@@ -42,7 +42,7 @@ METHODS: dict[QuantMethod, MethodInfo] = {
     # Q4_0/Q4_1/Q4_K layers stay 4-bit on GPU (w4a16); other types, and merged layers mixing them (Q4_K_M
     # puts attn_v and half the ffn_down in Q6_K), are dequantised: planned dense, the file's mix unknown.
     QuantMethod.GGUF: MethodInfo(("gguf",), False, KernelStatus.INTERPRETER_ONLY),
-    QuantMethod.FP8_BLOCK: MethodInfo(("fp8",), True, KernelStatus.INTERPRETER_ONLY),  # w8a16; no w8a8 yet
+    QuantMethod.FP8_BLOCK: MethodInfo(("fp8",), True, KernelStatus.INTERPRETER_ONLY),  # w8a16; w8a8 on sm_89+
     QuantMethod.AWQ: MethodInfo(("awq",), True, KernelStatus.INTERPRETER_ONLY),
     QuantMethod.GPTQ: MethodInfo(("gptq",), True, KernelStatus.INTERPRETER_ONLY),
     QuantMethod.COMPRESSED_TENSORS: MethodInfo(("w4a16",), True, KernelStatus.INTERPRETER_ONLY),  # GPTQ's kernels

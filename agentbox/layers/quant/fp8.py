@@ -9,6 +9,10 @@ weight_block_size: [128, 128]}.
 TP shards must fall on block boundaries (the shared loader refuses others). Where the hardware has no FP8
 matmul (CPU, Ampere) the weight is used weight-only: dequantised once at load on CPU (faster than
 per-call conversion there, and exact), dequantised tile by tile inside the GEMM on GPU (kernels/w8a16.py).
+GPUs with FP8 tensor cores (sm_89 and later) run w8a8 (kernels/w8a8_block.py): activations quantised per
+token and group of 128 to e4m3, fp8 x fp8 dots, both scales applied per tile; that rounds the activations
+(a few percent relative error per product, as every FP8 serving engine does), so it is that hardware's
+choice only.
 """
 
 from __future__ import annotations
@@ -28,7 +32,20 @@ if TYPE_CHECKING:
 
 class FP8Kernel(Enum):
     DENSE = "dense"  # dequantised once at load to the compute dtype
-    TRITON = "triton"  # kernels/w8a16.py: fp8 bytes + block scales stay resident
+    TRITON = "triton"  # kernels/w8a16.py: fp8 bytes + block scales stay resident, weight-only
+    W8A8 = "w8a8"  # kernels/w8a8_block.py: fp8 activations too (FP8 tensor cores)
+
+
+FP8_MATMUL_CAPABILITY = (8, 9)  # Ada (sm_89) and later have FP8 tensor cores; Ampere (sm_80/86) has none
+
+
+def fp8_kernel_for(device_type: str, capability: tuple[int, int] | None) -> FP8Kernel:
+    """The default kernel of a device (pure: the caller reads the capability)."""
+    if device_type == "cpu":
+        return FP8Kernel.DENSE
+    if capability is not None and capability >= FP8_MATMUL_CAPABILITY:
+        return FP8Kernel.W8A8
+    return FP8Kernel.TRITON
 
 
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -54,7 +71,8 @@ class FP8BlockLinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         device = layer.weight.device
-        default = FP8Kernel.DENSE if device.type == "cpu" else FP8Kernel.TRITON
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        default = fp8_kernel_for(device.type, capability)
         self.kernel = self.config.kernel if isinstance(self.config.kernel, FP8Kernel) else default
         if self.kernel is FP8Kernel.DENSE:
             w = self.dequantized_weight(layer).to(self.dtype)
@@ -64,10 +82,12 @@ class FP8BlockLinearMethod(LinearMethod):
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel is FP8Kernel.DENSE:
             return F.linear(x, layer.weight, bias)
-        from agentbox.kernels.w8a16 import w8a16_block_matmul
+        if self.kernel is FP8Kernel.W8A8:
+            from agentbox.kernels.w8a8_block import w8a8_block_matmul as matmul
+        else:
+            from agentbox.kernels.w8a16 import w8a16_block_matmul as matmul
 
         shape = x.shape
-        out = w8a16_block_matmul(
-            x.reshape(-1, shape[-1]), layer.weight, layer.weight_scale_inv, self.config.block_size
-        ).reshape(*shape[:-1], -1)
+        out = matmul(x.reshape(-1, shape[-1]), layer.weight, layer.weight_scale_inv, self.config.block_size)
+        out = out.reshape(*shape[:-1], -1)
         return out + bias if bias is not None else out
