@@ -57,7 +57,7 @@ if HAS_TRITON:
         normal = keep.to(tl.float32, bitcast=True)
         a = tl.abs(v)
         sub = (a + 16384.0) - 16384.0  # below 2^-6 e4m3 steps by 2^-9: fp32's own rounding at 2^14 does it
-        return tl.where(a < 0.015625, tl.where(v < 0, -sub, sub), normal)
+        return tl.where(a < 0.015625, tl.where(bits < 0, -sub, sub), normal)  # bits < 0: sign set, -0 too
 
     @triton.jit
     def _group_quant_kernel(

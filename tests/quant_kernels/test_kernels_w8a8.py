@@ -48,6 +48,20 @@ def test_group_quantisation_matches_its_twin(m: int, k: int, dtype: torch.dtype)
         assert differ.float().mean() < 0.01
 
 
+def test_e4m3_rounding_is_the_casts_at_every_code_and_tie() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = codes[codes.isfinite() & (codes >= 0)].sort().values  # 0 .. 448, subnormals included
+    mids = (values[1:] + values[:-1]) / 2  # ties: to the even code
+    probe = torch.cat([values, mids, mids * (1 + 2**-20), mids * (1 - 2**-20)])
+    probe = torch.cat([probe, -probe])
+    x = torch.cat([torch.tensor([448.0]), probe])  # the group's max is 448: its scale is exactly 1
+    x = torch.nn.functional.pad(x, (0, -len(x) % 128)).reshape(-1, 128)
+    x[:, 0] = 448.0
+    q, s = per_token_group_quant_fp8(x.to(DEVICE), 128)
+    assert bool((s == 1).all())
+    assert torch.equal(q.cpu().view(torch.uint8), x.to(torch.float8_e4m3fn).view(torch.uint8))
+
+
 @pytest.mark.parametrize(("m", "n", "k", "dtype"), [(1, 128, 256, torch.float32), (9, 200, 384, torch.float16)])
 def test_w8a8_matches_its_twin(m: int, n: int, k: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
