@@ -1,6 +1,6 @@
 """Quantised checkpoints at tensor-parallel size 2: two gloo ranks in this test, each loading only its
-shard of an AWQ, a compressed-tensors W4A16 (asym, act-order) and an FP8 checkpoint, against the same
-checkpoints at tp 1."""
+shard of an AWQ, a GPTQ, a compressed-tensors W4A16 (asym, act-order) and an FP8 checkpoint, against the
+same checkpoints at tp 1."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from quant_checkpoints import PROMPT, write_fp8, write_int4
 from agentbox.models.loader import load_model
 from agentbox.parallel.state import set_tp_state
 
-NAMES = ("awq", "w4a16", "fp8")
+NAMES = ("awq", "gptq", "w4a16", "fp8")
 
 
 def _logits(model: Path) -> torch.Tensor:
@@ -36,6 +36,7 @@ def _rank(rank: int, root: Path) -> None:
 
 def test_quantised_checkpoints_at_tp2_equal_tp1(tmp_path: Path) -> None:
     write_int4(tmp_path / "awq", "awq")
+    write_int4(tmp_path / "gptq", "gptq", sym=True)
     write_int4(tmp_path / "w4a16", "compressed-tensors", act_order=True)
     write_fp8(tmp_path / "fp8")
     mp.spawn(_rank, args=(tmp_path,), nprocs=2, join=True)

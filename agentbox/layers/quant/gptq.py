@@ -78,8 +78,12 @@ class GPTQLinearMethod(LinearMethod):
             self.g_idx_loaded = True
 
     def g_idx(self, layer: LinearBase) -> torch.Tensor:
-        """The group of each of this rank's input rows."""
-        return layer.g_idx.data.long()
+        """The group of each of this rank's input rows, as a row of this rank's scale / zero tables."""
+        g = layer.g_idx.data.long()
+        rng = layer.in_range()
+        if rng is not None and not self.config.desc_act:  # a row shard's tables hold only its own groups
+            g = g - rng[0] // self.group
+        return g
 
     def _rows(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per input row k: codes [in, out], scale [in, out], zero [in, out] (the reference's terms)."""
