@@ -68,16 +68,20 @@ def quantise_int4(
     return q, scales, zeros, deq.t().contiguous()
 
 
-def write_int4(path: Path, method: str, sym: bool = False, act_order: bool = False, group: int = 128) -> torch.nn.Module:
-    """An AWQ (AutoAWQ GEMM), GPTQ (v1) or compressed-tensors W4A16 (pack-quantized, bf16 scales) checkpoint
-    of a tiny Qwen2; returns the dequantised twin."""
-    hf = random_hf()
-    state: dict[str, torch.Tensor] = {}
+def quantise_int4_state(
+    state: dict[str, torch.Tensor], method: str, sym: bool, act_order: bool, group: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the checkpoint's tensors in AWQ (AutoAWQ GEMM), GPTQ (v1) or compressed-tensors W4A16 (pack-quantized,
+    bf16 scales) layout, the dequantised twin's tensors), both named as released: every `*_proj.weight`
+    quantised (MoE experts included), the rest fp16."""
+    out: dict[str, torch.Tensor] = {}
+    twin: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(1)
     perms: dict[tuple[str, int], torch.Tensor] = {}
-    for name, p in hf.state_dict().items():
+    for name, p in state.items():
         if not name.endswith("_proj.weight"):
-            state[name] = p.half()
+            out[name] = p.half()
+            twin[name] = out[name].float()
             continue
         base = name.removesuffix(".weight")
         k = p.shape[1]
@@ -89,36 +93,46 @@ def write_int4(path: Path, method: str, sym: bool = False, act_order: bool = Fal
                 perms[key] = torch.randperm(k, generator=gen)
             g_idx = g_idx[perms[key]]
         ct = method == "compressed-tensors"
-        q, scales, zeros, deq = quantise_int4(p, group, sym, g_idx, torch.bfloat16 if ct else torch.float16)
+        q, scales, zeros, twin[name] = quantise_int4(p, group, sym, g_idx, torch.bfloat16 if ct else torch.float16)
         if ct:  # codes packed along the input, zero points along the output; both as signed value + 8
-            state[f"{base}.weight_packed"] = pack_rows_int32(q).t().contiguous()
-            state[f"{base}.weight_scale"] = scales.t().contiguous()
-            state[f"{base}.weight_shape"] = torch.tensor(p.shape)  # int64, as compressed-tensors writes it
+            out[f"{base}.weight_packed"] = pack_rows_int32(q).t().contiguous()
+            out[f"{base}.weight_scale"] = scales.t().contiguous()
+            out[f"{base}.weight_shape"] = torch.tensor(p.shape)  # int64, as compressed-tensors writes it
             if not sym:
-                state[f"{base}.weight_zero_point"] = pack_rows_int32(zeros.t().contiguous())
+                out[f"{base}.weight_zero_point"] = pack_rows_int32(zeros.t().contiguous())
             if act_order:
-                state[f"{base}.weight_g_idx"] = g_idx.to(torch.int32)
-        elif method == "awq":
-            state[f"{base}.qweight"] = awq_pack(q)
-            state[f"{base}.qzeros"] = awq_pack(zeros)
+                out[f"{base}.weight_g_idx"] = g_idx.to(torch.int32)
+            continue
+        if method == "awq":
+            out[f"{base}.qweight"] = awq_pack(q)
+            out[f"{base}.qzeros"] = awq_pack(zeros)
         else:
-            state[f"{base}.qweight"] = pack_rows_int32(q)
-            state[f"{base}.qzeros"] = pack_rows_int32((zeros.to(torch.int32) - 1).t().contiguous()).t().contiguous()
-            state[f"{base}.g_idx"] = g_idx.to(torch.int32)
-        if not ct:
-            state[f"{base}.scales"] = scales
-        with torch.no_grad():
-            p.copy_(deq)
+            out[f"{base}.qweight"] = pack_rows_int32(q)
+            out[f"{base}.qzeros"] = pack_rows_int32((zeros.to(torch.int32) - 1).t().contiguous()).t().contiguous()
+            out[f"{base}.g_idx"] = g_idx.to(torch.int32)
+        out[f"{base}.scales"] = scales
+    return out, twin
+
+
+def int4_quant_config(method: str, sym: bool, act_order: bool, group: int) -> dict:
+    if method == "compressed-tensors":
+        return compressed_tensors_config(group, sym, act_order)
+    if method == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
+                "modules_to_not_convert": None}
+    return {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": act_order,
+            "damp_percent": 0.01, "static_groups": False, "true_sequential": True, "checkpoint_format": "gptq"}
+
+
+def write_int4(path: Path, method: str, sym: bool = False, act_order: bool = False, group: int = 128) -> torch.nn.Module:
+    """An AWQ (AutoAWQ GEMM), GPTQ (v1) or compressed-tensors W4A16 checkpoint of a tiny Qwen2; returns the
+    dequantised twin."""
+    hf = random_hf()
+    state, twin = quantise_int4_state(hf.state_dict(), method, sym, act_order, group)
+    hf.load_state_dict(twin)
     path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path / "model.safetensors"))
-    if method == "awq":
-        qc = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm",
-              "modules_to_not_convert": None}
-    elif method == "compressed-tensors":
-        qc = compressed_tensors_config(group, sym, act_order)
-    else:
-        qc = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": act_order,
-              "damp_percent": 0.01, "static_groups": False, "true_sequential": True, "checkpoint_format": "gptq"}
+    qc = int4_quant_config(method, sym, act_order, group)
     (path / "config.json").write_text(json.dumps({**CONFIG, "model_type": "qwen2", "quantization_config": qc}))
     return hf
 
