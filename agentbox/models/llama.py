@@ -135,7 +135,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, make_mlp: MLPFactory) -> None:
         super().__init__()
         theta, scaling = rope_parameters(config)
-        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, i, rotary, make_mlp) for i in range(config.num_hidden_layers)]
@@ -144,6 +144,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        self.rotary.begin(positions, hidden.dtype)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
