@@ -116,11 +116,16 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, H, D]; k: [T, Hkv, D]. Returns the rotated q and k."""
-        if positions is self._positions and q.dtype == self._cos.dtype:
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] rotated. q and k side by side in one tensor cost one set of ops (decode on CPU
+        spends more on op dispatch than on arithmetic)."""
+        if positions is self._positions and x.dtype == self._cos.dtype:
             cos, sin = self._cos, self._sin
         else:
-            cos, sin = self._gather(positions, q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            cos, sin = self._gather(positions, x.dtype)
+        return x * cos + _rotate_half(x) * sin
 
     def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return (

@@ -84,13 +84,17 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim)))
+            q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary_emb(positions, q, k)
+        else:  # q and k are adjacent columns of qkv: rotate them as one [T, H + Hkv, D] view
+            qk = self.rotary_emb.rotate(positions, qkv[:, : q_size + kv_size].view(t, -1, self.head_dim))
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
