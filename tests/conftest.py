@@ -18,6 +18,17 @@ def smollm2_path() -> Path:
     return path
 
 
+@pytest.fixture
+def exact_cpu_kernels():  # noqa: ANN201 - a generator fixture
+    """Quantised layers loaded inside are dequantised to the compute dtype on CPU, so they match a
+    dequantised twin exactly; the default CPU kernel rounds activations to int8 as llama.cpp does, and
+    tests/test_cpu_gemv.py checks that path against its own twin and transformers."""
+    from agentbox.layers.quant import int4
+
+    with int4.cpu_kernel(int4.Int4Kernel.DENSE):
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_loaded(smollm2_path: Path):  # noqa: ANN201 - LoadedModel, imported lazily
     """SmolLM2 loaded once per test run (fp32, CPU), shared by every in-process engine test."""

@@ -27,7 +27,7 @@ class PagedRunner:
         self.model = loaded.model
         self.device = device
         self.page_size = page_size
-        dtype = next(self.model.parameters()).dtype
+        dtype = loaded.dtype
         self.cache = KVCache(
             loaded.num_layers, num_pages, page_size, loaded.num_kv_heads, loaded.head_dim, dtype, device
         )

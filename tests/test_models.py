@@ -20,6 +20,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from agentbox.layers.quant import int4
 from agentbox.models.llama import head_dim_of
 from agentbox.models.loader import (
     LoadedModel,
@@ -262,7 +263,8 @@ def smollm2(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     home = tmp_path_factory.mktemp("agentbox-home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AGENTBOX_HOME", str(home))
-        ours = load_model(str(smollm2_path), torch.float32, "cpu")
+        with int4.cpu_kernel(int4.Int4Kernel.DENSE):  # exact against transformers (see exact_cpu_kernels)
+            ours = load_model(str(smollm2_path), torch.float32, "cpu")
         hf = AutoModelForCausalLM.from_pretrained(
             smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
         ).eval()
@@ -315,3 +317,25 @@ def test_smollm2_greedy_matches_transformers(smollm2: SmolLM2) -> None:
     assert len(ref_ids) == n  # a story: no end of turn this early
     got = PagedRunner(smollm2.ours, num_pages=32, page_size=16).greedy(0, prompt, n)
     assert got == ref_ids
+
+
+@pytest.mark.slow
+def test_smollm2_on_the_default_cpu_kernels_agrees_with_transformers(smollm2: SmolLM2, smollm2_loaded: LoadedModel) -> None:
+    """The engine's default CPU path (4-bit layers and the Q8_0 head through kernels/cpu_gemv, activations
+    rounded to int8 per 32 as llama.cpp does) picks transformers' top token almost everywhere."""
+    from agentbox.kernels import cpu_gemv
+
+    if not cpu_gemv.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_gemv.unavailable_reason()}")
+    model = smollm2_loaded.model
+    assert model.model.layers[0].mlp.down_proj.int4_kernel is int4.Int4Kernel.CPU_SIMD
+    assert model.model.embed_tokens.quant is not None and model.model.embed_tokens.quant.is_q8
+    tokenizer = load_tokenizer(smollm2.ours.source)
+    text = " Once upon a time, in a small town, there lived a robot named Max who loved to paint the sunset."
+    ids = smollm2.prompt + tokenizer.encode(text)
+    with torch.no_grad():
+        expected = smollm2.hf(torch.tensor([ids])).logits[0]
+    for rows in (ids, ids[:24]):  # the many-row path (dequantise + sgemm) and the kernel itself
+        got = PagedRunner(smollm2_loaded, num_pages=32, page_size=16).step({0: rows})[0]
+        agree = (got.argmax(-1) == expected[: len(rows)].argmax(-1)).float().mean().item()
+        assert agree >= 0.9, f"top-token agreement {agree:.2f} over {len(rows)} positions"

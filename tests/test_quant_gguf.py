@@ -103,6 +103,7 @@ TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.usefixtures("exact_cpu_kernels")
 def test_gguf_type_matches_the_dequantised_twin(qtype: Q, tmp_path: Path) -> None:
     state = write_quantised(tmp_path / "tiny.gguf", qtype)
     ours = load_model(str(tmp_path / "tiny.gguf"), torch.float32, "cpu")

@@ -25,6 +25,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.usefixtures("exact_cpu_kernels")
 def test_int4_checkpoint_matches_the_dequantised_twin(case: str, tmp_path: Path) -> None:
     hf = write_int4(tmp_path, **CASES[case])  # type: ignore[arg-type]
     ours = load_model(str(tmp_path), torch.float32, "cpu")
@@ -59,6 +60,7 @@ def test_int4_cpu_kernel_keeps_weights_4bit(case: str, tmp_path: Path, monkeypat
     assert abs(got_bytes - file_bytes) <= 0.1 * file_bytes, (got_bytes, file_bytes)
 
 
+@pytest.mark.usefixtures("exact_cpu_kernels")
 def test_the_engine_serves_a_gptq_checkpoint(tmp_path: Path) -> None:
     from agentbox.config import EngineConfig
     from agentbox.engine.llm import LLM

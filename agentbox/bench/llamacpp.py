@@ -24,6 +24,7 @@ from agentbox.bench.spawn import llamacpp_target, spawned
 from agentbox.bench.throughput import Rates, engine_rates, random_prompts
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
+from agentbox.kernels import cpu_gemv
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import load_tokenizer, resolve_model
 
@@ -86,8 +87,10 @@ def compare_llamacpp(gguf: str, prompt_len: int = 128, new_tokens: int = 64, thr
                               "repeats": repeats, "avx512_bf16": int4.cpu_has_avx512_bf16(),
                               "default_kernel": int4.default_cpu_kernel().value}
     try:
-        report["ours"] = {k.value: _ours(gguf, k, prompts, new_tokens, threads)
-                          for k in (int4.Int4Kernel.DENSE, int4.Int4Kernel.INT4_CPU)}
+        kernels = [int4.Int4Kernel.DENSE, int4.Int4Kernel.INT4_CPU]
+        if cpu_gemv.available():
+            kernels.append(int4.Int4Kernel.CPU_SIMD)
+        report["ours"] = {k.value: _ours(gguf, k, prompts, new_tokens, threads) for k in kernels}
     finally:
         torch.set_num_threads(previous)
     report["llama.cpp"] = theirs = _llamacpp(gguf, texts, prompt_len, new_tokens, threads)

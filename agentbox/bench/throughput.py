@@ -303,6 +303,7 @@ def random_model(config: PretrainedConfig, dtype: torch.dtype, device: str | tor
         max_model_len=int(config.max_position_embeddings),
         eos_token_ids=[],
         source=ModelSource("hf", Path("random"), f"random-{config.model_type}"),
+        dtype=dtype,
     )
 
 

@@ -117,9 +117,11 @@ class Scheduler:
         # The last sampled token has no KV yet, so only computed tokens are cached, whole pages only.
         full = req.num_computed_tokens // self.page_size
         tokens = req.all_token_ids[: full * self.page_size]
-        self.cache.insert(tokens, req.pages[:full], req.session_id)
+        # The partial tail first: the free list is a stack, so pages freed after it come back before it and
+        # the next request gets an ascending run (the torch backend's no-copy view path needs one).
         if len(req.pages) > full:
             self.pool.decref(req.pages[full:])
+        self.cache.insert(tokens, req.pages[:full], req.session_id)
         req.pages = []
         req.num_computed_tokens = 0
 

@@ -3,14 +3,23 @@
 The vocabulary is split into equal contiguous ranges, one per rank (the last range padded with zero rows
 when the vocab does not divide). The embedding masks ids outside its range and all-reduces; the head
 computes its range's logits and all-gathers them along the vocab dim.
+
+A GGUF table arrives as the file's blocks. On a CPU where kernels/cpu_gemv builds, Q8_0 and 4-bit tables
+stay quantised (`QuantRows`): lookups dequantise only the rows asked for, and the LM head, which reads the
+whole table every decode step (113 MB in fp32 for SmolLM2's 49152 x 576, 30 MB as Q8_0), runs the kernel.
+Elsewhere the blocks are dequantised to the dense weight at load.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentbox.layers.quant.base import Sharding, quant_param
+from agentbox.layers.quant.quant_rows import QuantRows, quant_rows
 from agentbox.parallel.state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -27,27 +36,38 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant: QuantRows | None = None  # the table kept quantised (GGUF on CPU), else None
 
-    def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | int | None = None
-    ) -> None:
-        if loaded_weight.shape != (self.num_embeddings, param.data.size(1)):
+    def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: str | int | None = None) -> None:
+        if tuple(loaded_weight.shape) != (self.num_embeddings, param.data.size(1)):
             raise ValueError(
                 f"{type(self).__name__}: weight shape {tuple(loaded_weight.shape)} != "
                 f"{(self.num_embeddings, param.data.size(1))}"
             )
         start = self.vocab_start_idx
         rows = max(0, min(self.num_embeddings, self.vocab_end_idx) - start)
+        if not isinstance(loaded_weight, torch.Tensor):  # GGUF blocks
+            self.quant = quant_rows(loaded_weight, start, rows, self.num_embeddings_per_partition, param.device)
+            if self.quant is not None:
+                self.weight = quant_param(self.quant.codes, Sharding(None, None))
+                self.quant_scale = quant_param(self.quant.scale, Sharding(None, None))
+                self.quant_offset = quant_param(self.quant.offset, Sharding(None, None))
+                return
+            loaded_weight = loaded_weight.narrow((start, rows), None).dequantize()
+            start = 0
         param.data.zero_()
         param.data[:rows].copy_(loaded_weight[start : start + rows])
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight) if self.quant is None else self.quant.rows(ids)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         in_range = (input_ids >= self.vocab_start_idx) & (input_ids < self.vocab_end_idx)
         local = torch.where(in_range, input_ids - self.vocab_start_idx, 0)
-        out = F.embedding(local, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
-        return all_reduce(out)
+        out = self._lookup(local)
+        return all_reduce(out * in_range.unsqueeze(-1).to(out.dtype))
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -57,7 +77,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         if embedding.weight.shape != self.weight.shape:
             raise ValueError("cannot tie an LM head to an embedding of a different shape")
         self.weight = embedding.weight
+        self.tied_to = embedding  # a table kept quantised is installed after this, at load
+
+    def process_weights_after_loading(self) -> None:
+        tied = getattr(self, "tied_to", None)
+        if tied is not None and tied.quant is not None:
+            self.weight = tied.weight  # share the quantised codes: the fp32 placeholder is dropped
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        quant = self.quant or getattr(getattr(self, "tied_to", None), "quant", None)
+        local = F.linear(hidden, self.weight) if quant is None else quant.matmul(hidden)
+        logits = all_gather_last_dim(local)
         return logits[..., : self.num_embeddings] if self.tp_size > 1 else logits

@@ -109,11 +109,32 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: derived from the config, never part of a checkpoint.
         self.register_buffer("cos_cached", emb.cos() * attention, persistent=False)
         self.register_buffer("sin_cached", emb.sin() * attention, persistent=False)
+        self._positions: torch.Tensor | None = None  # the forward `begin` prepared cos/sin for
+        self._cos = self._sin = torch.empty(0)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, H, D]; k: [T, Hkv, D]. Returns the rotated q and k."""
-        cos = self.cos_cached[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cached[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] rotated. q and k side by side in one tensor cost one set of ops (decode on CPU
+        spends more on op dispatch than on arithmetic)."""
+        if positions is self._positions and x.dtype == self._cos.dtype:
+            cos, sin = self._cos, self._sin
+        else:
+            cos, sin = self._gather(positions, x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            self.cos_cached[positions].unsqueeze(1).to(dtype),
+            self.sin_cached[positions].unsqueeze(1).to(dtype),
+        )
+
+    def begin(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        """Gather this forward's rows once for every layer (the model calls it at the top of each forward,
+        so a positions buffer rewritten in place between forwards is gathered afresh)."""
+        self._positions = positions
+        self._cos, self._sin = self._gather(positions, dtype)

@@ -142,9 +142,14 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
+VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
 def _kept_quantised(name: str, tensor: GGUFTensor) -> bool:
-    """Linear-layer weights stay as the file's blocks; embeddings, norms and float tensors are dense."""
-    return name.endswith("_proj.weight") and tensor.qtype not in FLOAT_TYPES and len(tensor.shape) == 2
+    """Linear-layer weights and the vocabulary tables stay as the file's blocks (the embedding decides what
+    to keep, layers/quant/quant_rows.py); norms and float tensors are dense."""
+    linear = name.endswith("_proj.weight") or name in VOCAB_TABLES
+    return linear and tensor.qtype not in FLOAT_TYPES and len(tensor.shape) == 2
 
 
 def gguf_quant_config(path: Path) -> QuantConfig:

@@ -84,13 +84,17 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        v = qkv[:, q_size + kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.reshape(t, self.num_kv_heads, self.head_dim)))
+            q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = self.q_norm(q.reshape(t, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary_emb(positions, q, k)
+        else:  # q and k are adjacent columns of qkv: rotate them as one [T, H + Hkv, D] view
+            qk = self.rotary_emb.rotate(positions, qkv[:, : q_size + kv_size].view(t, -1, self.head_dim))
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
@@ -135,7 +139,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: Any, make_mlp: MLPFactory) -> None:
         super().__init__()
         theta, scaling = rope_parameters(config)
-        rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings, theta, scaling)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, i, rotary, make_mlp) for i in range(config.num_hidden_layers)]
@@ -144,6 +148,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
+        self.rotary.begin(positions, hidden.dtype)
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)

@@ -141,6 +141,7 @@ class LoadedModel:
     max_model_len: int
     eos_token_ids: list[int]
     source: ModelSource
+    dtype: torch.dtype  # the compute dtype (a quantised parameter's own dtype says nothing of it)
 
 
 def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
@@ -171,6 +172,7 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
         max_model_len=_max_model_len(config),
         eos_token_ids=eos_token_ids(src, config),
         source=src,
+        dtype=dtype,
     )
 
 

@@ -2,13 +2,12 @@
 codes q in 0..15 per element, and per (row, group of `group` input columns) a scale and an offset, so that
 w = q * scale + offset. Each format's loader converts its bytes into this; the kernels take it from here.
 
-CPU kernels, measured on this machine (AMD EPYC, AVX2, no AVX512; torch 2.13, one thread, SmolLM2 shapes):
-torch's `_weight_int4pack_mm_for_cpu` costs 656 us for a [1, 576] x [576, 3072] product with bf16
-activations (6.1 ms with fp32 ones) against 167-365 us for the dense fp32 matmul of the dequantised
-weight. End to end on SmolLM2 Q4_1 (`agentbox bench llamacpp`, one thread, machine shared, load ~5):
-decode 14.2 tok/s int4 vs 14.6 dense, prefill 106 vs 277 tok/s, resident 180 MB vs 538 MB. Without
-AVX512-BF16 the int4 kernel buys memory, not speed, so on such CPUs the weight is dequantised once at
-load (`Int4Kernel.DENSE`); with AVX512-BF16 the int4 kernel is used.
+CPU kernels, measured on this machine (AMD EPYC, AVX2, no AVX512; torch 2.13, one thread, SmolLM2 shapes,
+[1, 576] x [576, 1536]): dense fp32 matmul of the dequantised weight 275-290 us, torch's
+`_weight_int4pack_mm_for_cpu` 191 us with bf16 activations (compute-bound without AVX512-BF16: it buys
+memory, not speed), our AVX2 kernel (kernels/cpu_gemv.c: int8 activations per block of 32, as llama.cpp
+does) 74-105 us. So the default CPU kernel is ours where it builds (`CPU_SIMD`), torch's int4 where the CPU
+has AVX512-BF16 and ours does not build, and the dequantised weight otherwise.
 """
 
 from __future__ import annotations
@@ -26,6 +25,12 @@ class Int4Kernel(Enum):
     DENSE = "dense"  # dequantised once at load to the compute dtype
     INT4_CPU = "int4-cpu"  # torch's tinygemm CPU kernel: packed nibbles + bf16 scale/zero per group
     TRITON = "triton"  # kernels/w4a16.py: codes packed along K in int32, scale/offset in the compute dtype
+    CPU_SIMD = "cpu-simd"  # kernels/cpu_gemv.c: 16 bytes of nibbles + fp32 scale/offset per 32 columns
+
+
+# Rows of x above which a CPU_SIMD layer dequantises once and runs one sgemm instead (prefill): the kernel
+# re-reads the weight for every row group, the sgemm is compute-efficient once M is this large.
+CPU_SIMD_MAX_ROWS = 32
 
 
 _override: Int4Kernel | None = None
@@ -53,6 +58,10 @@ def cpu_has_avx512_bf16() -> bool:
 def default_cpu_kernel() -> Int4Kernel:
     if _override is not None:
         return _override
+    from agentbox.kernels import cpu_gemv
+
+    if cpu_gemv.available():
+        return Int4Kernel.CPU_SIMD
     return Int4Kernel.INT4_CPU if cpu_has_avx512_bf16() else Int4Kernel.DENSE
 
 
@@ -113,8 +122,16 @@ def install(
     from agentbox.layers.quant.base import Sharding, quant_param
 
     none = Sharding(None, None)
-    layer.int4_group = q.shape[1] // scale.shape[1]
-    if kernel is Int4Kernel.DENSE:
+    layer.int4_group = group = q.shape[1] // scale.shape[1]
+    if kernel is Int4Kernel.CPU_SIMD and (group % 32 or dtype is not torch.float32):
+        kernel = Int4Kernel.DENSE  # the kernel's blocks are 32 columns and its activations fp32
+    if kernel is Int4Kernel.CPU_SIMD:
+        from agentbox.kernels.cpu_gemv import exact_half, pack_q4
+
+        s, o = exact_half(scale, offset)
+        layer.weight = quant_param(pack_q4(q), none)
+        layer.scale, layer.offset = quant_param(s, none), quant_param(o, none)
+    elif kernel is Int4Kernel.DENSE:
         layer.weight = quant_param(dequantize(q, scale, offset).to(device=device, dtype=dtype), none)
     elif kernel is Int4Kernel.INT4_CPU:
         packed, sz = pack_int4_cpu(q, scale, offset)
@@ -131,7 +148,18 @@ def apply(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
     kernel: Int4Kernel = layer.int4_kernel
     if kernel is Int4Kernel.DENSE:
         return torch.nn.functional.linear(x, layer.weight, bias)
-    if kernel is Int4Kernel.INT4_CPU:
+    if kernel is Int4Kernel.CPU_SIMD:
+        from agentbox.kernels import cpu_gemv
+
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if rows.shape[0] <= CPU_SIMD_MAX_ROWS:
+            out = cpu_gemv.q4_matmul(rows, layer.weight, layer.scale, layer.offset)
+        else:
+            w = cpu_gemv.q4_dequant(layer.weight, layer.scale, layer.offset)
+            out = torch.nn.functional.linear(cpu_gemv.round_activations(rows), w)
+        out = out.reshape(*shape[:-1], -1)
+    elif kernel is Int4Kernel.INT4_CPU:
         out = int4_cpu_mm(x, layer.weight, layer.int4_group, layer.scales_zeros)
     else:
         from agentbox.kernels.w4a16 import w4a16_matmul

@@ -1,0 +1,95 @@
+"""The AVX2 weight-only kernels (kernels/cpu_gemv.c) against their torch twins, and the CPU path they make
+the default for GGUF / AWQ / GPTQ weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from agentbox.kernels import cpu_gemv as cg
+
+from agentbox.layers.quant import int4
+
+pytestmark = pytest.mark.skipif(not cg.available(), reason=f"CPU kernels unavailable: {cg.unavailable_reason()}")
+
+
+def _q4(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    codes = cg.pack_q4(torch.randint(0, 16, (n, k), generator=g))
+    return codes, torch.rand(n, k // group, generator=g) / 8, torch.randn(n, k // group, generator=g) / 8
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 64, 32), (64, 256, 128), (9, 192, 64)])
+@pytest.mark.parametrize("m", [1, 3, 9])
+def test_q4_matmul_equals_its_twin(n: int, k: int, group: int, m: int) -> None:
+    codes, scale, offset = _q4(n, k, group, seed=n + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    got = cg.q4_matmul(x, codes, scale, offset)
+    torch.testing.assert_close(got, cg.q4_matmul_ref(x, codes, scale, offset), atol=1e-5, rtol=1e-5)
+    # The many-row path (dequantise + one sgemm on the rounded activations) gives the same numbers.
+    dense = F.linear(cg.round_activations(x), cg.q4_dequant(codes, scale, offset))
+    torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+    # Rounding activations to int8 per 32 costs well under a percent of the exact product.
+    exact = x @ cg.q4_dequant_ref(codes, scale, offset).t()
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_q8_matmul_rows_and_dequant_equal_their_twins() -> None:
+    g = torch.Generator().manual_seed(1)
+    codes = torch.randint(-128, 128, (21, 3, 32), dtype=torch.int8, generator=g)
+    scale = torch.rand(21, 3, generator=g)
+    x = torch.randn(5, 96, generator=g)
+    torch.testing.assert_close(cg.q8_matmul(x, codes, scale), cg.q8_matmul_ref(x, codes, scale), atol=1e-4, rtol=1e-5)
+    rows = torch.tensor([[4, 0], [20, 4]])
+    assert torch.equal(cg.q8_rows(codes, scale, rows), (codes.float() * scale.unsqueeze(-1)).flatten(1)[rows])
+    q4 = _q4(7, 96, 32, seed=2)
+    torch.testing.assert_close(cg.q4_dequant(*q4), cg.q4_dequant_ref(*q4), atol=1e-6, rtol=1e-6)
+
+
+def test_two_threads_give_the_same_bits() -> None:
+    codes, scale, offset = _q4(129, 128, 32, seed=5)
+    x = torch.randn(2, 128)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cg.q4_matmul(x, codes, scale, offset)
+        torch.set_num_threads(2)
+        two = cg.q4_matmul(x, codes, scale, offset)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)  # rows are split over threads, never a row's sum
+
+
+def test_a_failed_build_is_named_and_the_dense_path_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    cg._library.cache_clear()
+    try:
+        assert not cg.available()
+        assert "building cpu_gemv.c failed" in cg.unavailable_reason()
+        assert int4.default_cpu_kernel() is not int4.Int4Kernel.CPU_SIMD
+        with pytest.raises(RuntimeError, match="unavailable"):
+            cg.q4_matmul(torch.zeros(1, 32), *_q4(1, 32, 32, 0))
+    finally:
+        cg._library.cache_clear()
+
+
+def test_small_groups_and_reduced_dtypes_keep_the_dense_path() -> None:
+    q = torch.randint(0, 16, (8, 64))
+    layer = torch.nn.Module()
+    int4.install(layer, q, torch.rand(8, 4), torch.rand(8, 4), int4.Int4Kernel.CPU_SIMD, torch.float32, torch.device("cpu"))
+    assert layer.int4_kernel is int4.Int4Kernel.DENSE  # groups of 16 columns: not the kernel's blocks
+    int4.install(layer, q, torch.rand(8, 2), torch.rand(8, 2), int4.Int4Kernel.CPU_SIMD, torch.bfloat16, torch.device("cpu"))
+    assert layer.int4_kernel is int4.Int4Kernel.DENSE
+
+
+def test_fp16_scales_where_exact() -> None:
+    codes, scale, offset = _q4(12, 64, 32, seed=9)
+    s16, o16 = cg.exact_half(scale.half().float(), offset.half().float())
+    assert s16.dtype == o16.dtype == torch.float16
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(cg.q4_matmul(x, codes, s16, o16), cg.q4_matmul(x, codes, s16.float(), o16.float()))
+    torch.testing.assert_close(cg.q4_dequant(codes, s16, o16), cg.q4_dequant_ref(codes, s16, o16))
+    assert cg.exact_half(scale + 1e-4, offset)[0].dtype == torch.float32  # not representable: kept fp32
