@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from agentbox.layers.moe import ExpertShard, FusedMoE, MoEActivation, moe_ref, select_experts
-from agentbox.layers.moe_quant import Int4Experts
+from agentbox.layers.moe_quant import Fp8BlockExperts, GptqExperts, Int4Experts
+from agentbox.layers.quant import QuantConfig, QuantMethod
 
 
 def _random_int4(out: int, k: int, group: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -41,3 +42,44 @@ def test_int4_canonical_experts_match_their_dequantised_twin() -> None:
 def test_int4_experts_refuse_a_shard_off_a_group_boundary() -> None:
     with pytest.raises(ValueError, match="expert intermediate size per rank \\(48\\).*multiple of 32"):
         FusedMoE(2, 1, 64, 48, renormalize=True, method=Int4Experts(32))
+
+
+@pytest.fixture
+def rank1_of_2():  # noqa: ANN201 - layers built inside shard as tp rank 1 of 2 (no collective is run)
+    from agentbox.parallel.state import set_tp_state
+
+    set_tp_state(1, 2)
+    yield
+    set_tp_state(0, 1)
+
+
+def test_fp8_experts_refuse_a_shard_off_a_block_boundary(rank1_of_2: None) -> None:
+    config = QuantConfig(QuantMethod.FP8_BLOCK, 8)
+    FusedMoE(2, 1, 128, 256, renormalize=True, method=Fp8BlockExperts(config))  # 128 per rank: whole blocks
+    with pytest.raises(ValueError, match="intermediate size per rank \\(64\\).*multiple of 128"):
+        FusedMoE(2, 1, 128, 128, renormalize=True, method=Fp8BlockExperts(config))
+
+
+def test_gptq_act_order_down_shard_splitting_groups_is_refused_by_name(rank1_of_2: None) -> None:
+    h, i, g = 128, 256, 128
+    config = QuantConfig(QuantMethod.GPTQ, 4, g, desc_act=True)
+    layer = FusedMoE(1, 1, h, i, renormalize=True, method=GptqExperts(config), prefix="model.layers.0.mlp.experts")
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        ExpertShard.GATE: (i, h, torch.arange(h) // g),
+        ExpertShard.UP: (i, h, torch.arange(h) // g),
+        ExpertShard.DOWN: (h, i, (torch.arange(i) // g)[torch.randperm(i, generator=gen)]),  # act-order rows
+    }
+    for shard, (n, k, g_idx) in tensors.items():
+        w = "w2" if shard is ExpertShard.DOWN else "w13"
+        full = {
+            "qweight": torch.zeros(k // 8, n, dtype=torch.int32),
+            "qzeros": torch.zeros(k // g, n // 8, dtype=torch.int32),
+            "scales": torch.ones(k // g, n, dtype=torch.float16),
+            "g_idx": g_idx.to(torch.int32),
+        }
+        for name, t in full.items():
+            param = getattr(layer, f"{w}_{name}")
+            param.weight_loader(param, t, 0, shard)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj\.g_idx: .*whole groups of 128"):
+        layer.process_weights_after_loading()

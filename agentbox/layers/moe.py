@@ -154,6 +154,7 @@ class FusedMoE(nn.Module):
             from agentbox.layers.moe_quant import expert_method  # it builds on this module
 
             method = expert_method(prefix)
+        self.prefix = prefix
         self.method = method
         self.method.create_weights(self)
         self.w13_bias: nn.Parameter | None = None

@@ -27,8 +27,11 @@ from torch import nn
 
 from agentbox.layers.moe import ExpertMethod, ExpertShard, FusedMoE, UnquantizedExperts, activate, moe_ref
 from agentbox.layers.quant import base
+from agentbox.layers.quant.awq import awq_unpack
 from agentbox.layers.quant.base import QuantConfig, Sharding
 from agentbox.layers.quant.formats import QuantMethod
+from agentbox.layers.quant.fp8 import dequantize_block_fp8
+from agentbox.layers.quant.gptq import unpack_cols_int32
 from agentbox.layers.quant.int4 import pack_rows_int32, unpack_rows_int32
 from agentbox.layers.quant.lazy import materialize
 
@@ -177,9 +180,170 @@ def _act(layer: FusedMoE) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda gate_up: activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
 
 
+class Fp8BlockExperts(ExpertMethod):
+    """FP8 block experts as Qwen3-*-FP8 stores them (HELPERS contract 2): per expert `weight` e4m3
+    [out, in] and `weight_scale_inv` float32 [out / bo, in / bi]. Weight-only (w8a16): the fp8 bytes stay
+    resident on every device, CPU included: a 30B MoE dequantised once at load would need 61 GB in bf16,
+    while a token reads only its top-k experts, which the reference dequantises per call."""
+
+    def __init__(self, config: QuantConfig) -> None:
+        self.block = config.block_size
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        bo, bi = self.block
+        if bo != bi:
+            raise ValueError(f"FP8 experts need square blocks (weight_block_size {list(self.block)})")
+        _check_dims(layer, bo, f"FP8 block-{bo}")
+        e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_local
+        f8 = torch.float8_e4m3fn
+        add_sharded_param(layer, "w13_weight", torch.empty(e, 2 * i, h, dtype=f8), Sharding(0, 1))
+        add_sharded_param(
+            layer, "w13_weight_scale_inv", torch.empty(e, 2 * i // bo, h // bi), Sharding(0, 1, bo, bi)
+        )
+        add_sharded_param(layer, "w2_weight", torch.empty(e, h, i, dtype=f8), Sharding(0, 1))
+        add_sharded_param(layer, "w2_weight_scale_inv", torch.empty(e, h // bo, i // bi), Sharding(0, 1, bo, bi))
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
+        if x.is_cuda and (kernel := fused_kernel("fused_moe_fp8")) is not None:
+            return kernel(
+                x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
+                self.block, topk_weights, topk_ids, _act(layer), b13, b2,
+            )
+
+        def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (
+                dequantize_block_fp8(layer.w13_weight[e], layer.w13_weight_scale_inv[e], self.block).to(x.dtype),
+                dequantize_block_fp8(layer.w2_weight[e], layer.w2_weight_scale_inv[e], self.block).to(x.dtype),
+            )
+
+        return moe_ref(x, topk_weights, topk_ids, expert, layer.activation, b13, b2, layer.swiglu_alpha, layer.swiglu_limit)
+
+
+class _Int4CheckpointExperts(Int4Experts):
+    """AWQ / GPTQ experts: loaded in the checkpoint's own per-expert layout (one stacked parameter per
+    tensor name, sharded by the shared loader), converted into the canonical form once after loading."""
+
+    RAW: tuple[str, ...] = ()
+
+    def __init__(self, config: QuantConfig) -> None:
+        if config.group_size <= 0:
+            raise ValueError("quantization_config.group_size: MoE experts need a group size (per-channel -1 is not supported)")
+        super().__init__(config.group_size)
+        self.config = config
+
+    def create_weights(self, layer: FusedMoE) -> None:
+        _check_dims(layer, self.group, f"{self.config.method.value} (group {self.group})")
+        _check_dims(layer, 8, f"{self.config.method.value} (8 per int32 word)")
+        self.dtype = torch.get_default_dtype()
+        layer.int4_group = self.group
+        layer.w13_perm = layer.w2_perm = None
+        self.create_raw(layer)
+
+    def create_raw(self, layer: FusedMoE) -> None:
+        raise NotImplementedError
+
+    def to_canonical(
+        self, layer: FusedMoE, w: str, e: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Expert e's projection `w` (w13 / w2) as (qweight [K/8, N], scale, offset [K/g, N], perm or None)."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        device = getattr(layer, f"w13_{self.RAW[0]}").device
+        out: dict[str, torch.Tensor] = {}
+        for w in ("w13", "w2"):
+            parts = [self.to_canonical(layer, w, e) for e in range(layer.num_experts)]
+            out[f"{w}_qweight"] = torch.stack([p[0] for p in parts])
+            out[f"{w}_scale"] = torch.stack([p[1] for p in parts]).to(self.dtype)
+            out[f"{w}_offset"] = torch.stack([p[2] for p in parts]).to(self.dtype)
+            if any(p[3] is not None for p in parts):
+                k = parts[0][0].shape[0] * 8
+                perms = [p[3] if p[3] is not None else torch.arange(k) for p in parts]
+                setattr(layer, f"{w}_perm", nn.Parameter(torch.stack(perms).to(device), requires_grad=False))
+            for name in self.RAW:
+                delattr(layer, f"{w}_{name}")
+        for name, t in out.items():
+            layer.add_expert_param(name, t.to(device))
+
+
+class AwqExperts(_Int4CheckpointExperts):
+    """AutoAWQ GEMM layout per expert: qweight int32 [in, out / 8] and qzeros int32 [in / g, out / 8] in
+    AWQ nibble order, scales fp16 [in / g, out] (layers/quant/awq.py)."""
+
+    RAW = ("qweight", "qzeros", "scales")
+
+    def create_raw(self, layer: FusedMoE) -> None:
+        e, h, i, g = layer.num_experts, layer.hidden_size, layer.intermediate_local, self.group
+        i32, f16 = torch.int32, torch.float16
+        for w, k, n in (("w13", h, 2 * i), ("w2", i, h)):
+            add_sharded_param(layer, f"{w}_qweight", torch.empty(e, k, n // 8, dtype=i32), Sharding(1, 0, 8, 1))
+            add_sharded_param(layer, f"{w}_qzeros", torch.empty(e, k // g, n // 8, dtype=i32), Sharding(1, 0, 8, g))
+            add_sharded_param(layer, f"{w}_scales", torch.empty(e, k // g, n, dtype=f16), Sharding(1, 0, 1, g))
+
+    def to_canonical(
+        self, layer: FusedMoE, w: str, e: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        q = awq_unpack(getattr(layer, f"{w}_qweight")[e].cpu())  # [K, N]
+        z = awq_unpack(getattr(layer, f"{w}_qzeros")[e].cpu()).float()
+        s = getattr(layer, f"{w}_scales")[e].cpu().float()
+        return pack_rows_int32(q), s, -z * s, None
+
+
+class GptqExperts(_Int4CheckpointExperts):
+    """GPTQ v1 layout per expert: qweight int32 [in / 8, out], qzeros int32 [groups, out / 8] (zero - 1),
+    scales fp16 [groups, out], g_idx int32 [in] (layers/quant/gptq.py). With act-order (desc_act) the rows
+    are sorted by group at conversion and the expert keeps its permutation (`w13_perm` / `w2_perm`); a
+    down projection's TP shard must then still hold whole groups."""
+
+    RAW = ("qweight", "qzeros", "scales", "g_idx")
+
+    def create_raw(self, layer: FusedMoE) -> None:
+        e, h, i, g = layer.num_experts, layer.hidden_size, layer.intermediate_local, self.group
+        i32, f16 = torch.int32, torch.float16
+        for w, k, n in (("w13", h, 2 * i), ("w2", i, h)):
+            # With act-order a down shard's rows belong to groups anywhere in the table: keep it whole.
+            whole = self.config.desc_act and w == "w2"
+            groups, group_axis = (k * layer.tp_size // g, None) if whole else (k // g, 0)
+            add_sharded_param(layer, f"{w}_qweight", torch.empty(e, k // 8, n, dtype=i32), Sharding(1, 0, 1, 8))
+            add_sharded_param(layer, f"{w}_qzeros", torch.empty(e, groups, n // 8, dtype=i32), Sharding(1, group_axis, 8, g))
+            add_sharded_param(layer, f"{w}_scales", torch.empty(e, groups, n, dtype=f16), Sharding(1, group_axis, 1, g))
+            add_sharded_param(layer, f"{w}_g_idx", torch.empty(e, k, dtype=i32), Sharding(None, 0))
+
+    def to_canonical(
+        self, layer: FusedMoE, w: str, e: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        g = self.group
+        qweight = getattr(layer, f"{w}_qweight")[e].cpu()
+        z = unpack_cols_int32(getattr(layer, f"{w}_qzeros")[e].cpu()).float() + 1
+        s = getattr(layer, f"{w}_scales")[e].cpu().float()
+        g_idx = getattr(layer, f"{w}_g_idx")[e].cpu().long()
+        k = g_idx.numel()
+        if s.shape[0] * g == k and w == "w2":  # a sharded table: this rank's groups, numbered globally
+            g_idx = g_idx - layer.tp_rank * (k // g)
+        what = f"{layer.prefix or 'experts'}.{e}.{'down' if w == 'w2' else 'gate/up'}_proj.g_idx"
+        if g_idx.min() < 0 or g_idx.max() >= s.shape[0]:
+            raise ValueError(f"{what}: group index out of range [0, {s.shape[0]})")
+        perm = torch.argsort(g_idx, stable=True)
+        rows = g_idx[perm].reshape(k // g, g)
+        if not bool((rows == rows[:, :1]).all()):
+            raise ValueError(
+                f"{what}: the rows of this tensor-parallel shard do not form whole groups of {g} (act-order "
+                f"groups are spread over the ranks); run it at tensor-parallel size 1"
+            )
+        group_of = rows[:, 0]
+        scale, offset = s[group_of], -z[group_of] * s[group_of]
+        if torch.equal(perm, torch.arange(k)):
+            return qweight, scale, offset, None
+        return pack_rows_int32(unpack_rows_int32(qweight)[perm]), scale, offset, perm
+
+
 # The expert method of each checkpoint format; other files register theirs (GGUF: ggufmoe's loader).
 _EXPERT_METHODS: dict[QuantMethod, Callable[[QuantConfig], ExpertMethod]] = {
     QuantMethod.UNQUANTIZED: lambda config: UnquantizedExperts(),
+    QuantMethod.FP8_BLOCK: Fp8BlockExperts,
+    QuantMethod.AWQ: AwqExperts,
+    QuantMethod.GPTQ: GptqExperts,
 }
 
 

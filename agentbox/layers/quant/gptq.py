@@ -70,6 +70,9 @@ class GPTQLinearMethod(LinearMethod):
         q = int4.unpack_rows_int32(layer.qweight.data)
         z = unpack_cols_int32(layer.qzeros.data).float() + 1
         g = layer.g_idx.data.long()
+        rng = layer.in_range()
+        if rng is not None and not self.config.desc_act:  # a row shard's table holds only its groups
+            g = g - rng[0] // self.group
         return q, layer.scales.data.float()[g], z[g]
 
     def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
