@@ -83,3 +83,14 @@ def test_gptq_act_order_down_shard_splitting_groups_is_refused_by_name(rank1_of_
             param.weight_loader(param, t, 0, shard)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj\.g_idx: .*whole groups of 128"):
         layer.process_weights_after_loading()
+
+
+def test_planner_moe_formats_are_the_registered_expert_methods() -> None:
+    from agentbox.hub.plan import MOE_EXPERT_FORMATS
+    from agentbox.layers.moe_quant import registered_expert_methods
+    from agentbox.layers.quant.formats import METHODS
+
+    with_experts = {m for m, info in METHODS.items() if info.moe_gpu is not None} | {QuantMethod.UNQUANTIZED}
+    assert with_experts == registered_expert_methods()
+    assert MOE_EXPERT_FORMATS == {f for m in with_experts for f in METHODS[m].formats}
+    assert {"fp8", "awq", "gptq"} <= MOE_EXPERT_FORMATS

@@ -40,6 +40,9 @@ class KnownBad:
     kernel: str
     reason: str
     sm: tuple[int, ...] = ()  # empty: every compute capability
+    # Only kernels of this compute scheme failed (a QuantScheme value of layers/quant/formats.py, e.g.
+    # "w8a8"; kept a string so profiles load without torch); empty: whatever kernel runs the format.
+    scheme: str = ""
 
     def matches(self, fmt: str, sm: int | None) -> bool:
         return self.format == fmt and (not self.sm or (sm is not None and sm in self.sm))
@@ -181,5 +184,6 @@ def _variant(v: dict[str, Any], common: tuple[str, ...]) -> Variant:
 
 def _known(k: dict[str, Any]) -> KnownBad:
     return KnownBad(
-        format=k["format"], kernel=k.get("kernel", "any"), reason=k["reason"], sm=tuple(k.get("sm", []))
+        format=k["format"], kernel=k.get("kernel", "any"), reason=k["reason"], sm=tuple(k.get("sm", [])),
+        scheme=str(k.get("scheme", "")),
     )

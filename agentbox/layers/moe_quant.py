@@ -351,6 +351,10 @@ def register_expert_method(kind: QuantMethod, factory: Callable[[QuantConfig], E
     _EXPERT_METHODS[kind] = factory
 
 
+def registered_expert_methods() -> frozenset[QuantMethod]:
+    return frozenset(_EXPERT_METHODS)
+
+
 def expert_method(prefix: str = "") -> ExpertMethod:
     """The experts' method from the QuantConfig the linear methods use (skip_modules respected)."""
     config = base.current_config()
