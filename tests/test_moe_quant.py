@@ -86,6 +86,7 @@ def test_gptq_act_order_down_shard_splitting_groups_is_refused_by_name(rank1_of_
 
 
 def test_planner_moe_formats_are_the_registered_expert_methods() -> None:
+    import agentbox.models.loader  # noqa: F401 - imports every module that registers an expert method
     from agentbox.hub.plan import MOE_EXPERT_FORMATS
     from agentbox.layers.moe_quant import registered_expert_methods
     from agentbox.layers.quant.formats import METHODS
@@ -94,3 +95,16 @@ def test_planner_moe_formats_are_the_registered_expert_methods() -> None:
     assert with_experts == registered_expert_methods()
     assert MOE_EXPERT_FORMATS == {f for m in with_experts for f in METHODS[m].formats}
     assert {"fp8", "awq", "gptq"} <= MOE_EXPERT_FORMATS
+
+
+def test_byte_packing_is_bit_identical_to_the_word_helpers() -> None:
+    from agentbox.layers.moe_quant import awq_to_rows, pack_rows_bytes, unpack_rows_bytes
+    from agentbox.layers.quant.awq import awq_unpack
+    from agentbox.layers.quant.int4 import pack_rows_int32, unpack_rows_int32
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (64, 24), generator=gen, dtype=torch.uint8)
+    assert torch.equal(pack_rows_bytes(q), pack_rows_int32(q))
+    words = torch.randint(-(2**31), 2**31 - 1, (16, 3), generator=gen, dtype=torch.int32)
+    assert torch.equal(unpack_rows_bytes(words), unpack_rows_int32(words))
+    assert torch.equal(awq_to_rows(words), pack_rows_int32(awq_unpack(words)))
