@@ -109,20 +109,17 @@ def load_expert_shard(
 
 
 def fused_kernel(name: str) -> Callable[..., torch.Tensor] | None:
-    """A fused-MoE Triton kernel over quantised experts by name, None where Triton or the kernel is absent
-    (kernels/ is another engineer's: until merged the torch reference runs)."""
+    """A fused-MoE Triton kernel over quantised experts (kernels/fused_moe_quant.py: `fused_moe_int4`,
+    `fused_moe_fp8`), None where Triton or that file is absent: then the torch reference runs."""
     from agentbox.kernels.fused_moe import triton_available
 
     if not triton_available():
         return None
-    for module in ("agentbox.kernels.fused_moe", f"agentbox.kernels.{name}"):
-        try:
-            fn = getattr(importlib.import_module(module), name, None)
-        except ImportError:
-            continue
-        if fn is not None:
-            return fn
-    return None
+    try:
+        module = importlib.import_module("agentbox.kernels.fused_moe_quant")
+    except ImportError:  # another engineer's file, merged by the lead
+        return None
+    return getattr(module, name, None)
 
 
 def _check_dims(layer: FusedMoE, unit: int, what: str) -> None:
@@ -183,13 +180,21 @@ class Int4Experts(ExpertMethod):
             _dequant(layer.w2_qweight[e], layer.w2_scale[e], layer.w2_offset[e], layer.w2_perm, e, dtype),
         )
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def fused(
+        self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        kernel: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        """The fused kernel's call (contract 1); act-order experts (per-expert perms) are not its input."""
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
+        return kernel(
+            x, layer.w13_qweight, layer.w13_scale, layer.w13_offset, layer.w2_qweight, layer.w2_scale,
+            layer.w2_offset, layer.int4_group, topk_weights, topk_ids, _act(layer), b13, b2,
+        )
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and layer.w13_perm is None and (kernel := fused_kernel("fused_moe_int4")) is not None:
-            return kernel(
-                x, layer.w13_qweight, layer.w13_scale, layer.w13_offset, layer.w2_qweight, layer.w2_scale,
-                layer.w2_offset, layer.int4_group, topk_weights, topk_ids, _act(layer), b13, b2,
-            )
+            return self.fused(layer, x, topk_weights, topk_ids, kernel)
+        b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
         return moe_ref(
             x, topk_weights, topk_ids, lambda e: self.dequantized_expert(layer, e, x.dtype), layer.activation,
             b13, b2, layer.swiglu_alpha, layer.swiglu_limit,
@@ -236,13 +241,21 @@ class Fp8BlockExperts(ExpertMethod):
         add_sharded_param(layer, "w2_weight", torch.empty(e, h, i, dtype=f8), Sharding(0, 1))
         add_sharded_param(layer, "w2_weight_scale_inv", torch.empty(e, h // bo, i // bi), Sharding(0, 1, bo, bi))
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def fused(
+        self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        kernel: Callable[..., torch.Tensor],
+    ) -> torch.Tensor:
+        """The fused kernel's call (contract 2)."""
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
+        return kernel(
+            x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
+            self.block, topk_weights, topk_ids, _act(layer), b13, b2,
+        )
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and (kernel := fused_kernel("fused_moe_fp8")) is not None:
-            return kernel(
-                x, layer.w13_weight, layer.w13_weight_scale_inv, layer.w2_weight, layer.w2_weight_scale_inv,
-                self.block, topk_weights, topk_ids, _act(layer), b13, b2,
-            )
+            return self.fused(layer, x, topk_weights, topk_ids, kernel)
+        b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
 
         def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
             return (
