@@ -108,3 +108,11 @@ def test_byte_packing_is_bit_identical_to_the_word_helpers() -> None:
     words = torch.randint(-(2**31), 2**31 - 1, (16, 3), generator=gen, dtype=torch.int32)
     assert torch.equal(unpack_rows_bytes(words), unpack_rows_int32(words))
     assert torch.equal(awq_to_rows(words), pack_rows_int32(awq_unpack(words)))
+
+
+def test_a_gptq_v2_checkpoint_is_refused_by_its_field() -> None:
+    from transformers import LlamaConfig
+
+    qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}
+    with pytest.raises(ValueError, match="checkpoint_format 'gptq_v2' is not supported"):
+        QuantConfig.of(LlamaConfig(quantization_config=qc))

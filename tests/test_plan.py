@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from agentbox.hub.plan import Candidate, Plan, PlanConfig, engine_runs, plan, tp_sizes
 from agentbox.hub.profiles import find_profile
 from agentbox.hw.probe import Probe
-from agentbox.layers.quant.formats import INT4_FILE_BYTES, INT4_RESIDENT_BYTES
+from agentbox.layers.quant.formats import INT4_CPU_BYTES, INT4_FILE_BYTES, INT4_RESIDENT_BYTES
 
 HW = Path(__file__).parents[1] / "profiles" / "hardware"
 
@@ -93,6 +93,16 @@ def test_qwen3_coder_moe_on_two_5090s_counts_every_expert_and_says_what_fits() -
     h100 = run("Qwen3-Coder-30B-A3B-Instruct", "1x-h100")
     assert not any("garbage" in r for r in cand(h100, "fp8").reasons)
     assert h100.chosen is not None and (h100.chosen.variant.name, h100.chosen.tp) == ("bf16", 1)
+
+
+def test_quantised_moe_experts_stay_quantised_on_cpu() -> None:
+    p = run("Qwen3-Coder-30B-A3B-Instruct", "cpu")
+    params, experts = 30_532_122_624, 28_991_029_248  # the profile's expert_params: 48 x 128 x 3 x 2048 x 768
+    awq = cand(p, "awq")  # 4-bit experts with fp32 scale and offset, the rest (attention, embeddings) fp32
+    assert awq.weights_bytes == int(experts * INT4_CPU_BYTES) + (params - experts) * 4
+    assert any("the experts stay quantised" in n for n in awq.notes)
+    assert cand(p, "bf16").weights_bytes == params * 4
+    assert p.chosen is None  # 28.9 GiB against a 16 GB laptop's 13.6 GiB free
 
 
 def test_gpt_oss_20b_mxfp4_runs_on_a_24gb_card() -> None:

@@ -218,7 +218,12 @@ def _candidate(
             f"does not fit: needs {_gb(cand.need_per_device)} {where}, {_gb(cand.available_bytes)} free"
         )
     method = method_of_format(variant.format)
-    if method is not None and method in QUANTISED_METHODS and weights > variant.size * 1.1:
+    if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
+        notes.append(
+            f"{variant.format} on CPU: the experts stay quantised, the other {(profile.params - experts) / 1e9:.1f}B "
+            f"params are dequantised to fp32 at load: {_gb(variant.size)} on disk, {_gb(weights)} resident"
+        )
+    elif method is not None and method in QUANTISED_METHODS and weights > variant.size * 1.1:
         notes.append(f"{variant.format} is dequantised at load: {_gb(variant.size)} on disk, {_gb(weights)} resident")
     if (caveat := kernel_caveat(variant, device)) is not None:
         notes.append(caveat)
@@ -267,7 +272,17 @@ def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> in
         info = METHODS[method]
         extra = max(0.0, info.resident_bytes_per_weight - info.file_bytes_per_weight)
         return variant.size + int(profile.params * extra)
+    if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
+        return int(experts * METHODS[method].moe_cpu_bytes_per_weight) + (profile.params - experts) * 4  # type: ignore[index]
     return profile.params * (2 if device == "cuda" else 4)
+
+
+def cpu_quantised_experts(profile: Profile, variant: Variant) -> int | None:
+    """The expert parameters that stay quantised on CPU (layers/moe_quant.py keeps them so), or None."""
+    method = method_of_format(variant.format)
+    if not profile.moe or not profile.expert_params or method is None or not METHODS[method].moe_cpu_bytes_per_weight:
+        return None
+    return profile.expert_params
 
 
 def _other_scheme(bad: KnownBad, variant: Variant) -> str | None:

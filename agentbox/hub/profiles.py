@@ -72,6 +72,7 @@ class Profile:
     max_output_tokens: int | None = None
     path: Path | None = None
     active_params_: int | None = None  # MoE: parameters one token reads (routed experts + the rest)
+    expert_params: int = 0  # MoE: parameters in the routed experts (what stays quantised on CPU too); 0: unknown
 
     @property
     def active_params(self) -> int:
@@ -156,6 +157,7 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         max_output_tokens=int(data["max_output_tokens"]) if "max_output_tokens" in data else None,
         path=path,
         active_params_=int(data["active_params"]) if "active_params" in data else None,
+        expert_params=int(data.get("expert_params", 0)),
     )
 
 

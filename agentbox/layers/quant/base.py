@@ -66,6 +66,9 @@ class QuantConfig:
                 if version != "gemm":
                     raise ValueError(f"quantization_config.version: AWQ {version!r} is not supported (gemm only)")
                 return QuantConfig(QuantMethod.AWQ, 4, group, sym=False, skip_modules=skip)
+            fmt = str(q.get("checkpoint_format", "gptq")).lower()
+            if fmt != "gptq":  # gptq_v2 stores zeros without v1's "- 1": read as v1 every weight would shift
+                raise ValueError(f"quantization_config.checkpoint_format {fmt!r} is not supported (gptq v1 only)")
             return QuantConfig(
                 QuantMethod.GPTQ, 4, group, sym=bool(q.get("sym", True)), desc_act=bool(q.get("desc_act", False)),
                 skip_modules=skip,

@@ -45,12 +45,14 @@ class MethodInfo:
     file_bytes_per_weight: float = 0.0
     resident_bytes_per_weight: float = 0.0
     moe_gpu: KernelStatus | None = None  # the MoE experts' GPU path (layers/moe_quant.py); None: not loaded
+    moe_cpu_bytes_per_weight: float = 0.0  # experts stay quantised on CPU too (fp32 scales there); 0: not
     scheme: QuantScheme = QuantScheme.WEIGHT_ONLY
 
 
 FP8_BYTES = 1 + 4 / (128 * 128)
 INT4_FILE_BYTES = 0.5 + (2 + 0.5) / 128
 INT4_RESIDENT_BYTES = 0.5 + (2 + 2) / 128
+INT4_CPU_BYTES = 0.5 + (4 + 4) / 128  # fp32 scale and offset
 
 # Only methods with a registered implementation appear here (tests/test_quant_registry.py checks it).
 METHODS: dict[QuantMethod, MethodInfo] = {
@@ -60,15 +62,17 @@ METHODS: dict[QuantMethod, MethodInfo] = {
     QuantMethod.GGUF: MethodInfo(("gguf",), False, KernelStatus.INTERPRETER_ONLY),
     # w8a16; no w8a8 yet. e4m3 + one float32 scale per 128 x 128 block, on disk and resident.
     QuantMethod.FP8_BLOCK: MethodInfo(
-        ("fp8",), True, KernelStatus.INTERPRETER_ONLY, FP8_BYTES, FP8_BYTES, KernelStatus.DEQUANT_FALLBACK
+        ("fp8",), True, KernelStatus.INTERPRETER_ONLY, FP8_BYTES, FP8_BYTES, KernelStatus.DEQUANT_FALLBACK, FP8_BYTES
     ),
     # 4-bit codes + fp16 scale + 4-bit zero per group of 128 on disk; resident in the canonical int4 form:
     # codes + a scale and an offset in the compute dtype (bf16) per group.
     QuantMethod.AWQ: MethodInfo(
-        ("awq",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES, KernelStatus.DEQUANT_FALLBACK
+        ("awq",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES,
+        KernelStatus.DEQUANT_FALLBACK, INT4_CPU_BYTES,
     ),
     QuantMethod.GPTQ: MethodInfo(
-        ("gptq",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES, KernelStatus.DEQUANT_FALLBACK
+        ("gptq",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES,
+        KernelStatus.DEQUANT_FALLBACK, INT4_CPU_BYTES,
     ),
 }
 
