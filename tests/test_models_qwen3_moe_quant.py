@@ -16,7 +16,8 @@ from test_models_qwen3_moe import TINY_MOE
 from transformers import Qwen3MoeConfig
 
 from agentbox.layers.moe import FusedMoE
-from agentbox.layers.moe_quant import AwqExperts, Fp8BlockExperts, GptqExperts
+from agentbox.layers.moe_awq_gptq import AwqExperts, GptqExperts
+from agentbox.layers.moe_quant import Fp8BlockExperts
 from agentbox.layers.quant import resident_weight_bytes
 from agentbox.models.loader import load_model
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from agentbox.layers.moe import ExpertShard, FusedMoE, MoEActivation, moe_ref, select_experts
-from agentbox.layers.moe_quant import Fp8BlockExperts, GptqExperts, Int4Experts
+from agentbox.layers.moe_awq_gptq import GptqExperts
+from agentbox.layers.moe_quant import Fp8BlockExperts, Int4Experts
 from agentbox.layers.quant import QuantConfig, QuantMethod
 
 
@@ -98,7 +99,8 @@ def test_planner_moe_formats_are_the_registered_expert_methods() -> None:
 
 
 def test_byte_packing_is_bit_identical_to_the_word_helpers() -> None:
-    from agentbox.layers.moe_quant import awq_to_rows, pack_rows_bytes, unpack_rows_bytes
+    from agentbox.layers.moe_awq_gptq import awq_to_rows
+    from agentbox.layers.moe_quant import pack_rows_bytes, unpack_rows_bytes
     from agentbox.layers.quant.awq import awq_unpack
     from agentbox.layers.quant.int4 import pack_rows_int32, unpack_rows_int32
 
@@ -116,3 +118,15 @@ def test_a_gptq_v2_checkpoint_is_refused_by_its_field() -> None:
     qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "gptq_v2"}
     with pytest.raises(ValueError, match="checkpoint_format 'gptq_v2' is not supported"):
         QuantConfig.of(LlamaConfig(quantization_config=qc))
+
+
+def test_expert_method_follows_the_quant_config_and_its_skip_modules() -> None:
+    from agentbox.layers.moe import UnquantizedExperts
+    from agentbox.layers.moe_awq_gptq import AwqExperts
+    from agentbox.layers.quant import quant_context
+
+    config = QuantConfig(QuantMethod.AWQ, 4, 32, sym=False, skip_modules=("model.layers.0.mlp.experts",))
+    with quant_context(config):
+        skipped = FusedMoE(2, 1, 64, 32, renormalize=True, prefix="model.layers.0.mlp.experts")
+        quantised = FusedMoE(2, 1, 64, 32, renormalize=True, prefix="model.layers.1.mlp.experts")
+    assert isinstance(skipped.method, UnquantizedExperts) and isinstance(quantised.method, AwqExperts)
