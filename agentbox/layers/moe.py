@@ -6,8 +6,9 @@ output and one all-reduce adds them, exactly as MergedColumnParallelLinear + Row
 MLP. On one or two PCIe GPUs that beats expert parallelism (no all-to-all, balanced by construction).
 
 The weights' storage is a method (`ExpertMethod`: unquantised here, MXFP4 in layers/mxfp4.py, int4 and FP8
-in layers/moe_quant.py, chosen from the checkpoint's QuantConfig); the layer only routes. Weights load per expert: `weight_loader(param, tensor, expert_id, shard)` with `tensor` one
-expert's full (unsharded) checkpoint tensor in [out, in] order (bias: [out]).
+in layers/moe_quant.py, AWQ / GPTQ in layers/moe_awq_gptq.py, chosen from the checkpoint's QuantConfig);
+the layer only routes. Weights load per expert: `weight_loader(param, tensor, expert_id, shard)` with
+`tensor` one expert's full (unsharded) checkpoint tensor (here in [out, in] order; bias: [out]).
 """
 
 from __future__ import annotations
