@@ -130,3 +130,14 @@ def test_expert_method_follows_the_quant_config_and_its_skip_modules() -> None:
         skipped = FusedMoE(2, 1, 64, 32, renormalize=True, prefix="model.layers.0.mlp.experts")
         quantised = FusedMoE(2, 1, 64, 32, renormalize=True, prefix="model.layers.1.mlp.experts")
     assert isinstance(skipped.method, UnquantizedExperts) and isinstance(quantised.method, AwqExperts)
+
+
+def test_a_shared_gate_up_g_idx_loads_in_either_order_and_must_agree() -> None:
+    config = QuantConfig(QuantMethod.GPTQ, 4, 32, desc_act=True)
+    layer = FusedMoE(1, 1, 64, 32, renormalize=True, method=GptqExperts(config), prefix="model.layers.2.mlp.experts")
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    g_idx = layer.w13_g_idx
+    g_idx.weight_loader(g_idx, perm, 0, ExpertShard.UP)  # up before gate (another shard file first)
+    g_idx.weight_loader(g_idx, perm, 0, ExpertShard.GATE)
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.0\.up -> w13_g_idx: differs"):
+        g_idx.weight_loader(g_idx, perm.flip(0), 0, ExpertShard.UP)

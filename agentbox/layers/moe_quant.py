@@ -74,7 +74,7 @@ def load_expert_shard(
     if not 0 <= expert_id < layer.num_experts:
         raise ValueError(f"{name}: expert id {expert_id} out of range (the layer has {layer.num_experts})")
     sh: Sharding = param.sharding  # type: ignore[attr-defined]
-    what = f"expert {expert_id} {shard.value} {name}"
+    what = f"{layer.prefix or 'experts'}.{expert_id}.{shard.value} -> {name}"
     dst, src, i, r = param.data[expert_id], loaded, layer.intermediate_local, layer.tp_rank
     if shard is ExpertShard.DOWN:
         if sh.in_axis is not None:
@@ -83,10 +83,12 @@ def load_expert_shard(
         if sh.out_axis is not None:
             dst = base.narrow_shard(dst, sh.out_axis, 0 if shard is ExpertShard.GATE else i, i, sh.out_pack, what)
             src = base.narrow_shard(src, sh.out_axis, r * i, i, sh.out_pack, what)
-        elif shard is ExpertShard.UP:  # written by gate already: one input order for both
+        else:  # one tensor for gate and up (they read one input): whichever comes second must agree
+            written: set[int] = param.__dict__.setdefault("written_experts", set())
             src = materialize(src)
-            if dst.shape == src.shape and not torch.equal(dst, src.to(dst.dtype)):
-                raise ValueError(f"{what}: differs from the gate projection's (gate and up share one input)")
+            if expert_id in written and dst.shape == src.shape and not torch.equal(dst, src.to(dst.dtype)):
+                raise ValueError(f"{what}: differs from the other of gate/up (they share one input)")
+            written.add(expert_id)
     else:
         raise ValueError(f"{what}: {shard.value} experts are not supported in a quantised layout")
     if dst.shape != src.shape:
@@ -112,7 +114,7 @@ def check_dims(layer: FusedMoE, unit: int, what: str) -> None:
     for dim, n in (("hidden size", layer.hidden_size), ("expert intermediate size per rank", layer.intermediate_local)):
         if n % unit:
             raise ValueError(
-                f"{what} experts need the {dim} ({n}) to be a multiple of {unit}"
+                f"{layer.prefix or 'FusedMoE'}: {what} experts need the {dim} ({n}) to be a multiple of {unit}"
                 + (" (the tensor-parallel shard must fall on a group/block boundary)" if "rank" in dim else "")
             )
 
