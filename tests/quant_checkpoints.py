@@ -160,6 +160,32 @@ FP8_CONFIG = dict(
 )
 
 
+FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+
+
+def quantise_fp8_state(
+    state: dict[str, torch.Tensor], block: tuple[int, int] = (128, 128)
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the Qwen3-*-FP8 checkpoint's tensors: e4m3 `*_proj.weight` + float32 `weight_scale_inv` per block,
+    the rest bf16; the dequantised twin's tensors). Every quantised dim must be whole blocks."""
+    out: dict[str, torch.Tensor] = {}
+    twin: dict[str, torch.Tensor] = {}
+    for name, p in state.items():
+        p = p.bfloat16().float()
+        if not name.endswith("_proj.weight"):
+            out[name], twin[name] = p.bfloat16(), p
+            continue
+        rows, cols = p.shape
+        bo, bi = block
+        tiles = p.reshape(rows // bo, bo, cols // bi, bi)
+        scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-8)
+        q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        twin[name] = (q.float() * scale[:, None, :, None]).reshape(rows, cols)
+        out[name] = q.reshape(rows, cols)
+        out[name.replace(".weight", ".weight_scale_inv")] = scale.float()
+    return out, twin
+
+
 def write_fp8(path: Path, block: tuple[int, int] = (128, 128)) -> torch.nn.Module:
     """A Qwen3-*-FP8 style checkpoint (e4m3 weights + float32 weight_scale_inv per 128x128 block) of a tiny
     Qwen3 whose every dim is whole blocks; returns the dequantised twin."""
@@ -168,24 +194,36 @@ def write_fp8(path: Path, block: tuple[int, int] = (128, 128)) -> torch.nn.Modul
     torch.manual_seed(0)
     cfg = {k: v for k, v in FP8_CONFIG.items() if k != "model_type"}
     hf = AutoModelForCausalLM.from_config(Qwen3Config(**cfg), attn_implementation="eager").float().eval()
-    state: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            p.copy_((1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p)).bfloat16().float())
-            if not name.endswith("_proj.weight"):
-                state[name] = p.detach().bfloat16()
-                continue
-            out, inp = p.shape
-            bo, bi = block
-            tiles = p.reshape(out // bo, bo, inp // bi, bi)
-            scale = (tiles.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-8)
-            q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-            deq = (q.float() * scale[:, None, :, None]).reshape(out, inp)
-            state[name] = q.reshape(out, inp)
-            state[name.replace(".weight", ".weight_scale_inv")] = scale.float()
-            p.copy_(deq)
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    state, twin = quantise_fp8_state(hf.state_dict(), block)
+    hf.load_state_dict(twin)
     path.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path / "model.safetensors"))
-    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    qc = {**FP8_QUANT_CONFIG, "weight_block_size": list(block)}
     (path / "config.json").write_text(json.dumps({**FP8_CONFIG, "quantization_config": qc}))
     return hf
+
+
+def quantise_saved(path: Path, fmt: str, group: int = 128, sym: bool = False, act_order: bool = False) -> torch.nn.Module:
+    """Rewrite a save_pretrained directory (one safetensors file, released names: per-expert MoE tensors
+    too) into `fmt` (fp8, awq, gptq) in place; returns transformers' model of the dequantised twin, loaded
+    from its own directory beside it (transformers 5 fuses experts in memory, so the twin goes by file)."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "model.safetensors"))
+    if fmt == "fp8":
+        out, twin = quantise_fp8_state(state)
+        qc = {**FP8_QUANT_CONFIG, "weight_block_size": [128, 128]}
+    else:
+        out, twin = quantise_int4_state(state, fmt, sym, act_order, group)
+        qc = int4_quant_config(fmt, sym, act_order, group)
+    config = json.loads((path / "config.json").read_text())
+    twin_dir = path.with_name(path.name + "-twin")
+    twin_dir.mkdir(parents=True, exist_ok=True)
+    save_file(twin, str(twin_dir / "model.safetensors"))
+    (twin_dir / "config.json").write_text(json.dumps(config))
+    save_file(out, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    return AutoModelForCausalLM.from_pretrained(twin_dir, attn_implementation="eager", dtype=torch.float32).eval()

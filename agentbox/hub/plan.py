@@ -11,9 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentbox.hub.profiles import QUANTISED_FORMATS, Profile, Variant
+from agentbox.hub.profiles import QUANTISED_FORMATS, KnownBad, Profile, Variant
 from agentbox.hw.probe import GIB, Probe
-from agentbox.layers.quant.formats import METHODS, KernelStatus, QuantMethod, engine_formats, method_of_format
+from agentbox.layers.quant.formats import (
+    METHODS,
+    KernelStatus,
+    QuantMethod,
+    QuantScheme,
+    engine_formats,
+    method_of_format,
+    moe_expert_formats,
+)
 
 # What agentbox's engine runs today (models/ and layers/). Grow these as kernels land.
 ENGINE_ARCHITECTURES = frozenset(
@@ -30,8 +38,8 @@ QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANT
 ENGINE_FORMATS = engine_formats()  # the linear-method registry's formats (layers/quant/formats.py)
 # Formats one architecture runs beyond those: gpt-oss's MXFP4 experts stay resident (layers/mxfp4.py).
 ARCHITECTURE_FORMATS: dict[str, frozenset[str]] = {"GptOssForCausalLM": frozenset({"mxfp4"})}
-# Formats the MoE layer's experts load (layers/moe.py); more arrive as expert methods do.
-MOE_EXPERT_FORMATS = frozenset({"bf16", "fp16", "fp32"})
+# Formats the MoE layer's experts load (layers/moe.py, layers/moe_quant.py): the expert methods' registry.
+MOE_EXPERT_FORMATS = moe_expert_formats()
 # Architectures known and deliberately not run, with the missing piece named.
 ARCHITECTURE_GAPS = {"Glm4MoeLiteForCausalLM": "multi-head latent attention (MLA) is not implemented"}
 
@@ -59,7 +67,8 @@ def engine_rejection(profile: Profile, variant: Variant) -> str | None:
         return "engine: GGUF MoE experts (ffn_*_exps tensors) are not mapped by the GGUF loader yet"
     if profile.moe and variant.format not in MOE_EXPERT_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
         # The linear-method registry quantises dense linears; the MoE layer's experts have their own formats.
-        return f"engine: no {variant.format} MoE expert kernels yet (experts run bf16/fp16/fp32, gpt-oss mxfp4)"
+        runs = "/".join(sorted(MOE_EXPERT_FORMATS))
+        return f"engine: no {variant.format} MoE expert kernels yet (experts run {runs}, gpt-oss mxfp4)"
     return None
 
 
@@ -190,7 +199,10 @@ def _candidate(
     for bad in profile.known_bad:
         if bad.matches(variant.format, probe.min_sm):
             where = f"sm_{probe.min_sm}" if bad.sm else "every GPU"
-            reasons.append(f"known bad on {where} ({bad.kernel}): {bad.reason}")
+            if (other := _other_scheme(bad, variant)) is not None:
+                notes.append(f"known bad on {where} ({bad.kernel}): {bad.reason}; {other}")
+            else:
+                reasons.append(f"known bad on {where} ({bad.kernel}): {bad.reason}")
     for good in profile.known_good:
         if good.matches(variant.format, probe.min_sm):
             notes.append(f"known good ({good.kernel}): {good.reason}")
@@ -206,9 +218,16 @@ def _candidate(
             f"does not fit: needs {_gb(cand.need_per_device)} {where}, {_gb(cand.available_bytes)} free"
         )
     method = method_of_format(variant.format)
-    if method is not None and method in QUANTISED_METHODS and weights > variant.size * 1.1:
+    if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
+        notes.append(
+            f"{variant.format} on CPU: the experts stay quantised, the other {(profile.params - experts) / 1e9:.1f}B "
+            f"params are dequantised to fp32 at load: {_gb(variant.size)} on disk, {_gb(weights)} resident"
+        )
+    elif method is not None and method in QUANTISED_METHODS and weights > variant.size * 1.1:
         notes.append(f"{variant.format} is dequantised at load: {_gb(variant.size)} on disk, {_gb(weights)} resident")
     if (caveat := kernel_caveat(variant, device)) is not None:
+        notes.append(caveat)
+    if profile.moe and (caveat := moe_kernel_caveat(variant, device)) is not None:
         notes.append(caveat)
     if profile.moe:
         # Every expert is resident (memory above); a decoded token reads only the active share (speed).
@@ -239,16 +258,46 @@ def active_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:
 
 
 def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:
-    """Bytes the weights occupy once loaded. A method that keeps its weights quantised holds about the
-    file's bytes; the rest become the compute dtype (bf16 on GPU, fp32 on CPU; EngineConfig.resolved_dtype).
-    On CPU every quantised method is dequantised once at load (the faster path on AVX2; see
-    layers/quant/int4.py), so it is planned at fp32 there."""
+    """Bytes the weights occupy once loaded. A method that keeps its weights quantised holds the file's
+    bytes plus what its resident form adds per weight (int4: a bf16 scale and offset per group where the
+    file has an fp16 scale and a 4-bit zero; MoE experts included, layers/moe_quant.py), counted over every
+    parameter (an upper bound: embeddings and norms stay as stored). The rest become the compute dtype (bf16
+    on GPU, fp32 on CPU; EngineConfig.resolved_dtype). On CPU the dense linears of a quantised method are
+    dequantised once at load (the faster path on AVX2; see layers/quant/int4.py), so it is planned at
+    fp32 there (an upper bound for MoE, whose experts stay quantised on CPU too)."""
     method = method_of_format(variant.format)
     if method is None and variant.format in QUANTISED_FORMATS:
         return variant.size  # not runnable here anyway: planned as an engine that keeps it quantised
     if method is not None and METHODS[method].stays_quantised and device == "cuda":
-        return variant.size
+        info = METHODS[method]
+        extra = max(0.0, info.resident_bytes_per_weight - info.file_bytes_per_weight)
+        return variant.size + int(profile.params * extra)
+    if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
+        return int(experts * METHODS[method].moe_cpu_bytes_per_weight) + (profile.params - experts) * 4  # type: ignore[index]
     return profile.params * (2 if device == "cuda" else 4)
+
+
+def cpu_quantised_experts(profile: Profile, variant: Variant) -> int | None:
+    """The expert parameters that stay quantised on CPU (layers/moe_quant.py keeps them so), or None."""
+    method = method_of_format(variant.format)
+    if not profile.moe or not profile.expert_params or method is None or not METHODS[method].moe_cpu_bytes_per_weight:
+        return None
+    return profile.expert_params
+
+
+def _other_scheme(bad: KnownBad, variant: Variant) -> str | None:
+    """Why a known-bad entry does not apply: it names a compute scheme that our kernel for this format is
+    not (the fp8 w8a8 MoE kernel vs our weight-only one). None: it applies."""
+    method = method_of_format(variant.format)
+    if not bad.scheme or method is None:
+        return None
+    ours = METHODS[method].scheme
+    if QuantScheme(bad.scheme) is ours:
+        return None
+    return (
+        f"agentbox runs {variant.format} {ours.value} (16-bit activations, the weights dequantised for the "
+        f"matmul), not {bad.scheme}: a different kernel, itself not verified on this GPU family"
+    )
 
 
 def kernel_caveat(variant: Variant, device: str) -> str | None:
@@ -264,6 +313,24 @@ def kernel_caveat(variant: Variant, device: str) -> str | None:
         )
     if status is KernelStatus.DEQUANT_FALLBACK:
         return f"{variant.format}: no fused GPU kernel yet; weights dequantised per matmul (slow decode)"
+    return None
+
+
+def moe_kernel_caveat(variant: Variant, device: str) -> str | None:
+    """What is not verified about the MoE experts' GPU path of this variant's format."""
+    method = method_of_format(variant.format)
+    if method is None or device != "cuda" or (status := METHODS[method].moe_gpu) is None:
+        return None
+    if status is KernelStatus.INTERPRETER_ONLY:
+        return (
+            f"{variant.format} MoE experts: our fused Triton kernel is verified only under Triton's CPU "
+            f"interpreter, not on this GPU family; the canary runs before the first serve"
+        )
+    if status is KernelStatus.DEQUANT_FALLBACK:
+        return (
+            f"{variant.format} MoE experts: no fused GPU kernel in this build; the routed experts are "
+            f"dequantised per step (torch reference, slower decode); the canary runs before the first serve"
+        )
     return None
 
 

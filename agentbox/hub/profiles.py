@@ -40,6 +40,9 @@ class KnownBad:
     kernel: str
     reason: str
     sm: tuple[int, ...] = ()  # empty: every compute capability
+    # Only kernels of this compute scheme failed (a QuantScheme value of layers/quant/formats.py, e.g.
+    # "w8a8"; kept a string so profiles load without torch); empty: whatever kernel runs the format.
+    scheme: str = ""
 
     def matches(self, fmt: str, sm: int | None) -> bool:
         return self.format == fmt and (not self.sm or (sm is not None and sm in self.sm))
@@ -69,6 +72,7 @@ class Profile:
     max_output_tokens: int | None = None
     path: Path | None = None
     active_params_: int | None = None  # MoE: parameters one token reads (routed experts + the rest)
+    expert_params: int = 0  # MoE: parameters in the routed experts (what stays quantised on CPU too); 0: unknown
 
     @property
     def active_params(self) -> int:
@@ -153,6 +157,7 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         max_output_tokens=int(data["max_output_tokens"]) if "max_output_tokens" in data else None,
         path=path,
         active_params_=int(data["active_params"]) if "active_params" in data else None,
+        expert_params=int(data.get("expert_params", 0)),
     )
 
 
@@ -181,5 +186,6 @@ def _variant(v: dict[str, Any], common: tuple[str, ...]) -> Variant:
 
 def _known(k: dict[str, Any]) -> KnownBad:
     return KnownBad(
-        format=k["format"], kernel=k.get("kernel", "any"), reason=k["reason"], sm=tuple(k.get("sm", []))
+        format=k["format"], kernel=k.get("kernel", "any"), reason=k["reason"], sm=tuple(k.get("sm", [])),
+        scheme=str(k.get("scheme", "")),
     )

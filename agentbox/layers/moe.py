@@ -5,9 +5,10 @@ Every rank holds every expert, but only its slice of each expert's intermediate 
 output and one all-reduce adds them, exactly as MergedColumnParallelLinear + RowParallelLinear do for a dense
 MLP. On one or two PCIe GPUs that beats expert parallelism (no all-to-all, balanced by construction).
 
-The weights' storage is a method (`ExpertMethod`: unquantised here, MXFP4 in layers/mxfp4.py); the layer
-only routes. Weights load per expert: `weight_loader(param, tensor, expert_id, shard)` with `tensor` one
-expert's full (unsharded) checkpoint tensor in [out, in] order (bias: [out]).
+The weights' storage is a method (`ExpertMethod`: unquantised here, MXFP4 in layers/mxfp4.py, int4 and FP8
+in layers/moe_quant.py, AWQ / GPTQ in layers/moe_awq_gptq.py, chosen from the checkpoint's QuantConfig);
+the layer only routes. Weights load per expert: `weight_loader(param, tensor, expert_id, shard)` with
+`tensor` one expert's full (unsharded) checkpoint tensor (here in [out, in] order; bias: [out]).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class FusedMoE(nn.Module):
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
         method: ExpertMethod | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
@@ -149,7 +151,12 @@ class FusedMoE(nn.Module):
         self.renormalize = renormalize
         self.activation = activation
         self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
-        self.method = method or UnquantizedExperts()
+        if method is None:  # the checkpoint's format, from the same QuantConfig the linear layers read
+            from agentbox.layers.moe_quant import expert_method  # it builds on this module
+
+            method = expert_method(prefix)
+        self.prefix = prefix
+        self.method = method
         self.method.create_weights(self)
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None

@@ -3,7 +3,8 @@
 A model class declares only how its names differ from the checkpoint's:
 
 - `packed_modules_mapping`: HF module name -> (our fused module, shard id), e.g. q_proj -> (qkv_proj, "q").
-- `expert_mapping`: `ExpertWeight` rows for MoE experts. A checkpoint name holding `{e}` is one tensor per
+- `expert_mapping`: `ExpertWeight` rows for MoE experts (`per_expert_weights` writes them for every
+  quantised layout). A checkpoint name holding `{e}` is one tensor per
   expert (Qwen3-MoE: `experts.3.gate_proj.weight`); one without it holds every expert stacked on dim 0
   (gpt-oss: `experts.gate_up_proj`), and the loop hands each expert's slice over in turn. Either way the
   parameter's loader is called as `weight_loader(param, tensor, expert_id, shard)`.
@@ -34,6 +35,23 @@ class ExpertWeight:
 
     def pattern(self) -> re.Pattern[str]:
         return re.compile(re.escape(self.checkpoint).replace(re.escape("{e}"), r"(\d+)") + "$")
+
+
+# The tensor names one expert projection has in the safetensors layouts the expert methods load: bf16
+# `weight`; FP8 block `weight` + `weight_scale_inv`; AWQ `qweight`/`qzeros`/`scales`; GPTQ those + `g_idx`.
+EXPERT_TENSOR_NAMES = ("weight", "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx")
+
+
+def per_expert_weights(gate: str, up: str, down: str, shards: Any) -> tuple[ExpertWeight, ...]:
+    """Rows for checkpoints with one tensor per expert and projection (`experts.{e}.gate_proj.qweight`):
+    each name maps onto the layer's `w13_<name>` (gate, up) or `w2_<name>` (down). `shards`: the layer's
+    (gate, up, down) shard ids. A method holds only the names of its own format; others never match."""
+    g, u, d = shards
+    return tuple(
+        ExpertWeight(f"experts.{{e}}.{proj}.{name}", f"experts.{param}_{name}", shard)
+        for name in EXPERT_TENSOR_NAMES
+        for proj, param, shard in ((gate, "w13", g), (up, "w13", u), (down, "w2", d))
+    )
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:

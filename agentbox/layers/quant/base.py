@@ -66,6 +66,9 @@ class QuantConfig:
                 if version != "gemm":
                     raise ValueError(f"quantization_config.version: AWQ {version!r} is not supported (gemm only)")
                 return QuantConfig(QuantMethod.AWQ, 4, group, sym=False, skip_modules=skip)
+            fmt = str(q.get("checkpoint_format", "gptq")).lower()
+            if fmt != "gptq":  # gptq_v2 stores zeros without v1's "- 1": read as v1 every weight would shift
+                raise ValueError(f"quantization_config.checkpoint_format {fmt!r} is not supported (gptq v1 only)")
             return QuantConfig(
                 QuantMethod.GPTQ, 4, group, sym=bool(q.get("sym", True)), desc_act=bool(q.get("desc_act", False)),
                 skip_modules=skip,
@@ -153,7 +156,7 @@ class ShardRanges(Protocol):
         ...
 
 
-def _narrow(t: torch.Tensor, axis: int, start: int, size: int, pack: int, what: str) -> torch.Tensor:
+def narrow_shard(t: torch.Tensor, axis: int, start: int, size: int, pack: int, what: str) -> torch.Tensor:
     # A shard must start on a pack/group boundary; its end may cut a partial last block (FP8 scales of a
     # dim that is not a multiple of 128 cover it with one more row), which the shape check then judges.
     if start % pack:
@@ -184,11 +187,11 @@ class LinearMethod(ABC):
         dst, src = param.data, loaded
         dst_off, src_off, size = layer.out_range(shard_id)
         if sh.out_axis is not None:
-            dst = _narrow(dst, sh.out_axis, dst_off, size, sh.out_pack, name)
-            src = _narrow(src, sh.out_axis, src_off, size, sh.out_pack, name)
+            dst = narrow_shard(dst, sh.out_axis, dst_off, size, sh.out_pack, name)
+            src = narrow_shard(src, sh.out_axis, src_off, size, sh.out_pack, name)
         rng = layer.in_range()
         if rng is not None and sh.in_axis is not None:
-            src = _narrow(src, sh.in_axis, rng[0], rng[1], sh.in_pack, name)
+            src = narrow_shard(src, sh.in_axis, rng[0], rng[1], sh.in_pack, name)
         if dst.shape != src.shape:
             raise ValueError(f"{type(layer).__name__}: {name} shard shape {tuple(src.shape)} != {tuple(dst.shape)}")
         dst.copy_(materialize(src))  # a LazySlice is read here: only this rank's part
@@ -231,6 +234,11 @@ def quant_context(config: QuantConfig) -> Iterator[None]:
         yield
     finally:
         _current = previous
+
+
+def current_config() -> QuantConfig:
+    """The QuantConfig layers built now take their method from (the MoE experts' chooser reads it too)."""
+    return _current
 
 
 def linear_method(prefix: str = "") -> LinearMethod:
