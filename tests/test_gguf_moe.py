@@ -18,9 +18,11 @@ from moe_harness import DECODE, PROMPT, hf_logits, paged_logits, tp_logits
 from test_quant_gguf import quantise
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
+from agentbox.layers.gguf_experts import pack_k
 from agentbox.layers.moe import FusedMoE, UnquantizedExperts
 from agentbox.layers.moe_quant import Int4Experts
 from agentbox.layers.quant import resident_weight_bytes
+from agentbox.layers.quant.int4 import pack_rows_int32
 from agentbox.layers.rotary import rope_parameters
 from agentbox.models.gguf_file import gguf_config
 from agentbox.models.loader import load_model
@@ -195,3 +197,10 @@ def test_gguf_moe_tensor_parallel_2(tiny) -> None:  # noqa: ANN001
     for got in ranks:
         assert got.shape[0] == len(PROMPT) + len(DECODE)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_packing_is_the_contract_layout() -> None:
+    """pack_k (bytes, one transpose) equals int4.pack_rows_int32 of each expert's [K, N] codes, bit for bit."""
+    q = torch.randint(0, 16, (3, 40, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    expected = torch.stack([pack_rows_int32(q[e].t().contiguous()) for e in range(3)])
+    assert torch.equal(pack_k(q), expected)
