@@ -2,7 +2,7 @@
 out (all experts of a layer in one 3-D `ffn_*_exps` tensor, `ffn_gate_inp` router, q/k norms, unpermuted
 q/k), one expert type per layer, loaded by our loader and compared with transformers on the dequantised
 twin (fp32). Q4_0 / Q4_1 / Q4_K experts end in the canonical int4 form; a Q4_K_M-like layer (Q6_K down) and
-a Q8_0 one are dense."""
+a Q8_0 one are dense. tp 2 over two processes: tests/test_models_moe_tp.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from model_harness import PagedRunner
-from moe_harness import DECODE, PROMPT, hf_logits, paged_logits, tp_logits
+from moe_harness import PROMPT, hf_logits, paged_logits
 from test_quant_gguf import quantise
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -185,18 +185,6 @@ def test_each_rank_holds_its_half_of_every_expert(tiny) -> None:  # noqa: ANN001
             assert [type(m.method) for m in _experts(ours)][:3] == [Int4Experts] * 3
     finally:
         set_tp_state(0, 1)
-
-
-@pytest.mark.slow
-def test_gguf_moe_tensor_parallel_2(tiny) -> None:  # noqa: ANN001
-    """tp 2: each rank keeps half of every expert's intermediate dim; the Q4_K down shard (128 of 256
-    columns) cuts a block and still ends in the int4 form, cut at 32-column groups."""
-    path, hf = tiny
-    (ranks,) = tp_logits([path], world=2)
-    expected = hf_logits(hf)
-    for got in ranks:
-        assert got.shape[0] == len(PROMPT) + len(DECODE)
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_packing_is_the_contract_layout() -> None:
