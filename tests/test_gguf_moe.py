@@ -18,13 +18,14 @@ from moe_harness import PROMPT, hf_logits, paged_logits
 from test_quant_gguf import quantise
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from agentbox.layers.gguf_experts import pack_k
-from agentbox.layers.moe import FusedMoE, UnquantizedExperts
+from agentbox.layers.gguf_experts import GGUFExperts, pack_k
+from agentbox.layers.moe import ExpertShard, FusedMoE, UnquantizedExperts
 from agentbox.layers.moe_quant import Int4Experts
 from agentbox.layers.quant import resident_weight_bytes
+from agentbox.layers.quant.gguf import GGUFBlocks
 from agentbox.layers.quant.int4 import pack_rows_int32
 from agentbox.layers.rotary import rope_parameters
-from agentbox.models.gguf_file import gguf_config
+from agentbox.models.gguf_file import gguf_config, hf_tensor_name
 from agentbox.models.loader import load_model
 
 Q = GGMLQuantizationType
@@ -192,3 +193,18 @@ def test_packing_is_the_contract_layout() -> None:
     q = torch.randint(0, 16, (3, 40, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     expected = torch.stack([pack_rows_int32(q[e].t().contiguous()) for e in range(3)])
     assert torch.equal(pack_k(q), expected)
+
+
+def test_what_is_not_mapped_is_named() -> None:
+    """Shared experts (Qwen2-MoE's ffn_*_shexp) are not a qwen3moe tensor: refused by name, not skipped."""
+    assert hf_tensor_name("blk.7.ffn_down_exps.weight") == "model.layers.7.mlp.experts.{e}.down_proj.weight"
+    assert hf_tensor_name("blk.7.ffn_gate_inp.weight") == "model.layers.7.mlp.gate.weight"
+    with pytest.raises(ValueError, match="blk.0.ffn_gate_shexp.weight"):
+        hf_tensor_name("blk.0.ffn_gate_shexp.weight")
+
+
+def test_an_expert_of_the_wrong_shape_is_refused() -> None:
+    layer = FusedMoE(2, 1, H, FFN, renormalize=True, method=GGUFExperts())
+    raw = quantise(np.zeros((FFN, H // 2), np.float32), Q.Q4_0, np.random.default_rng(0))
+    with pytest.raises(ValueError, match=r"gate of expert 1 is \(256, 128\), expected \(256, 256\)"):
+        layer.w13_weight.weight_loader(layer.w13_weight, GGUFBlocks(Q.Q4_0, (FFN, H // 2), raw), 1, ExpertShard.GATE)

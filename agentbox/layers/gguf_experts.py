@@ -7,7 +7,8 @@ the form this layer runs, decided per layer from its tensor types:
 - any other type (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, F16, F32, BF16) is dequantised by `gguf`'s reference and
   held in the compute dtype (`UnquantizedExperts`). A layer whose three projections do not all map (Q4_K_M
   puts about half the layers' ffn_down_exps in Q6_K) is dense as a whole: the int4 expert kernels take
-  w13 and w2 in one form, and no expert kernel reads Q5/Q6/Q8 blocks yet.
+  w13 and w2 in one form, and no expert kernel reads Q5/Q6/Q8 blocks yet. So is a layer whose per-rank
+  intermediate size is not a multiple of 32 (a group would straddle two ranks).
 
 Tensor parallel splits every expert's intermediate dimension: gate/up keep this rank's rows (row views of
 the file, nothing else is read), down this rank's columns. A column shard may cut a block (Q4_K's 256
@@ -148,9 +149,11 @@ def pack_k(q: torch.Tensor) -> torch.Tensor:
 
 def _blocks(parts: list[_Part]) -> GGUFBlocks:
     """Every expert's blocks as one [E * rows, covering cols] tensor (reads exactly those bytes)."""
-    first = parts[0].data
-    assert isinstance(first, GGUFBlocks)
-    data = np.concatenate([p.data.data for p in parts])  # type: ignore[union-attr]
+    blocks = [p.data for p in parts if isinstance(p.data, GGUFBlocks)]
+    if len(blocks) != len(parts):
+        raise TypeError("GGUF experts: a projection mixes file blocks and dense tensors")
+    first = blocks[0]
+    data = np.concatenate([b.data for b in blocks])
     return GGUFBlocks(first.qtype, (len(parts) * first.shape[0], first.shape[1]), data)
 
 
