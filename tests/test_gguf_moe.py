@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from model_harness import PagedRunner
-from moe_harness import PROMPT, hf_logits, paged_logits
+from moe_harness import PROMPT, engine_greedy_matches, hf_logits, paged_logits
 from test_quant_gguf import quantise
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -208,3 +208,9 @@ def test_an_expert_of_the_wrong_shape_is_refused() -> None:
     raw = quantise(np.zeros((FFN, H // 2), np.float32), Q.Q4_0, np.random.default_rng(0))
     with pytest.raises(ValueError, match=r"gate of expert 1 is \(256, 128\), expected \(256, 256\)"):
         layer.w13_weight.weight_loader(layer.w13_weight, GGUFBlocks(Q.Q4_0, (FFN, H // 2), raw), 1, ExpertShard.GATE)
+
+
+def test_engine_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001
+    """Through the engine (scheduler, paged KV, sampler): the same greedy tokens as transformers."""
+    path, hf = tiny
+    engine_greedy_matches(path, hf, load_model(str(path), torch.float32, "cpu"))
