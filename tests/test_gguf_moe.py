@@ -25,7 +25,7 @@ from agentbox.layers.quant import resident_weight_bytes
 from agentbox.layers.quant.gguf import GGUFBlocks
 from agentbox.layers.quant.int4 import pack_rows_int32
 from agentbox.layers.rotary import rope_parameters
-from agentbox.models.gguf_file import gguf_config, hf_tensor_name
+from agentbox.models.gguf_file import gguf_config, gguf_weights, hf_tensor_name
 from agentbox.models.loader import load_model
 
 Q = GGMLQuantizationType
@@ -123,6 +123,16 @@ def test_config_from_qwen3moe_metadata(tiny) -> None:  # noqa: ANN001
         assert getattr(config, key) == getattr(CONFIG, key), key
     assert rope_parameters(config) == rope_parameters(CONFIG)
     assert config.mlp_only_layers == [] and config.decoder_sparse_step == 1
+
+
+def test_dense_weights_name_every_expert(tiny) -> None:  # noqa: ANN001
+    """Outside the engine (keep_quantised off) experts come dequantised, one HF-named tensor per expert."""
+    path, hf = tiny
+    weights = dict(gguf_weights(path, gguf_config(path)))
+    assert sum(".experts." in n for n in weights) == 3 * E * len(LAYER_TYPES)
+    experts = hf.model.layers[3].mlp.experts
+    torch.testing.assert_close(weights["model.layers.3.mlp.experts.2.up_proj.weight"], experts.gate_up_proj[2, FFN:])
+    torch.testing.assert_close(weights["model.layers.3.mlp.experts.1.down_proj.weight"], experts.down_proj[1])
 
 
 def test_gguf_moe_matches_the_dequantised_twin(tiny) -> None:  # noqa: ANN001
