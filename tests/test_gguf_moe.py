@@ -14,7 +14,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from model_harness import PagedRunner
-from moe_harness import PROMPT, engine_greedy_matches, hf_logits, paged_logits
+from moe_harness import DECODE, PROMPT, engine_greedy_matches, hf_logits, paged_logits
 from test_quant_gguf import quantise
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -224,3 +224,20 @@ def test_engine_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001
     """Through the engine (scheduler, paged KV, sampler): the same greedy tokens as transformers."""
     path, hf = tiny
     engine_greedy_matches(path, hf, load_model(str(path), torch.float32, "cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.inference_mode()
+def test_gguf_moe_bf16_on_cuda(tiny) -> None:  # noqa: ANN001
+    """On CUDA in bf16 (int4 experts through fused_moe_int4 where the kernel is built, dense ones through
+    fused_moe): prefill and decode logits near the fp32 twin's, at bf16's tolerance."""
+    from test_gpu import _assert_close_bf16
+
+    path, hf = tiny
+    ours = load_model(str(path), torch.bfloat16, "cuda")
+    assert [type(m.method) for m in _experts(ours)][:3] == [Int4Experts] * 3
+    assert ours.model.model.layers[0].mlp.experts.w13_qweight.is_cuda
+    runner = PagedRunner(ours, page_size=4, device="cuda")
+    got = [runner.step({0: PROMPT})[0]] + [runner.step({0: [t]})[0] for t in DECODE]
+    _assert_close_bf16(torch.cat(got).cpu(), hf_logits(hf))
