@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-from agentbox.layers import gguf_experts  # noqa: F401  (registers the GGUF expert method)
 from agentbox.layers.quant import QuantConfig, QuantMethod
 from agentbox.layers.quant.gguf import FLOAT_TYPES, GGUFBlocks
 from agentbox.models.gguf_reader import GGUFFile, GGUFTensor
@@ -195,11 +194,14 @@ def gguf_quant_config(path: Path) -> QuantConfig:
     experts of any type: they arrive as blocks, which only the GGUF expert method reads (its float linears
     are then held dense by the GGUF linear method, as in any GGUF file)."""
     reader = open_gguf(path)
-    quantised = any(
-        (name := hf_tensor_name(t.name)) is not None
-        and (_stacked_experts(name) or (_kept_quantised(name, t) and t.qtype not in FLOAT_TYPES))
-        for t in reader.tensors
-    )
+    names = [(name, t) for t in reader.tensors if (name := hf_tensor_name(t.name)) is not None]
+    if any(_stacked_experts(name) for name, _ in names):
+        # The MoE layer picks its method from this config; the GGUF one registers itself with that chooser
+        # (layers/moe_quant.py) on import, which only MoE files need.
+        from agentbox.layers import gguf_experts  # noqa: F401
+
+        return QuantConfig(QuantMethod.GGUF)
+    quantised = any(_kept_quantised(name, t) and t.qtype not in FLOAT_TYPES for name, t in names)
     return QuantConfig(QuantMethod.GGUF) if quantised else QuantConfig()
 
 
