@@ -2,7 +2,11 @@
 
 llama.cpp's converter permutes the rows of Q and K for llama-arch models (it stores rope as interleaved
 pairs); our rotary is neox style like the HF checkpoints, so those rows are permuted back here. Qwen2/Qwen3
-GGUFs are stored unpermuted.
+GGUFs are stored unpermuted, and so are Qwen3-MoE ones (its converter derives from Qwen2's, not Llama's).
+
+MoE (qwen3moe): each layer's experts are three 3-D tensors, `ffn_{gate,up}_exps` [E, I, H] and
+`ffn_down_exps` [E, H, I], one tensor holding all experts; `ffn_gate_inp` [E, H] is the router. They are
+yielded per expert under the HF names (`mlp.experts.{e}.gate_proj.weight`), each a row view of the file.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from agentbox.layers.quant import QuantConfig, QuantMethod
 from agentbox.layers.quant.gguf import FLOAT_TYPES, GGUFBlocks
@@ -27,6 +31,7 @@ GGUF_ARCHS: dict[str, tuple[type[PretrainedConfig], str]] = {
     "llama": (LlamaConfig, "LlamaForCausalLM"),
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM"),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM"),
+    "qwen3moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM"),
 }
 
 _GLOBAL_NAMES = {
@@ -46,6 +51,13 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the MoE router [E, H]
+}
+# All experts of a layer in one tensor -> the per-expert HF name ({e}: the expert index)
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _SKIPPED = {"rope_freqs.weight"}  # llama3 rope factors: carried by the config's rope scaling instead
@@ -66,15 +78,21 @@ def gguf_metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF checkpoint name of a GGUF tensor, or None for tensors we do not load."""
+    """The HF checkpoint name of a GGUF tensor (with `{e}` for a tensor of stacked experts), or None for
+    tensors we do not load."""
     if gguf_name in _SKIPPED:
         return None
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK_RE.match(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
+    module = None if m is None else _BLOCK_NAMES.get(m.group(2), _EXPERT_NAMES.get(m.group(2)))
+    if m is None or module is None:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent we know")
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{module}.{m.group(3)}"
+
+
+def _stacked_experts(name: str) -> bool:
+    return "{e}" in name
 
 
 def gguf_config(path: Path) -> PretrainedConfig:
@@ -93,7 +111,8 @@ def gguf_config(path: Path) -> PretrainedConfig:
     kwargs: dict[str, Any] = dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
+        # MoE files may omit it (every layer routed): the experts' size stands in for the unused dense MLP's
+        intermediate_size=int(meta("feed_forward_length", meta("expert_feed_forward_length"))),
         num_hidden_layers=int(meta("block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=int(meta("attention.head_count_kv", num_heads)),
@@ -106,18 +125,41 @@ def gguf_config(path: Path) -> PretrainedConfig:
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         architectures=[hf_arch],
     )
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "qwen3moe"):
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in names
+    if arch == "qwen3moe":
+        kwargs.update(_moe_config(meta, names, kwargs["num_hidden_layers"]))
     scaling = _rope_scaling(reader, arch)
     if scaling is not None:
         kwargs["rope_scaling"] = scaling
     return config_cls(**kwargs)
 
 
+def _moe_config(meta: Any, names: set[str], layers: int) -> dict[str, Any]:
+    return dict(
+        num_experts=int(meta("expert_count")),
+        num_experts_per_tok=int(meta("expert_used_count")),
+        moe_intermediate_size=int(meta("expert_feed_forward_length")),
+        # llama.cpp's qwen3moe graph always renormalises the top-k weights (Qwen3-30B-A3B's
+        # norm_topk_prob is true); the key is read where a converter wrote it.
+        norm_topk_prob=bool(meta("expert_weights_norm", True)),
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
+    )
+
+
 def _rope_scaling(reader: GGUFFile, arch: str) -> dict[str, Any] | None:
     kind = gguf_metadata(reader, f"{arch}.rope.scaling.type")
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(gguf_metadata(reader, f"{arch}.rope.scaling.factor"))}
+    if kind == "yarn":  # Qwen3 long-context files (factor 4 over 32k, or over 256k for Qwen3-Coder)
+        return {
+            "rope_type": "yarn",
+            "factor": float(gguf_metadata(reader, f"{arch}.rope.scaling.factor")),
+            "original_max_position_embeddings": int(
+                gguf_metadata(reader, f"{arch}.rope.scaling.original_context_length")
+            ),
+        }
     if kind not in (None, "none"):
         raise ValueError(f"GGUF rope scaling type {kind!r} is not supported")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
@@ -153,11 +195,18 @@ def _kept_quantised(name: str, tensor: GGUFTensor) -> bool:
 
 
 def gguf_quant_config(path: Path) -> QuantConfig:
-    """The file's tensor types choose: any quantised linear weight makes it the GGUF method."""
+    """The file's tensor types choose: any quantised linear weight makes it the GGUF method. So do stacked
+    experts of any type: they arrive as blocks, which only the GGUF expert method reads (its float linears
+    are then held dense by the GGUF linear method, as in any GGUF file)."""
     reader = open_gguf(path)
-    quantised = any(
-        (name := hf_tensor_name(t.name)) is not None and _kept_quantised(name, t) for t in reader.tensors
-    )
+    names = [(name, t) for t in reader.tensors if (name := hf_tensor_name(t.name)) is not None]
+    if any(_stacked_experts(name) for name, _ in names):
+        # The MoE layer picks its method from this config; the GGUF one registers itself with that chooser
+        # (layers/moe_quant.py) on import, which only MoE files need.
+        from agentbox.layers import gguf_experts  # noqa: F401
+
+        return QuantConfig(QuantMethod.GGUF)
+    quantised = any(_kept_quantised(name, t) and t.qtype not in FLOAT_TYPES for name, t in names)
     return QuantConfig(QuantMethod.GGUF) if quantised else QuantConfig()
 
 
@@ -177,6 +226,9 @@ def gguf_weights(
         name = hf_tensor_name(tensor.name)
         if name is None:
             continue
+        if _stacked_experts(name):
+            yield from _experts(reader, tensor, name, keep_quantised)
+            continue
         if keep_quantised and _kept_quantised(name, tensor):
             raw = reader.raw(tensor)
             heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
@@ -193,3 +245,21 @@ def gguf_weights(
         elif permuted and ".k_proj." in name:
             w = _unpermute(w, config.num_key_value_heads)
         yield name, w
+
+
+def _experts(
+    reader: GGUFFile, tensor: GGUFTensor, name: str, keep_quantised: bool
+) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """One [out, in] weight per expert of a stacked [E, out, in] tensor: row views of the file, or (not
+    `keep_quantised`) dequantised to fp32. Engine-bound experts are blocks whatever their type (F16/F32
+    too): the expert method reads them once it knows the whole layer's types, so nothing is read or
+    copied before then."""
+    experts, rows, cols = tensor.shape
+    raw = reader.raw(tensor).reshape(experts, rows, -1)
+    for e in range(experts):
+        blocks = GGUFBlocks(tensor.qtype, (rows, cols), raw[e])
+        if keep_quantised:
+            yield name.format(e=e), blocks
+        else:  # a copy: dequantize returns F32 data as a read-only view of the file map
+            data = gguf.quants.dequantize(raw[e], tensor.qtype).reshape(rows, cols)
+            yield name.format(e=e), torch.from_numpy(np.array(data, dtype=np.float32))

@@ -1,0 +1,38 @@
+"""The int4 experts a GGUF file turns into (the Q4_K layer of the tiny qwen3moe of test_gguf_moe) through the
+fused-MoE int4 kernel equal Int4Experts' torch reference (Triton's interpreter on CPU): the layout the
+conversion writes is the one the kernel reads. One layer: once in the canonical form the GGUF type is gone
+(test_gguf_moe checks every type's conversion exactly). Skips until kernels/fused_moe_quant.py is in the
+tree (the moekernel branch)."""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from test_gguf_moe import LAYER_TYPES, Q, write_qwen3moe
+
+from agentbox.layers.gguf_experts import GROUP
+from agentbox.layers.moe import FusedMoE, activate, select_experts
+from agentbox.layers.moe_quant import Int4Experts
+from agentbox.models.loader import load_model
+
+fused_moe_quant = pytest.importorskip("agentbox.kernels.fused_moe_quant")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else Triton's interpreter (tests/kernels/conftest.py)
+
+
+def test_gguf_int4_experts_through_the_kernel_equal_the_reference(tmp_path: Path) -> None:
+    write_qwen3moe(tmp_path / "tiny.gguf")
+    ours = load_model(str(tmp_path / "tiny.gguf"), torch.float32, "cpu")
+    moe = [m for m in ours.model.modules() if isinstance(m, FusedMoE)]
+    m = moe[LAYER_TYPES.index((Q.Q4_K,) * 3)]
+    assert isinstance(m.method, Int4Experts)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, m.hidden_size, generator=gen)
+    weights, ids = select_experts(torch.randn(3, m.num_experts, generator=gen), m.top_k, True)
+    expected = m.method.apply(m, x, weights, ids)
+    params = [getattr(m, f"{w}_{p}").to(DEVICE) for w in ("w13", "w2") for p in ("qweight", "scale", "offset")]
+    act = partial(activate, activation=m.activation, alpha=m.swiglu_alpha, limit=m.swiglu_limit)
+    got = fused_moe_quant.fused_moe_int4(x.to(DEVICE), *params, GROUP, weights.to(DEVICE), ids.to(DEVICE), act)
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5)
