@@ -13,6 +13,7 @@ run under the interpreter of Triton 3.9, which also loads fp8 tensors directly.
 
 from __future__ import annotations
 
+import functools
 import os
 from enum import IntEnum
 
@@ -48,8 +49,14 @@ def check_runnable(*tensors: torch.Tensor) -> None:
 
 
 def native_fp8(device: torch.device) -> bool:
-    """Whether Triton converts e4m3 itself on this device (compute capability 8.9+)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    """Whether Triton converts e4m3 itself on this device (compute capability 8.9+; on sm_80 it refuses
+    fp8e4nv at compile time)."""
+    return device.type == "cuda" and _capability(torch.cuda.current_device() if device.index is None else device.index) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 if HAS_TRITON:
@@ -83,24 +90,26 @@ if HAS_TRITON:
         swk, swn, ssk, ssn, sok, son, K_GROUP, N_GROUP,
         FORMAT: tl.constexpr,
     ):
-        """W^T[rk, rn] ([BLOCK_K, BLOCK_N]); the pointers already point at this matrix (or expert)."""
+        """W^T[rk, rn] ([BLOCK_K, BLOCK_N]); the pointers already point at this matrix (or expert). One return
+        at the end: FORMAT is a constexpr, so only its branch is compiled (and the tile's dtype is its own)."""
         mask = kmask[:, None] & nmask[None, :]
         if FORMAT == _DENSE:
-            return tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=mask, other=0.0)
+            w = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=mask, other=0.0)
         else:
-            s = tl.load(s_ptr + (k0 // K_GROUP) * ssk + (rn // N_GROUP) * ssn, mask=nmask, other=0)
+            s = tl.load(s_ptr + (k0 // K_GROUP) * ssk + (rn // N_GROUP) * ssn, mask=nmask, other=0).to(tl.float32)
             if FORMAT == _INT4:
                 words = tl.load(w_ptr + (rk // 8)[:, None] * swk + rn[None, :] * swn, mask=mask, other=0)
                 q = (words >> ((rk % 8) * 4)[:, None]) & 0xF
-                o = tl.load(o_ptr + (k0 // K_GROUP) * sok + rn * son, mask=nmask, other=0.0)
-                return q.to(tl.float32) * s.to(tl.float32)[None, :] + o.to(tl.float32)[None, :]
+                o = tl.load(o_ptr + (k0 // K_GROUP) * sok + rn * son, mask=nmask, other=0.0).to(tl.float32)
+                w = q.to(tl.float32) * s[None, :] + o[None, :]
             elif FORMAT == _FP8:
                 b = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=mask, other=0)
-                return e4m3_to_f32(b) * s.to(tl.float32)[None, :]
+                w = e4m3_to_f32(b) * s[None, :]
             elif FORMAT == _FP8_NATIVE:
                 b = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=mask, other=0)
-                return b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s.to(tl.float32)[None, :]
-            else:  # MXFP4: scale byte = biased exponent
+                w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]
+            else:  # MXFP4: the scale byte is a biased exponent
                 b = tl.load(w_ptr + (rk // 2)[:, None] * swk + rn[None, :] * swn, mask=mask, other=0)
                 c = (b.to(tl.int32) >> ((rk % 2) * 4)[:, None]) & 0xF
-                return e2m1_to_f32(c) * tl.exp2(s.to(tl.float32) - 127.0)[None, :]
+                w = e2m1_to_f32(c) * tl.exp2(s - 127.0)[None, :]
+        return w

@@ -6,7 +6,11 @@ kernel == format. The MXFP4 layer is also run through its kernel path end to end
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,21 +56,21 @@ def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 # ---- random experts in each layout, with the dense [E, out, in] weights they stand for ----
 
 
-def int4_experts(e: int, n: int, k: int, group: int, dtype: torch.dtype, g: torch.Generator, dense: bool = True):
-    """(qweight [E, K/8, N], scale, offset [E, K/g, N], dense [E, N, K] fp32 or None): one expert at a time
+def int4_experts(e: int, n: int, k: int, group: int, dtype: torch.dtype, g: torch.Generator):
+    """(qweight [E, K/8, N], scale, offset [E, K/g, N], dense [E, N, K] fp32): one expert at a time
     through int4.pack_rows_int32 and int4.dequantize, as contract 1 defines them."""
     q = torch.randint(0, 16, (e, n, k), generator=g, dtype=torch.uint8)
     scale = (torch.rand(e, n, k // group, generator=g) * 0.02 + 0.005).to(dtype)
     offset = (-8 * scale.float() + 0.01 * torch.randn(e, n, k // group, generator=g)).to(dtype)
     qweight = torch.stack([pack_rows_int32(q[i].t().contiguous()) for i in range(e)])
-    dense_w = torch.stack([dequantize(q[i], scale[i], offset[i]) for i in range(e)]) if dense else None
+    dense_w = torch.stack([dequantize(q[i], scale[i], offset[i]) for i in range(e)])
     return qweight, scale.transpose(1, 2).contiguous(), offset.transpose(1, 2).contiguous(), dense_w
 
 
-def fp8_experts(e: int, n: int, k: int, block: tuple[int, int], g: torch.Generator, dense: bool = True):
+def fp8_experts(e: int, n: int, k: int, block: tuple[int, int], g: torch.Generator):
     w = (torch.randn(e, n, k, generator=g) * 64).to(torch.float8_e4m3fn)  # normals and subnormals
     scale = torch.rand(e, -(-n // block[0]), -(-k // block[1]), generator=g) * 0.004 + 0.001
-    dense_w = torch.stack([dequantize_block_fp8(w[i], scale[i], block) for i in range(e)]) if dense else None
+    dense_w = torch.stack([dequantize_block_fp8(w[i], scale[i], block) for i in range(e)])
     return w, scale, dense_w
 
 
@@ -184,6 +188,16 @@ def test_mxfp4_layer_runs_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> No
     close(layer(x, logits), ref, torch.float32)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the tests above compile them for this GPU")
+def test_kernels_compile_to_cubin_without_a_gpu() -> None:
+    """The interpreter runs Python, not the compiler: build the real sm_80 / sm_90 binaries too."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    script = Path(__file__).with_name("cubin_compile.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("B of cubin") == 6
+
+
 # ---- bf16 at real expert shapes: CUDA only (the interpreter's bf16 tl.dot is wrong) ----
 
 QWEN3_30B = dict(t=16, e=128, k=8, h=2048, inter=768)  # Qwen3-30B-A3B / Qwen3-Coder-30B-A3B experts
@@ -194,25 +208,37 @@ GPT_OSS_20B = dict(t=16, e=32, k=4, h=2880, inter=2880)
 @gpu
 @torch.inference_mode()
 def test_quantised_experts_bf16_at_real_shapes() -> None:
-    """Each kernel in bf16 against its twin in fp32 (dequantised experts, fp32 products)."""
-    g = torch.Generator().manual_seed(0)
-    bf = torch.bfloat16
+    """Each kernel in bf16 against its twin in fp32 (dequantised experts, fp32 products). The experts are
+    drawn on the device (a random int32 word is eight random int4 codes) to keep the GPU check short."""
+    torch.manual_seed(0)
+    bf, dev = torch.bfloat16, DEVICE
+
+    def rand(*shape: int, lo: float = 0.0, hi: float = 1.0) -> torch.Tensor:
+        return torch.rand(*shape, device=dev) * (hi - lo) + lo
+
+    def words(*shape: int) -> torch.Tensor:
+        return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device=dev)
+
     t, e, k, h, inter = (QWEN3_30B[n] for n in ("t", "e", "k", "h", "inter"))
-    x = torch.randn(t, h, generator=g).to(DEVICE, bf)
+    x = torch.randn(t, h, device=dev, dtype=bf)
     weights, ids = routed(t, e, k, seed=1)
-    q13, s13, o13, _ = int4_experts(e, 2 * inter, h, 128, bf, g, dense=False)
-    q2, s2, o2, _ = int4_experts(e, h, inter, 128, bf, g, dense=False)
-    w = (*to(q13, s13, o13, q2, s2, o2), 128, weights, ids)
+    s13, s2 = rand(e, h // 128, 2 * inter, lo=0.005, hi=0.02).to(bf), rand(e, inter // 128, h, lo=0.005, hi=0.02).to(bf)
+    w = (words(e, h // 8, 2 * inter), s13, (-8 * s13).to(bf), words(e, inter // 8, h), s2, (-8 * s2).to(bf),
+         128, weights, ids)
     close(fused_moe_int4(x, *w), fused_moe_int4_ref(x.float(), *w), bf)
-    w13, f13, _ = fp8_experts(e, 2 * inter, h, (128, 128), g, dense=False)
-    w2, f2, _ = fp8_experts(e, h, inter, (128, 128), g, dense=False)
-    w = (*to(w13, f13, w2, f2), (128, 128), weights, ids)
+    w = ((torch.randn(e, 2 * inter, h, device=dev) * 64).to(torch.float8_e4m3fn), rand(e, 2 * inter // 128, h // 128, hi=0.004),
+         (torch.randn(e, h, inter, device=dev) * 64).to(torch.float8_e4m3fn), rand(e, h // 128, inter // 128, hi=0.004),
+         (128, 128), weights, ids)
     close(fused_moe_fp8(x, *w), fused_moe_fp8_ref(x.float(), *w), bf)
+
     t, e, k, h, inter = (GPT_OSS_20B[n] for n in ("t", "e", "k", "h", "inter"))
-    x = torch.randn(t, h, generator=g).to(DEVICE, bf)
+    x = torch.randn(t, h, device=dev, dtype=bf)
     weights, ids = routed(t, e, k, seed=2)
-    bl13, sc13 = mxfp4_experts(e, 2 * inter, h, g)
-    bl2, sc2 = mxfp4_experts(e, h, inter, g)
-    b13, b2 = biases(e, h, inter, bf, g, True)
-    w = (*to(bl13, sc13, bl2, sc2), weights, ids, gpt_oss_act)
-    close(fused_moe_mxfp4(x, *w, b13, b2), fused_moe_mxfp4_ref(x.float(), *w, *floats(b13, b2)), bf)
+
+    def u8(*shape: int, lo: int = 0, hi: int = 256) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, dtype=torch.uint8, device=dev)
+
+    w = (u8(e, 2 * inter, h // 32, 16), u8(e, 2 * inter, h // 32, lo=121, hi=125),
+         u8(e, h, inter // 32, 16), u8(e, h, inter // 32, lo=121, hi=125), weights, ids, gpt_oss_act)
+    b13, b2 = (0.1 * torch.randn(e, 2 * inter, device=dev)).to(bf), (0.1 * torch.randn(e, h, device=dev)).to(bf)
+    close(fused_moe_mxfp4(x, *w, b13, b2), fused_moe_mxfp4_ref(x.float(), *w, b13.float(), b2.float()), bf)
