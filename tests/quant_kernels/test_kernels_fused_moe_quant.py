@@ -242,3 +242,19 @@ def test_quantised_experts_bf16_at_real_shapes() -> None:
          u8(e, h, inter // 32, 16), u8(e, h, inter // 32, lo=121, hi=125), weights, ids, gpt_oss_act)
     b13, b2 = (0.1 * torch.randn(e, 2 * inter, device=dev)).to(bf), (0.1 * torch.randn(e, h, device=dev)).to(bf)
     close(fused_moe_mxfp4(x, *w, b13, b2), fused_moe_mxfp4_ref(x.float(), *w, b13.float(), b2.float()), bf)
+
+
+def test_gpu_bench_report_assembles_on_cpu_at_a_tiny_shape() -> None:
+    """agentbox.bench.gpu_moe_quant (the GPU check's moe_quant block) end to end, interpreted, in fp32."""
+    from agentbox.bench.gpu_moe_quant import ExpertFormat, MoEShape, report
+
+    tiny = (MoEShape("qwen_like", 4, 2, 128, 128, (ExpertFormat.INT4, ExpertFormat.FP8)),
+            MoEShape("gpt_oss_like", 4, 2, 64, 64, (ExpertFormat.MXFP4,)))
+    out = report(DEVICE, torch.float32, tiny, tokens=(1,), iters=1)
+    rows = out["qwen_like"][0], out["gpt_oss_like"][0]
+    for row, fmt in ((rows[0], "int4_g128"), (rows[0], "fp8_block128"), (rows[1], "mxfp4")):
+        assert row[fmt]["rel_err_vs_twin"] < 1e-4
+        assert row[fmt]["kernel_us"] > 0 and row[fmt]["vs_dense_kernel"] > 0
+    assert rows[0]["int4_g128"]["resident_vs_dense"] == pytest.approx((0.5 + 2 * 4 / 128) / 4)  # all fp32
+    assert rows[1]["mxfp4"]["resident_vs_dense"] == pytest.approx((0.5 + 1 / 32) / 4)
+    assert rows[1]["mxfp4"]["vs_torch_dequant_per_expert"] > 0
