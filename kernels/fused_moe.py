@@ -82,6 +82,7 @@ class ExpertWeights:
     offset_strides: tuple[int, int, int] = (0, 0, 0)
     k_group: int = 1
     n_group: int = 1
+    perm: torch.Tensor | None = None  # [E, K] int: stored row j of K reads input perm[e, j] (GPTQ act-order)
 
     @staticmethod
     def dense(w: torch.Tensor) -> ExpertWeights:
@@ -97,11 +98,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _grouped_gemm_kernel(
-        a_ptr, b_ptr, s_ptr, o_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr,
+        a_ptr, b_ptr, s_ptr, o_ptr, perm_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr,
         num_pairs, N, K, K_GROUP, N_GROUP,
         stride_am, stride_be, stride_bn, stride_bk, stride_se, stride_sk, stride_sn,
-        stride_oe, stride_ok, stride_on, stride_cm,
-        ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, FORMAT: tl.constexpr,
+        stride_oe, stride_ok, stride_on, stride_pe, stride_cm,
+        ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, FORMAT: tl.constexpr, HAS_PERM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -123,7 +124,11 @@ if HAS_TRITON:
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             kmask = kk < K
-            a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            if HAS_PERM:  # the expert's stored rows are sorted by group: gather the inputs they stand for
+                cols = tl.load(perm_ptr + expert * stride_pe + kk, mask=kmask, other=0)
+            else:
+                cols = kk
+            a = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
             b = load_weight_tile(b_expert, s_expert, o_expert, k0, kk, offs_n, kmask, nmask,
                                  stride_bk, stride_bn, stride_sk, stride_sn, stride_ok, stride_on,
                                  K_GROUP, N_GROUP, FORMAT)
@@ -148,12 +153,13 @@ def _grouped_gemm(
     a = a.contiguous()
     scale = w.scale if w.scale is not None else c
     offset = w.offset if w.offset is not None else scale
+    perm = w.perm if w.perm is not None else pairs
     grid = (block_expert.numel(), triton.cdiv(w.n, BLOCK_N))
     _grouped_gemm_kernel[grid](
-        a, w.codes, scale, offset, c, pairs, block_expert, weights if weights is not None else c,
+        a, w.codes, scale, offset, perm, c, pairs, block_expert, weights if weights is not None else c,
         num_pairs, w.n, w.k, w.k_group, w.n_group,
-        a.stride(0), *w.code_strides, *w.scale_strides, *w.offset_strides, c.stride(0),
-        ROW_DIV=row_div, MUL_WEIGHT=weights is not None, FORMAT=w.format.value,
+        a.stride(0), *w.code_strides, *w.scale_strides, *w.offset_strides, perm.stride(0), c.stride(0),
+        ROW_DIV=row_div, MUL_WEIGHT=weights is not None, FORMAT=w.format.value, HAS_PERM=w.perm is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
     return c

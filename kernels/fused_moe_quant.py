@@ -5,6 +5,8 @@ which dequantises a [BLOCK_K, BLOCK_N] tile of the routed expert inside its K lo
 activations stay in x's dtype, the products accumulate in fp32). Layouts (kernels/dequant.py defines them):
 - int4, HELPERS contract 1: `w13_qweight` int32 [E, H/8, 2I], `w13_scale` / `w13_offset` [E, H/g, 2I];
   `w2_qweight` [E, I/8, H], `w2_scale` / `w2_offset` [E, I/g, H] (K-major, the transpose of [out, in]).
+  GPTQ act-order experts add `w13_perm` [E, H] / `w2_perm` [E, I] (stored K row j is input perm[e, j]):
+  the kernel gathers the activations' columns through it, the weights stay as stored.
 - FP8 block, contract 2: `w13_weight` e4m3 [E, 2I, H], `w13_weight_scale_inv` float32 [E, 2I/bo, H/bi];
   `w2_weight` [E, H, I], `w2_weight_scale_inv` [E, H/bo, I/bi]; gate and up each start on a block row.
 - MXFP4, as layers/mxfp4.py stores gpt-oss's experts: `w13_blocks` uint8 [E, 2I, H/32, 16],
@@ -28,8 +30,12 @@ def _strides(t: torch.Tensor, *dims: int) -> tuple[int, int, int]:
     return tuple(t.stride(d) for d in dims)  # type: ignore[return-value]
 
 
-def int4_expert_weights(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> ExpertWeights:
+def int4_expert_weights(
+    qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int, perm: torch.Tensor | None = None
+) -> ExpertWeights:
     e, k8, n = qweight.shape
+    if perm is not None and (perm.shape != (e, k8 * 8) or perm.stride(1) != 1):
+        raise ValueError(f"int4 experts: perm {tuple(perm.shape)} does not fit [E, K] = {(e, k8 * 8)} (contiguous rows)")
     if qweight.dtype != torch.int32 or scale.shape != (e, k8 * 8 // group, n) or offset.shape != scale.shape:
         raise ValueError(
             f"int4 experts: qweight {tuple(qweight.shape)} {qweight.dtype}, scale {tuple(scale.shape)}, offset "
@@ -37,7 +43,7 @@ def int4_expert_weights(qweight: torch.Tensor, scale: torch.Tensor, offset: torc
         )
     return ExpertWeights(
         WeightFormat.INT4, qweight, n, k8 * 8, _strides(qweight, 0, 2, 1),
-        scale, _strides(scale, 0, 1, 2), offset, _strides(offset, 0, 1, 2), k_group=group,
+        scale, _strides(scale, 0, 1, 2), offset, _strides(offset, 0, 1, 2), k_group=group, perm=perm,
     )
 
 
@@ -76,10 +82,12 @@ def fused_moe_int4(
     w2_qweight: torch.Tensor, w2_scale: torch.Tensor, w2_offset: torch.Tensor,
     group: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     act: Act = silu_and_mul, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+    w13_perm: torch.Tensor | None = None, w2_perm: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H] -> [T, H] over canonical int4 experts (scale and offset in x's dtype); group % 32 == 0."""
-    w13 = int4_expert_weights(w13_qweight, w13_scale, w13_offset, group)
-    w2 = int4_expert_weights(w2_qweight, w2_scale, w2_offset, group)
+    """x [T, H] -> [T, H] over canonical int4 experts (scale and offset in any float dtype); group % 32 == 0.
+    `w13_perm` / `w2_perm`: GPTQ act-order experts' row orders (None: stored order is input order)."""
+    w13 = int4_expert_weights(w13_qweight, w13_scale, w13_offset, group, w13_perm)
+    w2 = int4_expert_weights(w2_qweight, w2_scale, w2_offset, group, w2_perm)
     return fused_moe_experts(x, w13, w2, topk_weights, topk_ids, act, b13, b2)
 
 
@@ -132,11 +140,18 @@ def fused_moe_int4_ref(
     w2_qweight: torch.Tensor, w2_scale: torch.Tensor, w2_offset: torch.Tensor,
     group: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     act: Act = silu_and_mul, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+    w13_perm: torch.Tensor | None = None, w2_perm: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    def one(q: torch.Tensor, s: torch.Tensor, o: torch.Tensor, perm: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+        w = dequant_int4(q[ids], s[ids], o[ids], group)  # [n, K, N] in stored row order
+        if perm is not None:  # stored row j is input perm[j]
+            w = torch.empty_like(w).scatter_(1, perm[ids].unsqueeze(-1).expand_as(w), w)
+        return w.transpose(1, 2)
+
     def dequant(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        w13 = dequant_int4(w13_qweight[ids], w13_scale[ids], w13_offset[ids], group)
-        w2 = dequant_int4(w2_qweight[ids], w2_scale[ids], w2_offset[ids], group)
-        return w13.transpose(1, 2), w2.transpose(1, 2)
+        return (
+            one(w13_qweight, w13_scale, w13_offset, w13_perm, ids), one(w2_qweight, w2_scale, w2_offset, w2_perm, ids)
+        )
 
     return _ref_on_routed(x, topk_weights, topk_ids, act, b13, b2, dequant)
 

@@ -33,9 +33,9 @@ def main() -> int:
     jobs = []
     for fmt, (codes, scales) in POINTERS.items():
         arch = 90 if fmt is WeightFormat.FP8_NATIVE else 80  # Triton has e4m3 from sm_89 on
-        ptrs = dict(a_ptr="*bf16", b_ptr=codes, s_ptr=scales, o_ptr=scales, c_ptr="*bf16", pairs_ptr="*i64",
-                    block_expert_ptr="*i64", weight_ptr="*fp32")
-        consts = dict(ROW_DIV=8, MUL_WEIGHT=True, FORMAT=fmt.value, BLOCK_M=fused_moe.BLOCK_M,
+        ptrs = dict(a_ptr="*bf16", b_ptr=codes, s_ptr=scales, o_ptr=scales, perm_ptr="*i64", c_ptr="*bf16",
+                    pairs_ptr="*i64", block_expert_ptr="*i64", weight_ptr="*fp32")
+        consts = dict(ROW_DIV=8, MUL_WEIGHT=True, FORMAT=fmt.value, HAS_PERM=fmt is WeightFormat.INT4, BLOCK_M=fused_moe.BLOCK_M,
                       BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K)
         jobs.append((f"grouped gemm {fmt.name}", fused_moe._grouped_gemm_kernel, ptrs, consts, arch))
     dense = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)

@@ -120,8 +120,30 @@ def test_int4_experts_equal_their_twin(t: int, e: int, k: int, h: int, inter: in
     close(fused_moe_int4(*args), ref, dtype)
 
 
+def test_int4_act_order_experts_equal_their_twin() -> None:
+    """GPTQ act-order: each expert's stored K rows are a permutation of its inputs (contract 1's w13_perm /
+    w2_perm); the kernel gathers x's columns, the twin puts the dequantised rows back."""
+    g = torch.Generator().manual_seed(11)
+    t, e, k, h, inter, group = 5, 4, 2, 64, 64, 32
+    q13, s13, o13, d13 = int4_experts(e, 2 * inter, h, group, torch.float32, g)
+    q2, s2, o2, d2 = int4_experts(e, h, inter, group, torch.float32, g)
+    p13 = torch.stack([torch.randperm(h, generator=g) for _ in range(e)])
+    p2 = torch.stack([torch.randperm(inter, generator=g) for _ in range(e)])
+    # d* hold stored-order columns; the checkpoint's weight has stored column j at input perm[j]
+    d13 = torch.empty_like(d13).scatter_(2, p13.unsqueeze(1).expand_as(d13), d13)
+    d2 = torch.empty_like(d2).scatter_(2, p2.unsqueeze(1).expand_as(d2), d2)
+    x = torch.randn(t, h, generator=g)
+    weights, ids = routed(t, e, k, seed=t)
+    args = (*to(x, q13, s13, o13, q2, s2, o2), group, weights, ids)
+    perms = dict(w13_perm=p13.to(DEVICE), w2_perm=p2.to(DEVICE))
+    ref = fused_moe_int4_ref(*args, **perms)
+    close(ref, fused_moe_ref(*to(x, d13, d2), weights, ids), torch.float32)
+    close(fused_moe_int4(*args, **perms), ref, torch.float32)
+    assert not torch.allclose(fused_moe_int4(*args), ref, atol=1e-2)  # the permutation matters
+
+
 @pytest.mark.parametrize(("t", "e", "k", "h", "inter", "dtype", "oai", "block"), [
-    (*CASES[0][:3], 256, 128, torch.float32, False, (128, 128)),
+    (*CASES[0][:3], 128, 128, torch.float32, False, (128, 128)),
     (*CASES[1][:3], 128, 96, torch.float16, True, (32, 64)),  # blocks of 32 outputs x 64 inputs
 ])
 def test_fp8_experts_equal_their_twin(
@@ -248,13 +270,12 @@ def test_gpu_bench_report_assembles_on_cpu_at_a_tiny_shape() -> None:
     """agentbox.bench.gpu_moe_quant (the GPU check's moe_quant block) end to end, interpreted, in fp32."""
     from agentbox.bench.gpu_moe_quant import ExpertFormat, MoEShape, report
 
-    tiny = (MoEShape("qwen_like", 4, 2, 128, 128, (ExpertFormat.INT4, ExpertFormat.FP8)),
-            MoEShape("gpt_oss_like", 4, 2, 64, 64, (ExpertFormat.MXFP4,)))
-    out = report(DEVICE, torch.float32, tiny, tokens=(1,), iters=1)
-    rows = out["qwen_like"][0], out["gpt_oss_like"][0]
-    for row, fmt in ((rows[0], "int4_g128"), (rows[0], "fp8_block128"), (rows[1], "mxfp4")):
-        assert row[fmt]["rel_err_vs_twin"] < 1e-4
-        assert row[fmt]["kernel_us"] > 0 and row[fmt]["vs_dense_kernel"] > 0
-    assert rows[0]["int4_g128"]["resident_vs_dense"] == pytest.approx((0.5 + 2 * 4 / 128) / 4)  # all fp32
-    assert rows[1]["mxfp4"]["resident_vs_dense"] == pytest.approx((0.5 + 1 / 32) / 4)
-    assert rows[1]["mxfp4"]["vs_torch_dequant_per_expert"] > 0
+    tiny = MoEShape("tiny", 4, 2, 128, 128, tuple(ExpertFormat))
+    row = report(DEVICE, torch.float32, (tiny,), tokens=(1,), iters=1)["tiny"][0]
+    for fmt in ExpertFormat:
+        assert row[fmt.value]["rel_err_vs_twin"] < 1e-4
+        assert row[fmt.value]["kernel_us"] > 0 and row[fmt.value]["vs_dense_kernel"] > 0
+    assert row["int4_g128"]["resident_vs_dense"] == pytest.approx((0.5 + 2 * 4 / 128) / 4)  # all fp32
+    assert row["fp8_block128"]["resident_vs_dense"] == pytest.approx((1 + 4 / 128**2) / 4)
+    assert row["mxfp4"]["resident_vs_dense"] == pytest.approx((0.5 + 1 / 32) / 4)
+    assert row["mxfp4"]["vs_torch_dequant_per_expert"] > 0
