@@ -4,7 +4,8 @@ At the expert shapes of Qwen3-30B-A3B (128 experts, top 8, 2048 -> 768: int4 gro
 and gpt-oss-20b (32 experts, top 4, 2880 -> 2880: MXFP4), at 1 and 16 tokens, in the compute dtype:
 time per call of each quantised fused-MoE kernel (kernels/fused_moe_quant.py) against the same kernel on
 the same experts in the compute dtype (`vs_dense_kernel` = dense time / quantised time; at a few tokens
-the call is bound by reading expert weights, so fewer bytes should mean less time), the experts' resident
+the call is bound by reading expert weights, so fewer bytes should mean less time), the routed experts'
+bytes read per second (against the card's bandwidth: how far from memory-bound), the experts' resident
 bytes against the dense ones, and the error against the format's twin (max |diff| / max |twin|). For MXFP4
 also the path gpt-oss's layer took before (dequantise each routed expert in torch, then its matmuls).
 Experts are random codes drawn on the device in each layout. `report()` takes a device and shapes so a
@@ -132,7 +133,11 @@ def shape_report(s: MoEShape, tokens: int, dtype: torch.dtype, device: str, iter
     x = torch.randn(tokens, s.hidden, device=device).to(dtype)
     weights, ids = torch.topk(torch.softmax(torch.randn(tokens, s.experts, device=device), -1), s.top_k, dim=-1)
     dense_s, dense_bytes = _dense(s, x, weights, ids, iters)
-    out: dict[str, Any] = {"tokens": tokens, "dense_kernel_us": dense_s * 1e6}
+    routed = ids.unique().numel() / s.experts  # share of the experts' bytes one call must read
+    out: dict[str, Any] = {
+        "tokens": tokens, "experts_routed": ids.unique().numel(), "dense_kernel_us": dense_s * 1e6,
+        "dense_read_gb_s": dense_bytes * routed / dense_s / 1e9,
+    }
     for fmt in s.formats:
         ex = make_experts(fmt, s, dtype, device)
         got, ref = ex.run(x, weights, ids), ex.twin(x, weights, ids)
@@ -141,6 +146,7 @@ def shape_report(s: MoEShape, tokens: int, dtype: torch.dtype, device: str, iter
             "kernel_us": kernel_s * 1e6,
             "vs_dense_kernel": dense_s / kernel_s,
             "resident_vs_dense": ex.nbytes / dense_bytes,
+            "read_gb_s": ex.nbytes * routed / kernel_s / 1e9,  # routed experts' bytes / time
             "rel_err_vs_twin": ((got.float() - ref).abs().max() / ref.abs().max()).item(),
         }
         if fmt is ExpertFormat.MXFP4:

@@ -279,3 +279,4 @@ def test_gpu_bench_report_assembles_on_cpu_at_a_tiny_shape() -> None:
     assert row["fp8_block128"]["resident_vs_dense"] == pytest.approx((1 + 4 / 128**2) / 4)
     assert row["mxfp4"]["resident_vs_dense"] == pytest.approx((0.5 + 1 / 32) / 4)
     assert row["mxfp4"]["vs_torch_dequant_per_expert"] > 0
+    assert row["experts_routed"] == 2 and row["int4_g128"]["read_gb_s"] > 0  # one token, top 2
