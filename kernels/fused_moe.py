@@ -132,7 +132,7 @@ if HAS_TRITON:
             b = load_weight_tile(b_expert, s_expert, o_expert, k0, kk, offs_n, kmask, nmask,
                                  stride_bk, stride_bn, stride_sk, stride_sn, stride_ok, stride_on,
                                  K_GROUP, N_GROUP, FORMAT)
-            acc += tl.dot(a, b.to(a.dtype))
+            acc += tl.dot(a, b.to(a.dtype), input_precision="ieee")  # fp32: no TF32, as torch does
         if MUL_WEIGHT:
             w = tl.load(weight_ptr + pairs, mask=valid, other=0.0)
             acc = acc * w[:, None]

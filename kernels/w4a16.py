@@ -46,7 +46,7 @@ if HAS_TRITON:
             x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
             w = load_weight_tile(q_ptr, s_ptr, o_ptr, k0, rk, rn, kmask, rn < N,
                                  sqk, sqn, ssg, ssn, som, son, group, 1, FORMAT)
-            acc += tl.dot(x, w.to(x.dtype))
+            acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")  # fp32: no TF32, as torch does
         out = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], out, mask=(rm < M)[:, None] & (rn < N)[None, :])
 

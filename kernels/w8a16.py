@@ -47,7 +47,7 @@ if HAS_TRITON:
             x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
             w = load_weight_tile(w_ptr, s_ptr, s_ptr, k0, rk, rn, kmask, rn < N,
                                  swk, swn, ssk, ssn, 0, 0, BI, BO, FORMAT)
-            acc += tl.dot(x, w.to(x.dtype))
+            acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")  # fp32: no TF32, as torch does
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=(rm < M)[:, None] & (rn < N)[None, :])
 

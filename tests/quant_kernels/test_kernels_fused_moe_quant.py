@@ -2,7 +2,7 @@
 CPU under Triton's interpreter (fp32, fp16; small shapes), on CUDA compiled, with bf16 at real expert shapes
 in the gpu-marked tests. Each twin is first checked against the format's definition elsewhere in the tree
 (int4.dequantize, the dense FP8 method's dequantiser, gpt-oss's MXFP4 layer), so kernel == twin means
-kernel == format. The MXFP4 layer is also run through its kernel path end to end."""
+kernel == format. A tiny MXFP4 gpt-oss also runs through the kernel end to end."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from agentbox.kernels.fused_moe_quant import (
 from agentbox.kernels.w8a16 import w8a16_block_matmul, w8a16_block_matmul_ref
 
 from agentbox.layers import mxfp4
-from agentbox.layers.moe import FusedMoE, MoEActivation, activate
+from agentbox.layers.moe import MoEActivation, activate
 from agentbox.layers.quant.fp8 import dequantize_block_fp8
 from agentbox.layers.quant.int4 import dequantize, pack_rows_int32
 
@@ -188,26 +188,26 @@ def test_mxfp4_experts_equal_their_twin(t: int, e: int, k: int, h: int, inter: i
     close(fused_moe_mxfp4(*args), fused_moe_mxfp4_ref(*args), dtype)
 
 
-def test_mxfp4_layer_runs_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gpt-oss's expert layer (clamped SwiGLU, both biases) through the fused kernel equals its per-expert
-    reference: the layer hands the kernel its stored tensors as they are."""
-    g = torch.Generator().manual_seed(5)
-    e, h, inter, t = 4, 64, 64, 7
-    layer = FusedMoE(e, 2, h, inter, renormalize=True, activation=MoEActivation.SWIGLU_OAI, bias=True,
-                     method=mxfp4.Mxfp4Experts()).to(DEVICE)
-    bl13, sc13 = mxfp4_experts(e, 2 * inter, h, g)
-    bl2, sc2 = mxfp4_experts(e, h, inter, g)
+def test_tiny_mxfp4_gpt_oss_through_the_kernel_matches_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole MXFP4 gpt-oss (published layout) with every MoE layer on the fused kernel: prefill logits
+    equal transformers' own dequantised load of the same files."""
+    from model_harness import PagedRunner
+    from moe_harness import PROMPT
+    from test_models_gpt_oss import write_mxfp4
+
+    from agentbox.models.loader import load_model
+
+    hf = write_mxfp4(tmp_path)
+    ours = load_model(str(tmp_path), torch.float32, DEVICE)
+    calls = []
+    monkeypatch.setattr(mxfp4, "kernel_runs", lambda x: calls.append(x.shape) or True)
     with torch.no_grad():
-        for name, value in (("w13_blocks", bl13), ("w13_scales", sc13), ("w2_blocks", bl2), ("w2_scales", sc2),
-                            ("w13_bias", 0.1 * torch.randn(e, 2 * inter, generator=g)),
-                            ("w2_bias", 0.1 * torch.randn(e, h, generator=g))):
-            getattr(layer, name).copy_(value)
-    x = torch.randn(t, h, generator=g).to(DEVICE)
-    logits = torch.randn(t, e, generator=g).to(DEVICE)
-    monkeypatch.setattr(mxfp4, "kernel_runs", lambda x: False)
-    ref = layer(x, logits)
-    monkeypatch.setattr(mxfp4, "kernel_runs", lambda x: True)
-    close(layer(x, logits), ref, torch.float32)
+        expected = hf(torch.tensor([PROMPT])).logits[0]
+    got = PagedRunner(ours, device=DEVICE).step({0: PROMPT})[0]
+    assert len(calls) == 2  # both layers' experts took the kernel
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the tests above compile them for this GPU")
