@@ -1,10 +1,21 @@
 """Triton for the dequant-GEMM kernels, if installed: `import agentbox.kernels.w4a16` works without it
 (the kernels then refuse to run, naming why) and the torch twins still do. TRITON_INTERPRET must be set
-before a kernel module is imported (it is read when a kernel is decorated)."""
+before a kernel module is imported (it is read when a kernel is decorated).
+
+`load_weight_tile` is the one in-kernel dequantiser every GEMM here shares (dense w4a16 / w8a16 and the
+grouped fused-MoE GEMM): it returns the [BLOCK_K, BLOCK_N] tile of W^T for the K rows `rk` (starting at
+`k0`) and N columns `rn`, in fp32 for the quantised formats of kernels/dequant.py. Scales are read once
+per tile ([BLOCK_N] at group k0 // K_GROUP), so BLOCK_K must divide the K group (callers check: 32 does
+for every format here). FP8 is decoded from its bytes in arithmetic (`FP8`: any GPU, Ampere has no fp8
+type in Triton) or by a bitcast to Triton's fp8e4nv (`FP8_NATIVE`: sm_89+, hardware conversion); both
+run under the interpreter of Triton 3.9, which also loads fp8 tensors directly.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
+from enum import IntEnum
 
 import torch
 
@@ -19,9 +30,86 @@ except ImportError:  # pragma: no cover - depends on the machine
     HAS_TRITON = False
 
 
+class WeightFormat(IntEnum):
+    """How `load_weight_tile` decodes a weight (the kernels take it as a constexpr int)."""
+
+    DENSE = 0  # values in a float dtype, [N, K] by strides
+    INT4 = 1  # int32 words of eight 4-bit codes along K; per-group scale and offset
+    FP8 = 2  # e4m3 bytes, decoded in arithmetic; one scale per (N_GROUP x K_GROUP) block
+    FP8_NATIVE = 3  # e4m3 bytes bitcast to Triton's fp8e4nv (sm_89+)
+    MXFP4 = 4  # bytes of two FP4 E2M1 codes along K (low nibble first); a power-of-two scale per 32
+
+
 def check_runnable(*tensors: torch.Tensor) -> None:
     if not HAS_TRITON:
         raise RuntimeError("the triton package is not installed: quantised GPU matmuls need it")
     interpreting = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     if any(t.device.type == "cpu" for t in tensors) and not interpreting:
         raise RuntimeError("Triton kernels run on CPU tensors only under its interpreter (TRITON_INTERPRET=1)")
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether Triton converts e4m3 itself on this device (compute capability 8.9+; on sm_80 it refuses
+    fp8e4nv at compile time)."""
+    return device.type == "cuda" and _capability(torch.cuda.current_device() if device.index is None else device.index) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+if HAS_TRITON:
+    _DENSE: tl.constexpr = tl.constexpr(WeightFormat.DENSE.value)
+    _INT4: tl.constexpr = tl.constexpr(WeightFormat.INT4.value)
+    _FP8: tl.constexpr = tl.constexpr(WeightFormat.FP8.value)
+    _FP8_NATIVE: tl.constexpr = tl.constexpr(WeightFormat.FP8_NATIVE.value)
+
+    @triton.jit
+    def e4m3_to_f32(b):
+        b = b.to(tl.int32)
+        sign = tl.where((b & 0x80) != 0, -1.0, 1.0)
+        e = (b >> 3) & 0xF
+        m = (b & 0x7).to(tl.float32)
+        normal = (1.0 + m / 8.0) * tl.exp2((e - 7).to(tl.float32))
+        sub = (m / 8.0) * 0.015625  # 2^-6
+        return sign * tl.where(e == 0, sub, normal)
+
+    @triton.jit
+    def e2m1_to_f32(c):
+        """A 4-bit FP4 E2M1 code (sign, 2 exponent bits with bias 1, 1 mantissa bit) as fp32."""
+        sign = tl.where((c & 0x8) != 0, -1.0, 1.0)
+        e = (c >> 1) & 0x3
+        m = (c & 0x1).to(tl.float32)
+        mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32)))
+        return sign * mag
+
+    @triton.jit
+    def load_weight_tile(
+        w_ptr, s_ptr, o_ptr, k0, rk, rn, kmask, nmask,
+        swk, swn, ssk, ssn, sok, son, K_GROUP, N_GROUP,
+        FORMAT: tl.constexpr,
+    ):
+        """W^T[rk, rn] ([BLOCK_K, BLOCK_N]); the pointers already point at this matrix (or expert). One return
+        at the end: FORMAT is a constexpr, so only its branch is compiled (and the tile's dtype is its own)."""
+        mask = kmask[:, None] & nmask[None, :]
+        if FORMAT == _DENSE:
+            w = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=mask, other=0.0)
+        else:
+            s = tl.load(s_ptr + (k0 // K_GROUP) * ssk + (rn // N_GROUP) * ssn, mask=nmask, other=0).to(tl.float32)
+            if FORMAT == _INT4:
+                words = tl.load(w_ptr + (rk // 8)[:, None] * swk + rn[None, :] * swn, mask=mask, other=0)
+                q = (words >> ((rk % 8) * 4)[:, None]) & 0xF
+                o = tl.load(o_ptr + (k0 // K_GROUP) * sok + rn * son, mask=nmask, other=0.0).to(tl.float32)
+                w = q.to(tl.float32) * s[None, :] + o[None, :]
+            elif FORMAT == _FP8:
+                b = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=mask, other=0)
+                w = e4m3_to_f32(b) * s[None, :]
+            elif FORMAT == _FP8_NATIVE:
+                b = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=mask, other=0)
+                w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]
+            else:  # MXFP4: the scale byte is a biased exponent
+                b = tl.load(w_ptr + (rk // 2)[:, None] * swk + rn[None, :] * swn, mask=mask, other=0)
+                c = (b.to(tl.int32) >> ((rk % 2) * 4)[:, None]) & 0xF
+                w = e2m1_to_f32(c) * tl.exp2(s - 127.0)[None, :]
+        return w

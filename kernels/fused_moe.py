@@ -7,6 +7,11 @@ The gate_up GEMM gathers token rows of x (pair p reads row p // top_k); the down
 own intermediate row and multiplies by its routing weight, so the final sum over k is a plain reshape-sum.
 Activation and biases run between the two launches in torch (one elementwise pass).
 
+The experts' weights are read through an `ExpertWeights` (format, codes, scales, strides): dense here, and
+int4 / FP8 block / MXFP4 from kernels/fused_moe_quant.py, dequantised tile by tile in the K loop by the
+tile decoder the dense w4a16 / w8a16 kernels share (kernels/_quant_triton.py), so quantised experts stay
+quantised in memory and one kernel serves every format.
+
 Alignment is computed on the device with sizes that depend only on T, k and E (an upper bound on the
 padded length), so there is no host sync per layer and the launch grid is fixed for a batch size.
 Under TRITON_INTERPRET=1 (CPU tests): fp32 / fp16 only, no bf16 tl.dot, no autotune.
@@ -15,19 +20,18 @@ Under TRITON_INTERPRET=1 (CPU tests): fp32 / fp16 only, no bf16 tl.dot, no autot
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
-    HAS_TRITON = False
+from agentbox.kernels._quant_triton import (
+    HAS_TRITON,
+    WeightFormat,
+    check_runnable,
+    load_weight_tile,
+    tl,
+    triton,
+)
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 
@@ -60,14 +64,45 @@ def align_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     return sorted_pairs, block_expert
 
 
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One projection of every expert as the grouped GEMM reads it: n outputs from k inputs, decoded by
+    `format` (kernels/_quant_triton.py). Strides are in elements of each tensor, as (expert, k, n) for the
+    scale and offset and (expert, n, k) for the codes (k counted in the codes' own elements: an int4 word
+    holds 8 rows of K, an MXFP4 byte 2). `k_group` / `n_group`: inputs / outputs sharing one scale."""
+
+    format: WeightFormat
+    codes: torch.Tensor
+    n: int
+    k: int
+    code_strides: tuple[int, int, int]
+    scale: torch.Tensor | None = None
+    scale_strides: tuple[int, int, int] = (0, 0, 0)
+    offset: torch.Tensor | None = None
+    offset_strides: tuple[int, int, int] = (0, 0, 0)
+    k_group: int = 1
+    n_group: int = 1
+    perm: torch.Tensor | None = None  # [E, K] int: stored row j of K reads input perm[e, j] (GPTQ act-order)
+
+    @staticmethod
+    def dense(w: torch.Tensor) -> ExpertWeights:
+        """w [E, N, K] in a float dtype."""
+        return ExpertWeights(WeightFormat.DENSE, w, w.shape[1], w.shape[2], (w.stride(0), w.stride(1), w.stride(2)))
+
+    @property
+    def num_experts(self) -> int:
+        return self.codes.shape[0]
+
+
 if HAS_TRITON:
 
     @triton.jit
     def _grouped_gemm_kernel(
-        a_ptr, b_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr,
-        num_pairs, N, K,
-        stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-        ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+        a_ptr, b_ptr, s_ptr, o_ptr, perm_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr,
+        num_pairs, N, K, K_GROUP, N_GROUP,
+        stride_am, stride_be, stride_bn, stride_bk, stride_se, stride_sk, stride_sn,
+        stride_oe, stride_ok, stride_on, stride_pe, stride_cm,
+        ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, FORMAT: tl.constexpr, HAS_PERM: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -80,36 +115,51 @@ if HAS_TRITON:
         valid = pairs < num_pairs
         rows = pairs // ROW_DIV  # gate_up: the pair's token row of x; down: the pair's own row
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
+        b_expert = b_ptr + expert * stride_be
+        s_expert = s_ptr + expert * stride_se
+        o_expert = o_ptr + expert * stride_oe
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
-            a = tl.load(a_ptr + rows[:, None] * stride_am + kk[None, :],
-                        mask=valid[:, None] & (kk[None, :] < K), other=0.0)
-            b = tl.load(b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + kk[:, None] * stride_bk,
-                        mask=(kk[:, None] < K) & (offs_n[None, :] < N), other=0.0)
-            acc += tl.dot(a, b)
+            kmask = kk < K
+            if HAS_PERM:  # the expert's stored rows are sorted by group: gather the inputs they stand for
+                cols = tl.load(perm_ptr + expert * stride_pe + kk, mask=kmask, other=0)
+            else:
+                cols = kk
+            a = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            b = load_weight_tile(b_expert, s_expert, o_expert, k0, kk, offs_n, kmask, nmask,
+                                 stride_bk, stride_bn, stride_sk, stride_sn, stride_ok, stride_on,
+                                 K_GROUP, N_GROUP, FORMAT)
+            acc += tl.dot(a, b.to(a.dtype), input_precision="ieee")  # fp32: no TF32, as torch does
         if MUL_WEIGHT:
             w = tl.load(weight_ptr + pairs, mask=valid, other=0.0)
             acc = acc * w[:, None]
         tl.store(c_ptr + pairs[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=valid[:, None] & (offs_n[None, :] < N))
+                 mask=valid[:, None] & nmask[None, :])
 
 
 def _grouped_gemm(
-    a: torch.Tensor, w: torch.Tensor, pairs: torch.Tensor, block_expert: torch.Tensor, num_pairs: int,
+    a: torch.Tensor, w: ExpertWeights, pairs: torch.Tensor, block_expert: torch.Tensor, num_pairs: int,
     row_div: int, weights: torch.Tensor | None,
 ) -> torch.Tensor:
-    """c[p] = a[p // row_div] @ w[expert(p)].T (times weights[p]) for every routed pair p; c: [num_pairs, N]."""
-    n, k = w.shape[1], w.shape[2]
-    c = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    """c[p] = a[p // row_div] @ W[expert(p)].T (times weights[p]) for every routed pair p; c: [num_pairs, N]."""
+    if w.format is not WeightFormat.DENSE and w.k_group % BLOCK_K:
+        raise ValueError(f"fused MoE: a scale group of {w.k_group} inputs is not a multiple of {BLOCK_K}")
+    if a.shape[1] != w.k:
+        raise ValueError(f"fused MoE: activations have {a.shape[1]} features, the experts take {w.k}")
+    c = torch.empty(num_pairs, w.n, dtype=a.dtype, device=a.device)
     a = a.contiguous()
-    grid = (block_expert.numel(), triton.cdiv(n, BLOCK_N))
+    scale = w.scale if w.scale is not None else c
+    offset = w.offset if w.offset is not None else scale
+    perm = w.perm if w.perm is not None else pairs
+    grid = (block_expert.numel(), triton.cdiv(w.n, BLOCK_N))
     _grouped_gemm_kernel[grid](
-        a, w, c, pairs, block_expert, weights if weights is not None else c,
-        num_pairs, n, k,
-        a.stride(0), w.stride(0), w.stride(1), w.stride(2), c.stride(0),
-        ROW_DIV=row_div, MUL_WEIGHT=weights is not None,
+        a, w.codes, scale, offset, perm, c, pairs, block_expert, weights if weights is not None else c,
+        num_pairs, w.n, w.k, w.k_group, w.n_group,
+        a.stride(0), *w.code_strides, *w.scale_strides, *w.offset_strides, perm.stride(0), c.stride(0),
+        ROW_DIV=row_div, MUL_WEIGHT=weights is not None, FORMAT=w.format.value, HAS_PERM=w.perm is not None,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )
     return c
@@ -131,11 +181,26 @@ def fused_moe(
     w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H] (gate rows, then up); w2 [E, H, I]; topk_* [T, k]. Returns [T, H]."""
-    if not HAS_TRITON:
-        raise RuntimeError("the triton package is not installed; the MoE layer uses its torch reference")
+    return fused_moe_experts(
+        x, ExpertWeights.dense(w13), ExpertWeights.dense(w2), topk_weights, topk_ids, act, w13_bias, w2_bias
+    )
+
+
+def fused_moe_experts(
+    x: torch.Tensor,
+    w13: ExpertWeights,
+    w2: ExpertWeights,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fused_moe over experts in any format the tile decoder reads (kernels/fused_moe_quant.py builds them)."""
+    check_runnable(x, w13.codes)
     t, k = topk_ids.shape
     num_pairs = t * k
-    pairs, block_expert = align_to_experts(topk_ids, w13.shape[0], BLOCK_M)
+    pairs, block_expert = align_to_experts(topk_ids, w13.num_experts, BLOCK_M)
     flat_ids = topk_ids.flatten()
     inter = _grouped_gemm(x, w13, pairs, block_expert, num_pairs, k, None)  # [T*k, 2I]
     if w13_bias is not None:

@@ -3,22 +3,28 @@
 The weight is the canonical int4 form of layers/quant/int4.py, transposed for the kernel: codes packed
 eight rows of K per int32 word (`qweight` [K / 8, N], row k at bits 4 * (k % 8)), and per group of
 `group` rows a scale and an offset (`scale`, `offset` [K / group, N]): w[k, n] = q * scale + offset.
-AWQ, GPTQ and GGUF Q4_0 / Q4_1 / Q4_K all reach this form at load. The twin, `w4a16_matmul_ref`, defines it.
+AWQ, GPTQ and GGUF Q4_0 / Q4_1 / Q4_K all reach this form at load. The twin, `w4a16_matmul_ref`, defines it
+(through kernels/dequant.py); the tile decoder is the shared one of kernels/_quant_triton.py.
 """
 
 from __future__ import annotations
 
 import torch
-from agentbox.kernels._quant_triton import HAS_TRITON, check_runnable, tl, triton
+from agentbox.kernels._quant_triton import (
+    HAS_TRITON,
+    WeightFormat,
+    check_runnable,
+    load_weight_tile,
+    tl,
+    triton,
+)
+from agentbox.kernels.dequant import dequant_int4
 
 
 def w4a16_matmul_ref(
     x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int
 ) -> torch.Tensor:
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qweight.device)
-    q = ((qweight.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF).reshape(-1, qweight.shape[1]).float()
-    w = q * scale.float().repeat_interleave(group, 0) + offset.float().repeat_interleave(group, 0)
-    return (x.float() @ w).to(x.dtype)
+    return (x.float() @ dequant_int4(qweight, scale, offset, group)).to(x.dtype)
 
 
 if HAS_TRITON:
@@ -27,7 +33,7 @@ if HAS_TRITON:
     def _w4a16_kernel(
         x_ptr, q_ptr, s_ptr, o_ptr, out_ptr, M, N, K, group,
         sxm, sxk, sqk, sqn, ssg, ssn, som, son,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -38,14 +44,9 @@ if HAS_TRITON:
             rk = k0 + tl.arange(0, BLOCK_K)
             kmask = rk < K
             x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
-            wmask = kmask[:, None] & (rn < N)[None, :]
-            packed = tl.load(q_ptr + (rk // 8)[:, None] * sqk + rn[None, :] * sqn, mask=wmask, other=0)
-            q = (packed >> ((rk % 8) * 4)[:, None]) & 0xF
-            g = rk // group
-            s = tl.load(s_ptr + g[:, None] * ssg + rn[None, :] * ssn, mask=wmask, other=0.0)
-            o = tl.load(o_ptr + g[:, None] * som + rn[None, :] * son, mask=wmask, other=0.0)
-            w = q.to(tl.float32) * s.to(tl.float32) + o.to(tl.float32)
-            acc += tl.dot(x, w.to(x.dtype))
+            w = load_weight_tile(q_ptr, s_ptr, o_ptr, k0, rk, rn, kmask, rn < N,
+                                 sqk, sqn, ssg, ssn, som, son, group, 1, FORMAT)
+            acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")  # fp32: no TF32, as torch does
         out = acc.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], out, mask=(rm < M)[:, None] & (rn < N)[None, :])
 
@@ -64,6 +65,6 @@ def w4a16_matmul(
         x, qweight, scale, offset, out, m, n, k, group,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),
         scale.stride(0), scale.stride(1), offset.stride(0), offset.stride(1),
-        BLOCK_M=16, BLOCK_N=64, BLOCK_K=32,  # a K tile never straddles a group
+        BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, FORMAT=WeightFormat.INT4.value,  # a K tile never straddles a group
     )
     return out

@@ -3,8 +3,9 @@
 Layout per expert and projection, rows = output features: `*_blocks` uint8 [out, in/32, 16] (32 FP4 E2M1
 values per block, two per byte, low nibble first) and `*_scales` uint8 [out, in/32] (a shared power-of-two
 exponent per block, biased by 127). 4.25 bits per weight stay 4.25 bits in memory: gpt-oss-20b's experts
-are ~12 GiB as MXFP4 against ~39 GiB in bf16. The reference here dequantises only the experts a forward
-routes to, one at a time; a fused MXFP4 kernel is a GPU follow-up.
+are ~12 GiB as MXFP4 against ~39 GiB in bf16. On CUDA with Triton the experts run through the fused-MoE
+kernel that decodes MXFP4 tile by tile (kernels/fused_moe_quant.py); elsewhere the reference dequantises
+only the experts a forward routes to, one at a time. The format's definition is kernels/dequant.py.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from typing import Any
 
 import torch
 
-from agentbox.layers.moe import ExpertMethod, FusedMoE, moe_ref
+from agentbox.kernels.dequant import MXFP4_BLOCK as BLOCK
+from agentbox.kernels.dequant import dequant_mxfp4
+from agentbox.layers.moe import ExpertMethod, FusedMoE, activate, moe_ref
 
-BLOCK = 32  # values per scale
-FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+__all__ = ["BLOCK", "Mxfp4Experts", "dequant_mxfp4", "is_mxfp4_checkpoint", "kernel_runs"]
 
 
 def is_mxfp4_checkpoint(config: Any) -> bool:
@@ -25,15 +27,13 @@ def is_mxfp4_checkpoint(config: Any) -> bool:
     return str(method).lower() == "mxfp4"
 
 
-def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """blocks [..., G, 16] uint8, scales [..., G] uint8 -> [..., G * 32] in `dtype`."""
-    if blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)}")
-    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
-    values = torch.stack((lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]), dim=-1)  # [..., G, 16, 2]
-    values = values.flatten(-2)  # [..., G, 32]: low nibble is the even element
-    exponent = scales.to(torch.int32) - 127
-    return torch.ldexp(values, exponent.unsqueeze(-1)).flatten(-2).to(dtype)
+def kernel_runs(x: torch.Tensor) -> bool:
+    """Whether the fused MXFP4 kernel takes this forward (CUDA and Triton; a test forces it on CPU)."""
+    if not x.is_cuda:
+        return False
+    from agentbox.kernels.fused_moe import triton_available
+
+    return triton_available()
 
 
 class Mxfp4Experts(ExpertMethod):
@@ -49,13 +49,24 @@ class Mxfp4Experts(ExpertMethod):
         layer.add_expert_param("w2_scales", torch.empty(e, h, i // BLOCK, dtype=u8))
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        b2 = layer.w2_bias if layer.tp_rank == 0 else None
+        if kernel_runs(x):
+            from agentbox.kernels.fused_moe_quant import fused_moe_mxfp4
+
+            def act(gate_up: torch.Tensor) -> torch.Tensor:
+                return activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
+
+            return fused_moe_mxfp4(
+                x, layer.w13_blocks, layer.w13_scales, layer.w2_blocks, layer.w2_scales,
+                topk_weights, topk_ids, act, layer.w13_bias, b2,
+            )
+
         def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
             return (
                 dequant_mxfp4(layer.w13_blocks[e], layer.w13_scales[e], x.dtype),
                 dequant_mxfp4(layer.w2_blocks[e], layer.w2_scales[e], x.dtype),
             )
 
-        b2 = layer.w2_bias if layer.tp_rank == 0 else None
         return moe_ref(
             x, topk_weights, topk_ids, expert, layer.activation, layer.w13_bias, b2,
             layer.swiglu_alpha, layer.swiglu_limit,
