@@ -63,8 +63,6 @@ def engine_rejection(profile: Profile, variant: Variant) -> str | None:
         return f"engine: architecture {arch} not implemented yet"
     if variant.format not in ENGINE_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
         return f"engine: no {variant.format} kernels yet"
-    if profile.moe and variant.format == "gguf":
-        return "engine: GGUF MoE experts (ffn_*_exps tensors) are not mapped by the GGUF loader yet"
     if profile.moe and variant.format not in MOE_EXPERT_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
         # The linear-method registry quantises dense linears; the MoE layer's experts have their own formats.
         runs = "/".join(sorted(MOE_EXPERT_FORMATS))

@@ -172,15 +172,16 @@ class Int4Experts(ExpertMethod):
         self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         kernel: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
-        """The fused kernel's call (contract 1); act-order experts (per-expert perms) are not its input."""
+        """The fused kernel's call (contract 1); act-order experts pass their per-expert row permutations."""
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
         return kernel(
             x, layer.w13_qweight, layer.w13_scale, layer.w13_offset, layer.w2_qweight, layer.w2_scale,
             layer.w2_offset, layer.int4_group, topk_weights, topk_ids, _act(layer), b13, b2,
+            w13_perm=layer.w13_perm, w2_perm=layer.w2_perm,
         )
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and layer.w13_perm is None and (kernel := fused_kernel("fused_moe_int4")) is not None:
+        if x.is_cuda and (kernel := fused_kernel("fused_moe_int4")) is not None:
             return self.fused(layer, x, topk_weights, topk_ids, kernel)
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
         return moe_ref(

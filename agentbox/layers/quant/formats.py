@@ -58,22 +58,23 @@ INT4_CPU_BYTES = 0.5 + (4 + 4) / 128  # fp32 scale and offset
 # Only methods with a registered implementation appear here (tests/test_quant_registry.py checks it).
 METHODS: dict[QuantMethod, MethodInfo] = {
     QuantMethod.UNQUANTIZED: MethodInfo(("bf16", "fp16", "fp32"), False, KernelStatus.VERIFIED),
-    # Q4_0/Q4_1/Q4_K layers stay 4-bit on GPU (w4a16); other types, and merged layers mixing them (Q4_K_M
-    # puts attn_v and half the ffn_down in Q6_K), are dequantised: planned dense, the file's mix unknown.
-    QuantMethod.GGUF: MethodInfo(("gguf",), False, KernelStatus.INTERPRETER_ONLY),
+    # Q4_0/Q4_1/Q4_K layers stay 4-bit on GPU (w4a16; experts: fused_moe_int4) and on CPU (cpu_gemv); other
+    # types, and merged layers mixing them (Q4_K_M puts attn_v and half the ffn_down in Q6_K), are
+    # dequantised: planned dense, the file's mix unknown.
+    QuantMethod.GGUF: MethodInfo(("gguf",), False, KernelStatus.INTERPRETER_ONLY, moe_gpu=KernelStatus.INTERPRETER_ONLY),
     # w8a16; w8a8 on sm_89+ (kernels/w8a8_block.py). e4m3 + one float32 scale per 128 x 128 block, on disk and resident.
     QuantMethod.FP8_BLOCK: MethodInfo(
-        ("fp8",), True, KernelStatus.INTERPRETER_ONLY, FP8_BYTES, FP8_BYTES, KernelStatus.DEQUANT_FALLBACK, FP8_BYTES
+        ("fp8",), True, KernelStatus.INTERPRETER_ONLY, FP8_BYTES, FP8_BYTES, KernelStatus.INTERPRETER_ONLY, FP8_BYTES
     ),
     # 4-bit codes + fp16 scale + 4-bit zero per group of 128 on disk; resident in the canonical int4 form:
     # codes + a scale and an offset in the compute dtype (bf16) per group.
     QuantMethod.AWQ: MethodInfo(
         ("awq",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES,
-        KernelStatus.DEQUANT_FALLBACK, INT4_CPU_BYTES,
+        KernelStatus.INTERPRETER_ONLY, INT4_CPU_BYTES,
     ),
     QuantMethod.GPTQ: MethodInfo(
         ("gptq",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES,
-        KernelStatus.DEQUANT_FALLBACK, INT4_CPU_BYTES,
+        KernelStatus.INTERPRETER_ONLY, INT4_CPU_BYTES,
     ),
     # compressed-tensors W4A16: GPTQ's method under other tensor names, the same canonical int4 form.
     QuantMethod.COMPRESSED_TENSORS: MethodInfo(
