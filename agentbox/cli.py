@@ -71,6 +71,9 @@ def serve(
         _E.attention, help="attention backend: auto (flashinfer, then triton, then torch) or one installed here by name"
     ),
     enforce_eager: bool = typer.Option(_E.enforce_eager, "--enforce-eager", help="no CUDA graphs for decode"),
+    exact_cpu: bool = typer.Option(
+        _E.exact_cpu, "--exact-cpu", help="CPU: dequantise 4-bit layers (exact fp32, slower) instead of the int8 kernels"
+    ),
     page_size: int = typer.Option(_E.page_size, help="tokens per KV page"),
     num_pages: int | None = typer.Option(None, help="KV pool size in pages (default: from --kv-cache-gb)"),  # noqa: UP007
     kv_cache_gb: float | None = typer.Option(None, help="KV pool size in GiB (default: a share of free memory)"),  # noqa: UP007
@@ -110,7 +113,7 @@ def serve(
         fail(f"port {port} on {host} is already in use by another program; pick another with --port")
     engine = EngineConfig(
         model=str(Path(model_path).resolve()), dtype=dtype, device=device, attention=attention,
-        enforce_eager=enforce_eager, page_size=page_size,
+        enforce_eager=enforce_eager, exact_cpu=exact_cpu, page_size=page_size,
         num_pages=num_pages, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
         host_cache_gb=host_cache_gb, record_trace=str(Path(record_trace).resolve()) if record_trace else None,

@@ -44,6 +44,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     attention: str = "auto"  # auto | a name in layers/backends' registry (auto: flashinfer, triton, torch)
     enforce_eager: bool = False  # True: no CUDA graphs for decode (engine/graph_runner.py)
+    # True: quantised layers dequantised on CPU (exact fp32 numbers; no int8-rounded activations, no fused
+    # decode layers: kernels/cpu_gemv.c, cpu_decode.c), at 2-3x the decode time and the fp32 weight bytes.
+    exact_cpu: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
     cpu_threads: int | None = None  # None: all cores but one (the API process and the OS keep one)

@@ -28,6 +28,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_decode.c"))  # one library; cpu_gemv.h is their shared header
 BLOCK = 32
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _c_i64, _c_ptr, _c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -56,7 +57,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None, "no C compiler (cc / gcc) on PATH"
-    source = SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in (*SOURCES, SOURCE.with_name("cpu_gemv.h")))
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_gemv-{digest}.so"
     if not target.exists():
@@ -64,7 +65,7 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         # Build beside the target and rename: tensor-parallel workers may build at the same moment.
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
-        result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True)
+        result = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
             return None, f"building {SOURCE.name} failed: {result.stderr.strip()[:300]}"
@@ -74,7 +75,10 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     lib.ab_q8_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_int]
     lib.ab_q4_dequant.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
     lib.ab_q8_rows.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr]
-    for f in (lib.ab_q4_matmul, lib.ab_q8_matmul):
+    # (layer*, dims*, hidden, residual, first, m, positions, slots, page_table, stride, page_size, kv_lens, threads)
+    lib.ab_decode_layer.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_i64,
+                                    _c_i64, _c_ptr, _c_int]
+    for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer):
         f.restype = _c_int
     return lib, ""
 

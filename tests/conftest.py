@@ -31,7 +31,22 @@ def exact_cpu_kernels():  # noqa: ANN201 - a generator fixture
 
 @pytest.fixture(scope="session")
 def smollm2_loaded(smollm2_path: Path):  # noqa: ANN201 - LoadedModel, imported lazily
-    """SmolLM2 loaded once per test run (fp32, CPU), shared by every in-process engine test."""
+    """SmolLM2 loaded once per test run (fp32, CPU), shared by every in-process engine test. Its layers are
+    dequantised (exact_cpu_kernels): the engine tests compare batched, chunked, cached and preempted runs
+    token for token, and the default CPU path's int8-rounded activations make the last bits of a token
+    depend on which path its step took (tests/test_cpu_gemv.py, test_cpu_decode.py cover that path)."""
+    import torch
+
+    from agentbox.layers.quant import int4
+    from agentbox.models.loader import load_model
+
+    with int4.cpu_kernel(int4.Int4Kernel.DENSE):
+        return load_model(str(smollm2_path), torch.float32, "cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_fast(smollm2_path: Path):  # noqa: ANN201 - LoadedModel, imported lazily
+    """SmolLM2 on the default CPU path (4-bit layers and the Q8_0 head through kernels/cpu_gemv), once."""
     import torch
 
     from agentbox.models.loader import load_model

@@ -320,14 +320,14 @@ def test_smollm2_greedy_matches_transformers(smollm2: SmolLM2) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_on_the_default_cpu_kernels_agrees_with_transformers(smollm2: SmolLM2, smollm2_loaded: LoadedModel) -> None:
+def test_smollm2_on_the_default_cpu_kernels_agrees_with_transformers(smollm2: SmolLM2, smollm2_fast: LoadedModel) -> None:
     """The engine's default CPU path (4-bit layers and the Q8_0 head through kernels/cpu_gemv, activations
     rounded to int8 per 32 as llama.cpp does) picks transformers' top token almost everywhere."""
     from agentbox.kernels import cpu_gemv
 
     if not cpu_gemv.available():
         pytest.skip(f"CPU kernels unavailable: {cpu_gemv.unavailable_reason()}")
-    model = smollm2_loaded.model
+    model = smollm2_fast.model
     assert model.model.layers[0].mlp.down_proj.int4_kernel is int4.Int4Kernel.CPU_SIMD
     assert model.model.embed_tokens.quant is not None and model.model.embed_tokens.quant.is_q8
     tokenizer = load_tokenizer(smollm2.ours.source)
@@ -336,6 +336,6 @@ def test_smollm2_on_the_default_cpu_kernels_agrees_with_transformers(smollm2: Sm
     with torch.no_grad():
         expected = smollm2.hf(torch.tensor([ids])).logits[0]
     for rows in (ids, ids[:24]):  # the many-row path (dequantise + sgemm) and the kernel itself
-        got = PagedRunner(smollm2_loaded, num_pages=32, page_size=16).step({0: rows})[0]
+        got = PagedRunner(smollm2_fast, num_pages=32, page_size=16).step({0: rows})[0]
         agree = (got.argmax(-1) == expected[: len(rows)].argmax(-1)).float().mean().item()
         assert agree >= 0.9, f"top-token agreement {agree:.2f} over {len(rows)} positions"

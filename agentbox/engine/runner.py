@@ -5,6 +5,7 @@ rank 0 holds the whole vocabulary row after `execute`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ from agentbox.engine.step_inputs import StepInputs
 from agentbox.layers.backends import select_backend
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
-from agentbox.layers.quant import resident_weight_bytes
+from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import LoadedModel, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 
@@ -65,7 +66,11 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads or max(1, ((os.cpu_count() or 2) - 1) // self.tp))
         elif self.tp > 1:
             torch.cuda.set_device(self.device)
-        self.loaded = loaded or load_model(config.model, self.dtype, self.device)
+        if loaded is None:
+            exact = int4.cpu_kernel(int4.Int4Kernel.DENSE) if config.exact_cpu else contextlib.nullcontext()
+            with exact:
+                loaded = load_model(config.model, self.dtype, self.device)
+        self.loaded = loaded
         lm = self.loaded
         self.weight_bytes = resident_weight_bytes(lm.model)
         self.weight_bytes_per_rank = control_all_gather(self.weight_bytes)

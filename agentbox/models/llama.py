@@ -23,6 +23,7 @@ from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agentbox.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from agentbox.layers.norm import RMSNorm
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
+from agentbox.models import cpu_decode
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 SINK_MODEL_TYPES = ("gpt_oss",)
@@ -148,9 +149,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        self.rotary.begin(positions, hidden.dtype)
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        fused = cpu_decode.run_layers(self, hidden, positions)  # a decode step on CPU, one call per layer
+        if fused is not None:
+            hidden, residual = fused
+        else:
+            self.rotary.begin(positions, hidden.dtype)
+            for layer in self.layers:
+                hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,145 @@
+"""Decode steps of a Llama-family model on CPU through kernels/cpu_decode.c: one C call per layer.
+
+What a CUDA graph is on a GPU, this is on a CPU: the step's small ops (residual adds, RMSNorm, rotary, the
+KV store, attention, SiLU) cost more in PyTorch's per-op dispatch than the 4-bit matmuls cost in arithmetic,
+so the layer runs as one call. A model qualifies when every layer is a plain Llama layer (no q/k norm, no
+biases, no sinks or windows, a dense SiLU MLP) whose four linears run kernels/cpu_gemv's 4-bit kernel, in
+fp32 at tensor-parallel size 1; a step qualifies when every sequence decodes one token. Anything else runs
+the torch layers, which define the numbers this path must match (tests/test_cpu_decode.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from agentbox.layers.context import get_forward_context
+from agentbox.layers.quant.int4 import Int4Kernel
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_enabled = True
+
+
+class _Q4(ctypes.Structure):
+    _fields_ = [("codes", _ptr), ("scale", _ptr), ("offset", _ptr), ("n", _i64), ("k", _i64), ("group", _i64),
+                ("half", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Q4), ("o", _Q4), ("gate_up", _Q4), ("down", _Q4), ("ln1", _ptr), ("ln2", _ptr),
+                ("k_cache", _ptr), ("v_cache", _ptr)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("inter", _i64),
+                ("cos", _ptr), ("sin", _ptr), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Decode through the torch layers inside (the twin this path is tested against)."""
+    global _enabled
+    previous, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = previous
+
+
+def _q4(linear: nn.Module) -> _Q4:
+    return _Q4(linear.weight.data_ptr(), linear.scale.data_ptr(), linear.offset.data_ptr(), linear.output_size,
+               linear.input_size, linear.int4_group, int(linear.scale.dtype == torch.float16))
+
+
+def _linears(layer: nn.Module) -> list[nn.Module]:
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+
+def eligible(model: nn.Module) -> bool:
+    """Static checks, once per model (see the module notes)."""
+    from agentbox.kernels import cpu_gemv
+    from agentbox.models.llama import LlamaDecoderLayer, LlamaMLP
+
+    if not cpu_gemv.available():
+        return False
+    for layer in model.layers:
+        if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
+            return False
+        attn = layer.self_attn
+        if attn.qk_norm or attn.sinks is not None or attn.attn.sliding_window is not None or attn.qkv_proj.tp_size != 1:
+            return False
+        for lin in _linears(layer):
+            if getattr(lin, "int4_kernel", None) is not Int4Kernel.CPU_SIMD or lin.bias is not None:
+                return False
+            if getattr(lin, "act_perm", None) is not None or lin.weight.device.type != "cpu":
+                return False
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        if any(w.dtype != torch.float32 for w in norms):
+            return False
+    return model.rotary.cos_cached.dtype == torch.float32
+
+
+@dataclass
+class _Plan:
+    layers: list[_Layer]
+    dims: _Dims
+    cache_key: tuple[int, ...]  # the KV tensors the layer structs point into
+
+
+def _plan(model: nn.Module, kv: Any) -> _Plan:
+    first = model.layers[0].self_attn
+    mlp = model.layers[0].mlp
+    rotary = model.rotary
+    layers = []
+    for i, layer in enumerate(model.layers):
+        qkv, o, gu, down = (_q4(lin) for lin in _linears(layer))
+        layers.append(_Layer(qkv, o, gu, down, layer.input_layernorm.weight.data_ptr(),
+                             layer.post_attention_layernorm.weight.data_ptr(), kv.k[i].data_ptr(), kv.v[i].data_ptr()))
+    dims = _Dims(model.layers[0].input_layernorm.weight.numel(), first.num_heads, first.num_kv_heads, first.head_dim,
+                 mlp.down_proj.input_size, rotary.cos_cached.data_ptr(), rotary.sin_cached.data_ptr(),
+                 model.layers[0].input_layernorm.eps, first.attn.scale)
+    return _Plan(layers, dims, _cache_key(kv))
+
+
+def _cache_key(kv: Any) -> tuple[int, ...]:
+    return tuple(t.data_ptr() for t in (*kv.k, *kv.v))
+
+
+def run_layers(model: nn.Module, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(hidden, residual) after every layer, or None when this model or step does not qualify."""
+    from agentbox.kernels import cpu_gemv
+
+    if not _enabled or hidden.is_cuda or hidden.dtype != torch.float32:
+        return None
+    ok = model.__dict__.get("_cpu_decode_ok")
+    if ok is None:
+        ok = model.__dict__["_cpu_decode_ok"] = eligible(model)
+    ctx = get_forward_context()
+    meta, kv = ctx.meta, ctx.backend.kv_cache
+    if not ok or not meta.is_decode_only or kv.k[0].dtype != torch.float32 or hidden.shape[0] != meta.num_seqs:
+        return None
+    plan: _Plan | None = model.__dict__.get("_cpu_decode_plan")
+    if plan is None or plan.cache_key != _cache_key(kv):
+        plan = model.__dict__["_cpu_decode_plan"] = _plan(model, kv)
+    hidden = hidden.contiguous()  # the embedding's fresh output: updated in place
+    residual = torch.empty_like(hidden)
+    pos = positions.to(torch.int64).contiguous()
+    slots = meta.slot_mapping.to(torch.int64).contiguous()
+    table = meta.page_table.to(torch.int32).contiguous()
+    kv_lens = torch.tensor(meta.kv_lens, dtype=torch.int64)
+    lib, threads = cpu_gemv._lib(), cpu_gemv.threads()
+    args = (hidden.data_ptr(), residual.data_ptr())
+    for i, layer in enumerate(plan.layers):
+        rc = lib.ab_decode_layer(
+            ctypes.addressof(layer), ctypes.addressof(plan.dims), *args, int(i == 0), hidden.shape[0], pos.data_ptr(),
+            slots.data_ptr(), table.data_ptr(), table.shape[1], meta.page_size, kv_lens.data_ptr(), threads,
+        )
+        if rc != 0:
+            raise RuntimeError(f"the CPU decode layer {i} failed (code {rc})")
+    return hidden, residual

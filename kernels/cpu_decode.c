@@ -1,0 +1,133 @@
+/* One Llama decoder layer of a decode step in one call (CPU, fp32 activations, 4-bit weights).
+ *
+ * Eager PyTorch spends about 60 op dispatches per layer on a decode step; on SmolLM2 (30 layers) that is
+ * more time than its 4-bit matmuls take. This is the same layer as models/llama.py's (and the same matmul
+ * kernel, ab_q4_matmul, with its int8-rounded activations) with the small ops in plain C: the residual add,
+ * RMSNorm, rotary embedding, the paged KV store, attention over the sequence's pages, SiLU-and-mul.
+ * One query token per sequence (token m is sequence m); k/v go to the cache before attention, so a token
+ * sees itself. The runner checks that a model fits (models/cpu_decode.py) and otherwise runs the torch path.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_gemv.h"
+
+typedef struct {
+    const uint8_t *codes;
+    const void *scale, *offset;
+    int64_t n, k, group;
+    int64_t half;
+} q4w_t;
+
+typedef struct {
+    q4w_t qkv, o, gate_up, down;
+    const float *ln1, *ln2; /* [H] */
+    float *k_cache, *v_cache; /* [slots][Hkv][D] */
+} layer_t;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    const float *cos, *sin; /* [positions][D], HF's cat(freqs, freqs) layout */
+    float eps, scale;
+} dims_t;
+
+static int mm(const q4w_t *w, const float *x, int64_t m, float *out, int threads) {
+    return ab_q4_matmul(x, m, w->k, w->codes, w->scale, w->offset, w->n, w->group, out, threads, (int)w->half);
+}
+
+static void rmsnorm(const float *x, const float *w, int64_t h, float eps, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) out[i] = w[i] * (x[i] * r);
+}
+
+static void rope(float *x, const float *cos, const float *sin, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *residual, int first, int64_t m,
+                    const int64_t *positions, const int64_t *slots, const int32_t *page_table, int64_t pt_stride,
+                    int64_t page_size, const int64_t *kv_lens, int threads) {
+    const int64_t h = d->hidden, hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, in = d->inter;
+    const int64_t qkv_n = (hq + 2 * hkv) * hd, group = hq / hkv;
+    int64_t max_kv = 1;
+    for (int64_t t = 0; t < m; t++) max_kv = kv_lens[t] > max_kv ? kv_lens[t] : max_kv;
+    float *normed = malloc(sizeof(float) * m * h), *qkv = malloc(sizeof(float) * m * qkv_n);
+    float *attn = malloc(sizeof(float) * m * hq * hd), *gu = malloc(sizeof(float) * m * 2 * in);
+    float *act = malloc(sizeof(float) * m * in), *o = malloc(sizeof(float) * m * h);
+    float *scores_all = malloc(sizeof(float) * (threads > 1 ? threads : 1) * max_kv); /* one row per thread */
+    int rc = -1;
+    if (!normed || !qkv || !attn || !gu || !act || !o || !scores_all) goto done;
+
+    for (int64_t t = 0; t < m; t++) {
+        float *res = residual + t * h, *hid = hidden + t * h;
+        for (int64_t i = 0; i < h; i++) res[i] = first ? hid[i] : hid[i] + res[i];
+        rmsnorm(res, L->ln1, h, d->eps, normed + t * h);
+    }
+    if ((rc = mm(&L->qkv, normed, m, qkv, threads))) goto done;
+    for (int64_t t = 0; t < m; t++) {
+        float *row = qkv + t * qkv_n;
+        const float *c = d->cos + positions[t] * hd, *s = d->sin + positions[t] * hd;
+        for (int64_t head = 0; head < hq + hkv; head++) rope(row + head * hd, c, s, hd); /* q and k heads */
+        if (slots[t] >= 0) {
+            memcpy(L->k_cache + slots[t] * hkv * hd, row + hq * hd, sizeof(float) * hkv * hd);
+            memcpy(L->v_cache + slots[t] * hkv * hd, row + (hq + hkv) * hd, sizeof(float) * hkv * hd);
+        }
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t th = 0; th < m * hq; th++) {
+        const int64_t t = th / hq, head = th % hq, kvh = head / group, n = kv_lens[t];
+        const float *q = qkv + t * qkv_n + head * hd;
+        float *scores = scores_all + (threads > 1 ? omp_get_thread_num() : 0) * max_kv;
+        float *out = attn + t * hq * hd + head * hd;
+        float top = -INFINITY;
+        for (int64_t j = 0; j < n; j++) {
+            int64_t slot = (int64_t)page_table[t * pt_stride + j / page_size] * page_size + j % page_size;
+            const float *k = L->k_cache + (slot * hkv + kvh) * hd;
+            float dot = 0.0f;
+            for (int64_t i = 0; i < hd; i++) dot += q[i] * k[i];
+            scores[j] = dot * d->scale;
+            top = scores[j] > top ? scores[j] : top;
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < n; j++) sum += (scores[j] = expf(scores[j] - top));
+        for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            int64_t slot = (int64_t)page_table[t * pt_stride + j / page_size] * page_size + j % page_size;
+            const float *v = L->v_cache + (slot * hkv + kvh) * hd;
+            float p = scores[j] / sum;
+            for (int64_t i = 0; i < hd; i++) out[i] += p * v[i];
+        }
+    }
+    if ((rc = mm(&L->o, attn, m, o, threads))) goto done;
+    for (int64_t t = 0; t < m; t++) {
+        float *res = residual + t * h;
+        for (int64_t i = 0; i < h; i++) res[i] += o[t * h + i];
+        rmsnorm(res, L->ln2, h, d->eps, normed + t * h);
+    }
+    if ((rc = mm(&L->gate_up, normed, m, gu, threads))) goto done;
+    for (int64_t t = 0; t < m; t++)
+        for (int64_t i = 0; i < in; i++) {
+            float g = gu[t * 2 * in + i];
+            act[t * in + i] = g / (1.0f + expf(-g)) * gu[t * 2 * in + in + i];
+        }
+    rc = mm(&L->down, act, m, hidden, threads);
+done:
+    free(normed);
+    free(qkv);
+    free(attn);
+    free(gu);
+    free(act);
+    free(o);
+    free(scores_all);
+    return rc;
+}
