@@ -260,9 +260,10 @@ def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> in
     bytes plus what its resident form adds per weight (int4: a bf16 scale and offset per group where the
     file has an fp16 scale and a 4-bit zero; MoE experts included, layers/moe_quant.py), counted over every
     parameter (an upper bound: embeddings and norms stay as stored). The rest become the compute dtype (bf16
-    on GPU, fp32 on CPU; EngineConfig.resolved_dtype). On CPU the dense linears of a quantised method are
-    dequantised once at load (the faster path on AVX2; see layers/quant/int4.py), so it is planned at
-    fp32 there (an upper bound for MoE, whose experts stay quantised on CPU too)."""
+    on GPU, fp32 on CPU; EngineConfig.resolved_dtype). On CPU the dense linears are planned at fp32: the
+    bound for a CPU where kernels/cpu_gemv cannot build (no compiler, no AVX2) and for --exact-cpu; where it
+    builds, 4-bit layers stay 4-bit (layers/quant/int4.py) and the plan over-counts them. MoE experts stay
+    quantised on CPU either way."""
     method = method_of_format(variant.format)
     if method is None and variant.format in QUANTISED_FORMATS:
         return variant.size  # not runnable here anyway: planned as an engine that keeps it quantised
