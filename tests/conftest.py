@@ -101,6 +101,10 @@ def live_server(smollm2_path: Path, agentbox_home: Path):  # noqa: ANN201 - yiel
         "2048",
         "--record-trace",
         str(agentbox_home / "recorded.jsonl"),
+        # The exact (dequantised) CPU path: tests here check what SmolLM2 answers. On the default path,
+        # whose activations are rounded to int8 as llama.cpp's are, "What is the capital of France?"
+        # starts "L'Étoile, la Marseillaise" -- token for token what llama.cpp answers on this file.
+        "--exact-cpu",
     ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:

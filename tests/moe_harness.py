@@ -44,6 +44,7 @@ def paged_logits(loaded, page_size: int = 4) -> torch.Tensor:  # noqa: ANN001 - 
 def _tp_worker(rank: int, world: int, init_file: str, model_dirs: list[str], out_dir: str) -> None:
     import torch.distributed as dist
 
+    from agentbox.layers.quant import int4
     from agentbox.models.loader import load_model
     from agentbox.parallel.state import set_tp_state
 
@@ -52,7 +53,9 @@ def _tp_worker(rank: int, world: int, init_file: str, model_dirs: list[str], out
     try:
         set_tp_state(rank, world)
         for m, model_dir in enumerate(model_dirs):
-            logits = paged_logits(load_model(model_dir, torch.float32, "cpu"))
+            with int4.cpu_kernel(int4.Int4Kernel.DENSE):  # compared with fp32 twins: the exact CPU path
+                loaded = load_model(model_dir, torch.float32, "cpu")
+            logits = paged_logits(loaded)
             torch.save(logits, os.path.join(out_dir, f"model{m}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -18,8 +18,11 @@ from transformers import Qwen3MoeConfig
 from agentbox.layers.moe import FusedMoE
 from agentbox.layers.moe_awq_gptq import AwqExperts, GptqExperts
 from agentbox.layers.moe_quant import Fp8BlockExperts
-from agentbox.layers.quant import resident_weight_bytes
+from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import load_model
+
+# The dense linears of these checkpoints are quantised too: the exact CPU path (see exact_cpu_kernels).
+pytestmark = pytest.mark.usefixtures("exact_cpu_kernels")
 
 # Every quantised dim whole blocks of 128 (FP8) and groups of 128 (int4), also per rank at tp 2.
 CONFIG = Qwen3MoeConfig(
@@ -44,7 +47,8 @@ def write(path: Path, case: str) -> torch.nn.Module:
 def quantised(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("moe") / request.param
     twin = write(path, request.param)
-    return request.param, path, twin, load_model(str(path), torch.float32, "cpu")
+    with int4.cpu_kernel(int4.Int4Kernel.DENSE):  # module-scoped: outside the exact_cpu_kernels fixture
+        return request.param, path, twin, load_model(str(path), torch.float32, "cpu")
 
 
 def test_logits_and_greedy_tokens_match_the_dequantised_twin(quantised) -> None:  # noqa: ANN001

@@ -80,7 +80,7 @@ def test_qwen3_coder_moe_on_two_5090s_counts_every_expert_and_says_what_fits() -
     assert p.chosen is fp8 and fp8.ok and fp8.tp == 2 and fp8.weights_bytes == fp8.variant.size
     bad = next(n for n in fp8.notes if "garbage on sm_120" in n)
     assert "fp8_w8a8" in bad and "runs fp8 weight-only" in bad and "not verified on this GPU family" in bad
-    assert any(n.startswith("fp8 MoE experts: no fused GPU kernel in this build") for n in fp8.notes)
+    assert any(n.startswith("fp8 MoE experts: our fused Triton kernel is verified only under") for n in fp8.notes)
     # the 4-bit AWQ release fits one 32 GB card, resident = the file + a bf16 scale and offset per group
     awq = cand(p, "awq")
     assert awq.ok and awq.tp == 1

@@ -5,6 +5,8 @@ after loading into the canonical int4 expert form (`moe_quant.Int4Experts`) that
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 from torch import nn
 
@@ -55,9 +57,11 @@ class _Int4CheckpointExperts(Int4Experts):
         layer.w13_perm = layer.w2_perm = None
         self.create_raw(layer)
 
+    @abstractmethod
     def create_raw(self, layer: FusedMoE) -> None:
-        raise NotImplementedError
+        """Register the checkpoint layout's stacked parameters (RAW names) on `layer`."""
 
+    @abstractmethod
     def to_canonical(
         self, layer: FusedMoE, w: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -65,7 +69,6 @@ class _Int4CheckpointExperts(Int4Experts):
         [E, K/g, N] float32, perm [E, K] or None), all experts at once. A Qwen3-30B-shaped layer (128
         experts, 2048 x 768) converts in 3.9 s (AWQ) and 0.25 s (GPTQ) on this shared CPU, one thread;
         per expert with the word-shifting helpers AWQ took 6.4 s."""
-        raise NotImplementedError
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         device = getattr(layer, f"w13_{self.RAW[0]}").device

@@ -272,7 +272,8 @@ def registered_expert_methods() -> frozenset[QuantMethod]:
 
 
 def _register_checkpoint_formats() -> None:
-    from agentbox.layers import moe_awq_gptq  # noqa: F401 - it builds on this module and registers AWQ, GPTQ
+    # They build on this module and register themselves: AWQ, GPTQ; GGUF (its loader imports it too).
+    from agentbox.layers import gguf_experts, moe_awq_gptq  # noqa: F401
 
 
 def expert_method(prefix: str = "") -> ExpertMethod:
