@@ -18,7 +18,7 @@
 
 typedef struct {
     const uint8_t *codes;
-    const void *scale, *offset;
+    const void *so; /* scales and offsets, as cpu_gemv.c tiles them */
     int64_t n, k, group;
     int64_t half;
 } q4w_t;
@@ -36,7 +36,7 @@ typedef struct {
 } dims_t;
 
 static int mm(const q4w_t *w, const float *x, int64_t m, float *out, int threads) {
-    return ab_q4_matmul(x, m, w->k, w->codes, w->scale, w->offset, w->n, w->group, out, threads, (int)w->half);
+    return ab_q4_matmul(x, m, w->k, w->codes, w->so, w->n, w->group, out, threads, (int)w->half);
 }
 
 static void rmsnorm(const float *x, const float *w, int64_t h, float eps, float *out) {

@@ -8,9 +8,11 @@
  * does, so one block's dot product is integer arithmetic (u8 x s8 pairs summed to int16, then int32) and
  * one FMA. Offsets (asymmetric 4-bit) multiply the block sums of the rounded x.
  *
- * Q4: codes [N][K/32][16] bytes, byte j of a block holding element j (low nibble) and j + 16 (high
- *     nibble); scale and offset fp32 or fp16 [N][K/group], group a multiple of 32: w = q * scale + offset.
- * Q8: codes [N][K/32][32] int8; scale fp32 [N][K/32]: w = q * scale (GGUF Q8_0).
+ * Rows come in tiles of NR = 4 (the last one padded with zero rows), each tile stored block by block:
+ * Q4: codes [N/4][K/32][4][16] bytes, byte j of a row's block holding element j (low nibble) and j + 16
+ *     (high nibble); scales and offsets [N/4][K/group][2][4] (a tile's four scales, then its four offsets),
+ *     fp32 or fp16, group a multiple of 32: w = q * scale + offset.
+ * Q8: codes [N/4][K/32][4][32] int8; scales [N/4][K/32][4] fp32 or fp16: w = q * scale (GGUF Q8_0).
  * Rows of the output are split over `threads` OpenMP threads (none are started for one).
  */
 #include <immintrin.h>
@@ -21,7 +23,6 @@
 
 #define QB 32   /* elements per activation block */
 #define NR 4    /* weight rows one pass over an activation row serves */
-#define GMAX 512 /* scale groups per row converted up front (K up to 16384 at groups of 32) */
 
 typedef struct {
     int8_t *q;     /* [M][K] */
@@ -77,147 +78,139 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One activation row against NR consecutive weight rows: NR independent FMA chains hide the FMA latency
- * that one row's chain would wait on, and each activation block is loaded once for all NR rows. */
-static inline __attribute__((always_inline)) void q4_rows(const act_t *a, int64_t m, int64_t k, const uint8_t *codes,
-                                                          const void *scale, const void *offset, int64_t group,
-                                                          float *out, const int nr, const int half) {
+/* Four scales (or offsets) of a tile's rows, fp16 or fp32. */
+static inline __attribute__((always_inline)) __m128 ld4(const void *p, int64_t i, const int half) {
+    return half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)p + i)))
+                : _mm_loadu_ps((const float *)p + i);
+}
+
+/* One activation row against one tile of NR = 4 weight rows. A tile's block is one 64-byte line of codes,
+ * so the tile is one memory stream: with four separate row streams (the rows' own layout) the hardware
+ * prefetcher fell behind and the 1536-column down projection ran at half the bandwidth of the others. The
+ * four rows are four independent FMA chains, and each activation block is loaded once for all four. */
+static inline __attribute__((always_inline)) void q4_tile(const act_t *a, int64_t m, int64_t k, const uint8_t *codes,
+                                                          const void *so, int64_t group, float *out, const int nr,
+                                                          const int half) {
     const int64_t nb = k / QB, per = group / QB, gk = k / group;
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[NR];
-    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    __m128 oacc = _mm_setzero_ps();
     const int8_t *xq = a->q + m * k;
-    const float *xd = a->d + m * nb;
-    /* fp16 scales converted eight at a time up front: one scalar convert per row and block was a quarter
-     * of the loop's instructions. */
-    float sb[NR][GMAX];
-    const int pre = half && gk <= GMAX;
-    if (pre)
-        for (int r = 0; r < nr; r++) {
-            const uint16_t *src = (const uint16_t *)scale + r * gk;
-            int64_t g = 0;
-            for (; g + 8 <= gk; g += 8) _mm256_storeu_ps(sb[r] + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + g))));
-            for (; g < gk; g++) sb[r][g] = _cvtsh_ss(src[g]);
-        }
+    const float *xd = a->d + m * nb, *xs = a->gsum + m * gk;
     for (int64_t g = 0; g < gk; g++) { /* groups outside, blocks inside: no division in the loop */
-        float s[NR];
-        for (int r = 0; r < nr; r++) s[r] = pre ? sb[r][g] : ld(scale, r * gk + g, half);
+        const __m128 s4 = ld4(so, g * 2 * NR, half);
+        /* the offsets' term: offset * (sum of the rounded x over the group), four rows at once */
+        oacc = _mm_fmadd_ps(ld4(so, g * 2 * NR + NR, half), _mm_set1_ps(xs[g]), oacc);
         for (int64_t b = g * per; b < (g + 1) * per; b++) {
-            __m256i xv = _mm256_load_si256((const __m256i *)(xq + b * QB));
-            __m256 d = _mm256_set1_ps(xd[b]);
-            for (int r = 0; r < nr; r++) {
-                __m128i raw = _mm_loadu_si128((const __m128i *)(codes + r * (k / 2) + b * 16));
-                __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(_mm256_set1_ps(s[r]), d), acc[r]);
+            const __m256i xv = _mm256_load_si256((const __m256i *)(xq + b * QB));
+            float sd[NR];
+            _mm_storeu_ps(sd, _mm_mul_ps(s4, _mm_set1_ps(xd[b])));
+            const uint8_t *c = codes + b * NR * 16;
+            const __m256i r01 = _mm256_loadu_si256((const __m256i *)c), r23 = _mm256_loadu_si256((const __m256i *)(c + 32));
+            const __m256i l01 = _mm256_and_si256(r01, low), h01 = _mm256_and_si256(_mm256_srli_epi16(r01, 4), low);
+            const __m256i l23 = _mm256_and_si256(r23, low), h23 = _mm256_and_si256(_mm256_srli_epi16(r23, 4), low);
+            /* row r's 32 codes: its low nibbles (elements 0..15), then its high ones (16..31) */
+            const __m256i q[NR] = {_mm256_permute2x128_si256(l01, h01, 0x20), _mm256_permute2x128_si256(l01, h01, 0x31),
+                                   _mm256_permute2x128_si256(l23, h23, 0x20), _mm256_permute2x128_si256(l23, h23, 0x31)};
+            for (int r = 0; r < NR; r++) {
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], xv), ones);
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sd[r]), acc[r]);
             }
         }
     }
-    /* The offsets' term, sum over groups of offset * (sum of x in the group), eight groups a step: a scalar
-     * chain here (an fp16 convert and an FMA per group, 18 groups a row for K = 576) cost more than the
-     * row's whole block loop. */
-    const float *xs = a->gsum + m * gk; /* sums of x per scale group */
-    for (int r = 0; r < nr; r++) {
-        __m256 o8 = acc[r];
-        int64_t g = 0;
-        for (; g + 8 <= gk; g += 8) {
-            __m256 ov = half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)offset + r * gk + g)))
-                             : _mm256_loadu_ps((const float *)offset + r * gk + g);
-            o8 = _mm256_fmadd_ps(ov, _mm256_loadu_ps(xs + g), o8);
-        }
-        float off = 0.0f;
-        for (; g < gk; g++) off += ld(offset, r * gk + g, half) * xs[g];
-        out[r] = hsum(o8) + off;
-    }
+    float off[NR];
+    _mm_storeu_ps(off, oacc);
+    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]) + off[r]; /* a padded tail tile stores its real rows */
 }
 
-static inline __attribute__((always_inline)) void q8_rows(const act_t *a, int64_t m, int64_t k, const int8_t *codes,
-                                                          const float *scale, float *out, const int nr) {
+static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_t m, int64_t k, const int8_t *codes,
+                                                          const void *scale, float *out, const int nr, const int half) {
     const int64_t nb = k / QB;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[NR];
-    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     const int8_t *xq = a->q + m * k;
     const float *xd = a->d + m * nb;
     for (int64_t b = 0; b < nb; b++) {
-        __m256i xv = _mm256_load_si256((const __m256i *)(xq + b * QB));
-        float d = xd[b];
-        for (int r = 0; r < nr; r++) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)(codes + r * k + b * QB));
+        const __m256i xv = _mm256_load_si256((const __m256i *)(xq + b * QB));
+        float sd[NR];
+        _mm_storeu_ps(sd, _mm_mul_ps(ld4(scale, b * NR, half), _mm_set1_ps(xd[b])));
+        for (int r = 0; r < NR; r++) {
+            __m256i w = _mm256_loadu_si256((const __m256i *)(codes + (b * NR + r) * QB));
             /* |w| as unsigned and the sign moved onto x: u8 x s8 is the only byte product AVX2 has */
             __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale[r * nb + b] * d), acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sd[r]), acc[r]);
         }
     }
     for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]);
 }
 
-static inline __attribute__((always_inline)) void q4_matmul(const act_t *a, int64_t m, int64_t k,
-                                                            const uint8_t *codes, const void *scale,
-                                                            const void *offset, int64_t n, int64_t group, float *out,
+/* The output tile by tile (columns j .. j + 4 of every row of x); tiles are split over threads. `half` is
+ * a literal at each call, so the fp16 and fp32 variants are compiled separately. */
+static inline __attribute__((always_inline)) void q4_matmul(const act_t *a, int64_t m, int64_t k, const uint8_t *codes,
+                                                            const char *so, int64_t n, int64_t group, float *out,
                                                             int threads, const int half) {
-    const int64_t gk = k / group, tiles = (n + NR - 1) / NR, es = half ? 2 : 4;
-    const char *sc = (const char *)scale, *of = (const char *)offset;
+    const int64_t tile_codes = NR * k / 2, tile_so = k / group * 2 * NR * (half ? 2 : 4);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t j = t * NR;
-        for (int64_t i = 0; i < m; i++) {
-            if (j + NR <= n)
-                q4_rows(a, i, k, codes + j * (k / 2), sc + j * gk * es, of + j * gk * es, group, out + i * n + j, NR,
-                        half);
-            else
-                for (int64_t jj = j; jj < n; jj++)
-                    q4_rows(a, i, k, codes + jj * (k / 2), sc + jj * gk * es, of + jj * gk * es, group,
-                            out + i * n + jj, 1, half);
-        }
+    for (int64_t t = 0; t < (n + NR - 1) / NR; t++) {
+        const int64_t j = t * NR;
+        const int nr = n - j < NR ? (int)(n - j) : NR;
+        for (int64_t i = 0; i < m; i++)
+            q4_tile(a, i, k, codes + t * tile_codes, so + t * tile_so, group, out + i * n + j, nr, half);
     }
 }
 
-int ab_q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *scale,
-                 const void *offset, int64_t n, int64_t group, float *out, int threads, int half) {
+static inline __attribute__((always_inline)) void q8_matmul(const act_t *a, int64_t m, int64_t k, const int8_t *codes,
+                                                            const char *scale, int64_t n, float *out, int threads,
+                                                            const int half) {
+    const int64_t tile_scale = k / QB * NR * (half ? 2 : 4);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < (n + NR - 1) / NR; t++) {
+        const int64_t j = t * NR;
+        const int nr = n - j < NR ? (int)(n - j) : NR;
+        for (int64_t i = 0; i < m; i++) q8_tile(a, i, k, codes + t * NR * k, scale + t * tile_scale, out + i * n + j, nr, half);
+    }
+}
+
+int ab_q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *so, int64_t n,
+                 int64_t group, float *out, int threads, int half) {
     if (k % QB || group % QB || k % group) return -2;
     act_t a;
     if (quantize_activations(x, m, k, group, &a)) return -1;
     if (half)
-        q4_matmul(&a, m, k, codes, scale, offset, n, group, out, threads, 1);
+        q4_matmul(&a, m, k, codes, (const char *)so, n, group, out, threads, 1);
     else
-        q4_matmul(&a, m, k, codes, scale, offset, n, group, out, threads, 0);
+        q4_matmul(&a, m, k, codes, (const char *)so, n, group, out, threads, 0);
     free_activations(&a);
     return 0;
 }
 
-int ab_q8_matmul(const float *x, int64_t m, int64_t k, const int8_t *codes, const float *scale, int64_t n,
-                 float *out, int threads) {
+int ab_q8_matmul(const float *x, int64_t m, int64_t k, const int8_t *codes, const void *scale, int64_t n,
+                 float *out, int threads, int half) {
     if (k % QB) return -2;
     act_t a;
     if (quantize_activations(x, m, k, QB, &a)) return -1;
-    const int64_t nb = k / QB, tiles = (n + NR - 1) / NR;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t j = t * NR;
-        for (int64_t i = 0; i < m; i++) {
-            if (j + NR <= n)
-                q8_rows(&a, i, k, codes + j * k, scale + j * nb, out + i * n + j, NR);
-            else
-                for (int64_t jj = j; jj < n; jj++)
-                    q8_rows(&a, i, k, codes + jj * k, scale + jj * nb, out + i * n + jj, 1);
-        }
-    }
+    if (half)
+        q8_matmul(&a, m, k, codes, (const char *)scale, n, out, threads, 1);
+    else
+        q8_matmul(&a, m, k, codes, (const char *)scale, n, out, threads, 0);
     free_activations(&a);
     return 0;
 }
 
 /* Dense fp32 rows of a Q4 weight (prefill multiplies many rows: dequantise once, then one sgemm). */
-void ab_q4_dequant(const uint8_t *codes, const void *scale, const void *offset, int64_t n, int64_t k,
-                   int64_t group, float *out, int threads, int half) {
+void ab_q4_dequant(const uint8_t *codes, const void *so, int64_t n, int64_t k, int64_t group, float *out,
+                   int threads, int half) {
     const int64_t nb = k / QB, per = group / QB, gk = k / group;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t j = 0; j < n; j++) {
+        const int64_t t = j / NR, r = j % NR;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *c = codes + j * (k / 2) + b * 16;
-            const int64_t g = per == 1 ? b : b / per;
-            float s = ld(scale, j * gk + g, half), o = ld(offset, j * gk + g, half);
+            const uint8_t *c = codes + ((t * nb + b) * NR + r) * 16;
+            const int64_t sg = (t * gk + b / per) * 2 * NR + r;
+            const float s = ld(so, sg, half), o = ld(so, sg + NR, half);
             float *dst = out + j * k + b * QB;
             for (int i = 0; i < 16; i++) {
                 dst[i] = (float)(c[i] & 0x0F) * s + o;
@@ -228,11 +221,15 @@ void ab_q4_dequant(const uint8_t *codes, const void *scale, const void *offset, 
 }
 
 /* Dense fp32 rows `rows[0 .. r)` of a Q8 weight (an embedding lookup). */
-void ab_q8_rows(const int8_t *codes, const float *scale, int64_t k, const int64_t *rows, int64_t r, float *out) {
+void ab_q8_rows(const int8_t *codes, const void *scale, int64_t k, const int64_t *rows, int64_t r, float *out,
+                int half) {
     const int64_t nb = k / QB;
     for (int64_t i = 0; i < r; i++) {
-        const int8_t *c = codes + rows[i] * k;
-        const float *s = scale + rows[i] * nb;
-        for (int64_t e = 0; e < k; e++) out[i * k + e] = (float)c[e] * s[e / QB];
+        const int64_t t = rows[i] / NR, lane = rows[i] % NR;
+        for (int64_t b = 0; b < nb; b++) {
+            const int8_t *c = codes + ((t * nb + b) * NR + lane) * QB;
+            const float s = ld(scale, (t * nb + b) * NR + lane, half);
+            for (int e = 0; e < QB; e++) out[i * k + b * QB + e] = (float)c[e] * s;
+        }
     }
 }

@@ -5,8 +5,10 @@ under ~/.cache/agentbox/kernels by the source's hash, and loaded with ctypes: no
 takes about a second. Where there is no compiler, no AVX2/FMA or the build fails, `available()` is False
 with the reason in `unavailable_reason()`, and callers keep the dense path.
 
-Layouts (see the C file): Q4 codes [N, K/32, 16] uint8 (byte j: element j low nibble, j + 16 high), scale
-and offset [N, K/group], both fp32 or both fp16 (`exact_half` says when fp16 loses nothing); Q8 codes [N, K/32, 32] int8, scale fp32 [N, K/32]. The twins quantise the
+Layouts (see the C file): rows in tiles of four, block by block. Q4 codes [N/4, K/32, 4, 16] uint8 (byte j:
+element j low nibble, j + 16 high) and `so` [N/4, K/group, 2, 4] (a tile's scales, then its offsets), fp32,
+or fp16 where that loses nothing (`exact_half`); Q8 codes [N/4, K/32, 4, 32] int8 and scales [N/4, K/32, 4]
+(fp16 where exact). `pack_q4` / `pack_q8` build them from rows; every kernel takes the true N. The twins quantise the
 activations exactly as the kernel does (per 32, d = max|x| / 127, round half to even) so kernel and twin
 agree to fp32 summation order; `round_activations` + the dequantised weight gives the same numbers for
 callers with many rows (prefill), where one sgemm beats the kernel.
@@ -71,10 +73,10 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
             return None, f"building {SOURCE.name} failed: {result.stderr.strip()[:300]}"
         partial.replace(target)
     lib = ctypes.CDLL(str(target))
-    lib.ab_q4_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
-    lib.ab_q8_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_int]
-    lib.ab_q4_dequant.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
-    lib.ab_q8_rows.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr]
+    lib.ab_q4_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
+    lib.ab_q8_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_int, _c_int]
+    lib.ab_q4_dequant.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
+    lib.ab_q8_rows.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_int]
     # (layer*, dims*, hidden, residual, first, m, positions, slots, page_table, stride, page_size, kv_lens, threads)
     lib.ab_decode_layer.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_i64,
                                     _c_i64, _c_ptr, _c_int]
@@ -103,28 +105,58 @@ def _check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what} failed (code {rc}: shapes must be multiples of {BLOCK})")
 
 
-# ---- packing -------------------------------------------------------------------------------------------
+# ---- packing ----------------------------------------------------------------------------------------
+
+TILE = 4  # weight rows per tile (NR in the C file)
 
 
-def pack_q4(q: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] (0..15) -> [N, K/32, 16] uint8: byte j holds element j (low) and j + 16 (high)."""
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """[N, G, ...] -> [ceil(N/4), G, 4, ...]: rows grouped in fours (zero rows pad the last tile)."""
+    pad = -t.shape[0] % TILE
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.reshape(-1, TILE, *t.shape[1:]).transpose(1, 2).contiguous()
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `_tiles`: [T, G, 4, ...] -> [N, G, ...]."""
+    return t.transpose(1, 2).reshape(-1, *t.shape[1:2], *t.shape[3:])[:n]
+
+
+def exact_half(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """fp16 copies when all of them hold the same numbers in fp16 (GGUF Q4_0 / Q4_1 / Q8_0: the file's own
+    fp16 d and m; 4 bytes less per 32 weights, 20 % of a Q4 layer's bytes), else fp32."""
+    halves = tuple(t.half() for t in tensors)
+    if all(torch.equal(h.float(), t.float()) for h, t in zip(halves, tensors, strict=True)):
+        return halves
+    return tuple(t.float() for t in tensors)
+
+
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [N, K] (0..15), scale / offset [N, K/g] -> (codes [N/4, K/32, 4, 16] uint8: byte j holds element
+    j (low) and j + 16 (high); so [N/4, K/g, 2, 4] fp16 where exact, else fp32)."""
     n, k = q.shape
     blocks = q.to(torch.uint8).reshape(n, k // BLOCK, BLOCK)
-    return (blocks[..., :16] | (blocks[..., 16:] << 4)).contiguous()
+    codes = _tiles(blocks[..., :16] | (blocks[..., 16:] << 4))
+    s, o = exact_half(scale, offset)
+    return codes, torch.stack([_tiles(s), _tiles(o)], dim=2).contiguous()
 
 
-def exact_half(scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 copies when they hold the same numbers (GGUF Q4_0 / Q4_1: the file's own fp16 d and m; 4 bytes
-    less per 32 weights, 20 % of a Q4 layer's bytes), else fp32."""
-    s16, o16 = scale.half(), offset.half()
-    if torch.equal(s16.float(), scale.float()) and torch.equal(o16.float(), offset.float()):
-        return s16.contiguous(), o16.contiguous()
-    return scale.float().contiguous(), offset.float().contiguous()
+def unpack_q4(codes: torch.Tensor, so: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of pack_q4: (codes [N, K], scale [N, K/g], offset [N, K/g] in so's dtype)."""
+    rows = _rows(codes, n)
+    q = torch.cat([rows & 0x0F, rows >> 4], dim=-1).reshape(n, -1)
+    return q, _rows(so[:, :, 0], n), _rows(so[:, :, 1], n)
 
 
-def unpack_q4(codes: torch.Tensor) -> torch.Tensor:
-    n, nb, _ = codes.shape
-    return torch.cat([codes & 0x0F, codes >> 4], dim=-1).reshape(n, nb * BLOCK)
+def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [N, K/32, 32] int8, scale [N, K/32] -> ([N/4, K/32, 4, 32], [N/4, K/32, 4] fp16 where exact)."""
+    (s,) = exact_half(scale)
+    return _tiles(codes.to(torch.int8)), _tiles(s)
+
+
+def unpack_q8(codes: torch.Tensor, scale: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rows(codes, n), _rows(scale, n)
 
 
 # ---- kernels -------------------------------------------------------------------------------------------
@@ -134,57 +166,50 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
-def _half(scale: torch.Tensor, offset: torch.Tensor) -> int:
-    if scale.dtype != offset.dtype or scale.dtype not in (torch.float16, torch.float32):
-        raise ValueError(f"Q4 scale/offset must both be fp32 or fp16, got {scale.dtype} / {offset.dtype}")
-    return int(scale.dtype == torch.float16)
+def _half(t: torch.Tensor) -> int:
+    if t.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"scales must be fp32 or fp16, got {t.dtype}")
+    return int(t.dtype == torch.float16)
 
 
-def q4_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def q4_matmul(x: torch.Tensor, codes: torch.Tensor, so: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] fp32 -> [M, N] fp32, with w[n, k] = q * scale[n, k // g] + offset[n, k // g]."""
     x = x.contiguous().float()
     m, k = x.shape
-    n = codes.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    group = k // scale.shape[1]
-    rc = _lib().ab_q4_matmul(
-        x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), n, group, out.data_ptr(),
-        threads(), _half(scale, offset),
-    )
+    group = k // so.shape[1]
+    rc = _lib().ab_q4_matmul(x.data_ptr(), m, k, codes.data_ptr(), so.data_ptr(), n, group, out.data_ptr(), threads(), _half(so))
     _check(rc, "q4_matmul")
     return out
 
 
-def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] fp32 -> [M, N] fp32, with w[n, k] = q[n, k] * scale[n, k // 32]."""
     x = x.contiguous().float()
     m, k = x.shape
-    n = codes.shape[0]
     out = torch.empty(m, n, dtype=torch.float32)
-    _check(_lib().ab_q8_matmul(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), n, out.data_ptr(), threads()),
-           "q8_matmul")
+    rc = _lib().ab_q8_matmul(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), n, out.data_ptr(), threads(), _half(scale))
+    _check(rc, "q8_matmul")
     return out
 
 
-def q4_dequant(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    n, nb, _ = codes.shape
-    k = nb * BLOCK
+def q4_dequant(codes: torch.Tensor, so: torch.Tensor, n: int) -> torch.Tensor:
+    k = codes.shape[1] * BLOCK
     out = torch.empty(n, k, dtype=torch.float32)
-    _lib().ab_q4_dequant(codes.data_ptr(), scale.data_ptr(), offset.data_ptr(), n, k, k // scale.shape[1],
-                         out.data_ptr(), threads(), _half(scale, offset))
+    _lib().ab_q4_dequant(codes.data_ptr(), so.data_ptr(), n, k, k // so.shape[1], out.data_ptr(), threads(), _half(so))
     return out
 
 
 def q8_rows(codes: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Dense fp32 rows of a Q8 weight [N, K] (codes [N, K/32, 32] int8): an embedding lookup."""
+    """Dense fp32 rows of a Q8 weight (tiled codes [N/4, K/32, 4, 32] int8): an embedding lookup."""
     idx = rows.reshape(-1).to(torch.int64).contiguous()
     k = codes.shape[1] * BLOCK
     out = torch.empty(idx.numel(), k, dtype=torch.float32)
-    _lib().ab_q8_rows(codes.data_ptr(), scale.data_ptr(), k, idx.data_ptr(), idx.numel(), out.data_ptr())
+    _lib().ab_q8_rows(codes.data_ptr(), scale.data_ptr(), k, idx.data_ptr(), idx.numel(), out.data_ptr(), _half(scale))
     return out.reshape(*rows.shape, k)
 
 
-# ---- torch twins ---------------------------------------------------------------------------------------
+# ---- torch twins (they take the packed tensors and read them through the unpackers) ---------------------
 
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,26 +228,24 @@ def round_activations(x: torch.Tensor) -> torch.Tensor:
     return (xq * d.unsqueeze(-1)).reshape(x.shape)
 
 
-def q4_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+def q4_matmul_ref(x: torch.Tensor, codes: torch.Tensor, so: torch.Tensor, n: int) -> torch.Tensor:
     xq, d = quantize_activations_ref(x)
-    sums = (xq.sum(-1) * d).reshape(x.shape[0], -1, xq.shape[1] // scale.shape[1]).sum(-1)  # per scale group
-    n, nb, _ = codes.shape
-    q = unpack_q4(codes).reshape(n, nb, BLOCK).float()
-    per = nb // scale.shape[1]
-    s = scale.float().repeat_interleave(per, 1)  # [N, nb]
-    dots = torch.einsum("mbj,nbj->mnb", xq, q)  # integer-valued block dots
+    q, scale, offset = unpack_q4(codes, so, n)
+    nb = q.shape[1] // BLOCK
+    sums = (xq.sum(-1) * d).reshape(x.shape[0], scale.shape[1], -1).sum(-1)  # per scale group
+    s = scale.float().repeat_interleave(nb // scale.shape[1], 1)  # [N, nb]
+    dots = torch.einsum("mbj,nbj->mnb", xq, q.reshape(n, nb, BLOCK).float())  # integer-valued block dots
     return (dots * d.unsqueeze(1) * s.unsqueeze(0)).sum(-1) + sums @ offset.float().t()
 
 
-def q8_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def q8_matmul_ref(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int) -> torch.Tensor:
     xq, d = quantize_activations_ref(x)
-    dots = torch.einsum("mbj,nbj->mnb", xq, codes.float())
-    return (dots * d.unsqueeze(1) * scale.unsqueeze(0)).sum(-1)
+    c, s = unpack_q8(codes, scale, n)
+    dots = torch.einsum("mbj,nbj->mnb", xq, c.float())
+    return (dots * d.unsqueeze(1) * s.float().unsqueeze(0)).sum(-1)
 
 
-def q4_dequant_ref(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    n, nb, _ = codes.shape
-    q = unpack_q4(codes).reshape(n, nb, BLOCK).float()
-    per = nb // scale.shape[1]
-    s, o = scale.float().repeat_interleave(per, 1), offset.float().repeat_interleave(per, 1)
-    return (q * s.unsqueeze(-1) + o.unsqueeze(-1)).reshape(n, nb * BLOCK)
+def q4_dequant_ref(codes: torch.Tensor, so: torch.Tensor, n: int) -> torch.Tensor:
+    q, scale, offset = unpack_q4(codes, so, n)
+    g = q.shape[1] // scale.shape[1]
+    return (q.reshape(n, -1, g).float() * scale.float().unsqueeze(-1) + offset.float().unsqueeze(-1)).reshape(n, -1)

@@ -15,48 +15,71 @@ from agentbox.layers.quant import int4
 pytestmark = pytest.mark.skipif(not cg.available(), reason=f"CPU kernels unavailable: {cg.unavailable_reason()}")
 
 
-def _q4(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rows(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    codes = cg.pack_q4(torch.randint(0, 16, (n, k), generator=g))
-    return codes, torch.rand(n, k // group, generator=g) / 8, torch.randn(n, k // group, generator=g) / 8
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    return q, torch.rand(n, k // group, generator=g) / 8, torch.randn(n, k // group, generator=g) / 8
+
+
+def _q4(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    return (*cg.pack_q4(*_rows(n, k, group, seed)), n)
+
+
+def test_tiles_unpack_to_the_rows_they_were_packed_from() -> None:
+    q, scale, offset = _rows(7, 64, 32, seed=3)  # 7 rows: the second tile is padded
+    codes, so = cg.pack_q4(q, scale, offset)
+    assert codes.shape == (2, 2, 4, 16) and so.shape == (2, 2, 2, 4) and so.dtype == torch.float32
+    back = cg.unpack_q4(codes, so, 7)
+    assert torch.equal(back[0], q) and torch.equal(back[1], scale) and torch.equal(back[2], offset)
+    dense = q.reshape(7, 2, 32).float() * scale.unsqueeze(-1) + offset.unsqueeze(-1)
+    torch.testing.assert_close(cg.q4_dequant_ref(codes, so, 7), dense.reshape(7, 64))
 
 
 @pytest.mark.parametrize(("n", "k", "group"), [(37, 64, 32), (64, 256, 128), (9, 192, 64)])
 @pytest.mark.parametrize("m", [1, 3, 9])
 def test_q4_matmul_equals_its_twin(n: int, k: int, group: int, m: int) -> None:
-    codes, scale, offset = _q4(n, k, group, seed=n + m)
+    w = _q4(n, k, group, seed=n + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    got = cg.q4_matmul(x, codes, scale, offset)
-    torch.testing.assert_close(got, cg.q4_matmul_ref(x, codes, scale, offset), atol=1e-5, rtol=1e-5)
+    got = cg.q4_matmul(x, *w)
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, cg.q4_matmul_ref(x, *w), atol=1e-5, rtol=1e-5)
     # The many-row path (dequantise + one sgemm on the rounded activations) gives the same numbers.
-    dense = F.linear(cg.round_activations(x), cg.q4_dequant(codes, scale, offset))
+    dense = F.linear(cg.round_activations(x), cg.q4_dequant(*w))
     torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
     # Rounding activations to int8 per 32 costs well under a percent of the exact product.
-    exact = x @ cg.q4_dequant_ref(codes, scale, offset).t()
+    exact = x @ cg.q4_dequant_ref(*w).t()
     assert (got - exact).abs().max() < 0.02 * exact.abs().max()
 
 
-def test_q8_matmul_rows_and_dequant_equal_their_twins() -> None:
+@pytest.mark.parametrize("half", [False, True])
+def test_q8_matmul_rows_and_dequant_equal_their_twins(half: bool) -> None:
     g = torch.Generator().manual_seed(1)
-    codes = torch.randint(-128, 128, (21, 3, 32), dtype=torch.int8, generator=g)
-    scale = torch.rand(21, 3, generator=g)
+    c8 = torch.randint(-128, 128, (21, 3, 32), dtype=torch.int8, generator=g)
+    s8 = torch.rand(21, 3, generator=g)
+    if half:
+        s8 = s8.half().float()  # exact in fp16: packed as fp16
+    codes, scale = cg.pack_q8(c8, s8)
+    assert scale.dtype == (torch.float16 if half else torch.float32)
     x = torch.randn(5, 96, generator=g)
-    torch.testing.assert_close(cg.q8_matmul(x, codes, scale), cg.q8_matmul_ref(x, codes, scale), atol=1e-4, rtol=1e-5)
+    got = cg.q8_matmul(x, codes, scale, 21)
+    torch.testing.assert_close(got, cg.q8_matmul_ref(x, codes, scale, 21), atol=1e-4, rtol=1e-5)
+    dense = F.linear(cg.round_activations(x), (c8.float() * s8.unsqueeze(-1)).flatten(1))
+    torch.testing.assert_close(got, dense, atol=1e-4, rtol=1e-5)
     rows = torch.tensor([[4, 0], [20, 4]])
-    assert torch.equal(cg.q8_rows(codes, scale, rows), (codes.float() * scale.unsqueeze(-1)).flatten(1)[rows])
+    assert torch.equal(cg.q8_rows(codes, scale, rows), (c8.float() * s8.unsqueeze(-1)).flatten(1)[rows])
     q4 = _q4(7, 96, 32, seed=2)
     torch.testing.assert_close(cg.q4_dequant(*q4), cg.q4_dequant_ref(*q4), atol=1e-6, rtol=1e-6)
 
 
 def test_two_threads_give_the_same_bits() -> None:
-    codes, scale, offset = _q4(129, 128, 32, seed=5)
+    w = _q4(129, 128, 32, seed=5)
     x = torch.randn(2, 128)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cg.q4_matmul(x, codes, scale, offset)
+        one = cg.q4_matmul(x, *w)
         torch.set_num_threads(2)
-        two = cg.q4_matmul(x, codes, scale, offset)
+        two = cg.q4_matmul(x, *w)
     finally:
         torch.set_num_threads(previous)
     assert torch.equal(one, two)  # rows are split over threads, never a row's sum
@@ -86,10 +109,10 @@ def test_small_groups_and_reduced_dtypes_keep_the_dense_path() -> None:
 
 
 def test_fp16_scales_where_exact() -> None:
-    codes, scale, offset = _q4(12, 64, 32, seed=9)
-    s16, o16 = cg.exact_half(scale.half().float(), offset.half().float())
-    assert s16.dtype == o16.dtype == torch.float16
+    q, scale, offset = _rows(12, 64, 32, seed=9)
+    codes, so16 = cg.pack_q4(q, scale.half().float(), offset.half().float())
+    assert so16.dtype == torch.float16
     x = torch.randn(2, 64)
-    torch.testing.assert_close(cg.q4_matmul(x, codes, s16, o16), cg.q4_matmul(x, codes, s16.float(), o16.float()))
-    torch.testing.assert_close(cg.q4_dequant(codes, s16, o16), cg.q4_dequant_ref(codes, s16, o16))
-    assert cg.exact_half(scale + 1e-4, offset)[0].dtype == torch.float32  # not representable: kept fp32
+    torch.testing.assert_close(cg.q4_matmul(x, codes, so16, 12), cg.q4_matmul(x, codes, so16.float(), 12))
+    torch.testing.assert_close(cg.q4_dequant(codes, so16, 12), cg.q4_dequant_ref(codes, so16, 12))
+    assert cg.pack_q4(q, scale + 1e-4, offset)[1].dtype == torch.float32  # not representable: kept fp32

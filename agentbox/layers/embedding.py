@@ -51,7 +51,6 @@ class VocabParallelEmbedding(nn.Module):
             if self.quant is not None:
                 self.weight = quant_param(self.quant.codes, Sharding(None, None))
                 self.quant_scale = quant_param(self.quant.scale, Sharding(None, None))
-                self.quant_offset = quant_param(self.quant.offset, Sharding(None, None))
                 return
             loaded_weight = loaded_weight.narrow((start, rows), None).dequantize()
             start = 0

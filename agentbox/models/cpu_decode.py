@@ -27,8 +27,7 @@ _enabled = True
 
 
 class _Q4(ctypes.Structure):
-    _fields_ = [("codes", _ptr), ("scale", _ptr), ("offset", _ptr), ("n", _i64), ("k", _i64), ("group", _i64),
-                ("half", _i64)]
+    _fields_ = [("codes", _ptr), ("so", _ptr), ("n", _i64), ("k", _i64), ("group", _i64), ("half", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -53,8 +52,8 @@ def disabled() -> Iterator[None]:
 
 
 def _q4(linear: nn.Module) -> _Q4:
-    return _Q4(linear.weight.data_ptr(), linear.scale.data_ptr(), linear.offset.data_ptr(), linear.output_size,
-               linear.input_size, linear.int4_group, int(linear.scale.dtype == torch.float16))
+    return _Q4(linear.weight.data_ptr(), linear.scale.data_ptr(), linear.q4_rows, linear.input_size, linear.int4_group,
+               int(linear.scale.dtype == torch.float16))
 
 
 def _linears(layer: nn.Module) -> list[nn.Module]:

@@ -26,7 +26,7 @@ class Int4Kernel(Enum):
     DENSE = "dense"  # dequantised once at load to the compute dtype
     INT4_CPU = "int4-cpu"  # torch's tinygemm CPU kernel: packed nibbles + bf16 scale/zero per group
     TRITON = "triton"  # kernels/w4a16.py: codes packed along K in int32, scale/offset in the compute dtype
-    CPU_SIMD = "cpu-simd"  # kernels/cpu_gemv.c: 16 bytes of nibbles + fp32 scale/offset per 32 columns
+    CPU_SIMD = "cpu-simd"  # kernels/cpu_gemv.c: 16 bytes of nibbles + a scale and offset per 32 columns, rows tiled by 4
 
 
 # Rows of x above which a CPU_SIMD layer dequantises once and runs one sgemm instead (prefill): the kernel
@@ -127,11 +127,11 @@ def install(
     if kernel is Int4Kernel.CPU_SIMD and (group % 32 or dtype is not torch.float32):
         kernel = Int4Kernel.DENSE  # the kernel's blocks are 32 columns and its activations fp32
     if kernel is Int4Kernel.CPU_SIMD:
-        from agentbox.kernels.cpu_gemv import exact_half, pack_q4
+        from agentbox.kernels.cpu_gemv import pack_q4
 
-        s, o = exact_half(scale, offset)
-        layer.weight = quant_param(pack_q4(q), none)
-        layer.scale, layer.offset = quant_param(s, none), quant_param(o, none)
+        codes, so = pack_q4(q, scale, offset)
+        layer.weight, layer.scale = quant_param(codes, none), quant_param(so, none)
+        layer.q4_rows = q.shape[0]
     elif kernel is Int4Kernel.DENSE:
         layer.weight = quant_param(dequantize(q, scale, offset).to(device=device, dtype=dtype), none)
     elif kernel is Int4Kernel.INT4_CPU:
@@ -155,9 +155,9 @@ def apply(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if rows.shape[0] <= CPU_SIMD_MAX_ROWS:
-            out = cpu_gemv.q4_matmul(rows, layer.weight, layer.scale, layer.offset)
+            out = cpu_gemv.q4_matmul(rows, layer.weight, layer.scale, layer.q4_rows)
         else:
-            w = cpu_gemv.q4_dequant(layer.weight, layer.scale, layer.offset)
+            w = cpu_gemv.q4_dequant(layer.weight, layer.scale, layer.q4_rows)
             out = torch.nn.functional.linear(cpu_gemv.round_activations(rows), w)
         out = out.reshape(*shape[:-1], -1)
     elif kernel is Int4Kernel.INT4_CPU:

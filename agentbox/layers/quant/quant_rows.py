@@ -1,9 +1,9 @@
 """A vocabulary table kept in GGUF's Q8_0 or 4-bit blocks on CPU: the embedding and the (tied) LM head.
 
-Q8_0 rows become int8 codes [V, H/32, 32] with one fp32 scale per 32 (exact: the file's fp16 scale);
-Q4_0 / Q4_1 / Q4_K rows become the 4-bit form of kernels/cpu_gemv (`int4_groups` gives the exact scale and
-offset per 32). Lookups dequantise the rows asked for; the head multiplies with the kernel, or, for many
-rows at once (prompt logprobs), dequantises the table once and runs one sgemm.
+Q8_0 rows become kernels/cpu_gemv's Q8 form (int8 codes and the file's fp16 scale per 32, exact);
+Q4_0 / Q4_1 / Q4_K rows its 4-bit form (`int4_groups` gives the exact scale and offset per 32). Lookups
+dequantise the rows asked for; the head multiplies with the kernel, or, for many rows at once (prompt
+logprobs), dequantises the table once and runs one sgemm.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ MAX_KERNEL_ROWS = 32  # as int4.CPU_SIMD_MAX_ROWS: beyond it one dequantise + sg
 
 @dataclass
 class QuantRows:
-    codes: torch.Tensor  # Q8: [V, H/32, 32] int8; Q4: [V, H/32, 16] uint8
-    scale: torch.Tensor  # [V, H/32]: fp32 (Q8, and Q4 where fp16 is not exact), fp16
-    offset: torch.Tensor  # [V, H/32] like scale (Q4), empty (Q8)
+    codes: torch.Tensor  # Q8: [V/4, H/32, 4, 32] int8; Q4: [V/4, H/32, 4, 16] uint8 (cpu_gemv's tiles)
+    scale: torch.Tensor  # Q8: [V/4, H/32, 4]; Q4: scales and offsets [V/4, H/32, 2, 4]; fp16 where exact
+    n: int  # V (padded to the embedding's size)
 
     @property
     def is_q8(self) -> bool:
@@ -34,14 +34,16 @@ class QuantRows:
         from agentbox.kernels import cpu_gemv
 
         if self.is_q8:
-            if ids is not None:
-                return cpu_gemv.q8_rows(self.codes, self.scale, ids)
-            return (self.codes.float() * self.scale.unsqueeze(-1)).flatten(1)
-        codes, scale, offset = (self.codes, self.scale, self.offset) if ids is None else (
-            self.codes[ids.reshape(-1)], self.scale[ids.reshape(-1)], self.offset[ids.reshape(-1)]
-        )
-        out = cpu_gemv.q4_dequant(codes.contiguous(), scale.contiguous(), offset.contiguous())
-        return out if ids is None else out.reshape(*ids.shape, -1)
+            if ids is None:
+                ids = torch.arange(self.n)
+            return cpu_gemv.q8_rows(self.codes, self.scale, ids)
+        if ids is None:
+            return cpu_gemv.q4_dequant(self.codes, self.scale, self.n)
+        flat = ids.reshape(-1).long()
+        tiles = flat // cpu_gemv.TILE  # the tiles holding the rows asked for, each dequantised whole
+        out = cpu_gemv.q4_dequant(self.codes[tiles].contiguous(), self.scale[tiles].contiguous(), tiles.numel() * cpu_gemv.TILE)
+        out = out.reshape(-1, cpu_gemv.TILE, out.shape[-1])[torch.arange(flat.numel()), flat % cpu_gemv.TILE]
+        return out.reshape(*ids.shape, -1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.dense(ids)
@@ -54,9 +56,9 @@ class QuantRows:
         if x.shape[0] > MAX_KERNEL_ROWS:
             out = F.linear(cpu_gemv.round_activations(x), self.dense())  # the kernel's numbers, one sgemm
         elif self.is_q8:
-            out = cpu_gemv.q8_matmul(x, self.codes, self.scale)
+            out = cpu_gemv.q8_matmul(x, self.codes, self.scale, self.n)
         else:
-            out = cpu_gemv.q4_matmul(x, self.codes, self.scale, self.offset)
+            out = cpu_gemv.q4_matmul(x, self.codes, self.scale, self.n)
         return out.to(hidden.dtype).reshape(*shape[:-1], -1)
 
 
@@ -74,18 +76,18 @@ def quant_rows(blocks: GGUFBlocks, start: int, rows: int, padded: int, device: t
     if part.qtype is GGMLQuantizationType.Q8_0:
         raw = np.ascontiguousarray(part.data).reshape(rows, hidden // 32, 34)
         scale = torch.from_numpy(raw[..., :2].copy().view(np.float16).astype(np.float32)[..., 0])
-        codes = torch.from_numpy(raw[..., 2:].copy().view(np.int8))
-        offset = torch.empty(0)
+        q8 = torch.from_numpy(raw[..., 2:].copy().view(np.int8))
+        pad = padded - rows
+        if pad:  # zero rows: the padded vocabulary's logits are 0, as the dense table's are
+            q8, scale = torch.cat([q8, q8.new_zeros(pad, *q8.shape[1:])]), torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        codes, packed = cpu_gemv.pack_q8(q8, scale)
     elif part.qtype in INT4_TYPES:
         q, scale, offset = int4_groups(part)
-        codes = cpu_gemv.pack_q4(q)
-        scale, offset = cpu_gemv.exact_half(scale, offset)
+        pad = padded - rows
+        if pad:
+            q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+            scale, offset = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, offset))
+        codes, packed = cpu_gemv.pack_q4(q, scale, offset)
     else:
         return None
-    pad = padded - rows
-    if pad:
-        codes = torch.cat([codes, codes.new_zeros(pad, *codes.shape[1:])])
-        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-        if offset.numel():
-            offset = torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
-    return QuantRows(codes.contiguous(), scale.contiguous(), offset.contiguous())
+    return QuantRows(codes, packed, padded)
