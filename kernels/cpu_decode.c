@@ -1,4 +1,5 @@
-/* One Llama decoder layer of a decode step in one call (CPU, fp32 activations, 4-bit weights).
+/* One Llama-family decoder layer of a decode step in one call (CPU, fp32 activations, 4-bit weights):
+ * Llama / SmolLM2 / Mistral, Qwen2 (a qkv bias) and Qwen3 (RMSNorm over each q and k head before rope).
  *
  * Eager PyTorch spends about 60 op dispatches per layer on a decode step; on SmolLM2 (30 layers) that is
  * more time than its 4-bit matmuls take. This is the same layer as models/llama.py's (and the same matmul
@@ -26,6 +27,8 @@ typedef struct {
 typedef struct {
     q4w_t qkv, o, gate_up, down;
     const float *ln1, *ln2; /* [H] */
+    const float *qkv_bias;  /* [(Hq + 2 Hkv) D] or NULL (Qwen2) */
+    const float *q_norm, *k_norm; /* [D] or NULL (Qwen3) */
     float *k_cache, *v_cache; /* [slots][Hkv][D] */
 } layer_t;
 
@@ -103,6 +106,11 @@ int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *res
     for (int64_t t = 0; t < m; t++) {
         float *row = qkv + t * qkv_n;
         const float *c = d->cos + positions[t] * hd, *s = d->sin + positions[t] * hd;
+        if (L->qkv_bias)
+            for (int64_t i = 0; i < qkv_n; i++) row[i] += L->qkv_bias[i];
+        if (L->q_norm) /* in place: rmsnorm reads a head's sum of squares before it writes */
+            for (int64_t head = 0; head < hq + hkv; head++)
+                rmsnorm(row + head * hd, head < hq ? L->q_norm : L->k_norm, hd, d->eps, row + head * hd);
         for (int64_t head = 0; head < hq + hkv; head++) rope(row + head * hd, c, s, hd); /* q and k heads */
         if (slots[t] >= 0) {
             memcpy(L->k_cache + slots[t] * hkv * hd, row + hq * hd, sizeof(float) * hkv * hd);

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from agentbox.kernels import cpu_gemv
 from model_harness import PagedRunner
+from quant_checkpoints import CONFIG, PROMPT, quantise_saved, write_int4
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from agentbox.models import cpu_decode
-from agentbox.models.loader import LoadedModel
+from agentbox.models.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="CPU kernels unavailable")
 
@@ -36,3 +40,39 @@ def test_fused_decode_matches_the_torch_layers(smollm2_fast: LoadedModel) -> Non
             assert (f[s] - e[s]).abs().max() < 0.1 * e[s].abs().max()  # measured 1-5 %: a wrong rope or mask is ~100 %
             agree.append(bool(f[s].argmax() == e[s].argmax()))
     assert sum(agree) >= 0.9 * len(agree)
+
+
+def _qwen3(path: Path) -> None:
+    torch.manual_seed(0)
+    config = Qwen3Config(**{**CONFIG, "architectures": ["Qwen3ForCausalLM"], "head_dim": 64})
+    hf = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    hf.save_pretrained(path, safe_serialization=True)
+    quantise_saved(path, "gptq", group=128)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_fused_decode_covers_qkv_bias_and_qk_norm(family: str, tmp_path: Path) -> None:
+    """Qwen2's qkv bias and Qwen3's per-head q/k RMSNorm in the C layer: the same logits as the torch
+    layers (GPTQ int4 checkpoints, so every linear runs the CPU kernel)."""
+    path = tmp_path / family
+    if family == "qwen2":
+        write_int4(path, "gptq", group=128)
+    else:
+        _qwen3(path)
+    loaded = load_model(str(path), torch.float32, "cpu")
+    attn = loaded.model.model.layers[0].self_attn
+    assert (attn.qkv_proj.bias is not None) == (family == "qwen2") and attn.qk_norm == (family == "qwen3")
+    assert cpu_decode.eligible(loaded.model.model)
+    prompts = {0: PROMPT, 1: PROMPT[:5]}
+    steps = [{0: 7 + i, 1: 90 - i} for i in range(6)]
+    fused = _decode_logits(loaded, prompts, steps)
+    with cpu_decode.disabled():
+        eager = _decode_logits(loaded, prompts, steps)
+    for f, e in zip(fused, eager, strict=True):
+        for s in (0, 1):
+            # Measured up to 0.9 % of the logit range (int8-rounded activations flip a step of a code
+            # where the two paths' last bits differ); without the q/k norm it is 10-60 %.
+            assert (f[s] - e[s]).abs().max() < 0.03 * e[s].abs().max()

@@ -2,9 +2,9 @@
 
 What a CUDA graph is on a GPU, this is on a CPU: the step's small ops (residual adds, RMSNorm, rotary, the
 KV store, attention, SiLU) cost more in PyTorch's per-op dispatch than the 4-bit matmuls cost in arithmetic,
-so the layer runs as one call. A model qualifies when every layer is a plain Llama layer (no q/k norm, no
-biases, no sinks or windows, a dense SiLU MLP) whose four linears run kernels/cpu_gemv's 4-bit kernel, in
-fp32 at tensor-parallel size 1; a step qualifies when every sequence decodes one token. Anything else runs
+so the layer runs as one call. A model qualifies when every layer is a Llama-family layer (Llama, Qwen2's
+qkv bias, Qwen3's q/k norm; no other biases, no sinks or windows, a dense SiLU MLP) whose four linears run
+kernels/cpu_gemv's 4-bit kernel, in fp32 at tensor-parallel size 1; a step qualifies when every sequence decodes one token. Anything else runs
 the torch layers, which define the numbers this path must match (tests/test_cpu_decode.py).
 """
 
@@ -32,7 +32,7 @@ class _Q4(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Q4), ("o", _Q4), ("gate_up", _Q4), ("down", _Q4), ("ln1", _ptr), ("ln2", _ptr),
-                ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("qkv_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr)]
 
 
 class _Dims(ctypes.Structure):
@@ -71,16 +71,20 @@ def eligible(model: nn.Module) -> bool:
         if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
             return False
         attn = layer.self_attn
-        if attn.qk_norm or attn.sinks is not None or attn.attn.sliding_window is not None or attn.qkv_proj.tp_size != 1:
+        if attn.sinks is not None or attn.attn.sliding_window is not None or attn.qkv_proj.tp_size != 1:
             return False
         for lin in _linears(layer):
-            if getattr(lin, "int4_kernel", None) is not Int4Kernel.CPU_SIMD or lin.bias is not None:
+            if getattr(lin, "int4_kernel", None) is not Int4Kernel.CPU_SIMD:
                 return False
+            if lin.bias is not None and (lin is not attn.qkv_proj or lin.bias.dtype != torch.float32):
+                return False  # the layer adds a qkv bias (Qwen2) only
             if getattr(lin, "act_perm", None) is not None or lin.weight.device.type != "cpu":
                 return False
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if any(w.dtype != torch.float32 for w in norms):
-            return False
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if attn.qk_norm:
+            norms += [attn.q_norm, attn.k_norm]
+        if any(n.weight.dtype != torch.float32 or n.eps != layer.input_layernorm.eps for n in norms):
+            return False  # one eps for every norm of the layer, as the C layer takes it
     return model.rotary.cos_cached.dtype == torch.float32
 
 
@@ -98,8 +102,12 @@ def _plan(model: nn.Module, kv: Any) -> _Plan:
     layers = []
     for i, layer in enumerate(model.layers):
         qkv, o, gu, down = (_q4(lin) for lin in _linears(layer))
+        attn = layer.self_attn
+        bias = attn.qkv_proj.bias
+        qn, kn = (attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()) if attn.qk_norm else (None, None)
         layers.append(_Layer(qkv, o, gu, down, layer.input_layernorm.weight.data_ptr(),
-                             layer.post_attention_layernorm.weight.data_ptr(), kv.k[i].data_ptr(), kv.v[i].data_ptr()))
+                             layer.post_attention_layernorm.weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                             qn, kn, kv.k[i].data_ptr(), kv.v[i].data_ptr()))
     dims = _Dims(model.layers[0].input_layernorm.weight.numel(), first.num_heads, first.num_kv_heads, first.head_dim,
                  mlp.down_proj.input_size, rotary.cos_cached.data_ptr(), rotary.sin_cached.data_ptr(),
                  model.layers[0].input_layernorm.eps, first.attn.scale)
