@@ -6,14 +6,17 @@ Ours is timed in process (engine steps, as `bench throughput` does); llama.cpp o
 streamed token closes the prefill, the last one the decode), which costs it an SSE event per token (well
 under a millisecond on loopback). Prompts are the same random token ids for both, detokenised for
 llama.cpp; its server does not honour ignore_eos, so its decode rate counts the tokens it did stream.
+The two sides run in alternating rounds, so neither gets the machine's quiet minutes alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +32,11 @@ from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import load_tokenizer, resolve_model
 
 
-def _ours(gguf: str, kernel: int4.Int4Kernel, prompts: list[list[int]], new_tokens: int, threads: int) -> dict[str, Any]:
+def _load(gguf: str, kernel: int4.Int4Kernel, threads: int) -> LLM:
     with int4.cpu_kernel(kernel):
         llm = LLM(EngineConfig(model=gguf, device="cpu", cpu_threads=threads, cache_policy="none", num_pages=64))
     engine_rates(llm, random_prompts(1, 8, llm.loaded.vocab_size, 0), 2)  # warm-up
-    runs = [engine_rates(llm, [p], new_tokens) for p in prompts]
-    out = {"resident_weight_bytes": resident_weight_bytes(llm.loaded.model), **_best(runs)}
-    del llm
-    gc.collect()
-    return out
+    return llm
 
 
 def _best(runs: list[Rates]) -> dict[str, Any]:
@@ -65,17 +64,22 @@ def _llamacpp_rates(url: str, text: str, prompt_len: int, new_tokens: int) -> Ra
     return Rates(1, prompt_len, len(times), times[0] - start, times[-1] - times[0])
 
 
-def _llamacpp(gguf: str, texts: list[str], prompt_len: int, new_tokens: int, threads: int) -> dict[str, Any]:
-    target = llamacpp_target(gguf, n_ctx=prompt_len + new_tokens + 64)
+@contextlib.contextmanager
+def _llamacpp_server(gguf: str, n_ctx: int, threads: int) -> Iterator[str | dict[str, str]]:
+    """The server's URL, or {"skipped": why} when llama-cpp-python is not installed."""
+    target = llamacpp_target(gguf, n_ctx=n_ctx)
     if target.command is None:
-        return {"skipped": target.note}
+        yield {"skipped": target.note}
+        return
     cmd = [*target.command, "--n_threads", str(threads), "--n_threads_batch", str(threads)]
     with tempfile.TemporaryDirectory() as tmp, spawned(cmd, Path(tmp) / "llama.cpp.log", target.ready_paths) as (url, _):
-        _llamacpp_rates(url, texts[0][:200], 8, 2)  # warm-up
-        return _best([_llamacpp_rates(url, t, prompt_len, new_tokens) for t in texts])
+        _llamacpp_rates(url, "Hello, world. " * 4, 8, 2)  # warm-up
+        yield url
 
 
 def compare_llamacpp(gguf: str, prompt_len: int = 128, new_tokens: int = 64, threads: int = 1, repeats: int = 2) -> dict[str, Any]:
+    """Rounds of one request per engine, interleaved (ours with each kernel, then llama.cpp, `repeats`
+    times), so a shared machine's slow minute falls on both sides; each side keeps its fastest run."""
     src = resolve_model(gguf)
     if src.kind != "gguf":
         raise ValueError(f"{gguf!r} is not a GGUF file: the llama.cpp comparison needs one")
@@ -86,17 +90,30 @@ def compare_llamacpp(gguf: str, prompt_len: int = 128, new_tokens: int = 64, thr
     report: dict[str, Any] = {"model": gguf, "threads": threads, "prompt_len": prompt_len, "new_tokens": new_tokens,
                               "repeats": repeats, "avx512_bf16": int4.cpu_has_avx512_bf16(),
                               "default_kernel": int4.default_cpu_kernel().value}
+    kernels = [int4.Int4Kernel.DENSE, int4.Int4Kernel.INT4_CPU]
+    if cpu_gemv.available():
+        kernels.append(int4.Int4Kernel.CPU_SIMD)
+    ours: dict[int4.Int4Kernel, list[Rates]] = {k: [] for k in kernels}
+    theirs: list[Rates] = []
+    resident: dict[int4.Int4Kernel, int] = {}
     try:
-        kernels = [int4.Int4Kernel.DENSE, int4.Int4Kernel.INT4_CPU]
-        if cpu_gemv.available():
-            kernels.append(int4.Int4Kernel.CPU_SIMD)
-        report["ours"] = {k.value: _ours(gguf, k, prompts, new_tokens, threads) for k in kernels}
+        engines = {k: _load(gguf, k, threads) for k in kernels}
+        resident = {k: resident_weight_bytes(llm.loaded.model) for k, llm in engines.items()}
+        with _llamacpp_server(gguf, prompt_len + new_tokens + 64, threads) as server:
+            for prompt, text in zip(prompts, texts, strict=True):
+                for k, llm in engines.items():
+                    ours[k].append(engine_rates(llm, [prompt], new_tokens))
+                if isinstance(server, str):
+                    theirs.append(_llamacpp_rates(server, text, prompt_len, new_tokens))
+        del engines
+        gc.collect()
     finally:
         torch.set_num_threads(previous)
-    report["llama.cpp"] = theirs = _llamacpp(gguf, texts, prompt_len, new_tokens, threads)
-    if "skipped" not in theirs:
+    report["ours"] = {k.value: {"resident_weight_bytes": resident[k], **_best(runs)} for k, runs in ours.items()}
+    report["llama.cpp"] = _best(theirs) if theirs else server
+    if theirs:
         report["ratios"] = {
-            f"{phase}_{kernel}": ours[f"{phase}_tok_s"] / theirs[f"{phase}_tok_s"]
-            for kernel, ours in report["ours"].items() for phase in ("prefill", "decode")
+            f"{phase}_{kernel}": side[f"{phase}_tok_s"] / report["llama.cpp"][f"{phase}_tok_s"]
+            for kernel, side in report["ours"].items() for phase in ("prefill", "decode")
         }
     return report
