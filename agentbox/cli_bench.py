@@ -42,10 +42,13 @@ def bench_throughput(
     repeats: int = typer.Option(1, "--repeats", min=1, help="alternating runs per batch size; the fastest is kept"),
     idle_seconds: float = typer.Option(10.0, "--idle-seconds", help="quiet interval for the idle CPU measure (0: skip)"),
     tp: int = typer.Option(1, "--tp", min=1, help="also run at this tensor-parallel size and compare with tp 1"),
+    llamacpp: bool = typer.Option(False, "--llamacpp", help="also compare with llama.cpp's server on this GGUF (bench llamacpp)"),
+    threads: int = typer.Option(1, "--threads", min=1, help="CPU threads for both engines in the --llamacpp comparison"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
     """Prefill/decode tokens/s of our engine and transformers' generate on the same model, and idle CPU.
-    With --tp N: the tp N / tp 1 decode step-time ratio, the per-step broadcast cost, and idle at tp N."""
+    With --tp N: the tp N / tp 1 decode step-time ratio, the per-step broadcast cost, and idle at tp N.
+    With --llamacpp: single-stream rates against llama.cpp's server at --threads, as `bench llamacpp`."""
     from agentbox.bench.idle import measure_idle_cpu
     from agentbox.bench.throughput import compare_throughput, tp_comparison
 
@@ -54,6 +57,12 @@ def bench_throughput(
     report = compare_throughput(path, tokens, prompt_len, batches, device="cpu", repeats=repeats)
     if tp > 1:
         report["tensor_parallel"] = tp_comparison(path, tp, tokens, prompt_len, batches, device="cpu", repeats=repeats)
+    if llamacpp:
+        from agentbox.bench.llamacpp import compare_llamacpp
+
+        if not path.endswith(".gguf"):
+            fail(f"--llamacpp needs a .gguf model (llama.cpp runs GGUF files), got {path}")
+        report["llamacpp"] = compare_llamacpp(path, prompt_len, tokens, threads, max(2, repeats))
     if idle_seconds > 0:
         # A small pool: the default takes a share of free RAM, which is not what is being measured here.
         report["idle"] = measure_idle_cpu(path, idle_seconds, ["--device", "cpu", "--num-pages", "256", "--tp", str(tp)])
