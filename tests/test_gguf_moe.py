@@ -30,6 +30,8 @@ from agentbox.models.loader import load_model
 Int4Experts = pytest.importorskip("agentbox.layers.moe_quant").Int4Experts
 from agentbox.layers.gguf_experts import GGUFExperts, pack_k  # noqa: E402  (needs moe_quant)
 
+# The exact CPU path: experts stay in the canonical form (the default repacks them: tests/test_moe_cpu.py).
+pytestmark = pytest.mark.usefixtures("exact_cpu_kernels")
 Q = GGMLQuantizationType
 H, FFN, E = 256, 256, 4  # K-quant blocks are 256 columns: H and FFN hold one each
 # (gate, up, down) per layer: what a llama.cpp quantiser writes; Q4_K_M puts some ffn_down_exps in Q6_K

@@ -194,7 +194,10 @@ class FusedMoE(nn.Module):
             _copy(d, src.narrow(0, r * half, half), shard.value)
 
     def process_weights_after_loading(self) -> None:
+        from agentbox.layers import moe_cpu
+
         self.method.process_weights_after_loading(self)
+        moe_cpu.install(self)  # int4 experts on a CPU: repacked for its 4-bit kernel
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; router_logits: [T, E] (replicated on every rank). Returns [T, H], all-reduced."""
