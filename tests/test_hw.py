@@ -135,6 +135,14 @@ def test_doctor_in_cpu_mode(home: Path, here: Probe) -> None:
     report = doctor(probe=here, server=ServerConfig(port=_free_port()))
     whats = " ".join(p.what for p in report.problems)
     assert "CPU mode" in whats
+    from agentbox.kernels import cpu_gemv
+
+    assert here.software.cpu_kernels_ok is cpu_gemv.available()  # measured by building them
+    assert ("CPU 4-bit kernels are unavailable" in whats) is not cpu_gemv.available()
+    no_cc = Probe.from_dict({**here.to_dict(), "software": {"cpu_kernels_ok": False,
+                                                            "cpu_kernels_error": "no C compiler (cc / gcc) on PATH"}})
+    warned = [p for p in software_problems(no_cc) if "CPU 4-bit kernels" in p.what]
+    assert warned and "no C compiler" in warned[0].what and "apt install gcc" in warned[0].fix
     assert report.plan is not None and report.plan["model"] == "Qwen3-8B"
     assert report.server is None and report.ok
     data = json.loads(json.dumps(report.to_dict()))

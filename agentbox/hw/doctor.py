@@ -130,6 +130,16 @@ def software_problems(probe: Probe) -> list[Problem]:
                 "on a GPU machine: install the NVIDIA driver (nvidia-smi must work)",
             )
         )
+        if sw.cpu_kernels_ok is False:
+            out.append(
+                Problem(
+                    "warning",
+                    f"the CPU 4-bit kernels are unavailable ({sw.cpu_kernels_error}): quantised layers are "
+                    "dequantised to fp32 at load, about 4-8x the memory and a third of the decode speed",
+                    "install a C compiler (e.g. `apt install gcc`) on an x86-64 CPU with AVX2/FMA/F16C; "
+                    "agentbox builds the kernels on first use",
+                )
+            )
         return out
     if sw.torch_version is None:
         out.append(

@@ -70,6 +70,8 @@ class SoftwareInfo:
     flashinfer_ok: bool | None = None  # None: not installed
     flashinfer_error: str | None = None
     triton_version: str | None = None
+    cpu_kernels_ok: bool | None = None  # the AVX2 4-bit kernels (kernels/cpu_gemv) built; None: not tried
+    cpu_kernels_error: str | None = None
 
 
 @dataclass
@@ -227,7 +229,13 @@ def _torch_probe(software: SoftwareInfo, gpus: list[GpuInfo], try_kernels: bool)
                 props = torch.cuda.get_device_properties(i)
                 free, total = torch.cuda.mem_get_info(i)
                 gpus.append(GpuInfo(i, props.name, props.major * 10 + props.minor, int(total), int(free)))
-    if not gpus or not try_kernels:
+    if not try_kernels:
+        return
+    if not gpus:  # CPU mode: the quantised layers' speed and memory depend on this kernel building
+        from agentbox.kernels import cpu_gemv
+
+        software.cpu_kernels_ok = cpu_gemv.available()
+        software.cpu_kernels_error = None if software.cpu_kernels_ok else cpu_gemv.unavailable_reason()
         return
     try:  # "no kernel image is available" shows up here, on the first real launch, not at import
         x = torch.arange(8, device="cuda", dtype=torch.float32)
