@@ -22,6 +22,7 @@ fused_moe_quant = pytest.importorskip("agentbox.kernels.fused_moe_quant")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else Triton's interpreter (tests/kernels/conftest.py)
 
 
+@pytest.mark.usefixtures("exact_cpu_kernels")  # the canonical form (on CPU the default repacks it: moe_cpu)
 def test_gguf_int4_experts_through_the_kernel_equal_the_reference(tmp_path: Path) -> None:
     write_qwen3moe(tmp_path / "tiny.gguf")
     ours = load_model(str(tmp_path / "tiny.gguf"), torch.float32, "cpu")
