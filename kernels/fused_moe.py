@@ -8,9 +8,9 @@ own intermediate row and multiplies by its routing weight, so the final sum over
 Activation and biases run between the two launches in torch (one elementwise pass).
 
 The experts' weights are read through an `ExpertWeights` (format, codes, scales, strides): dense here, and
-int4 / FP8 block / MXFP4 from kernels/fused_moe_quant.py, dequantised tile by tile in the K loop by the
-tile decoder the dense w4a16 / w8a16 kernels share (kernels/_quant_triton.py), so quantised experts stay
-quantised in memory and one kernel serves every format.
+int4 / k-bit / FP8 block / MXFP4 from kernels/fused_moe_quant.py, dequantised tile by tile in the K loop by
+the tile decoders the dense w4a16 / w8a16 / wbits kernels share (kernels/_quant_triton.py), so quantised
+experts stay quantised in memory and one kernel serves every format.
 
 Alignment is computed on the device with sizes that depend only on T, k and E (an upper bound on the
 padded length), so there is no host sync per layer and the launch grid is fixed for a batch size.

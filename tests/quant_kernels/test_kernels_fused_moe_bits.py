@@ -73,3 +73,27 @@ def test_a_wrong_high_word_count_is_named() -> None:
     weights, ids = routed(1, 2, 1, seed=0)
     with pytest.raises(ValueError, match=r"6-bit experts: .* qhigh \(2, 1, 32\)"):
         fused_moe_bits(x, bad, bad, weights, ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.inference_mode()
+def test_q4_k_m_experts_bf16_at_real_shapes() -> None:
+    """Qwen3-Coder-30B-A3B's Q4_K_M layers (int4 gate/up in groups of 32, Q6_K down: 6 bits in groups of 16)
+    in bf16 against the twin in fp32. Drawn on the device: a random int32 word is random codes."""
+    from test_kernels_fused_moe_quant import QWEN3_30B
+
+    torch.manual_seed(0)
+    t, e, k, h, inter = (QWEN3_30B[n] for n in ("t", "e", "k", "h", "inter"))
+    bf, dev = torch.bfloat16, "cuda"
+
+    def words(*shape: int) -> torch.Tensor:
+        return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device=dev)
+
+    s13 = (torch.rand(e, h // 32, 2 * inter, device=dev) * 0.015 + 0.005).to(bf)
+    w13 = BitsWeights(words(e, h // 8, 2 * inter), None, s13, (-8 * s13).to(bf), 32, 4)
+    s2 = (torch.rand(e, inter // 16, h, device=dev) * 0.004 + 0.001).to(bf)
+    w2 = BitsWeights(words(e, inter // 8, h), words(e, inter * 2 // 32, h), s2, None, 16, 6)
+    x = torch.randn(t, h, device=dev, dtype=bf)
+    weights, ids = routed(t, e, k, seed=3)
+    close(fused_moe_bits(x, w13, w2, weights, ids), fused_moe_bits_ref(x.float(), w13, w2, weights, ids), bf)
