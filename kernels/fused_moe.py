@@ -8,9 +8,9 @@ own intermediate row and multiplies by its routing weight, so the final sum over
 Activation and biases run between the two launches in torch (one elementwise pass).
 
 The experts' weights are read through an `ExpertWeights` (format, codes, scales, strides): dense here, and
-int4 / FP8 block / MXFP4 from kernels/fused_moe_quant.py, dequantised tile by tile in the K loop by the
-tile decoder the dense w4a16 / w8a16 kernels share (kernels/_quant_triton.py), so quantised experts stay
-quantised in memory and one kernel serves every format.
+int4 / k-bit / FP8 block / MXFP4 from kernels/fused_moe_quant.py, dequantised tile by tile in the K loop by
+the tile decoders the dense w4a16 / w8a16 / wbits kernels share (kernels/_quant_triton.py), so quantised
+experts stay quantised in memory and one kernel serves every format.
 
 Alignment is computed on the device with sizes that depend only on T, k and E (an upper bound on the
 padded length), so there is no host sync per layer and the launch grid is fixed for a batch size.
@@ -28,6 +28,7 @@ from agentbox.kernels._quant_triton import (
     HAS_TRITON,
     WeightFormat,
     check_runnable,
+    load_bits_tile,
     load_weight_tile,
     tl,
     triton,
@@ -69,7 +70,9 @@ class ExpertWeights:
     """One projection of every expert as the grouped GEMM reads it: n outputs from k inputs, decoded by
     `format` (kernels/_quant_triton.py). Strides are in elements of each tensor, as (expert, k, n) for the
     scale and offset and (expert, n, k) for the codes (k counted in the codes' own elements: an int4 word
-    holds 8 rows of K, an MXFP4 byte 2). `k_group` / `n_group`: inputs / outputs sharing one scale."""
+    holds 8 rows of K, an MXFP4 byte 2). `k_group` / `n_group`: inputs / outputs sharing one scale.
+    `bits` > 4: the k-bit form (kernels/dequant.py) as INT4 codes (its low nibbles) plus `high`, the
+    remaining bits, read by `load_bits_tile`; `offset` None there means the symmetric 2^(bits-1) shift."""
 
     format: WeightFormat
     codes: torch.Tensor
@@ -83,6 +86,9 @@ class ExpertWeights:
     k_group: int = 1
     n_group: int = 1
     perm: torch.Tensor | None = None  # [E, K] int: stored row j of K reads input perm[e, j] (GPTQ act-order)
+    bits: int = 0
+    high: torch.Tensor | None = None  # int32 [E, K (bits-4) / 32, N] for bits > 4
+    high_strides: tuple[int, int, int] = (0, 0, 0)  # (expert, n, k) as code_strides
 
     @staticmethod
     def dense(w: torch.Tensor) -> ExpertWeights:
@@ -98,11 +104,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _grouped_gemm_kernel(
-        a_ptr, b_ptr, s_ptr, o_ptr, perm_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr,
+        a_ptr, b_ptr, h_ptr, s_ptr, o_ptr, perm_ptr, c_ptr, pairs_ptr, block_expert_ptr, weight_ptr,
         num_pairs, N, K, K_GROUP, N_GROUP,
-        stride_am, stride_be, stride_bn, stride_bk, stride_se, stride_sk, stride_sn,
+        stride_am, stride_be, stride_bn, stride_bk, stride_he, stride_hn, stride_hk, stride_se, stride_sk, stride_sn,
         stride_oe, stride_ok, stride_on, stride_pe, stride_cm,
         ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, FORMAT: tl.constexpr, HAS_PERM: tl.constexpr,
+        BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -118,6 +125,7 @@ if HAS_TRITON:
         nmask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         b_expert = b_ptr + expert * stride_be
+        h_expert = h_ptr + expert * stride_he
         s_expert = s_ptr + expert * stride_se
         o_expert = o_ptr + expert * stride_oe
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -129,9 +137,14 @@ if HAS_TRITON:
             else:
                 cols = kk
             a = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-            b = load_weight_tile(b_expert, s_expert, o_expert, k0, kk, offs_n, kmask, nmask,
-                                 stride_bk, stride_bn, stride_sk, stride_sn, stride_ok, stride_on,
-                                 K_GROUP, N_GROUP, FORMAT)
+            if BITS > 4:  # the k-bit form: int4 low nibbles in b, the high bits in h
+                b = load_bits_tile(b_expert, h_expert, s_expert, o_expert, k0, kk, offs_n, kmask, nmask,
+                                   stride_bk, stride_bn, stride_hk, stride_hn, stride_sk, stride_sn, stride_ok,
+                                   stride_on, K_GROUP, BITS, HAS_OFFSET)
+            else:
+                b = load_weight_tile(b_expert, s_expert, o_expert, k0, kk, offs_n, kmask, nmask,
+                                     stride_bk, stride_bn, stride_sk, stride_sn, stride_ok, stride_on,
+                                     K_GROUP, N_GROUP, FORMAT)
             acc += tl.dot(a, b.to(a.dtype), input_precision="ieee")  # fp32: no TF32, as torch does
         if MUL_WEIGHT:
             w = tl.load(weight_ptr + pairs, mask=valid, other=0.0)
@@ -144,9 +157,11 @@ def _grouped_gemm(
     a: torch.Tensor, w: ExpertWeights, pairs: torch.Tensor, block_expert: torch.Tensor, num_pairs: int,
     row_div: int, weights: torch.Tensor | None,
 ) -> torch.Tensor:
-    """c[p] = a[p // row_div] @ W[expert(p)].T (times weights[p]) for every routed pair p; c: [num_pairs, N]."""
-    if w.format is not WeightFormat.DENSE and w.k_group % BLOCK_K:
-        raise ValueError(f"fused MoE: a scale group of {w.k_group} inputs is not a multiple of {BLOCK_K}")
+    """c[p] = a[p // row_div] @ W[expert(p)].T (times weights[p]) for every routed pair p; c: [num_pairs, N].
+    A K tile reads one scale row, so BLOCK_K shrinks to a group of 16 (GGUF Q6_K), tl.dot's smallest K."""
+    block_k = BLOCK_K if w.format is WeightFormat.DENSE else min(BLOCK_K, w.k_group)
+    if w.format is not WeightFormat.DENSE and (w.k_group % block_k or block_k < 16):
+        raise ValueError(f"fused MoE: a scale group of {w.k_group} inputs is not a multiple of 16 or {BLOCK_K}")
     if a.shape[1] != w.k:
         raise ValueError(f"fused MoE: activations have {a.shape[1]} features, the experts take {w.k}")
     c = torch.empty(num_pairs, w.n, dtype=a.dtype, device=a.device)
@@ -154,13 +169,15 @@ def _grouped_gemm(
     scale = w.scale if w.scale is not None else c
     offset = w.offset if w.offset is not None else scale
     perm = w.perm if w.perm is not None else pairs
+    high = w.high if w.high is not None else w.codes
     grid = (block_expert.numel(), triton.cdiv(w.n, BLOCK_N))
     _grouped_gemm_kernel[grid](
-        a, w.codes, scale, offset, perm, c, pairs, block_expert, weights if weights is not None else c,
+        a, w.codes, high, scale, offset, perm, c, pairs, block_expert, weights if weights is not None else c,
         num_pairs, w.n, w.k, w.k_group, w.n_group,
-        a.stride(0), *w.code_strides, *w.scale_strides, *w.offset_strides, perm.stride(0), c.stride(0),
+        a.stride(0), *w.code_strides, *w.high_strides, *w.scale_strides, *w.offset_strides, perm.stride(0),
+        c.stride(0),
         ROW_DIV=row_div, MUL_WEIGHT=weights is not None, FORMAT=w.format.value, HAS_PERM=w.perm is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        BITS=w.bits, HAS_OFFSET=w.offset is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
     )
     return c
 

@@ -1,4 +1,4 @@
-"""Fused MoE over quantised experts that stay quantised in memory: int4 (canonical), FP8 block, MXFP4.
+"""Fused MoE over quantised experts that stay quantised in memory: int4 (canonical), k-bit, FP8 block, MXFP4.
 
 Each entry point describes its tensors as `ExpertWeights` for the one grouped GEMM of kernels/fused_moe.py,
 which dequantises a [BLOCK_K, BLOCK_N] tile of the routed expert inside its K loop (weight-only: the
@@ -7,6 +7,10 @@ activations stay in x's dtype, the products accumulate in fp32). Layouts (kernel
   `w2_qweight` [E, I/8, H], `w2_scale` / `w2_offset` [E, I/g, H] (K-major, the transpose of [out, in]).
   GPTQ act-order experts add `w13_perm` [E, H] / `w2_perm` [E, I] (stored K row j is input perm[e, j]):
   the kernel gathers the activations' columns through it, the weights stay as stored.
+- k-bit (bits 5, 6, 8: GGUF Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K experts), one `BitsWeights` per projection:
+  `qweight` int32 [E, K/8, N] (the low nibbles, int4's layout), `qhigh` int32 [E, K (bits-4)/32, N], `scale`
+  and optional `offset` [E, K/g, N], g 16 or 32. w13 and w2 each have their own bits, group and offset;
+  bits 4 is the int4 form (no qhigh; offset always), so a Q4_K gate/up layer may run with a Q6_K down.
 - FP8 block, contract 2: `w13_weight` e4m3 [E, 2I, H], `w13_weight_scale_inv` float32 [E, 2I/bo, H/bi];
   `w2_weight` [E, H, I], `w2_weight_scale_inv` [E, H/bo, I/bi]; gate and up each start on a block row.
 - MXFP4, as layers/mxfp4.py stores gpt-oss's experts: `w13_blocks` uint8 [E, 2I, H/32, 16],
@@ -17,10 +21,11 @@ Every twin (`*_ref`) dequantises only the experts the batch routes to and runs f
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from agentbox.kernels._quant_triton import WeightFormat, native_fp8
-from agentbox.kernels.dequant import MXFP4_BLOCK, dequant_fp8_block, dequant_int4, dequant_mxfp4
+from agentbox.kernels.dequant import MXFP4_BLOCK, dequant_bits, dequant_fp8_block, dequant_int4, dequant_mxfp4
 from agentbox.kernels.fused_moe import ExpertWeights, fused_moe_experts, fused_moe_ref, silu_and_mul
 
 Act = Callable[[torch.Tensor], torch.Tensor]
@@ -45,6 +50,53 @@ def int4_expert_weights(
         WeightFormat.INT4, qweight, n, k8 * 8, _strides(qweight, 0, 2, 1),
         scale, _strides(scale, 0, 1, 2), offset, _strides(offset, 0, 1, 2), k_group=group, perm=perm,
     )
+
+
+@dataclass(frozen=True)
+class BitsWeights:
+    """One projection of every expert in the k-bit form (bits 5, 6, 8) or, with bits 4, the int4 form."""
+
+    qweight: torch.Tensor  # int32 [E, K/8, N]
+    qhigh: torch.Tensor | None  # int32 [E, K (bits-4) / 32, N]; None for bits 4
+    scale: torch.Tensor  # [E, K/group, N]
+    offset: torch.Tensor | None  # [E, K/group, N]; None: symmetric, w = (q - 2^(bits-1)) * scale
+    group: int
+    bits: int
+
+    def expert_weights(self) -> ExpertWeights:
+        if self.bits == 4:
+            if self.offset is None or self.qhigh is not None:
+                raise ValueError("4-bit experts are the int4 form: an offset and no high bits")
+            return int4_expert_weights(self.qweight, self.scale, self.offset, self.group)
+        e, k8, n = self.qweight.shape
+        k = k8 * 8
+        high = (e, k * (self.bits - 4) // 32, n)
+        if (
+            self.qweight.dtype != torch.int32 or self.qhigh is None or self.qhigh.dtype != torch.int32
+            or tuple(self.qhigh.shape) != high or self.scale.shape != (e, k // self.group, n)
+            or (self.offset is not None and self.offset.shape != self.scale.shape)
+        ):
+            raise ValueError(
+                f"{self.bits}-bit experts: qweight {tuple(self.qweight.shape)} {self.qweight.dtype}, qhigh "
+                f"{None if self.qhigh is None else tuple(self.qhigh.shape)}, scale {tuple(self.scale.shape)} do not "
+                f"fit int32 [E, K/8, N], int32 {list(high)} and [E, K/{self.group}, N]"
+            )
+        offset = self.offset
+        return ExpertWeights(
+            WeightFormat.INT4, self.qweight, n, k, _strides(self.qweight, 0, 2, 1),
+            self.scale, _strides(self.scale, 0, 1, 2), offset,
+            (0, 0, 0) if offset is None else _strides(offset, 0, 1, 2), k_group=self.group,
+            bits=self.bits, high=self.qhigh, high_strides=_strides(self.qhigh, 0, 2, 1),
+        )
+
+    def dequant(self, ids: torch.Tensor) -> torch.Tensor:
+        """The definition for experts `ids`: [n, N, K] fp32 ([out, in])."""
+        offset = None if self.offset is None else self.offset[ids]
+        if self.bits == 4:
+            w = dequant_int4(self.qweight[ids], self.scale[ids], offset, self.group)  # type: ignore[arg-type]
+        else:
+            w = dequant_bits(self.qweight[ids], self.qhigh[ids], self.scale[ids], offset, self.group, self.bits)  # type: ignore[index]
+        return w.transpose(-1, -2)
 
 
 def fp8_expert_weights(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> ExpertWeights:
@@ -89,6 +141,14 @@ def fused_moe_int4(
     w13 = int4_expert_weights(w13_qweight, w13_scale, w13_offset, group, w13_perm)
     w2 = int4_expert_weights(w2_qweight, w2_scale, w2_offset, group, w2_perm)
     return fused_moe_experts(x, w13, w2, topk_weights, topk_ids, act, b13, b2)
+
+
+def fused_moe_bits(
+    x: torch.Tensor, w13: BitsWeights, w2: BitsWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    act: Act = silu_and_mul, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, H] -> [T, H] over k-bit (or int4) experts, each projection in its own bits / group / offset."""
+    return fused_moe_experts(x, w13.expert_weights(), w2.expert_weights(), topk_weights, topk_ids, act, b13, b2)
 
 
 def fused_moe_fp8(
@@ -154,6 +214,13 @@ def fused_moe_int4_ref(
         )
 
     return _ref_on_routed(x, topk_weights, topk_ids, act, b13, b2, dequant)
+
+
+def fused_moe_bits_ref(
+    x: torch.Tensor, w13: BitsWeights, w2: BitsWeights, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    act: Act = silu_and_mul, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return _ref_on_routed(x, topk_weights, topk_ids, act, b13, b2, lambda ids: (w13.dequant(ids), w2.dequant(ids)))
 
 
 def fused_moe_fp8_ref(

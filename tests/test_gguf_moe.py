@@ -2,7 +2,8 @@
 out (all experts of a layer in one 3-D `ffn_*_exps` tensor, `ffn_gate_inp` router, q/k norms, unpermuted
 q/k), one expert type per layer, loaded by our loader and compared with transformers on the dequantised
 twin (fp32). Q4_0 / Q4_1 / Q4_K experts end in the canonical int4 form; a Q4_K_M-like layer (Q6_K down) and
-a Q8_0 one are dense. tp 2 over two processes: tests/test_models_moe_tp.py."""
+a Q8_0 one in the k-bit form (every k-bit type: tests/test_gguf_moe_bits.py). tp 2 over two processes:
+tests/test_models_moe_tp.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from moe_harness import DECODE, PROMPT, engine_greedy_matches, hf_logits, paged_
 from test_quant_gguf import quantise
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from agentbox.layers.moe import ExpertShard, FusedMoE, UnquantizedExperts
+from agentbox.layers.moe import ExpertShard, FusedMoE
+from agentbox.layers.moe_bits import BitsExperts
 from agentbox.layers.quant import resident_weight_bytes
 from agentbox.layers.quant.gguf import GGUFBlocks
 from agentbox.layers.quant.int4 import pack_rows_int32
@@ -36,12 +38,18 @@ Q = GGMLQuantizationType
 H, FFN, E = 256, 256, 4  # K-quant blocks are 256 columns: H and FFN hold one each
 # (gate, up, down) per layer: what a llama.cpp quantiser writes; Q4_K_M puts some ffn_down_exps in Q6_K
 LAYER_TYPES = [(Q.Q4_0,) * 3, (Q.Q4_1,) * 3, (Q.Q4_K,) * 3, (Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0,) * 3]
-CONFIG = Qwen3MoeConfig(
-    hidden_size=H, intermediate_size=FFN, moe_intermediate_size=FFN, num_hidden_layers=len(LAYER_TYPES),
-    num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256, max_position_embeddings=256,
-    num_experts=E, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6,
-    tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"],
-)
+
+
+def qwen3moe_config(layers: int) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        hidden_size=H, intermediate_size=FFN, moe_intermediate_size=FFN, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256, max_position_embeddings=256,
+        num_experts=E, num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6,
+        tie_word_embeddings=False, architectures=["Qwen3MoeForCausalLM"],
+    )
+
+
+CONFIG = qwen3moe_config(len(LAYER_TYPES))
 _ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
 _NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp"}
@@ -55,12 +63,15 @@ def _blocks(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarr
     return raw.reshape(*w.shape[:-1], -1), deq.astype(np.float32)
 
 
-def write_qwen3moe(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The GGUF file; returns the transformers state dict it dequantises to."""
+def write_qwen3moe(
+    path: Path, seed: int = 0, layer_types: list[tuple[Q, Q, Q]] = LAYER_TYPES
+) -> dict[str, torch.Tensor]:
+    """The GGUF file, one (gate, up, down) expert type per layer; returns the transformers state dict it
+    dequantises to."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "qwen3moe")
     for key, value in (
-        ("block_count", len(LAYER_TYPES)), ("context_length", 256), ("embedding_length", H), ("head_count", 4),
+        ("block_count", len(layer_types)), ("context_length", 256), ("embedding_length", H), ("head_count", 4),
         ("head_count_kv", 2), ("key_length", 64), ("value_length", 64), ("vocab_size", 256), ("expert_count", E),
         ("expert_used_count", 2), ("expert_feed_forward_length", FFN),
     ):
@@ -83,7 +94,7 @@ def write_qwen3moe(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
         return deq
 
     dense("model.embed_tokens.weight", "token_embd.weight", (256, H))
-    for layer, (t_gate, t_up, t_down) in enumerate(LAYER_TYPES):
+    for layer, (t_gate, t_up, t_down) in enumerate(layer_types):
         hf, blk = f"model.layers.{layer}", f"blk.{layer}"
         for proj, rows in (("q_proj", 256), ("k_proj", 128), ("v_proj", 128), ("o_proj", H)):
             quantised(f"{hf}.self_attn.{proj}.weight", f"{blk}.{_ATTN[proj]}.weight", (rows, 256), Q.Q8_0)
@@ -103,8 +114,8 @@ def write_qwen3moe(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-def twin(state: dict[str, torch.Tensor]) -> torch.nn.Module:
-    hf = AutoModelForCausalLM.from_config(CONFIG, attn_implementation="eager").float().eval()
+def twin(state: dict[str, torch.Tensor], config: Qwen3MoeConfig = CONFIG) -> torch.nn.Module:
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     hf.load_state_dict(state)
     return hf
 
@@ -143,8 +154,8 @@ def test_gguf_moe_matches_the_dequantised_twin(tiny) -> None:  # noqa: ANN001
     path, hf = tiny
     ours = load_model(str(path), torch.float32, "cpu")
     methods = [type(m.method) for m in _experts(ours)]
-    # 4-bit layers stay 4-bit; the Q6_K-down and the Q8_0 layers are dense
-    assert methods == [Int4Experts, Int4Experts, Int4Experts, UnquantizedExperts, UnquantizedExperts]
+    # 4-bit layers stay 4-bit; the Q6_K-down and the Q8_0 layers are k-bit
+    assert methods == [Int4Experts, Int4Experts, Int4Experts, BitsExperts, BitsExperts]
     torch.testing.assert_close(paged_logits(ours), hf_logits(hf), atol=1e-4, rtol=1e-4)
     with torch.no_grad():
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
@@ -175,8 +186,8 @@ def test_int4_experts_stay_near_the_file_size(tiny, dtype: torch.dtype) -> None:
 
 def test_each_rank_holds_its_half_of_every_expert(tiny) -> None:  # noqa: ANN001
     """The shards without processes: rank r's experts dequantise to rows [r*I/2, (r+1)*I/2) of the twin's
-    gate and up and the same columns of its down, in the int4 form where the layer's types allow it (the
-    Q4_K down shard, 128 of 256 columns, cuts a block: read whole, cut at a 32-column group)."""
+    gate and up and the same columns of its down, in the int4 form where the layer's types allow it, else
+    the k-bit form (a down shard, 128 of 256 columns, cuts a K-quant block: read whole, cut at a group)."""
     from agentbox.parallel.state import set_tp_state
 
     path, hf = tiny
@@ -189,15 +200,12 @@ def test_each_rank_holds_its_half_of_every_expert(tiny) -> None:  # noqa: ANN001
                 gate_up, down = ref.mlp.experts.gate_up_proj, ref.mlp.experts.down_proj
                 rows = torch.cat([torch.arange(half) + rank * half, FFN + torch.arange(half) + rank * half])
                 for e in range(E):
-                    if isinstance(moe.method, Int4Experts):
-                        w13, w2 = moe.method.dequantized_expert(moe, e, torch.float32)
-                    else:
-                        w13, w2 = moe.w13_weight[e], moe.w2_weight[e]
+                    w13, w2 = moe.method.dequantized_expert(moe, e, torch.float32)
                     torch.testing.assert_close(w13, gate_up[e, rows], atol=1e-6, rtol=0, msg=f"layer {layer} w13")
                     torch.testing.assert_close(
                         w2, down[e, :, rank * half : (rank + 1) * half], atol=1e-6, rtol=0, msg=f"layer {layer} w2"
                     )
-            assert [type(m.method) for m in _experts(ours)][:3] == [Int4Experts] * 3
+            assert [type(m.method) for m in _experts(ours)] == [Int4Experts] * 3 + [BitsExperts] * 2
     finally:
         set_tp_state(0, 1)
 
@@ -234,14 +242,15 @@ def test_engine_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @torch.inference_mode()
 def test_gguf_moe_bf16_on_cuda(tiny) -> None:  # noqa: ANN001
-    """On CUDA in bf16 (int4 experts through fused_moe_int4 where the kernel is built, dense ones through
-    fused_moe): prefill and decode logits near the fp32 twin's, at bf16's tolerance."""
+    """On CUDA in bf16 (int4 experts through fused_moe_int4 where the kernel is built, k-bit ones through
+    fused_moe_bits): prefill and decode logits near the fp32 twin's, at bf16's tolerance."""
     from test_gpu import _assert_close_bf16
 
     path, hf = tiny
     ours = load_model(str(path), torch.bfloat16, "cuda")
-    assert [type(m.method) for m in _experts(ours)][:3] == [Int4Experts] * 3
+    assert [type(m.method) for m in _experts(ours)] == [Int4Experts] * 3 + [BitsExperts] * 2
     assert ours.model.model.layers[0].mlp.experts.w13_qweight.is_cuda
+    assert ours.model.model.layers[3].mlp.experts.w2_qhigh.is_cuda
     runner = PagedRunner(ours, page_size=4, device="cuda")
     got = [runner.step({0: PROMPT})[0]] + [runner.step({0: [t]})[0] for t in DECODE]
     _assert_close_bf16(torch.cat(got).cpu(), hf_logits(hf))

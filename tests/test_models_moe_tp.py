@@ -23,7 +23,8 @@ def test_tensor_parallel_2_matches_transformers(tmp_path: Path) -> None:
         "qwen3-moe": lambda p: save_random(QWEN3_MOE["norm-topk"], p),
         "gpt-oss-bf16": lambda p: save_random(GPT_OSS, p),
         "gpt-oss-mxfp4": write_mxfp4,
-        # Q4_0/Q4_1/Q4_K experts in the int4 form (the Q4_K down shard cuts a block), Q6_K/Q8_0 ones dense
+        # Q4_0/Q4_1/Q4_K experts in the int4 form (the Q4_K down shard cuts a block), the Q6_K-down and Q8_0
+        # layers in the k-bit form (the Q6_K down shard: 128 of 256 columns, cut at a 16-column group)
         "qwen3-moe.gguf": lambda p: gguf_twin(write_qwen3moe(p)),
     }
     expected = {name: hf_logits(build(tmp_path / name)) for name, build in models.items()}

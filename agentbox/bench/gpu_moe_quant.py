@@ -1,6 +1,7 @@
 """The GPU check's quantised-MoE block (scripts/gpu_check.sh): one JSON object.
 
-At the expert shapes of Qwen3-30B-A3B (128 experts, top 8, 2048 -> 768: int4 group 128 and FP8 block 128)
+At the expert shapes of Qwen3-30B-A3B (128 experts, top 8, 2048 -> 768: int4 group 128, FP8 block 128, and
+GGUF Q4_K_M's layers with a Q6_K down: int4 gate/up in groups of 32, a 6-bit down in groups of 16)
 and gpt-oss-20b (32 experts, top 4, 2880 -> 2880: MXFP4), at 1 and 16 tokens, in the compute dtype:
 time per call of each quantised fused-MoE kernel (kernels/fused_moe_quant.py) against the same kernel on
 the same experts in the compute dtype (`vs_dense_kernel` = dense time / quantised time; at a few tokens
@@ -26,6 +27,9 @@ import torch
 from agentbox.kernels.dequant import dequant_mxfp4
 from agentbox.kernels.fused_moe import fused_moe
 from agentbox.kernels.fused_moe_quant import (
+    BitsWeights,
+    fused_moe_bits,
+    fused_moe_bits_ref,
     fused_moe_fp8,
     fused_moe_fp8_ref,
     fused_moe_int4,
@@ -40,6 +44,7 @@ class ExpertFormat(Enum):
     INT4 = "int4_g128"
     FP8 = "fp8_block128"
     MXFP4 = "mxfp4"
+    GGUF_Q4_K_M = "gguf_q4_k_m_q6_k_down"
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,9 @@ class MoEShape:
     formats: tuple[ExpertFormat, ...]
 
 
-QWEN3_30B_A3B = MoEShape("qwen3_30b_a3b", 128, 8, 2048, 768, (ExpertFormat.INT4, ExpertFormat.FP8))
+QWEN3_30B_A3B = MoEShape(
+    "qwen3_30b_a3b", 128, 8, 2048, 768, (ExpertFormat.INT4, ExpertFormat.FP8, ExpertFormat.GGUF_Q4_K_M)
+)
 GPT_OSS_20B = MoEShape("gpt_oss_20b", 32, 4, 2880, 2880, (ExpertFormat.MXFP4,))
 
 
@@ -71,13 +78,17 @@ class Experts:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors if isinstance(t, torch.Tensor))
+        tensors = [t for t in self.tensors if isinstance(t, torch.Tensor)]
+        for w in (w for w in self.tensors if isinstance(w, BitsWeights)):
+            tensors += [t for t in (w.qweight, w.qhigh, w.scale, w.offset) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 KERNELS: dict[ExpertFormat, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
     ExpertFormat.INT4: (fused_moe_int4, fused_moe_int4_ref),
     ExpertFormat.FP8: (fused_moe_fp8, fused_moe_fp8_ref),
     ExpertFormat.MXFP4: (fused_moe_mxfp4, fused_moe_mxfp4_ref),
+    ExpertFormat.GGUF_Q4_K_M: (fused_moe_bits, fused_moe_bits_ref),
 }
 
 
@@ -103,10 +114,15 @@ def make_experts(fmt: ExpertFormat, s: MoEShape, dtype: torch.dtype, device: str
     def u8(*shape: int, lo: int = 0, hi: int = 256) -> torch.Tensor:
         return torch.randint(lo, hi, shape, dtype=torch.uint8, device=device)
 
-    if fmt is ExpertFormat.INT4:
-        def words(*shape: int) -> torch.Tensor:  # a random word is eight random codes
-            return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device=device)
+    def words(*shape: int) -> torch.Tensor:  # a random word is random codes
+        return torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, device=device)
 
+    if fmt is ExpertFormat.GGUF_Q4_K_M:
+        s13 = (torch.rand(e, h // 32, 2 * i, device=device) * 0.01 + 0.002).to(dtype)
+        s2 = (torch.rand(e, i // 16, h, device=device) * 0.003 + 0.001).to(dtype)
+        return Experts(fmt, (BitsWeights(words(e, h // 8, 2 * i), None, s13, -8 * s13, 32, 4),
+                             BitsWeights(words(e, i // 8, h), words(e, i // 16, h), s2, None, 16, 6)))
+    if fmt is ExpertFormat.INT4:
         s13 = (torch.rand(e, h // 128, 2 * i, device=device) * 0.01 + 0.002).to(dtype)
         s2 = (torch.rand(e, i // 128, h, device=device) * 0.01 + 0.002).to(dtype)
         return Experts(fmt, (words(e, h // 8, 2 * i), s13, -8 * s13, words(e, i // 8, h), s2, -8 * s2, 128))

@@ -1,19 +1,22 @@
 """GGUF experts (qwen3moe `ffn_{gate,up,down}_exps`): the file's blocks until the layer has every expert, then
-the form this layer runs, decided per layer from its tensor types:
+the form this layer runs, decided per layer from its tensor types, each kept quantised:
 
 - Q4_0 / Q4_1 / Q4_K experts map exactly onto 4-bit codes with a scale and an offset per 32 input columns
-  (`int4_groups`), so they end in the canonical int4 expert form (`Int4Experts`: w13/w2 `_qweight`,
-  `_scale`, `_offset`, group 32) and stay 4-bit in memory;
-- any other type (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, F16, F32, BF16) is dequantised by `gguf`'s reference and
-  held in the compute dtype (`UnquantizedExperts`). A layer whose three projections do not all map (Q4_K_M
-  puts about half the layers' ffn_down_exps in Q6_K) is dense as a whole: the int4 expert kernels take
-  w13 and w2 in one form, and no expert kernel reads Q5/Q6/Q8 blocks yet. So is a layer whose per-rank
-  intermediate size is not a multiple of 32 (a group would straddle two ranks).
+  (`int4_groups`), so a layer of only those ends in the canonical int4 expert form (`Int4Experts`: w13/w2
+  `_qweight`, `_scale`, `_offset`, group 32);
+- a layer with any Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K projection ends in the k-bit form (`BitsExperts`,
+  layers/moe_bits.py; `bits_groups`), w13 and w2 each in their own bits / group / offset: Q4_K_M's layers
+  with a Q6_K ffn_down_exps keep Q4_K gate/up at 4 bits and the down at 6. A w13 whose gate and up differ
+  in type is promoted exactly to the wider form (widest bits, smallest group, an offset if either has one),
+  as merged dense layers are;
+- F16 / F32 / BF16 experts and types with no such map are held dequantised (`UnquantizedExperts`), and so
+  is an all-4-bit layer whose per-rank intermediate size is not a multiple of 32; a k-bit layer whose
+  down shard does not fall on its groups is refused, naming the tensor.
 
 Tensor parallel splits every expert's intermediate dimension: gate/up keep this rank's rows (row views of
 the file, nothing else is read), down this rank's columns. A column shard may cut a block (Q4_K's 256
-columns at I / tp = 384): the covering blocks are read and cut at 32-column groups in the int4 form, or
-after dequantisation in the dense one.
+columns at I / tp = 384): the covering blocks are read and cut at their 16- or 32-column groups, or after
+dequantisation in the dense form.
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ import torch
 from torch import nn
 
 from agentbox.layers.moe import ExpertMethod, ExpertShard, FusedMoE, UnquantizedExperts
+from agentbox.layers.moe_bits import BitsCodes, BitsExperts, BitsForm, pack_k
 from agentbox.layers.moe_quant import Int4Experts, register_expert_method
 from agentbox.layers.quant.formats import QuantMethod
-from agentbox.layers.quant.gguf import INT4_TYPES, GGUFBlocks, int4_groups
+from agentbox.layers.quant.gguf import BITS_TYPES, INT4_TYPES, GGUFBlocks, bits_groups, int4_groups
 
 GROUP = 32  # input columns per scale of every int4-mapped GGUF type (Q4_K: its 8 sub-blocks of a 256 block)
 
@@ -87,12 +91,12 @@ class GGUFExperts(ExpertMethod):
         return load
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        stacks = [self._stack(layer, s) for s in (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN)]
+        shards = (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN)
+        stacks = [self._stack(layer, s) for s in shards]
         device = layer.w13_weight.device
         del layer.w13_weight, layer.w2_weight
-        if layer.intermediate_local % GROUP == 0 and all(
-            isinstance(p[0].data, GGUFBlocks) and p[0].data.qtype in INT4_TYPES for p in stacks
-        ):
+        types = [p[0].data.qtype if isinstance(p[0].data, GGUFBlocks) else None for p in stacks]
+        if layer.intermediate_local % GROUP == 0 and all(t in INT4_TYPES for t in types):
             (q1, s1, o1), (q3, s3, o3), (q2, s2, o2) = (_int4(p, layer.num_experts) for p in stacks)
             method = Int4Experts(GROUP)
             with _building(device, self.dtype):  # post-processing runs outside the loader's device/dtype
@@ -100,6 +104,15 @@ class GGUFExperts(ExpertMethod):
             w13 = (torch.cat(t, dim=1) for t in ((q1, q3), (s1, s3), (o1, o3)))  # gate rows first, then up
             _fill_int4(layer, "w13", *w13)
             _fill_int4(layer, "w2", q2, s2, o2)
+            layer.method = method
+        elif all(t in INT4_TYPES | BITS_TYPES for t in types) and any(t in BITS_TYPES for t in types):
+            gate, up, down = (_codes(layer, p, s) for p, s in zip(stacks, shards, strict=True))
+            w13 = _merge(gate, up)
+            method = BitsExperts(w13.form, down.form)
+            with _building(device, self.dtype):
+                method.create_weights(layer)
+            method.install(layer, "w13", w13)
+            method.install(layer, "w2", down)
             layer.method = method
         else:
             gate, up, down = (_dense(p, layer.num_experts, self.dtype) for p in stacks)
@@ -136,17 +149,6 @@ def _fill_int4(layer: FusedMoE, prefix: str, q: torch.Tensor, scale: torch.Tenso
     getattr(layer, f"{prefix}_offset").data.copy_(offset.transpose(1, 2))
 
 
-def pack_k(q: torch.Tensor) -> torch.Tensor:
-    """[E, N, K] codes -> [E, K/8, N] int32, K row k at bits 4 * (k % 8): `int4.pack_rows_int32` of each
-    expert's [K, N] transpose, bit for bit. Done in bytes (two codes a byte, four bytes a little-endian
-    word) and one transpose of the words: on a Qwen3-30B layer (128 x 1536 x 2048) the per-row shift loop
-    over int32 copies of the codes took 2 s and 1.6 GB per projection."""
-    if q.shape[-1] % 8:
-        raise ValueError(f"int4 experts need the input dim ({q.shape[-1]}) to be a multiple of 8")
-    pairs = (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()
-    return pairs.view(torch.int32).transpose(1, 2).contiguous()
-
-
 def _blocks(parts: list[_Part]) -> GGUFBlocks:
     """Every expert's blocks as one [E * rows, covering cols] tensor (reads exactly those bytes)."""
     blocks = [p.data for p in parts if isinstance(p.data, GGUFBlocks)]
@@ -164,6 +166,57 @@ def _int4(parts: list[_Part], experts: int) -> tuple[torch.Tensor, torch.Tensor,
     q = q.narrow(1, trim, cols)
     scale, offset = (t.narrow(1, trim // GROUP, cols // GROUP) for t in (scale, offset))
     return tuple(t.reshape(experts, -1, t.shape[1]).contiguous() for t in (q, scale, offset))  # type: ignore[return-value]
+
+
+def _codes(layer: FusedMoE, parts: list[_Part], shard: ExpertShard) -> BitsCodes:
+    """This rank's columns of every expert as k-bit (or 4-bit) codes, exactly; a shard off a group is refused."""
+    blocks = _blocks(parts)
+    if blocks.qtype in INT4_TYPES:
+        q, scale, offset = int4_groups(blocks)
+        bits = 4
+    else:
+        g = bits_groups(blocks)
+        q, scale, offset, bits = g.codes, g.scale, g.offset, g.bits
+    group = q.shape[1] // scale.shape[1]
+    trim, cols = parts[0].trim, parts[0].cols
+    if trim % group or cols % group:
+        raise ValueError(
+            f"{layer.prefix or 'FusedMoE'}: GGUF {blocks.qtype.name} experts ({shard.value}, ffn_{shard.value}_exps) "
+            f"split over {layer.tp_size} ranks: rank {layer.tp_rank}'s {cols} input columns from column "
+            f"{layer.tp_rank * cols} do not fall on its {group}-column groups"
+        )
+    q = q.narrow(1, trim, cols)
+    scale, offset = (None if t is None else t.narrow(1, trim // group, cols // group) for t in (scale, offset))
+    e = layer.num_experts
+    return BitsCodes(
+        q.reshape(e, -1, cols).contiguous(), BitsForm(bits, group, offset is not None),
+        scale.reshape(e, -1, cols // group).contiguous(),  # type: ignore[union-attr]
+        None if offset is None else offset.reshape(e, -1, cols // group).contiguous(),
+    )
+
+
+def _merge(gate: BitsCodes, up: BitsCodes) -> BitsCodes:
+    """w13: gate rows, then up rows, in one form. Different forms are promoted without changing a weight:
+    the widest bits, the smallest group, an offset if either has one (a symmetric part's is -2^(bits-1)
+    scale); two symmetric parts of different widths move the narrower's codes to the wider's centre."""
+    a, b = gate.form, up.form
+    form = BitsForm(max(a.bits, b.bits), min(a.group, b.group), a.has_offset or b.has_offset)
+    parts = [_promote(c, form) for c in (gate, up)]
+    offset = None if parts[0].offset is None else torch.cat([p.offset for p in parts], dim=1)  # type: ignore[misc]
+    return BitsCodes(
+        torch.cat([p.codes for p in parts], dim=1), form, torch.cat([p.scale for p in parts], dim=1), offset
+    )
+
+
+def _promote(c: BitsCodes, form: BitsForm) -> BitsCodes:
+    q, scale, offset = c.codes, c.scale, c.offset
+    if form.has_offset and offset is None:
+        offset = scale * -float(1 << (c.form.bits - 1))
+    elif not form.has_offset and form.bits != c.form.bits:
+        q = q + ((1 << (form.bits - 1)) - (1 << (c.form.bits - 1)))
+    r = c.form.group // form.group
+    scale, offset = (None if t is None else t.repeat_interleave(r, dim=-1) for t in (scale, offset))
+    return BitsCodes(q, form, scale, offset)  # type: ignore[arg-type]
 
 
 def _dense(parts: list[_Part], experts: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The int4 experts a GGUF file turns into (the Q4_K layer of the tiny qwen3moe of test_gguf_moe) through the
 fused-MoE int4 kernel equal Int4Experts' torch reference (Triton's interpreter on CPU): the layout the
 conversion writes is the one the kernel reads. One layer: once in the canonical form the GGUF type is gone
-(test_gguf_moe checks every type's conversion exactly). Skips until kernels/fused_moe_quant.py is in the
-tree (the moekernel branch)."""
+(test_gguf_moe checks every type's conversion exactly). The Q4_K_M layer of test_gguf_moe_bits (int4 gate/up,
+Q6_K down) through fused_moe_bits, so (every k-bit form runs through it in tests/quant_kernels)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from test_gguf_moe import LAYER_TYPES, Q, write_qwen3moe
+from test_gguf_moe_bits import LAYER_TYPES as BITS_LAYER_TYPES
 
 from agentbox.layers.gguf_experts import GROUP
 from agentbox.layers.moe import FusedMoE, activate, select_experts
+from agentbox.layers.moe_bits import BitsExperts
 from agentbox.layers.moe_quant import Int4Experts
 from agentbox.models.loader import load_model
 
@@ -36,4 +38,23 @@ def test_gguf_int4_experts_through_the_kernel_equal_the_reference(tmp_path: Path
     params = [getattr(m, f"{w}_{p}").to(DEVICE) for w in ("w13", "w2") for p in ("qweight", "scale", "offset")]
     act = partial(activate, activation=m.activation, alpha=m.swiglu_alpha, limit=m.swiglu_limit)
     got = fused_moe_quant.fused_moe_int4(x.to(DEVICE), *params, GROUP, weights.to(DEVICE), ids.to(DEVICE), act)
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5)
+
+
+def test_gguf_kbit_experts_through_the_kernel_equal_the_reference(tmp_path: Path) -> None:
+    write_qwen3moe(tmp_path / "tiny.gguf", seed=1, layer_types=BITS_LAYER_TYPES)
+    ours = load_model(str(tmp_path / "tiny.gguf"), torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    moes = [m for m in ours.model.modules() if isinstance(m, FusedMoE)]
+    m = moes[BITS_LAYER_TYPES.index((Q.Q4_K, Q.Q4_K, Q.Q6_K))]
+    assert isinstance(m.method, BitsExperts)
+    x = torch.randn(3, m.hidden_size, generator=gen)
+    weights, ids = select_experts(torch.randn(3, m.num_experts, generator=gen), m.top_k, True)
+    expected = m.method.apply(m, x, weights, ids)  # CPU: the reference, dequantising the routed experts
+    w13, w2 = (
+        fused_moe_quant.BitsWeights(*(None if t is None else t.to(DEVICE) for t in m.method.tensors(m, w)), f.group, f.bits)
+        for w, f in m.method.forms.items()
+    )
+    act = partial(activate, activation=m.activation, alpha=m.swiglu_alpha, limit=m.swiglu_limit)
+    got = fused_moe_quant.fused_moe_bits(x.to(DEVICE), w13, w2, weights.to(DEVICE), ids.to(DEVICE), act)
     torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5)

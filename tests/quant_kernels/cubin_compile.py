@@ -29,15 +29,26 @@ def compile_for(fn: triton.JITFunction, pointers: dict[str, str], constexprs: di
     return len(kernel.asm["cubin"])
 
 
+# k-bit grouped GEMM (GGUF experts): (bits, has offset, BLOCK_K = the group's size where it is 16)
+BITS_JOBS = ((5, True, 32), (6, False, 16), (8, False, 32))
+
+
 def main() -> int:
     jobs = []
+    grouped = dict(ROW_DIV=8, MUL_WEIGHT=True, BLOCK_M=fused_moe.BLOCK_M, BLOCK_N=fused_moe.BLOCK_N)
     for fmt, (codes, scales) in POINTERS.items():
         arch = 90 if fmt is WeightFormat.FP8_NATIVE else 80  # Triton has e4m3 from sm_89 on
-        ptrs = dict(a_ptr="*bf16", b_ptr=codes, s_ptr=scales, o_ptr=scales, perm_ptr="*i64", c_ptr="*bf16",
-                    pairs_ptr="*i64", block_expert_ptr="*i64", weight_ptr="*fp32")
-        consts = dict(ROW_DIV=8, MUL_WEIGHT=True, FORMAT=fmt.value, HAS_PERM=fmt is WeightFormat.INT4, BLOCK_M=fused_moe.BLOCK_M,
-                      BLOCK_N=fused_moe.BLOCK_N, BLOCK_K=fused_moe.BLOCK_K)
+        ptrs = dict(a_ptr="*bf16", b_ptr=codes, h_ptr=codes, s_ptr=scales, o_ptr=scales, perm_ptr="*i64",
+                    c_ptr="*bf16", pairs_ptr="*i64", block_expert_ptr="*i64", weight_ptr="*fp32")
+        consts = dict(grouped, FORMAT=fmt.value, HAS_PERM=fmt is WeightFormat.INT4, BITS=0, HAS_OFFSET=True,
+                      BLOCK_K=fused_moe.BLOCK_K)
         jobs.append((f"grouped gemm {fmt.name}", fused_moe._grouped_gemm_kernel, ptrs, consts, arch))
+    for bits, has_offset, block_k in BITS_JOBS:
+        ptrs = dict(a_ptr="*bf16", b_ptr="*i32", h_ptr="*i32", s_ptr="*bf16", o_ptr="*bf16", perm_ptr="*i64",
+                    c_ptr="*bf16", pairs_ptr="*i64", block_expert_ptr="*i64", weight_ptr="*fp32")
+        consts = dict(grouped, FORMAT=WeightFormat.INT4.value, HAS_PERM=False, BITS=bits, HAS_OFFSET=has_offset,
+                      BLOCK_K=block_k)
+        jobs.append((f"grouped gemm {bits}-bit", fused_moe._grouped_gemm_kernel, ptrs, consts, 80))
     dense = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)
     jobs.append(("w4a16", w4a16._w4a16_kernel, dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", o_ptr="*bf16",
                  out_ptr="*bf16"), dict(dense, FORMAT=WeightFormat.INT4.value), 80))

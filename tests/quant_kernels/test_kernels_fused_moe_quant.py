@@ -217,7 +217,7 @@ def test_kernels_compile_to_cubin_without_a_gpu() -> None:
     script = Path(__file__).with_name("cubin_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("B of cubin") == 6
+    assert done.stdout.count("B of cubin") == 9
 
 
 # ---- bf16 at real expert shapes: CUDA only (the interpreter's bf16 tl.dot is wrong) ----
@@ -278,5 +278,7 @@ def test_gpu_bench_report_assembles_on_cpu_at_a_tiny_shape() -> None:
     assert row["int4_g128"]["resident_vs_dense"] == pytest.approx((0.5 + 2 * 4 / 128) / 4)  # all fp32
     assert row["fp8_block128"]["resident_vs_dense"] == pytest.approx((1 + 4 / 128**2) / 4)
     assert row["mxfp4"]["resident_vs_dense"] == pytest.approx((0.5 + 1 / 32) / 4)
+    # int4 gate/up (2/3 of the weights: 0.5 + 8 / 32 bytes each), a Q6_K down (0.75 + 4 / 16), over 4 bytes
+    assert row["gguf_q4_k_m_q6_k_down"]["resident_vs_dense"] == pytest.approx((2 / 3 * 0.75 + 1 / 3 * 1.0) / 4)
     assert row["mxfp4"]["vs_torch_dequant_per_expert"] > 0
     assert row["experts_routed"] == 2 and row["int4_g128"]["read_gb_s"] > 0  # one token, top 2

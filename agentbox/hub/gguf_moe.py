@@ -1,0 +1,71 @@
+"""What a GGUF MoE file's experts occupy once loaded, for the planner (plain data, no torch).
+
+Every quantised GGUF expert type stays quantised (layers/gguf_experts.py): 4-bit types in the int4 expert
+form (4-bit codes, a scale and an offset per 32 weights), Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K in the k-bit form
+(layers/moe_bits.py: codes at their width, a scale and, for Q5_1 / Q5_K, an offset per group of 32, 16 for
+Q6_K), the scales in the compute dtype: bf16 on GPU, fp32 on CPU. tests/test_plan_gguf_moe.py measures
+each number below on loaded layers. A profile does not list its file's tensor types, so a variant named
+after a llama.cpp file type gets that type's expert mix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ExpertTypeBytes:
+    """Bytes per expert weight of one GGUF type: in the file, resident on GPU (bf16), on CPU (fp32)."""
+
+    file: float
+    cuda: float
+    cpu: float
+
+    def resident(self, device: str) -> float:
+        return self.cuda if device == "cuda" else self.cpu
+
+
+EXPERT_TYPE_BYTES: dict[str, ExpertTypeBytes] = {
+    "Q4_0": ExpertTypeBytes(18 / 32, 20 / 32, 24 / 32),
+    "Q4_1": ExpertTypeBytes(20 / 32, 20 / 32, 24 / 32),
+    "Q4_K": ExpertTypeBytes(144 / 256, 20 / 32, 24 / 32),
+    "Q5_0": ExpertTypeBytes(22 / 32, 22 / 32, 24 / 32),
+    "Q5_1": ExpertTypeBytes(24 / 32, 24 / 32, 28 / 32),
+    "Q5_K": ExpertTypeBytes(176 / 256, 24 / 32, 28 / 32),
+    "Q6_K": ExpertTypeBytes(210 / 256, 14 / 16, 16 / 16),
+    "Q8_0": ExpertTypeBytes(34 / 32, 34 / 32, 36 / 32),
+}
+
+# Shares of the expert weights in each type, per llama.cpp file type (its llama_tensor_get_type): the _M
+# mixes keep ffn_gate/up_exps at the base type and put ffn_down_exps in Q6_K in half the layers
+# (use_more_bits: the first and last eighth and every third between; 24 of Qwen3-30B-A3B's 48), so a
+# sixth of the expert weights are Q6_K; Q4_K_S puts the first eighth's ffn_down_exps in Q5_K. (Q4_0 /
+# Q5_0 quantised with an imatrix move that eighth to Q4_1 / Q5_1: the same bytes within 1 %.)
+EXPERT_MIX: dict[str, dict[str, float]] = {
+    "q4_0": {"Q4_0": 1.0},
+    "q4_1": {"Q4_1": 1.0},
+    "q4_k_s": {"Q4_K": 23 / 24, "Q5_K": 1 / 24},
+    "q4_k_m": {"Q4_K": 5 / 6, "Q6_K": 1 / 6},
+    "q5_0": {"Q5_0": 1.0},
+    "q5_1": {"Q5_1": 1.0},
+    "q5_k_s": {"Q5_K": 1.0},
+    "q5_k_m": {"Q5_K": 5 / 6, "Q6_K": 1 / 6},
+    "q6_k": {"Q6_K": 1.0},
+    "q8_0": {"Q8_0": 1.0},
+}
+
+
+@dataclass(frozen=True)
+class ExpertBytes:
+    file: int  # the experts' share of the file
+    resident: int  # what they hold once loaded on that device
+
+
+def expert_bytes(variant_name: str, expert_params: int, device: str) -> ExpertBytes | None:
+    """The experts of a GGUF variant named after a llama.cpp file type; None for any other name."""
+    mix = EXPERT_MIX.get(variant_name.lower())
+    if mix is None or not expert_params:
+        return None
+    file = sum(share * EXPERT_TYPE_BYTES[t].file for t, share in mix.items())
+    resident = sum(share * EXPERT_TYPE_BYTES[t].resident(device) for t, share in mix.items())
+    return ExpertBytes(round(expert_params * file), round(expert_params * resident))
