@@ -26,8 +26,9 @@ class ExpertTypeBytes:
 
 
 EXPERT_TYPE_BYTES: dict[str, ExpertTypeBytes] = {
-    "Q4_0": ExpertTypeBytes(18 / 32, 20 / 32, 24 / 32),
-    "Q4_1": ExpertTypeBytes(20 / 32, 20 / 32, 24 / 32),
+    # On CPU the 4-bit kernel keeps Q4_0 / Q4_1's fp16 scales (layers/moe_cpu.py; 24 / 32 where it cannot build)
+    "Q4_0": ExpertTypeBytes(18 / 32, 20 / 32, 20 / 32),
+    "Q4_1": ExpertTypeBytes(20 / 32, 20 / 32, 20 / 32),
     "Q4_K": ExpertTypeBytes(144 / 256, 20 / 32, 24 / 32),
     "Q5_0": ExpertTypeBytes(22 / 32, 22 / 32, 24 / 32),
     "Q5_1": ExpertTypeBytes(24 / 32, 24 / 32, 28 / 32),
