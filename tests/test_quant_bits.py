@@ -3,14 +3,19 @@ equal to gguf's dequantize, and its packing for the kernels (kernels/dequant.py)
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import gguf
 import numpy as np
 import pytest
 import torch
 from agentbox.kernels.dequant import dequant_bits, pack_bits, unpack_bits
 from gguf import GGMLQuantizationType
-from test_quant_gguf import quantise
+from test_quant_gguf import Q4_K_M, quantise, write_quantised
 
-from agentbox.layers.quant.gguf import BITS_TYPES, GGUFBlocks, bits_groups
+from agentbox.layers.quant import bits, int4, resident_weight_bytes
+from agentbox.layers.quant.gguf import BITS_TYPES, GGUFBlocks, GGUFLinearMethod, bits_groups
+from agentbox.models.loader import load_model
 
 Q = GGMLQuantizationType
 SHAPES = {Q.Q5_0: (5, 32, False), Q.Q5_1: (5, 32, True), Q.Q8_0: (8, 32, False), Q.Q5_K: (5, 32, True), Q.Q6_K: (6, 16, False)}
@@ -52,3 +57,23 @@ def test_pack_bits_round_trips_with_leading_dims(bits: int) -> None:
 def test_pack_bits_rejects_other_widths() -> None:
     with pytest.raises(ValueError, match="bits must be one of"):
         pack_bits(torch.zeros(32, 4, dtype=torch.uint8), 4)
+
+
+@pytest.mark.parametrize("mix", [*(q.name for q in sorted(BITS_TYPES)), "Q4_K_M"])
+def test_the_gpu_form_is_resident_near_the_file(mix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton form (fp16 scales, installed here on CPU tensors) holds every GGUF linear within 10 % of
+    the file's bytes for it; Q4_K_M's mixed qkv keeps q/k at 4 bits (not promoted to v's 6)."""
+    monkeypatch.setattr(bits, "default_kernel", lambda device: bits.BitsKernel.TRITON)
+    monkeypatch.setattr(int4, "default_cpu_kernel", lambda: int4.Int4Kernel.TRITON)
+    path = tmp_path / "tiny.gguf"
+    write_quantised(path, Q.Q4_K, overrides=Q4_K_M) if mix == "Q4_K_M" else write_quantised(path, Q[mix])
+    ours = load_model(str(path), torch.float16, "cpu")
+    layers = [m for m in ours.model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)]
+    kernels = {m.quant_method.kernel for m in layers}
+    assert kernels == ({None, int4.Int4Kernel.TRITON, bits.BitsKernel.TRITON} if mix == "Q4_K_M" else {bits.BitsKernel.TRITON})
+    resident = sum(resident_weight_bytes(m) for m in layers)
+    quantised = [t for t in gguf.GGUFReader(path).tensors if t.tensor_type not in (Q.F32, Q.F16)]
+    assert len(quantised) == 7 * 2  # every projection of both blocks
+    file_bytes = sum(int(t.n_bytes) for t in quantised)
+    # Measured: Q5_0 / Q5_1 / Q8_0 1.000x, Q5_K 1.091x, Q6_K 1.067x, Q4_K_M 1.097x (int4's Q4_K is 1.111x).
+    assert abs(resident - file_bytes) <= 0.1 * file_bytes, (resident, file_bytes)

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 from agentbox.kernels.dequant import dequant_bits, pack_bits
 from agentbox.kernels.wbits import wbits_matmul, wbits_matmul_ref
+from gguf import GGMLQuantizationType as Q
+from model_harness import PagedRunner
+from test_quant_gguf import PROMPT, Q4_K_M, quantise, twin, write_quantised
+
+from agentbox.layers.quant import bits, int4
+from agentbox.models.loader import load_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -41,3 +50,60 @@ def test_wbits_names_a_bad_shape() -> None:
     scale = torch.ones(4, 8)
     with pytest.raises(ValueError, match="qhigh"):
         wbits_matmul(torch.zeros(1, 64, device=DEVICE), qweight.to(DEVICE), qhigh[:1].to(DEVICE), scale.to(DEVICE), None, 16, 6)
+
+
+@pytest.fixture
+def triton_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bits, "default_kernel", lambda device: bits.BitsKernel.TRITON)
+    monkeypatch.setattr(int4, "default_cpu_kernel", lambda: int4.Int4Kernel.TRITON)
+
+
+@pytest.mark.parametrize("types", [
+    (Q.Q5_0, Q.Q5_0), (Q.Q5_1, Q.Q5_1), (Q.Q8_0, Q.Q8_0), (Q.Q5_K, Q.Q5_K), (Q.Q6_K, Q.Q6_K),
+    (Q.Q4_K, Q.Q6_K),  # Q4_K_M's qkv: an int4 run, then a k-bit run
+    (Q.Q5_0, Q.Q5_1),  # one 5-bit run: the symmetric shard gets an explicit offset
+], ids=lambda t: "+".join(q.name for q in t))
+@pytest.mark.usefixtures("triton_forms")
+def test_a_gguf_layer_runs_the_kernels(types: tuple[Q, Q]) -> None:
+    """A merged GGUF layer (two shards, with a bias) through wbits / w4a16 against its dequantised weight."""
+    from agentbox.layers.linear import MergedColumnParallelLinear
+    from agentbox.layers.quant import QuantConfig, QuantMethod, process_weights_after_loading, quant_context
+    from agentbox.layers.quant.gguf import GGUFBlocks
+
+    rng = np.random.default_rng(5)
+    with quant_context(QuantConfig(QuantMethod.GGUF)):
+        layer = MergedColumnParallelLinear(256, [64, 32], bias=True)
+    blocks = [GGUFBlocks(t, (n, 256), quantise(rng.normal(0, 0.05, (n, 256)).astype(np.float32), t, rng))
+              for t, n in zip(types, (64, 32), strict=True)]
+    for shard, b in enumerate(blocks):
+        layer.weight.weight_loader(layer.weight, b, shard)
+    layer.bias.data.copy_(torch.randn(96))
+    dense = torch.cat([b.dequantize() for b in blocks])
+    process_weights_after_loading(layer)
+    if types[0] is Q.Q4_K:
+        assert layer.quant_method.kernel is None and len(layer.segments) == 2
+    else:
+        assert layer.quant_method.kernel is bits.BitsKernel.TRITON
+        assert (layer.offset_t is None) == all(t in (Q.Q5_0, Q.Q8_0, Q.Q6_K) for t in types)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = layer(x)
+    torch.testing.assert_close(got, x @ dense.t() + layer.bias, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.usefixtures("triton_forms")
+def test_a_q4_k_m_model_runs_the_kernel_path(tmp_path: Path) -> None:
+    """A whole Q4_K_M-mixed GGUF model through wbits and w4a16 (the CUDA path, here under the interpreter):
+    logits and the next token as transformers on the dequantised twin. Every type's model through the
+    dense path is in tests/test_quant_gguf.py; one step here, as the interpreter takes seconds per step."""
+    path = tmp_path / "tiny.gguf"
+    state = write_quantised(path, Q.Q4_K, overrides=Q4_K_M)
+    ours = load_model(str(path), torch.float32, "cpu")
+    qkv = ours.model.model.layers[0].self_attn.qkv_proj
+    assert [getattr(s, "bits_kernel", None) for s in qkv.segments] == [None, bits.BitsKernel.TRITON]
+    assert ours.model.model.layers[0].mlp.down_proj.quant_method.kernel is bits.BitsKernel.TRITON
+    with torch.no_grad():
+        expected = twin(state)(torch.tensor([PROMPT])).logits[0]
+    got = PagedRunner(ours).step({0: PROMPT})[0]
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
+    assert int(got[-1].argmax()) == int(expected[-1].argmax())
