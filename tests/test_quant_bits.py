@@ -77,3 +77,39 @@ def test_the_gpu_form_is_resident_near_the_file(mix: str, tmp_path: Path, monkey
     file_bytes = sum(int(t.n_bytes) for t in quantised)
     # Measured: Q5_0 / Q5_1 / Q8_0 1.000x, Q5_K 1.091x, Q6_K 1.067x, Q4_K_M 1.097x (int4's Q4_K is 1.111x).
     assert abs(resident - file_bytes) <= 0.1 * file_bytes, (resident, file_bytes)
+
+
+def test_a_mixed_qkv_splits_per_rank_under_tensor_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_K q/k beside a Q6_K v at tp 2 (in the GPU forms, installed on CPU tensors): each rank holds its
+    heads' rows, one int4 run then one k-bit run, and together they are exactly the file's weights."""
+    from agentbox.kernels.dequant import dequant_bits, dequant_int4
+
+    from agentbox.layers.linear import QKVParallelLinear
+    from agentbox.layers.quant import QuantConfig, QuantMethod, process_weights_after_loading, quant_context
+    from agentbox.parallel.state import set_tp_state
+
+    monkeypatch.setattr(bits, "default_kernel", lambda device: bits.BitsKernel.TRITON)
+    monkeypatch.setattr(int4, "default_cpu_kernel", lambda: int4.Int4Kernel.TRITON)
+    rng = np.random.default_rng(4)
+    shapes = {"q": (Q.Q4_K, 256), "k": (Q.Q4_K, 128), "v": (Q.Q6_K, 128)}  # 4 heads, 2 KV heads of 64
+    blocks = {s: GGUFBlocks(t, (n, 512), quantise(rng.normal(0, 0.05, (n, 512)).astype(np.float32), t, rng))
+              for s, (t, n) in shapes.items()}
+    full = {s: b.dequantize() for s, b in blocks.items()}
+    try:
+        for rank in range(2):
+            set_tp_state(rank, 2)
+            with quant_context(QuantConfig(QuantMethod.GGUF)):
+                layer = QKVParallelLinear(512, 64, 4, 2)
+            for s, b in blocks.items():
+                layer.weight.weight_loader(layer.weight, b, s)
+            process_weights_after_loading(layer)
+            int4_run, bits_run = layer.segments
+            assert int4_run.int4_kernel is int4.Int4Kernel.TRITON and bits_run.bits_kernel is bits.BitsKernel.TRITON
+            qk = dequant_int4(int4_run.qweight_t, int4_run.scale_t, int4_run.offset_t, 32).t()
+            v = dequant_bits(bits_run.qweight_t, bits_run.qhigh_t, bits_run.scale_t, None, 16, 6).t()
+            heads = slice(rank * 128, rank * 128 + 128)
+            kv = slice(rank * 64, rank * 64 + 64)
+            assert torch.equal(qk, torch.cat([full["q"][heads], full["k"][kv]]))
+            assert torch.equal(v, full["v"][kv])
+    finally:
+        set_tp_state(0, 1)

@@ -192,7 +192,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.weight = quant_param(torch.empty(0, dtype=dtype), Sharding(0, 1))
         self.dtype = dtype
         self.shards: dict[int, GGUFBlocks | torch.Tensor] = {}
-        self.kernel: int4.Int4Kernel | None = None
+        self.kernel: int4.Int4Kernel | bits.BitsKernel | None = None  # None: runs of several forms (segments)
 
     def load(self, layer: ShardRanges, param: Any, loaded: Any, shard_id: str | int | None, name: str) -> None:
         if param is not getattr(layer, "weight", None):
