@@ -50,15 +50,17 @@ def quantise(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     return raw.reshape(w.shape[0], -1)
 
 
-# Q4_K_M's mix in miniature (llama.cpp's use_more_bits layers): Q4_K, with attn_v and ffn_down in Q6_K.
-Q4_K_M = {"v_proj": Q.Q6_K, "down_proj": Q.Q6_K}
+# Q4_K_M's mix in miniature (llama.cpp's use_more_bits layers): Q4_K, with attn_v and ffn_down in Q6_K, the
+# embedding in Q4_K and the output table in Q6_K.
+Q4_K_M = {"v_proj": Q.Q6_K, "down_proj": Q.Q6_K, "embed_tokens": Q.Q4_K, "lm_head": Q.Q6_K}
 
 
 def write_quantised(
     path: Path, qtype: Q, seed: int = 0, overrides: dict[str, Q] | None = None
 ) -> dict[str, torch.Tensor]:
     """A tiny Llama GGUF, every linear weight in `qtype` except the projections named in `overrides`
-    (e.g. "v_proj"); returns the HF state dict it dequantises to (the twin's weights)."""
+    (e.g. "v_proj"), which also names vocabulary tables to quantise ("embed_tokens", "lm_head"; else F32);
+    returns the HF state dict it dequantises to (the twin's weights)."""
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(CONFIG)
@@ -81,9 +83,10 @@ def write_quantised(
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
-        if name.endswith("_proj.weight"):
-            heads = {"q_proj": 4, "k_proj": 2}.get(name.split(".")[-2])
-            t = (overrides or {}).get(name.split(".")[-2], qtype)
+        key = name.split(".")[-2]  # q_proj, ..., embed_tokens, lm_head
+        if name.endswith("_proj.weight") or key in (overrides or {}):
+            heads = {"q_proj": 4, "k_proj": 2}.get(key)
+            t = (overrides or {}).get(key, qtype)
             raw = quantise(w.astype(np.float32), t, rng)
             deq = gguf.quants.dequantize(raw, t).reshape(w.shape)
             stored = raw

@@ -21,7 +21,7 @@ from agentbox.layers.quant.formats import (
     QuantScheme,
     engine_formats,
     gguf_mix,
-    gguf_resident_bytes_per_weight,
+    gguf_resident_ratio,
     method_of_format,
     moe_expert_formats,
 )
@@ -225,7 +225,7 @@ def _candidate(
             f"params are dequantised to fp32 at load: {_gb(variant.size)} on disk, {_gb(weights)} resident"
         )
     elif (mix := gguf_gpu_mix(profile, variant, device)) is not None:
-        notes.append(gguf_note(profile, variant, mix, weights))
+        notes.append(gguf_note(variant, mix, weights))
     elif method is not None and method in QUANTISED_METHODS and weights > variant.size * 1.1:
         notes.append(f"{variant.format} is dequantised at load: {_gb(variant.size)} on disk, {_gb(weights)} resident")
     if (caveat := kernel_caveat(variant, device)) is not None:
@@ -264,9 +264,8 @@ def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> in
     """Bytes the weights occupy once loaded. A method that keeps its weights quantised holds the file's
     bytes plus what its resident form adds per weight (int4: a bf16 scale and offset per group where the
     file has an fp16 scale and a 4-bit zero; MoE experts included, layers/moe_quant.py), counted over every
-    parameter (an upper bound: embeddings and norms stay as stored). A dense GGUF file on GPU is counted per
-    GGUF type of its mix (formats.GGUF_MIXES, told by its name) over its linear weights, plus its vocabulary
-    tables in bf16. The rest become the compute dtype (bf16 on GPU, fp32 on CPU; EngineConfig.resolved_dtype). On CPU the dense linears are planned at fp32: the
+    parameter (an upper bound: embeddings and norms stay as stored). A dense GGUF file on GPU is its size
+    times its mix's resident / file bytes (formats.GGUF_MIXES, the types its name tells). The rest become the compute dtype (bf16 on GPU, fp32 on CPU; EngineConfig.resolved_dtype). On CPU the dense linears are planned at fp32: the
     bound for a CPU where kernels/cpu_gemv cannot build (no compiler, no AVX2) and for --exact-cpu; where it
     builds, 4-bit layers stay 4-bit (layers/quant/int4.py) and the plan over-counts them. MoE experts stay
     quantised on CPU either way."""
@@ -274,8 +273,7 @@ def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> in
     if method is None and variant.format in QUANTISED_FORMATS:
         return variant.size  # not runnable here anyway: planned as an engine that keeps it quantised
     if (mix := gguf_gpu_mix(profile, variant, device)) is not None:
-        linear = profile.params - profile.vocab_params
-        return int(linear * gguf_resident_bytes_per_weight(mix)) + profile.vocab_params * 2
+        return int(variant.size * gguf_resident_ratio(mix))
     if variant.is_gguf:
         # MoE GGUF files (their experts' accounting is the expert method's), and GGUF types the name does not
         # tell or the linears do not keep (Q2_K, Q3_K, IQ*): dequantised, the compute dtype's bytes.
@@ -297,15 +295,10 @@ def gguf_gpu_mix(profile: Profile, variant: Variant, device: str) -> str | None:
     return gguf_mix(variant.name, *variant.files)
 
 
-def gguf_note(profile: Profile, variant: Variant, mix: str, weights: int) -> str:
+def gguf_note(variant: Variant, mix: str, weights: int) -> str:
     types = " + ".join(f"{int(share * 100)} % {t.upper()}" for t, share in GGUF_MIXES[mix])
-    vocab = (
-        f"; the vocabulary tables ({profile.vocab_params / 1e9:.2f}B params) in bf16"
-        if profile.vocab_params
-        else "; vocabulary tables unknown to the profile, counted as linears"
-    )
     return (
-        f"{variant.format} {mix.upper()} on GPU: the linears stay quantised ({types}, by the name){vocab}: "
+        f"{variant.format} {mix.upper()} on GPU: stays quantised ({types}, by the name): "
         f"{_gb(variant.size)} on disk, {_gb(weights)} resident"
     )
 

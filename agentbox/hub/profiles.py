@@ -73,7 +73,6 @@ class Profile:
     path: Path | None = None
     active_params_: int | None = None  # MoE: parameters one token reads (routed experts + the rest)
     expert_params: int = 0  # MoE: parameters in the routed experts (what stays quantised on CPU too); 0: unknown
-    vocab_params: int = 0  # parameters of the embedding and LM head tables (one table if tied); 0: unknown
 
     @property
     def active_params(self) -> int:
@@ -159,7 +158,6 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         path=path,
         active_params_=int(data["active_params"]) if "active_params" in data else None,
         expert_params=int(data.get("expert_params", 0)),
-        vocab_params=int(data.get("vocab_params", 0)),
     )
 
 

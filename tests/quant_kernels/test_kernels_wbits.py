@@ -102,8 +102,38 @@ def test_a_q4_k_m_model_runs_the_kernel_path(tmp_path: Path) -> None:
     qkv = ours.model.model.layers[0].self_attn.qkv_proj
     assert [getattr(s, "bits_kernel", None) for s in qkv.segments] == [None, bits.BitsKernel.TRITON]
     assert ours.model.model.layers[0].mlp.down_proj.quant_method.kernel is bits.BitsKernel.TRITON
+    embed, head = ours.model.model.embed_tokens.quant, ours.model.lm_head.quant  # Q4_K and Q6_K tables
+    assert embed.int4_kernel is int4.Int4Kernel.TRITON and head.bits_kernel is bits.BitsKernel.TRITON
     with torch.no_grad():
         expected = twin(state)(torch.tensor([PROMPT])).logits[0]
     got = PagedRunner(ours).step({0: PROMPT})[0]
     torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-3)
     assert int(got[-1].argmax()) == int(expected[-1].argmax())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.usefixtures("triton_forms")
+def test_a_gguf_vocabulary_table_stays_packed_per_rank(qtype: Q) -> None:
+    """A table whose rows do not divide by tp (padded with zero rows): each rank's lookups are the file's rows
+    and its head logits the dense product, from the packed form (no dense copy)."""
+    from agentbox.layers.embedding import ParallelLMHead
+    from agentbox.layers.quant.gguf import GGUFBlocks
+    from agentbox.layers.quant.quant_rows import PackedRows
+    from agentbox.parallel.state import set_tp_state
+
+    rng = np.random.default_rng(6)
+    table = GGUFBlocks(qtype, (99, 256), quantise(rng.normal(0, 0.05, (99, 256)).astype(np.float32), qtype, rng))
+    full = torch.cat([table.dequantize(), torch.zeros(1, 256)])  # 50 rows a rank: rank 1's last is padding
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    try:
+        for rank in range(2):
+            set_tp_state(rank, 2)
+            head = ParallelLMHead(99, 256)
+            head.weight.weight_loader(head.weight, table)
+            assert isinstance(head.quant, PackedRows) and head.weight.numel() == 0
+            mine = full[rank * 50 : rank * 50 + 50]
+            ids = torch.tensor([[0, 49, 7]])
+            assert torch.equal(head.quant.rows(ids), mine[ids])
+            torch.testing.assert_close(head.quant.matmul(x), x @ mine.t(), atol=1e-4, rtol=1e-4)
+    finally:
+        set_tp_state(0, 1)

@@ -97,12 +97,12 @@ GGUF_TYPE_BYTES: dict[str, tuple[float, float]] = {
     "q6_k": (210 / 256, 6 / 8 + 2 / 16),
     "q8_0": (34 / 32, 1 + 2 / 32),
 }
-# A GGUF file's linear weights by GGUF type, from the llama.cpp type name its variant or file carries
+# A GGUF file's weights by GGUF type, from the llama.cpp type name its variant or file carries
 # (llama_tensor_get_type): the single-type files hold every linear in that type; Q4_K_M / Q5_K_M put attn_v
 # and ffn_down of half the layers (use_more_bits) in Q6_K, which is 14-15 % of a GQA transformer's linear
 # weights (Qwen3-8B 14.1 %, Qwen2.5-32B 15.1 %): 15 % here. The _S mixes bump a few early layers one type
-# up (under 3 % of weights): planned as single-type. The vocabulary tables (token_embd, output) are not in
-# these: on GPU they are held in bf16 (layers/embedding.py), whatever their type in the file.
+# up (under 3 % of weights): planned as single-type. The vocabulary tables (token_embd, output) take the
+# same forms, assumed to grow by the linears' ratio.
 GGUF_MIXES: dict[str, tuple[tuple[str, float], ...]] = {
     **{t: ((t, 1.0),) for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q6_k", "q8_0")},
     "q4_k_s": (("q4_k", 1.0),),
@@ -118,9 +118,10 @@ def gguf_mix(*names: str) -> str | None:
     return next((m for m in sorted(GGUF_MIXES, key=len, reverse=True) if m in text), None)
 
 
-def gguf_resident_bytes_per_weight(mix: str) -> float:
-    """Resident bytes per linear weight on GPU of a GGUF mix."""
-    return sum(share * GGUF_TYPE_BYTES[t][1] for t, share in GGUF_MIXES[mix])
+def gguf_resident_ratio(mix: str) -> float:
+    """Resident bytes on GPU over the file's bytes, for a GGUF mix's weights."""
+    shares = GGUF_MIXES[mix]
+    return sum(s * GGUF_TYPE_BYTES[t][1] for t, s in shares) / sum(s * GGUF_TYPE_BYTES[t][0] for t, s in shares)
 
 
 def engine_formats() -> frozenset[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import gguf
 import numpy as np
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from agentbox.layers.linear import LinearBase
 
 Q = GGMLQuantizationType
+PackedRowsT = TypeVar("PackedRowsT", bound=torch.nn.Module)
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 
@@ -250,9 +251,9 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel is None:
-            out = torch.cat([_apply(segment, x, None) for segment in layer.segments], dim=-1)
+            out = torch.cat([apply_form(segment, x, None) for segment in layer.segments], dim=-1)
             return out + bias if bias is not None else out
-        return _apply(layer, x, bias)
+        return apply_form(layer, x, bias)
 
 
 class _Form(Enum):
@@ -312,7 +313,31 @@ def _with_offset(g: BitsGroups, group: int) -> BitsGroups:
     return BitsGroups(g.codes, g.bits, scale, offset)
 
 
-def _apply(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def install_rows(
+    module: PackedRowsT, table: GGUFBlocks, padded: int, dtype: torch.dtype, device: torch.device
+) -> PackedRowsT | None:
+    """A vocabulary table's rows in its type's Triton form on `module`, zero rows padding it to `padded`
+    (they dequantise to 0 with a zero scale); None for a type that has none (it is dequantised)."""
+    if table.qtype in INT4_TYPES:
+        q, scale, offset = int4_groups(table)
+        kernel: int4.Int4Kernel | bits.BitsKernel = int4.Int4Kernel.TRITON
+    elif table.qtype in BITS_TYPES and (kernel := bits.default_kernel(device)) is bits.BitsKernel.TRITON:
+        g = bits_groups(table)
+        q, scale, offset = g.codes, g.scale, g.offset
+    else:
+        return None
+    pad = padded - q.shape[0]
+    q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+    scale, offset = (None if t is None else torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, offset))
+    if isinstance(kernel, int4.Int4Kernel):
+        int4.install(module, q, scale, offset, kernel, dtype, device)  # type: ignore[arg-type]
+    else:
+        bits.install(module, q, BITS_OF[table.qtype], scale, offset, kernel, dtype, device)  # type: ignore[arg-type]
+    return module
+
+
+def apply_form(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x through the form `_install` / `install_rows` put on `module`."""
     if hasattr(module, "bits_kernel"):
         return bits.apply(module, x, bias)
     return int4.apply(module, x, bias)
