@@ -274,11 +274,9 @@ def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> in
         return variant.size  # not runnable here anyway: planned as an engine that keeps it quantised
     if (mix := gguf_gpu_mix(profile, variant, device)) is not None:
         return int(variant.size * gguf_resident_ratio(mix))
-    if variant.is_gguf:
-        # MoE GGUF files (their experts' accounting is the expert method's), and GGUF types the name does not
-        # tell or the linears do not keep (Q2_K, Q3_K, IQ*): dequantised, the compute dtype's bytes.
-        return profile.params * (2 if device == "cuda" else 4)
-    if method is not None and METHODS[method].stays_quantised and device == "cuda":
+    # Other GGUF files (MoE: the expert method's accounting; types the name does not tell or the linears do
+    # not keep, Q2_K / Q3_K / IQ*) are planned dequantised, below.
+    if method is not None and METHODS[method].stays_quantised and device == "cuda" and not variant.is_gguf:
         info = METHODS[method]
         extra = max(0.0, info.resident_bytes_per_weight - info.file_bytes_per_weight)
         return variant.size + int(profile.params * extra)
