@@ -13,7 +13,7 @@ import torch
 from agentbox.kernels._quant_triton import HAS_TRITON, check_runnable, load_bits_tile, tl, triton
 from agentbox.kernels.dequant import BITS, dequant_bits
 
-BLOCK_K = 16  # divides both GGUF groups (Q6_K's is 16): a K tile never straddles a group
+GROUPS = (16, 32)  # Q6_K's, the others': a K tile is one group (load_bits_tile reads one scale per tile)
 
 
 def wbits_matmul_ref(
@@ -65,10 +65,10 @@ def wbits_matmul(
     check_runnable(x, qweight)
     m, k = x.shape
     n = qweight.shape[1]
-    if bits not in BITS or group % BLOCK_K or k % group or k % 32 or qweight.shape[0] * 8 != k:
+    if bits not in BITS or group not in GROUPS or k % group or k % 32 or qweight.shape[0] * 8 != k:
         raise ValueError(
-            f"wbits: bits {bits} (one of {BITS}), K={k} and group {group} (multiples of {BLOCK_K}, K of 32) "
-            f"must match qweight {tuple(qweight.shape)}"
+            f"wbits: bits {bits} (one of {BITS}), group {group} (one of {GROUPS}) and K={k} (a multiple of 32 "
+            f"and the group) must match qweight {tuple(qweight.shape)}"
         )
     if qhigh.shape[0] * 32 != k * (bits - 4):
         raise ValueError(f"wbits: qhigh {tuple(qhigh.shape)} does not hold {bits - 4} high bits of K={k} rows")
@@ -79,6 +79,6 @@ def wbits_matmul(
         x, qweight, qhigh, scale, o, out, m, n, k, group,
         x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), qhigh.stride(0), qhigh.stride(1),
         scale.stride(0), scale.stride(1), o.stride(0), o.stride(1),
-        BLOCK_M=16, BLOCK_N=64, BLOCK_K=BLOCK_K, BITS=bits, HAS_OFFSET=offset is not None,
+        BLOCK_M=16, BLOCK_N=64, BLOCK_K=group, BITS=bits, HAS_OFFSET=offset is not None,
     )
     return out

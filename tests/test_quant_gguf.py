@@ -50,8 +50,17 @@ def quantise(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     return raw.reshape(w.shape[0], -1)
 
 
-def write_quantised(path: Path, qtype: Q, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A tiny Llama GGUF; returns the HF state dict it dequantises to (the twin's weights)."""
+# Q4_K_M's mix in miniature (llama.cpp's use_more_bits layers): Q4_K, with attn_v and ffn_down in Q6_K, the
+# embedding in Q4_K and the output table in Q6_K.
+Q4_K_M = {"v_proj": Q.Q6_K, "down_proj": Q.Q6_K, "embed_tokens": Q.Q4_K, "lm_head": Q.Q6_K}
+
+
+def write_quantised(
+    path: Path, qtype: Q, seed: int = 0, overrides: dict[str, Q] | None = None
+) -> dict[str, torch.Tensor]:
+    """A tiny Llama GGUF, every linear weight in `qtype` except the projections named in `overrides`
+    (e.g. "v_proj"), which also names vocabulary tables to quantise ("embed_tokens", "lm_head"; else F32);
+    returns the HF state dict it dequantises to (the twin's weights)."""
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(CONFIG)
@@ -74,14 +83,16 @@ def write_quantised(path: Path, qtype: Q, seed: int = 0) -> dict[str, torch.Tens
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
-        if name.endswith("_proj.weight"):
-            heads = {"q_proj": 4, "k_proj": 2}.get(name.split(".")[-2])
-            raw = quantise(w.astype(np.float32), qtype, rng)
-            deq = gguf.quants.dequantize(raw, qtype).reshape(w.shape)
+        key = name.split(".")[-2]  # q_proj, ..., embed_tokens, lm_head
+        if name.endswith("_proj.weight") or key in (overrides or {}):
+            heads = {"q_proj": 4, "k_proj": 2}.get(key)
+            t = (overrides or {}).get(key, qtype)
+            raw = quantise(w.astype(np.float32), t, rng)
+            deq = gguf.quants.dequantize(raw, t).reshape(w.shape)
             stored = raw
             if heads:  # llama.cpp's q/k row permutation, on whole rows of blocks
                 stored = raw.reshape(heads, 2, -1, raw.shape[1]).swapaxes(1, 2).reshape(raw.shape)
-            writer.add_tensor(gname, stored, raw_dtype=qtype)
+            writer.add_tensor(gname, stored, raw_dtype=t)
             state[name] = torch.from_numpy(deq.astype(np.float32))
         else:
             writer.add_tensor(gname, w.astype(np.float32))
@@ -169,3 +180,38 @@ def test_a_shard_inside_a_block_is_cut_densely() -> None:
             torch.testing.assert_close(layer.weight.data, full[:, start : start + size])
     finally:
         set_tp_state(0, 1)
+
+
+@pytest.mark.usefixtures("exact_cpu_kernels")
+def test_a_q4_k_m_mix_matches_the_dequantised_twin(tmp_path: Path) -> None:
+    """Q4_K q/k beside a Q6_K v in one qkv layer, Q6_K ffn_down: on the exact path every run is dense."""
+    state = write_quantised(tmp_path / "tiny.gguf", Q.Q4_K, overrides=Q4_K_M)
+    ours = load_model(str(tmp_path / "tiny.gguf"), torch.float32, "cpu")
+    with torch.no_grad():
+        expected = twin(state)(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(PagedRunner(ours).step({0: PROMPT})[0], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_mixed_layer_keeps_the_int4_kernel_for_its_4_bit_rows(tmp_path: Path) -> None:
+    """On the default CPU kernels a Q4_K_M qkv holds q/k in the int4 kernel's form and v (Q6_K) apart: the
+    q/k outputs are the kernel's (int8-rounded activations, as llama.cpp), v's the dense weight's."""
+    from agentbox.kernels import cpu_gemv
+
+    if not cpu_gemv.available():
+        pytest.skip("the CPU kernels do not build here")
+    state = write_quantised(tmp_path / "tiny.gguf", Q.Q4_K, overrides=Q4_K_M)
+    ours = load_model(str(tmp_path / "tiny.gguf"), torch.float32, "cpu")
+    qkv = ours.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.kernel is None
+    assert [s.int4_kernel for s in qkv.segments] == [Int4Kernel.CPU_SIMD, Int4Kernel.DENSE]
+    assert [s.weight.shape[0] for s in qkv.segments] == [256 + 128, 128]  # q/k rows (packed), then v
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    w = {p: state[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")}
+    with torch.no_grad():
+        out = qkv(x)
+    qk = torch.nn.functional.linear(cpu_gemv.round_activations(x), torch.cat([w["q_proj"], w["k_proj"]]))
+    torch.testing.assert_close(out[:, :384], qk, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[:, 384:], x @ w["v_proj"].t(), atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        expected = twin(state)(torch.tensor([PROMPT])).logits[0]
+    assert PagedRunner(ours).step({0: PROMPT})[0][-1].argmax() == expected[-1].argmax()

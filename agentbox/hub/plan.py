@@ -14,11 +14,14 @@ from typing import Any
 from agentbox.hub.profiles import QUANTISED_FORMATS, KnownBad, Profile, Variant
 from agentbox.hw.probe import GIB, Probe
 from agentbox.layers.quant.formats import (
+    GGUF_MIXES,
     METHODS,
     KernelStatus,
     QuantMethod,
     QuantScheme,
     engine_formats,
+    gguf_mix,
+    gguf_resident_ratio,
     method_of_format,
     moe_expert_formats,
 )
@@ -221,6 +224,8 @@ def _candidate(
             f"{variant.format} on CPU: the experts stay quantised, the other {(profile.params - experts) / 1e9:.1f}B "
             f"params are dequantised to fp32 at load: {_gb(variant.size)} on disk, {_gb(weights)} resident"
         )
+    elif (mix := gguf_gpu_mix(profile, variant, device)) is not None:
+        notes.append(gguf_note(variant, mix, weights))
     elif method is not None and method in QUANTISED_METHODS and weights > variant.size * 1.1:
         notes.append(f"{variant.format} is dequantised at load: {_gb(variant.size)} on disk, {_gb(weights)} resident")
     if (caveat := kernel_caveat(variant, device)) is not None:
@@ -259,21 +264,41 @@ def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> in
     """Bytes the weights occupy once loaded. A method that keeps its weights quantised holds the file's
     bytes plus what its resident form adds per weight (int4: a bf16 scale and offset per group where the
     file has an fp16 scale and a 4-bit zero; MoE experts included, layers/moe_quant.py), counted over every
-    parameter (an upper bound: embeddings and norms stay as stored). The rest become the compute dtype (bf16
-    on GPU, fp32 on CPU; EngineConfig.resolved_dtype). On CPU the dense linears are planned at fp32: the
+    parameter (an upper bound: embeddings and norms stay as stored). A dense GGUF file on GPU is its size
+    times its mix's resident / file bytes (formats.GGUF_MIXES, the types its name tells). The rest become the compute dtype (bf16 on GPU, fp32 on CPU; EngineConfig.resolved_dtype). On CPU the dense linears are planned at fp32: the
     bound for a CPU where kernels/cpu_gemv cannot build (no compiler, no AVX2) and for --exact-cpu; where it
     builds, 4-bit layers stay 4-bit (layers/quant/int4.py) and the plan over-counts them. MoE experts stay
     quantised on CPU either way."""
     method = method_of_format(variant.format)
     if method is None and variant.format in QUANTISED_FORMATS:
         return variant.size  # not runnable here anyway: planned as an engine that keeps it quantised
-    if method is not None and METHODS[method].stays_quantised and device == "cuda":
+    if (mix := gguf_gpu_mix(profile, variant, device)) is not None:
+        return int(variant.size * gguf_resident_ratio(mix))
+    # Other GGUF files (MoE: the expert method's accounting; types the name does not tell or the linears do
+    # not keep, Q2_K / Q3_K / IQ*) are planned dequantised, below.
+    if method is not None and METHODS[method].stays_quantised and device == "cuda" and not variant.is_gguf:
         info = METHODS[method]
         extra = max(0.0, info.resident_bytes_per_weight - info.file_bytes_per_weight)
         return variant.size + int(profile.params * extra)
     if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
         return int(experts * METHODS[method].moe_cpu_bytes_per_weight) + (profile.params - experts) * 4  # type: ignore[index]
     return profile.params * (2 if device == "cuda" else 4)
+
+
+def gguf_gpu_mix(profile: Profile, variant: Variant, device: str) -> str | None:
+    """The GGUF_MIXES key of a dense GGUF variant planned on GPU at its types' resident bytes, or None. The
+    type comes from the variant's name or file name (e.g. "q8_0", "Qwen3-8B-Q4_K_M.gguf")."""
+    if not variant.is_gguf or device != "cuda" or profile.moe:
+        return None
+    return gguf_mix(variant.name, *variant.files)
+
+
+def gguf_note(variant: Variant, mix: str, weights: int) -> str:
+    types = " + ".join(f"{int(share * 100)} % {t.upper()}" for t, share in GGUF_MIXES[mix])
+    return (
+        f"{variant.format} {mix.upper()} on GPU: stays quantised ({types}, by the name): "
+        f"{_gb(variant.size)} on disk, {_gb(weights)} resident"
+    )
 
 
 def cpu_quantised_experts(profile: Profile, variant: Variant) -> int | None:

@@ -7,7 +7,8 @@ computes its range's logits and all-gathers them along the vocab dim.
 A GGUF table arrives as the file's blocks. On a CPU where kernels/cpu_gemv builds, Q8_0 and 4-bit tables
 stay quantised (`QuantRows`): lookups dequantise only the rows asked for, and the LM head, which reads the
 whole table every decode step (113 MB in fp32 for SmolLM2's 49152 x 576, 30 MB as Q8_0), runs the kernel.
-Elsewhere the blocks are dequantised to the dense weight at load.
+On GPU the tables of every type the linear layers keep stay in those layers' form (`PackedRows`); other
+types, and CPUs without the kernel, dequantise the blocks to the dense weight at load.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentbox.layers.quant.base import Sharding, quant_param
-from agentbox.layers.quant.quant_rows import QuantRows, quant_rows
+from agentbox.layers.quant.quant_rows import PackedRows, QuantRows, quant_rows
 from agentbox.parallel.state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -36,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.quant: QuantRows | None = None  # the table kept quantised (GGUF on CPU), else None
+        self.quant: QuantRows | PackedRows | None = None  # the table kept quantised (GGUF), else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: str | int | None = None) -> None:
         if tuple(loaded_weight.shape) != (self.num_embeddings, param.data.size(1)):
@@ -47,7 +48,12 @@ class VocabParallelEmbedding(nn.Module):
         start = self.vocab_start_idx
         rows = max(0, min(self.num_embeddings, self.vocab_end_idx) - start)
         if not isinstance(loaded_weight, torch.Tensor):  # GGUF blocks
-            self.quant = quant_rows(loaded_weight, start, rows, self.num_embeddings_per_partition, param.device)
+            self.quant = quant_rows(
+                loaded_weight, start, rows, self.num_embeddings_per_partition, param.device, param.dtype
+            )
+            if isinstance(self.quant, PackedRows):  # a child module now: its tensors are the parameters
+                self.weight = quant_param(param.data.new_empty(0), Sharding(None, None))
+                return
             if self.quant is not None:
                 self.weight = quant_param(self.quant.codes, Sharding(None, None))
                 self.quant_scale = quant_param(self.quant.scale, Sharding(None, None))

@@ -58,10 +58,11 @@ INT4_CPU_BYTES = 0.5 + (4 + 4) / 128  # fp32 scale and offset
 # Only methods with a registered implementation appear here (tests/test_quant_registry.py checks it).
 METHODS: dict[QuantMethod, MethodInfo] = {
     QuantMethod.UNQUANTIZED: MethodInfo(("bf16", "fp16", "fp32"), False, KernelStatus.VERIFIED),
-    # Q4_0/Q4_1/Q4_K layers stay 4-bit on GPU (w4a16; experts: fused_moe_int4) and on CPU (cpu_gemv); other
-    # types, and merged layers mixing them (Q4_K_M puts attn_v and half the ffn_down in Q6_K), are
-    # dequantised: planned dense, the file's mix unknown.
-    QuantMethod.GGUF: MethodInfo(("gguf",), False, KernelStatus.INTERPRETER_ONLY, moe_gpu=KernelStatus.INTERPRETER_ONLY),
+    # Dense linears stay quantised on GPU: Q4_0/Q4_1/Q4_K in int4's form (w4a16), Q5_0/Q5_1/Q8_0/Q5_K/Q6_K in
+    # the k-bit form (wbits), merged layers mixing them per run of rows; planned per GGUF type of the
+    # variant's mix (GGUF_MIXES). On CPU the 4-bit layers stay 4-bit (cpu_gemv), the others are dequantised.
+    # Experts: Q4_* stay 4-bit (fused_moe_int4), other types dequantised (planned dense).
+    QuantMethod.GGUF: MethodInfo(("gguf",), True, KernelStatus.INTERPRETER_ONLY, moe_gpu=KernelStatus.INTERPRETER_ONLY),
     # w8a16; w8a8 on sm_89+ (kernels/w8a8_block.py). e4m3 + one float32 scale per 128 x 128 block, on disk and resident.
     QuantMethod.FP8_BLOCK: MethodInfo(
         ("fp8",), True, KernelStatus.INTERPRETER_ONLY, FP8_BYTES, FP8_BYTES, KernelStatus.INTERPRETER_ONLY, FP8_BYTES
@@ -81,6 +82,46 @@ METHODS: dict[QuantMethod, MethodInfo] = {
         ("w4a16",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES
     ),
 }
+
+
+# GGUF types the linears keep quantised on GPU: (bytes per weight in the file, resident with bf16 scales).
+# Q4_*: int4's form (4-bit codes, a scale and an offset per 32); the rest the k-bit form of
+# layers/quant/bits.py (codes, a scale per 32 (Q6_K: 16), an offset for Q5_1 / Q5_K).
+GGUF_TYPE_BYTES: dict[str, tuple[float, float]] = {
+    "q4_0": (18 / 32, 0.5 + 4 / 32),
+    "q4_1": (20 / 32, 0.5 + 4 / 32),
+    "q4_k": (144 / 256, 0.5 + 4 / 32),
+    "q5_0": (22 / 32, 5 / 8 + 2 / 32),
+    "q5_1": (24 / 32, 5 / 8 + 4 / 32),
+    "q5_k": (176 / 256, 5 / 8 + 4 / 32),
+    "q6_k": (210 / 256, 6 / 8 + 2 / 16),
+    "q8_0": (34 / 32, 1 + 2 / 32),
+}
+# A GGUF file's weights by GGUF type, from the llama.cpp type name its variant or file carries
+# (llama_tensor_get_type): the single-type files hold every linear in that type; Q4_K_M / Q5_K_M put attn_v
+# and ffn_down of half the layers (use_more_bits) in Q6_K, which is 14-15 % of a GQA transformer's linear
+# weights (Qwen3-8B 14.1 %, Qwen2.5-32B 15.1 %): 15 % here. The _S mixes bump a few early layers one type
+# up (under 3 % of weights): planned as single-type. The vocabulary tables (token_embd, output) take the
+# same forms, assumed to grow by the linears' ratio.
+GGUF_MIXES: dict[str, tuple[tuple[str, float], ...]] = {
+    **{t: ((t, 1.0),) for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q6_k", "q8_0")},
+    "q4_k_s": (("q4_k", 1.0),),
+    "q5_k_s": (("q5_k", 1.0),),
+    "q4_k_m": (("q4_k", 0.85), ("q6_k", 0.15)),
+    "q5_k_m": (("q5_k", 0.85), ("q6_k", 0.15)),
+}
+
+
+def gguf_mix(*names: str) -> str | None:
+    """The llama.cpp type name (a GGUF_MIXES key) in a variant's name or file names, or None."""
+    text = " ".join(names).lower().replace("-", "_")
+    return next((m for m in sorted(GGUF_MIXES, key=len, reverse=True) if m in text), None)
+
+
+def gguf_resident_ratio(mix: str) -> float:
+    """Resident bytes on GPU over the file's bytes, for a GGUF mix's weights."""
+    shares = GGUF_MIXES[mix]
+    return sum(s * GGUF_TYPE_BYTES[t][1] for t, s in shares) / sum(s * GGUF_TYPE_BYTES[t][0] for t, s in shares)
 
 
 def engine_formats() -> frozenset[str]:

@@ -1,21 +1,23 @@
 """GGUF weights kept as the file's blocks until the layer knows its whole shard, then turned into what this
 device runs: Q4_0 / Q4_1 / Q4_K map exactly onto 4-bit codes with a scale and an offset per 32 columns
-(`int4.py`); every type (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, and those) can be dequantised by `gguf`'s own
-kernels, which are the reference. A merged layer (qkv, gate_up) may hold shards of different types
-(Q4_K_M files mix Q4_K and Q6_K); it uses the int4 form only when every shard maps onto it.
+(`int4.py`), Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K onto 5/6/8-bit codes with a scale (and an offset) per 32 or 16
+(`bits.py`); other types (Q2_K, Q3_K, IQ*) are dequantised by `gguf`'s own kernels, which are the reference
+for all. A merged layer (qkv, gate_up) may hold shards of different types (Q4_K_M files put some attn_v in
+Q6_K beside Q4_K q/k): each run of rows of one form keeps it, and the layer concatenates their outputs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import gguf
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from agentbox.layers.quant import int4
+from agentbox.layers.quant import bits, int4
 from agentbox.layers.quant.base import LinearMethod, Sharding, ShardRanges, quant_param, register
 from agentbox.layers.quant.formats import QuantMethod
 from agentbox.layers.quant.lazy import materialize
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from agentbox.layers.linear import LinearBase
 
 Q = GGMLQuantizationType
+PackedRowsT = TypeVar("PackedRowsT", bound=torch.nn.Module)
 INT4_TYPES = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 
@@ -94,7 +97,8 @@ def int4_groups(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     )
 
 
-BITS_TYPES = frozenset({Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K})
+BITS_OF = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.Q5_K: 5, Q.Q6_K: 6}  # the k-bit form's width of each type
+BITS_TYPES = frozenset(BITS_OF)
 
 
 @dataclass(frozen=True)
@@ -189,7 +193,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.weight = quant_param(torch.empty(0, dtype=dtype), Sharding(0, 1))
         self.dtype = dtype
         self.shards: dict[int, GGUFBlocks | torch.Tensor] = {}
-        self.kernel: int4.Int4Kernel | None = None
+        self.kernel: int4.Int4Kernel | bits.BitsKernel | None = None  # None: runs of several forms (segments)
 
     def load(self, layer: ShardRanges, param: Any, loaded: Any, shard_id: str | int | None, name: str) -> None:
         if param is not getattr(layer, "weight", None):
@@ -221,19 +225,119 @@ class GGUFLinearMethod(LinearMethod):
         if rows != layer.output_size or any(p.shape[1] != layer.input_size for p in parts):
             raise ValueError(f"GGUF: shards cover {rows} of {layer.output_size} rows of a linear layer")
         device = layer.weight.device
-        kernel = self.config.kernel or int4.default_kernel(device)
-        if kernel is not int4.Int4Kernel.DENSE and all(
-            isinstance(p, GGUFBlocks) and p.qtype in INT4_TYPES for p in parts
-        ):
-            groups = [int4_groups(p) for p in parts]  # type: ignore[arg-type]
-            q, scale, offset = (torch.cat([g[i] for g in groups]) for i in range(3))
-            int4.install(layer, q, scale, offset, kernel, self.dtype, device)
+        int4_kernel = self.config.kernel or int4.default_kernel(device)
+        bits_kernel = bits.BitsKernel.DENSE if int4_kernel is int4.Int4Kernel.DENSE else bits.default_kernel(device)
+        runs: list[tuple[_Form, list[GGUFBlocks | torch.Tensor]]] = []
+        for p in parts:
+            form = _form(p, int4_kernel, bits_kernel)
+            if runs and runs[-1][0] == form:
+                runs[-1][1].append(p)
+            else:
+                runs.append((form, [p]))
+        if len(runs) == 1:
+            self.kernel = _install(layer, *runs[0], int4_kernel, bits_kernel, self.dtype, device)
         else:
-            dense = [p.dequantize() if isinstance(p, GGUFBlocks) else p.float() for p in parts]
-            layer.weight = quant_param(torch.cat(dense).to(device=device, dtype=self.dtype), Sharding(0, 1))
-            layer.int4_kernel = int4.Int4Kernel.DENSE
-        self.kernel = layer.int4_kernel
+            # Shards of different forms (Q4_K_M's qkv: q/k Q4_K, v Q6_K): each run of rows keeps its own form
+            # and kernel, and the outputs are concatenated. Promoting the whole layer to the widest bits and
+            # smallest group instead would hold Q4_K's rows at 6 bits + scale and offset per 16 (1.0 byte a
+            # weight against the file's 0.5625), and re-round symmetric parts through an offset.
+            layer.segments = torch.nn.ModuleList()
+            for form, run in runs:
+                segment = torch.nn.Module()
+                _install(segment, form, run, int4_kernel, bits_kernel, self.dtype, device)
+                layer.segments.append(segment)
+            self.kernel = None
         self.shards = {}
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return int4.apply(layer, x, bias)
+        if self.kernel is None:
+            out = torch.cat([apply_form(segment, x, None) for segment in layer.segments], dim=-1)
+            return out + bias if bias is not None else out
+        return apply_form(layer, x, bias)
+
+
+class _Form(Enum):
+    """What a run of a layer's rows is held as."""
+
+    INT4 = "int4"  # Q4_0 / Q4_1 / Q4_K: int4.py's form
+    DENSE = "dense"  # dequantised (float shards, other types, or a dense kernel)
+    BITS_5 = 5  # bits.py's form; one per width, so runs of different widths stay apart
+    BITS_6 = 6
+    BITS_8 = 8
+
+
+def _form(p: GGUFBlocks | torch.Tensor, int4_kernel: int4.Int4Kernel, bits_kernel: bits.BitsKernel) -> _Form:
+    if isinstance(p, GGUFBlocks) and p.qtype in INT4_TYPES and int4_kernel is not int4.Int4Kernel.DENSE:
+        return _Form.INT4
+    if isinstance(p, GGUFBlocks) and p.qtype in BITS_TYPES and bits_kernel is not bits.BitsKernel.DENSE:
+        return _Form(BITS_OF[p.qtype])
+    return _Form.DENSE
+
+
+def _install(
+    module: torch.nn.Module,
+    form: _Form,
+    parts: list[GGUFBlocks | torch.Tensor],
+    int4_kernel: int4.Int4Kernel,
+    bits_kernel: bits.BitsKernel,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int4.Int4Kernel | bits.BitsKernel:
+    """Hold `parts` (stacked rows) on `module` in `form`; returns the kernel that runs them."""
+    if form is _Form.INT4:
+        groups = [int4_groups(p) for p in parts]  # type: ignore[arg-type]
+        q, scale, offset = (torch.cat([g[i] for g in groups]) for i in range(3))
+        int4.install(module, q, scale, offset, int4_kernel, dtype, device)
+        return module.int4_kernel
+    if form is _Form.DENSE:
+        dense = [p.dequantize() if isinstance(p, GGUFBlocks) else p.float() for p in parts]
+        module.weight = quant_param(torch.cat(dense).to(device=device, dtype=dtype), Sharding(0, 1))
+        module.int4_kernel = int4.Int4Kernel.DENSE
+        return module.int4_kernel
+    groups = [bits_groups(p) for p in parts]  # type: ignore[arg-type]
+    if len({(g.group, g.offset is None) for g in groups}) > 1:  # Q5_0 beside Q5_1 / Q5_K: give all an offset
+        groups = [_with_offset(g, min(h.group for h in groups)) for g in groups]
+    offsets = [g.offset for g in groups]
+    offset = None if offsets[0] is None else torch.cat(offsets)  # type: ignore[arg-type]
+    q, scale = torch.cat([g.codes for g in groups]), torch.cat([g.scale for g in groups])
+    bits.install(module, q, form.value, scale, offset, bits_kernel, dtype, device)
+    return bits_kernel
+
+
+def _with_offset(g: BitsGroups, group: int) -> BitsGroups:
+    """The same weights at a (smaller) group with an explicit offset: a symmetric part's is -2^(bits-1) scale,
+    exact in fp32 (a power of two), though q * scale + offset rounds twice where (q - 2^(bits-1)) scale once."""
+    rep = g.group // group
+    scale = g.scale.repeat_interleave(rep, 1)
+    offset = -(1 << (g.bits - 1)) * scale if g.offset is None else g.offset.repeat_interleave(rep, 1)
+    return BitsGroups(g.codes, g.bits, scale, offset)
+
+
+def install_rows(
+    module: PackedRowsT, table: GGUFBlocks, padded: int, dtype: torch.dtype, device: torch.device
+) -> PackedRowsT | None:
+    """A vocabulary table's rows in its type's Triton form on `module`, zero rows padding it to `padded`
+    (they dequantise to 0 with a zero scale); None for a type that has none (it is dequantised)."""
+    if table.qtype in INT4_TYPES:
+        q, scale, offset = int4_groups(table)
+        kernel: int4.Int4Kernel | bits.BitsKernel = int4.Int4Kernel.TRITON
+    elif table.qtype in BITS_TYPES and (kernel := bits.default_kernel(device)) is bits.BitsKernel.TRITON:
+        g = bits_groups(table)
+        q, scale, offset = g.codes, g.scale, g.offset
+    else:
+        return None
+    pad = padded - q.shape[0]
+    q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+    scale, offset = (None if t is None else torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, offset))
+    if isinstance(kernel, int4.Int4Kernel):
+        int4.install(module, q, scale, offset, kernel, dtype, device)  # type: ignore[arg-type]
+    else:
+        bits.install(module, q, BITS_OF[table.qtype], scale, offset, kernel, dtype, device)  # type: ignore[arg-type]
+    return module
+
+
+def apply_form(module: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x through the form `_install` / `install_rows` put on `module`."""
+    if hasattr(module, "bits_kernel"):
+        return bits.apply(module, x, bias)
+    return int4.apply(module, x, bias)

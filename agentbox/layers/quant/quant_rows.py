@@ -1,9 +1,14 @@
-"""A vocabulary table kept in GGUF's Q8_0 or 4-bit blocks on CPU: the embedding and the (tied) LM head.
+"""A vocabulary table kept in GGUF's blocks' codes: the embedding and the (tied) LM head.
 
-Q8_0 rows become kernels/cpu_gemv's Q8 form (int8 codes and the file's fp16 scale per 32, exact);
-Q4_0 / Q4_1 / Q4_K rows its 4-bit form (`int4_groups` gives the exact scale and offset per 32). Lookups
-dequantise the rows asked for; the head multiplies with the kernel, or, for many rows at once (prompt
-logprobs), dequantises the table once and runs one sgemm.
+On CPU (`QuantRows`): Q8_0 rows become kernels/cpu_gemv's Q8 form (int8 codes and the file's fp16 scale
+per 32, exact); Q4_0 / Q4_1 / Q4_K rows its 4-bit form (`int4_groups` gives the exact scale and offset per
+32). Lookups dequantise the rows asked for; the head multiplies with the kernel, or, for many rows at once
+(prompt logprobs), dequantises the table once and runs one sgemm.
+
+Where the linear layers run Triton (GPU; `PackedRows`): the table takes the linear layers' own GPU form
+(int4's for Q4_*, the k-bit form for Q5_* / Q6_K / Q8_0, K-major), so the head is their dequant-GEMM over
+the whole vocabulary and a lookup gathers the asked rows' columns and dequantises them (kernels/dequant.py).
+Qwen2.5-32B's two tables are 3.1 GB in bf16, 1.2 GB so.
 """
 
 from __future__ import annotations
@@ -62,12 +67,39 @@ class QuantRows:
         return out.to(hidden.dtype).reshape(*shape[:-1], -1)
 
 
-def quant_rows(blocks: GGUFBlocks, start: int, rows: int, padded: int, device: torch.device) -> QuantRows | None:
+class PackedRows(torch.nn.Module):
+    """A table in a linear layer's Triton form (installed on this module by `gguf.install_rows`)."""
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        from agentbox.kernels.dequant import dequant_bits, dequant_int4
+
+        idx = ids.reshape(-1)
+        if hasattr(self, "bits_kernel"):
+            offset = None if self.offset_t is None else self.offset_t[:, idx]
+            w = dequant_bits(self.qweight_t[:, idx], self.qhigh_t[:, idx], self.scale_t[:, idx], offset,
+                             self.bits_group, self.bits)
+        else:
+            w = dequant_int4(self.qweight_t[:, idx], self.scale_t[:, idx], self.offset_t[:, idx], self.int4_group)
+        return w.t().to(self.scale_t.dtype).reshape(*ids.shape, -1)
+
+    def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
+        from agentbox.layers.quant.gguf import apply_form
+
+        return apply_form(self, hidden, None)
+
+
+def quant_rows(
+    blocks: GGUFBlocks, start: int, rows: int, padded: int, device: torch.device, dtype: torch.dtype = torch.float32
+) -> QuantRows | PackedRows | None:
     """This rank's rows [start, start + rows) of a GGUF table, padded with zero rows to `padded`; None when
-    the table is not kept quantised here (a GPU, no kernel, or another type) and must be dequantised."""
+    the table is not kept quantised here (no kernel, or another type) and must be dequantised."""
     from agentbox.layers.quant import int4
 
     hidden = blocks.shape[1]
+    if hidden % 32 == 0 and int4.default_kernel(device) is int4.Int4Kernel.TRITON:
+        from agentbox.layers.quant.gguf import install_rows
+
+        return install_rows(PackedRows(), blocks.narrow((start, rows), None), padded, dtype, device)
     if device.type != "cpu" or hidden % 32 or int4.default_cpu_kernel() is not int4.Int4Kernel.CPU_SIMD:
         return None  # the same switch as the linear layers' (tests pin the dense path for exactness)
     from agentbox.kernels import cpu_gemv
