@@ -204,7 +204,7 @@ def test_a_mixed_layer_keeps_the_int4_kernel_for_its_4_bit_rows(tmp_path: Path) 
     qkv = ours.model.model.layers[0].self_attn.qkv_proj
     assert qkv.quant_method.kernel is None
     assert [s.int4_kernel for s in qkv.segments] == [Int4Kernel.CPU_SIMD, Int4Kernel.DENSE]
-    assert [s.weight.shape[0] for s in qkv.segments] == [256 + 128, 128]  # q/k rows (packed), then v
+    assert [qkv.segments[0].q4_rows, qkv.segments[1].weight.shape[0]] == [256 + 128, 128]  # q/k rows, then v
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
     w = {p: state[f"model.layers.0.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")}
     with torch.no_grad():
