@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agentbox.layers.quant.formats import GGUF_TYPE_BYTES
+
 
 @dataclass(frozen=True)
 class ExpertTypeBytes:
@@ -25,16 +27,13 @@ class ExpertTypeBytes:
         return self.cuda if device == "cuda" else self.cpu
 
 
+# On CPU the k-bit experts hold fp32 scales (and offsets) in the canonical form; the 4-bit ones the CPU
+# kernel's tiles, keeping Q4_0 / Q4_1's fp16 scales (layers/moe_cpu.py; 24 / 32 where it cannot build).
+_CPU_BYTES = {"q4_0": 20 / 32, "q4_1": 20 / 32, "q4_k": 24 / 32, "q5_0": 24 / 32, "q5_1": 28 / 32, "q5_k": 28 / 32,
+              "q6_k": 16 / 16, "q8_0": 36 / 32}
+# File and GPU bytes are the linear layers' (formats.GGUF_TYPE_BYTES: the same forms)
 EXPERT_TYPE_BYTES: dict[str, ExpertTypeBytes] = {
-    # On CPU the 4-bit kernel keeps Q4_0 / Q4_1's fp16 scales (layers/moe_cpu.py; 24 / 32 where it cannot build)
-    "Q4_0": ExpertTypeBytes(18 / 32, 20 / 32, 20 / 32),
-    "Q4_1": ExpertTypeBytes(20 / 32, 20 / 32, 20 / 32),
-    "Q4_K": ExpertTypeBytes(144 / 256, 20 / 32, 24 / 32),
-    "Q5_0": ExpertTypeBytes(22 / 32, 22 / 32, 24 / 32),
-    "Q5_1": ExpertTypeBytes(24 / 32, 24 / 32, 28 / 32),
-    "Q5_K": ExpertTypeBytes(176 / 256, 24 / 32, 28 / 32),
-    "Q6_K": ExpertTypeBytes(210 / 256, 14 / 16, 16 / 16),
-    "Q8_0": ExpertTypeBytes(34 / 32, 34 / 32, 36 / 32),
+    t.upper(): ExpertTypeBytes(*GGUF_TYPE_BYTES[t], cpu) for t, cpu in _CPU_BYTES.items()
 }
 
 # Shares of the expert weights in each type, per llama.cpp file type (its llama_tensor_get_type): the _M

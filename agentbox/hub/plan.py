@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentbox.hub.gguf_moe import ExpertBytes, expert_bytes
 from agentbox.hub.profiles import QUANTISED_FORMATS, KnownBad, Profile, Variant
 from agentbox.hw.probe import GIB, Probe
 from agentbox.layers.quant.formats import (
@@ -224,6 +225,11 @@ def _candidate(
             f"{variant.format} on CPU: the experts stay quantised, the other {(profile.params - experts) / 1e9:.1f}B "
             f"params are dequantised to fp32 at load: {_gb(variant.size)} on disk, {_gb(weights)} resident"
         )
+    elif (gexp := gguf_experts(profile, variant, device)) is not None:
+        notes.append(
+            f"{variant.format} {variant.name.upper()} MoE: the experts stay quantised ({_gb(gexp.file)} of the file, "
+            f"{_gb(gexp.resident)} resident); {_gb(variant.size)} on disk, {_gb(weights)} resident"
+        )
     elif (mix := gguf_gpu_mix(profile, variant, device)) is not None:
         notes.append(gguf_note(variant, mix, weights))
     elif method is not None and method in QUANTISED_METHODS and weights > variant.size * 1.1:
@@ -272,10 +278,16 @@ def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> in
     method = method_of_format(variant.format)
     if method is None and variant.format in QUANTISED_FORMATS:
         return variant.size  # not runnable here anyway: planned as an engine that keeps it quantised
+    if (experts := gguf_experts(profile, variant, device)) is not None:
+        if device != "cuda":
+            return experts.resident + (profile.params - profile.expert_params) * 4
+        mix = gguf_mix(variant.name, *variant.files)
+        rest = variant.size - experts.file  # attention, router, norms, tables: the file's mix (experts' aside)
+        return experts.resident + int(rest * (gguf_resident_ratio(mix) if mix is not None else 1.0))
     if (mix := gguf_gpu_mix(profile, variant, device)) is not None:
         return int(variant.size * gguf_resident_ratio(mix))
-    # Other GGUF files (MoE: the expert method's accounting; types the name does not tell or the linears do
-    # not keep, Q2_K / Q3_K / IQ*) are planned dequantised, below.
+    # Other GGUF files (types the name does not tell or the linears do not keep, Q2_K / Q3_K / IQ*) are
+    # planned dequantised, below.
     if method is not None and METHODS[method].stays_quantised and device == "cuda" and not variant.is_gguf:
         info = METHODS[method]
         extra = max(0.0, info.resident_bytes_per_weight - info.file_bytes_per_weight)
@@ -283,6 +295,13 @@ def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> in
     if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
         return int(experts * METHODS[method].moe_cpu_bytes_per_weight) + (profile.params - experts) * 4  # type: ignore[index]
     return profile.params * (2 if device == "cuda" else 4)
+
+
+def gguf_experts(profile: Profile, variant: Variant, device: str) -> ExpertBytes | None:
+    """A GGUF MoE variant's experts, kept quantised (layers/gguf_experts.py), by the file type its name tells."""
+    if not variant.is_gguf or not profile.moe:
+        return None
+    return expert_bytes(variant.name, profile.expert_params, device)
 
 
 def gguf_gpu_mix(profile: Profile, variant: Variant, device: str) -> str | None:

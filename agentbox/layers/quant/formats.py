@@ -61,7 +61,7 @@ METHODS: dict[QuantMethod, MethodInfo] = {
     # Dense linears stay quantised on GPU: Q4_0/Q4_1/Q4_K in int4's form (w4a16), Q5_0/Q5_1/Q8_0/Q5_K/Q6_K in
     # the k-bit form (wbits), merged layers mixing them per run of rows; planned per GGUF type of the
     # variant's mix (GGUF_MIXES). On CPU the 4-bit layers stay 4-bit (cpu_gemv), the others are dequantised.
-    # Experts: Q4_* stay 4-bit (fused_moe_int4), other types dequantised (planned dense).
+    # Experts: Q4_* stay 4-bit (fused_moe_int4), Q5_* / Q6_K / Q8_0 k-bit (fused_moe_bits; hub/gguf_moe.py).
     QuantMethod.GGUF: MethodInfo(("gguf",), True, KernelStatus.INTERPRETER_ONLY, moe_gpu=KernelStatus.INTERPRETER_ONLY),
     # w8a16; w8a8 on sm_89+ (kernels/w8a8_block.py). e4m3 + one float32 scale per 128 x 128 block, on disk and resident.
     QuantMethod.FP8_BLOCK: MethodInfo(
