@@ -108,6 +108,8 @@ static inline __attribute__((always_inline)) void q4_tile(const act_t *a, int64_
             float sd[NR];
             _mm_storeu_ps(sd, _mm_mul_ps(s4, _mm_set1_ps(xd[b])));
             const uint8_t *c = codes + b * NR * 16;
+            /* the next tile's line for this block: the prefetcher alone fell behind at a tile's start */
+            _mm_prefetch((const char *)(c + NR * k / 2), _MM_HINT_T0);
             const __m256i r01 = _mm256_loadu_si256((const __m256i *)c), r23 = _mm256_loadu_si256((const __m256i *)(c + 32));
             const __m256i l01 = _mm256_and_si256(r01, low), h01 = _mm256_and_si256(_mm256_srli_epi16(r01, 4), low);
             const __m256i l23 = _mm256_and_si256(r23, low), h23 = _mm256_and_si256(_mm256_srli_epi16(r23, 4), low);
@@ -137,6 +139,8 @@ static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_
         const __m256i xv = _mm256_load_si256((const __m256i *)(xq + b * QB));
         float sd[NR];
         _mm_storeu_ps(sd, _mm_mul_ps(ld4(scale, b * NR, half), _mm_set1_ps(xd[b])));
+        _mm_prefetch((const char *)(codes + NR * k + b * NR * QB), _MM_HINT_T0); /* the next tile's block */
+        _mm_prefetch((const char *)(codes + NR * k + b * NR * QB + 64), _MM_HINT_T0);
         for (int r = 0; r < NR; r++) {
             __m256i w = _mm256_loadu_si256((const __m256i *)(codes + (b * NR + r) * QB));
             /* |w| as unsigned and the sign moved onto x: u8 x s8 is the only byte product AVX2 has */
@@ -147,42 +151,41 @@ static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_
     for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]);
 }
 
-/* The output tile by tile (columns j .. j + 4 of every row of x); tiles are split over threads. `half` is
- * a literal at each call, so the fp16 and fp32 variants are compiled separately. */
-static inline __attribute__((always_inline)) void q4_matmul(const act_t *a, int64_t m, int64_t k, const uint8_t *codes,
-                                                            const char *so, int64_t n, int64_t group, float *out,
-                                                            int threads, const int half) {
-    const int64_t tile_codes = NR * k / 2, tile_so = k / group * 2 * NR * (half ? 2 : 4);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < (n + NR - 1) / NR; t++) {
-        const int64_t j = t * NR;
-        const int nr = n - j < NR ? (int)(n - j) : NR;
-        for (int64_t i = 0; i < m; i++)
-            q4_tile(a, i, k, codes + t * tile_codes, so + t * tile_so, group, out + i * n + j, nr, half);
-    }
+/* One tile of the output (columns j .. j + 4 of every row of x). */
+static inline __attribute__((always_inline)) void q4_tile_rows(const act_t *a, int64_t m, int64_t k, const uint8_t *codes,
+                                                               const char *so, int64_t n, int64_t group, float *out,
+                                                               int64_t t, const int half) {
+    const int64_t j = t * NR, tile_codes = NR * k / 2, tile_so = k / group * 2 * NR * (half ? 2 : 4);
+    const int nr = n - j < NR ? (int)(n - j) : NR;
+    for (int64_t i = 0; i < m; i++)
+        q4_tile(a, i, k, codes + t * tile_codes, so + t * tile_so, group, out + i * n + j, nr, half);
 }
 
-static inline __attribute__((always_inline)) void q8_matmul(const act_t *a, int64_t m, int64_t k, const int8_t *codes,
-                                                            const char *scale, int64_t n, float *out, int threads,
-                                                            const int half) {
-    const int64_t tile_scale = k / QB * NR * (half ? 2 : 4);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < (n + NR - 1) / NR; t++) {
-        const int64_t j = t * NR;
-        const int nr = n - j < NR ? (int)(n - j) : NR;
-        for (int64_t i = 0; i < m; i++) q8_tile(a, i, k, codes + t * NR * k, scale + t * tile_scale, out + i * n + j, nr, half);
-    }
+static inline __attribute__((always_inline)) void q8_tile_rows(const act_t *a, int64_t m, int64_t k, const int8_t *codes,
+                                                               const char *scale, int64_t n, float *out, int64_t t,
+                                                               const int half) {
+    const int64_t j = t * NR, tile_scale = k / QB * NR * (half ? 2 : 4);
+    const int nr = n - j < NR ? (int)(n - j) : NR;
+    for (int64_t i = 0; i < m; i++) q8_tile(a, i, k, codes + t * NR * k, scale + t * tile_scale, out + i * n + j, nr, half);
 }
 
+/* Tiles are split over threads. Each `half` has its own parallel loop: GCC outlines an OpenMP region before
+ * inlining, so one region shared by both would take `half` as a run-time value (measured 2x slower in
+ * cpu_bits.c), not the literal each variant is compiled for. */
 int ab_q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *so, int64_t n,
                  int64_t group, float *out, int threads, int half) {
     if (k % QB || group % QB || k % group) return -2;
     act_t a;
     if (quantize_activations(x, m, k, group, &a)) return -1;
-    if (half)
-        q4_matmul(&a, m, k, codes, (const char *)so, n, group, out, threads, 1);
-    else
-        q4_matmul(&a, m, k, codes, (const char *)so, n, group, out, threads, 0);
+    const int64_t tiles = (n + NR - 1) / NR;
+    const char *s = (const char *)so;
+    if (half) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t t = 0; t < tiles; t++) q4_tile_rows(&a, m, k, codes, s, n, group, out, t, 1);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t t = 0; t < tiles; t++) q4_tile_rows(&a, m, k, codes, s, n, group, out, t, 0);
+    }
     free_activations(&a);
     return 0;
 }
@@ -192,10 +195,15 @@ int ab_q8_matmul(const float *x, int64_t m, int64_t k, const int8_t *codes, cons
     if (k % QB) return -2;
     act_t a;
     if (quantize_activations(x, m, k, QB, &a)) return -1;
-    if (half)
-        q8_matmul(&a, m, k, codes, (const char *)scale, n, out, threads, 1);
-    else
-        q8_matmul(&a, m, k, codes, (const char *)scale, n, out, threads, 0);
+    const int64_t tiles = (n + NR - 1) / NR;
+    const char *s = (const char *)scale;
+    if (half) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t t = 0; t < tiles; t++) q8_tile_rows(&a, m, k, codes, s, n, out, t, 1);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t t = 0; t < tiles; t++) q8_tile_rows(&a, m, k, codes, s, n, out, t, 0);
+    }
     free_activations(&a);
     return 0;
 }
