@@ -153,7 +153,7 @@ def pack_bits_cpu(codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: t
     p = _blocks_per_record(k)
     made = _header(scale, offset, form, p * BLOCK // group)
     if made is None:
-        raise ValueError(f"the scales are not exact in {form}")
+        raise ValueError(f"the scales (or offsets) are not exact in {form.name}")
     form, head = made
     blocks = _pack_blocks(codes, bits).reshape(n, k // (BLOCK * p), -1)
     data = torch.cat([head, blocks], dim=-1).reshape(n, -1).contiguous()

@@ -1,0 +1,189 @@
+"""The AVX2 k-bit kernels (kernels/cpu_bits.c) against their torch twins, and GGUF's Q5_0 / Q5_1 / Q8_0 /
+Q5_K / Q6_K blocks through the CPU form: exact, and resident near the file's bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from agentbox.kernels import cpu_bits as cb
+from agentbox.kernels import cpu_gemv as cg
+from gguf import GGMLQuantizationType as T
+
+pytestmark = pytest.mark.skipif(not cg.available(), reason=f"CPU kernels unavailable: {cg.unavailable_reason()}")
+FORMS = list(cb.ScaleForm)
+
+
+def _scales(n: int, k: int, group: int, form: cb.ScaleForm, g: torch.Generator) -> torch.Tensor:
+    """Scales exact in `form`: I8 as a record's fp16 super-scale times int8 multiples (as the K-quants)."""
+    if form is cb.ScaleForm.I8:
+        p = cb._blocks_per_record(k)
+        d = torch.rand(n, k // (32 * p), 1, generator=g).half().float() / 64
+        return (d * torch.randint(-128, 128, (n, k // (32 * p), p * 32 // group), generator=g)).reshape(n, -1)
+    s = torch.randn(n, k // group, generator=g) / 8
+    return s.half().float() if form is cb.ScaleForm.F16 else s
+
+
+def _weight(n: int, k: int, bits: int, group: int, offset: bool, form: cb.ScaleForm, seed: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8, generator=g)
+    return codes, _scales(n, k, group, form, g), _scales(n, k, group, form, g) if offset else None
+
+
+@pytest.mark.parametrize("form", FORMS, ids=[f.name for f in FORMS])
+@pytest.mark.parametrize("offset", [False, True], ids=["symmetric", "offset"])
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("bits", [5, 6, 8])
+def test_matmul_and_dequant_equal_their_twins(bits: int, group: int, offset: bool, form: cb.ScaleForm) -> None:
+    n, k = 13, 192 if form is cb.ScaleForm.F32 else 512  # odd N: a tail past the 4-row tiles; 6 and 8 blocks a record
+    codes, scale, off = _weight(n, k, bits, group, offset, form, seed=bits * group + offset)
+    w = cb.pack_bits_cpu(codes, bits, scale, off, form)
+    assert w.form is form and cb.pack_bits_cpu(codes, bits, scale, off).form is form  # the smallest exact form
+    back = cb.unpack_bits_cpu(w)
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scale)
+    assert (back[2] is None) if off is None else torch.equal(back[2], off)
+    dense = cb.bits_dequant(w)
+    assert torch.equal(dense, cb.bits_dequant_ref(w))  # the same roundings, bit for bit
+    for m in (1, 3):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        got = cb.bits_matmul(x, w)
+        scale_of = cb.bits_matmul_ref(x, w).abs().max()
+        torch.testing.assert_close(got, cb.bits_matmul_ref(x, w), atol=2e-6 * scale_of, rtol=1e-5)
+        # The many-row path (dequantise once + one sgemm on the rounded activations) gives the same numbers.
+        torch.testing.assert_close(got, F.linear(cg.round_activations(x), dense), atol=2e-6 * scale_of, rtol=1e-5)
+        assert (got - x @ dense.t()).abs().max() < 0.02 * scale_of  # int8 activations: well under a percent
+
+
+def test_two_threads_give_the_same_bits_and_rows_are_dequantised_alone() -> None:
+    codes, scale, _ = _weight(131, 256, 6, 16, False, cb.ScaleForm.I8, seed=3)
+    w = cb.pack_bits_cpu(codes, 6, scale, None)
+    x = torch.randn(2, 256)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, dense_one = cb.bits_matmul(x, w), cb.bits_dequant(w)
+        torch.set_num_threads(2)
+        two, dense_two = cb.bits_matmul(x, w), cb.bits_dequant(w)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two) and torch.equal(dense_one, dense_two)  # rows split over threads, never a sum
+    rows = torch.tensor([[130, 0], [7, 130]])
+    assert torch.equal(cb.bits_rows(w, rows), dense_one[rows])
+
+
+def test_bad_input_is_named() -> None:
+    codes, scale, _ = _weight(4, 64, 5, 32, False, cb.ScaleForm.F32, seed=0)
+    with pytest.raises(ValueError, match="bits must be"):
+        cb.pack_bits_cpu(codes, 4, scale, None)
+    with pytest.raises(ValueError, match="exceed 5 bits"):
+        cb.pack_bits_cpu(codes | 32, 5, scale, None)
+    with pytest.raises(ValueError, match="16 or 32 columns"):
+        cb.pack_bits_cpu(codes, 5, scale[:, :1], None)
+    with pytest.raises(ValueError, match="not exact in F16"):
+        cb.pack_bits_cpu(codes, 5, scale + 1e-4, None, cb.ScaleForm.F16)
+    with pytest.raises(ValueError, match="columns"):
+        cb.bits_matmul(torch.zeros(1, 32), cb.pack_bits_cpu(codes, 5, scale, None))
+
+
+# ---- GGUF blocks -----------------------------------------------------------------------------------------
+# A converter that reads no bit layout: GGUF's own dequantize on blocks whose scale fields are set to 1 gives
+# the codes, and on blocks whose codes are set to a known value gives the scales and offsets.
+
+BITS = {T.Q5_0: 5, T.Q5_1: 5, T.Q8_0: 8, T.Q5_K: 5, T.Q6_K: 6}
+GROUP = {T.Q6_K: 16}
+
+
+def _fields(t: T) -> dict[str, slice]:
+    """Byte ranges of a block's fields: d (fp16), m (Q5_1's fp16 m, Q5_K's dmin), sc (sub-scales), qh, qs."""
+    return {
+        T.Q5_0: {"d": slice(0, 2), "qh": slice(2, 6), "qs": slice(6, 22)},
+        T.Q5_1: {"d": slice(0, 2), "m": slice(2, 4), "qh": slice(4, 8), "qs": slice(8, 24)},
+        T.Q8_0: {"d": slice(0, 2), "qs": slice(2, 34)},
+        T.Q5_K: {"d": slice(0, 2), "m": slice(2, 4), "sc": slice(4, 16), "qh": slice(16, 48), "qs": slice(48, 176)},
+        T.Q6_K: {"qs": slice(0, 128), "qh": slice(128, 192), "sc": slice(192, 208), "d": slice(208, 210)},
+    }[t]
+
+
+def _dequant(blocks: np.ndarray, t: T) -> np.ndarray:
+    return gguf.quants.dequantize(blocks, t).reshape(blocks.shape[0], -1)
+
+
+def _convert(blocks: np.ndarray, t: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GGUF blocks [R, type bytes] (one row per block) -> (codes [R, 32 or 256], scale, offset | None)."""
+    f, bits, group = _fields(t), BITS[t], GROUP.get(t, 32)
+    centre = 0 if "m" in f else 1 << (bits - 1)
+    unit = blocks.copy()
+    unit[:, f["d"]] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    if "m" in f:
+        unit[:, f["m"]] = 0
+    if t is T.Q5_K:  # six-bit sub-scales 1, mins 0
+        unit[:, f["sc"]] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)
+    elif t is T.Q6_K:
+        unit[:, f["sc"]] = 1
+    codes = np.rint(_dequant(unit, t)) + centre
+    one = blocks.copy()  # every code centre + 1 (q - centre = 1), offsets zero: the values are the scales
+    if t is T.Q8_0:
+        one[:, f["qs"]] = 1
+    else:
+        one[:, f["qs"]] = 0x11  # low nibbles 1
+        one[:, f["qh"]] = {0: 0, 16: 0xFF, 32: 0xAA}[centre]  # high bits of centre: 5-bit bit 4, 6-bit bits 5
+    if "m" in f:
+        one[:, f["m"]] = 0
+    scale = _dequant(one, t)[:, ::group]
+    offset = None
+    if "m" in f:
+        zero = blocks.copy()
+        zero[:, f["qs"]], zero[:, f["qh"]] = 0, 0
+        offset = torch.from_numpy(_dequant(zero, t)[:, ::group].copy())
+    return torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(scale.copy()), offset
+
+
+def _blocks(t: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, k / block * type bytes]: gguf's quantiser where it has one, else random blocks with sane fp16 d."""
+    size, nbytes = gguf.GGML_QUANT_SIZES[t]
+    if t in (T.Q5_0, T.Q5_1, T.Q8_0):
+        return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t).reshape(n, -1)
+    raw = rng.integers(0, 256, (n * k // size, nbytes), dtype=np.uint8)
+    f = _fields(t)
+    raw[:, f["d"]] = (rng.random((raw.shape[0], 1)) / 100).astype(np.float16).view(np.uint8)
+    if t is T.Q5_K:
+        raw[:, f["m"]] = (rng.random((raw.shape[0], 1)) / 100).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def _rows(blocks: np.ndarray, t: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    n = blocks.shape[0]
+    per = blocks.reshape(-1, gguf.GGML_QUANT_SIZES[t][1])
+    codes, scale, offset = _convert(per, t)
+    return codes.reshape(n, -1), scale.reshape(n, -1), None if offset is None else offset.reshape(n, -1)
+
+
+@pytest.mark.parametrize("t", list(BITS), ids=[t.name for t in BITS])
+def test_gguf_blocks_stay_quantised_and_exact(t: T) -> None:
+    n, k = 9, 512
+    blocks = _blocks(t, n, k, np.random.default_rng(int(t)))
+    codes, scale, offset = _rows(blocks, t)
+    w = cb.pack_bits_cpu(codes, BITS[t], scale, offset)
+    assert w.form is (cb.ScaleForm.I8 if t in (T.Q5_K, T.Q6_K) else cb.ScaleForm.F16)
+    size, nbytes = gguf.GGML_QUANT_SIZES[t]
+    expect = torch.from_numpy(_dequant(blocks.reshape(-1, nbytes), t))
+    assert torch.equal(cb.bits_dequant(w), expect.reshape(n, k))
+    assert cb.resident_bytes(w) / (n * k) <= 1.10 * nbytes / size  # within 10 % of the file's bytes
+    x = torch.randn(2, k)
+    torch.testing.assert_close(cb.bits_matmul(x, w), F.linear(cg.round_activations(x), expect.reshape(n, k)),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_smollm2_q8_0_embedding_rows(smollm2_path: Path) -> None:
+    tensor = next(t for t in gguf.GGUFReader(smollm2_path).tensors if t.name == "token_embd.weight")
+    assert tensor.tensor_type == T.Q8_0
+    blocks = np.asarray(tensor.data[:64])  # [rows, K / 32 * 34] bytes: 64 real rows of the file
+    codes, scale, offset = _rows(blocks, T.Q8_0)
+    w = cb.pack_bits_cpu(codes, 8, scale, offset)
+    assert w.form is cb.ScaleForm.F16 and cb.resident_bytes(w) == blocks.size  # Q8_0's own 8.5 bits
+    assert torch.equal(cb.bits_dequant(w), torch.from_numpy(_dequant(blocks.reshape(-1, 34), T.Q8_0)).reshape(64, -1))
