@@ -5,15 +5,19 @@
  * o: w = q * s + o, or w = (q - 2^(bits-1)) * s without offsets (GGUF Q5_0, Q6_K, Q8_0).
  *
  * Layout: one byte stream per row, so a row is one sequential read (the decode loop's only cost is bytes).
- * A row is K / (32 P) records of P blocks of 32 columns; a record is a header of its G = 32 P / group
- * scales (and offsets), then its P blocks:
+ * A row is records of 8 blocks of 32 columns (the last may have fewer); a record is a header of its
+ * G = 32 p / group scales (and offsets), then a body of its p blocks' codes:
  *   header F32: s[G] fp32, o[G] fp32 | F16: s[G] fp16, o[G] fp16 (where fp16 is exact: Q5_0, Q5_1, Q8_0)
  *          I8:  d fp32, [dm fp32], c[G] int8, [m[G] int8]; s = d * c, o = dm * m (the K-quants' 6/8-bit
- *               sub-scales of one fp16 super-scale, exact in fp32; P = 8 is GGUF's 256-column super-block)
- *   block 5-bit: 16 bytes of low nibbles (byte j: element j, j + 16 high nibble: GGUF Q5_0's qs), 4 bytes
- *               of high bits (element e at bit e, GGUF's qh) = 20 bytes
- *         6-bit: 16 bytes of low nibbles, 8 bytes of 2 high bits (element e in byte e % 8 at bit 2 (e / 8))
- *         8-bit: 32 int8 codes q - 128 (GGUF Q8_0's own bytes)
+ *               sub-scales of one fp16 super-scale, exact in fp32; 8 blocks are GGUF's 256-column super-block)
+ *   body 8-bit: p x 32 int8 codes q - 128 (GGUF Q8_0's own bytes)
+ *        5-bit: a 32-byte plane of high bits (byte e: bit b = block b's element e), then the nibbles; a
+ *               record of 4 blocks or fewer (a row's last) packs its plane in 16 bytes as the nibbles
+ *        6-bit: a 32-byte plane per 4 blocks (byte e: bits 2j, 2j + 1 = block 4i + j's element e), nibbles
+ *        nibbles: 32 bytes per pair of blocks, byte e = block 2i's element e | block 2i + 1's << 4
+ *   so a block's codes are one load, AND (and shift) for the nibbles and one shift, AND, OR for the high
+ *   bits: 4 bits of shift and mask work spread over 8 blocks, where per-block bit fields cost twice that.
+ *   Q5_0 / Q5_1 / Q8_0 take exactly their file's bytes; Q5_K 5.75 bits (file 5.5), Q6_K 6.625 (6.5625).
  * Offsets are kept out of the inner loop: sum_g (o_g + base s_g) * (sum of x in group g), eight groups a
  * step, where base folds the symmetric centre and the 8-bit codes' signedness into one effective offset.
  *
@@ -28,32 +32,48 @@
 
 #define QB 32   /* elements per block */
 #define NR 4    /* weight rows one pass over an activation row serves */
+#define PB 8    /* blocks per record (256 columns: a GGUF K-quant super-block); a row's last may have fewer */
 #define GM 16   /* most groups in a record (8 blocks of two groups of 16) */
 
 enum { F32 = 0, F16 = 1, I8 = 2 };
 
 typedef struct {
-    int bits, group, form, off, p; /* p: blocks per record */
+    int bits, group, form, off;
     int64_t k, n;
 } shape_t;
 
-static inline int groups(const shape_t *s) { return s->p * QB / s->group; }
-static inline int64_t block_bytes(int bits) { return bits == 8 ? 32 : bits == 6 ? 24 : 20; }
-static inline int64_t header_bytes(const shape_t *s) {
-    int64_t g = groups(s), parts = 1 + s->off;
+static inline int64_t nrecords(const shape_t *s) { return (s->k / QB + PB - 1) / PB; }
+static inline int rec_blocks(const shape_t *s, int64_t rec) {
+    const int64_t nb = s->k / QB;
+    return (int)(nb - rec * PB < PB ? nb - rec * PB : PB);
+}
+/* Bytes of a record's planes of high bits (they precede its nibble pairs). */
+static inline int64_t plane_bytes(int bits, int p) {
+    return bits == 5 ? (p > 4 ? 32 : 16) : bits == 6 ? 32 * ((p + 3) / 4) : 0;
+}
+static inline int64_t body_bytes(int bits, int p) {
+    return bits == 8 ? 32 * (int64_t)p : plane_bytes(bits, p) + 32 * (int64_t)((p + 1) / 2);
+}
+static inline int64_t header_bytes(const shape_t *s, int p, int group) {
+    const int64_t g = p * QB / group, parts = 1 + s->off;
     return s->form == F32 ? 4 * g * parts : s->form == F16 ? 2 * g * parts : (4 + g) * parts;
 }
-static inline int64_t record_bytes(const shape_t *s) { return header_bytes(s) + s->p * block_bytes(s->bits); }
-static inline int64_t row_bytes(const shape_t *s) { return s->k / (QB * s->p) * record_bytes(s); }
+static inline int64_t record_bytes(const shape_t *s, int p, int group) {
+    return header_bytes(s, p, group) + body_bytes(s->bits, p);
+}
+static inline int64_t row_bytes(const shape_t *s) {
+    const int64_t nb = s->k / QB, tail = nb % PB;
+    return nb / PB * record_bytes(s, PB, s->group) + (tail ? record_bytes(s, (int)tail, s->group) : 0);
+}
 
 typedef struct {
     int8_t *q;   /* [M][K] */
     float *d;    /* [M][K/32] */
-    float *gs;   /* [M][records][GM]: d * (sum of the rounded x) per scale group, zero past G */
+    float *gs;   /* [M][records][GM]: d * (sum of the rounded x) per scale group, zero past the record's */
 } act_t;
 
 static int quantize(const float *x, int64_t m, const shape_t *s, act_t *a) {
-    const int64_t k = s->k, nb = k / QB, recs = k / (QB * s->p), per = QB / s->group;
+    const int64_t k = s->k, nb = k / QB, recs = nrecords(s), per = QB / s->group;
     a->q = (int8_t *)aligned_alloc(32, (size_t)((m * k + 31) / 32 * 32));
     a->d = (float *)malloc(sizeof(float) * (size_t)(m * nb));
     a->gs = (float *)calloc((size_t)(m * recs * GM), sizeof(float));
@@ -73,8 +93,8 @@ static int quantize(const float *x, int64_t m, const shape_t *s, act_t *a) {
             sq[i / 16] += q;
         }
         a->d[r] = d;
-        const int64_t row = r / nb, b = r % nb, rec = b / s->p, g0 = (b % s->p) * per;
-        float *gs = a->gs + (row * recs + rec) * GM + g0;
+        const int64_t row = r / nb, b = r % nb;
+        float *gs = a->gs + (row * recs + b / PB) * GM + (b % PB) * per;
         if (per == 1)
             gs[0] = d * (float)(sq[0] + sq[1]);
         else {
@@ -91,74 +111,71 @@ static void release(act_t *a) {
     free(a->gs);
 }
 
-/* A record's scales and offsets as fp32 (zero past G); `eff` folds the centre and code base into o. */
-static inline __attribute__((always_inline)) void header(const uint8_t *h, const shape_t *s, float *sc,
-                                                          float *of, int eff) {
-    const int g = groups(s);
-    memset(sc, 0, sizeof(float) * GM);
-    memset(of, 0, sizeof(float) * GM);
+/* A record's g scales (and offsets) as fp32, zero from g to the next multiple of 8. */
+static inline __attribute__((always_inline)) void header(const uint8_t *h, const shape_t *s, const int g, float *sc,
+                                                          float *of) {
+    const int g8 = (g + 7) / 8 * 8, off = s->off;
+    for (int i = g; i < g8; i++) sc[i] = of[i] = 0.0f;
     if (s->form == F32) {
         memcpy(sc, h, 4 * (size_t)g);
-        if (s->off) memcpy(of, h + 4 * g, 4 * (size_t)g);
+        if (off) memcpy(of, h + 4 * g, 4 * (size_t)g);
     } else if (s->form == F16) {
         const uint16_t *p = (const uint16_t *)h;
         int i = 0;
         for (; i + 8 <= g; i += 8) {
             _mm256_storeu_ps(sc + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))));
-            if (s->off) _mm256_storeu_ps(of + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + g + i))));
+            if (off) _mm256_storeu_ps(of + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + g + i))));
         }
         for (; i < g; i++) {
             sc[i] = _cvtsh_ss(p[i]);
-            if (s->off) of[i] = _cvtsh_ss(p[g + i]);
+            if (off) of[i] = _cvtsh_ss(p[g + i]);
         }
     } else {
         float d, dm = 0.0f;
         memcpy(&d, h, 4);
-        if (s->off) memcpy(&dm, h + 4, 4);
-        const int8_t *c = (const int8_t *)(h + 4 * (1 + s->off)), *mm = c + g;
+        if (off) memcpy(&dm, h + 4, 4);
+        const int8_t *c = (const int8_t *)(h + 4 * (1 + off)), *mm = c + g;
         int i = 0;
         for (; i + 8 <= g; i += 8) {
             __m256 cv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + i))));
             _mm256_storeu_ps(sc + i, _mm256_mul_ps(_mm256_set1_ps(d), cv));
-            if (s->off) {
+            if (off) {
                 __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(mm + i))));
                 _mm256_storeu_ps(of + i, _mm256_mul_ps(_mm256_set1_ps(dm), mv));
             }
         }
         for (; i < g; i++) {
             sc[i] = d * (float)c[i];
-            if (s->off) of[i] = dm * (float)mm[i];
+            if (off) of[i] = dm * (float)mm[i];
         }
-    }
-    if (eff) {
-        /* stored code u = q - base (base 128 for 8 bits, whose codes are signed); w = u s + (o + base s), and
-         * without offsets o = -2^(bits-1) s */
-        const float base = s->bits == 8 ? 128.0f : 0.0f, centre = s->off ? 0.0f : (float)(1 << (s->bits - 1));
-        for (int i = 0; i < g; i++) of[i] += (base - centre) * sc[i];
     }
 }
 
-/* The 32 codes of a block as bytes in element order (lane e = element e); 8-bit codes are signed. */
-static inline __attribute__((always_inline)) __m256i codes(const uint8_t *b, const int bits) {
-    if (bits == 8) return _mm256_loadu_si256((const __m256i *)b);
-    const __m128i raw = _mm_loadu_si128((const __m128i *)b);
-    const __m256i lo = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+/* Block b's 32 codes (lane e = element e; 8-bit codes signed) from a record's body. 5/6 bits: a pair of
+ * blocks shares 32 bytes of nibbles (byte e: block 2i element e low, block 2i + 1 high); 5 bits: one
+ * 32-byte plane per record, byte e holding element e's high bit of block b at bit b; 6 bits: a plane per
+ * four blocks, byte e holding block b's two high bits at bit 2 (b % 4). Each is one shift, AND and OR. */
+static inline __attribute__((always_inline)) __m256i codes(const uint8_t *body, int b, int64_t pairs, int p,
+                                                           const int bits) {
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(body + 32 * b));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(body + pairs + 32 * (b / 2)));
+    const __m256i lo = _mm256_and_si256(b & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    /* 16-bit shifts by under 8: a byte's target bit only ever comes from that same byte */
     if (bits == 5) {
-        uint32_t h;
-        memcpy(&h, b + 16, 4);
-        /* byte e gets source byte e / 8, then is all ones where bit e % 8 is set (llama.cpp's bytes_from_bits) */
-        const __m256i spread = _mm256_shuffle_epi8(
-            _mm256_set1_epi32((int)h),
-            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-        const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                                              _mm256_set1_epi64x(-1));
-        return _mm256_or_si256(lo, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        __m256i h;
+        if (p > 4)
+            h = _mm256_loadu_si256((const __m256i *)body);
+        else { /* a short record's 16-byte plane: byte j bits 0-3 for element j, bits 4-7 for j + 16 */
+            const __m128i half = _mm_loadu_si128((const __m128i *)body);
+            h = _mm256_set_m128i(_mm_srli_epi16(half, 4), half);
+        }
+        const __m256i t = b < 4 ? _mm256_slli_epi16(h, 4 - b) : b == 4 ? h : _mm256_srli_epi16(h, b - 4);
+        return _mm256_or_si256(lo, _mm256_and_si256(t, _mm256_set1_epi8(0x10)));
     }
-    /* 6 bits: element e's two high bits in byte e % 8 at bit 2 (e / 8); shifted to bits 4..5 of its lane */
-    const __m128i h = _mm_loadl_epi64((const __m128i *)(b + 16));
-    const __m128i h01 = _mm_unpacklo_epi64(_mm_slli_epi16(h, 4), _mm_slli_epi16(h, 2));
-    const __m128i h23 = _mm_unpacklo_epi64(h, _mm_srli_epi16(h, 2));
-    return _mm256_or_si256(lo, _mm256_and_si256(_mm256_set_m128i(h23, h01), _mm256_set1_epi8(0x30)));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(body + 32 * (b / 4)));
+    const int j = b % 4;
+    const __m256i t = j == 0 ? _mm256_slli_epi16(h, 4) : j == 1 ? _mm256_slli_epi16(h, 2) : j == 2 ? h : _mm256_srli_epi16(h, 2);
+    return _mm256_or_si256(lo, _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
 }
 
 static inline float hsum(__m256 v) {
@@ -168,115 +185,174 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* One record (p blocks, g groups) of nr weight rows against activation row m. Offsets stay out of the block
+ * loop: w = u s + o + k0 s for stored codes u (k0 = 128 for 8-bit codes, which are stored signed, minus the
+ * centre 2^(bits-1) without offsets), so the record adds sum_g (o_g + k0 s_g) * (sum of x in group g). */
+static inline __attribute__((always_inline)) void record(const act_t *a, int64_t m, const shape_t *s,
+                                                         const uint8_t *const *h, int64_t rec, const int p,
+                                                         const int g, __m256 *acc, __m256 *oacc, __m256 *sacc,
+                                                         const int nr, const int bits, const int group) {
+    const int64_t nb = s->k / QB, hb = header_bytes(s, p, group), pairs = plane_bytes(bits, p);
+    const int sym8 = bits == 8 && !s->off; /* k0 = 0 and no offsets: nothing to add */
+    /* lanes 0-3 take group 2j, lanes 4-7 group 2j + 1 (a block's int32 lanes 0-3 are its elements 0-15) */
+    const __m256i half[4] = {_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2),
+                             _mm256_set_epi32(5, 5, 5, 5, 4, 4, 4, 4), _mm256_set_epi32(7, 7, 7, 7, 6, 6, 6, 6)};
+    const __m256i ones = _mm256_set1_epi16(1);
+    const float *gs = a->gs + (m * nrecords(s) + rec) * GM;
+    float sc[NR][GM], of[NR][GM];
+    for (int r = 0; r < nr; r++) {
+        header(h[r], s, g, sc[r], of[r]);
+        if (!sym8)
+            for (int c = 0; c < g; c += 8) {
+                const __m256 x = _mm256_loadu_ps(gs + c);
+                sacc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(sc[r] + c), x, sacc[r]);
+                if (s->off) oacc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(of[r] + c), x, oacc[r]);
+            }
+    }
+    const int8_t *xq = a->q + (m * nb + rec * PB) * QB;
+    const float *xd = a->d + m * nb + rec * PB;
+#pragma GCC unroll 8
+    for (int b = 0; b < p; b++) {
+        const __m256i xv = _mm256_load_si256((const __m256i *)(xq + b * QB));
+        const __m256 d = _mm256_broadcast_ss(xd + b);
+        for (int r = 0; r < nr; r++) {
+            const __m256i q = codes(h[r] + hb, b, pairs, p, bits);
+            __m256i prod;
+            if (bits == 8) /* |q| unsigned and the sign moved onto x: u8 x s8 is the only byte product */
+                prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
+            else
+                prod = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+            const __m256 sv = group == 32 ? _mm256_broadcast_ss(sc[r] + b)
+                                          : _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[r] + 8 * (b / 4)), half[b % 4]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_mul_ps(sv, d), acc[r]);
+        }
+    }
+}
+
 /* One activation row against nr consecutive weight rows (independent FMA chains, x loaded once for all). */
 static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m, const shape_t *s,
                                                        const uint8_t *w, float *out, const int nr,
                                                        const int bits, const int group) {
-    const int64_t k = s->k, nb = k / QB, recs = k / (QB * s->p), rb = row_bytes(s), hb = header_bytes(s),
-                  bb = block_bytes(bits);
-    const int gp = (groups(s) + 7) / 8;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[NR], oacc[NR];
-    for (int r = 0; r < nr; r++) acc[r] = oacc[r] = _mm256_setzero_ps();
-    const int8_t *xq = a->q + m * k;
-    const float *xd = a->d + m * nb;
-    for (int64_t rec = 0; rec < recs; rec++) {
-        float sc[NR][GM], of[NR][GM];
-        const float *gs = a->gs + (m * recs + rec) * GM;
-        const uint8_t *base[NR];
-        for (int r = 0; r < nr; r++) {
-            base[r] = w + r * rb + rec * record_bytes(s);
-            header(base[r], s, sc[r], of[r], 1);
-            for (int c = 0; c < gp; c++)
-                oacc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(of[r] + 8 * c), _mm256_loadu_ps(gs + 8 * c), oacc[r]);
-        }
-        for (int b = 0; b < s->p; b++) {
-            const int64_t blk = rec * s->p + b;
-            const __m256i xv = _mm256_load_si256((const __m256i *)(xq + blk * QB));
-            const float d = xd[blk];
-            for (int r = 0; r < nr; r++) {
-                const __m256i q = codes(base[r] + hb + b * bb, bits);
-                __m256i p;
-                if (bits == 8) /* |q| unsigned and the sign moved onto x: u8 x s8 is the only byte product */
-                    p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
-                else
-                    p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-                /* int32 lanes 0-3 hold elements 0-15, lanes 4-7 elements 16-31: a group of 16 each half */
-                const __m256 sv = group == 32 ? _mm256_set1_ps(sc[r][b] * d)
-                                              : _mm256_set_m128(_mm_set1_ps(sc[r][2 * b + 1] * d), _mm_set1_ps(sc[r][2 * b] * d));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, acc[r]);
-            }
-        }
+    const int64_t nb = s->k / QB, rb = row_bytes(s), full = record_bytes(s, PB, group), tail = nb % PB;
+    __m256 acc[NR], oacc[NR], sacc[NR];
+    for (int r = 0; r < nr; r++) acc[r] = oacc[r] = sacc[r] = _mm256_setzero_ps();
+    const uint8_t *h[NR];
+    int64_t rec = 0;
+    for (; rec < nb / PB; rec++) { /* full records: p and g constants, the block loop unrolled */
+        for (int r = 0; r < nr; r++) h[r] = w + r * rb + rec * full;
+        record(a, m, s, h, rec, PB, PB * QB / group, acc, oacc, sacc, nr, bits, group);
     }
-    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]) + hsum(oacc[r]);
+    for (int r = 0; r < nr; r++) h[r] = w + r * rb + rec * full;
+    switch (tail) { /* the last, shorter record (K 576 = 2 x 8 + 2 blocks): its own constants too */
+#define TAIL(P) \
+    case P: record(a, m, s, h, rec, P, P * QB / group, acc, oacc, sacc, nr, bits, group); break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7)
+#undef TAIL
+        default: break;
+    }
+    const __m256 k0 = _mm256_set1_ps((bits == 8 ? 128.0f : 0.0f) - (s->off ? 0.0f : (float)(1 << (bits - 1))));
+    for (int r = 0; r < nr; r++) out[r] = hsum(_mm256_fmadd_ps(k0, sacc[r], _mm256_add_ps(acc[r], oacc[r])));
 }
 
-static inline __attribute__((always_inline)) void matmul(const act_t *a, int64_t m, const shape_t *s,
-                                                         const uint8_t *w, float *out, int threads,
-                                                         const int bits, const int group) {
-    const int64_t n = s->n, tiles = (n + NR - 1) / NR, rb = row_bytes(s);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t j = t * NR;
-        for (int64_t i = 0; i < m; i++) {
-            if (j + NR <= n)
-                rows(a, i, s, w + j * rb, out + i * n + j, NR, bits, group);
-            else
-                for (int64_t jj = j; jj < n; jj++) rows(a, i, s, w + jj * rb, out + i * n + jj, 1, bits, group);
-        }
+/* Weight rows j .. j + NR (fewer at the end) against every activation row. */
+static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m, const shape_t *s, const uint8_t *w,
+                                                       float *out, int64_t j, const int bits, const int group) {
+    const int64_t n = s->n, rb = row_bytes(s);
+    for (int64_t i = 0; i < m; i++) {
+        if (j + NR <= n)
+            rows(a, i, s, w + j * rb, out + i * n + j, NR, bits, group);
+        else
+            for (int64_t jj = j; jj < n; jj++) rows(a, i, s, w + jj * rb, out + i * n + jj, 1, bits, group);
     }
 }
 
 static int check(const shape_t *s) {
     if ((s->bits != 5 && s->bits != 6 && s->bits != 8) || (s->group != 16 && s->group != 32)) return -3;
-    if (s->p < 1 || s->p > 8 || s->k % (QB * s->p) || s->form < F32 || s->form > I8) return -2;
+    if (s->k % QB || s->k <= 0 || s->form < F32 || s->form > I8) return -2;
     return 0;
 }
 
+/* One function and OpenMP region per (bits, group): GCC outlines a region before inlining, so a region in an
+ * inlined helper is one function for all six pairs, with bits and group as run-time values (2x slower). */
+#define SPECIALISE(B, G)                                                                                        \
+    static void matmul_##B##_##G(const act_t *a, int64_t m, const shape_t *s, const uint8_t *w, float *out,  \
+                                 int threads) {                                                                \
+        const int64_t tiles = (s->n + NR - 1) / NR;                                                            \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                    \
+        for (int64_t t = 0; t < tiles; t++) tile(a, m, s, w, out, t * NR, B, G);                               \
+    }
+SPECIALISE(5, 32) SPECIALISE(5, 16) SPECIALISE(6, 32) SPECIALISE(6, 16) SPECIALISE(8, 32) SPECIALISE(8, 16)
+#undef SPECIALISE
+
 /* x [M][K] fp32 times the k-bit weight w ([N] rows of row_bytes) transposed: out [M][N]. */
-int ab_bits_matmul(const float *x, int64_t m, const uint8_t *w, int bits, int group, int form, int off, int p,
-                   int64_t k, int64_t n, float *out, int threads) {
-    const shape_t s = {bits, group, form, off, p, k, n};
+int ab_bits_matmul(const float *x, int64_t m, const uint8_t *w, int bits, int group, int form, int off, int64_t k,
+                   int64_t n, float *out, int threads) {
+    const shape_t s = {bits, group, form, off, k, n};
     int rc = check(&s);
     if (rc) return rc;
     act_t a;
     if (quantize(x, m, &s, &a)) return -1;
-#define CASE(B, G) \
-    if (bits == B && group == G) matmul(&a, m, &s, w, out, threads, B, G);
-    CASE(5, 32) CASE(5, 16) CASE(6, 32) CASE(6, 16) CASE(8, 32) CASE(8, 16)
-#undef CASE
+    void (*const f[3][2])(const act_t *, int64_t, const shape_t *, const uint8_t *, float *, int) = {
+        {matmul_5_16, matmul_5_32}, {matmul_6_16, matmul_6_32}, {matmul_8_16, matmul_8_32}};
+    f[bits == 5 ? 0 : bits == 6 ? 1 : 2][group == 32](&a, m, &s, w, out, threads);
     release(&a);
     return 0;
 }
 
+/* Row bytes of the layout (the Python packer checks its own against this). */
+int64_t ab_bits_row_bytes(int bits, int group, int form, int off, int64_t k) {
+    const shape_t s = {bits, group, form, off, k, 0};
+    return check(&s) ? -1 : row_bytes(&s);
+}
+
 /* Dense fp32 [N][K] of the weight with the reference's roundings (q s + o, or (q - 2^(bits-1)) s; no fused
  * multiply-add), so dequantise + sgemm on the rounded x equals the kernel and GGUF's own dequantisation. */
-__attribute__((optimize("fp-contract=off"))) int ab_bits_dequant(const uint8_t *w, int bits, int group, int form,
-                                                                  int off, int p, int64_t k, int64_t n, float *out,
-                                                                  int threads) {
-    const shape_t s = {bits, group, form, off, p, k, n};
-    int rc = check(&s);
-    if (rc) return rc;
-    const int64_t recs = k / (QB * p), rb = row_bytes(&s), hb = header_bytes(&s), bb = block_bytes(bits);
-    const int per = QB / group;
+static inline __attribute__((always_inline)) void dequant_row(const uint8_t *w, const shape_t *s, float *out,
+                                                              const int bits) {
+    const int64_t recs = nrecords(s), full = record_bytes(s, PB, s->group);
+    const int per = QB / s->group, off = s->off;
     const float base = bits == 8 ? 128.0f : 0.0f, centre = off ? 0.0f : (float)(1 << (bits - 1));
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t j = 0; j < n; j++) {
-        float sc[GM], of[GM];
-        for (int64_t rec = 0; rec < recs; rec++) {
-            const uint8_t *r = w + j * rb + rec * record_bytes(&s);
-            header(r, &s, sc, of, 0);
-            for (int b = 0; b < p; b++) {
-                uint8_t q[QB];
-                _mm256_storeu_si256((__m256i *)q, codes(r + hb + b * bb, bits));
-                float *dst = out + j * k + (rec * p + b) * QB;
-                for (int e = 0; e < QB; e++) {
-                    const int g = b * per + (per == 2 ? e / 16 : 0);
-                    const float v = (bits == 8 ? (float)(int8_t)q[e] + base : (float)q[e]);
-                    dst[e] = off ? v * sc[g] + of[g] : (v - centre) * sc[g];
-                }
+    float sc[GM], of[GM];
+    for (int64_t rec = 0; rec < recs; rec++) {
+        const int p = rec_blocks(s, rec);
+        const uint8_t *h = w + rec * full;
+        header(h, s, p * QB / s->group, sc, of);
+        const uint8_t *body = h + header_bytes(s, p, s->group);
+        const int64_t pairs = plane_bytes(bits, p);
+        for (int b = 0; b < p; b++) {
+            int8_t q[QB];
+            _mm256_storeu_si256((__m256i *)q, codes(body, b, pairs, p, bits));
+            float *dst = out + (rec * PB + b) * QB;
+            for (int e = 0; e < QB; e += 8) {
+                const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + e));
+                __m256 v = _mm256_cvtepi32_ps(bits == 8 ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
+                const int gi = b * per + (per == 2 ? e / 16 : 0);
+                const __m256 sv = _mm256_set1_ps(sc[gi]);
+                if (off)
+                    v = _mm256_add_ps(_mm256_mul_ps(_mm256_add_ps(v, _mm256_set1_ps(base)), sv), _mm256_set1_ps(of[gi]));
+                else
+                    v = _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(centre - base)), sv);
+                _mm256_storeu_ps(dst + e, v);
             }
         }
     }
+}
+
+#define SPECIALISE(B)                                                                                            \
+    __attribute__((optimize("fp-contract=off"))) static void dequant_##B(const uint8_t *w, const shape_t *s,    \
+                                                                         float *out, int threads) {             \
+        const int64_t rb = row_bytes(s);                                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                      \
+        for (int64_t j = 0; j < s->n; j++) dequant_row(w + j * rb, s, out + j * s->k, B);                        \
+    }
+SPECIALISE(5) SPECIALISE(6) SPECIALISE(8)
+#undef SPECIALISE
+
+int ab_bits_dequant(const uint8_t *w, int bits, int group, int form, int off, int64_t k, int64_t n, float *out,
+                    int threads) {
+    const shape_t s = {bits, group, form, off, k, n};
+    int rc = check(&s);
+    if (rc) return rc;
+    (bits == 5 ? dequant_5 : bits == 6 ? dequant_6 : dequant_8)(w, &s, out, threads);
     return 0;
 }

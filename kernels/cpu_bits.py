@@ -3,7 +3,7 @@
 The form is the shared k-bit contract (layers/quant/gguf.py `bits_groups`): codes q in [0, 2^bits) per
 element, per (row, group of 16 or 32 columns) a scale and optionally an offset; w = q * scale + offset, or
 w = (q - 2^(bits-1)) * scale without offsets. `pack_bits_cpu` lays a weight out as one byte stream per row
-(see the C file): records of P blocks of 32 columns, each a header of the record's scales then its blocks
+(see the C file): records of 8 blocks of 32 columns (a row's last may be shorter), each a header of its scales then its codes
 (low nibbles + high bits, or int8 codes). Scales are kept in the smallest form that holds them exactly:
 
 - I8: one fp32 per record and int8 multiples of it (the K-quants: Q5_K's d * sc and dmin * m, Q6_K's
@@ -27,8 +27,7 @@ from agentbox.kernels.cpu_gemv import BLOCK, quantize_activations_ref, round_act
 __all__ = ["BitsCPU", "ScaleForm", "bits_dequant", "bits_dequant_ref", "bits_matmul", "bits_matmul_ref",
            "bits_rows", "pack_bits_cpu", "resident_bytes", "round_activations", "unpack_bits_cpu"]
 
-MAX_BLOCKS = 8  # 32-column blocks per record: 256 columns, a GGUF K-quant super-block
-_BLOCK_BYTES = {5: 20, 6: 24, 8: 32}
+RECORD = 8  # 32-column blocks per record: 256 columns, a GGUF K-quant super-block; a row's last may have fewer
 
 
 class ScaleForm(enum.IntEnum):  # values are cpu_bits.c's
@@ -45,34 +44,30 @@ class BitsCPU:
     k: int
     form: ScaleForm
     has_offset: bool
-    blocks: int  # P: 32-column blocks per record
 
     @property
     def n(self) -> int:
         return self.data.shape[0]
 
-    @property
-    def groups(self) -> int:  # scale groups per record
-        return self.blocks * BLOCK // self.group
+    def records(self) -> list[int]:
+        """Blocks in each record of a row."""
+        nb = self.k // BLOCK
+        return [RECORD] * (nb // RECORD) + ([nb % RECORD] if nb % RECORD else [])
 
-    @property
-    def header_bytes(self) -> int:
-        parts = 1 + self.has_offset
-        each = {ScaleForm.F32: 4 * self.groups, ScaleForm.F16: 2 * self.groups, ScaleForm.I8: 4 + self.groups}
-        return each[self.form] * parts
+    def header_bytes(self, p: int) -> int:
+        g, parts = p * BLOCK // self.group, 1 + self.has_offset
+        return {ScaleForm.F32: 4 * g, ScaleForm.F16: 2 * g, ScaleForm.I8: 4 + g}[self.form] * parts
 
-    @property
-    def record_bytes(self) -> int:
-        return self.header_bytes + self.blocks * _BLOCK_BYTES[self.bits]
+    def body_bytes(self, p: int) -> int:
+        return 32 * p if self.bits == 8 else _plane_bytes(self.bits, p) + 32 * ((p + 1) // 2)
+
+
+def _plane_bytes(bits: int, p: int) -> int:
+    return (32 if p > 4 else 16) if bits == 5 else 32 * ((p + 3) // 4)
 
 
 def resident_bytes(w: BitsCPU) -> int:
     return w.data.numel() * w.data.element_size()
-
-
-def _blocks_per_record(k: int) -> int:
-    nb = k // BLOCK
-    return max(p for p in range(1, MAX_BLOCKS + 1) if nb % p == 0)
 
 
 def _factor(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -95,53 +90,56 @@ def _factor(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return (d, c) if not bool(todo.any()) else None
 
 
-def _header(scale: torch.Tensor, offset: torch.Tensor | None, form: ScaleForm | None, g: int
-            ) -> tuple[ScaleForm, torch.Tensor] | None:
-    """[N, R, header bytes] uint8 in `form` (None: the smallest exact one), or None where `form` is not exact."""
-    n, groups = scale.shape
-    parts = [scale.float().reshape(n, groups // g, g)]
-    if offset is not None:
-        parts.append(offset.float().reshape(n, groups // g, g))
-    if form in (None, ScaleForm.I8):
+def _header(parts: list[torch.Tensor], form: ScaleForm) -> torch.Tensor | None:
+    """Scale (and offset) [N, R, G] fp32 -> [N, R, header bytes] uint8 in `form`, or None where not exact."""
+    if form is ScaleForm.I8:
         factored = [_factor(p) for p in parts]
-        if all(f is not None for f in factored):
-            ds = [f[0].unsqueeze(-1).contiguous().view(torch.uint8) for f in factored]
-            cs = [f[1].view(torch.uint8) for f in factored]
-            return ScaleForm.I8, torch.cat([*ds, *cs], dim=-1)
-        if form is ScaleForm.I8:
+        if any(f is None for f in factored):
             return None
-    if form in (None, ScaleForm.F16):
+        ds = [f[0].unsqueeze(-1).contiguous().view(torch.uint8) for f in factored]
+        return torch.cat([*ds, *(f[1].view(torch.uint8) for f in factored)], dim=-1)
+    if form is ScaleForm.F16:
         halves = [p.half() for p in parts]
-        if all(torch.equal(h.float(), p) for h, p in zip(halves, parts, strict=True)):
-            return ScaleForm.F16, torch.cat([h.contiguous().view(torch.uint8) for h in halves], dim=-1)
-        if form is ScaleForm.F16:
+        if not all(torch.equal(h.float(), p) for h, p in zip(halves, parts, strict=True)):
             return None
-    return ScaleForm.F32, torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=-1)
+        return torch.cat([h.contiguous().view(torch.uint8) for h in halves], dim=-1)
+    return torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=-1)
 
 
-def _pack_blocks(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [N, K] -> [N, K/32, block bytes] uint8 (the C file's block layouts)."""
-    n, k = q.shape
-    b = q.to(torch.uint8).reshape(n, k // BLOCK, BLOCK)
+def _body(b: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [N, R, p, 32] uint8 -> [N, R, body bytes] (the C file's record bodies)."""
+    n, r, p, _ = b.shape
     if bits == 8:
-        return (b.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
-    low = b[..., :16] & 15 | (b[..., 16:] & 15) << 4
-    high = (b >> 4).reshape(n, k // BLOCK, 4, 8)  # [.., e // 8, e % 8]
-    if bits == 5:  # element e at bit e: byte e // 8, bit e % 8
-        shifts = torch.arange(8, dtype=torch.uint8)
-        hb = (high << shifts).sum(-1, dtype=torch.uint8)
-    else:  # element e in byte e % 8 at bit 2 (e // 8)
-        shifts = (2 * torch.arange(4, dtype=torch.uint8)).unsqueeze(-1)
-        hb = (high << shifts).sum(-2, dtype=torch.uint8)
-    return torch.cat([low, hb], dim=-1)
+        return (b.to(torch.int16) - 128).to(torch.int8).view(torch.uint8).reshape(n, r, -1)
+    nib = b & 15
+    if p % 2:
+        nib = torch.cat([nib, torch.zeros_like(nib[:, :, :1])], dim=2)
+    pairs = (nib[:, :, 0::2] | nib[:, :, 1::2] << 4).reshape(n, r, -1)
+    high = b >> 4
+    if bits == 5:  # byte e: bit j = block j's high bit
+        planes = (high << torch.arange(p, dtype=torch.uint8).view(p, 1)).sum(2, dtype=torch.uint8)
+        if p <= 4:  # a short record's plane in 16 bytes: element j + 16's bits in byte j's high nibble
+            planes = planes[..., :16] | planes[..., 16:] << 4
+    else:  # a plane per four blocks, byte e: bits 2j, 2j + 1 = block 4i + j
+        quads = -(-p // 4) * 4
+        high = torch.cat([high, torch.zeros_like(high[:, :, : quads - p])], dim=2).reshape(n, r, -1, 4, BLOCK)
+        planes = (high << (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)).sum(3, dtype=torch.uint8)
+    return torch.cat([planes.reshape(n, r, -1), pairs], dim=-1)
+
+
+def _chunks(k: int) -> list[tuple[int, int, int]]:
+    """(first block, records, blocks each) of a row: full records, then the last shorter one."""
+    nb = k // BLOCK
+    out = [(0, nb // RECORD, RECORD)] if nb >= RECORD else []
+    return out + ([(nb // RECORD * RECORD, 1, nb % RECORD)] if nb % RECORD else [])
 
 
 def pack_bits_cpu(codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: torch.Tensor | None,
                   form: ScaleForm | None = None) -> BitsCPU:
     """Codes [N, K] uint8 in [0, 2^bits), scale (and offset) [N, K / group] -> the CPU form. `form` None picks
-    the smallest exact scale form; a named form that is not exact raises ValueError."""
+    the smallest exact scale form (I8, then F16, then F32); a named form that is not exact raises ValueError."""
     n, k = codes.shape
-    if bits not in _BLOCK_BYTES:
+    if bits not in (5, 6, 8):
         raise ValueError(f"bits must be 5, 6 or 8, got {bits}")
     group = k // scale.shape[1] if scale.shape[1] else 0
     if group not in (16, 32) or k % BLOCK or group * scale.shape[1] != k:
@@ -150,50 +148,70 @@ def pack_bits_cpu(codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: t
         raise ValueError(f"offset shape {tuple(offset.shape)} differs from scale's {tuple(scale.shape)}")
     if int(codes.max()) >= 1 << bits:
         raise ValueError(f"codes exceed {bits} bits")
-    p = _blocks_per_record(k)
-    made = _header(scale, offset, form, p * BLOCK // group)
-    if made is None:
-        raise ValueError(f"the scales (or offsets) are not exact in {form.name}")
-    form, head = made
-    blocks = _pack_blocks(codes, bits).reshape(n, k // (BLOCK * p), -1)
-    data = torch.cat([head, blocks], dim=-1).reshape(n, -1).contiguous()
-    return BitsCPU(data, bits, group, k, form, offset is not None, p)
+    per = BLOCK // group  # groups per block
+    q = codes.to(torch.uint8).reshape(n, -1, BLOCK)
+    tables = [t.float() for t in (scale, offset) if t is not None]
+    for candidate in [form] if form is not None else list(reversed(ScaleForm)):
+        heads = []
+        for first, recs, p in _chunks(k):
+            span = slice(first * per, (first + recs * p) * per)
+            heads.append(_header([t[:, span].reshape(n, recs, p * per) for t in tables], candidate))
+        if all(h is not None for h in heads):
+            break
+    else:
+        raise ValueError(f"the scales (or offsets) are not exact in {form.name if form else 'any form'}")
+    rows = []
+    for head, (first, recs, p) in zip(heads, _chunks(k), strict=True):
+        body = _body(q[:, first:first + recs * p].reshape(n, recs, p, BLOCK), bits)
+        rows.append(torch.cat([head, body], dim=-1).reshape(n, -1))
+    w = BitsCPU(torch.cat(rows, dim=1).contiguous(), bits, group, k, candidate, offset is not None)
+    expect = cpu_gemv._lib().ab_bits_row_bytes(bits, group, int(candidate), int(offset is not None), k)
+    if w.data.shape[1] != expect:  # the two sides of the layout disagree: a bug here, not bad input
+        raise RuntimeError(f"packed {w.data.shape[1]} bytes a row, cpu_bits.c reads {expect}")
+    return w
 
 
 def unpack_bits_cpu(w: BitsCPU) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The twin of pack_bits_cpu: (codes [N, K] uint8, scale [N, K/g] fp32, offset [N, K/g] fp32 | None)."""
-    n, g, parts = w.n, w.groups, 1 + w.has_offset
-    rec = w.data.reshape(n, -1, w.record_bytes)
-    head, body = rec[..., :w.header_bytes], rec[..., w.header_bytes:].reshape(n, -1, _BLOCK_BYTES[w.bits])
-    if w.form is ScaleForm.I8:
-        d = head[..., :4 * parts].contiguous().view(torch.float32)  # [N, R, parts]
-        c = head[..., 4 * parts:].contiguous().view(torch.int8).reshape(n, -1, parts, g).float()
-        vals = d.unsqueeze(-1) * c
-    else:
-        dtype = torch.float32 if w.form is ScaleForm.F32 else torch.float16
-        vals = head.contiguous().view(dtype).reshape(n, -1, parts, g).float()
-    scale = vals[..., 0, :].reshape(n, -1)
-    offset = vals[..., 1, :].reshape(n, -1) if w.has_offset else None
-    if w.bits == 8:
-        q = (body.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-    else:
-        low = torch.cat([body[..., :16] & 15, body[..., :16] >> 4], dim=-1)
-        hb = body[..., 16:]
-        if w.bits == 5:
-            bit = torch.arange(32)
-            high = (hb[..., bit // 8] >> (bit % 8).to(torch.uint8)) & 1
+    n, parts, per = w.n, 1 + w.has_offset, BLOCK // w.group
+    at, codes, tables = 0, [], []
+    for _, recs, p in _chunks(w.k):
+        hb, bb, g = w.header_bytes(p), w.body_bytes(p), p * per
+        rec = w.data[:, at:at + recs * (hb + bb)].reshape(n, recs, hb + bb)
+        at += recs * (hb + bb)
+        head, body = rec[..., :hb], rec[..., hb:]
+        if w.form is ScaleForm.I8:
+            d = head[..., :4 * parts].contiguous().view(torch.float32)  # [N, R, parts]
+            c = head[..., 4 * parts:].contiguous().view(torch.int8).reshape(n, recs, parts, g).float()
+            vals = d.unsqueeze(-1) * c
         else:
-            e = torch.arange(32)
-            high = (hb[..., e % 8] >> (2 * (e // 8)).to(torch.uint8)) & 3
-        q = low | high << 4
-    return q.reshape(n, w.k), scale, offset
+            dtype = torch.float32 if w.form is ScaleForm.F32 else torch.float16
+            vals = head.contiguous().view(dtype).reshape(n, recs, parts, g).float()
+        tables.append(vals.transpose(1, 2).reshape(n, parts, -1))
+        if w.bits == 8:
+            q = (body.view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(n, recs, p, BLOCK)
+        else:
+            pb = _plane_bytes(w.bits, p)
+            pairs = body[..., pb:].reshape(n, recs, -1, BLOCK)
+            low = torch.stack([pairs & 15, pairs >> 4], dim=3).reshape(n, recs, -1, BLOCK)[:, :, :p]
+            planes, j = body[..., :pb], torch.arange(p)
+            if w.bits == 5:
+                plane = planes if p > 4 else torch.cat([planes & 15, planes >> 4], dim=-1)
+                high = (plane.unsqueeze(2) >> j.to(torch.uint8).view(p, 1)) & 1
+            else:
+                planes = planes.reshape(n, recs, -1, BLOCK)
+                high = (planes[:, :, j // 4] >> (2 * (j % 4)).to(torch.uint8).view(p, 1)) & 3
+            q = low | high << 4
+        codes.append(q.reshape(n, -1))
+    table = torch.cat(tables, dim=2)
+    return torch.cat(codes, dim=1), table[:, 0], table[:, 1] if w.has_offset else None
 
 
 # ---- kernels -------------------------------------------------------------------------------------------
 
 
 def _args(w: BitsCPU) -> tuple[int, ...]:
-    return w.bits, w.group, int(w.form), int(w.has_offset), w.blocks, w.k, w.n
+    return w.bits, w.group, int(w.form), int(w.has_offset), w.k, w.n
 
 
 def _check(rc: int, what: str) -> None:
@@ -225,7 +243,7 @@ def bits_rows(w: BitsCPU, rows: torch.Tensor) -> torch.Tensor:
     """Dense fp32 rows of the weight (an embedding lookup): a row is its own stream, so this dequantises just
     the rows asked for."""
     idx = rows.reshape(-1).to(torch.int64)
-    picked = BitsCPU(w.data[idx].contiguous(), w.bits, w.group, w.k, w.form, w.has_offset, w.blocks)
+    picked = BitsCPU(w.data[idx].contiguous(), w.bits, w.group, w.k, w.form, w.has_offset)
     return bits_dequant(picked).reshape(*rows.shape, w.k)
 
 
