@@ -200,14 +200,28 @@ static inline __attribute__((always_inline)) void record(const act_t *a, int64_t
     const __m256i ones = _mm256_set1_epi16(1);
     const float *gs = a->gs + (m * nrecords(s) + rec) * GM;
     float sc[NR][GM], of[NR][GM];
-    for (int r = 0; r < nr; r++) {
+    /* A short record's scales are written one by one: reading them back as a vector would wait on a failed
+     * store-to-load forward (a sixth of the time at K = 576), so it reads them one by one too. */
+    const int vec = g % 8 == 0;
+#pragma GCC unroll 4
+    for (int r = 0; r < nr; r++) { /* unrolled, so the accumulators stay in registers */
         header(h[r], s, g, sc[r], of[r]);
-        if (!sym8)
+        if (sym8) continue;
+        if (vec)
             for (int c = 0; c < g; c += 8) {
                 const __m256 x = _mm256_loadu_ps(gs + c);
                 sacc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(sc[r] + c), x, sacc[r]);
                 if (s->off) oacc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(of[r] + c), x, oacc[r]);
             }
+        else {
+            float ss = 0.0f, os = 0.0f;
+            for (int c = 0; c < g; c++) {
+                ss += sc[r][c] * gs[c];
+                if (s->off) os += of[r][c] * gs[c];
+            }
+            sacc[r] = _mm256_add_ps(sacc[r], _mm256_castps128_ps256(_mm_set_ss(ss)));
+            if (s->off) oacc[r] = _mm256_add_ps(oacc[r], _mm256_castps128_ps256(_mm_set_ss(os)));
+        }
     }
     const int8_t *xq = a->q + (m * nb + rec * PB) * QB;
     const float *xd = a->d + m * nb + rec * PB;
@@ -223,7 +237,8 @@ static inline __attribute__((always_inline)) void record(const act_t *a, int64_t
             else
                 prod = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
             const __m256 sv = group == 32 ? _mm256_broadcast_ss(sc[r] + b)
-                                          : _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[r] + 8 * (b / 4)), half[b % 4]);
+                              : vec ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[r] + 8 * (b / 4)), half[b % 4])
+                                    : _mm256_set_m128(_mm_broadcast_ss(sc[r] + 2 * b + 1), _mm_broadcast_ss(sc[r] + 2 * b));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_mul_ps(sv, d), acc[r]);
         }
     }
