@@ -9,6 +9,11 @@ per tile ([BLOCK_N] at group k0 // K_GROUP), so BLOCK_K must divide the K group 
 for every format here). FP8 is decoded from its bytes in arithmetic (`FP8`: any GPU, Ampere has no fp8
 type in Triton) or by a bitcast to Triton's fp8e4nv (`FP8_NATIVE`: sm_89+, hardware conversion); both
 run under the interpreter of Triton 3.9, which also loads fp8 tensors directly.
+
+`load_bits_tile` is its sibling for the k-bit form of kernels/dequant.py (bits 5, 6, 8: GGUF Q5_0 / Q5_1 /
+Q8_0 / Q5_K / Q6_K): the low nibbles from `qweight` as INT4 reads them, the high bits from `qhigh`, and a
+scale (plus an offset, or the symmetric 2^(bits-1) shift) per group of K_GROUP rows. BLOCK_K must divide
+K_GROUP (16 divides both GGUF groups; Q6_K's is 16).
 """
 
 from __future__ import annotations
@@ -112,4 +117,27 @@ if HAS_TRITON:
                 b = tl.load(w_ptr + (rk // 2)[:, None] * swk + rn[None, :] * swn, mask=mask, other=0)
                 c = (b.to(tl.int32) >> ((rk % 2) * 4)[:, None]) & 0xF
                 w = e2m1_to_f32(c) * tl.exp2(s - 127.0)[None, :]
+        return w
+
+    @triton.jit
+    def load_bits_tile(
+        q_ptr, h_ptr, s_ptr, o_ptr, k0, rk, rn, kmask, nmask,
+        sqk, sqn, shk, shn, ssk, ssn, sok, son, K_GROUP,
+        BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    ):
+        """W^T[rk, rn] ([BLOCK_K, BLOCK_N]) in fp32 from the k-bit form; the pointers already point at this
+        matrix (or expert); `o_ptr` is not read without an offset (pass any pointer)."""
+        HIGH: tl.constexpr = BITS - 4
+        PER: tl.constexpr = 32 // HIGH  # rows of K per word of qhigh
+        mask = kmask[:, None] & nmask[None, :]
+        lo = tl.load(q_ptr + (rk // 8)[:, None] * sqk + rn[None, :] * sqn, mask=mask, other=0)
+        hi = tl.load(h_ptr + (rk // PER)[:, None] * shk + rn[None, :] * shn, mask=mask, other=0)
+        # int32 shifts are arithmetic: the masks drop the sign bits a word's top row brings down.
+        q = ((lo >> ((rk % 8) * 4)[:, None]) & 0xF) | (((hi >> ((rk % PER) * HIGH)[:, None]) & ((1 << HIGH) - 1)) << 4)
+        s = tl.load(s_ptr + (k0 // K_GROUP) * ssk + rn * ssn, mask=nmask, other=0).to(tl.float32)
+        if HAS_OFFSET:
+            o = tl.load(o_ptr + (k0 // K_GROUP) * sok + rn * son, mask=nmask, other=0).to(tl.float32)
+            w = q.to(tl.float32) * s[None, :] + o[None, :]
+        else:
+            w = (q - (1 << (BITS - 1))).to(tl.float32) * s[None, :]
         return w

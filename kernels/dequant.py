@@ -7,6 +7,11 @@ flag is read at decoration). Each function takes any leading dims (experts) and 
 - FP8 block: `weight` e4m3 [..., N, K], `scale_inv` [..., ceil(N/bo), ceil(K/bi)] float32. -> [..., N, K]
 - MXFP4 (OCP microscaling, gpt-oss): `blocks` uint8 [..., N, K/32, 16] (two FP4 E2M1 codes a byte, low
   nibble first), `scales` uint8 [..., N, K/32] (a power-of-two exponent biased by 127). -> [..., N, K]
+- k-bit (bits 5, 6, 8; GGUF Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K): codes q in [0, 2^bits), the low 4 bits as
+  int4's `qweight` [..., K/8, N] and the high (bits - 4) bits in `qhigh` [..., K (bits-4) / 32, N] int32,
+  32 / (bits - 4) consecutive rows of K per word, row k at bit (bits - 4) (k % (32 / (bits - 4))); `scale`
+  and optional `offset` [..., K/group, N]: w = q * scale + offset, or (q - 2^(bits-1)) * scale without an
+  offset (the symmetric types, computed so in fp32 exactly as gguf does). -> [..., K, N]
 """
 
 from __future__ import annotations
@@ -38,3 +43,55 @@ def dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
     values = values.flatten(-2)  # [..., G, 32]: the low nibble is the even element
     exponent = scales.to(torch.int32) - 127
     return torch.ldexp(values, exponent.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+BITS = (5, 6, 8)  # the k-bit form's widths (4-bit weights take the int4 form)
+
+
+def _pack_rows(v: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., K, N] values below 2^width -> [..., K width / 32, N] int32, 32 / width rows per word, row k at bit
+    width (k % (32 / width)) (bit 31 wraps to the sign: unpacking masks after the arithmetic shift)."""
+    per = 32 // width
+    k, n = v.shape[-2:]
+    if k % per:
+        raise ValueError(f"pack: K={k} is not a multiple of {per} rows per int32 word")
+    v = v.to(torch.int32).reshape(*v.shape[:-2], k // per, per, n)
+    out = torch.zeros(*v.shape[:-2], n, dtype=torch.int32, device=v.device)
+    for i in range(per):
+        out |= v[..., i, :] << (width * i)
+    return out
+
+
+def _unpack_rows(packed: torch.Tensor, width: int) -> torch.Tensor:
+    per = 32 // width
+    shifts = torch.arange(0, 32, width, dtype=torch.int32, device=packed.device)
+    v = (packed.unsqueeze(-2) >> shifts.view(per, 1)) & ((1 << width) - 1)  # [..., K/per, per, N]
+    return v.flatten(-3, -2)
+
+
+def pack_bits(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., K, N] uint8 codes below 2^bits -> (qweight [..., K/8, N], qhigh [..., K (bits-4)/32, N]) int32."""
+    if bits not in BITS:
+        raise ValueError(f"k-bit form: bits must be one of {BITS}, not {bits}")
+    q = q.to(torch.int32)
+    return _pack_rows(q & 0xF, 4), _pack_rows(q >> 4, bits - 4)
+
+
+def unpack_bits(qweight: torch.Tensor, qhigh: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_bits: [..., K, N] int32 codes."""
+    return _unpack_rows(qweight, 4) | (_unpack_rows(qhigh, bits - 4) << 4)
+
+
+def dequant_bits(
+    qweight: torch.Tensor,
+    qhigh: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor | None,
+    group: int,
+    bits: int,
+) -> torch.Tensor:
+    q = unpack_bits(qweight, qhigh, bits)
+    s = scale.float().repeat_interleave(group, -2)
+    if offset is None:
+        return (q - (1 << (bits - 1))).float() * s
+    return q.float() * s + offset.float().repeat_interleave(group, -2)

@@ -94,6 +94,91 @@ def int4_groups(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     )
 
 
+BITS_TYPES = frozenset({Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q5_K, Q.Q6_K})
+
+
+@dataclass(frozen=True)
+class BitsGroups:
+    """A GGUF tensor as k-bit codes (kernels/dequant.py's k-bit form, before packing): `codes` [N, K] uint8
+    below 2^bits, `scale` [N, K/g] fp32, and `offset` [N, K/g] fp32 (w = q * scale + offset) or None for the
+    symmetric types (w = (q - 2^(bits-1)) * scale). Both are fp32 products in the order gguf computes them, so
+    the weights are exactly gguf's."""
+
+    codes: torch.Tensor
+    bits: int
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[1] // self.scale.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        q = self.codes.reshape(n, k // self.group, self.group).float()
+        if self.offset is None:
+            return ((q - (1 << (self.bits - 1))) * self.scale.unsqueeze(-1)).reshape(n, k)
+        return (q * self.scale.unsqueeze(-1) + self.offset.unsqueeze(-1)).reshape(n, k)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)[..., 0]
+
+
+def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
+    """[..., 4] bytes of a little-endian uint32 -> [..., count] of its low bits, bit j for element j."""
+    words = qh.copy().view(np.uint32)  # [..., 1]
+    return ((words >> np.arange(count, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def bits_groups(b: GGUFBlocks) -> BitsGroups:
+    """Q5_0 / Q5_1 / Q8_0 (groups of 32), Q5_K (8 groups of 32 per 256), Q6_K (16 groups of 16 per 256)."""
+    n, k = b.shape
+    bs, ts = b.block
+    raw = np.ascontiguousarray(b.data).reshape(n, k // bs, ts)
+    offset: np.ndarray | None = None
+    if b.qtype in (Q.Q5_0, Q.Q5_1):
+        d = _f16(raw[..., 0:2])
+        start = 2 if b.qtype is Q.Q5_0 else 4
+        if b.qtype is Q.Q5_1:
+            offset = _f16(raw[..., 2:4])
+        q = _nibbles(raw[..., start + 4 :]) | (_high_bits(raw[..., start : start + 4], 32) << 4)
+        bits, scale = 5, d
+    elif b.qtype is Q.Q8_0:
+        d = _f16(raw[..., 0:2])
+        q = (raw[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        bits, scale = 8, d
+    elif b.qtype is Q.Q5_K:
+        d = raw[..., 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = raw[..., 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = gguf.quants.Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12))
+        scale = d * sc.reshape(n, k // bs, 8).astype(np.float32)
+        offset = -(dmin * mn.reshape(n, k // bs, 8).astype(np.float32))
+        qh = raw[..., 16:48]  # bit j of byte l: element l of sub-block j
+        qs = raw[..., 48:].reshape(n, k // bs, 4, 1, 32)  # chunks of 32 bytes: sub-blocks 2j (low), 2j+1 (high)
+        low = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F).reshape(n, k // bs, 8, 32)
+        high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+        bits, q = 5, low | (high << 4)
+    elif b.qtype is Q.Q6_K:
+        ql, qh = raw[..., :128], raw[..., 128:192]
+        sc = raw[..., 192:208].copy().view(np.int8).astype(np.float32)
+        scale = raw[..., 208:210].copy().view(np.float16).astype(np.float32) * sc  # [n, blocks, 16]
+        # Halves of 128 elements: ql's 64 bytes give rows 0-31 / 32-63 (low nibbles) and 64-95 / 96-127 (high),
+        # qh's 32 bytes give the 2 high bits of the four rows of 32 at shifts 0, 2, 4, 6.
+        low = (ql.reshape(n, k // bs, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F
+        high = (qh.reshape(n, k // bs, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03
+        bits, q = 6, low.reshape(n, k // bs, 8, 32) | (high.reshape(n, k // bs, 8, 32) << 4)
+    else:
+        raise ValueError(f"GGUF {b.qtype.name} does not map onto k-bit groups")
+    groups = scale.size // n
+    return BitsGroups(
+        torch.from_numpy(np.ascontiguousarray(q, dtype=np.uint8).reshape(n, k)),
+        bits,
+        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(n, groups)),
+        None if offset is None else torch.from_numpy(np.ascontiguousarray(offset, dtype=np.float32).reshape(n, groups)),
+    )
+
+
 @register
 class GGUFLinearMethod(LinearMethod):
     kind = QuantMethod.GGUF
