@@ -1,5 +1,5 @@
 """The AVX2 k-bit kernels (kernels/cpu_bits.c) against their torch twins, and GGUF's Q5_0 / Q5_1 / Q8_0 /
-Q5_K / Q6_K blocks through the CPU form: exact, and resident near the file's bytes."""
+Q5_K / Q6_K blocks through `bits_groups` and the CPU form: exact, and resident near the file's bytes."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from agentbox.kernels import cpu_bits as cb
 from agentbox.kernels import cpu_gemv as cg
 from gguf import GGMLQuantizationType as T
+
+from agentbox.layers.quant.gguf import GGUFBlocks, bits_groups
 
 pytestmark = pytest.mark.skipif(not cg.available(), reason=f"CPU kernels unavailable: {cg.unavailable_reason()}")
 FORMS = list(cb.ScaleForm)
@@ -93,57 +95,14 @@ def test_bad_input_is_named() -> None:
         cb.bits_matmul(torch.zeros(1, 32), cb.pack_bits_cpu(codes, 5, scale, None))
 
 
-# ---- GGUF blocks -----------------------------------------------------------------------------------------
-# A converter that reads no bit layout: GGUF's own dequantize on blocks whose scale fields are set to 1 gives
-# the codes, and on blocks whose codes are set to a known value gives the scales and offsets.
+# ---- GGUF blocks, through the production converter (layers/quant/gguf.py bits_groups) --------------------
 
 BITS = {T.Q5_0: 5, T.Q5_1: 5, T.Q8_0: 8, T.Q5_K: 5, T.Q6_K: 6}
-GROUP = {T.Q6_K: 16}
-
-
-def _fields(t: T) -> dict[str, slice]:
-    """Byte ranges of a block's fields: d (fp16), m (Q5_1's fp16 m, Q5_K's dmin), sc (sub-scales), qh, qs."""
-    return {
-        T.Q5_0: {"d": slice(0, 2), "qh": slice(2, 6), "qs": slice(6, 22)},
-        T.Q5_1: {"d": slice(0, 2), "m": slice(2, 4), "qh": slice(4, 8), "qs": slice(8, 24)},
-        T.Q8_0: {"d": slice(0, 2), "qs": slice(2, 34)},
-        T.Q5_K: {"d": slice(0, 2), "m": slice(2, 4), "sc": slice(4, 16), "qh": slice(16, 48), "qs": slice(48, 176)},
-        T.Q6_K: {"qs": slice(0, 128), "qh": slice(128, 192), "sc": slice(192, 208), "d": slice(208, 210)},
-    }[t]
+D_AT = {T.Q5_K: (slice(0, 2), slice(2, 4)), T.Q6_K: (slice(208, 210),)}  # fp16 d (and dmin) bytes of a block
 
 
 def _dequant(blocks: np.ndarray, t: T) -> np.ndarray:
-    return gguf.quants.dequantize(blocks, t).reshape(blocks.shape[0], -1)
-
-
-def _convert(blocks: np.ndarray, t: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """GGUF blocks [R, type bytes] (one row per block) -> (codes [R, 32 or 256], scale, offset | None)."""
-    f, bits, group = _fields(t), BITS[t], GROUP.get(t, 32)
-    centre = 0 if "m" in f else 1 << (bits - 1)
-    unit = blocks.copy()
-    unit[:, f["d"]] = np.array([1.0], dtype=np.float16).view(np.uint8)
-    if "m" in f:
-        unit[:, f["m"]] = 0
-    if t is T.Q5_K:  # six-bit sub-scales 1, mins 0
-        unit[:, f["sc"]] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], dtype=np.uint8)
-    elif t is T.Q6_K:
-        unit[:, f["sc"]] = 1
-    codes = np.rint(_dequant(unit, t)) + centre
-    one = blocks.copy()  # every code centre + 1 (q - centre = 1), offsets zero: the values are the scales
-    if t is T.Q8_0:
-        one[:, f["qs"]] = 1
-    else:
-        one[:, f["qs"]] = 0x11  # low nibbles 1
-        one[:, f["qh"]] = {0: 0, 16: 0xFF, 32: 0xAA}[centre]  # high bits of centre: 5-bit bit 4, 6-bit bits 5
-    if "m" in f:
-        one[:, f["m"]] = 0
-    scale = _dequant(one, t)[:, ::group]
-    offset = None
-    if "m" in f:
-        zero = blocks.copy()
-        zero[:, f["qs"]], zero[:, f["qh"]] = 0, 0
-        offset = torch.from_numpy(_dequant(zero, t)[:, ::group].copy())
-    return torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(scale.copy()), offset
+    return gguf.quants.dequantize(blocks.reshape(-1, gguf.GGML_QUANT_SIZES[t][1]), t)
 
 
 def _blocks(t: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -152,29 +111,25 @@ def _blocks(t: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     if t in (T.Q5_0, T.Q5_1, T.Q8_0):
         return gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), t).reshape(n, -1)
     raw = rng.integers(0, 256, (n * k // size, nbytes), dtype=np.uint8)
-    f = _fields(t)
-    raw[:, f["d"]] = (rng.random((raw.shape[0], 1)) / 100).astype(np.float16).view(np.uint8)
-    if t is T.Q5_K:
-        raw[:, f["m"]] = (rng.random((raw.shape[0], 1)) / 100).astype(np.float16).view(np.uint8)
+    for at in D_AT[t]:
+        raw[:, at] = (rng.random((raw.shape[0], 1)) / 100).astype(np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 
 
-def _rows(blocks: np.ndarray, t: T) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    n = blocks.shape[0]
-    per = blocks.reshape(-1, gguf.GGML_QUANT_SIZES[t][1])
-    codes, scale, offset = _convert(per, t)
-    return codes.reshape(n, -1), scale.reshape(n, -1), None if offset is None else offset.reshape(n, -1)
+def _cpu(blocks: np.ndarray, t: T, k: int) -> cb.BitsCPU:
+    g = bits_groups(GGUFBlocks(t, (blocks.shape[0], k), blocks))
+    assert g.bits == BITS[t]
+    return cb.pack_bits_cpu(g.codes, g.bits, g.scale, g.offset)
 
 
 @pytest.mark.parametrize("t", list(BITS), ids=[t.name for t in BITS])
 def test_gguf_blocks_stay_quantised_and_exact(t: T) -> None:
     n, k = 9, 512
     blocks = _blocks(t, n, k, np.random.default_rng(int(t)))
-    codes, scale, offset = _rows(blocks, t)
-    w = cb.pack_bits_cpu(codes, BITS[t], scale, offset)
+    w = _cpu(blocks, t, k)
     assert w.form is (cb.ScaleForm.I8 if t in (T.Q5_K, T.Q6_K) else cb.ScaleForm.F16)
     size, nbytes = gguf.GGML_QUANT_SIZES[t]
-    expect = torch.from_numpy(_dequant(blocks.reshape(-1, nbytes), t))
+    expect = torch.from_numpy(_dequant(blocks, t))
     assert torch.equal(cb.bits_dequant(w), expect.reshape(n, k))
     assert cb.resident_bytes(w) / (n * k) <= 1.10 * nbytes / size  # within 10 % of the file's bytes
     x = torch.randn(2, k)
@@ -186,7 +141,6 @@ def test_smollm2_q8_0_embedding_rows(smollm2_path: Path) -> None:
     tensor = next(t for t in gguf.GGUFReader(smollm2_path).tensors if t.name == "token_embd.weight")
     assert tensor.tensor_type == T.Q8_0
     blocks = np.asarray(tensor.data[:64])  # [rows, K / 32 * 34] bytes: 64 real rows of the file
-    codes, scale, offset = _rows(blocks, T.Q8_0)
-    w = cb.pack_bits_cpu(codes, 8, scale, offset)
+    w = _cpu(blocks, T.Q8_0, 576)
     assert w.form is cb.ScaleForm.F16 and cb.resident_bytes(w) == blocks.size  # Q8_0's own 8.5 bits
-    assert torch.equal(cb.bits_dequant(w), torch.from_numpy(_dequant(blocks.reshape(-1, 34), T.Q8_0)).reshape(64, -1))
+    assert torch.equal(cb.bits_dequant(w), torch.from_numpy(_dequant(blocks, T.Q8_0)).reshape(64, -1))
