@@ -246,8 +246,9 @@ static inline __attribute__((always_inline)) void record(const act_t *a, int64_t
 
 /* One activation row against nr consecutive weight rows (independent FMA chains, x loaded once for all). */
 static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m, const shape_t *s,
-                                                       const uint8_t *w, float *out, const int nr,
+                                                       const uint8_t *w, float *out, int valid,
                                                        const int bits, const int group) {
+    const int nr = NR; /* past the last row (N % 4), the last row again: one code path, results dropped */
     const int64_t nb = s->k / QB, rb = row_bytes(s), full = record_bytes(s, PB, group), tail = nb % PB;
     __m256 acc[NR], oacc[NR], sacc[NR];
     for (int r = 0; r < nr; r++) acc[r] = oacc[r] = sacc[r] = _mm256_setzero_ps();
@@ -258,35 +259,31 @@ static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m
     const int64_t slice = (NR * rb / (nb / PB + 1) + 63) / 64 * 64;
     int64_t rec = 0;
     for (; rec < nb / PB; rec++) { /* full records: p and g constants, the block loop unrolled */
-        if (m == 0 && nr == NR)
+        if (m == 0)
             for (int64_t o = rec * slice; o < (rec + 1) * slice; o += 64) _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
-        for (int r = 0; r < nr; r++) h[r] = w + r * rb + rec * full;
+        for (int r = 0; r < nr; r++) h[r] = w + (r < valid ? r : valid - 1) * rb + rec * full;
         record(a, m, s, h, rec, PB, PB * QB / group, acc, oacc, sacc, nr, bits, group);
     }
-    if (m == 0 && nr == NR)
+    if (m == 0)
         for (int64_t o = rec * slice; o < NR * rb; o += 64) _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
-    for (int r = 0; r < nr; r++) h[r] = w + r * rb + rec * full;
-    switch (tail) { /* the last, shorter record (K 576 = 2 x 8 + 2 blocks): its own constants too */
+    for (int r = 0; r < nr; r++) h[r] = w + (r < valid ? r : valid - 1) * rb + rec * full;
+    switch (tail) { /* the last, shorter record: K 576 = 2 x 8 + 2 blocks; 896, 1408 end in 4, 960 in 6 */
 #define TAIL(P) \
     case P: record(a, m, s, h, rec, P, P * QB / group, acc, oacc, sacc, nr, bits, group); break;
-        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7)
+        TAIL(2) TAIL(4) TAIL(6)
 #undef TAIL
-        default: break;
+        case 0: break;
+        default: record(a, m, s, h, rec, (int)tail, (int)tail * QB / group, acc, oacc, sacc, nr, bits, group);
     }
     const __m256 k0 = _mm256_set1_ps((bits == 8 ? 128.0f : 0.0f) - (s->off ? 0.0f : (float)(1 << (bits - 1))));
-    for (int r = 0; r < nr; r++) out[r] = hsum(_mm256_fmadd_ps(k0, sacc[r], _mm256_add_ps(acc[r], oacc[r])));
+    for (int r = 0; r < valid; r++) out[r] = hsum(_mm256_fmadd_ps(k0, sacc[r], _mm256_add_ps(acc[r], oacc[r])));
 }
 
 /* Weight rows j .. j + NR (fewer at the end) against every activation row. */
 static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m, const shape_t *s, const uint8_t *w,
                                                        float *out, int64_t j, const int bits, const int group) {
     const int64_t n = s->n, rb = row_bytes(s);
-    for (int64_t i = 0; i < m; i++) {
-        if (j + NR <= n)
-            rows(a, i, s, w + j * rb, out + i * n + j, NR, bits, group);
-        else
-            for (int64_t jj = j; jj < n; jj++) rows(a, i, s, w + jj * rb, out + i * n + jj, 1, bits, group);
-    }
+    for (int64_t i = 0; i < m; i++) rows(a, i, s, w + j * rb, out + i * n + j, n - j < NR ? (int)(n - j) : NR, bits, group);
 }
 
 static int check(const shape_t *s) {
