@@ -16,10 +16,11 @@
  *        6-bit: a 32-byte plane per 4 blocks (byte e: bits 2j, 2j + 1 = block 4i + j's element e), nibbles
  *        nibbles: 32 bytes per pair of blocks, byte e = block 2i's element e | block 2i + 1's << 4
  *   so a block's codes are one load, AND (and shift) for the nibbles and one shift, AND, OR for the high
- *   bits: 4 bits of shift and mask work spread over 8 blocks, where per-block bit fields cost twice that.
- *   Q5_0 / Q5_1 / Q8_0 take exactly their file's bytes; Q5_K 5.75 bits (file 5.5), Q6_K 6.625 (6.5625).
- * Offsets are kept out of the inner loop: sum_g (o_g + base s_g) * (sum of x in group g), eight groups a
- * step, where base folds the symmetric centre and the 8-bit codes' signedness into one effective offset.
+ *   bits, where per-block bit fields (GGUF's own) cost twice that: the kernel was compute-bound, not
+ *   byte-bound. Bits per weight: Q5_0 / Q5_1 / Q8_0 their file's (5.5 / 6 / 8.5; a row ending in a short
+ *   record adds at most 12 bytes of plane: K 576 Q5_0 5.61), Q5_K 5.75 (file 5.5), Q6_K 6.625 (6.5625).
+ * Offsets stay out of the block loop (see `record`); the next tile's rows are prefetched while this one
+ * computes, and rows past N % 4 rerun the last row (one code path).
  *
  * Activations are rounded to int8 per 32 exactly as cpu_gemv.c does (round_activations), so the kernel and
  * a many-row caller's dequantise + sgemm on the rounded x compute the same numbers.

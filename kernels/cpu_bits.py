@@ -3,8 +3,9 @@
 The form is the shared k-bit contract (layers/quant/gguf.py `bits_groups`): codes q in [0, 2^bits) per
 element, per (row, group of 16 or 32 columns) a scale and optionally an offset; w = q * scale + offset, or
 w = (q - 2^(bits-1)) * scale without offsets. `pack_bits_cpu` lays a weight out as one byte stream per row
-(see the C file): records of 8 blocks of 32 columns (a row's last may be shorter), each a header of its scales then its codes
-(low nibbles + high bits, or int8 codes). Scales are kept in the smallest form that holds them exactly:
+(see the C file): records of 8 blocks of 32 columns (a row's last may be shorter), each a header of its
+scales then its codes (planes of high bits, nibble pairs; or int8). Scales are kept in the smallest form that
+holds them exactly:
 
 - I8: one fp32 per record and int8 multiples of it (the K-quants: Q5_K's d * sc and dmin * m, Q6_K's
   d * sc, over GGUF's 256-column super-blocks): Q5_K 5.75 bits per weight (its file: 5.5), Q6_K 6.625 (6.5625);

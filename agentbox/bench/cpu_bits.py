@@ -54,7 +54,9 @@ def _scales(n: int, k: int, t: BitsType, g: torch.Generator) -> torch.Tensor:
         parts = []
         for _, recs, p in cb._chunks(k):
             d = torch.rand(n, recs, 1, generator=g).half().float() / 64
-            parts.append((d * torch.randint(0, 64, (n, recs, p * 32 // t.group), generator=g)).reshape(n, -1))
+            c = torch.randint(0, 64, (n, recs, p * 32 // t.group), generator=g)
+            c[..., 0] = 63  # llama.cpp's quantisers scale the largest sub-scale to the top of its range
+            parts.append((d * c).reshape(n, -1))
         return torch.cat(parts, dim=1)
     return (torch.rand(n, k // t.group, generator=g) / 32).half().float()
 
