@@ -230,6 +230,8 @@ def bits_matmul(x: torch.Tensor, w: BitsCPU) -> torch.Tensor:
     if x.shape[-1] != w.k:
         raise ValueError(f"x has {x.shape[-1]} columns, the weight {w.k}")
     out = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return out
     rc = cpu_gemv._lib().ab_bits_matmul(x.data_ptr(), x.shape[0], w.data.data_ptr(), *_args(w), out.data_ptr(),
                                         cpu_gemv.threads())
     _check(rc, "bits_matmul")

@@ -79,6 +79,7 @@ def test_two_threads_give_the_same_bits_and_rows_are_dequantised_alone() -> None
     assert torch.equal(one, two) and torch.equal(dense_one, dense_two)  # rows split over threads, never a sum
     rows = torch.tensor([[130, 0], [7, 130]])
     assert torch.equal(cb.bits_rows(w, rows), dense_one[rows])
+    assert cb.bits_matmul(torch.zeros(0, 256), w).shape == (0, 131)
 
 
 def test_bad_input_is_named() -> None:
