@@ -127,7 +127,8 @@ def _body(b: torch.Tensor, bits: int) -> torch.Tensor:
             planes = planes[..., :16] | planes[..., 16:] << 4
     else:  # a plane per four blocks, byte e: bits 2j, 2j + 1 = block 4i + j
         quads = -(-p // 4) * 4
-        high = torch.cat([high, torch.zeros_like(high[:, :, : quads - p])], dim=2).reshape(n, r, -1, 4, BLOCK)
+        pad = torch.zeros(n, r, quads - p, BLOCK, dtype=torch.uint8)
+        high = torch.cat([high, pad], dim=2).reshape(n, r, -1, 4, BLOCK)
         planes = (high << (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)).sum(3, dtype=torch.uint8)
     return torch.cat([planes.reshape(n, r, -1), pairs], dim=-1)
 

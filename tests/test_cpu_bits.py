@@ -64,6 +64,18 @@ def test_matmul_and_dequant_equal_their_twins(bits: int, group: int, offset: boo
         assert (got - x @ dense.t()).abs().max() < 0.02 * scale_of  # int8 activations: well under a percent
 
 
+@pytest.mark.parametrize("bits", [5, 6, 8])
+def test_every_short_last_record(bits: int) -> None:
+    for blocks in range(9, 16):  # one record of 8, then 1..7 blocks (the specialised 2 / 4 / 6 and the others)
+        codes, scale, off = _weight(5, 32 * blocks, bits, 16, blocks % 2 == 0, cb.ScaleForm.F16, seed=blocks)
+        w = cb.pack_bits_cpu(codes, bits, scale, off)
+        assert torch.equal(cb.unpack_bits_cpu(w)[0], codes)
+        assert torch.equal(cb.bits_dequant(w), cb.bits_dequant_ref(w))
+        x = torch.randn(2, 32 * blocks)
+        ref = cb.bits_matmul_ref(x, w)
+        torch.testing.assert_close(cb.bits_matmul(x, w), ref, atol=2e-6 * ref.abs().max(), rtol=1e-5)
+
+
 def test_two_threads_give_the_same_bits_and_rows_are_dequantised_alone() -> None:
     codes, scale, _ = _weight(131, 256, 6, 16, False, cb.ScaleForm.I8, seed=3)
     w = cb.pack_bits_cpu(codes, 6, scale, None)
