@@ -30,7 +30,7 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_decode.c"))  # one library; cpu_gemv.h is their shared header
+SOURCES = (SOURCE, SOURCE.with_name("cpu_decode.c"), SOURCE.with_name("cpu_bits.c"))  # one library; cpu_gemv.h: shared
 BLOCK = 32
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 _c_i64, _c_ptr, _c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
@@ -80,7 +80,12 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     # (layer*, dims*, hidden, residual, first, m, positions, slots, page_table, stride, page_size, kv_lens, threads)
     lib.ab_decode_layer.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_i64,
                                     _c_i64, _c_ptr, _c_int]
-    for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer):
+    # cpu_bits.c: (x, m, w, bits, group, form, offset, k, n, out, threads) / (w, ..., n, out, threads)
+    lib.ab_bits_matmul.argtypes = [_c_ptr, _c_i64, _c_ptr, *[_c_int] * 4, _c_i64, _c_i64, _c_ptr, _c_int]
+    lib.ab_bits_dequant.argtypes = [_c_ptr, *[_c_int] * 4, _c_i64, _c_i64, _c_ptr, _c_int]
+    lib.ab_bits_row_bytes.argtypes = [*[_c_int] * 4, _c_i64]
+    lib.ab_bits_row_bytes.restype = _c_i64
+    for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_bits_matmul, lib.ab_bits_dequant):
         f.restype = _c_int
     return lib, ""
 

@@ -1,0 +1,379 @@
+/* k-bit (5, 6, 8) weight-only matmul and dequantisation for AVX2 + FMA CPUs (built with cpu_gemv.c by
+ * cpu_gemv.py; the Python side, layout packing and torch twins are in cpu_bits.py).
+ *
+ * The form: codes q in [0, 2^bits), per (row, group of 16 or 32 columns) a scale s and optionally an offset
+ * o: w = q * s + o, or w = (q - 2^(bits-1)) * s without offsets (GGUF Q5_0, Q6_K, Q8_0).
+ *
+ * Layout: one byte stream per row, so a row is one sequential read (the decode loop's only cost is bytes).
+ * A row is records of 8 blocks of 32 columns (the last may have fewer); a record is a header of its
+ * G = 32 p / group scales (and offsets), then a body of its p blocks' codes:
+ *   header F32: s[G] fp32, o[G] fp32 | F16: s[G] fp16, o[G] fp16 (where fp16 is exact: Q5_0, Q5_1, Q8_0)
+ *          I8:  d fp32, [dm fp32], c[G] int8, [m[G] int8]; s = d * c, o = dm * m (the K-quants' 6/8-bit
+ *               sub-scales of one fp16 super-scale, exact in fp32; 8 blocks are GGUF's 256-column super-block)
+ *   body 8-bit: p x 32 int8 codes q - 128 (GGUF Q8_0's own bytes)
+ *        5-bit: a 32-byte plane of high bits (byte e: bit b = block b's element e), then the nibbles; a
+ *               record of 4 blocks or fewer (a row's last) packs its plane in 16 bytes as the nibbles
+ *        6-bit: a 32-byte plane per 4 blocks (byte e: bits 2j, 2j + 1 = block 4i + j's element e), nibbles
+ *        nibbles: 32 bytes per pair of blocks, byte e = block 2i's element e | block 2i + 1's << 4
+ *   so a block's codes are one load, AND (and shift) for the nibbles and one shift, AND, OR for the high
+ *   bits, where per-block bit fields (GGUF's own) cost twice that: the kernel was compute-bound, not
+ *   byte-bound. Bits per weight: Q5_0 / Q5_1 / Q8_0 their file's (5.5 / 6 / 8.5; a row ending in a short
+ *   record adds at most 12 bytes of plane: K 576 Q5_0 5.61), Q5_K 5.75 (file 5.5), Q6_K 6.625 (6.5625).
+ * Offsets stay out of the block loop (see `record`); the next tile's rows are prefetched while this one
+ * computes, and rows past N % 4 rerun the last row (one code path).
+ *
+ * Activations are rounded to int8 per 32 exactly as cpu_gemv.c does (round_activations), so the kernel and
+ * a many-row caller's dequantise + sgemm on the rounded x compute the same numbers.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QB 32   /* elements per block */
+#define NR 4    /* weight rows one pass over an activation row serves */
+#define PB 8    /* blocks per record (256 columns: a GGUF K-quant super-block); a row's last may have fewer */
+#define GM 16   /* most groups in a record (8 blocks of two groups of 16) */
+
+enum { F32 = 0, F16 = 1, I8 = 2 };
+
+typedef struct {
+    int bits, group, form, off;
+    int64_t k, n;
+} shape_t;
+
+static inline int64_t nrecords(const shape_t *s) { return (s->k / QB + PB - 1) / PB; }
+static inline int rec_blocks(const shape_t *s, int64_t rec) {
+    const int64_t nb = s->k / QB;
+    return (int)(nb - rec * PB < PB ? nb - rec * PB : PB);
+}
+/* Bytes of a record's planes of high bits (they precede its nibble pairs). */
+static inline int64_t plane_bytes(int bits, int p) {
+    return bits == 5 ? (p > 4 ? 32 : 16) : bits == 6 ? 32 * ((p + 3) / 4) : 0;
+}
+static inline int64_t body_bytes(int bits, int p) {
+    return bits == 8 ? 32 * (int64_t)p : plane_bytes(bits, p) + 32 * (int64_t)((p + 1) / 2);
+}
+static inline int64_t header_bytes(const shape_t *s, int p, int group) {
+    const int64_t g = p * QB / group, parts = 1 + s->off;
+    return s->form == F32 ? 4 * g * parts : s->form == F16 ? 2 * g * parts : (4 + g) * parts;
+}
+static inline int64_t record_bytes(const shape_t *s, int p, int group) {
+    return header_bytes(s, p, group) + body_bytes(s->bits, p);
+}
+static inline int64_t row_bytes(const shape_t *s) {
+    const int64_t nb = s->k / QB, tail = nb % PB;
+    return nb / PB * record_bytes(s, PB, s->group) + (tail ? record_bytes(s, (int)tail, s->group) : 0);
+}
+
+typedef struct {
+    int8_t *q;   /* [M][K] */
+    float *d;    /* [M][K/32] */
+    float *gs;   /* [M][records][GM]: d * (sum of the rounded x) per scale group, zero past the record's */
+} act_t;
+
+static int quantize(const float *x, int64_t m, const shape_t *s, act_t *a) {
+    const int64_t k = s->k, nb = k / QB, recs = nrecords(s), per = QB / s->group;
+    a->q = (int8_t *)aligned_alloc(32, (size_t)((m * k + 31) / 32 * 32));
+    a->d = (float *)malloc(sizeof(float) * (size_t)(m * nb));
+    a->gs = (float *)calloc((size_t)(m * recs * GM), sizeof(float));
+    if (!a->q || !a->d || !a->gs) return -1;
+    for (int64_t r = 0; r < m * nb; r++) {
+        const float *v = x + r * QB;
+        float amax = 0.0f;
+        for (int i = 0; i < QB; i++) {
+            float f = fabsf(v[i]);
+            amax = f > amax ? f : amax;
+        }
+        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+        int sq[2] = {0, 0};
+        for (int i = 0; i < QB; i++) {
+            int8_t q = (int8_t)nearbyintf(v[i] * id);
+            a->q[r * QB + i] = q;
+            sq[i / 16] += q;
+        }
+        a->d[r] = d;
+        const int64_t row = r / nb, b = r % nb;
+        float *gs = a->gs + (row * recs + b / PB) * GM + (b % PB) * per;
+        if (per == 1)
+            gs[0] = d * (float)(sq[0] + sq[1]);
+        else {
+            gs[0] = d * (float)sq[0];
+            gs[1] = d * (float)sq[1];
+        }
+    }
+    return 0;
+}
+
+static void release(act_t *a) {
+    free(a->q);
+    free(a->d);
+    free(a->gs);
+}
+
+/* A record's g scales (and offsets) as fp32, zero from g to the next multiple of 8. */
+static inline __attribute__((always_inline)) void header(const uint8_t *h, const shape_t *s, const int g, float *sc,
+                                                          float *of) {
+    const int g8 = (g + 7) / 8 * 8, off = s->off;
+    for (int i = g; i < g8; i++) sc[i] = of[i] = 0.0f;
+    if (s->form == F32) {
+        memcpy(sc, h, 4 * (size_t)g);
+        if (off) memcpy(of, h + 4 * g, 4 * (size_t)g);
+    } else if (s->form == F16) {
+        const uint16_t *p = (const uint16_t *)h;
+        int i = 0;
+        for (; i + 8 <= g; i += 8) {
+            _mm256_storeu_ps(sc + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))));
+            if (off) _mm256_storeu_ps(of + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + g + i))));
+        }
+        for (; i < g; i++) {
+            sc[i] = _cvtsh_ss(p[i]);
+            if (off) of[i] = _cvtsh_ss(p[g + i]);
+        }
+    } else {
+        float d, dm = 0.0f;
+        memcpy(&d, h, 4);
+        if (off) memcpy(&dm, h + 4, 4);
+        const int8_t *c = (const int8_t *)(h + 4 * (1 + off)), *mm = c + g;
+        int i = 0;
+        for (; i + 8 <= g; i += 8) {
+            __m256 cv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + i))));
+            _mm256_storeu_ps(sc + i, _mm256_mul_ps(_mm256_set1_ps(d), cv));
+            if (off) {
+                __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(mm + i))));
+                _mm256_storeu_ps(of + i, _mm256_mul_ps(_mm256_set1_ps(dm), mv));
+            }
+        }
+        for (; i < g; i++) {
+            sc[i] = d * (float)c[i];
+            if (off) of[i] = dm * (float)mm[i];
+        }
+    }
+}
+
+/* Block b's 32 codes (lane e = element e; 8-bit codes signed) from a record's body. 5/6 bits: a pair of
+ * blocks shares 32 bytes of nibbles (byte e: block 2i element e low, block 2i + 1 high); 5 bits: one
+ * 32-byte plane per record, byte e holding element e's high bit of block b at bit b; 6 bits: a plane per
+ * four blocks, byte e holding block b's two high bits at bit 2 (b % 4). Each is one shift, AND and OR. */
+static inline __attribute__((always_inline)) __m256i codes(const uint8_t *body, int b, int64_t pairs, int p,
+                                                           const int bits) {
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(body + 32 * b));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(body + pairs + 32 * (b / 2)));
+    const __m256i lo = _mm256_and_si256(b & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+    /* 16-bit shifts by under 8: a byte's target bit only ever comes from that same byte */
+    if (bits == 5) {
+        __m256i h;
+        if (p > 4)
+            h = _mm256_loadu_si256((const __m256i *)body);
+        else { /* a short record's 16-byte plane: byte j bits 0-3 for element j, bits 4-7 for j + 16 */
+            const __m128i half = _mm_loadu_si128((const __m128i *)body);
+            h = _mm256_set_m128i(_mm_srli_epi16(half, 4), half);
+        }
+        const __m256i t = b < 4 ? _mm256_slli_epi16(h, 4 - b) : b == 4 ? h : _mm256_srli_epi16(h, b - 4);
+        return _mm256_or_si256(lo, _mm256_and_si256(t, _mm256_set1_epi8(0x10)));
+    }
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(body + 32 * (b / 4)));
+    const int j = b % 4;
+    const __m256i t = j == 0 ? _mm256_slli_epi16(h, 4) : j == 1 ? _mm256_slli_epi16(h, 2) : j == 2 ? h : _mm256_srli_epi16(h, 2);
+    return _mm256_or_si256(lo, _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One record (p blocks, g groups) of nr weight rows against activation row m. Offsets stay out of the block
+ * loop: w = u s + o + k0 s for stored codes u (k0 = 128 for 8-bit codes, which are stored signed, minus the
+ * centre 2^(bits-1) without offsets), so the record adds sum_g (o_g + k0 s_g) * (sum of x in group g). */
+static inline __attribute__((always_inline)) void record(const act_t *a, int64_t m, const shape_t *s,
+                                                         const uint8_t *const *h, int64_t rec, const int p,
+                                                         const int g, __m256 *acc, __m256 *oacc, __m256 *sacc,
+                                                         const int nr, const int bits, const int group) {
+    const int64_t nb = s->k / QB, hb = header_bytes(s, p, group), pairs = plane_bytes(bits, p);
+    const int sym8 = bits == 8 && !s->off; /* k0 = 0 and no offsets: nothing to add */
+    /* lanes 0-3 take group 2j, lanes 4-7 group 2j + 1 (a block's int32 lanes 0-3 are its elements 0-15) */
+    const __m256i half[4] = {_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2),
+                             _mm256_set_epi32(5, 5, 5, 5, 4, 4, 4, 4), _mm256_set_epi32(7, 7, 7, 7, 6, 6, 6, 6)};
+    const __m256i ones = _mm256_set1_epi16(1);
+    const float *gs = a->gs + (m * nrecords(s) + rec) * GM;
+    float sc[NR][GM], of[NR][GM];
+    /* A short record's scales are written one by one: reading them back as a vector would wait on a failed
+     * store-to-load forward (a sixth of the time at K = 576), so it reads them one by one too. */
+    const int vec = g % 8 == 0;
+#pragma GCC unroll 4
+    for (int r = 0; r < nr; r++) { /* unrolled, so the accumulators stay in registers */
+        header(h[r], s, g, sc[r], of[r]);
+        if (sym8) continue;
+        if (vec)
+            for (int c = 0; c < g; c += 8) {
+                const __m256 x = _mm256_loadu_ps(gs + c);
+                sacc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(sc[r] + c), x, sacc[r]);
+                if (s->off) oacc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(of[r] + c), x, oacc[r]);
+            }
+        else {
+            float ss = 0.0f, os = 0.0f;
+            for (int c = 0; c < g; c++) {
+                ss += sc[r][c] * gs[c];
+                if (s->off) os += of[r][c] * gs[c];
+            }
+            sacc[r] = _mm256_add_ps(sacc[r], _mm256_castps128_ps256(_mm_set_ss(ss)));
+            if (s->off) oacc[r] = _mm256_add_ps(oacc[r], _mm256_castps128_ps256(_mm_set_ss(os)));
+        }
+    }
+    const int8_t *xq = a->q + (m * nb + rec * PB) * QB;
+    const float *xd = a->d + m * nb + rec * PB;
+#pragma GCC unroll 8
+    for (int b = 0; b < p; b++) {
+        const __m256i xv = _mm256_load_si256((const __m256i *)(xq + b * QB));
+        const __m256 d = _mm256_broadcast_ss(xd + b);
+        for (int r = 0; r < nr; r++) {
+            const __m256i q = codes(h[r] + hb, b, pairs, p, bits);
+            __m256i prod;
+            if (bits == 8) /* |q| unsigned and the sign moved onto x: u8 x s8 is the only byte product */
+                prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
+            else
+                prod = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
+            const __m256 sv = group == 32 ? _mm256_broadcast_ss(sc[r] + b)
+                              : vec ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[r] + 8 * (b / 4)), half[b % 4])
+                                    : _mm256_set_m128(_mm_broadcast_ss(sc[r] + 2 * b + 1), _mm_broadcast_ss(sc[r] + 2 * b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_mul_ps(sv, d), acc[r]);
+        }
+    }
+}
+
+/* One activation row against nr consecutive weight rows (independent FMA chains, x loaded once for all). */
+static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m, const shape_t *s,
+                                                       const uint8_t *w, float *out, int valid,
+                                                       const int bits, const int group) {
+    const int nr = NR; /* past the last row (N % 4), the last row again: one code path, results dropped */
+    const int64_t nb = s->k / QB, rb = row_bytes(s), full = record_bytes(s, PB, group), tail = nb % PB;
+    __m256 acc[NR], oacc[NR], sacc[NR];
+    for (int r = 0; r < nr; r++) acc[r] = oacc[r] = sacc[r] = _mm256_setzero_ps();
+    const uint8_t *h[NR];
+    /* The next tile's rows, fetched a slice per record while this tile computes: the four streams of a tile
+     * are too short for the hardware prefetcher to ramp up on (cold K 1536 read at 6 GB/s of 20 without). */
+    const uint8_t *next = w + NR * rb;
+    const int64_t slice = (NR * rb / (nb / PB + 1) + 63) / 64 * 64;
+    int64_t rec = 0;
+    for (; rec < nb / PB; rec++) { /* full records: p and g constants, the block loop unrolled */
+        if (m == 0)
+            for (int64_t o = rec * slice; o < (rec + 1) * slice; o += 64) _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
+        for (int r = 0; r < nr; r++) h[r] = w + (r < valid ? r : valid - 1) * rb + rec * full;
+        record(a, m, s, h, rec, PB, PB * QB / group, acc, oacc, sacc, nr, bits, group);
+    }
+    if (m == 0)
+        for (int64_t o = rec * slice; o < NR * rb; o += 64) _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
+    for (int r = 0; r < nr; r++) h[r] = w + (r < valid ? r : valid - 1) * rb + rec * full;
+    switch (tail) { /* the last, shorter record: K 576 = 2 x 8 + 2 blocks; 896, 1408 end in 4, 960 in 6 */
+#define TAIL(P) \
+    case P: record(a, m, s, h, rec, P, P * QB / group, acc, oacc, sacc, nr, bits, group); break;
+        TAIL(2) TAIL(4) TAIL(6)
+#undef TAIL
+        case 0: break;
+        default: record(a, m, s, h, rec, (int)tail, (int)tail * QB / group, acc, oacc, sacc, nr, bits, group);
+    }
+    const __m256 k0 = _mm256_set1_ps((bits == 8 ? 128.0f : 0.0f) - (s->off ? 0.0f : (float)(1 << (bits - 1))));
+    for (int r = 0; r < valid; r++) out[r] = hsum(_mm256_fmadd_ps(k0, sacc[r], _mm256_add_ps(acc[r], oacc[r])));
+}
+
+/* Weight rows j .. j + NR (fewer at the end) against every activation row. */
+static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m, const shape_t *s, const uint8_t *w,
+                                                       float *out, int64_t j, const int bits, const int group) {
+    const int64_t n = s->n, rb = row_bytes(s);
+    for (int64_t i = 0; i < m; i++) rows(a, i, s, w + j * rb, out + i * n + j, n - j < NR ? (int)(n - j) : NR, bits, group);
+}
+
+static int check(const shape_t *s) {
+    if ((s->bits != 5 && s->bits != 6 && s->bits != 8) || (s->group != 16 && s->group != 32)) return -3;
+    if (s->k % QB || s->k <= 0 || s->form < F32 || s->form > I8) return -2;
+    return 0;
+}
+
+/* One function and OpenMP region per (bits, group): GCC outlines a region before inlining, so a region in an
+ * inlined helper is one function for all six pairs, with bits and group as run-time values (2x slower). */
+#define SPECIALISE(B, G)                                                                                        \
+    static void matmul_##B##_##G(const act_t *a, int64_t m, const shape_t *s, const uint8_t *w, float *out,  \
+                                 int threads) {                                                                \
+        const int64_t tiles = (s->n + NR - 1) / NR;                                                            \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                    \
+        for (int64_t t = 0; t < tiles; t++) tile(a, m, s, w, out, t * NR, B, G);                               \
+    }
+SPECIALISE(5, 32) SPECIALISE(5, 16) SPECIALISE(6, 32) SPECIALISE(6, 16) SPECIALISE(8, 32) SPECIALISE(8, 16)
+#undef SPECIALISE
+
+/* x [M][K] fp32 times the k-bit weight w ([N] rows of row_bytes) transposed: out [M][N]. */
+int ab_bits_matmul(const float *x, int64_t m, const uint8_t *w, int bits, int group, int form, int off, int64_t k,
+                   int64_t n, float *out, int threads) {
+    const shape_t s = {bits, group, form, off, k, n};
+    int rc = check(&s);
+    if (rc) return rc;
+    act_t a;
+    if (quantize(x, m, &s, &a)) return -1;
+    void (*const f[3][2])(const act_t *, int64_t, const shape_t *, const uint8_t *, float *, int) = {
+        {matmul_5_16, matmul_5_32}, {matmul_6_16, matmul_6_32}, {matmul_8_16, matmul_8_32}};
+    f[bits == 5 ? 0 : bits == 6 ? 1 : 2][group == 32](&a, m, &s, w, out, threads);
+    release(&a);
+    return 0;
+}
+
+/* Row bytes of the layout (the Python packer checks its own against this). */
+int64_t ab_bits_row_bytes(int bits, int group, int form, int off, int64_t k) {
+    const shape_t s = {bits, group, form, off, k, 0};
+    return check(&s) ? -1 : row_bytes(&s);
+}
+
+/* Dense fp32 [N][K] of the weight with the reference's roundings (q s + o, or (q - 2^(bits-1)) s; no fused
+ * multiply-add), so dequantise + sgemm on the rounded x equals the kernel and GGUF's own dequantisation. */
+static inline __attribute__((always_inline)) void dequant_row(const uint8_t *w, const shape_t *s, float *out,
+                                                              const int bits) {
+    const int64_t recs = nrecords(s), full = record_bytes(s, PB, s->group);
+    const int per = QB / s->group, off = s->off;
+    const float base = bits == 8 ? 128.0f : 0.0f, centre = off ? 0.0f : (float)(1 << (bits - 1));
+    float sc[GM], of[GM];
+    for (int64_t rec = 0; rec < recs; rec++) {
+        const int p = rec_blocks(s, rec);
+        const uint8_t *h = w + rec * full;
+        header(h, s, p * QB / s->group, sc, of);
+        const uint8_t *body = h + header_bytes(s, p, s->group);
+        const int64_t pairs = plane_bytes(bits, p);
+        for (int b = 0; b < p; b++) {
+            int8_t q[QB];
+            _mm256_storeu_si256((__m256i *)q, codes(body, b, pairs, p, bits));
+            float *dst = out + (rec * PB + b) * QB;
+            for (int e = 0; e < QB; e += 8) {
+                const __m128i raw = _mm_loadl_epi64((const __m128i *)(q + e));
+                __m256 v = _mm256_cvtepi32_ps(bits == 8 ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
+                const int gi = b * per + (per == 2 ? e / 16 : 0);
+                const __m256 sv = _mm256_set1_ps(sc[gi]);
+                if (off)
+                    v = _mm256_add_ps(_mm256_mul_ps(_mm256_add_ps(v, _mm256_set1_ps(base)), sv), _mm256_set1_ps(of[gi]));
+                else
+                    v = _mm256_mul_ps(_mm256_sub_ps(v, _mm256_set1_ps(centre - base)), sv);
+                _mm256_storeu_ps(dst + e, v);
+            }
+        }
+    }
+}
+
+#define SPECIALISE(B)                                                                                            \
+    __attribute__((optimize("fp-contract=off"))) static void dequant_##B(const uint8_t *w, const shape_t *s,    \
+                                                                         float *out, int threads) {             \
+        const int64_t rb = row_bytes(s);                                                                         \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                      \
+        for (int64_t j = 0; j < s->n; j++) dequant_row(w + j * rb, s, out + j * s->k, B);                        \
+    }
+SPECIALISE(5) SPECIALISE(6) SPECIALISE(8)
+#undef SPECIALISE
+
+int ab_bits_dequant(const uint8_t *w, int bits, int group, int form, int off, int64_t k, int64_t n, float *out,
+                    int threads) {
+    const shape_t s = {bits, group, form, off, k, n};
+    int rc = check(&s);
+    if (rc) return rc;
+    (bits == 5 ? dequant_5 : bits == 6 ? dequant_6 : dequant_8)(w, &s, out, threads);
+    return 0;
+}
