@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentbox.layers.quant.base import Sharding, quant_param
-from agentbox.layers.quant.quant_rows import PackedRows, QuantRows, quant_rows
+from agentbox.layers.quant.quant_rows import BitsRows, PackedRows, QuantRows, quant_rows
 from agentbox.parallel.state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -37,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
         )
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.quant: QuantRows | PackedRows | None = None  # the table kept quantised (GGUF), else None
+        self.quant: QuantRows | BitsRows | PackedRows | None = None  # the table kept quantised (GGUF), else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: str | int | None = None) -> None:
         if tuple(loaded_weight.shape) != (self.num_embeddings, param.data.size(1)):
@@ -53,6 +53,9 @@ class VocabParallelEmbedding(nn.Module):
             )
             if isinstance(self.quant, PackedRows):  # a child module now: its tensors are the parameters
                 self.weight = quant_param(param.data.new_empty(0), Sharding(None, None))
+                return
+            if isinstance(self.quant, BitsRows):
+                self.weight = quant_param(self.quant.codes, Sharding(None, None))
                 return
             if self.quant is not None:
                 self.weight = quant_param(self.quant.codes, Sharding(None, None))

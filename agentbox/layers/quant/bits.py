@@ -6,7 +6,8 @@ loader converts the file's blocks into this (`gguf.bits_groups`, exact); the ker
 Resident bytes per weight on GPU (16-bit scales): bits / 8 + 2 (or 4 with an offset) / group, against the
 file's Q5_0 0.6875 (same), Q5_1 0.75 (same), Q8_0 1.0625 (same), Q5_K 0.6875 (ours 0.75: fp16 per 32 where the
 file packs 6-bit scales per 32 under one fp16 per 256), Q6_K 0.8203 (ours 0.875: fp16 per 16 where the file
-has int8 per 16) - within 10 % of the file for every type.
+has int8 per 16) - within 10 % of the file for every type. On CPU (kernels/cpu_bits.c) per 256 columns:
+Q5_0 / Q5_1 / Q8_0 exactly the file's bytes (fp16 scales), Q5_K 5.75 bits (file 5.5), Q6_K 6.625 (6.5625).
 """
 
 from __future__ import annotations
@@ -19,16 +20,21 @@ import torch
 class BitsKernel(Enum):
     DENSE = "dense"  # dequantised once at load to the compute dtype
     TRITON = "triton"  # kernels/wbits.py: low nibbles and high bits packed along K, scale/offset [K/g, N]
+    CPU_SIMD = "cpu-simd"  # kernels/cpu_bits.c: one byte stream per row (scales, high bits, nibbles)
+
+
+# Rows of x above which a CPU_SIMD layer dequantises once and runs one sgemm (measured on 1536 x 576 Q5_0:
+# 8 rows 430 us in the kernel vs 564 dequantised, 16 rows 841 vs 718).
+CPU_SIMD_MAX_ROWS = 8
 
 
 def default_kernel(device: torch.device) -> BitsKernel:
     if device.type != "cpu":
         return BitsKernel.TRITON
-    # The one place the CPU kernel plugs in (kernels/cpu_bits.py: pack_bits_cpu / bits_matmul): return its
-    # kind here when `int4.default_cpu_kernel() is Int4Kernel.CPU_SIMD` (so int4.cpu_kernel(DENSE), which
-    # exact tests use, keeps this dense too), install it in `install` and call it in `apply`. Until then
-    # CPU layers hold the dequantised weight in the compute dtype.
-    return BitsKernel.DENSE
+    from agentbox.layers.quant import int4
+
+    # the 4-bit layers' switch: int4.cpu_kernel(DENSE) (the exact tests, --exact-cpu) keeps these dense too
+    return BitsKernel.CPU_SIMD if int4.default_cpu_kernel() is int4.Int4Kernel.CPU_SIMD else BitsKernel.DENSE
 
 
 def dequantize(q: torch.Tensor, bits: int, scale: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
@@ -60,7 +66,14 @@ def install(
 
     none = Sharding(None, None)
     layer.bits, layer.bits_group = bits, q.shape[1] // scale.shape[1]
-    if kernel is BitsKernel.DENSE:
+    if kernel is BitsKernel.CPU_SIMD and dtype is not torch.float32:
+        kernel = BitsKernel.DENSE  # the kernel's activations are fp32
+    if kernel is BitsKernel.CPU_SIMD:
+        from agentbox.kernels.cpu_bits import pack_bits_cpu
+
+        layer.bits_cpu = pack_bits_cpu(q, bits, scale, offset)
+        layer.weight = quant_param(layer.bits_cpu.data, none)  # the same storage: resident bytes count it
+    elif kernel is BitsKernel.DENSE:
         layer.weight = quant_param(dequantize(q, bits, scale, offset).to(device=device, dtype=dtype), none)
     else:  # TRITON: K-major, as int4's TRITON form
         qweight, qhigh = pack_bits(q.t().contiguous(), bits)
@@ -74,9 +87,19 @@ def install(
 def apply(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if layer.bits_kernel is BitsKernel.DENSE:
         return torch.nn.functional.linear(x, layer.weight, bias)
+    shape = x.shape
+    if layer.bits_kernel is BitsKernel.CPU_SIMD:
+        from agentbox.kernels import cpu_bits, cpu_gemv
+
+        rows = x.reshape(-1, shape[-1])
+        if rows.shape[0] <= CPU_SIMD_MAX_ROWS:
+            out = cpu_bits.bits_matmul(rows, layer.bits_cpu)
+        else:  # the kernel's numbers: its int8-rounded activations times the dequantised weight
+            out = torch.nn.functional.linear(cpu_gemv.round_activations(rows), cpu_bits.bits_dequant(layer.bits_cpu))
+        out = out.reshape(*shape[:-1], -1)
+        return out + bias if bias is not None else out
     from agentbox.kernels.wbits import wbits_matmul
 
-    shape = x.shape
     out = wbits_matmul(
         x.reshape(-1, shape[-1]), layer.qweight_t, layer.qhigh_t, layer.scale_t, layer.offset_t, layer.bits_group, layer.bits
     ).reshape(*shape[:-1], -1)

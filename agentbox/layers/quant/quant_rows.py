@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from agentbox.layers.quant.gguf import INT4_TYPES, GGUFBlocks, int4_groups
+from agentbox.kernels.cpu_bits import BitsCPU
+from agentbox.layers.quant.gguf import BITS_TYPES, INT4_TYPES, GGUFBlocks, bits_groups, int4_groups
 
 MAX_KERNEL_ROWS = 32  # as int4.CPU_SIMD_MAX_ROWS: beyond it one dequantise + sgemm is faster
 
@@ -67,6 +68,35 @@ class QuantRows:
         return out.to(hidden.dtype).reshape(*shape[:-1], -1)
 
 
+@dataclass
+class BitsRows:
+    """A Q5_* / Q6_K / Q8_0-as-k-bit table on CPU in kernels/cpu_bits' form (Q4_K_M's Q6_K LM head): one
+    byte stream per row, so a lookup dequantises only its rows."""
+
+    w: BitsCPU
+
+    @property
+    def codes(self) -> torch.Tensor:  # the tensor the embedding registers as its parameter
+        return self.w.data
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        from agentbox.kernels import cpu_bits
+
+        return cpu_bits.bits_rows(self.w, ids)
+
+    def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
+        from agentbox.kernels import cpu_bits, cpu_gemv
+        from agentbox.layers.quant.bits import CPU_SIMD_MAX_ROWS
+
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        if x.shape[0] > CPU_SIMD_MAX_ROWS:
+            out = F.linear(cpu_gemv.round_activations(x), cpu_bits.bits_dequant(self.w))
+        else:
+            out = cpu_bits.bits_matmul(x, self.w)
+        return out.to(hidden.dtype).reshape(*shape[:-1], -1)
+
+
 class PackedRows(torch.nn.Module):
     """A table in a linear layer's Triton form (installed on this module by `gguf.install_rows`)."""
 
@@ -90,7 +120,7 @@ class PackedRows(torch.nn.Module):
 
 def quant_rows(
     blocks: GGUFBlocks, start: int, rows: int, padded: int, device: torch.device, dtype: torch.dtype = torch.float32
-) -> QuantRows | PackedRows | None:
+) -> QuantRows | BitsRows | PackedRows | None:
     """This rank's rows [start, start + rows) of a GGUF table, padded with zero rows to `padded`; None when
     the table is not kept quantised here (no kernel, or another type) and must be dequantised."""
     from agentbox.layers.quant import int4
@@ -120,6 +150,17 @@ def quant_rows(
             q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
             scale, offset = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, offset))
         codes, packed = cpu_gemv.pack_q4(q, scale, offset)
+    elif part.qtype in BITS_TYPES:  # Q4_K_M's LM head is Q6_K
+        from agentbox.kernels.cpu_bits import pack_bits_cpu
+
+        g = bits_groups(part)
+        pad = padded - rows
+        q, scale, offset = g.codes, g.scale, g.offset
+        if pad:  # zero rows: codes at the zero point, scale 0, offset 0 (logits 0, as a dense table's)
+            q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+            offset = None if offset is None else torch.cat([offset, offset.new_zeros(pad, offset.shape[1])])
+        return BitsRows(pack_bits_cpu(q, g.bits, scale, offset))
     else:
         return None
     return QuantRows(codes, packed, padded)
