@@ -20,6 +20,7 @@ from agentbox.layers.quant.formats import (
     INT4_FILE_BYTES,
     INT4_RESIDENT_BYTES,
     gguf_mix,
+    gguf_resident_ratio,
 )
 
 HW = Path(__file__).parents[1] / "profiles" / "hardware"
@@ -192,6 +193,19 @@ def test_cpu_only_plans_against_ram() -> None:
     small = run("SmolLM2-135M-Instruct", "cpu")
     assert small.chosen is not None and small.chosen.variant.name == "bf16"
     assert cand(small, "embedded").ok
+    # Quantised files stay quantised on a CPU whose kernels build (cpu_gemv, cpu_bits): GGUF at its mix's
+    # CPU bytes (Q8_0 the file's; Q4_K_M's Q4_K in fp32 scales, 1.27x), AWQ at 4 bits plus fp32 scales
+    q8, q4km, awq = cand(p, "q8_0"), cand(p, "q4_k_m"), cand(p, "awq")
+    assert q8.weights_bytes == int(q8.variant.size * gguf_resident_ratio("q8_0", "cpu")) and q8.weights_bytes < 1.01 * q8.variant.size
+    assert q4km.variant.size < q4km.weights_bytes < 1.3 * q4km.variant.size
+    assert any("Q4_K_M on CPU: stays quantised" in n for n in q4km.notes)
+    assert awq.weights_bytes == awq.variant.size + int(8_190_735_360 * (INT4_CPU_BYTES - INT4_FILE_BYTES))
+    # and where they cannot build (no compiler: the probe says so), everything is planned at fp32
+    no_cc = machine("cpu")
+    no_cc.software.cpu_kernels_ok = False
+    dense = plan(find_profile("Qwen3-8B"), no_cc)
+    assert {c.variant.name: c.weights_bytes for c in dense.candidates if c.variant.name in ("q8_0", "awq")} == {
+        "q8_0": 8_190_735_360 * 4, "awq": 8_190_735_360 * 4}
 
 
 def test_tp_sizes_divide_kv_heads_and_context_is_clamped() -> None:

@@ -192,7 +192,8 @@ def _candidate(
     profile: Profile, variant: Variant, probe: Probe, context: int, sessions: int, config: PlanConfig
 ) -> Candidate:
     device = "cpu" if probe.cpu_only else "cuda"
-    weights = resident_weight_bytes(profile, variant, device)
+    cpu_kernels = probe.software.cpu_kernels_ok is not False  # a described machine: assumed to build them
+    weights = resident_weight_bytes(profile, variant, device, cpu_kernels)
     kv = profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * context * sessions
     reasons: list[str] = []
     notes: list[str] = []
@@ -230,8 +231,8 @@ def _candidate(
             f"{variant.format} {variant.name.upper()} MoE: the experts stay quantised ({_gb(gexp.file)} of the file, "
             f"{_gb(gexp.resident)} resident); {_gb(variant.size)} on disk, {_gb(weights)} resident"
         )
-    elif (mix := gguf_gpu_mix(profile, variant, device)) is not None:
-        notes.append(gguf_note(variant, mix, weights))
+    elif (mix := gguf_gpu_mix(profile, variant, device, cpu_kernels)) is not None:
+        notes.append(gguf_note(variant, mix, weights, device))
     elif method is not None and method in QUANTISED_METHODS and weights > variant.size * 1.1:
         notes.append(f"{variant.format} is dequantised at load: {_gb(variant.size)} on disk, {_gb(weights)} resident")
     if (caveat := kernel_caveat(variant, device)) is not None:
@@ -242,12 +243,12 @@ def _candidate(
         # Every expert is resident (memory above); a decoded token reads only the active share (speed).
         notes.append(
             f"MoE: all experts resident; a token reads {profile.active_params / 1e9:.1f}B of "
-            f"{profile.params / 1e9:.1f}B params ({_gb(active_weight_bytes(profile, variant, device))} per decode step)"
+            f"{profile.params / 1e9:.1f}B params ({_gb(active_weight_bytes(profile, variant, device, cpu_kernels))} per decode step)"
         )
     if not cand.fits and (longest := fitting_context(cand, profile, probe, sessions)) >= MIN_USEFUL_CONTEXT:
         notes.append(f"fits at tp={cand.tp} up to {longest:,} tokens of context (--context {longest})")
     cand.reasons, cand.notes = reasons, notes
-    cand.decode_weight_bytes = active_weight_bytes(profile, variant, device)
+    cand.decode_weight_bytes = active_weight_bytes(profile, variant, device, cpu_kernels)
     return cand
 
 
@@ -261,20 +262,21 @@ def fitting_context(cand: Candidate, profile: Profile, probe: Probe, sessions: i
     return max(0, room // per_token // 1024 * 1024)
 
 
-def active_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:
+def active_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> int:
     """Weight bytes one decoded token reads: the active parameters at the variant's resident width."""
-    return resident_weight_bytes(profile, variant, device) * profile.active_params // profile.params
+    return resident_weight_bytes(profile, variant, device, cpu_kernels) * profile.active_params // profile.params
 
 
-def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:
+def resident_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> int:
     """Bytes the weights occupy once loaded. A method that keeps its weights quantised holds the file's
     bytes plus what its resident form adds per weight (int4: a bf16 scale and offset per group where the
     file has an fp16 scale and a 4-bit zero; MoE experts included, layers/moe_quant.py), counted over every
-    parameter (an upper bound: embeddings and norms stay as stored). A dense GGUF file on GPU is its size
-    times its mix's resident / file bytes (formats.GGUF_MIXES, the types its name tells). The rest become the compute dtype (bf16 on GPU, fp32 on CPU; EngineConfig.resolved_dtype). On CPU the dense linears are planned at fp32: the
-    bound for a CPU where kernels/cpu_gemv cannot build (no compiler, no AVX2) and for --exact-cpu; where it
-    builds, 4-bit layers stay 4-bit (layers/quant/int4.py) and the plan over-counts them. MoE experts stay
-    quantised on CPU either way."""
+    parameter (an upper bound: embeddings and norms stay as stored). A dense GGUF file is its size times its
+    mix's resident / file bytes (formats.GGUF_MIXES, the types its name tells) on GPU, and on a CPU whose
+    kernels build (kernels/cpu_gemv, cpu_bits; `cpu_kernels`, from the probe). The rest become the compute
+    dtype (bf16 on GPU, fp32 on CPU; EngineConfig.resolved_dtype): on CPU that is the bound for a CPU where
+    the kernels cannot build and for --exact-cpu; where they build, AWQ / GPTQ / W4A16 linears stay 4-bit
+    (fp32 scale and offset). MoE experts stay quantised on CPU either way."""
     method = method_of_format(variant.format)
     if method is None and variant.format in QUANTISED_FORMATS:
         return variant.size  # not runnable here anyway: planned as an engine that keeps it quantised
@@ -284,8 +286,8 @@ def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> in
         mix = gguf_mix(variant.name, *variant.files)
         rest = variant.size - experts.file  # attention, router, norms, tables: the file's mix (experts' aside)
         return experts.resident + int(rest * (gguf_resident_ratio(mix) if mix is not None else 1.0))
-    if (mix := gguf_gpu_mix(profile, variant, device)) is not None:
-        return int(variant.size * gguf_resident_ratio(mix))
+    if (mix := gguf_gpu_mix(profile, variant, device, cpu_kernels)) is not None:
+        return int(variant.size * gguf_resident_ratio(mix, device))
     # Other GGUF files (types the name does not tell or the linears do not keep, Q2_K / Q3_K / IQ*) are
     # planned dequantised, below.
     if method is not None and METHODS[method].stays_quantised and device == "cuda" and not variant.is_gguf:
@@ -294,6 +296,8 @@ def resident_weight_bytes(profile: Profile, variant: Variant, device: str) -> in
         return variant.size + int(profile.params * extra)
     if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
         return int(experts * METHODS[method].moe_cpu_bytes_per_weight) + (profile.params - experts) * 4  # type: ignore[index]
+    if device == "cpu" and cpu_kernels and method is not None and (cpu := METHODS[method].cpu_bytes_per_weight):
+        return variant.size + int(profile.params * max(0.0, cpu - METHODS[method].file_bytes_per_weight))
     return profile.params * (2 if device == "cuda" else 4)
 
 
@@ -304,18 +308,19 @@ def gguf_experts(profile: Profile, variant: Variant, device: str) -> ExpertBytes
     return expert_bytes(variant.name, profile.expert_params, device)
 
 
-def gguf_gpu_mix(profile: Profile, variant: Variant, device: str) -> str | None:
-    """The GGUF_MIXES key of a dense GGUF variant planned on GPU at its types' resident bytes, or None. The
-    type comes from the variant's name or file name (e.g. "q8_0", "Qwen3-8B-Q4_K_M.gguf")."""
-    if not variant.is_gguf or device != "cuda" or profile.moe:
+def gguf_gpu_mix(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> str | None:
+    """The GGUF_MIXES key of a dense GGUF variant planned at its types' resident bytes (on GPU, or on a CPU
+    whose kernels build), or None. The type comes from the variant's name or file name (e.g. "q8_0",
+    "Qwen3-8B-Q4_K_M.gguf")."""
+    if not variant.is_gguf or profile.moe or (device == "cpu" and not cpu_kernels):
         return None
     return gguf_mix(variant.name, *variant.files)
 
 
-def gguf_note(variant: Variant, mix: str, weights: int) -> str:
+def gguf_note(variant: Variant, mix: str, weights: int, device: str = "cuda") -> str:
     types = " + ".join(f"{int(share * 100)} % {t.upper()}" for t, share in GGUF_MIXES[mix])
     return (
-        f"{variant.format} {mix.upper()} on GPU: stays quantised ({types}, by the name): "
+        f"{variant.format} {mix.upper()} on {'GPU' if device == 'cuda' else 'CPU'}: stays quantised ({types}, by the name): "
         f"{_gb(variant.size)} on disk, {_gb(weights)} resident"
     )
 

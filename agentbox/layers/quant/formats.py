@@ -47,6 +47,7 @@ class MethodInfo:
     resident_bytes_per_weight: float = 0.0
     moe_gpu: KernelStatus | None = None  # the MoE experts' GPU path (layers/moe_quant.py); None: not loaded
     moe_cpu_bytes_per_weight: float = 0.0  # experts stay quantised on CPU too (fp32 scales there); 0: not
+    cpu_bytes_per_weight: float = 0.0  # dense linears on a CPU whose kernels build (cpu_gemv); 0: dequantised
     scheme: QuantScheme = QuantScheme.WEIGHT_ONLY
 
 
@@ -71,15 +72,16 @@ METHODS: dict[QuantMethod, MethodInfo] = {
     # codes + a scale and an offset in the compute dtype (bf16) per group.
     QuantMethod.AWQ: MethodInfo(
         ("awq",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES,
-        KernelStatus.INTERPRETER_ONLY, INT4_CPU_BYTES,
+        KernelStatus.INTERPRETER_ONLY, INT4_CPU_BYTES, cpu_bytes_per_weight=INT4_CPU_BYTES,
     ),
     QuantMethod.GPTQ: MethodInfo(
         ("gptq",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES,
-        KernelStatus.INTERPRETER_ONLY, INT4_CPU_BYTES,
+        KernelStatus.INTERPRETER_ONLY, INT4_CPU_BYTES, cpu_bytes_per_weight=INT4_CPU_BYTES,
     ),
     # compressed-tensors W4A16: GPTQ's method under other tensor names, the same canonical int4 form.
     QuantMethod.COMPRESSED_TENSORS: MethodInfo(
-        ("w4a16",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES
+        ("w4a16",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES,
+        cpu_bytes_per_weight=INT4_CPU_BYTES,
     ),
 }
 
@@ -96,6 +98,13 @@ GGUF_TYPE_BYTES: dict[str, tuple[float, float]] = {
     "q5_k": (176 / 256, 5 / 8 + 4 / 32),
     "q6_k": (210 / 256, 6 / 8 + 2 / 16),
     "q8_0": (34 / 32, 1 + 2 / 32),
+}
+# On CPU, where kernels/cpu_gemv builds: the 4-bit kernel's tiles (Q4_0 / Q4_1 keep their fp16 scale and
+# offset, Q4_K's products of two scales need fp32) and kernels/cpu_bits' rows (fp16 scales for Q5_0 / Q5_1 /
+# Q8_0: the file's bytes; an fp32 per 256 times int8 sub-scales for Q5_K 5.75 bits, Q6_K 6.625).
+GGUF_CPU_BYTES: dict[str, float] = {
+    "q4_0": 20 / 32, "q4_1": 20 / 32, "q4_k": 24 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32, "q5_k": 5.75 / 8,
+    "q6_k": 6.625 / 8, "q8_0": 34 / 32,
 }
 # A GGUF file's weights by GGUF type, from the llama.cpp type name its variant or file carries
 # (llama_tensor_get_type): the single-type files hold every linear in that type; Q4_K_M / Q5_K_M put attn_v
@@ -118,10 +127,13 @@ def gguf_mix(*names: str) -> str | None:
     return next((m for m in sorted(GGUF_MIXES, key=len, reverse=True) if m in text), None)
 
 
-def gguf_resident_ratio(mix: str) -> float:
-    """Resident bytes on GPU over the file's bytes, for a GGUF mix's weights."""
+def gguf_resident_ratio(mix: str, device: str = "cuda") -> float:
+    """Resident bytes on GPU (or on a CPU with its kernels) over the file's bytes, for a GGUF mix's weights."""
     shares = GGUF_MIXES[mix]
-    return sum(s * GGUF_TYPE_BYTES[t][1] for t, s in shares) / sum(s * GGUF_TYPE_BYTES[t][0] for t, s in shares)
+    file = sum(s * GGUF_TYPE_BYTES[t][0] for t, s in shares)
+    if device == "cuda":
+        return sum(s * GGUF_TYPE_BYTES[t][1] for t, s in shares) / file
+    return sum(s * GGUF_CPU_BYTES[t] for t, s in shares) / file
 
 
 def engine_formats() -> frozenset[str]:
