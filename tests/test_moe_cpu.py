@@ -1,6 +1,7 @@
-"""Int4 MoE experts on CPU through the 4-bit kernel (layers/moe_cpu.py): repacked at load, the same numbers
-as their twin (the dequantised experts on int8-rounded activations), the file's bytes resident, and the
-model's predictions those of the exact path (tests/test_gguf_moe.py's tiny Qwen3-MoE GGUF)."""
+"""Quantised MoE experts on CPU through the CPU kernels (layers/moe_cpu.py): int4 and k-bit experts repacked
+at load, the same numbers as their twin (the dequantised experts on int8-rounded activations), the file's
+bytes resident, and the model's predictions those of the exact path (tests/test_gguf_moe.py's tiny
+Qwen3-MoE GGUF: Q4_0, Q4_1, Q4_K, Q4_K + Q6_K down, Q8_0 layers)."""
 
 from __future__ import annotations
 
@@ -28,19 +29,21 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.
 def test_int4_experts_take_the_cpu_kernel_at_the_file_size(tiny_gguf) -> None:  # noqa: ANN001
     ours = load_model(str(tiny_gguf[0]), torch.float32, "cpu")
     layers = _experts(ours)
-    kinds = [isinstance(m.method, moe_cpu.CpuInt4Experts) for m in layers]
-    assert kinds == [True, True, True, False, False]  # Q4_0, Q4_1, Q4_K layers; not the Q6_K / Q8_0 ones
+    assert all(isinstance(m.method, moe_cpu.CpuExperts) for m in layers)
+    assert [f.bits for f in layers[3].method.forms.values()] == [4, 6]  # Q4_K gate/up, Q6_K down
     # Q4_0 / Q4_1 keep the file's fp16 scales (20 bytes per 32 weights: 20/18 and 20/20 of the file);
     # Q4_K's products of two scales are not exact in fp16, so fp32 (24 bytes, as the int4 form had).
-    ratios = [resident_weight_bytes(m) / _file_expert_bytes(t[0]) for m, t in zip(layers, LAYER_TYPES, strict=True)
-              if isinstance(m.method, moe_cpu.CpuInt4Experts)]
+    ratios = [resident_weight_bytes(m) / _file_expert_bytes(t[0]) for m, t in zip(layers[:3], LAYER_TYPES, strict=False)]
     assert ratios == pytest.approx([20 / 18, 20 / 20, 24 / 18], rel=1e-9)
+    # Q8_0 experts in cpu_bits' rows: int8 codes and the file's fp16 scales, exactly the file's bytes
+    assert resident_weight_bytes(layers[4]) == _file_expert_bytes(LAYER_TYPES[4][0])
 
 
+@pytest.mark.parametrize("index", [1, 3, 4], ids=["q4_1", "q4_k+q6_k", "q8_0"])
 @pytest.mark.parametrize("tokens", [3, 40])  # the kernel for a few rows; dequantise + sgemm for many
-def test_cpu_experts_equal_their_twin(tiny_gguf, tokens: int) -> None:  # noqa: ANN001
+def test_cpu_experts_equal_their_twin(tiny_gguf, tokens: int, index: int) -> None:  # noqa: ANN001
     ours = load_model(str(tiny_gguf[0]), torch.float32, "cpu")
-    layer = _experts(ours)[1]
+    layer = _experts(ours)[index]
     gen = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, layer.hidden_size, generator=gen)
     topk_ids = torch.stack([torch.randperm(layer.num_experts, generator=gen)[:2] for _ in range(tokens)])
@@ -49,7 +52,6 @@ def test_cpu_experts_equal_their_twin(tiny_gguf, tokens: int) -> None:  # noqa: 
     ref = layer.method.apply(layer, x, topk_weights, topk_ids, linear=moe_cpu._linear_ref)
     # Each projection equals its twin to summation order (tests/test_cpu_gemv.py); between them a last-bit
     # difference in gate_up can move one int8-rounded activation of down_proj by a step.
-    print(float((got - ref).abs().max() / ref.abs().max()))
     assert (got - ref).abs().max() < 1e-2 * ref.abs().max()
     a_wrong_expert = layer.method.apply(layer, x, topk_weights, (topk_ids + 1) % layer.num_experts)
     assert (a_wrong_expert - ref).abs().max() > 0.1 * ref.abs().max()
@@ -60,7 +62,7 @@ def test_the_model_predicts_as_the_exact_path(tiny_gguf) -> None:  # noqa: ANN00
     fast = paged_logits(load_model(str(path), torch.float32, "cpu"))
     with int4.cpu_kernel(int4.Int4Kernel.DENSE):
         exact = load_model(str(path), torch.float32, "cpu")
-    assert not any(isinstance(m.method, moe_cpu.CpuInt4Experts) for m in _experts(exact))
+    assert not any(isinstance(m.method, moe_cpu.CpuExperts) for m in _experts(exact))
     expected = hf_logits(hf)
     torch.testing.assert_close(paged_logits(exact), expected, atol=1e-4, rtol=1e-4)
     # int8-rounded activations (llama.cpp's arithmetic): close to the exact logits, the same top tokens

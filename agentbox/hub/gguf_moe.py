@@ -3,7 +3,7 @@
 Every quantised GGUF expert type stays quantised (layers/gguf_experts.py): 4-bit types in the int4 expert
 form (4-bit codes, a scale and an offset per 32 weights), Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K in the k-bit form
 (layers/moe_bits.py: codes at their width, a scale and, for Q5_1 / Q5_K, an offset per group of 32, 16 for
-Q6_K), the scales in the compute dtype: bf16 on GPU, fp32 on CPU. tests/test_plan_gguf_moe.py measures
+Q6_K), the scales in bf16 on GPU; on CPU the CPU kernels' forms (layers/moe_cpu.py, formats.GGUF_CPU_BYTES). tests/test_plan_gguf_moe.py measures
 each number below on loaded layers. A profile does not list its file's tensor types, so a variant named
 after a llama.cpp file type gets that type's expert mix.
 """
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agentbox.layers.quant.formats import GGUF_TYPE_BYTES
+from agentbox.layers.quant.formats import GGUF_CPU_BYTES, GGUF_TYPE_BYTES
 
 
 @dataclass(frozen=True)
 class ExpertTypeBytes:
-    """Bytes per expert weight of one GGUF type: in the file, resident on GPU (bf16), on CPU (fp32)."""
+    """Bytes per expert weight of one GGUF type: in the file, resident on GPU (bf16), on CPU (its kernels)."""
 
     file: float
     cuda: float
@@ -27,13 +27,9 @@ class ExpertTypeBytes:
         return self.cuda if device == "cuda" else self.cpu
 
 
-# On CPU the k-bit experts hold fp32 scales (and offsets) in the canonical form; the 4-bit ones the CPU
-# kernel's tiles, keeping Q4_0 / Q4_1's fp16 scales (layers/moe_cpu.py; 24 / 32 where it cannot build).
-_CPU_BYTES = {"q4_0": 20 / 32, "q4_1": 20 / 32, "q4_k": 24 / 32, "q5_0": 24 / 32, "q5_1": 28 / 32, "q5_k": 28 / 32,
-              "q6_k": 16 / 16, "q8_0": 36 / 32}
-# File and GPU bytes are the linear layers' (formats.GGUF_TYPE_BYTES: the same forms)
+# Experts take the linear layers' forms on every device (layers/moe_cpu.py repacks them for the CPU kernels)
 EXPERT_TYPE_BYTES: dict[str, ExpertTypeBytes] = {
-    t.upper(): ExpertTypeBytes(*GGUF_TYPE_BYTES[t], cpu) for t, cpu in _CPU_BYTES.items()
+    t.upper(): ExpertTypeBytes(*GGUF_TYPE_BYTES[t], cpu) for t, cpu in GGUF_CPU_BYTES.items()
 }
 
 # Shares of the expert weights in each type, per llama.cpp file type (its llama_tensor_get_type): the _M
