@@ -70,11 +70,12 @@ print("engine and kernels import without the HTTP stack")'
 run timeout 120 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/
 # The kernel tests against their torch twins, compiled for the GPU this time (on CPU they run interpreted).
 run timeout 70 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_*.py tests/kernels/test_graph_runner.py
-# Fused MoE over quantised experts (int4, k-bit, FP8 block, MXFP4), the dense w4a16 / w8a16 kernels they share a
+# Fused MoE over quantised experts (int4, k-bit, FP8 block, MXFP4), the dense w4a16 / wbits / w8a16 kernels they share a
 # decoder with, and FP8 w8a8 (fp8 dots: sm_89+, the H200 has them), all compiled for the GPU.
 run timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/quant_kernels/test_kernels_fused_moe_quant.py \
     tests/quant_kernels/test_kernels_fused_moe_bits.py \
     tests/quant_kernels/test_kernels_w4a16.py::test_w4a16_matches_its_twin \
+    tests/quant_kernels/test_kernels_wbits.py::test_wbits_matches_its_twin \
     tests/quant_kernels/test_kernels_w8a16.py::test_w8a16_matches_its_twin tests/quant_kernels/test_kernels_w8a8.py
 
 # ---- blocks: each prints one JSON object; the report is {name: object}, in the order they ran ----
