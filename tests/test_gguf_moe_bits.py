@@ -24,6 +24,8 @@ from agentbox.layers.quant.gguf import GGUFBlocks
 from agentbox.models.loader import load_model
 from agentbox.parallel.state import set_tp_state
 
+# The exact CPU path: experts stay in the k-bit form (the default repacks them: tests/test_moe_cpu.py).
+pytestmark = pytest.mark.usefixtures("exact_cpu_kernels")
 SINGLE = [Q.Q8_0, Q.Q6_K, Q.Q5_K, Q.Q5_0, Q.Q5_1]
 LAYER_TYPES = [(t,) * 3 for t in SINGLE] + [
     (Q.Q4_K, Q.Q4_K, Q.Q6_K),  # Q4_K_M's layers with a Q6_K ffn_down_exps

@@ -65,6 +65,7 @@ def test_the_model_predicts_as_the_exact_path(tiny_gguf) -> None:  # noqa: ANN00
     assert not any(isinstance(m.method, moe_cpu.CpuExperts) for m in _experts(exact))
     expected = hf_logits(hf)
     torch.testing.assert_close(paged_logits(exact), expected, atol=1e-4, rtol=1e-4)
-    # int8-rounded activations (llama.cpp's arithmetic): close to the exact logits, the same top tokens
-    assert (fast - expected).abs().max() < 0.05 * expected.abs().max()
+    # int8-rounded activations (llama.cpp's arithmetic) in every expert layer: close to the exact logits
+    # (measured 6.7 % of the range at worst on this random model), the same top tokens
+    assert (fast - expected).abs().max() < 0.1 * expected.abs().max()
     assert (fast.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9

@@ -120,7 +120,7 @@ def install(layer: FusedMoE) -> bool:
     return True
 
 
-Linear = Callable[[torch.Tensor, FusedMoE, str, int], torch.Tensor]  # (x, layer, projection, expert)
+Linear = Callable[[torch.Tensor, "FusedMoE", str, int], torch.Tensor]  # (x, layer, projection, expert)
 
 
 def _weights(layer: FusedMoE, w: str, e: int) -> tuple[CpuProjection, torch.Tensor, torch.Tensor | None]:
