@@ -41,6 +41,7 @@ def test_gguf_int4_experts_through_the_kernel_equal_the_reference(tmp_path: Path
     torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.usefixtures("exact_cpu_kernels")  # the k-bit form (on CPU the default repacks it: moe_cpu)
 def test_gguf_kbit_experts_through_the_kernel_equal_the_reference(tmp_path: Path) -> None:
     write_qwen3moe(tmp_path / "tiny.gguf", seed=1, layer_types=BITS_LAYER_TYPES)
     ours = load_model(str(tmp_path / "tiny.gguf"), torch.float32, "cpu")
