@@ -31,6 +31,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_gemv.h"
+
 #define QB 32   /* elements per block */
 #define NR 4    /* weight rows one pass over an activation row serves */
 #define PB 8    /* blocks per record (256 columns: a GGUF K-quant super-block); a row's last may have fewer */
@@ -80,19 +82,8 @@ static int quantize(const float *x, int64_t m, const shape_t *s, act_t *a) {
     a->gs = (float *)calloc((size_t)(m * recs * GM), sizeof(float));
     if (!a->q || !a->d || !a->gs) return -1;
     for (int64_t r = 0; r < m * nb; r++) {
-        const float *v = x + r * QB;
-        float amax = 0.0f;
-        for (int i = 0; i < QB; i++) {
-            float f = fabsf(v[i]);
-            amax = f > amax ? f : amax;
-        }
-        float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-        int sq[2] = {0, 0};
-        for (int i = 0; i < QB; i++) {
-            int8_t q = (int8_t)nearbyintf(v[i] * id);
-            a->q[r * QB + i] = q;
-            sq[i / 16] += q;
-        }
+        int sq[2];
+        const float d = ab_round_block(x + r * QB, a->q + r * QB, sq);
         a->d[r] = d;
         const int64_t row = r / nb, b = r % nb;
         float *gs = a->gs + (row * recs + b / PB) * GM + (b % PB) * per;

@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_gemv.h"
+
 #define QB 32   /* elements per activation block */
 #define NR 4    /* weight rows one pass over an activation row serves */
 
@@ -37,20 +39,9 @@ static int quantize_activations(const float *x, int64_t m, int64_t k, int64_t gr
     a->gsum = (float *)calloc((size_t)(m * (k / group)), sizeof(float));
     if (!a->q || !a->d || !a->gsum) return -1;
     for (int64_t r = 0; r < m * nb; r++) {
-        const float *v = x + r * QB;
-        float amax = 0.0f;
-        for (int i = 0; i < QB; i++) {
-            float f = fabsf(v[i]);
-            amax = f > amax ? f : amax;
-        }
-        float d = amax / 127.0f;
-        float id = d > 0.0f ? 1.0f / d : 0.0f;
-        int sq = 0;
-        for (int i = 0; i < QB; i++) {
-            int8_t q = (int8_t)nearbyintf(v[i] * id);
-            a->q[r * QB + i] = q;
-            sq += q;
-        }
+        int sums[2];
+        const float d = ab_round_block(x + r * QB, a->q + r * QB, sums);
+        const int sq = sums[0] + sums[1];
         a->d[r] = d;
         /* The sum of the quantised block, so the result is exactly that of x rounded to d * q: a many-row
          * caller can dequantise the weight and multiply the same rounded x (numbers independent of M).
