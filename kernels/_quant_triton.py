@@ -141,3 +141,59 @@ if HAS_TRITON:
         else:
             w = (q - (1 << (BITS - 1))).to(tl.float32) * s[None, :]
         return w
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def dequant_gemm_kernel(
+        x_ptr, w_ptr, h_ptr, s_ptr, o_ptr, out_ptr, M, N, K, K_GROUP, N_GROUP,
+        sxm, sxk, swk, swn, shk, shn, ssk, ssn, sok, son,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        FORMAT: tl.constexpr, BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    ):
+        """out [M, N] = x [M, K] @ W^T for every dense quantised weight (w4a16, w8a16, wbits): the tile comes from
+        `load_bits_tile` when BITS > 4, else from `load_weight_tile` in FORMAT. One K tile never straddles a
+        scale group (callers pick BLOCK_K)."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            kmask = rk < K
+            x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
+            if BITS > 4:
+                w = load_bits_tile(w_ptr, h_ptr, s_ptr, o_ptr, k0, rk, rn, kmask, rn < N,
+                                   swk, swn, shk, shn, ssk, ssn, sok, son, K_GROUP, BITS, HAS_OFFSET)
+            else:
+                w = load_weight_tile(w_ptr, s_ptr, o_ptr, k0, rk, rn, kmask, rn < N,
+                                     swk, swn, ssk, ssn, sok, son, K_GROUP, N_GROUP, FORMAT)
+            acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")  # fp32: no TF32, as torch does
+        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def dequant_gemm(
+    x: torch.Tensor, n: int, w: torch.Tensor, s: torch.Tensor, *, fmt: WeightFormat = WeightFormat.INT4,
+    o: torch.Tensor | None = None, h: torch.Tensor | None = None, bits: int = 0, k_group: int = 32,
+    n_group: int = 1, block_k: int = 32, w_strides: tuple[int, int] | None = None,
+    s_strides: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Launch `dequant_gemm_kernel` for an [M, K] x and an N-column weight. `w_strides` / `s_strides` are the
+    (K, N) strides of the codes and the scales (default: stored K-major, [K.., N]); tensors a format does
+    not read (`h`, `o`) may be None."""
+    m, k = x.shape
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    o_ = s if o is None else o
+    h_ = w if h is None else h
+    swk, swn = w_strides if w_strides is not None else (w.stride(0), w.stride(1))
+    ssk, ssn = s_strides if s_strides is not None else (s.stride(0), s.stride(1))
+    grid = (triton.cdiv(m, 16), triton.cdiv(n, 64))
+    dequant_gemm_kernel[grid](
+        x, w, h_, s, o_, out, m, n, k, k_group, n_group,
+        x.stride(0), x.stride(1), swk, swn, h_.stride(0), h_.stride(1), ssk, ssn, o_.stride(0), o_.stride(1),
+        BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, FORMAT=fmt.value, BITS=bits, HAS_OFFSET=o is not None,
+    )
+    return out

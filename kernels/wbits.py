@@ -10,7 +10,7 @@ Decode is memory-bound: the tile decode costs a few integer ops per weight again
 from __future__ import annotations
 
 import torch
-from agentbox.kernels._quant_triton import HAS_TRITON, check_runnable, load_bits_tile, tl, triton
+from agentbox.kernels._quant_triton import check_runnable, dequant_gemm
 from agentbox.kernels.dequant import BITS, dequant_bits
 
 GROUPS = (16, 32)  # Q6_K's, the others': a K tile is one group (load_bits_tile reads one scale per tile)
@@ -26,31 +26,6 @@ def wbits_matmul_ref(
     bits: int,
 ) -> torch.Tensor:
     return (x.float() @ dequant_bits(qweight, qhigh, scale, offset, group, bits)).to(x.dtype)
-
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _wbits_kernel(
-        x_ptr, q_ptr, h_ptr, s_ptr, o_ptr, out_ptr, M, N, K, group,
-        sxm, sxk, sqk, sqn, shk, shn, ssk, ssn, sok, son,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        BITS: tl.constexpr, HAS_OFFSET: tl.constexpr,
-    ):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            kmask = rk < K
-            x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
-            w = load_bits_tile(q_ptr, h_ptr, s_ptr, o_ptr, k0, rk, rn, kmask, rn < N,
-                               sqk, sqn, shk, shn, ssk, ssn, sok, son, group, BITS, HAS_OFFSET)
-            acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")  # fp32: no TF32, as torch does
-        out = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], out, mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
 def wbits_matmul(
@@ -72,13 +47,5 @@ def wbits_matmul(
         )
     if qhigh.shape[0] * 32 != k * (bits - 4):
         raise ValueError(f"wbits: qhigh {tuple(qhigh.shape)} does not hold {bits - 4} high bits of K={k} rows")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    o = scale if offset is None else offset  # not read without an offset
-    grid = (triton.cdiv(m, 16), triton.cdiv(n, 64))
-    _wbits_kernel[grid](
-        x, qweight, qhigh, scale, o, out, m, n, k, group,
-        x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), qhigh.stride(0), qhigh.stride(1),
-        scale.stride(0), scale.stride(1), o.stride(0), o.stride(1),
-        BLOCK_M=16, BLOCK_N=64, BLOCK_K=group, BITS=bits, HAS_OFFSET=offset is not None,
-    )
-    return out
+    # a K tile is one group: load_bits_tile reads one scale per tile
+    return dequant_gemm(x, n, qweight, scale, o=offset, h=qhigh, bits=bits, k_group=group, block_k=group)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 
 import triton
-from agentbox.kernels import fused_moe, w4a16, w8a16
-from agentbox.kernels._quant_triton import WeightFormat
+from agentbox.kernels import fused_moe
+from agentbox.kernels._quant_triton import WeightFormat, dequant_gemm_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -49,11 +49,12 @@ def main() -> int:
         consts = dict(grouped, FORMAT=WeightFormat.INT4.value, HAS_PERM=False, BITS=bits, HAS_OFFSET=has_offset,
                       BLOCK_K=block_k)
         jobs.append((f"grouped gemm {bits}-bit", fused_moe._grouped_gemm_kernel, ptrs, consts, 80))
-    dense = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)
-    jobs.append(("w4a16", w4a16._w4a16_kernel, dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", o_ptr="*bf16",
-                 out_ptr="*bf16"), dict(dense, FORMAT=WeightFormat.INT4.value), 80))
-    jobs.append(("w8a16", w8a16._w8a16_kernel, dict(x_ptr="*bf16", w_ptr="*u8", s_ptr="*fp32", out_ptr="*bf16"),
-                 dict(dense, FORMAT=WeightFormat.FP8.value), 80))
+    # the dense dequant-GEMM (w4a16, w8a16 and wbits launch it)
+    dense = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, BITS=0, HAS_OFFSET=True)
+    jobs.append(("w4a16", dequant_gemm_kernel, dict(x_ptr="*bf16", w_ptr="*i32", h_ptr="*i32", s_ptr="*bf16",
+                 o_ptr="*bf16", out_ptr="*bf16"), dict(dense, FORMAT=WeightFormat.INT4.value), 80))
+    jobs.append(("w8a16", dequant_gemm_kernel, dict(x_ptr="*bf16", w_ptr="*u8", h_ptr="*u8", s_ptr="*fp32",
+                 o_ptr="*fp32", out_ptr="*bf16"), dict(dense, FORMAT=WeightFormat.FP8.value, HAS_OFFSET=False), 80))
     failed = 0
     for name, fn, ptrs, consts, arch in jobs:
         try:

@@ -143,11 +143,11 @@ WBITS_CUBIN = """
 import sys
 sys.path.insert(0, sys.argv[1])
 from cubin_compile import compile_for
-from agentbox.kernels import wbits
-ptrs = dict(x_ptr="*bf16", q_ptr="*i32", h_ptr="*i32", s_ptr="*bf16", o_ptr="*bf16", out_ptr="*bf16")
+from agentbox.kernels._quant_triton import dequant_gemm_kernel
+ptrs = dict(x_ptr="*bf16", w_ptr="*i32", h_ptr="*i32", s_ptr="*bf16", o_ptr="*bf16", out_ptr="*bf16")
 for bits, has_offset, group in ((5, True, 32), (6, False, 16), (8, False, 32)):
-    consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=group, BITS=bits, HAS_OFFSET=has_offset)
-    print(f"wbits {bits}-bit sm_80: {compile_for(wbits._wbits_kernel, ptrs, consts, 80)} B of cubin")
+    consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=group, FORMAT=1, BITS=bits, HAS_OFFSET=has_offset)
+    print(f"wbits {bits}-bit sm_80: {compile_for(dequant_gemm_kernel, ptrs, consts, 80)} B of cubin")
 """
 
 
