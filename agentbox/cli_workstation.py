@@ -3,12 +3,11 @@ cli.py merges `workstation_app` into the root command and adds `check_app` as `a
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 
 from agentbox.cli_common import fail
 from agentbox.hub.plan import PlanConfig  # the planner's defaults; no torch at import
+from agentbox.hw.probe import Probe
 
 # Nameless: cli.py merges these commands into `agentbox` itself, so they stay `agentbox plan`, not a group.
 workstation_app = typer.Typer()
@@ -21,7 +20,7 @@ _P = PlanConfig()
 @workstation_app.command("plan")
 def plan_cmd(
     model: str | None = typer.Argument(None, help="a model name (see `agentbox models --known`); default: the serve default"),  # noqa: UP007
-    hardware: Path | None = typer.Option(None, "--hardware", help="plan for a machine described in JSON (profiles/hardware/)"),  # noqa: UP007
+    hardware: str | None = typer.Option(None, "--hardware", help="plan for another machine: a JSON file or a bundled name (2x-rtx5090)"),  # noqa: UP007
     context: int | None = typer.Option(None, "--context", help="tokens per session (default: min(32768, the model's))"),  # noqa: UP007
     sessions: int = typer.Option(_P.sessions, "--sessions", help="sessions whose KV stays resident"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
@@ -36,7 +35,7 @@ def plan_cmd(
     from agentbox.hub.plan import plan
     from agentbox.hub.profiles import ProfileError, find_profile
     from agentbox.hub.tables import render_plan
-    from agentbox.hw.probe import Probe, probe
+    from agentbox.hw.probe import probe
 
     try:
         profiles = [find_profile(model)] if model else default_profiles()
@@ -44,7 +43,7 @@ def plan_cmd(
         fail(str(exc))
     if not profiles:
         fail("no model given and no profile has a default_rank")
-    machine = Probe.load(hardware) if hardware else probe()
+    machine = _machine(hardware) if hardware else probe()
     cfg = replace(_P, context=context, sessions=sessions)
     plans = [plan(prof, machine, cfg) for prof in profiles]  # no MODEL: the first default that runs here
     result = next((p for p in plans if p.chosen is not None), plans[0])
@@ -56,24 +55,34 @@ def plan_cmd(
         raise typer.Exit(2)
 
 
+def _machine(hardware: str) -> Probe:
+    """--hardware: a file or a bundled name; a bad one is a one-line error naming the valid names."""
+    from agentbox.hw.hardware import HardwareError, load_hardware
+
+    try:
+        return load_hardware(hardware)
+    except HardwareError as exc:
+        fail(str(exc))
+
+
 @workstation_app.command("pull")
 def pull_cmd(
     spec: str = typer.Argument(..., help="MODEL or MODEL:VARIANT; without a variant, the planner picks for this machine"),
-    hardware: Path | None = typer.Option(None, "--hardware", help="pick the variant for a described machine"),  # noqa: UP007
+    hardware: str | None = typer.Option(None, "--hardware", help="pick the variant for another machine: a JSON file or a bundled name"),  # noqa: UP007
     revision: str = typer.Option("main", help="branch, tag or commit on the hub"),
 ) -> None:
     """Download one variant's files (resumable, progress bars, disk checked first). HF_TOKEN for gated repos."""
     from agentbox.hub.plan import plan
     from agentbox.hub.profiles import ProfileError
     from agentbox.hub.pull import PullError, parse_spec, pull
-    from agentbox.hw.probe import Probe, probe
+    from agentbox.hw.probe import probe
 
     try:
         profile, variant = parse_spec(spec)
     except ProfileError as exc:
         fail(str(exc))
     if variant is None:
-        chosen = plan(profile, Probe.load(hardware) if hardware else probe(try_kernels=False)).chosen
+        chosen = plan(profile, _machine(hardware) if hardware else probe(try_kernels=False)).chosen
         if chosen is None:
             fail(f"no variant of {profile.name} runs on this machine (see `agentbox plan {profile.name}`); "
                   f"name one to pull it anyway: agentbox pull {profile.name}:VARIANT")

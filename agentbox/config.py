@@ -18,10 +18,19 @@ class CachePolicy(str, Enum):
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
+# What the planner (hub/plan.py) counts as KV: this many sessions resident at this context (or the model's,
+# when shorter). On CPU the engine sizes its pool by the same numbers, so the plan's memory is what the
+# server takes (a share of free RAM instead took 4 GiB for SmolLM2, planned at 0.35 GiB of KV).
+PLAN_CONTEXT = 32768
+PLAN_SESSIONS = 1
+
+
+STATE_ENV = "AGENTBOX_HOME"
+
 
 def state_dir() -> Path:
     """Where the daemon keeps pid/port/log files and verdicts (AGENTBOX_HOME overrides, for tests)."""
-    root = os.environ.get("AGENTBOX_HOME") or os.path.join(
+    root = os.environ.get(STATE_ENV) or os.path.join(
         os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"), "agentbox"
     )
     path = Path(root)

@@ -54,10 +54,27 @@ def read_state() -> dict | None:
     return st
 
 
-def write_state(config: ServerConfig, pid: int, model_name: str) -> None:
+def state_dir_problem() -> str | None:
+    """Why the state directory (server.json, server.log, models) cannot be written, with the fix; None if it can."""
+    from agentbox.config import STATE_ENV
+
+    try:
+        d = state_dir()
+        probe = d / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        where = exc.filename or os.environ.get(STATE_ENV) or "the state directory"
+        return (f"cannot write agentbox's state directory {where} ({exc.strerror})\n"
+                f"  use one you own: export {STATE_ENV}=$HOME/.agentbox   (or fix its owner: sudo chown -R $USER {where})")
+    return None
+
+
+def write_state(config: ServerConfig, pid: int, model_name: str, log: Path | None) -> None:
+    """`log`: the file the server writes to; None when it runs in the foreground and logs to its terminal."""
     st = {
         "pid": pid, "host": config.host, "port": config.port, "model": model_name,
-        "model_path": config.engine.model, "started": time.time(), "log": str(log_file()),
+        "model_path": config.engine.model, "started": time.time(), "log": str(log) if log else None,
         "api_key": config.api_key,  # read by setup / launch / check tools; the file is the user's alone
     }
     state_file().touch(mode=0o600)
@@ -136,17 +153,21 @@ def tail(path: Path, lines: int = 40) -> str:
         return ""
 
 
-def run_foreground(config: ServerConfig) -> None:
+def run_foreground(config: ServerConfig, log: Path | None = None) -> None:
+    """Serve in this process; `log` is where its output goes (the background child's server.log), None for a
+    terminal."""
     from agentbox.server.app import run_server, served_name
 
     pid = os.getpid()
-    write_state(config, pid, served_name(config))
+    write_state(config, pid, served_name(config), log)
     # SIGTERM from `agentbox stop` becomes uvicorn's graceful shutdown (it handles SIGINT/SIGTERM itself).
     try:
         run_server(config)
+    except KeyboardInterrupt:
+        pass  # Ctrl-C: uvicorn has shut down gracefully and re-raised the signal; nothing left to say
     finally:
         clear_state(pid)
 
 
 if __name__ == "__main__":
-    run_foreground(config_from_json(sys.argv[1]))
+    run_foreground(config_from_json(sys.argv[1]), log_file())  # spawn() sends our output there

@@ -136,6 +136,9 @@ class EngineClient:
     def _on_dead(self, why: str, conn: Connection) -> None:
         if conn is not self._conn or self.dead is not None:
             return  # an older engine's last words, or the EOF that follows its failure message
+        if self._proc is None:  # the EOF of a shutdown we asked for (`agentbox stop`, Ctrl-C): not a failure
+            log.info("engine stopped")
+            return
         self.dead = why
         log.error("engine failed: %s", why)
         for rid, q in self._queues.items():
@@ -144,8 +147,7 @@ class EngineClient:
         for fut in self._queries.values():
             if not fut.done():
                 fut.set_exception(EngineDead(why))
-        if self._proc is not None:  # not a shutdown we asked for
-            threading.Thread(target=self._restart, args=(why,), name="engine-restart", daemon=True).start()
+        threading.Thread(target=self._restart, args=(why,), name="engine-restart", daemon=True).start()
 
     def _restart(self, why: str) -> None:
         old = self._proc

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from multiprocessing.connection import Connection
 
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = logging.INFO) -> None:
     """Entry point of the engine core process."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group; the API process owns the shutdown (it sends
+    # Shutdown, or its exit closes the pipe), so the engine must not die mid-step with a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # No PR_SET_PDEATHSIG here: it fires when the parent *thread* ends, and a restarted engine is spawned
     # by a short-lived thread. The pipe's EOF ends this process when the API process goes.
     send_lock = threading.Lock()  # the tp watchdog thread may report a death while the loop sends

@@ -88,6 +88,8 @@ def page_bytes(kv: KVCache) -> int:
 
 def host_pages_for(gpu_kv: KVCache, host_cache_gb: float | None) -> int:
     if host_cache_gb is None:
+        if gpu_kv.k[0].device.type == "cpu":
+            return 0  # the pool already lives in host RAM: a copy in the same RAM would free nothing
         import psutil
 
         # A share of free RAM, but no more than a few times the GPU pool: beyond that the tier only costs

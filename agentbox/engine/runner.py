@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agentbox.config import EngineConfig
+from agentbox.config import PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
 from agentbox.engine.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.messages import TokenLogprob
 from agentbox.engine.page_table import PageTable, RowAssigner
@@ -32,11 +32,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Share of free memory the KV pool may take when no size is given: most of a GPU (weights are already
-# loaded), a modest slice of host RAM on CPU (the rest is the OS's, the API process's and the host tier's).
+# Share of free GPU memory the KV pool takes when no size is given: most of it (weights are already loaded).
+# On CPU the pool holds what the plan counted (_auto_num_pages).
 GPU_KV_SHARE = 0.85
-CPU_KV_SHARE = 0.25
-CPU_KV_MAX_BYTES = 4 << 30
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -114,9 +112,10 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * GPU_KV_SHARE)
         else:
-            import psutil  # here, not at the top: the GPU check imports the engine where psutil may be absent
-
-            budget = min(int(psutil.virtual_memory().available * CPU_KV_SHARE), CPU_KV_MAX_BYTES) // self.tp
+            # What the plan counted (config.PLAN_CONTEXT x PLAN_SESSIONS): RAM is shared with everything else
+            # on the machine, so the pool takes what the plan promised, not a share of what is free now.
+            tokens = min(self.config.max_model_len or self.loaded.max_model_len, PLAN_CONTEXT) * PLAN_SESSIONS
+            return -(-tokens // self.page_size) + 1  # page 0 is the pool's null page
         return max(2, budget // page_bytes)
 
     # ---- rank 0: Requests -> StepInputs ----

