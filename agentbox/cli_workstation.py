@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from agentbox.cli_common import fail
-from agentbox.hub.plan import PlanConfig  # the planner's defaults; no torch at import
+from agentbox.config import PLAN_SESSIONS
 from agentbox.hw.probe import Probe
 
 # Nameless: cli.py merges these commands into `agentbox` itself, so they stay `agentbox plan`, not a group.
@@ -14,25 +14,23 @@ workstation_app = typer.Typer()
 
 # ---- workstation: plan / pull / models / doctor (hw + hub) ----
 
-_P = PlanConfig()
-
 
 @workstation_app.command("plan")
 def plan_cmd(
     model: str | None = typer.Argument(None, help="a model name (see `agentbox models --known`); default: the serve default"),  # noqa: UP007
     hardware: str | None = typer.Option(None, "--hardware", help="plan for another machine: a JSON file or a bundled name (2x-rtx5090)"),  # noqa: UP007
     context: int | None = typer.Option(None, "--context", help="tokens per session (default: min(32768, the model's))"),  # noqa: UP007
-    sessions: int = typer.Option(_P.sessions, "--sessions", help="sessions whose KV stays resident"),
+    sessions: int = typer.Option(PLAN_SESSIONS, "--sessions", help="sessions whose KV stays resident"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Which variant of a model runs on this machine (or a described one), with the memory arithmetic."""
     import json
-    from dataclasses import replace
 
     from rich.console import Console
 
+    described = _machine(hardware) if hardware else None  # a bad --hardware fails before torch loads
     from agentbox.hub.chain import default_profiles
-    from agentbox.hub.plan import plan
+    from agentbox.hub.plan import PlanConfig, plan
     from agentbox.hub.profiles import ProfileError, find_profile
     from agentbox.hub.tables import render_plan
     from agentbox.hw.probe import probe
@@ -43,8 +41,8 @@ def plan_cmd(
         fail(str(exc))
     if not profiles:
         fail("no model given and no profile has a default_rank")
-    machine = _machine(hardware) if hardware else probe()
-    cfg = replace(_P, context=context, sessions=sessions)
+    machine = described or probe()
+    cfg = PlanConfig(context=context, sessions=sessions)
     plans = [plan(prof, machine, cfg) for prof in profiles]  # no MODEL: the first default that runs here
     result = next((p for p in plans if p.chosen is not None), plans[0])
     if json_out:
@@ -72,6 +70,7 @@ def pull_cmd(
     revision: str = typer.Option("main", help="branch, tag or commit on the hub"),
 ) -> None:
     """Download one variant's files (resumable, progress bars, disk checked first). HF_TOKEN for gated repos."""
+    described = _machine(hardware) if hardware else None  # a bad --hardware fails before torch loads
     from agentbox.hub.plan import plan
     from agentbox.hub.profiles import ProfileError
     from agentbox.hub.pull import PullError, parse_spec, pull
@@ -82,7 +81,7 @@ def pull_cmd(
     except ProfileError as exc:
         fail(str(exc))
     if variant is None:
-        chosen = plan(profile, _machine(hardware) if hardware else probe(try_kernels=False)).chosen
+        chosen = plan(profile, described or probe(try_kernels=False)).chosen
         if chosen is None:
             fail(f"no variant of {profile.name} runs on this machine (see `agentbox plan {profile.name}`); "
                   f"name one to pull it anyway: agentbox pull {profile.name}:VARIANT")

@@ -16,7 +16,7 @@ from pathlib import Path
 from rich.console import Console
 
 from agentbox.hub.profiles import Profile, ProfileError, find_profile, load_profiles
-from agentbox.hub.pull import MARKER, PullError, models_dir, pull
+from agentbox.hub.pull import MARKER, PullError, is_network_error, models_dir, pull
 from agentbox.invocation import agentbox_cmd
 
 # owner/name, as the hub spells repo ids; `:QUANT` picks one GGUF file of a repo that has several.
@@ -124,7 +124,9 @@ def pull_repo(spec: str, console: Console) -> Path:
                             f"  {not_found_message(spec).splitlines()[1].strip()}") from None
     except HfHubHTTPError as exc:
         raise ModelArgError(f"{tried}: the hub refused ({str(exc).splitlines()[0]})") from None
-    except OSError as exc:  # DNS, refused connections, timeouts: the hub client raises OSError subclasses
+    except Exception as exc:
+        if not is_network_error(exc):
+            raise
         raise ModelArgError(f"{tried}: the hub cannot be reached ({type(exc).__name__})\n"
                             f"  serve a local path instead: {agentbox_cmd()} serve --model PATH") from None
     (dest / MARKER).write_text(json.dumps({"model": repo, "repo": repo, "load": load}, indent=2))

@@ -197,7 +197,7 @@ def _metadata(endpoint: str, repo: str, revision: str, name: str, token: str | N
             raise PullError(f"{repo}@{revision} has no file {name!r} (HTTP 404)") from exc
         raise PullError(f"{url}: {exc}") from exc
     except Exception as exc:  # connection refused, DNS, timeouts: the hub's http client raises its own types
-        if _is_network_error(exc):
+        if is_network_error(exc):
             raise OfflineError(
                 f"cannot reach {endpoint} ({type(exc).__name__}); you appear to be offline. "
                 f"Models already pulled still work: `agentbox models` lists them"
@@ -208,7 +208,8 @@ def _metadata(endpoint: str, repo: str, revision: str, name: str, token: str | N
     return RemoteFile(name, url, int(meta.size), meta.etag, meta.commit_hash)
 
 
-def _is_network_error(exc: BaseException) -> bool:
+def is_network_error(exc: BaseException) -> bool:
+    """A failure to reach the hub (DNS, refused, timeout), whichever HTTP client the hub library uses."""
     names = {c.__name__ for c in type(exc).__mro__}
     return bool(
         names & {"TransportError", "ConnectError", "TimeoutException", "NetworkError", "ConnectionError"}
