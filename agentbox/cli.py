@@ -48,7 +48,8 @@ def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int]:
         except ModelArgError as e:
             fail(str(e))
         return str(choice.path), tp or choice.tp or 1
-    from agentbox.hub.chain import ChainError, resolve_default  # the planner loads torch: after the cheap checks
+    # The planner loads torch: imported here, after the cheap checks.
+    from agentbox.hub.chain import ChainError, resolve_default
 
     try:
         resolved = resolve_default()
@@ -177,10 +178,13 @@ def _start_background(config: ServerConfig, timeout: float = 600.0) -> None:
                 break
             time.sleep(0.5)
         else:
-            fail(f"the server did not become healthy within {timeout:.0f} s; see agentbox logs")
+            fail(f"the server did not become healthy within {timeout:.0f} s; its log: {daemon.log_file()}")
     running = daemon.read_state() or {}
     typer.echo(f"agentbox is serving {running.get('model', '?')} at {daemon.url_of(st)}/v1 (pid {proc.pid})")
-    typer.echo("  status: agentbox status   logs: agentbox logs -f   stop: agentbox stop")
+    from agentbox.invocation import agentbox_cmd
+
+    me = agentbox_cmd()
+    typer.echo(f"  status: {me} status   logs: {me} logs -f   stop: {me} stop")
 
 
 @app.command()

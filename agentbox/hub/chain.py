@@ -66,7 +66,7 @@ def resolve_default(
 
     def say(msg: str) -> None:
         steps.append(msg)
-        console.print(msg, markup=False, highlight=False)
+        console.print(msg, markup=False, highlight=False, soft_wrap=True)  # a pipe gets whole lines
 
     if probe is None:
         from agentbox.hw.probe import probe as measure

@@ -106,11 +106,12 @@ class Candidate:
 
     @property
     def arithmetic(self) -> str:
-        where = "per GPU" if self.device == "cuda" else "in RAM"
+        # CPU plans against the machine's RAM (stable); a GPU's is its free memory
+        where = "free per GPU" if self.device == "cuda" else "of RAM"
         op = "<=" if self.fits else ">"
         return (
             f"{_num(self.weights_bytes)}/{self.tp} weights + {_num(self.kv_bytes)}/{self.tp} KV + "
-            f"{_num(self.reserve_bytes)} reserve = {_gb(self.need_per_device)} {op} {_gb(self.available_bytes)} free {where}"
+            f"{_num(self.reserve_bytes)} reserve = {_gb(self.need_per_device)} {op} {_gb(self.available_bytes)} {where}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -447,7 +448,7 @@ def _kv_dtype_bytes(probe: Probe) -> int:
 
 def describe_machine(probe: Probe) -> str:
     if probe.cpu_only:
-        return f"CPU only: {probe.host.cpu_model}, {_gb(probe.host.ram_free)} RAM free"
+        return f"CPU only: {probe.host.cpu_model}, {_gb(probe.host.ram_total)} RAM ({_gb(probe.host.ram_free)} free)"
     counts: dict[str, int] = {}
     for g in probe.gpus:
         key = f"{g.name} ({g.arch}, {_gb(g.memory_total)})"
