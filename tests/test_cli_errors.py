@@ -173,3 +173,12 @@ def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(tmp_path:
     for debug in (agentbox("--debug", "status", home=home), agentbox("status", home=home, AGENTBOX_DEBUG="1"),
                   agentbox("status", "--debug", home=home)):
         assert debug.returncode == 1 and "Traceback" in debug.stderr and "KeyError: 'port'" in debug.stderr
+
+
+def test_a_saved_doctor_report_is_a_machine_description(tmp_path: Path) -> None:
+    from agentbox.hw.hardware import load_hardware
+
+    cpu = load_hardware("cpu.json")
+    saved = tmp_path / "machine.json"
+    saved.write_text(json.dumps({"ok": True, "probe": cpu.to_dict(), "problems": []}))
+    assert load_hardware(str(saved)).host == cpu.host

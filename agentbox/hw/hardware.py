@@ -44,18 +44,33 @@ def load_hardware(spec: str | Path) -> Probe:
         data = json.loads(path.read_text())
         if isinstance(data, dict) and isinstance(data.get("probe"), dict):
             data = data["probe"]  # a saved `agentbox doctor --json`
+        _check_shape(data)
         probe = Probe.from_dict(data)
         _check_numbers(probe)
     except OSError as exc:
         raise HardwareError(f"--hardware {spec}: cannot read {path} ({exc.strerror})") from exc
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        cause = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
+        cause = f"no {exc} field" if isinstance(exc, KeyError) else str(exc).splitlines()[0]
         raise HardwareError(
             f"--hardware {spec}: {path} is not a machine description ({cause}); save one with "
             f"`agentbox doctor --json > machine.json`, or use a bundled name: {', '.join(bundled_names())}"
         ) from exc
     probe.described = True
     return probe
+
+
+def _check_shape(data: object) -> None:
+    """The JSON's outline, so that a wrong type is named by its field rather than by a Python error."""
+    if not isinstance(data, dict):
+        raise ValueError("the file must hold a JSON object with host, gpus, links and software")
+    if "host" not in data:
+        raise KeyError("host")
+    for key, kind in (("host", dict), ("gpus", list), ("links", list), ("software", dict)):
+        if key in data and not isinstance(data[key], kind):
+            raise ValueError(f"{key} must be a JSON {'object' if kind is dict else 'list'}")
+    for i, g in enumerate(data.get("gpus", [])):
+        if not isinstance(g, dict):
+            raise ValueError(f"gpus[{i}] must be a JSON object")
 
 
 def _check_numbers(probe: Probe) -> None:
