@@ -91,8 +91,10 @@ def test_readme_first_command_serves_the_embedded_model_on_a_fresh_copy(tmp_path
         assert not (home / "server.json").exists()
         log = (home / "server.log").read_text()
         assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", port))  # the port is free again
+        with socket.socket() as s:  # the port is free again (for a listener: TIME_WAIT of closed connections aside)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
     finally:
         if (home / "server.json").exists():
             subprocess.run([agentbox, "stop"], cwd=repo, env=env, capture_output=True, timeout=120)
