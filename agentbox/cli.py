@@ -17,6 +17,7 @@ app = typer.Typer(
     help="Serve a language model to coding agents on your own GPUs, with each session's cache kept resident.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,
 )
 
 # ---- serving: serve / status / stop / logs (engine + daemon) ----

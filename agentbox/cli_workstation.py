@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from agentbox.cli_common import fail
+from agentbox.cli_console import console, output_width
 from agentbox.hub.plan import PlanConfig  # the planner's defaults; no torch at import
 
 # Nameless: cli.py merges these commands into `agentbox` itself, so they stay `agentbox plan`, not a group.
@@ -30,8 +31,6 @@ def plan_cmd(
     import json
     from dataclasses import replace
 
-    from rich.console import Console
-
     from agentbox.hub.chain import default_profiles
     from agentbox.hub.plan import plan
     from agentbox.hub.profiles import ProfileError, find_profile
@@ -51,7 +50,7 @@ def plan_cmd(
     if json_out:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        Console(width=max(Console().width, 160)).print(render_plan(result))
+        console().print(render_plan(result, output_width()))
     if result.chosen is None:
         raise typer.Exit(2)
 
@@ -93,20 +92,18 @@ def models_cmd(
     """List the models on this machine, with sizes (or, with --known, every profiled model)."""
     import json
 
-    from rich.console import Console
-
     from agentbox.hub.profiles import load_profiles
     from agentbox.hub.pull import list_local
     from agentbox.hub.tables import render_models, render_profiles
 
     if known:
-        Console().print(render_profiles(load_profiles()))
+        console().print(render_profiles(load_profiles()))
         return
     local = list_local()
     if json_out:
         typer.echo(json.dumps([{**m.__dict__, "path": str(m.path)} for m in local], indent=2))
         return
-    Console().print(render_models(local))
+    console().print(render_models(local), crop=False)
 
 
 @workstation_app.command("doctor")
