@@ -247,8 +247,7 @@ def top_cmd(
         st = daemon.read_state()
         url = daemon.url_of(st) if st else f"http://{_S.host}:{_S.port}"
     if once:
-        from rich.console import Console
-
+        from agentbox.cli_console import console, output_width
         from agentbox.tui.panels import once as render_once
         from agentbox.tui.snapshot import snapshot
 
@@ -256,7 +255,7 @@ def top_cmd(
         if json_out:
             typer.echo(json.dumps(snap, indent=2, default=str))
         else:
-            Console(width=max(Console().width, 140)).print(render_once(snap))
+            console().print(render_once(snap, width=output_width()))
         if not snap["up"]:
             raise typer.Exit(1)
         return
