@@ -88,7 +88,7 @@ def serve(
     tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007
     loop_guard: bool = typer.Option(_E.loop_guard, "--loop-guard/--no-loop-guard", help="end generations stuck repeating a cycle of tokens (finish reason length)"),
 ) -> None:
-    """Start the inference server (in the background unless --foreground)."""
+    """Start the server (in the background unless --foreground)."""
     from agentbox import daemon
     from agentbox.config import DTYPES
 
@@ -235,8 +235,9 @@ def top_cmd(
     json_out: bool = typer.Option(False, "--json", help="with --once: print JSON"),
     api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="the server's API key, if it has one"),  # noqa: UP007
 ) -> None:
-    """Live dashboard of agent sessions, cache residency and the machine (keys: s sort, / filter, enter detail,
-    d close session, p pause, q quit)."""
+    """Live dashboard of agent sessions, cache and machine.
+
+    Keys: s sort, / filter, enter detail, d close session, p pause, v next panel (narrow terminals), q quit."""
     import json
 
     from agentbox import daemon

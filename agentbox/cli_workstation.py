@@ -27,7 +27,9 @@ def plan_cmd(
     sessions: int = typer.Option(_P.sessions, "--sessions", help="sessions whose KV stays resident"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
-    """Which variant of a model runs on this machine (or a described one), with the memory arithmetic."""
+    """Which variant of a model fits this machine, with the arithmetic.
+
+    Plans for this machine, or for one described in JSON (--hardware)."""
     import json
     from dataclasses import replace
 
@@ -61,7 +63,9 @@ def pull_cmd(
     hardware: Path | None = typer.Option(None, "--hardware", help="pick the variant for a described machine"),  # noqa: UP007
     revision: str = typer.Option("main", help="branch, tag or commit on the hub"),
 ) -> None:
-    """Download one variant's files (resumable, progress bars, disk checked first). HF_TOKEN for gated repos."""
+    """Download a model variant (resumable; disk space checked first).
+
+    HF_TOKEN for gated repos."""
     from agentbox.hub.plan import plan
     from agentbox.hub.profiles import ProfileError
     from agentbox.hub.pull import PullError, parse_spec, pull
@@ -89,7 +93,7 @@ def models_cmd(
     known: bool = typer.Option(False, "--known", help="list the models agentbox has profiles for"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
-    """List the models on this machine, with sizes (or, with --known, every profiled model)."""
+    """List the models on this machine (--known: every profiled model)."""
     import json
 
     from agentbox.hub.profiles import load_profiles
@@ -111,7 +115,9 @@ def doctor_cmd(
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
     model: str | None = typer.Option(None, "--model", help="plan this model instead of the default"),  # noqa: UP007
 ) -> None:
-    """Check this machine: GPUs, drivers, wheels, models, disk, the port and a running server — with fixes."""
+    """Check this machine and say how to fix what is wrong.
+
+    GPUs, drivers, wheels, models, disk, the port and a running server."""
     import json
 
     from rich.console import Console
@@ -140,7 +146,7 @@ def setup_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="print the change as a diff, write nothing"),
     undo: bool = typer.Option(False, "--undo", help="restore the config file from the latest backup"),
 ) -> None:
-    """Point a coding client at the local server (merges into its config, backs it up first)."""
+    """Point a coding client at the server (its config backed up first)."""
     from agentbox.clients import SETUP_CLIENTS, ClientError, resolve_endpoint, setup_client
 
     if client not in SETUP_CLIENTS:
@@ -163,7 +169,7 @@ def launch_cmd(
     api_key: str | None = typer.Option(None, "--api-key", envvar="AGENTBOX_API_KEY", help="the server's API key (default: the running server's)"),  # noqa: UP007
     force: bool = typer.Option(False, "--force", help="launch even when the client's own prompt does not fit the context"),
 ) -> None:
-    """Run a coding client with its environment pointed at the local server; writes no file."""
+    """Run a coding client against the server; writes no file."""
     from agentbox.clients import LAUNCH_CLIENTS, ClientError, launch_client, resolve_endpoint
 
     if client not in LAUNCH_CLIENTS:
@@ -183,7 +189,9 @@ def check_tools_cmd(
     model: str | None = typer.Option(None, "--model", help="model name (default: the server's)"),  # noqa: UP007
     api_key: str | None = typer.Option(None, "--api-key", envvar="AGENTBOX_API_KEY", help="the server's API key (default: the running server's)"),  # noqa: UP007
 ) -> None:
-    """Prove tool calls round-trip: zero-argument calls, reasoning kept apart, parallel and multi-turn calls."""
+    """Prove tool calls round-trip against a running server.
+
+    Zero-argument calls, reasoning kept apart, parallel and multi-turn calls."""
     from rich.console import Console
     from rich.table import Table
 

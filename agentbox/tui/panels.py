@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -168,11 +169,12 @@ def sessions_table(sessions: list[dict[str, Any]] | None, sort: str = "id", devi
                    narrow: bool = False) -> RenderableType:
     if sessions is None:
         return Text("sessions: – (this server has no /v1/sessions endpoint)", style="dim")
-    table = Table(title="sessions", title_justify="left", expand=False, header_style="bold")
+    table = Table(title="sessions", title_justify="left", expand=False, header_style="bold",
+                  box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD, collapse_padding=narrow, pad_edge=not narrow)
     columns = session_columns(device, narrow)
-    for c in columns:
+    for c in columns:  # the client gives way first: the numbers stay whole
         table.add_column(c.title, justify="left" if c.key in ("id", "client", "state") else "right",
-                         no_wrap=True)
+                         no_wrap=c.key != "client", overflow="ellipsis")
     for s in select_sessions(sessions, sort):
         table.add_row(*(c.cell(s) for c in columns))
     if not sessions:
