@@ -120,15 +120,13 @@ def doctor_cmd(
     GPUs, drivers, wheels, models, disk, the port and a running server."""
     import json
 
-    from rich.console import Console
-
     from agentbox.hw.doctor import doctor, render
 
     report = doctor(model=model)
     if json_out:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        render(report, Console())
+        render(report, console())
     if not report.ok:
         raise typer.Exit(1)
 
@@ -192,7 +190,6 @@ def check_tools_cmd(
     """Prove tool calls round-trip against a running server.
 
     Zero-argument calls, reasoning kept apart, parallel and multi-turn calls."""
-    from rich.console import Console
     from rich.table import Table
 
     from agentbox.clients import ClientError, resolve_endpoint
@@ -209,6 +206,6 @@ def check_tools_cmd(
     table.add_column("detail", overflow="fold")
     for r in results:
         table.add_row(r.name, "[green]pass[/]" if r.ok else "[red]FAIL[/]", r.detail)
-    Console().print(table)
+    console().print(table)
     if not all(r.ok for r in results):
         raise typer.Exit(1)
