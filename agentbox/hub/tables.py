@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from rich import box
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -30,23 +30,15 @@ def _wrapped(text: str, width: int | None, indent: int, style: str = "") -> list
                                       break_on_hyphens=False) or [""]]
 
 
-def _fit(text: Text, width: int | None) -> list[Text]:
-    """A head line wrapped at spaces with its styles (a machine's description can be long)."""
-    if width is None or len(text) <= width:
-        return [text]
-    return list(text.wrap(Console(width=width, soft_wrap=False), width, overflow="fold"))
-
-
 def render_plan(p: Plan, width: int | None = None) -> Group:
     """The plan as lines that fit `width` columns (None: one line per row, however long, for a pipe). A row
     is mark, variant, download size, tp, then its memory arithmetic and verdict on the same line when they
     fit, else on the lines under it; reasons and notes always go under the row, wrapped at spaces."""
     prof = p.profile
     kv_tok = p.to_dict()["kv_bytes_per_token"]
-    lines: list[Text] = _fit(Text.assemble(
-        (prof.name, "bold"),
-        f" ({prof.architecture}, {prof.params / 1e9:.1f}B params{', MoE' if prof.moe else ''}) on "
-        f"{describe_machine(p.probe)}"), width)
+    lines = _wrapped(f"{prof.name} ({prof.architecture}, {prof.params / 1e9:.1f}B params{', MoE' if prof.moe else ''})"
+                     f" on {describe_machine(p.probe)}", width, 0)
+    lines[0].stylize("bold", 0, len(prof.name))
     lines += _wrapped(
         f"context {p.context:,} tokens x {p.sessions} session(s); KV {kv_tok / 1024:.0f} KiB/token = 2 x "
         f"{prof.layers} layers x {prof.kv_heads} kv heads x {prof.head_dim} head dim x "
@@ -79,8 +71,13 @@ def render_plan(p: Plan, width: int | None = None) -> Group:
     for note in p.notes:
         lines += _wrapped(f"note: {note}", width, 0, "yellow")
     if chosen is not None:
-        lines += _fit(Text.assemble(("plan:", "bold green"), f" {prof.name}:{chosen.variant.name} at tp={chosen.tp}  "
-                                    f"(agentbox pull {prof.name}:{chosen.variant.name})"), width)
+        spec = f"{prof.name}:{chosen.variant.name}"
+        verdict = Text.assemble(("plan:", "bold green"), f" {spec} at tp={chosen.tp}")
+        pull = f"(agentbox pull {spec})"
+        if width is None or len(verdict) + 2 + len(pull) <= width:
+            lines.append(verdict + f"  {pull}")
+        else:  # the command whole on its own line, never split
+            lines += [verdict, Text(f"  {pull}")]
     else:
         lines.append(Text.assemble(("no variant runs on this machine", "bold red"), " — see the reasons above"))
     for line in lines:
