@@ -211,7 +211,9 @@ def bench_replay(
     meta = {"command": " ".join(["agentbox", *sys.argv[1:]]), "trace": compare.describe(sessions_list),
             "source": trace_file or openhands_file or "synthetic",
             "synth": {f.name: getattr(cfg, f.name) for f in fields(cfg)} if not (trace_file or openhands_file) else None}
-    runs, _ = compare.compare(sessions_list, targets, options, out_dir, meta)
+    from agentbox.cli_console import console
+
+    runs, _ = compare.compare(sessions_list, targets, options, out_dir, meta, console())
     if not runs:
         raise typer.Exit(1)
 
