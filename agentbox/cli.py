@@ -18,6 +18,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,  # run_cli reports an unexpected error in one line; --debug shows it all
+    rich_markup_mode=None,
 )
 
 
@@ -127,7 +128,7 @@ def serve(
     tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007
     loop_guard: bool = typer.Option(_E.loop_guard, "--loop-guard/--no-loop-guard", help="end generations stuck repeating a cycle of tokens (finish reason length)"),
 ) -> None:
-    """Start the inference server (in the background unless --foreground)."""
+    """Start the server (in the background unless --foreground)."""
     from agentbox import daemon
     from agentbox.config import DTYPES
 
@@ -276,8 +277,9 @@ def top_cmd(
     json_out: bool = typer.Option(False, "--json", help="with --once: print JSON"),
     api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="the server's API key, if it has one"),  # noqa: UP007
 ) -> None:
-    """Live dashboard of agent sessions, cache residency and the machine (keys: s sort, / filter, enter detail,
-    d close session, p pause, q quit)."""
+    """Live dashboard of agent sessions, cache and machine.
+
+    Keys: s sort, / filter, enter detail, d close session, p pause, v next panel (narrow terminals), q quit."""
     import json
 
     from agentbox import daemon
@@ -288,8 +290,7 @@ def top_cmd(
         st = daemon.read_state()
         url = daemon.url_of(st) if st else f"http://{_S.host}:{_S.port}"
     if once:
-        from rich.console import Console
-
+        from agentbox.cli_console import console, output_width
         from agentbox.tui.panels import once as render_once
         from agentbox.tui.snapshot import snapshot
 
@@ -297,7 +298,7 @@ def top_cmd(
         if json_out:
             typer.echo(json.dumps(snap, indent=2, default=str))
         else:
-            Console(width=max(Console().width, 140)).print(render_once(snap))
+            console().print(render_once(snap, width=output_width()))
         if not snap["up"]:
             raise typer.Exit(1)
         return

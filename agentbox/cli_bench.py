@@ -46,7 +46,9 @@ def bench_throughput(
     threads: int = typer.Option(1, "--threads", min=1, help="CPU threads for both engines in the --llamacpp comparison"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """Prefill/decode tokens/s of our engine and transformers' generate on the same model, and idle CPU.
+    """Prefill/decode tokens/s: our engine against transformers.
+
+    Both run the same model; idle CPU too.
     With --tp N: the tp N / tp 1 decode step-time ratio, the per-step broadcast cost, and idle at tp N.
     With --llamacpp: single-stream rates against llama.cpp's server at --threads, as `bench llamacpp`."""
     from agentbox.bench.idle import measure_idle_cpu
@@ -73,7 +75,9 @@ def bench_throughput(
 def bench_step(
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """Host time per decode step (scheduling + input preparation, model excluded) at 1k and 32k tokens of
+    """Host time per decode step, the model excluded.
+
+    Scheduling + input preparation at 1k and 32k tokens of
     context, batch 1 and 32, on a tiny random model; the 32k/1k ratio should stay near 1. Then the whole
     decode step of the torch attention backend at 512, 4k and 8k tokens, its view path against its gather path."""
     from agentbox.bench.step_bench import decode_report, step_report
@@ -90,7 +94,9 @@ def bench_llamacpp(
     repeats: int = typer.Option(2, "--repeats", min=1, help="requests per side; the fastest is kept"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """Single-stream prefill/decode of our GGUF kernels against llama.cpp's server on the same file."""
+    """Our GGUF kernels against llama.cpp's server, single stream.
+
+    Prefill and decode on the same file and thread count."""
     from agentbox.bench.llamacpp import compare_llamacpp
 
     _print_json(compare_llamacpp(_bench_model(model), prompt_len, tokens, threads, repeats), json_out)
@@ -102,7 +108,9 @@ def bench_cache(
     prefix_tokens: int = typer.Option(6000, "--prefix-tokens", min=16, help="tokens of the shared prefix"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """Cold vs warm time to first token on a long prefix, and the hit rate on a byte-identical prefix."""
+    """Cold vs warm time to first token on a long prefix.
+
+    And the hit rate on a byte-identical prefix."""
     from agentbox.bench.cache_bench import cache_report
 
     _print_json(cache_report(_bench_model(model), prefix_tokens), json_out)
@@ -138,7 +146,9 @@ def bench_replay(
     save_trace: str = typer.Option(None, help="Also write the replayed trace to this JSONL file."),
     out: str = typer.Option(None, help="Output folder (default: bench/results/replay-<time>)."),
 ) -> None:
-    """Replay concurrent agent sessions; report total time, time to first token and recomputed history."""
+    """Replay concurrent agent sessions against a server.
+
+    Reports total time, time to first token and recomputed history."""
     import sys
     import time
     from dataclasses import fields, replace
@@ -201,7 +211,9 @@ def bench_replay(
     meta = {"command": " ".join(["agentbox", *sys.argv[1:]]), "trace": compare.describe(sessions_list),
             "source": trace_file or openhands_file or "synthetic",
             "synth": {f.name: getattr(cfg, f.name) for f in fields(cfg)} if not (trace_file or openhands_file) else None}
-    runs, _ = compare.compare(sessions_list, targets, options, out_dir, meta)
+    from agentbox.cli_console import console
+
+    runs, _ = compare.compare(sessions_list, targets, options, out_dir, meta, console())
     if not runs:
         raise typer.Exit(1)
 
@@ -213,7 +225,9 @@ def bench_grammar_cmd(
     num_tools: int = typer.Option(8, help="tools in the compiled set"),
     tokens: int = typer.Option(256, help="tokens to mask in the overhead measurement"),
 ) -> None:
-    """Grammar compile time (uncached vs cached) and per-token mask overhead, as JSON."""
+    """Grammar compile time and per-token mask overhead, as JSON.
+
+    Compile time uncached and cached."""
     import json
 
     from agentbox.chat.bench_grammar import bench_grammar

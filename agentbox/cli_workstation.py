@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from agentbox.cli_common import fail
+from agentbox.cli_console import console, output_width
 from agentbox.config import PLAN_SESSIONS
 from agentbox.hw.probe import Probe
 
@@ -23,10 +24,10 @@ def plan_cmd(
     sessions: int = typer.Option(PLAN_SESSIONS, "--sessions", help="sessions whose KV stays resident"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
-    """Which variant of a model runs on this machine (or a described one), with the memory arithmetic."""
-    import json
+    """Which variant of a model fits this machine, with the arithmetic.
 
-    from rich.console import Console
+    Plans for this machine, or for one described in JSON (--hardware)."""
+    import json
 
     described = _machine(hardware) if hardware else None  # a bad --hardware fails before torch loads
     from agentbox.hub.chain import default_profiles
@@ -48,7 +49,7 @@ def plan_cmd(
     if json_out:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        Console(width=max(Console().width, 160)).print(render_plan(result))
+        console().print(render_plan(result, output_width()))
     if result.chosen is None:
         raise typer.Exit(2)
 
@@ -69,7 +70,9 @@ def pull_cmd(
     hardware: str | None = typer.Option(None, "--hardware", help="pick the variant for another machine: a JSON file or a bundled name"),  # noqa: UP007
     revision: str = typer.Option("main", help="branch, tag or commit on the hub"),
 ) -> None:
-    """Download one variant's files (resumable, progress bars, disk checked first). HF_TOKEN for gated repos."""
+    """Download a model variant (resumable; disk space checked first).
+
+    HF_TOKEN for gated repos."""
     described = _machine(hardware) if hardware else None  # a bad --hardware fails before torch loads
     from agentbox.hub.plan import plan
     from agentbox.hub.profiles import ProfileError
@@ -98,23 +101,21 @@ def models_cmd(
     known: bool = typer.Option(False, "--known", help="list the models agentbox has profiles for"),
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
-    """List the models on this machine, with sizes (or, with --known, every profiled model)."""
+    """List the models on this machine (--known: every profiled model)."""
     import json
-
-    from rich.console import Console
 
     from agentbox.hub.profiles import load_profiles
     from agentbox.hub.pull import list_local
     from agentbox.hub.tables import render_models, render_profiles
 
     if known:
-        Console().print(render_profiles(load_profiles()))
+        console().print(render_profiles(load_profiles()))
         return
     local = list_local()
     if json_out:
         typer.echo(json.dumps([{**m.__dict__, "path": str(m.path)} for m in local], indent=2))
         return
-    Console().print(render_models(local))
+    console().print(render_models(local), crop=False)
 
 
 @workstation_app.command("doctor")
@@ -122,10 +123,10 @@ def doctor_cmd(
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
     model: str | None = typer.Option(None, "--model", help="plan this model instead of the default"),  # noqa: UP007
 ) -> None:
-    """Check this machine: GPUs, drivers, wheels, models, disk, the port and a running server — with fixes."""
-    import json
+    """Check this machine and say how to fix what is wrong.
 
-    from rich.console import Console
+    GPUs, drivers, wheels, models, disk, the port and a running server."""
+    import json
 
     from agentbox.hw.doctor import doctor, render
 
@@ -133,7 +134,7 @@ def doctor_cmd(
     if json_out:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        render(report, Console())
+        render(report, console())
     if not report.ok:
         raise typer.Exit(1)
 
@@ -151,7 +152,7 @@ def setup_cmd(
     dry_run: bool = typer.Option(False, "--dry-run", help="print the change as a diff, write nothing"),
     undo: bool = typer.Option(False, "--undo", help="restore the config file from the latest backup"),
 ) -> None:
-    """Point a coding client at the local server (merges into its config, backs it up first)."""
+    """Point a coding client at the server (its config backed up first)."""
     from agentbox.clients import SETUP_CLIENTS, ClientError, resolve_endpoint, setup_client
 
     if client not in SETUP_CLIENTS:
@@ -174,7 +175,7 @@ def launch_cmd(
     api_key: str | None = typer.Option(None, "--api-key", envvar="AGENTBOX_API_KEY", help="the server's API key (default: the running server's)"),  # noqa: UP007
     force: bool = typer.Option(False, "--force", help="launch even when the client's own prompt does not fit the context"),
 ) -> None:
-    """Run a coding client with its environment pointed at the local server; writes no file."""
+    """Run a coding client against the server; writes no file."""
     from agentbox.clients import LAUNCH_CLIENTS, ClientError, launch_client, resolve_endpoint
 
     if client not in LAUNCH_CLIENTS:
@@ -194,8 +195,9 @@ def check_tools_cmd(
     model: str | None = typer.Option(None, "--model", help="model name (default: the server's)"),  # noqa: UP007
     api_key: str | None = typer.Option(None, "--api-key", envvar="AGENTBOX_API_KEY", help="the server's API key (default: the running server's)"),  # noqa: UP007
 ) -> None:
-    """Prove tool calls round-trip: zero-argument calls, reasoning kept apart, parallel and multi-turn calls."""
-    from rich.console import Console
+    """Prove tool calls round-trip against a running server.
+
+    Zero-argument calls, reasoning kept apart, parallel and multi-turn calls."""
     from rich.table import Table
 
     from agentbox.clients import ClientError, resolve_endpoint
@@ -212,6 +214,6 @@ def check_tools_cmd(
     table.add_column("detail", overflow="fold")
     for r in results:
         table.add_row(r.name, "[green]pass[/]" if r.ok else "[red]FAIL[/]", r.detail)
-    Console().print(table)
+    console().print(table)
     if not all(r.ok for r in results):
         raise typer.Exit(1)

@@ -9,6 +9,7 @@ import torch
 from agentbox.kernels import cpu_gemv
 from model_harness import PagedRunner
 from quant_checkpoints import CONFIG, PROMPT, quantise_saved, write_int4
+from top_tokens import assert_top_tokens_agree
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from agentbox.models import cpu_decode
@@ -32,14 +33,16 @@ def test_fused_decode_matches_the_torch_layers(smollm2_fast: LoadedModel) -> Non
     fused = _decode_logits(smollm2_fast, prompts, steps)
     with cpu_decode.disabled():
         eager = _decode_logits(smollm2_fast, prompts, steps)
-    agree = []
     for f, e in zip(fused, eager, strict=True):
         for s in (0, 1):
             # The same matmul kernel; RMSNorm / softmax summation order differ, and int8 rounding of the
             # activations can turn a last-bit difference into one step of a code.
             assert (f[s] - e[s]).abs().max() < 0.1 * e[s].abs().max()  # measured 1-5 %: a wrong rope or mask is ~100 %
-            agree.append(bool(f[s].argmax() == e[s].argmax()))
-    assert sum(agree) >= 0.9 * len(agree)
+    got = torch.stack([f[s] for f in fused for s in (0, 1)])
+    expected = torch.stack([e[s] for e in eager for s in (0, 1)])
+    # Random prompt tokens: many near-ties (measured: 8 of 24 positions decided); where the top two are
+    # further apart than the difference, the top token is the same.
+    assert_top_tokens_agree(got, expected, max_err=0.1 * expected.abs().max().item(), min_decided=0.15)
 
 
 def _qwen3(path: Path) -> None:

@@ -11,6 +11,7 @@ import gguf
 import pytest
 import torch
 from model_harness import PagedRunner, assert_mixed_batch_equals_alone
+from top_tokens import assert_top_tokens_agree
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -322,7 +323,7 @@ def test_smollm2_greedy_matches_transformers(smollm2: SmolLM2) -> None:
 @pytest.mark.slow
 def test_smollm2_on_the_default_cpu_kernels_agrees_with_transformers(smollm2: SmolLM2, smollm2_fast: LoadedModel) -> None:
     """The engine's default CPU path (4-bit layers and the Q8_0 head through kernels/cpu_gemv, activations
-    rounded to int8 per 32 as llama.cpp does) picks transformers' top token almost everywhere."""
+    rounded to int8 per 32 as llama.cpp does) picks transformers' top token wherever it is decided."""
     from agentbox.kernels import cpu_gemv
 
     if not cpu_gemv.available():
@@ -337,5 +338,6 @@ def test_smollm2_on_the_default_cpu_kernels_agrees_with_transformers(smollm2: Sm
         expected = smollm2.hf(torch.tensor([ids])).logits[0]
     for rows in (ids, ids[:24]):  # the many-row path (dequantise + sgemm) and the kernel itself
         got = PagedRunner(smollm2_fast, num_pages=32, page_size=16).step({0: rows})[0]
-        agree = (got.argmax(-1) == expected[: len(rows)].argmax(-1)).float().mean().item()
-        assert agree >= 0.9, f"top-token agreement {agree:.2f} over {len(rows)} positions"
+        # measured: 4.8 % / 8.4 % of the logit range at most; 42 of 65 / 12 of 24 positions decided
+        assert_top_tokens_agree(got, expected[: len(rows)], max_err=0.15 * expected.abs().max().item(),
+                                min_decided=0.3)

@@ -12,6 +12,7 @@ import torch
 from agentbox.kernels import cpu_gemv
 from moe_harness import hf_logits, paged_logits
 from test_gguf_moe import LAYER_TYPES, _experts, _file_expert_bytes, twin, write_qwen3moe
+from top_tokens import assert_top_tokens_agree
 
 from agentbox.layers import moe_cpu
 from agentbox.layers.quant import int4, resident_weight_bytes
@@ -67,5 +68,5 @@ def test_the_model_predicts_as_the_exact_path(tiny_gguf) -> None:  # noqa: ANN00
     torch.testing.assert_close(paged_logits(exact), expected, atol=1e-4, rtol=1e-4)
     # int8-rounded activations (llama.cpp's arithmetic) in every expert layer: close to the exact logits
     # (measured 6.7 % of the range at worst on this random model), the same top tokens
-    assert (fast - expected).abs().max() < 0.1 * expected.abs().max()
-    assert (fast.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    # same top tokens wherever the top two are further apart than the difference (measured: 9 of 18 positions)
+    assert_top_tokens_agree(fast, expected, max_err=0.1 * expected.abs().max().item(), min_decided=0.25)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from model_harness import PagedRunner
+from top_tokens import assert_top_tokens_agree
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from agentbox.layers.quant import QuantMethod, resident_weight_bytes
@@ -227,6 +228,6 @@ def test_a_mixed_layer_keeps_the_int4_kernel_for_its_4_bit_rows(tmp_path: Path) 
     head_ref = torch.nn.functional.linear(cpu_gemv.round_activations(x), state["lm_head.weight"])
     torch.testing.assert_close(head(x), head_ref, atol=1e-4, rtol=1e-4)
     # Each layer is its kernel's numbers (above); through the model int8-rounded activations move a tiny
-    # random model's near-flat logits (measured: 11 of 12 positions keep their top token).
+    # random model's near-flat logits (measured: 14 % of their range at most; 11 of 12 positions decided).
     got = PagedRunner(ours).step({0: PROMPT})[0]
-    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.75
+    assert_top_tokens_agree(got, expected, max_err=0.25 * expected.abs().max().item(), min_decided=0.5)

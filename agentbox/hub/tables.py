@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from rich.console import Console, Group
+import textwrap
+
+from rich import box
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
@@ -11,74 +14,107 @@ from agentbox.hub.profiles import Profile
 from agentbox.hub.pull import LocalModel
 from agentbox.hw.probe import GIB
 
+# A plan row's explanation goes under it, indented past the mark, when the row would pass the width.
+PLAN_INDENT = 4
 
-def render_plan(p: Plan) -> Group:
+
+def _wrapped(text: str, width: int | None, indent: int, style: str = "") -> list[Text]:
+    """`text` as lines of at most `width` columns, each indented; words (paths, commands) are never split."""
+    if width is None:
+        return [Text(" " * indent + line, style=style) for line in text.splitlines()]
+    # An item's continuation lines sit two columns further in, so where one reason ends is visible.
+    return [Text(line, style=style)
+            for para in text.splitlines()
+            for line in textwrap.wrap(para, max(width, indent + 20), initial_indent=" " * indent,
+                                      subsequent_indent=" " * (indent + 2), break_long_words=False,
+                                      break_on_hyphens=False) or [""]]
+
+
+def render_plan(p: Plan, width: int | None = None) -> Group:
+    """The plan as lines that fit `width` columns (None: one line per row, however long, for a pipe). A row
+    is mark, variant, download size, tp, then its memory arithmetic and verdict on the same line when they
+    fit, else on the lines under it; reasons and notes always go under the row, wrapped at spaces."""
     prof = p.profile
     kv_tok = p.to_dict()["kv_bytes_per_token"]
-    head = Text.from_markup(
-        f"[bold]{prof.name}[/] ({prof.architecture}, {prof.params / 1e9:.1f}B params"
-        f"{', MoE' if prof.moe else ''}) on {describe_machine(p.probe)}\n"
-        f"context {p.context:,} tokens x {p.sessions} session(s); KV {kv_tok / 1024:.0f} KiB/token "
-        f"= 2 x {prof.layers} layers x {prof.kv_heads} kv heads x {prof.head_dim} head dim x "
-        f"{2 if p.probe.gpus else 4} bytes"
-    )
-    table = Table(show_lines=False)
-    for col in ("", "variant", "format", "download", "tp", "memory per device", "verdict"):
-        table.add_column(col, overflow="fold")
+    lines = _wrapped(f"{prof.name} ({prof.architecture}, {prof.params / 1e9:.1f}B params{', MoE' if prof.moe else ''})"
+                     f" on {describe_machine(p.probe)}", width, 0)
+    lines[0].stylize("bold", 0, len(prof.name))
+    lines += _wrapped(
+        f"context {p.context:,} tokens x {p.sessions} session(s); KV {kv_tok / 1024:.0f} KiB/token = 2 x "
+        f"{prof.layers} layers x {prof.kv_heads} kv heads x {prof.head_dim} head dim x "
+        f"{2 if p.probe.gpus else 4} bytes", width, 0)
     chosen = p.chosen
+    name_w = max((len(c.variant.name) for c in p.candidates), default=4)
     for c in p.candidates:
-        mark = "[green]>[/]" if c is chosen else ("[green]ok[/]" if c.ok else "[red]x[/]")
-        verdict = "chosen" if c is chosen else ("runs" if c.ok else "\n".join(c.reasons))
-        if c.notes:
-            verdict += "\n[dim]" + "\n".join(c.notes) + "[/]"
-        table.add_row(
-            mark,
-            c.variant.name,
-            c.variant.format,
-            f"{c.variant.size / GIB:.1f} GiB",
-            str(c.tp),
-            c.arithmetic,
-            verdict,
-        )
-    parts: list[Text | Table] = [head, table]
+        mark, style = (">", "green") if c is chosen else ("ok", "green") if c.ok else ("x", "red")
+        row = Text.assemble((f" {mark:<3}", style), f"{c.variant.name:<{name_w}} {c.variant.size / GIB:5.1f} GiB  tp {c.tp}  ")
+        verdict = "chosen" if c is chosen else "runs"
+        if c.ok:
+            body, under = f"{c.arithmetic}   {verdict}", []
+        else:  # the first reason on the row, the rest under it
+            body, under = c.reasons[0], c.reasons[1:]
+        if width is None or len(row) + len(body) <= width:
+            lines.append(row + Text(body, style="" if c.ok else "red"))
+        elif c.ok:  # the verdict stays on the row, where the eye looks for it
+            lines.append(row + Text(verdict, style=style))
+            lines += _wrapped(c.arithmetic, width, PLAN_INDENT)
+        else:  # the reason starts on the row and wraps under it
+            first, *rest = textwrap.wrap(body, width, initial_indent=" " * len(row),
+                                         subsequent_indent=" " * (PLAN_INDENT + 2), break_long_words=False,
+                                         break_on_hyphens=False)
+            lines.append(row + Text(first[len(row):], style="red"))
+            lines += [Text(line, style="red") for line in rest]
+        for reason in under:
+            lines += _wrapped(reason, width, PLAN_INDENT, "red")
+        for note in c.notes:
+            lines += _wrapped(note, width, PLAN_INDENT, "dim")
     for note in p.notes:
-        parts.append(Text(f"note: {note}", style="yellow"))
+        lines += _wrapped(f"note: {note}", width, 0, "yellow")
     if chosen is not None:
-        parts.append(
-            Text.from_markup(
-                f"[bold green]plan:[/] {prof.name}:{chosen.variant.name} at tp={chosen.tp}  "
-                f"(agentbox pull {prof.name}:{chosen.variant.name})"
-            )
-        )
+        spec = f"{prof.name}:{chosen.variant.name}"
+        verdict = Text.assemble(("plan:", "bold green"), f" {spec} at tp={chosen.tp}")
+        pull = f"(agentbox pull {spec})"
+        if width is None or len(verdict) + 2 + len(pull) <= width:
+            lines.append(verdict + f"  {pull}")
+        else:  # the command whole on its own line, never split
+            lines += [verdict, Text(f"  {pull}")]
     else:
-        parts.append(Text.from_markup("[bold red]no variant runs on this machine[/] — see the reasons above"))
-    return Group(*parts)
+        lines.append(Text.assemble(("no variant runs on this machine", "bold red"), " — see the reasons above"))
+    for line in lines:
+        line.no_wrap = True  # already fitted: rich must not wrap it again
+    return Group(*lines)
 
 
 def render_profiles(profiles: list[Profile]) -> Table:
-    table = Table(title="known models")
-    for col in ("model", "architecture", "params", "variants", "engine"):
-        table.add_column(col)
-    for prof in sorted(profiles, key=lambda p: p.name.lower()):
+    """The names a user types (`agentbox plan NAME`, `serve --model NAME`) are never cut: at a narrow width
+    the variants wrap (`agentbox plan NAME` shows the architecture)."""
+    table = Table(title="known models", box=box.SIMPLE_HEAD, title_justify="left")
+    rows = sorted(profiles, key=lambda p: p.name.lower())
+    table.add_column("model", no_wrap=True, min_width=max((len(p.name) for p in rows), default=5))
+    table.add_column("params", justify="right", no_wrap=True)
+    table.add_column("engine", no_wrap=True)
+    table.add_column("variants")
+    for prof in rows:
         table.add_row(
             prof.name,
-            prof.architecture,
             f"{prof.params / 1e9:.1f}B",
-            ", ".join(v.name for v in prof.variants),
             "[green]runs[/]" if engine_runs(prof) else "[yellow]not yet[/]",
+            ", ".join(v.name for v in prof.variants),
         )
     return table
 
 
-def render_models(models: list[LocalModel]) -> Table:
-    table = Table(title="local models")
-    for col in ("model", "variant", "size", "state", "path"):
-        table.add_column(col, overflow="fold")
+def render_models(models: list[LocalModel]) -> Group:
+    """One line per model (MODEL:VARIANT, as `serve --model` and `pull` take it), its path on the next line,
+    whole: a path cut by a table's column cannot be pasted."""
+    lines: list[Text] = [Text("local models", style="bold")]
+    if not models:
+        lines.append(Text("none yet: agentbox pull MODEL (see agentbox models --known)"))
     for m in models:
-        state = "embedded" if m.embedded else ("complete" if m.complete else "[yellow]partial[/]")
-        table.add_row(m.model, m.variant, f"{m.size / GIB:.2f} GiB", state, str(m.path))
-    return table
-
-
-def print_plan(p: Plan, console: Console | None = None) -> None:
-    (console or Console()).print(render_plan(p))
+        state = "embedded" if m.embedded else ("complete" if m.complete else "partial")
+        lines.append(Text.assemble(f"{m.model}:{m.variant}", "  ", f"{m.size / GIB:.2f} GiB", "  ",
+                                   (state, "" if m.complete or m.embedded else "yellow")))
+        lines.append(Text(f"  {m.path}", style="dim"))
+    for line in lines:
+        line.no_wrap, line.overflow = True, "ignore"  # the terminal wraps a long path; rich must not cut it
+    return Group(*lines)

@@ -23,6 +23,7 @@ from agentbox.config import ServerConfig
 from agentbox.engine.client import EngineClient
 from agentbox.engine.messages import to_json
 from agentbox.server import anthropic_routes, openai_routes, responses_routes, sessions_routes
+from agentbox.server.access_log import ErrorReasonMiddleware, install_polling_filter
 from agentbox.server.errors import (
     APIError,
     api_error_handler,
@@ -89,6 +90,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         from agentbox.models.loader import load_tokenizer, resolve_model
 
+        install_polling_filter()  # here, not at import: uvicorn has configured its loggers by now
         engine = EngineClient(config.engine)
         # Model (engine process) and tokenizer (here) load at the same time.
         info_task = asyncio.to_thread(engine.start)
@@ -131,6 +133,8 @@ def create_app(config: ServerConfig) -> FastAPI:
                     return anthropic_routes.anthropic_error(401, "invalid x-api-key")
                 return JSONResponse(error_body("invalid API key", "authentication_error"), 401)
             return await call_next(request)
+
+    app.add_middleware(ErrorReasonMiddleware)  # added last, so outermost: it sees the auth middleware's 401 too
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> dict:

@@ -67,7 +67,9 @@ class DetailScreen(ModalScreen[None]):
                 yield Static(f"session {self.sid}: no detail (gone, or the server has no /v1/sessions/ID)",
                              id="detail")
             else:
-                yield Static(panels.sessions_table([self.detail]), id="detail-summary")
+                app: Any = self.app  # TopApp: the device names a column, the width picks the columns
+                yield Static(panels.sessions_table([self.detail], device=panels.engine_device(app.snap or {}),
+                                                   narrow=app.narrow), id="detail-summary")
                 yield Static(panels.turns_table(self.detail), id="detail")
             yield Static(Text("escape: back", style="dim"))
 
@@ -76,7 +78,7 @@ class TopApp(App[None]):
     TITLE = "agentbox top"
     CSS = """
     Screen { layout: vertical; }
-    #header { height: 1; background: $boost; }
+    #header { height: auto; background: $boost; }
     #down { height: auto; padding: 1 2; display: none; }
     #main { height: 1fr; }
     #left { width: 1fr; }
@@ -84,12 +86,20 @@ class TopApp(App[None]):
     #filter { display: none; }
     #right { width: 58; }
     .panel { height: auto; border: round $primary; padding: 0 1; }
+    /* Narrow terminals (80x24): the table takes the full width and one panel shows under it (v: next). */
+    Screen.narrow #main { layout: vertical; }
+    Screen.narrow #left { width: 1fr; height: 1fr; }
+    Screen.narrow #right { width: 1fr; height: auto; }
+    Screen.narrow #right > .panel { display: none; }
+    Screen.narrow #right > .panel.shown { display: block; }
     """
+    PANELS = (("pool", "KV pool"), ("rates", "rates"), ("machine", "machine"))
     BINDINGS = [
         Binding("s", "sort", "sort"),
         Binding("slash", "filter", "filter"),
         Binding("d", "close_session", "close session"),
         Binding("p", "pause", "pause"),
+        Binding("v", "next_panel", "next panel"),
         Binding("q", "quit", "quit"),
     ]
 
@@ -104,6 +114,10 @@ class TopApp(App[None]):
         self.filter_text = ""
         self.polls = 0  # completed polls, for tests and the screenshot script to wait on
         self._polling = False
+        self.narrow = False
+        self.panel_index = 0  # the panel shown under the table when narrow
+        self.columns = panels.session_columns()
+        self._columns_for: tuple[Any, bool] | None = None  # (device, narrow) the table's columns were built for
 
     # ---- layout ----
 
@@ -121,13 +135,42 @@ class TopApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        table = self.query_one("#sessions", DataTable)
-        for c in panels.SESSION_COLUMNS:
-            table.add_column(c.title, key=c.key)
-        table.focus()
+        self._fit_layout()
+        self._build_columns(None)
+        self.query_one("#sessions", DataTable).focus()
         self.query_one("#header", Static).update(panels.header({"url": self.url}))
         self.set_interval(self.interval, self.poll)
         self.poll()
+
+    def on_resize(self) -> None:
+        self._fit_layout()
+        self.refresh_view()
+
+    def _fit_layout(self) -> None:
+        narrow = self.size.width < panels.NARROW_WIDTH
+        if narrow != self.narrow:
+            self.narrow = narrow
+            self.screen.set_class(narrow, "narrow")
+            self.refresh_bindings()
+        for i, (pid, name) in enumerate(self.PANELS):
+            panel = self.query_one(f"#{pid}", Static)
+            panel.set_class(i == self.panel_index, "shown")
+            panel.border_title = f"{name} ({i + 1}/{len(self.PANELS)}, v: next)" if narrow else None
+
+    def _build_columns(self, device: Any) -> None:
+        """(Re)build the table's columns when the device becomes known or the width class changes."""
+        if self._columns_for == (device, self.narrow):
+            return
+        self._columns_for = (device, self.narrow)
+        self.columns = panels.session_columns(device, self.narrow)
+        self.sort_index = min(self.sort_index, len(self.columns) - 1)
+        table = self.query_one("#sessions", DataTable)
+        table.clear(columns=True)
+        for c in self.columns:
+            table.add_column(c.title, key=c.key)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        return self.narrow if action == "next_panel" else True  # v only where panels take turns
 
     # ---- polling ----
 
@@ -165,21 +208,22 @@ class TopApp(App[None]):
             down.display, main.display = True, False
             return
         down.display, main.display = False, True
+        self._build_columns(panels.engine_device(snap))
         self._fill_table(snap.get("sessions"))
-        self.query_one("#pool", Static).update(panels.pool_panel(snap, width=52))
+        self.query_one("#pool", Static).update(panels.pool_panel(snap, width=min(52, max(20, self.size.width - 8))))
         self.query_one("#rates", Static).update(panels.rates_panel(snap, self.poller.rates.history))
         self.query_one("#machine", Static).update(panels.machine_panel(snap))
 
     def _fill_table(self, sessions: list[dict[str, Any]] | None) -> None:
         table = self.query_one("#sessions", DataTable)
-        col = panels.SESSION_COLUMNS[self.sort_index]
+        col = self.columns[self.sort_index]
         # Numbers sort largest first (the busiest session on top); names alphabetically.
         reverse = col.key not in ("id", "client", "state")
         rows = panels.select_sessions(sessions or [], col.key, reverse, self.filter_text)
         selected = self.selected_session()
         table.clear()
         for s in rows:
-            table.add_row(*(c.cell(s) for c in panels.SESSION_COLUMNS), key=str(s.get("id")))
+            table.add_row(*(c.cell(s) for c in self.columns), key=str(s.get("id")))
         keys = [str(s.get("id")) for s in rows]
         if selected in keys:  # the cursor stays on its session across redraws and re-sorts
             table.move_cursor(row=keys.index(selected), animate=False)
@@ -203,8 +247,12 @@ class TopApp(App[None]):
     # ---- actions ----
 
     def action_sort(self) -> None:
-        self.sort_index = (self.sort_index + 1) % len(panels.SESSION_COLUMNS)
+        self.sort_index = (self.sort_index + 1) % len(self.columns)
         self.refresh_view()
+
+    def action_next_panel(self) -> None:
+        self.panel_index = (self.panel_index + 1) % len(self.PANELS)
+        self._fit_layout()
 
     def action_pause(self) -> None:
         self.paused = not self.paused

@@ -4,9 +4,10 @@ Any figure the server does not export shows as "–"."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -113,6 +114,34 @@ SESSION_COLUMNS: tuple[Column, ...] = (
 )
 
 
+# Below this many columns the table keeps what fits 80 (the client last, host tokens in the pool panel).
+NARROW_WIDTH = 120
+_NARROW_KEYS = ("id", "state", "turns", "resident_tokens_gpu", "lease_expires_in_s", "last_turn_hit_rate",
+                "hit_rate", "recomputed_history_tokens", "last_ttft_s", "client")
+_NARROW_TITLES = {"last_turn_hit_rate": "hit", "hit_rate": "life"}
+
+
+def device_label(device: Any) -> str:
+    """Where the KV pool lives, from the engine's device ("cpu", "cuda:0"): the resident-tokens column's name."""
+    d = str(device or "")
+    return "CPU" if d.startswith("cpu") else "GPU" if d.startswith("cuda") else "KV"
+
+
+def session_columns(device: Any = None, narrow: bool = False) -> tuple[Column, ...]:
+    """The table's columns, the resident-tokens one named by the real device; `narrow`: the ones that fit
+    80 columns, with a shorter session id."""
+    cols = {c.key: c for c in SESSION_COLUMNS}
+    cols["resident_tokens_gpu"] = replace(cols["resident_tokens_gpu"], title=f"{device_label(device)} tok")
+    if not narrow:
+        return tuple(cols[c.key] for c in SESSION_COLUMNS)
+    cols["id"] = replace(cols["id"], cell=lambda s: _clip(s.get("id"), 13))
+    return tuple(replace(cols[k], title=_NARROW_TITLES.get(k, cols[k].title)) for k in _NARROW_KEYS)
+
+
+def engine_device(snap: Mapping[str, Any]) -> Any:
+    return ((snap.get("stats") or {}).get("engine") or {}).get("device")
+
+
 def _short_client(ua: Any) -> str:
     """User-Agent's first product token ("claude-cli/1.0.3 (external, cli)" -> "claude-cli/1.0.3")."""
     if not ua:
@@ -136,14 +165,18 @@ def select_sessions(sessions: Iterable[Mapping[str, Any]], sort: str = "id", rev
     return sorted(rows, key=col.value, reverse=reverse)
 
 
-def sessions_table(sessions: list[dict[str, Any]] | None, sort: str = "id") -> RenderableType:
+def sessions_table(sessions: list[dict[str, Any]] | None, sort: str = "id", device: Any = None,
+                   narrow: bool = False) -> RenderableType:
     if sessions is None:
         return Text("sessions: – (this server has no /v1/sessions endpoint)", style="dim")
-    table = Table(title="sessions", title_justify="left", expand=False, header_style="bold")
-    for c in SESSION_COLUMNS:
-        table.add_column(c.title, justify="left" if c.key in ("id", "client", "state") else "right")
+    table = Table(title="sessions", title_justify="left", expand=False, header_style="bold",
+                  box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD, collapse_padding=narrow, pad_edge=not narrow)
+    columns = session_columns(device, narrow)
+    for c in columns:  # the client gives way first: the numbers stay whole
+        table.add_column(c.title, justify="left" if c.key in ("id", "client", "state") else "right",
+                         no_wrap=c.key != "client", overflow="ellipsis")
     for s in select_sessions(sessions, sort):
-        table.add_row(*(c.cell(s) for c in SESSION_COLUMNS))
+        table.add_row(*(c.cell(s) for c in columns))
     if not sessions:
         table.caption = "no sessions yet"
     return table
@@ -303,10 +336,14 @@ def machine_panel(snap: Mapping[str, Any]) -> Group:
     return Group(*lines)
 
 
-def once(snap: Mapping[str, Any], history: Mapping[str, Iterable[float | None]] | None = None) -> RenderableType:
-    """The whole snapshot for `top --once` (no sparkline history: one rate from two polls)."""
+def once(snap: Mapping[str, Any], history: Mapping[str, Iterable[float | None]] | None = None,
+         width: int | None = None) -> RenderableType:
+    """The whole snapshot for `top --once` (no sparkline history: one rate from two polls), for a terminal
+    `width` columns wide (None: as wide as it needs)."""
     if not snap.get("up"):
         return down_message(snap)
     hist = history or {k: [v] for k, v in (snap.get("rates") or {}).items()}
-    return Group(header(snap), Text(""), sessions_table(snap.get("sessions")), Text(""), pool_panel(snap),
+    narrow = width is not None and width < NARROW_WIDTH
+    sessions = sessions_table(snap.get("sessions"), device=engine_device(snap), narrow=narrow)
+    return Group(header(snap), Text(""), sessions, Text(""), pool_panel(snap),
                  Text(""), rates_panel(snap, hist), Text(""), machine_panel(snap))
