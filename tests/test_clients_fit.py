@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from click.testing import Result
+from typer.testing import CliRunner
 
 from agentbox.clients import Client, ClientError, Endpoint, parse_client, setup_client
 from agentbox.clients.fit import CLIENT_PROMPT_TOKENS
@@ -30,6 +32,13 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path / "state"))
     (tmp_path / "home").mkdir()
     return tmp_path / "home"
+
+
+def run(*args: str) -> Result:
+    """The CLI in this process (the setup paths write files only; launch replaces its process, see `cli`)."""
+    from agentbox.cli import app
+
+    return CliRunner().invoke(app, list(args))
 
 
 def cli(*args: str, path_dir: Path | None = None) -> subprocess.CompletedProcess:
@@ -51,19 +60,21 @@ def stand_in(bin_dir: Path, name: str) -> None:
 def test_one_vocabulary_with_long_forms_as_aliases(home: Path, tmp_path: Path) -> None:
     assert parse_client("claude-code") is parse_client("Claude") is Client.CLAUDE
     assert parse_client("aider-chat") is Client.AIDER and parse_client("opencode-ai") is Client.OPENCODE
-    for args, names in ((("setup", "vim"), "claude, codex, opencode, aider, env"),
-                        (("launch", "vim"), "claude, codex, opencode, aider (")):
-        r = cli(*args)
-        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-        assert f"unknown client 'vim' for {args[0]}; choose from {names}" in r.stderr
-    r = cli("launch", "env")
-    assert r.returncode == 1 and "choose from claude, codex, opencode, aider" in r.stderr
+    r = cli("setup", "vim")  # as a user runs it: one line, exit 1, no traceback
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr == ("error: unknown client 'vim' for setup; choose from claude, codex, opencode, aider, env "
+                        "(long forms such as claude-code also work)\n")
+    for args, names in ((("launch", "vim"), "claude, codex, opencode, aider ("),
+                        (("launch", "env"), "claude, codex, opencode, aider (")):
+        r = run(*args)
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+        assert f"unknown client {args[1]!r} for launch; choose from {names}" in r.stderr
     # setup takes the short name and the long form alike, and so does launch (the stand-in echoes its argv)
     ep = ("--url", "http://127.0.0.1:9", "--model", "m", "--context", "65536")
-    assert cli("setup", "claude", *ep).returncode == 0
-    assert "already set up" in cli("setup", "claude-code", *ep).stdout
+    assert run("setup", "claude", *ep).exit_code == 0
+    assert "already set up" in run("setup", "claude-code", *ep).stdout
     assert (home / ".claude" / "settings.json").exists()
-    assert "removed" in cli("setup", "claude-code", "--undo").stdout
+    assert "removed" in run("setup", "CLAUDE_CODE", "--undo").stdout
     stand_in(tmp_path / "bin", "claude")
     r = cli("launch", "claude-code", "--url", "http://127.0.0.1:9", "--model", "m", "-p", "hi", path_dir=tmp_path / "bin")
     assert r.returncode == 0 and "ARGS=-p hi" in r.stdout, r.stderr
@@ -99,9 +110,9 @@ def test_codex_adapts_and_claude_is_refused_on_8k(home: Path) -> None:
     assert not (home / ".claude").exists()
     # the CLI: exit 1, one error line naming the fix, no traceback; --force writes it anyway
     ep = ("--url", "http://127.0.0.1:9", "--model", "m", "--context", "8192")
-    r = cli("setup", "claude-code", *ep)
-    assert r.returncode == 1 and "Traceback" not in r.stderr and "agentbox serve --model" in r.stderr, r.stderr
-    assert cli("setup", "claude-code", *ep, "--force").returncode == 0
+    r = run("setup", "claude-code", *ep)
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and "agentbox serve --model" in r.stderr
+    assert run("setup", "claude-code", *ep, "--force").exit_code == 0
 
 
 def test_keys_stay_out_of_readable_files_and_traffic_is_off(home: Path, tmp_path: Path) -> None:
