@@ -34,7 +34,7 @@ def _profile_names(model: Path) -> list[str]:
     for m in local:
         found = Path(m.path).resolve()
         if target == found or found in target.parents or (found.is_file() and found.parent == target):
-            return [f"{m.name}:{m.variant}", m.name]
+            return [f"{m.model}:{m.variant}", m.model]
     return []
 
 
