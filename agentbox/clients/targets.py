@@ -27,8 +27,8 @@ PROVIDER_ID = "agentbox"
 NO_KEY = "agentbox"  # clients insist on a non-empty key; the server ignores it when auth is off
 KEY_ENV = "AGENTBOX_API_KEY"  # where Codex's provider reads the key (`env_key`), and `serve --api-key`'s env
 OUTPUT_SHARE = 4  # the output limit told to clients leaves at least 3/4 of the context for the prompt
-# opencode's start-up traffic that a local server does not need: the models.dev catalogue (env only), and
-# the update check and session sharing (also in its config, which setup writes).
+# opencode's start-up traffic that a local server does not need: the models.dev catalogue (an environment
+# switch only: setup prints it), the update check and session sharing (also keys of the config setup writes).
 OPENCODE_QUIET_ENV = {"OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1",
                       "OPENCODE_DISABLE_SHARE": "1"}
 
@@ -253,7 +253,9 @@ def _required(limits: Fit | None, ep: Endpoint) -> Fit:
 
 
 def plan(client: Client, ep: Endpoint, *, force: bool = False) -> Plan:
-    limits = client_fit(client, ep, force=force) if client is not Client.ENV else None
+    if client is Client.ENV:  # lines for any client: the served limits as they are, nothing adapted
+        return Plan(exports=_exports({**openai_env(ep), **claude_env(ep, Fit(*ep.limits()) if ep.context else None)}))
+    limits = client_fit(client, ep, force=force)
     notes = [limits.note] if limits is not None and limits.note else []
     path = config_path(client)
     old = _read(path) if path is not None else ""
@@ -277,7 +279,7 @@ def plan(client: Client, ep: Endpoint, *, force: bool = False) -> Plan:
     if client is Client.OPENCODE:
         assert path is not None
         data = opencode_config(ep, _required(limits, ep), _load_json(path, old))
-        quiet = _exports(OPENCODE_QUIET_ENV)
+        quiet = _exports({k: v for k, v in OPENCODE_QUIET_ENV.items() if k == "OPENCODE_DISABLE_MODELS_FETCH"})
         run = f"then run: export {KEY_ENV}=...; opencode" if ep.has_key else "then run: opencode"
         return Plan(path, old, json.dumps(data, indent=2, ensure_ascii=False) + "\n", exports=quiet,
                     note="\n".join([*notes, run]))
@@ -288,7 +290,7 @@ def plan(client: Client, ep: Endpoint, *, force: bool = False) -> Plan:
         env = {"OPENAI_API_BASE": ep.openai_url, "OPENAI_API_KEY": ep.api_key}
         return Plan(path, old, json.dumps(data, indent=2) + "\n", exports=_exports(env),
                     note="\n".join([*notes, f"then run: aider --model openai/{ep.model}"]))
-    return Plan(exports=_exports({**openai_env(ep), **claude_env(ep, limits)}))
+    raise ClientError(f"unknown client {client!r}; choose from {choices(with_env=True)}")
 
 
 def _exports(env: dict[str, str]) -> list[str]:
