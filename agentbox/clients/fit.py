@@ -51,7 +51,10 @@ def fit(client: Client, context: int, output: int) -> Fit:
     if context - output >= need + output or client not in COMPACTION_OFF:
         return Fit(context, output)  # room for its prompt and a full answer before it would compact
     small = min(output, context - need)
+    # Codex has no output-limit setting (the server's budget, capped by the room left, applies).
+    told = "auto-compaction off" if client is Client.CODEX else \
+        f"an output limit of {small} tokens and auto-compaction off"
     return Fit(context, small, compact=False, note=(
-        f"note: {client.value}'s own prompt is about {need} of this server's {context} tokens: told an output "
-        f"limit of {small} tokens with auto-compaction off (at {output} it would compact at once and loop); "
-        f"a long session will hit the context limit; for real work {_longer_context_hint(need)}"))
+        f"note: {client.value}'s own prompt is about {need} of this server's {context} tokens: it gets {told} "
+        f"(with an output limit of {output} it would compact at once and loop); a long session will hit the "
+        f"context limit; for real work {_longer_context_hint(need)}"))
