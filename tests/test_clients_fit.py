@@ -107,7 +107,7 @@ def test_codex_adapts_and_claude_is_refused_on_8k(home: Path) -> None:
                                "auto-compaction off") for line in lines), lines
     codex = tomllib.loads((home / ".codex" / "config.toml").read_text())
     assert codex["model_auto_compact_token_limit"] == 8192  # not 6144: below its own 6.5k prompt
-    with pytest.raises(ClientError, match=r"claude's own prompt .* about 24000 tokens, but this server's context "
+    with pytest.raises(ClientError, match=r"claude's own prompt .* about 24800 tokens, but this server's context "
                                           r"is 8192 tokens .*--force"):
         setup_client("claude", SMALL)
     assert not (home / ".claude").exists()

@@ -16,7 +16,7 @@ from agentbox.clients.names import Client, ClientError
 # (tests/test_real_clients.py, SmolLM2's tokenizer, a one-line task) with the pinned versions: Claude Code
 # 2.1.332 about 24.8k, Codex 0.171.0 about 6.5k, aider 0.86.2 about 0.7k; opencode 1.18.33 7,699 (its 10
 # tools; `opencode run "say hi"`, replayed from a recorded trace), plus a separate 586-token title request.
-CLIENT_PROMPT_TOKENS = {Client.CLAUDE: 24_000, Client.CODEX: 6_500, Client.OPENCODE: 7_700, Client.AIDER: 700}
+CLIENT_PROMPT_TOKENS = {Client.CLAUDE: 24_800, Client.CODEX: 6_500, Client.OPENCODE: 7_700, Client.AIDER: 700}
 MIN_ANSWER_TOKENS = 256  # below this much room after its own prompt a client cannot answer anything useful
 COMPACTION_OFF = (Client.CODEX, Client.OPENCODE)  # clients whose auto-compaction agentbox can turn off
 
