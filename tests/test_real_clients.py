@@ -126,7 +126,8 @@ def assert_turns_ok(server: tuple, before: dict, tool_name: str | None, min_prom
     if tool_name is not None:
         assert f'"{tool_name}"' in trace, trace[:2000]
     prompts = after["prompt_tokens"] - before["prompt_tokens"]
-    print(f"{tool_name}: {after['requests'] - before['requests']} requests, {prompts} prompt tokens")
+    cached = after["cached_tokens"] - before["cached_tokens"]
+    print(f"{tool_name}: {after['requests'] - before['requests']} requests, {prompts} prompt tokens, {cached} cached")
     assert after["requests"] - before["requests"] >= 2 and prompts >= 2 * min_prompt, (before, after)
     assert after["cached_tokens"] - before["cached_tokens"] >= min_prompt // 2, (before, after)
 
