@@ -143,22 +143,19 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def version() -> dict:
         return {"version": agentbox.__version__}
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        state: ServerState = request.app.state.agentbox
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "agentbox",
-            "max_model_len": state.info.max_model_len, "max_output_tokens": state.default_max_tokens,
-            "aliases": list(state.names[1:]),
-        }]}
-
-    @app.get("/v1/models/{name:path}")
-    async def model(name: str, request: Request) -> dict:
-        state: ServerState = request.app.state.agentbox
-        state.check_model(name)
+    def model_entry(state: ServerState) -> dict:
         return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "agentbox",
                 "max_model_len": state.info.max_model_len, "max_output_tokens": state.default_max_tokens,
                 "aliases": list(state.names[1:])}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        return {"object": "list", "data": [model_entry(request.app.state.agentbox)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request) -> dict:
+        request.app.state.agentbox.check_model(name)  # any alias; else a 404 naming them
+        return model_entry(request.app.state.agentbox)
 
     @app.get("/v1/stats")
     async def stats(request: Request) -> dict:
