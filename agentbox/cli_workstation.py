@@ -144,22 +144,22 @@ def doctor_cmd(
 
 @workstation_app.command("setup")
 def setup_cmd(
-    client: str = typer.Argument(..., help="claude-code | codex | opencode | aider | env"),
+    client: str = typer.Argument(..., help="claude | codex | opencode | aider | env (long forms such as claude-code work too)"),
     url: str | None = typer.Option(None, "--url", help="server root (default: the running server, else http://127.0.0.1:8000)"),  # noqa: UP007
     model: str | None = typer.Option(None, "--model", help="model name (default: the running server's)"),  # noqa: UP007
     context: int | None = typer.Option(None, "--context", help="context window told to the client (default: the server's)"),  # noqa: UP007
     api_key: str | None = typer.Option(None, "--api-key", envvar="AGENTBOX_API_KEY", help="the server's API key (default: the running server's)"),  # noqa: UP007
     dry_run: bool = typer.Option(False, "--dry-run", help="print the change as a diff, write nothing"),
     undo: bool = typer.Option(False, "--undo", help="restore the config file from the latest backup"),
+    force: bool = typer.Option(False, "--force", help="write it even when the client's own prompt does not fit the context"),
 ) -> None:
-    """Point a coding client at the server (its config backed up first)."""
-    from agentbox.clients import SETUP_CLIENTS, ClientError, resolve_endpoint, setup_client
+    """Point a coding client at the server (merged into its config, backed up first)."""
+    from agentbox.clients import ClientError, parse_client, resolve_endpoint, setup_client
 
-    if client not in SETUP_CLIENTS:
-        fail(f"unknown client {client!r}; choose from {', '.join(SETUP_CLIENTS)}")
     try:
+        parse_client(client)  # a typo fails before any server is asked
         endpoint = resolve_endpoint(url, model, api_key, context=context, require_model=not undo)
-        lines = setup_client(client, endpoint, dry_run=dry_run, undo=undo)
+        lines = setup_client(client, endpoint, dry_run=dry_run, undo=undo, force=force)
     except ClientError as exc:
         fail(str(exc))
     for line in lines:
@@ -169,18 +169,17 @@ def setup_cmd(
 @workstation_app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def launch_cmd(
     ctx: typer.Context,
-    client: str = typer.Argument(..., help="claude | codex | opencode | aider (extra arguments go to the client)"),
+    client: str = typer.Argument(..., help="claude | codex | opencode | aider (long forms such as claude-code work too; extra arguments go to the client)"),
     url: str | None = typer.Option(None, "--url", help="server root (default: the running server)"),  # noqa: UP007
     model: str | None = typer.Option(None, "--model", help="model name (default: the running server's)"),  # noqa: UP007
     api_key: str | None = typer.Option(None, "--api-key", envvar="AGENTBOX_API_KEY", help="the server's API key (default: the running server's)"),  # noqa: UP007
     force: bool = typer.Option(False, "--force", help="launch even when the client's own prompt does not fit the context"),
 ) -> None:
     """Run a coding client against the server; writes no file."""
-    from agentbox.clients import LAUNCH_CLIENTS, ClientError, launch_client, resolve_endpoint
+    from agentbox.clients import ClientError, launch_client, parse_client, resolve_endpoint
 
-    if client not in LAUNCH_CLIENTS:
-        fail(f"unknown client {client!r}; choose from {', '.join(LAUNCH_CLIENTS)}")
     try:
+        parse_client(client, with_env=False)
         launch_client(client, resolve_endpoint(url, model, api_key), list(ctx.args), force=force)
     except ClientError as exc:
         fail(str(exc))

@@ -49,7 +49,8 @@ def test_claude_code_merge_backup_undo(home: Path) -> None:
 
 
 def test_dry_run_prints_diff_and_writes_nothing(home: Path) -> None:
-    (diff,) = setup_client("opencode", EP, dry_run=True)
+    diff, *exports = setup_client("opencode", EP, dry_run=True)
+    assert "export OPENCODE_DISABLE_MODELS_FETCH=1" in exports
     assert diff.startswith("---") and '+      "npm": "@ai-sdk/openai-compatible",' in diff
     assert not (home / ".config").exists()
 
@@ -149,5 +150,5 @@ def test_setup_without_a_server_asks_for_the_context_and_undo_needs_none(home: P
     with pytest.raises(ClientError, match="pass --context"):
         setup_client("opencode", no_ctx)
     setup_client("opencode", EP)
-    assert setup_client("opencode", no_ctx, undo=True)[0].startswith("restored")
+    assert setup_client("opencode", no_ctx, undo=True)[0].startswith("removed")
     assert not (home / ".config" / "opencode" / "opencode.json").exists()

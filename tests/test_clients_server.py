@@ -103,19 +103,25 @@ def test_api_key_flow_setup_launch_check(keyed_server: tuple[str, dict], tmp_pat
         return subprocess.run([sys.executable, "-m", "agentbox.cli", *args], env={**env, **kw.pop("extra", {})},  # type: ignore[dict-item]
                               capture_output=True, text=True, timeout=600)
 
-    assert cli("setup", "codex").returncode == 0
+    # A 2048-token context cannot hold these clients' own prompts: setup refuses, --force writes anyway
+    refused = cli("setup", "codex")
+    assert refused.returncode == 1 and "codex's own prompt" in refused.stderr and "Traceback" not in refused.stderr
+    assert cli("setup", "codex", "--force").returncode == 0
     home = Path(env["HOME"])
     import tomllib
 
     codex = tomllib.loads((home / ".codex" / "config.toml").read_text())
     assert codex["model_context_window"] == 2048 and codex["model_auto_compact_token_limit"] == 2048 - 512
     assert codex["model_providers"]["agentbox"]["env_key"] == "AGENTBOX_API_KEY"
-    assert cli("setup", "opencode").returncode == 0
-    oc = json.loads((home / ".config" / "opencode" / "opencode.json").read_text())["provider"]["agentbox"]
-    assert oc["options"]["apiKey"] == "sekrit" and oc["models"][MODEL]["limit"] == {"context": 2048, "output": 512}
-    assert cli("setup", "claude-code").returncode == 0
+    assert cli("setup", "opencode-ai", "--force").returncode == 0
+    text = (home / ".config" / "opencode" / "opencode.json").read_text()
+    oc = json.loads(text)["provider"]["agentbox"]
+    assert "sekrit" not in text and oc["options"]["apiKey"] == "{env:AGENTBOX_API_KEY}"
+    assert oc["models"][MODEL]["limit"] == {"context": 2048, "output": 512}
+    assert cli("setup", "claude-code", "--force").returncode == 0
     claude = json.loads((home / ".claude" / "settings.json").read_text())["env"]
     assert claude["ANTHROPIC_AUTH_TOKEN"] == "sekrit" and claude["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "2048"
+    assert (home / ".claude" / "settings.json").stat().st_mode & 0o077 == 0
     # launch: a stand-in client prints what it was given; the key comes from the server's state
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -129,7 +135,7 @@ def test_api_key_flow_setup_launch_check(keyed_server: tuple[str, dict], tmp_pat
     (bin_dir / "claude").chmod(0o755)
     out = cli("launch", "claude", "-p", "hi", extra={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
     assert out.returncode != 0 and "ran" not in out.stdout
-    assert "24000 tokens" in out.stderr + out.stdout and "2048" in out.stderr + out.stdout
+    assert "24800 tokens" in out.stderr + out.stdout and "2048" in out.stderr + out.stdout
     # check tools with the key from --api-key (and a wrong key fails clearly)
     bad = cli("check", "tools", "--url", url, "--api-key", "wrong")
     assert bad.returncode != 0 and "requires an API key" in bad.stderr + bad.stdout

@@ -14,6 +14,8 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -21,7 +23,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 CACHE = Path(os.environ.get("AGENTBOX_TEST_CLIENTS", Path.home() / ".cache" / "agentbox-test-clients"))
-NPM_PINS = {"claude": "@anthropic-ai/claude-code@2.1.332", "codex": "@openai/codex@0.171.0"}
+NPM_PINS = {"claude": "@anthropic-ai/claude-code@2.1.332", "codex": "@openai/codex@0.171.0",
+            "opencode": "opencode-ai@1.18.33"}
 AIDER_PIN = "aider-chat==0.86.2"
 
 
@@ -78,9 +81,9 @@ def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> P
     return d
 
 
-@pytest.fixture(scope="module")
-def server(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    home = tmp_path_factory.mktemp("real-clients")
+@contextmanager
+def serving(model: Path, home: Path, *extra: str) -> Iterator[tuple[str, dict, Path, Path]]:
+    """`agentbox serve` of `model` with its own state dir and HOME under `home`, stopped on exit."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -88,8 +91,8 @@ def server(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa:
     (home / "work").mkdir()
     env = {**os.environ, "AGENTBOX_HOME": str(home / "state"), "HOME": str(home / "home")}
     trace = home / "trace.jsonl"
-    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "serve", "--model", str(tiny_qwen3), "--port", str(port),
-                        "--num-pages", "8192", "--max-num-batched-tokens", "4096", "--record-trace", str(trace)],
+    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "serve", "--model", str(model), "--port", str(port),
+                        "--max-num-batched-tokens", "4096", "--record-trace", str(trace), *extra],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     try:
@@ -98,11 +101,17 @@ def server(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa:
         subprocess.run([sys.executable, "-m", "agentbox.cli", "stop"], env=env, capture_output=True, timeout=60)
 
 
+@pytest.fixture(scope="module")
+def server(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    with serving(tiny_qwen3, tmp_path_factory.mktemp("real-clients"), "--num-pages", "8192") as s:
+        yield s
+
+
 def launch(server: tuple, exe: Path, client: str, *args: str) -> subprocess.CompletedProcess:
     _, env, home, _ = server
     env = {**env, "PATH": f"{exe.parent}{os.pathsep}{env['PATH']}"}
     return subprocess.run([sys.executable, "-m", "agentbox.cli", "launch", client, *args], env=env, cwd=home / "work",
-                          capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
 
 
 def counters(server: tuple) -> dict:
@@ -117,7 +126,8 @@ def assert_turns_ok(server: tuple, before: dict, tool_name: str | None, min_prom
     if tool_name is not None:
         assert f'"{tool_name}"' in trace, trace[:2000]
     prompts = after["prompt_tokens"] - before["prompt_tokens"]
-    print(f"{tool_name}: {after['requests'] - before['requests']} requests, {prompts} prompt tokens")
+    cached = after["cached_tokens"] - before["cached_tokens"]
+    print(f"{tool_name}: {after['requests'] - before['requests']} requests, {prompts} prompt tokens, {cached} cached")
     assert after["requests"] - before["requests"] >= 2 and prompts >= 2 * min_prompt, (before, after)
     assert after["cached_tokens"] - before["cached_tokens"] >= min_prompt // 2, (before, after)
 
@@ -151,3 +161,28 @@ def test_aider(server: tuple) -> None:
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         assert "litellm.APIError" not in r.stdout + r.stderr
     assert_turns_ok(server, before, None, 500)  # aider edits through text formats: it sends no tools
+
+
+def test_opencode(server: tuple) -> None:
+    exe = npm_bin("opencode")
+    before = counters(server)
+    for prompt in ("Say hello.", "Say hello again."):
+        r = launch(server, exe, "opencode", "run", prompt)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "Error" not in r.stdout + r.stderr and "note:" not in r.stderr  # 64k: nothing adapted
+    assert_turns_ok(server, before, "todowrite", 7_000)
+
+
+def test_opencode_on_an_8k_context_ends_its_turn(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """At the embedded model's 8k context opencode's own 7.7k-token prompt is past the point where it compacts
+    at its usual output limit: it used to compact and resend forever. launch adapts it, and the turn ends."""
+    exe = npm_bin("opencode")
+    with serving(tiny_qwen3, tmp_path, "--num-pages", "1024", "--max-model-len", "8192") as srv:
+        try:
+            r = launch(srv, exe, "opencode", "run", "say hi")
+        except subprocess.TimeoutExpired:  # a loop, or a slow start on a busy machine: the count tells
+            pytest.fail(f"opencode did not finish; the server saw {counters(srv)['requests']} requests")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "auto-compaction off" in r.stderr and "Error" not in r.stdout + r.stderr
+        # a title request and the turn: no compaction requests, no resends
+        assert counters(srv)["requests"] <= 3, counters(srv)

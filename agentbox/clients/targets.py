@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.clients import toml_writer
+from agentbox.clients.fit import Fit, fit
+from agentbox.clients.names import AGENTS, Client, ClientError, choices
 from agentbox.config import ServerConfig, state_dir
 
 if sys.version_info >= (3, 11):
@@ -21,22 +23,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-SETUP_CLIENTS = ("claude-code", "codex", "opencode", "aider", "env")
-LAUNCH_CLIENTS = {"claude": "claude", "codex": "codex", "opencode": "opencode", "aider": "aider"}
 PROVIDER_ID = "agentbox"
 NO_KEY = "agentbox"  # clients insist on a non-empty key; the server ignores it when auth is off
 KEY_ENV = "AGENTBOX_API_KEY"  # where Codex's provider reads the key (`env_key`), and `serve --api-key`'s env
 OUTPUT_SHARE = 4  # the output limit told to clients leaves at least 3/4 of the context for the prompt
-# Each client's own first prompt (system prompt + tool definitions) in tokens, measured by the real-client
-# tests (tests/test_real_clients.py, SmolLM2's tokenizer, a one-line task) with the pinned versions: Claude
-# Code 2.1.332 about 24.8k, Codex 0.171.0 about 6.5k, aider 0.86.2 about 0.7k. launch refuses a context
-# that cannot hold it plus a minimal answer. opencode is not measured, so not checked.
-CLIENT_PROMPT_TOKENS = {"claude": 24_000, "codex": 6_500, "aider": 700}
-MIN_ANSWER_TOKENS = 1024
-
-
-class ClientError(Exception):
-    """A user-facing failure (no model known, no backup to undo, client not installed, bad config)."""
+# opencode's start-up traffic that a local server does not need: the models.dev catalogue (an environment
+# switch only: setup prints it), the update check and session sharing (also keys of the config setup writes).
+OPENCODE_QUIET_ENV = {"OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1",
+                      "OPENCODE_DISABLE_SHARE": "1"}
 
 
 @dataclass(frozen=True)
@@ -70,6 +64,7 @@ class Plan:
     new: str = ""
     exports: list[str] = field(default_factory=list)
     note: str = ""
+    secret: bool = False  # the new text holds a real API key: the file is written readable by its owner only
 
 
 def server_state() -> dict[str, Any]:
@@ -128,7 +123,21 @@ def home() -> Path:
     return Path(os.path.expanduser("~"))
 
 
-def claude_env(ep: Endpoint) -> dict[str, str]:
+def client_fit(client: Client, ep: Endpoint, *, force: bool = False) -> Fit | None:
+    """The limits to tell `client` (None when no context is known); ClientError when its own prompt cannot fit
+    the served context, unless forced."""
+    if ep.context is None:
+        return None
+    ctx, out = ep.limits()
+    try:
+        return fit(client, ctx, out)
+    except ClientError:
+        if not force:
+            raise
+        return Fit(ctx, out)
+
+
+def claude_env(ep: Endpoint, limits: Fit | None) -> dict[str, str]:
     env = {
         "ANTHROPIC_BASE_URL": ep.url,  # Claude Code appends /v1/messages itself
         "ANTHROPIC_AUTH_TOKEN": ep.api_key,
@@ -138,14 +147,14 @@ def claude_env(ep: Endpoint) -> dict[str, str]:
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": ep.model,
         # The attribution header changes per request and would break the cached prefix.
         "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",  # no telemetry or update checks to reach
+        # No telemetry, error reporting, update checks or feedback command (Claude Code's one switch for all four).
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
-    if ep.context is not None:
-        ctx, out = ep.limits()
+    if limits is not None:
         # Claude Code 2.1 assumes a 200k window for an unknown model; these two (read from its binary,
         # not guessed) make it compact at the served window and ask for no more output than it allows.
-        env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(ctx)
-        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(out)
+        env["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(limits.context)
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(limits.output)
     return env
 
 
@@ -160,42 +169,48 @@ def codex_provider(ep: Endpoint, with_key: bool) -> dict[str, Any]:
     return provider
 
 
-def codex_limits(ep: Endpoint) -> dict[str, int]:
-    """Codex 0.171's config keys (it has no output-limit key; the server's default budget applies)."""
-    ctx, out = ep.limits()
-    return {"model_context_window": ctx, "model_auto_compact_token_limit": ctx - out}
+def codex_settings(limits: Fit) -> dict[str, Any]:
+    """Codex 0.171's config keys, dotted (it has no output-limit key; the server's default budget applies).
+    Compaction 'off' is a limit at the whole context: past it the server refuses the request anyway."""
+    compact_at = limits.context - limits.output if limits.compact else limits.context
+    return {"model_context_window": limits.context, "model_auto_compact_token_limit": compact_at,
+            "check_for_update_on_startup": False, "analytics.enabled": False}
 
 
-def opencode_provider(ep: Endpoint) -> dict[str, Any]:
-    ctx, out = ep.limits()
-    return {
-        "npm": "@ai-sdk/openai-compatible",
-        "name": "agentbox (local)",
-        "options": {"baseURL": ep.openai_url, "apiKey": ep.api_key},
-        "models": {ep.model: {"name": ep.model, "limit": {"context": ctx, "output": out}}},
-    }
+def opencode_model(ep: Endpoint, limits: Fit) -> dict[str, Any]:
+    return {"name": ep.model, "limit": {"context": limits.context, "output": limits.output}}
 
 
-def aider_metadata(ep: Endpoint) -> dict[str, Any]:
+def opencode_key(ep: Endpoint) -> str:
+    """What opencode's provider reads as its key: never a real key in a file, but opencode's `{env:VAR}`."""
+    return f"{{env:{KEY_ENV}}}" if ep.has_key else NO_KEY
+
+
+def opencode_config(ep: Endpoint, limits: Fit, old: dict[str, Any] | None = None) -> dict[str, Any]:
+    """opencode's config merged into `old`: the provider entry keeps the models it had; no update check and no
+    sharing; auto-compaction off where the client's own prompt leaves it no room (see clients/fit.py)."""
+    data = dict(old or {})
+    data.setdefault("$schema", "https://opencode.ai/config.json")
+    providers = data.setdefault("provider", {})
+    entry = dict(providers.get(PROVIDER_ID) or {})
+    providers[PROVIDER_ID] = {**entry, "npm": "@ai-sdk/openai-compatible", "name": "agentbox (local)",
+                              "options": {**(entry.get("options") or {}), "baseURL": ep.openai_url,
+                                          "apiKey": opencode_key(ep)},
+                              "models": {**(entry.get("models") or {}), ep.model: opencode_model(ep, limits)}}
+    data["model"] = f"{PROVIDER_ID}/{ep.model}"
+    data["autoupdate"] = False
+    data["share"] = "disabled"
+    if not limits.compact:
+        data["compaction"] = {**(data.get("compaction") or {}), "auto": False}
+    return data
+
+
+def aider_metadata(ep: Endpoint, limits: Fit) -> dict[str, Any]:
     """litellm model metadata (aider's --model-metadata-file): the served window instead of a guess."""
-    ctx, out = ep.limits()
+    ctx, out = limits.context, limits.output
     return {f"openai/{ep.model}": {"max_input_tokens": ctx - out, "max_output_tokens": out, "max_tokens": out,
                                    "input_cost_per_token": 0.0, "output_cost_per_token": 0.0,
                                    "litellm_provider": "openai", "mode": "chat"}}
-
-
-def check_fits(client: str, ep: Endpoint) -> None:
-    """Refuse a client whose own prompt cannot fit the served context, with the numbers and a way out."""
-    need = CLIENT_PROMPT_TOKENS.get(client)
-    if need is None or ep.context is None or ep.context >= need + MIN_ANSWER_TOKENS:
-        return
-    from agentbox.hub.profiles import load_profiles
-
-    fits = sorted((p for p in load_profiles() if p.context_length >= need + MIN_ANSWER_TOKENS), key=lambda p: p.params)
-    hint = f"; serve a model with a longer context, e.g. agentbox serve --model {fits[0].name} " \
-           f"({fits[0].context_length} tokens)" if fits else ""
-    raise ClientError(f"{client}'s own prompt (system prompt and tools) is about {need} tokens, but this server's "
-                      f"context is {ep.context} tokens (at least {need + MIN_ANSWER_TOKENS} needed){hint}; --force launches anyway")
 
 
 def _read(path: Path) -> str:
@@ -211,58 +226,71 @@ def _load_json(path: Path, text: str) -> dict[str, Any]:
     return data
 
 
-CONFIG_FILES = {"claude-code": ".claude/settings.json", "codex": ".codex/config.toml",
-                "opencode": ".config/opencode/opencode.json", "aider": ".aider.model.metadata.json"}
+def _set_dotted(data: dict[str, Any], dotted: dict[str, Any]) -> None:
+    for key, value in dotted.items():
+        *parents, leaf = key.split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
 
 
-def config_path(client: str) -> Path | None:
+CONFIG_FILES = {Client.CLAUDE: ".claude/settings.json", Client.CODEX: ".codex/config.toml",
+                Client.OPENCODE: ".config/opencode/opencode.json", Client.AIDER: ".aider.model.metadata.json"}
+
+
+def config_path(client: Client) -> Path | None:
     """The file `setup` writes for a client (None for export-only ones)."""
     rel = CONFIG_FILES.get(client)
     return home() / rel if rel else None
 
 
-def plan(client: str, ep: Endpoint) -> Plan:
-    if client == "claude-code":
-        path = config_path(client)
+def _required(limits: Fit | None, ep: Endpoint) -> Fit:
+    if limits is None:
+        ep.limits()  # raises the ClientError that asks for --context
+    assert limits is not None
+    return limits
+
+
+def plan(client: Client, ep: Endpoint, *, force: bool = False) -> Plan:
+    if client is Client.ENV:  # lines for any client: the served limits as they are, nothing adapted
+        return Plan(exports=_exports({**openai_env(ep), **claude_env(ep, Fit(*ep.limits()) if ep.context else None)}))
+    limits = client_fit(client, ep, force=force)
+    notes = [limits.note] if limits is not None and limits.note else []
+    path = config_path(client)
+    old = _read(path) if path is not None else ""
+    if client is Client.CLAUDE:
         assert path is not None
-        old = _read(path)
         data = _load_json(path, old)
-        data["env"] = {**(data.get("env") or {}), **claude_env(ep)}
-        return Plan(path, old, json.dumps(data, indent=2, ensure_ascii=False) + "\n", note="then run: claude")
-    if client == "codex":
-        path = config_path(client)
+        data["env"] = {**(data.get("env") or {}), **claude_env(ep, limits)}
+        # settings.json has no environment indirection: a real key is written, so only the owner may read it.
+        return Plan(path, old, json.dumps(data, indent=2, ensure_ascii=False) + "\n", secret=ep.has_key,
+                    note="\n".join([*notes, "then run: claude"]))
+    if client is Client.CODEX:
         assert path is not None
-        old = _read(path)
         data = tomllib.loads(old) if old.strip() else {}
         data["model"] = ep.model
         data["model_provider"] = PROVIDER_ID
-        data.update(codex_limits(ep))
+        _set_dotted(data, codex_settings(_required(limits, ep)))
         providers = data.setdefault("model_providers", {})
         providers[PROVIDER_ID] = {**providers.get(PROVIDER_ID, {}), **codex_provider(ep, ep.has_key)}
-        note = f"then run: export {KEY_ENV}=...; codex" if ep.has_key else "then run: codex"
-        return Plan(path, old, toml_writer.dumps(data), note=note)
-    if client == "opencode":
-        path = config_path(client)
+        run = f"then run: export {KEY_ENV}=...; codex" if ep.has_key else "then run: codex"
+        return Plan(path, old, toml_writer.dumps(data), note="\n".join([*notes, run]))
+    if client is Client.OPENCODE:
         assert path is not None
-        old = _read(path)
+        data = opencode_config(ep, _required(limits, ep), _load_json(path, old))
+        quiet = _exports({k: v for k, v in OPENCODE_QUIET_ENV.items() if k == "OPENCODE_DISABLE_MODELS_FETCH"})
+        run = f"then run: export {KEY_ENV}=...; opencode" if ep.has_key else "then run: opencode"
+        return Plan(path, old, json.dumps(data, indent=2, ensure_ascii=False) + "\n", exports=quiet,
+                    note="\n".join([*notes, run]))
+    if client is Client.AIDER:
+        assert path is not None
         data = _load_json(path, old)
-        data.setdefault("$schema", "https://opencode.ai/config.json")
-        providers = data.setdefault("provider", {})
-        providers[PROVIDER_ID] = opencode_provider(ep)
-        data["model"] = f"{PROVIDER_ID}/{ep.model}"
-        return Plan(path, old, json.dumps(data, indent=2, ensure_ascii=False) + "\n", note="then run: opencode")
-    if client == "aider":
+        data.update(aider_metadata(ep, _required(limits, ep)))
         env = {"OPENAI_API_BASE": ep.openai_url, "OPENAI_API_KEY": ep.api_key}
-        path = config_path(client)
-        assert path is not None
-        old = _read(path)
-        data = _load_json(path, old)
-        data.update(aider_metadata(ep))
         return Plan(path, old, json.dumps(data, indent=2) + "\n", exports=_exports(env),
-                    note=f"then run: aider --model openai/{ep.model}")
-    if client == "env":
-        return Plan(exports=_exports({**openai_env(ep), **claude_env(ep)}))
-    raise ValueError(f"unknown client {client!r}; choose from {', '.join(SETUP_CLIENTS)}")
+                    note="\n".join([*notes, f"then run: aider --model openai/{ep.model}"]))
+    raise ClientError(f"unknown client {client!r}; choose from {choices(with_env=True)}")
 
 
 def _exports(env: dict[str, str]) -> list[str]:
@@ -271,24 +299,32 @@ def _exports(env: dict[str, str]) -> list[str]:
     return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
 
 
-def launch_command(client: str, ep: Endpoint, args: list[str]) -> tuple[list[str], dict[str, str]]:
-    """argv and the environment additions that point a client at the server without touching its files."""
-    if client == "claude":
-        return ["claude", *args], claude_env(ep)
-    if client == "codex":
+def launch_command(client: Client, ep: Endpoint, args: list[str], *,
+                   force: bool = False) -> tuple[list[str], dict[str, str], str]:
+    """argv, the environment additions that point a client at the server without touching its files, and a
+    note for the user (what was adapted to make the client's prompt fit, or '')."""
+    if client not in AGENTS:
+        raise ClientError(f"launch runs one of {choices(with_env=False)}, not {client.value}")
+    limits = client_fit(client, ep, force=force)
+    note = limits.note if limits is not None else ""
+    if client is Client.CLAUDE:
+        return ["claude", *args], claude_env(ep, limits), note
+    limits = _required(limits, ep)
+    if client is Client.CODEX:
         provider = "{" + ", ".join(f"{k}={json.dumps(v)}" for k, v in codex_provider(ep, True).items()) + "}"
-        limits = [a for k, v in codex_limits(ep).items() for a in ("-c", f"{k}={v}")]
+        settings = [a for k, v in codex_settings(limits).items() for a in ("-c", f"{k}={json.dumps(v)}")]
         argv = ["codex", "-c", f"model_providers.{PROVIDER_ID}={provider}", "-c", f"model_provider={PROVIDER_ID}",
-                *limits, "-m", ep.model, *args]
-        return argv, {KEY_ENV: ep.api_key}
-    if client == "opencode":
-        config = {"provider": {PROVIDER_ID: opencode_provider(ep)}, "model": f"{PROVIDER_ID}/{ep.model}"}
-        return ["opencode", *args], {"OPENCODE_CONFIG_CONTENT": json.dumps(config)}
-    if client == "aider":
-        # aider reads model limits only from a file: ours lives in agentbox's state dir, not the user's.
-        meta = state_dir() / "aider.model.metadata.json"
-        meta.write_text(json.dumps(aider_metadata(ep), indent=2))
-        argv = ["aider", "--model", f"openai/{ep.model}", "--model-metadata-file", str(meta),
-                "--no-show-model-warnings", "--no-check-update", "--analytics-disable", *args]
-        return argv, {"OPENAI_API_BASE": ep.openai_url, "OPENAI_API_KEY": ep.api_key}
-    raise ValueError(f"unknown client {client!r}; choose from {', '.join(LAUNCH_CLIENTS)}")
+                *settings, "-m", ep.model, *args]
+        return argv, {KEY_ENV: ep.api_key}, note
+    if client is Client.OPENCODE:
+        config = opencode_config(ep, limits)
+        env = {"OPENCODE_CONFIG_CONTENT": json.dumps(config), KEY_ENV: ep.api_key, **OPENCODE_QUIET_ENV}
+        if not limits.compact:
+            env["OPENCODE_DISABLE_AUTOCOMPACT"] = "1"  # also wins over a user's own opencode.json
+        return ["opencode", *args], env, note
+    # aider reads model limits only from a file: ours lives in agentbox's state dir, not the user's.
+    meta = state_dir() / "aider.model.metadata.json"
+    meta.write_text(json.dumps(aider_metadata(ep, limits), indent=2))
+    argv = ["aider", "--model", f"openai/{ep.model}", "--model-metadata-file", str(meta),
+            "--no-show-model-warnings", "--no-check-update", "--analytics-disable", *args]
+    return argv, {"OPENAI_API_BASE": ep.openai_url, "OPENAI_API_KEY": ep.api_key}, note

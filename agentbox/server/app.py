@@ -32,16 +32,9 @@ from agentbox.server.errors import (
     validation_error_handler,
 )
 from agentbox.server.generation import CLIENT_AGENT, ServerState
+from agentbox.server.model_names import model_names, served_name
 
 log = logging.getLogger("agentbox.server")
-
-
-def served_name(config: ServerConfig) -> str:
-    if config.served_model_name:
-        return config.served_model_name
-    p = Path(config.engine.model)
-    name = p.stem if p.suffix == ".gguf" else p.name
-    return name or "model"
 
 
 @dataclass(frozen=True)
@@ -101,13 +94,15 @@ def create_app(config: ServerConfig) -> FastAPI:
         app.state.agentbox = ServerState(config, engine, tokenizer, info, served_name(config),
                                          sampling_defaults=d.sampling, thinking_model=d.thinking,
                                          tool_parser=d.tool_parser,
-                                         default_max_tokens=d.max_output_tokens or config.default_max_tokens)
+                                         default_max_tokens=d.max_output_tokens or config.default_max_tokens,
+                                         names=model_names(config, info.model_name))
         if config.engine.record_trace:
             from agentbox.bench.record import TraceRecorder
 
             app.state.agentbox.recorder = TraceRecorder(config.engine.record_trace)
             log.info("recording traffic as a replayable trace to %s", config.engine.record_trace)
-        log.info("serving %s on http://%s:%d (engine pid %s)", served_name(config), config.host, config.port, engine.pid)
+        log.info("serving %s on http://%s:%d (engine pid %s); it also answers to %s", served_name(config),
+                 config.host, config.port, engine.pid, ", ".join(app.state.agentbox.names[1:]))
         try:
             yield
         finally:
@@ -152,13 +147,19 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def version() -> dict:
         return {"version": agentbox.__version__}
 
+    def model_entry(state: ServerState) -> dict:
+        return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "agentbox",
+                "max_model_len": state.info.max_model_len, "max_output_tokens": state.default_max_tokens,
+                "aliases": list(state.names[1:])}
+
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
-        state: ServerState = request.app.state.agentbox
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "agentbox",
-            "max_model_len": state.info.max_model_len, "max_output_tokens": state.default_max_tokens,
-        }]}
+        return {"object": "list", "data": [model_entry(request.app.state.agentbox)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request) -> dict:
+        request.app.state.agentbox.check_model(name)  # any alias; else a 404 naming them
+        return model_entry(request.app.state.agentbox)
 
     @app.get("/v1/stats")
     async def stats(request: Request) -> dict:

@@ -63,6 +63,7 @@ class ServerState:
     thinking_model: bool = False
     tool_parser: str | None = None  # the profile's call syntax; None: read from the template
     default_max_tokens: int = 4096  # the profile's output budget for requests that send no max_tokens
+    names: tuple[str, ...] = ()  # every name the model answers to, model_name first (server/model_names.py)
 
     def pick(self, name: str, sent: float | int | None, fallback: float | int) -> float | int:
         """The client's value, else the model profile's default, else the API's."""
@@ -77,10 +78,11 @@ class ServerState:
                         self.sampling_defaults.get("temperature", "> 0"))
 
     def check_model(self, name: str) -> None:
-        if name not in (self.model_name, self.info.model_name):
+        if name not in (self.model_name, self.info.model_name, *self.names):
+            known = ", ".join(f"'{n}'" for n in (self.names or (self.model_name,)))
             raise APIError(
-                400, f"model '{name}' is not served here; this server serves '{self.model_name}'",
-                param="model", code="model_not_found",
+                404, f"model '{name}' is not served here; this server's model answers to {known}",
+                param="model", code="model_not_found", type_="not_found_error",
             )
 
     def check_prompt(self, n: int, param: str) -> None:
