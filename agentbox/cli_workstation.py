@@ -153,7 +153,9 @@ def setup_cmd(
     undo: bool = typer.Option(False, "--undo", help="restore the config file from the latest backup"),
     force: bool = typer.Option(False, "--force", help="write it even when the client's own prompt does not fit the context"),
 ) -> None:
-    """Point a coding client at the server (merged into its config, backed up first)."""
+    """Point a coding client at the server (its config backed up first).
+
+    Merges into the client's config file; --undo restores the backup."""
     from agentbox.clients import ClientError, parse_client, resolve_endpoint, setup_client
 
     try:
