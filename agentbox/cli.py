@@ -64,7 +64,8 @@ def serve(
     port: int = typer.Option(_S.port, help="port to listen on"),
     foreground: bool = typer.Option(False, "--foreground", help="run in this terminal instead of the background"),
     served_model_name: str | None = typer.Option(None, help="model name clients use (default: from the path)"),  # noqa: UP007
-    api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="require this key (Bearer or x-api-key)"),  # noqa: UP007
+    api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="require this key (Bearer or x-api-key); several: k1,k2. Prefer the AGENTBOX_API_KEY variable: a flag shows in ps"),  # noqa: UP007
+    allow_unauthenticated: bool = typer.Option(_S.allow_unauthenticated, "--allow-unauthenticated", help="serve beyond loopback (--host) without an API key"),
     dtype: str = typer.Option(_E.dtype, help="auto | float32 | bfloat16 | float16"),
     device: str = typer.Option(_E.device, help="auto | cpu | cuda | cuda:N"),
     attention: str = typer.Option(
@@ -109,6 +110,12 @@ def serve(
 
     if not Path(model_path).exists():
         fail(f"--model {model_path}: no such file or directory")
+    from agentbox.server.guard import is_loopback
+
+    if not is_loopback(host) and not api_key and not allow_unauthenticated:
+        fail(f"--host {host} without an API key would give anyone on the network the model and every session.\n"
+             f"  Set a key:   AGENTBOX_API_KEY=$(openssl rand -hex 16) agentbox serve --host {host}\n"
+             f"  or accept it:   agentbox serve --host {host} --allow-unauthenticated")
     if daemon.port_in_use(host, port):
         fail(f"port {port} on {host} is already in use by another program; pick another with --port")
     engine = EngineConfig(
@@ -119,7 +126,8 @@ def serve(
         host_cache_gb=host_cache_gb, record_trace=str(Path(record_trace).resolve()) if record_trace else None,
         seed=seed, tensor_parallel_size=tp, loop_guard=loop_guard,
     )
-    config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key, engine=engine)
+    config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
+                          allow_unauthenticated=allow_unauthenticated, engine=engine)
     if foreground:
         daemon.run_foreground(config)
         return

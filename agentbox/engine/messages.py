@@ -96,6 +96,7 @@ class EngineCounters:
     decode_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
+    request_failures: int = 0  # requests ended by their own exception (the engine kept serving)
 
 
 @dataclass(frozen=True)

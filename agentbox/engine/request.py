@@ -104,6 +104,7 @@ class Request:
         if self.sampling.seed is None:
             return None
         if self._generator is None:
-            self._generator = torch.Generator(device="cpu")
-            self._generator.manual_seed(self.sampling.seed)
+            g = torch.Generator(device="cpu")
+            g.manual_seed(self.sampling.seed)  # raises on a seed beyond 64 bits: kept unset, it raises again
+            self._generator = g
         return self._generator

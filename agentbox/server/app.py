@@ -4,6 +4,7 @@ own modules. This process never runs the model."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import time
@@ -20,17 +21,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import agentbox
 from agentbox.config import ServerConfig
-from agentbox.engine.client import EngineClient
+from agentbox.engine.client import EngineClient, EngineDead, QueryError
 from agentbox.engine.messages import to_json
-from agentbox.server import anthropic_routes, openai_routes, responses_routes, sessions_routes
+from agentbox.server import anthropic_routes, openai_routes, openapi, responses_routes, sessions_routes
+from agentbox.server.disconnect import ClientGone, client_gone_handler
 from agentbox.server.errors import (
+    RETRY_AFTER_S,
     APIError,
     api_error_handler,
-    error_body,
+    engine_unavailable_handler,
+    error_response,
     http_error_handler,
+    recursion_handler,
+    unexpected_handler,
     validation_error_handler,
 )
 from agentbox.server.generation import CLIENT_AGENT, ServerState
+from agentbox.server.guard import RequestGuard, is_loopback
 
 log = logging.getLogger("agentbox.server")
 
@@ -115,22 +122,37 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    # The engine restarting (or the server stopping) is a 503 with Retry-After, never a plain-text 500.
+    for exc in (EngineDead, QueryError, asyncio.TimeoutError):
+        app.add_exception_handler(exc, engine_unavailable_handler)
+    app.add_exception_handler(RecursionError, recursion_handler)
+    app.add_exception_handler(ClientGone, client_gone_handler)
+    app.add_exception_handler(Exception, unexpected_handler)
 
     app.add_middleware(ClientAgentMiddleware)
 
     if config.api_key:
+        keys = [k.encode() for k in config.api_key.split(",") if k]
+
         @app.middleware("http")
         async def auth(request: Request, call_next: Any) -> Any:
             path = request.url.path
             if path in ("/", "/health", "/version"):
                 return await call_next(request)
             bearer = request.headers.get("authorization", "")
-            key = request.headers.get("x-api-key") or (bearer[7:] if bearer.lower().startswith("bearer ") else None)
-            if key != config.api_key:
-                if path.startswith("/v1/messages"):  # Anthropic clients read Anthropic's error shape
-                    return anthropic_routes.anthropic_error(401, "invalid x-api-key")
-                return JSONResponse(error_body("invalid API key", "authentication_error"), 401)
+            key = request.headers.get("x-api-key") or (bearer[7:] if bearer.lower().startswith("bearer ") else "")
+            # Constant time: every key is compared whole, whatever the sent one's first bytes are.
+            if not any([hmac.compare_digest(key.encode(), k) for k in keys]):
+                message = "invalid x-api-key" if path.startswith("/v1/messages") else "invalid API key"
+                return error_response(path, 401, message, "authentication_error", code="invalid_api_key")
             return await call_next(request)
+
+    if config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(RequestGuard, config=config)  # added last: outermost, before auth and routes
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root() -> dict:
@@ -141,7 +163,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def health(request: Request) -> JSONResponse:
         state: ServerState = request.app.state.agentbox
         if state.engine.dead:
-            return JSONResponse({"status": "error", "error": state.engine.dead}, 503)
+            return JSONResponse({"status": "error", "error": state.engine.dead}, 503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
         return JSONResponse({"status": "ok", "model": state.model_name})
 
     @app.get("/version")
@@ -169,13 +192,44 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(sessions_routes.router)
+    openapi.install(app)
     return app
 
 
+def exposure_warning(config: ServerConfig) -> str | None:
+    """Why a server bound beyond loopback without a key is anyone's on the network (None when it is not)."""
+    if is_loopback(config.host) or config.api_key:
+        return None
+    return (f"--host {config.host} without an API key: anyone who can reach this port can use the model and "
+            "read every session. Set one:  AGENTBOX_API_KEY=$(openssl rand -hex 16) agentbox serve "
+            f"--host {config.host}")
+
+
 def run_server(config: ServerConfig) -> None:
+    """Serves until SIGTERM / SIGINT. Exits 1 when the engine's restart budget ran out (so a supervisor
+    such as systemd restarts the server), 3 when the server could not start."""
     import uvicorn
 
     # INFO on the root logger: the engine process takes its level from here, so its lines (KV pool,
     # max_model_len, loop guard) reach server.log and `agentbox logs` along with the API's warnings.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+    if (why := exposure_warning(config)) is not None:
+        log.warning("%s", why)
+    app = create_app(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Open streams end with an error event and their end marker now, not cut after the grace period.
+            state: ServerState | None = getattr(app.state, "agentbox", None)
+            if state is not None and not self.should_exit:
+                state.engine.stop_requests("the server is shutting down")
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                   timeout_graceful_shutdown=5))
+    server.run()
+    state: ServerState | None = getattr(app.state, "agentbox", None)
+    if state is not None and state.engine.gave_up:
+        raise SystemExit(1)
+    if not server.started:
+        raise SystemExit(3)
