@@ -75,3 +75,47 @@ def test_grammar_errors_do_not_leak_cpp_paths() -> None:
                        "Stack trace:\n  [bt] (0) /usr/lib/libxgrammar.so(+0x1234)")
     msg = plain_grammar_error(raw)
     assert msg == "Unsupported type 'foo'"
+
+
+def test_prefill_is_abortable_between_chunks(tmp_path: Path) -> None:
+    """A prompt of many prefill chunks, aborted after the first: it never reaches its first token, and its
+    pages come back (the process loop handles an abort between any two steps)."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])).save_pretrained(tmp_path)
+    core = EngineCore(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_pages=64, cpu_threads=1,
+                                   max_num_batched_tokens=16))
+    free = core.pool.num_free
+    assert core.add(AddRequest("long", [(i % 200) + 2 for i in range(100)], GREEDY, None)) is None
+    assert core.step() == []  # chunk 1 of 7: nothing sampled
+    aborted = core.abort("long")
+    assert aborted is not None and aborted.finished and aborted.finish_reason == "abort"
+    assert not core.has_work() and core.counters.generated_tokens == 0
+    core.check_integrity()
+    assert core.pool.num_free + core.cache.stats().gpu_pages >= free - 1
+
+
+def test_namespaces_keep_sessions_and_cache_reports_apart(core: EngineCore) -> None:
+    """Two API keys' namespaces: a prefix one computed is reported cached to the other only after the other
+    computed (or matched) it itself, and a keyless request never joins the other's session."""
+    prompt = [(3 * i) % 200 + 2 for i in range(64)]
+
+    def turn(rid: str, ns: str, sid: str | None) -> RequestOutput:
+        assert core.add(AddRequest(rid, list(prompt), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                     ignore_eos=True), sid, ns)) is None
+        last = None
+        while core.has_work():
+            for o in core.step():
+                last = o if o.request_id == rid and o.finished else last
+        assert last is not None
+        return last
+
+    a1 = turn("a1", "ka/", "ka/s")
+    a2 = turn("a2", "ka/", "ka/s")
+    assert a1.num_cached_tokens == 0 and a2.num_cached_tokens >= 48  # its own prefix: reported
+    b1 = turn("b1", "kb/", None)
+    assert b1.num_cached_tokens == 0, "another key's prefix was reported as cached"
+    assert b1.session_id is not None and b1.session_id.startswith("kb/auto-")  # not joined to ka/s
+    b2 = turn("b2", "kb/", None)
+    assert b2.num_cached_tokens >= 48 and (b2.session_id or "").startswith("kb/")
+    assert core.counters.cached_tokens >= a2.num_cached_tokens + b2.num_cached_tokens
+    core.check_integrity()

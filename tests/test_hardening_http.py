@@ -18,7 +18,14 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 def stats(url: str) -> dict:
-    return httpx.get(url + "/v1/stats", timeout=30).json()
+    """The engine's stats (a query waits for the step in progress: a long prefill step can outlast its
+    timeout on a loaded CPU, a 503 then; asked again)."""
+    for _ in range(10):
+        r = httpx.get(url + "/v1/stats", timeout=30)
+        if r.status_code == 200:
+            return r.json()
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+    raise AssertionError(r.text)
 
 
 @pytest.fixture
@@ -137,21 +144,6 @@ def test_abandoned_non_streaming_request_frees_its_pages(live_server: str, same_
     generated = after["counters"]["generated_tokens"] - idle["counters"]["generated_tokens"]
     assert generated < 1500, "the abandoned request ran to max_tokens"
     print(f"abandoned request: pages back {took:.2f} s after the client left, {generated} tokens generated")
-
-
-def test_stream_cut_during_prefill_is_aborted(live_server: str, same_engine: None) -> None:
-    idle = _wait(live_server, lambda s: s["running"] == 0 and s["waiting"] == 0)
-    long = "Summarise this text. " + "The quick brown fox jumps over the lazy dog. " * 150
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": long}], "max_tokens": 200,
-                       "ignore_eos": True, "stream": True}).encode()
-    u = urlparse(live_server)
-    sock = socket.create_connection((u.hostname, u.port))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-    _wait(live_server, lambda s: s["running"] == 1)
-    sock.close()
-    after = _wait(live_server, lambda s: s["running"] == 0 and s["waiting"] == 0)
-    assert after["counters"]["generated_tokens"] - idle["counters"]["generated_tokens"] < 200
 
 
 def test_sessions_routes_and_metrics_answer_json_or_text(live_server: str) -> None:

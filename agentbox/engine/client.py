@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 
 from agentbox.config import EngineConfig
@@ -73,6 +73,9 @@ class EngineClient:
         self._deaths: deque[float] = deque()  # monotonic times of the deaths within the restart window
         self.gave_up: str | None = None  # why the server exits: the restart budget ran out, or a restart failed
         self.closing: str | None = None  # set when the server stops: new requests get a 503
+        # How the server is asked to exit when the engine gives up (run_server sets uvicorn's should_exit;
+        # a signal would be re-raised by uvicorn after shutdown and hide the exit code).
+        self.on_give_up: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
 
     def _spawn(self) -> tuple[mp.process.BaseProcess, Connection, EngineReady]:
         """Spawns a core and blocks until it has loaded the model (or failed, raising with its reason)."""
@@ -183,7 +186,7 @@ class EngineClient:
     def _give_up(self, why: str) -> None:
         self.gave_up = why
         log.error("%s; the server exits (code 1) so that its supervisor can start it afresh", why)
-        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown; run_server then exits 1
+        self.on_give_up()
 
     def _restart(self, why: str) -> None:
         old = self._proc
@@ -225,7 +228,8 @@ class EngineClient:
             self._conn.send(msg)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, session_id: str | None = None,
+        namespace: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes. Closing the iterator early aborts the request,
         so a client that disconnects mid-stream gives its pages back."""
@@ -233,7 +237,7 @@ class EngineClient:
         self._queues[request_id] = q
         finished = False
         try:
-            self._send(AddRequest(request_id, prompt_token_ids, sampling, session_id))
+            self._send(AddRequest(request_id, prompt_token_ids, sampling, session_id, namespace))
             while True:
                 o = await q.get()
                 yield o

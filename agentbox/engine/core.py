@@ -145,7 +145,8 @@ class EngineCore:
             )
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=why,
                                  error_code="prompt_too_long")
-        req = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling, msg.session_id)
+        req = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling, msg.session_id,
+                      namespace=msg.namespace)
         try:
             req.grammar_state = self._grammar_state(req)
             # ignore_eos asks for exactly max_tokens tokens (benchmarks): no guard cuts those short

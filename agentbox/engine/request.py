@@ -35,6 +35,7 @@ class Request:
     sampling: SamplingParams
     session_id: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    namespace: str = ""  # see AddRequest.namespace
 
     num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0

@@ -4,6 +4,7 @@ own modules. This process never runs the model."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import os
@@ -36,7 +37,7 @@ from agentbox.server.errors import (
     unexpected_handler,
     validation_error_handler,
 )
-from agentbox.server.generation import CLIENT_AGENT, ServerState
+from agentbox.server.generation import CLIENT_AGENT, CLIENT_NAMESPACE, ServerState
 from agentbox.server.guard import RequestGuard, is_loopback
 
 log = logging.getLogger("agentbox.server")
@@ -102,6 +103,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         tok_task = asyncio.to_thread(load_tokenizer, resolve_model(config.engine.model))
         info, tokenizer = await asyncio.gather(info_task, tok_task)
         engine.attach_loop(asyncio.get_running_loop())
+        if (give_up := getattr(app.state, "on_engine_give_up", None)) is not None:
+            engine.on_give_up = give_up
         d = model_defaults(config.engine.model, served_name(config))
         app.state.agentbox = ServerState(config, engine, tokenizer, info, served_name(config),
                                          sampling_defaults=d.sampling, thinking_model=d.thinking,
@@ -133,6 +136,8 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     if config.api_key:
         keys = [k.encode() for k in config.api_key.split(",") if k]
+        # Several keys: each its own session namespace (one key: everyone who has it is the same client).
+        spaces = [f"k{hashlib.sha256(k).hexdigest()[:10]}/" if len(keys) > 1 else "" for k in keys]
 
         @app.middleware("http")
         async def auth(request: Request, call_next: Any) -> Any:
@@ -142,9 +147,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             bearer = request.headers.get("authorization", "")
             key = request.headers.get("x-api-key") or (bearer[7:] if bearer.lower().startswith("bearer ") else "")
             # Constant time: every key is compared whole, whatever the sent one's first bytes are.
-            if not any([hmac.compare_digest(key.encode(), k) for k in keys]):
+            hits = [hmac.compare_digest(key.encode(), k) for k in keys]
+            if not any(hits):
                 message = "invalid x-api-key" if path.startswith("/v1/messages") else "invalid API key"
                 return error_response(path, 401, message, "authentication_error", code="invalid_api_key")
+            CLIENT_NAMESPACE.set(spaces[hits.index(True)])
             return await call_next(request)
 
     if config.cors_origins:
@@ -227,6 +234,7 @@ def run_server(config: ServerConfig) -> None:
 
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                    timeout_graceful_shutdown=5))
+    app.state.on_engine_give_up = lambda: setattr(server, "should_exit", True)
     server.run()
     state: ServerState | None = getattr(app.state, "agentbox", None)
     if state is not None and state.engine.gave_up:

@@ -80,6 +80,13 @@ class ServerState:
     _cpu: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
     _max_token_chars: int | None = None
 
+    def remember_client(self, session_id: str, agent: str) -> None:
+        """The session's User-Agent for `top`; the oldest entries go past the engine's session cap."""
+        self.clients.pop(session_id, None)
+        self.clients[session_id] = agent
+        while len(self.clients) > self.config.engine.max_sessions:
+            self.clients.pop(next(iter(self.clients)))
+
     def pick(self, name: str, sent: float | int | None, fallback: float | int) -> float | int:
         """The client's value, else the model profile's default, else the API's."""
         if sent is not None:
@@ -134,6 +141,9 @@ class ServerState:
 log = logging.getLogger("agentbox.server")
 # The User-Agent of the request being served (set by app.py's middleware), shown per session by `top`.
 CLIENT_AGENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("client_agent", default=None)
+# The API key's session namespace (set by app.py's auth when several keys are configured, else ""): engine
+# session ids are namespace + the client's id, and a key sees, infers and deletes only its own.
+CLIENT_NAMESPACE: contextvars.ContextVar[str] = contextvars.ContextVar("client_namespace", default="")
 
 
 def engine_error(message: str, code: str | None) -> APIError:
@@ -164,7 +174,8 @@ async def generate(
     stops = StopChecker(sampling.stop)
     usage = Usage(prompt_tokens=len(prompt_ids))
     started, produced = time.monotonic(), []
-    stream = state.engine.generate(rid, prompt_ids, sampling, session_id)
+    ns = CLIENT_NAMESPACE.get()
+    stream = state.engine.generate(rid, prompt_ids, sampling, ns + session_id if session_id else None, ns)
     async with contextlib.aclosing(stream):
         async for o in stream:
             if o.error and o.finish_reason == "error":
@@ -173,9 +184,9 @@ async def generate(
             usage.cached_tokens = o.num_cached_tokens
             usage.host_cached_tokens = o.num_host_cached_tokens
             if o.session_id:
-                usage.session_id = o.session_id
+                usage.session_id = o.session_id.removeprefix(ns)
                 if agent := CLIENT_AGENT.get():
-                    state.clients[o.session_id] = agent
+                    state.remember_client(o.session_id, agent)
             text = stops.feed(detok.add(o.new_token_ids))
             finished, reason = o.finished, o.finish_reason
             if stops.stopped and not finished:
