@@ -170,3 +170,12 @@ def test_concurrent_bad_and_good_requests(live_server: str, same_engine: None) -
     for t in threads:
         t.join()
     assert sorted(results) == [200] * 4 + [400] * 4
+
+
+def test_grammar_error_names_the_reason_without_cpp_paths(live_server: str, same_engine: None) -> None:
+    r = httpx.post(live_server + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": HI, "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}})
+    assert r.status_code == 400, r.text
+    msg = r.json()["error"]["message"]
+    assert "Unsupported type" in msg and ".cc" not in msg and "/project" not in msg
