@@ -66,6 +66,7 @@ def serve(
     served_model_name: str | None = typer.Option(None, help="model name clients use (default: from the path)"),  # noqa: UP007
     api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="require this key (Bearer or x-api-key); several: k1,k2. Prefer the AGENTBOX_API_KEY variable: a flag shows in ps"),  # noqa: UP007
     allow_unauthenticated: bool = typer.Option(_S.allow_unauthenticated, "--allow-unauthenticated", help="serve beyond loopback (--host) without an API key"),
+    max_body_mb: float = typer.Option(_S.max_body_mb, "--max-body-mb", help="largest request body (MiB); larger ones are a 413"),
     dtype: str = typer.Option(_E.dtype, help="auto | float32 | bfloat16 | float16"),
     device: str = typer.Option(_E.device, help="auto | cpu | cuda | cuda:N"),
     attention: str = typer.Option(
@@ -127,7 +128,7 @@ def serve(
         seed=seed, tensor_parallel_size=tp, loop_guard=loop_guard,
     )
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
-                          allow_unauthenticated=allow_unauthenticated, engine=engine)
+                          allow_unauthenticated=allow_unauthenticated, max_body_mb=max_body_mb, engine=engine)
     if foreground:
         daemon.run_foreground(config)
         return

@@ -3,6 +3,7 @@ batch (the values that once crashed it are refused at the API; these bypass it, 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,24 @@ def test_namespaces_keep_sessions_and_cache_reports_apart(core: EngineCore) -> N
     assert b2.num_cached_tokens >= 48 and (b2.session_id or "").startswith("kb/")
     assert core.counters.cached_tokens >= a2.num_cached_tokens + b2.num_cached_tokens
     core.check_integrity()
+
+
+def test_idle_sessions_expire_and_the_table_is_capped(core: EngineCore) -> None:
+    from dataclasses import replace
+
+    capped = EngineCore(replace(core.config, max_sessions=2, session_idle_s=3600.0))
+
+    def turn(sid: str) -> None:
+        assert capped.add(AddRequest(sid, [5, 6, 7, sum(map(ord, sid)) % 200 + 2], GREEDY, sid)) is None
+        while capped.has_work():
+            capped.step()
+
+    for sid in ("s1", "s2", "s3"):
+        turn(sid)
+    assert {s.id for s in capped.cache.sessions} == {"s2", "s3"}  # the longest idle went first
+    turn("s4")
+    assert {s.id for s in capped.cache.sessions} == {"s3", "s4"}
+    capped.config = replace(capped.config, session_idle_s=0.0)
+    time.sleep(1.1)  # pruning for idleness runs at most once a second
+    assert capped.prune_sessions() == 2 and len(capped.cache.sessions) == 0  # both idle past 0 s
+    capped.check_integrity()

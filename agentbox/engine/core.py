@@ -155,7 +155,7 @@ class EngineCore:
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
                                  error=f"cannot build a grammar for this request: {plain_grammar_error(e)}",
                                  error_code="bad_grammar")
-        self.prune_sessions()
+        self.prune_sessions(room=1)  # the new request may start a session
         code = self.scheduler.add(req)
         if code is not None:
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error_code=code,
@@ -163,12 +163,12 @@ class EngineCore:
         self.counters.requests += 1
         return None
 
-    def prune_sessions(self) -> int:
-        """Forgets sessions idle past `session_idle_s`, and the longest idle past `max_sessions` entries
-        (a session with a request in flight stays). Returns how many went."""
+    def prune_sessions(self, room: int = 0) -> int:
+        """Forgets sessions idle past `session_idle_s`, and the longest idle beyond `max_sessions - room`
+        entries (a session with a request in flight stays). Returns how many went."""
         table, cfg = self.cache.sessions, self.config
         now = table.clock()
-        over = len(table) - cfg.max_sessions
+        over = len(table) + room - cfg.max_sessions
         if over <= 0 and now < self._next_prune:
             return 0
         self._next_prune = now + 1.0  # a sort of the table at most once a second

@@ -121,8 +121,8 @@ class RequestGuard:
             await refuse(415, f"the request has {said}; the body must be JSON, sent with {JSON_FIX}",
                          "unsupported_media_type")
             return
-        too_big = (f"the request body exceeds {self.max_body // 2**20} MiB (serve --max-body-mb raises the "
-                   "limit)")
+        too_big = (f"the request body exceeds {self.max_body / 2**20:g} MiB; the server's limit is raised with "
+                   "agentbox serve --max-body-mb N")
         declared = h.get("content-length", "0")
         if declared.isdigit() and int(declared) > self.max_body:
             await refuse(413, too_big, "body_too_large")
