@@ -147,11 +147,11 @@ RESPONSES: dict[str, type[BaseModel]] = {
     "/v1/messages": AnthropicMessageResponse, "/v1/messages/count_tokens": TokenCount,
 }
 STREAMING = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
-POST_ERRORS = {400: "invalid input (the message names the field)", 401: "missing or wrong API key",
-               413: "body too large", 415: "the body is not sent as JSON", 421: "foreign Host on a loopback server",
-               503: "the engine restarts or is overloaded (see Retry-After)"}
-GET_ERRORS = {401: "missing or wrong API key", 421: "foreign Host on a loopback server",
-              503: "the engine restarts (see Retry-After)"}
+POST_ERRORS = {400: "invalid input (the message names the field)", 413: "body too large",
+               415: "the body is not sent as JSON", 421: "foreign Host on a loopback server"}
+GET_ERRORS = {421: "foreign Host on a loopback server"}
+OPEN = ("/", "/health", "/version")  # answered without a key
+NO_ENGINE = ("/", "/version", "/v1/models", "/v1/messages/count_tokens")  # never wait on the engine
 
 
 def _schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, str]:
@@ -166,7 +166,7 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": schema}}}
 
 
-def build(app: FastAPI) -> dict[str, Any]:
+def build(app: FastAPI, auth: bool) -> dict[str, Any]:
     spec = get_openapi(title=app.title, version=app.version, routes=app.routes,
                        description="agentbox: OpenAI chat / completions / responses and Anthropic messages, "
                        "with every agent session's cache kept resident.")
@@ -197,7 +197,11 @@ def build(app: FastAPI) -> dict[str, Any]:
                 if path in STREAMING:
                     ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
                 responses["200"] = {"description": "the answer (server-sent events when stream is true)", **ok}
-            table = POST_ERRORS if method == "post" else GET_ERRORS
+            table = dict(POST_ERRORS if method == "post" else GET_ERRORS)
+            if auth and path not in OPEN:
+                table[401] = "missing or wrong API key"
+            if path not in NO_ENGINE:
+                table[503] = "the engine restarts, the server stops, or admission is full (see Retry-After)"
             for status, why in table.items():
                 responses.setdefault(str(status), {"description": why, **_json(shape)})
             if "{session_id}" in path:
@@ -207,10 +211,10 @@ def build(app: FastAPI) -> dict[str, Any]:
     return spec
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, auth: bool) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = build(app)
+            app.openapi_schema = build(app, auth)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
