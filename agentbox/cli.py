@@ -105,7 +105,9 @@ def serve(
     port: int = typer.Option(_S.port, help="port to listen on"),
     foreground: bool = typer.Option(False, "--foreground", help="run in this terminal instead of the background"),
     served_model_name: str | None = typer.Option(None, help="model name clients use (default: from the path)"),  # noqa: UP007
-    api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="require this key (Bearer or x-api-key)"),  # noqa: UP007
+    api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="require this key (Bearer or x-api-key); several: k1,k2. Prefer the AGENTBOX_API_KEY variable: a flag shows in ps"),  # noqa: UP007
+    allow_unauthenticated: bool = typer.Option(_S.allow_unauthenticated, "--allow-unauthenticated", help="serve beyond loopback (--host) without an API key"),
+    max_body_mb: float = typer.Option(_S.max_body_mb, "--max-body-mb", help="largest request body (MiB); larger ones are a 413"),
     dtype: str = typer.Option(_E.dtype, help="auto | float32 | bfloat16 | float16"),
     device: str = typer.Option(_E.device, help="auto | cpu | cuda | cuda:N"),
     attention: str = typer.Option(
@@ -136,6 +138,12 @@ def serve(
         fail(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     if page_size < 1 or (page_size & (page_size - 1)):
         fail(f"--page-size must be a power of two (got {page_size})")
+    from agentbox.server.guard import is_loopback
+
+    if not is_loopback(host) and not api_key and not allow_unauthenticated:
+        fail(f"--host {host} without an API key would give anyone on the network the model and every session\n"
+             f"  set a key: AGENTBOX_API_KEY=$(openssl rand -hex 16) agentbox serve --host {host}\n"
+             f"  or accept it: agentbox serve --host {host} --allow-unauthenticated")
     _check_can_start(host, port)  # before torch loads, and before probe, plan and canary (seconds to minutes)
     if attention != _E.attention:  # a name: checked against the registry (which loads torch: seconds)
         from agentbox.layers.backends import backend_choices
@@ -152,7 +160,8 @@ def serve(
         host_cache_gb=host_cache_gb, record_trace=str(Path(record_trace).resolve()) if record_trace else None,
         seed=seed, tensor_parallel_size=tp, loop_guard=loop_guard,
     )
-    config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key, engine=engine)
+    config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
+                          allow_unauthenticated=allow_unauthenticated, max_body_mb=max_body_mb, engine=engine)
     if foreground:
         daemon.run_foreground(config)
         return

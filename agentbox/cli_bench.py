@@ -71,6 +71,29 @@ def bench_throughput(
     _print_json(report, json_out)
 
 
+@bench_app.command("soak")
+def bench_soak(
+    url: str | None = typer.Option(None, "--url", help="a running server (default: start one on --model)"),  # noqa: UP007
+    model: str | None = typer.Option(None, "--model", help="HF model dir or .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
+    sessions: int = typer.Option(4, "--sessions", min=1, help="concurrent agent sessions"),
+    minutes: float = typer.Option(1.0, "--minutes", min=0.05, help="how long to run"),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="tokens per answer"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """N sessions for T minutes with disconnects and malformed requests mixed in: requests answered, failures
+    by type, pages leaked, RSS growth, the slowest /health answer, and whether the engine survived."""
+    from agentbox.bench.soak import run_soak
+
+    if url is not None:
+        _print_json(run_soak(url.rstrip("/"), sessions, minutes, max_tokens), json_out)
+        return
+    from agentbox.bench.idle import serve_subprocess
+
+    with serve_subprocess(_bench_model(model), ["--max-model-len", "4096"]) as (base, _):
+        report = run_soak(base, sessions, minutes, max_tokens)
+    _print_json(report, json_out)
+
+
 @bench_app.command("step")
 def bench_step(
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007

@@ -76,6 +76,14 @@ class EngineConfig:
     # A grammar-bound output starts closing (the shortest completion its grammar accepts) once the tokens
     # left are within this window of what closing needs; see engine/grammar.py.
     grammar_close_window: int = 96
+    # Engine restarts after a death (a CUDA error, OOM, a dead rank): at most `max_restarts` within any
+    # `restart_window_s`; one more death in that window exits the server non-zero for its supervisor.
+    max_restarts: int = 3
+    restart_window_s: float = 600.0
+    # The session table: an entry idle this long (no request) is forgotten, and past `max_sessions`
+    # entries the longest idle goes first. Without them the table grew with every id a client made up.
+    session_idle_s: float = 3600.0
+    max_sessions: int = 1024
 
     def __post_init__(self) -> None:
         # Callers may name the policy ("lru"); an unknown name fails here, naming the field.
@@ -106,7 +114,11 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None  # None: derived from the model path
-    api_key: str | None = None  # None: no auth
+    api_key: str | None = None  # None: no auth (AGENTBOX_API_KEY sets it without showing it in `ps`)
+    # Beyond loopback a server without a key is anyone's on the network: serve refuses unless this is set.
+    allow_unauthenticated: bool = False
+    max_body_mb: float = 32.0  # request bodies past this are a 413 (an agent's 100k-token turn is ~0.5 MB)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; none by default
     # Output budget for a request with no max_tokens when the model's profile names none.
     default_max_tokens: int = 4096
     engine: EngineConfig = field(default_factory=EngineConfig)

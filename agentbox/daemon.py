@@ -26,12 +26,19 @@ def log_file() -> Path:
     return state_dir() / "server.log"
 
 
+API_KEY_ENV = "AGENTBOX_API_KEY"
+
+
 def config_to_json(config: ServerConfig) -> str:
-    return json.dumps(dataclasses.asdict(config))
+    """The config for the child's argv, without the API key: argv is world-readable (`ps`), so the key
+    travels in the child's environment instead (readable by its user only)."""
+    return json.dumps({**dataclasses.asdict(config), "api_key": None})
 
 
 def config_from_json(text: str) -> ServerConfig:
     d = json.loads(text)
+    d["api_key"] = d.get("api_key") or os.environ.get(API_KEY_ENV) or None
+    d["cors_origins"] = tuple(d.get("cors_origins") or ())
     return ServerConfig(**{**d, "engine": EngineConfig(**d["engine"])})
 
 
@@ -119,10 +126,13 @@ def spawn(config: ServerConfig) -> subprocess.Popen:
     log = open(log_file(), "ab")  # noqa: SIM115 - handed to the child
     log.write(f"\n==== agentbox serve {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n".encode())
     log.flush()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop(API_KEY_ENV, None)
+    if config.api_key:
+        env[API_KEY_ENV] = config.api_key
     return subprocess.Popen(
         [sys.executable, "-m", "agentbox.daemon", config_to_json(config)],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
     )
 
 

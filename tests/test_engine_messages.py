@@ -25,7 +25,8 @@ POOL_KEYS = {"total_pages", "free_pages", "used_pages", "page_size", "running_pa
 CACHE_KEYS = {"policy", "gpu_pages", "host_pages", "host_total_pages", "leased_pages", "evictions", "demotions",
               "promotions", "host_evictions", "sessions", "live_leases"}
 COUNTER_KEYS = {"requests", "prompt_tokens", "cached_tokens", "host_cached_tokens", "recomputed_history_tokens",
-                "generated_tokens", "computed_tokens", "prefill_tokens", "decode_tokens", "steps", "preemptions"}
+                "generated_tokens", "computed_tokens", "prefill_tokens", "decode_tokens", "steps", "preemptions",
+                "request_failures"}
 SUMMARY_KEYS = {"id", "turns", "lease_state", "lease_expires_in_s", "prompt_tokens", "cached_tokens_gpu",
                 "cached_tokens_host", "recomputed_history_tokens", "history_tokens", "last_ttft_s", "state",
                 "resident_pages_gpu", "resident_pages_host", "resident_tokens_gpu", "resident_tokens_host",

@@ -55,17 +55,25 @@ def strip_billing_header(content: Any) -> Any:
 
 
 def normalize_tools(tools: list[dict] | None) -> list[dict] | None:
-    """Tools in the OpenAI `{"type": "function", "function": {...}}` shape the templates expect."""
+    """Tools in the OpenAI `{"type": "function", "function": {...}}` shape the templates expect; a tool
+    without a name (or not an object) is a ValueError naming it: the model could never call it."""
     if not tools:
         return None
     out = []
-    for t in tools:
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise ValueError(f"tools[{i}] is not an object")
         if t.get("type") == "function" and "function" in t:
-            out.append(t)
+            fn, where = t["function"], f"tools[{i}].function"
         else:  # a bare function, or Anthropic's {name, description, input_schema}
-            fn = {"name": t["name"], "description": t.get("description", "")}
+            fn = {"name": t.get("name"), "description": t.get("description", "")}
             fn["parameters"] = t.get("parameters") or t.get("input_schema") or {"type": "object", "properties": {}}
-            out.append({"type": "function", "function": fn})
+            t, where = {"type": "function", "function": fn}, f"tools[{i}]"
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{where}.name is missing: every tool needs a name the model can call it by")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise ValueError(f"{where}.parameters must be a JSON schema object")
+        out.append(t)
     return out
 
 

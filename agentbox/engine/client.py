@@ -5,20 +5,25 @@ the pipe and hands each output to the asyncio loop; the loop never polls.
 
 When the engine dies (a tensor-parallel rank was killed, OOM, a CUDA error), every in-flight request gets
 an error that says why, `dead` makes /health answer unhealthy, and the engine is started again in the
-background (its caches are lost; the log says so). If it cannot start again, the server is asked to exit.
+background (its caches are lost; the log says so). Restarts have a budget per time window (config.py's
+`max_restarts` per `restart_window_s`): past it, or if it cannot start again, the server is asked to exit
+and `gave_up` says why (the server then exits non-zero, so a supervisor restarts it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import logging
 import multiprocessing as mp
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 
 from agentbox.config import EngineConfig
@@ -65,7 +70,12 @@ class EngineClient:
         self._proc: mp.process.BaseProcess | None = None
         self.dead: str | None = None
         self.restarts = 0  # engine restarts after a death, for /v1/stats and the log
-        self.max_restarts = 3  # past this the server exits instead of looping on a broken machine
+        self._deaths: deque[float] = deque()  # monotonic times of the deaths within the restart window
+        self.gave_up: str | None = None  # why the server exits: the restart budget ran out, or a restart failed
+        self.closing: str | None = None  # set when the server stops: new requests get a 503
+        # How the server is asked to exit when the engine gives up (run_server sets uvicorn's should_exit;
+        # a signal would be re-raised by uvicorn after shutdown and hide the exit code).
+        self.on_give_up: Callable[[], None] = lambda: os.kill(os.getpid(), signal.SIGTERM)
 
     def _spawn(self) -> tuple[mp.process.BaseProcess, Connection, EngineReady]:
         """Spawns a core and blocks until it has loaded the model (or failed, raising with its reason)."""
@@ -141,13 +151,44 @@ class EngineClient:
             return
         self.dead = why
         log.error("engine failed: %s", why)
-        for rid, q in self._queues.items():
-            q.put_nowait(RequestOutput(rid, [], finished=True, finish_reason="error", error=why,
-                                       error_code="engine_dead"))
+        self.fail_all(why, "engine_dead")
         for fut in self._queries.values():
             if not fut.done():
                 fut.set_exception(EngineDead(why))
         threading.Thread(target=self._restart, args=(why,), name="engine-restart", daemon=True).start()
+
+    def fail_all(self, why: str, code: str) -> None:
+        """Ends every in-flight request with an error output (on the loop's thread): a stream then sends its
+        client a typed error event and its end, rather than being cut."""
+        for rid, q in self._queues.items():
+            q.put_nowait(RequestOutput(rid, [], finished=True, finish_reason="error", error=why, error_code=code))
+
+    def stop_requests(self, why: str) -> None:
+        """The server is stopping (SIGTERM): from any thread, end every in-flight request with an error the
+        client can read and refuse new ones, so no stream is cut without its error event and end."""
+        self.closing = why
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop_all, why)
+
+    def _stop_all(self, why: str) -> None:
+        rids = list(self._queues)
+        self.fail_all(why, "shutting_down")
+        for rid in rids:  # the engine stops working for clients that are being told it ended
+            with contextlib.suppress(EngineDead, OSError):
+                self._send(AbortRequest(rid))
+
+    def _within_budget(self) -> bool:
+        """Counts this death; False when it is one more than the window's budget allows."""
+        now, window = time.monotonic(), self.config.restart_window_s
+        while self._deaths and self._deaths[0] < now - window:
+            self._deaths.popleft()
+        self._deaths.append(now)
+        return len(self._deaths) <= self.config.max_restarts
+
+    def _give_up(self, why: str) -> None:
+        self.gave_up = why
+        log.error("%s; the server exits (code 1) so that its supervisor can start it afresh", why)
+        self.on_give_up()
 
     def _restart(self, why: str) -> None:
         old = self._proc
@@ -156,16 +197,16 @@ class EngineClient:
             if old.is_alive():
                 old.kill()
                 old.join(5)
-        if self.restarts >= self.max_restarts:
-            log.error("the engine died %d times; the server exits", self.restarts + 1)
-            os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown
+        if not self._within_budget():
+            c = self.config
+            self._give_up(f"the engine died {len(self._deaths)} times within {c.restart_window_s:g} s "
+                          f"(restart budget: {c.max_restarts})")
             return
         self.restarts += 1
         try:
             proc, conn, info = self._spawn()
         except Exception as e:
-            log.error("the engine could not restart (%s); the server exits", e)
-            os.kill(os.getpid(), signal.SIGTERM)
+            self._give_up(f"the engine could not restart ({e})")
             return
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._restarted, proc, conn, info, why)
@@ -183,11 +224,14 @@ class EngineClient:
     def _send(self, msg: object) -> None:
         if self.dead:
             raise EngineDead(self.dead)
+        if self.closing and isinstance(msg, AddRequest):
+            raise EngineDead(self.closing)
         with self._send_lock:
             self._conn.send(msg)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, session_id: str | None = None,
+        namespace: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes. Closing the iterator early aborts the request,
         so a client that disconnects mid-stream gives its pages back."""
@@ -195,7 +239,7 @@ class EngineClient:
         self._queues[request_id] = q
         finished = False
         try:
-            self._send(AddRequest(request_id, prompt_token_ids, sampling, session_id))
+            self._send(AddRequest(request_id, prompt_token_ids, sampling, session_id, namespace))
             while True:
                 o = await q.get()
                 yield o

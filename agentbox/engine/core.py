@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from agentbox.config import CachePolicy, EngineConfig
+from agentbox.engine.grammar_spec import plain_grammar_error
 from agentbox.engine.kv_pool import PagePool
 from agentbox.engine.loop_guard import LoopGuard
 from agentbox.engine.messages import (
@@ -30,6 +31,7 @@ from agentbox.engine.messages import (
     SessionCounts,
     SessionDropped,
     SessionList,
+    TokenLogprob,
     TurnRecord,
 )
 from agentbox.engine.radix_cache import RadixCache
@@ -81,6 +83,7 @@ class EngineCore:
         self.started = time.time()
         self._grammar_compiler = None
         self.counters = EngineCounters()
+        self._next_prune = 0.0
 
     def _note_death(self, death: RankDeath) -> None:
         log.error("%s", death.describe())
@@ -142,20 +145,44 @@ class EngineCore:
             )
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=why,
                                  error_code="prompt_too_long")
-        req = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling, msg.session_id)
+        req = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling, msg.session_id,
+                      namespace=msg.namespace)
         try:
             req.grammar_state = self._grammar_state(req)
             # ignore_eos asks for exactly max_tokens tokens (benchmarks): no guard cuts those short
             req.loop_guard = None if msg.sampling.ignore_eos else LoopGuard.from_config(self.config)
         except Exception as e:  # a schema xgrammar cannot compile is the request's fault
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
-                                 error=f"cannot build a grammar for this request: {e}", error_code="bad_grammar")
+                                 error=f"cannot build a grammar for this request: {plain_grammar_error(e)}",
+                                 error_code="bad_grammar")
+        self.prune_sessions(room=1)  # the new request may start a session
         code = self.scheduler.add(req)
         if code is not None:
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error_code=code,
                                  error="the server's admission queue is full; retry shortly")
         self.counters.requests += 1
         return None
+
+    def prune_sessions(self, room: int = 0) -> int:
+        """Forgets sessions idle past `session_idle_s`, and the longest idle beyond `max_sessions - room`
+        entries (a session with a request in flight stays). Returns how many went."""
+        table, cfg = self.cache.sessions, self.config
+        now = table.clock()
+        over = len(table) + room - cfg.max_sessions
+        if over <= 0 and now < self._next_prune:
+            return 0
+        self._next_prune = now + 1.0  # a sort of the table at most once a second
+        busy = {r.session_id for r in self.scheduler.requests.values()}
+        gone = 0
+        for s in sorted(table, key=lambda s: s.last_active):
+            if s.id in busy or s.in_turn:
+                continue
+            if over - gone <= 0 and now - s.last_active < cfg.session_idle_s:
+                break  # oldest first: the rest are more recent still
+            self.cache.drop_session(s.id)
+            table.remove(s.id)
+            gone += 1
+        return gone
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
@@ -231,11 +258,11 @@ class EngineCore:
             return results
         if self.rank_death is not None:
             raise RuntimeError(self.rank_death.describe())
-        tokens, lps = self.runner.step(out)
+        tokens, lps, failed = self.runner.step(out)
         c = self.counters
         c.steps += 1
         c.computed_tokens += out.num_tokens
-        sampled = iter(zip(tokens, lps, strict=True))
+        row = 0
         for s in out.seqs:
             req = s.request
             decoding = req.num_computed_tokens >= req.num_prompt_tokens
@@ -249,26 +276,47 @@ class EngineCore:
                 continue
             if not s.sample:
                 continue
-            token, lp = next(sampled)
-            if req.first_token_time is None:
-                self._first_token(req)
-            req.append_output(token)
-            c.generated_tokens += 1
-            if req.grammar_state is not None:
-                req.grammar_state.accept(token)
-            reason = self._stop_reason(req, token)
-            out_ = self._output(req, [token], [lp] if lp is not None else None)
-            if reason is not None:
-                self._record_completion(req)
-                out_.finished, out_.finish_reason = True, reason
-                if self.config.cache_policy is not CachePolicy.NONE:
-                    # The answer is complete for the client now; one more step computes the last token's KV
-                    # (batched with the others) so the next turn finds prompt + completion cached.
-                    req.flushing, req.finish_reason = True, reason
-                else:
-                    self.scheduler.finish(req, reason)
-            results.append(out_)
+            i, row = row, row + 1
+            why = failed.get(i)
+            if why is None:
+                try:
+                    results.append(self._accept(req, tokens[i], lps[i]))
+                    continue
+                except Exception as e:  # noqa: BLE001 - its grammar or stop check: this request's fault alone
+                    why = f"{type(e).__name__}: {e}"
+            results.append(self._fail(req, why))
         return results
+
+    def _fail(self, req: Request, why: str) -> RequestOutput:
+        """Ends one request whose own sampling or bookkeeping raised; the engine and the batch carry on."""
+        log.error("request %s failed in the engine (the others carry on): %s", req.request_id, why)
+        self.counters.request_failures += 1
+        self.scheduler.finish(req, "error")
+        o = self._output(req, [], None)
+        o.error, o.error_code = f"this request failed in the engine: {why}", "request_failed"
+        return o
+
+    def _accept(self, req: Request, token: int, lp: TokenLogprob | None) -> RequestOutput:
+        """One sampled token into its request: grammar, stop checks, the output the client gets."""
+        c = self.counters
+        if req.first_token_time is None:
+            self._first_token(req)
+        req.append_output(token)
+        c.generated_tokens += 1
+        if req.grammar_state is not None:
+            req.grammar_state.accept(token)
+        reason = self._stop_reason(req, token)
+        out_ = self._output(req, [token], [lp] if lp is not None else None)
+        if reason is not None:
+            self._record_completion(req)
+            out_.finished, out_.finish_reason = True, reason
+            if self.config.cache_policy is not CachePolicy.NONE:
+                # The answer is complete for the client now; one more step computes the last token's KV
+                # (batched with the others) so the next turn finds prompt + completion cached.
+                req.flushing, req.finish_reason = True, reason
+            else:
+                self.scheduler.finish(req, reason)
+        return out_
 
     def _record_completion(self, req: Request) -> None:
         s = self.cache.sessions.get(req.session_id) if req.session_id else None
@@ -313,6 +361,7 @@ class EngineCore:
         if q.kind is QueryKind.STATS:
             return self.stats()
         if q.kind is QueryKind.SESSIONS:
+            self.prune_sessions()
             return SessionList([session_summary(self, s) for s in self.cache.sessions])
         if q.kind is QueryKind.SESSION:
             s = self.cache.sessions.get(q.arg or "")

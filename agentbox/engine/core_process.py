@@ -23,6 +23,7 @@ from agentbox.engine.messages import (
     Query,
     QueryFailed,
     QueryReply,
+    RequestOutput,
     Shutdown,
     StepOutputs,
 )
@@ -74,7 +75,13 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
     def handle(msg: object) -> bool:
         assert core is not None
         if isinstance(msg, AddRequest):
-            err = core.add(msg)
+            try:
+                err = core.add(msg)
+            except Exception as e:  # a request that cannot even be queued fails alone
+                log.exception("request %s could not be added", msg.request_id)
+                err = RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
+                                    error=f"this request failed in the engine: {type(e).__name__}: {e}",
+                                    error_code="request_failed")
             if err is not None:
                 send(StepOutputs([err]))
         elif isinstance(msg, AbortRequest):

@@ -5,6 +5,7 @@ strings, enums and tuples, so it crosses the process boundary as itself and is i
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 
@@ -61,3 +62,15 @@ class GrammarSpec:
     max_calls: int = 4  # calls one REQUIRED turn may make when parallel
     # JSON: None is "any JSON object"
     json_schema: str | None = None
+
+
+# xgrammar's C++ errors start with a time stamp and its source path ("[12:01:02] /workspace/cpp/
+# json_schema_converter.cc:123: ..."): the client needs the reason, not our build's file layout.
+_CPP_LOCATION = re.compile(r"(\[[0-9:. ]+\]\s*)?\S*\.(?:cc|cpp|cxx|h|hpp)(?::\d+)+:?\s*")
+
+
+def plain_grammar_error(e: Exception) -> str:
+    """A grammar compiler's exception as a message for the client, without C++ locations or tracebacks."""
+    lines = [_CPP_LOCATION.sub("", line).strip() for line in str(e).splitlines()]
+    text = " ".join(line for line in lines if line and not line.startswith(("Stack trace", "[bt]", "File ")))
+    return text[:500] or type(e).__name__

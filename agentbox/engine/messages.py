@@ -22,6 +22,9 @@ class AddRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     session_id: str | None = None
+    # The API key's namespace ("" without several keys): sessions are inferred only among its own, and the
+    # cached tokens reported count only prefixes its own sessions computed.
+    namespace: str = ""
 
 
 @dataclass
@@ -96,6 +99,7 @@ class EngineCounters:
     decode_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
+    request_failures: int = 0  # requests ended by their own exception (the engine kept serving)
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,15 @@ class RadixCache:
 
     # ---- lookup and insert ----
 
-    def match(self, tokens: Sequence[int], session: str | None = None) -> Match:
+    def visible_tokens(self, m: Match, namespace: str) -> int:
+        """Of m's matched tokens, those on the path up to the deepest node a session of `namespace` tagged
+        (computed or matched before): what a request of that namespace may be told is cached. Pure."""
+        for node in reversed(m.path):
+            if any(s.startswith(namespace) for s in node.sessions):
+                return min(m.num_tokens, node.start + len(node.key))
+        return 0
+
+    def match(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> Match:
         """The longest cached page-aligned prefix of tokens, and the session (given, else inferred). Pure."""
         if self.policy is CachePolicy.NONE:
             return Match((), 0, 0, session, self._epoch)
@@ -134,7 +142,8 @@ class RadixCache:
             if m < len(child.key):
                 break
             node = child
-        sid = session if session is not None else self.sessions.infer_session(path[-1] if path else None, i)
+        sid = session if session is not None else self.sessions.infer_session(path[-1] if path else None, i,
+                                                                              namespace)
         return Match(tuple(path), i, host, sid, self._epoch)
 
     def reclaimable(self, m: Match) -> int:

@@ -35,6 +35,7 @@ class Request:
     sampling: SamplingParams
     session_id: str | None = None
     arrival: float = field(default_factory=time.monotonic)
+    namespace: str = ""  # see AddRequest.namespace
 
     num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0
@@ -104,6 +105,7 @@ class Request:
         if self.sampling.seed is None:
             return None
         if self._generator is None:
-            self._generator = torch.Generator(device="cpu")
-            self._generator.manual_seed(self.sampling.seed)
+            g = torch.Generator(device="cpu")
+            g.manual_seed(self.sampling.seed)  # raises on a seed beyond 64 bits: kept unset, it raises again
+            self._generator = g
         return self._generator

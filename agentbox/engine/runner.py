@@ -16,7 +16,7 @@ from agentbox.config import PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
 from agentbox.engine.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.messages import TokenLogprob
 from agentbox.engine.page_table import PageTable, RowAssigner
-from agentbox.engine.sampler import sample
+from agentbox.engine.sampler import sample_isolated
 from agentbox.engine.scheduler import SchedulerOutput
 from agentbox.engine.step_inputs import StepInputs
 from agentbox.layers.backends import select_backend
@@ -194,9 +194,10 @@ class ModelRunner:
             self.workers.send_step(step)
         return self.execute(step)
 
-    def step(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Runs the step on every rank; returns one token (and logprobs) per seq with sample=True, in order."""
+    def step(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprob | None], dict[int, str]]:
+        """Runs the step on every rank; returns one token (and logprobs) per seq with sample=True, in order,
+        and the rows whose sampling failed (row -> why: that request's error, not the engine's)."""
         logits = self.forward_logits(out)
         if logits is None:
-            return [], []
-        return sample(logits, [s.request for s in out.seqs if s.sample])
+            return [], [], {}
+        return sample_isolated(logits, [s.request for s in out.seqs if s.sample])

@@ -40,7 +40,7 @@ def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     vocab = logits.shape[-1]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, idx = logits.sort(dim=-1, descending=True)
-        ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev).unsqueeze(1)
+        ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=dev).unsqueeze(1)
         ranks = torch.arange(vocab, device=dev).unsqueeze(0)
         drop = ranks >= ks
         probs = sorted_logits.softmax(dim=-1)
@@ -79,6 +79,26 @@ def _plain_greedy(r: Request) -> bool:
         s.greedy and r.grammar_state is None and s.logprobs is None and s.repetition_penalty == 1.0
         and not s.presence_penalty and not s.frequency_penalty
     )
+
+
+def sample_isolated(
+    logits: torch.Tensor, reqs: list[Request]
+) -> tuple[list[int], list[TokenLogprob | None], dict[int, str]]:
+    """`sample`, with a failure kept to the request that caused it: when the batched draw raises (a seed
+    torch cannot take, a penalty that turns a row into inf or nan), each row is drawn alone and the rows that
+    still fail come back in the third item (row -> why); the other requests of the batch carry on."""
+    try:
+        tokens, lps = sample(logits, reqs)
+        return tokens, lps, {}
+    except Exception:  # noqa: BLE001 - retried row by row below, where the cause is found
+        pass
+    tokens, lps, failed = [0] * len(reqs), [None] * len(reqs), {}
+    for i, r in enumerate(reqs):
+        try:
+            (tokens[i],), (lps[i],) = sample(logits[i : i + 1], [r])
+        except Exception as e:  # noqa: BLE001 - one request's failure is that request's error
+            failed[i] = f"{type(e).__name__}: {e}"
+    return tokens, lps, failed
 
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:

@@ -168,7 +168,7 @@ class Scheduler:
             max(0, self._pages_for(r, r.num_tokens)) for r in self.running
         )
 
-    def _admit(self, req: Request, lock: Lock, budget: int) -> int:
+    def _admit(self, req: Request, lock: Lock, budget: int, shown: int | None = None) -> int:
         """Start req on its locked prefix and reserve its first chunk; returns the chunk's size. At its first
         admission (not a return after preemption) its turn begins and its cache counters are set: they come
         from this admission, the one that ran."""
@@ -177,12 +177,16 @@ class Scheduler:
         if req.num_preemptions == 0:
             if req.session_id is None:
                 # Inferred from the cached prefix, else a fresh tag so its later turns can be recognised.
-                req.session_id = lock.session or f"auto-{next(self._auto_ids)}"
+                req.session_id = lock.session or f"{req.namespace}auto-{next(self._auto_ids)}"
             self.sessions.begin_turn(req.session_id)  # the gap since the session's last turn ends here
-            req.num_cached_tokens = lock.num_tokens
-            req.num_host_cached_tokens = lock.num_host_tokens
+            # What the request is told (and its session counts): under API-key namespaces, only the prefix
+            # its own key's sessions computed (`shown`), so cached_tokens reveals nothing of another key's.
+            cached = lock.num_tokens if shown is None else min(shown, lock.num_tokens)
+            host = min(lock.num_host_tokens, cached)
+            req.num_cached_tokens = cached
+            req.num_host_cached_tokens = host
             req.num_recomputed_tokens = self.sessions.record_prompt(
-                req.session_id, req.prompt_token_ids, lock.num_tokens, lock.num_host_tokens, self.page_size
+                req.session_id, req.prompt_token_ids, cached, host, self.page_size
             )
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         if not self._reserve(req, req.num_computed_tokens + n):
@@ -250,12 +254,13 @@ class Scheduler:
                 if queue is self.waiting_new and not self.new_session_fits(req):
                     break  # FIFO: later new sessions wait behind it
                 # Match at most num_tokens - 1 tokens: the last one must be computed to get logits to sample from.
-                m = self.cache.match(req.all_token_ids[: req.num_tokens - 1], req.session_id)
+                m = self.cache.match(req.all_token_ids[: req.num_tokens - 1], req.session_id, req.namespace)
                 need = self._admission_need(req, m, min(req.num_tokens - m.num_tokens, budget))
                 if need > self.pool.num_free and need > self.cache.reclaimable(m):
                     break  # nothing was taken: it looks again next step
                 queue.popleft()
-                n = self._admit(req, self.cache.lock(m), budget)
+                shown = self.cache.visible_tokens(m, req.namespace) if req.namespace else m.num_tokens
+                n = self._admit(req, self.cache.lock(m), budget, shown)
                 req.status = Status.RUNNING
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))

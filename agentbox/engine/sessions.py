@@ -252,7 +252,7 @@ class SessionTable:
 
     # ---- inference ----
 
-    def infer_session(self, match_node: TaggedNode | None, matched_tokens: int) -> str | None:
+    def infer_session(self, match_node: TaggedNode | None, matched_tokens: int, namespace: str = "") -> str | None:
         """The session a keyless request belongs to, from where its cached prefix ends.
 
         The deepest tagged node on the matched path names the candidates: sessions whose sequences pass
@@ -261,12 +261,14 @@ class SessionTable:
         system prompt ends its match inside that prompt. Among qualifiers the most recently active wins.
         """
         node = match_node
-        while node is not None and not node.sessions:
+        while node is not None and not any(s.startswith(namespace) for s in node.sessions):
             node = node.parent
         if node is None:
             return None
         best: Session | None = None
         for sid in node.sessions:
+            if not sid.startswith(namespace):
+                continue  # another API key's session: never joined, whatever the prefix
             s = self._sessions.get(sid)
             # The match must cover the session's whole last sequence (prompt and answer): a new conversation
             # that shares only a system prompt with a short earlier one must not be folded into it.

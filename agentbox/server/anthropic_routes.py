@@ -17,10 +17,18 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentbox.chat.effort import ANTHROPIC_EFFORTS, ReasoningEffort
-from agentbox.engine.sampling import SamplingParams
+from agentbox.engine.sampling import MAX_STOP, MAX_TOKENS_MAX, TOP_K_MAX, SamplingParams
 from agentbox.server.chat_pipeline import Conversation, PreparedChat, checked, fold, prepare_chat
-from agentbox.server.errors import APIError, parse_json_body
+from agentbox.server.disconnect import until_disconnect
+from agentbox.server.errors import (
+    ANTHROPIC_ERROR_TYPES,
+    APIError,
+    anthropic_error,
+    as_api_error,
+    parse_json_body,
+)
 from agentbox.server.generation import GenEvent, ServerState, Usage, generate, new_id
+from agentbox.server.protocol import StopString
 from agentbox.server.session_key import session_key
 
 router = APIRouter()
@@ -29,7 +37,7 @@ STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
 class MessagesBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     messages: list[dict[str, Any]] = Field(..., min_length=1)
@@ -41,24 +49,15 @@ class MessagesBody(BaseModel):
 
 
 class CreateBody(MessagesBody):
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_MAX)
     stream: bool = False
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[StopString] | None = Field(None, max_length=MAX_STOP)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=TOP_K_MAX)
 
 
 # ---- errors ---------------------------------------------------------------------------------------
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
-
-
-def anthropic_error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    kind = ERROR_TYPES.get(status, "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status, headers=headers)
-
-
 def _validation_message(e: ValidationError) -> str:
     first = e.errors()[0]
     loc = ".".join(str(p) for p in first.get("loc", ()))
@@ -156,8 +155,11 @@ def to_messages(body: MessagesBody) -> list[dict]:
 
 def _tools(tools: list[dict] | None) -> list[dict] | None:
     """Client tools only: server tools (web search, …) carry no input_schema and run elsewhere."""
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or not t["name"]:
+            raise APIError(400, f"tools.{i}.name: every tool needs a name the model can call it by")
     kept = [{"name": t["name"], "description": t.get("description", ""), "input_schema": t["input_schema"]}
-            for t in tools or [] if isinstance(t, dict) and "name" in t and "input_schema" in t]
+            for t in tools or [] if "input_schema" in t]
     return kept or None
 
 
@@ -257,7 +259,7 @@ def sse(event: str, data: dict) -> str:
 async def _prepare(request: Request, body: CreateBody) -> tuple[ServerState, PreparedChat, SamplingParams, str | None]:
     state: ServerState = request.app.state.agentbox
     state.check_model(body.model)
-    chat = prepare_chat(state, conversation_of(body))
+    chat = await state.off_loop(prepare_chat, state, conversation_of(body))
     sp = checked(SamplingParams(
         max_tokens=state.clamp_max_tokens(body.max_tokens, len(chat.prompt_ids)),
         temperature=state.pick("temperature", body.temperature, 1.0),
@@ -267,6 +269,34 @@ async def _prepare(request: Request, body: CreateBody) -> tuple[ServerState, Pre
     ))
     sp.grammar = chat.grammar()
     return state, chat, sp, session_key(request.headers, body.model_dump())
+
+
+async def _message(state: ServerState, events: AsyncIterator[GenEvent], proc: Any, head: dict,
+                   sp: SamplingParams) -> JSONResponse:
+    """The non-streaming message, once the generation ends."""
+    out_ids: list[int] = []
+    deltas, last = [], None
+    async for ev in events:
+        deltas += proc.feed(ev.text)
+        out_ids += ev.token_ids
+        last = ev
+    assert last is not None
+    deltas += proc.finish()
+    out = fold(deltas)
+    content: list[dict] = []
+    if out.reasoning:
+        content.append({"type": "thinking", "thinking": out.reasoning, "signature": _signature(out.reasoning)})
+    if out.content:
+        content.append({"type": "text", "text": out.content})
+    for c in out.tool_calls:
+        try:
+            args = json.loads(c.arguments or "{}")
+        except ValueError:
+            args = {"_raw": c.arguments}  # malformed: kept visible rather than dropped
+        content.append({"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name, "input": args})
+    reason, seq = stop_reason(state, proc.finish_reason(last.finish_reason), sp.stop, last, out_ids)
+    return JSONResponse({**head, "content": content, "stop_reason": reason, "stop_sequence": seq,
+                         "usage": anthropic_usage(last.usage)})
 
 
 @router.post("/v1/messages")
@@ -280,29 +310,8 @@ async def messages(request: Request) -> Any:
         head = {"id": mid, "type": "message", "role": "assistant", "model": state.model_name}
         out_ids: list[int] = []
         if not body.stream:
-            deltas, last = [], None
-            async for ev in events:
-                deltas += proc.feed(ev.text)
-                out_ids += ev.token_ids
-                last = ev
-            assert last is not None
-            deltas += proc.finish()
-            out = fold(deltas)
-            content: list[dict] = []
-            if out.reasoning:
-                content.append({"type": "thinking", "thinking": out.reasoning, "signature": _signature(out.reasoning)})
-            if out.content:
-                content.append({"type": "text", "text": out.content})
-            for c in out.tool_calls:
-                try:
-                    args = json.loads(c.arguments or "{}")
-                except ValueError:
-                    args = {"_raw": c.arguments}  # malformed: kept visible rather than dropped
-                content.append({"type": "tool_use", "id": _tool_use_id(c.id), "name": c.name, "input": args})
-            reason, seq = stop_reason(state, proc.finish_reason(last.finish_reason), sp.stop, last, out_ids)
-            return JSONResponse({**head, "content": content, "stop_reason": reason, "stop_sequence": seq,
-                                 "usage": anthropic_usage(last.usage)})
-        first = await anext(events)  # engine errors become a 4xx/5xx before the 200 goes out
+            return await until_disconnect(request, _message(state, events, proc, head, sp))
+        first = await until_disconnect(request, anext(events))  # engine errors: a 4xx/5xx before the 200
         return StreamingResponse(_stream(state, head, first, events, proc, sp, out_ids),
                                  media_type="text/event-stream")
 
@@ -368,8 +377,9 @@ async def _stream(state: ServerState, head: dict, first: GenEvent, events: Async
             if ev.finished:
                 break
             ev = await anext(events)
-    except APIError as e:
-        yield sse("error", {"error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.message}})
+    except Exception as exc:  # noqa: BLE001 - after the 200: the stream ends with a typed error event
+        e = as_api_error(exc)
+        yield sse("error", {"error": {"type": ANTHROPIC_ERROR_TYPES.get(e.status, "api_error"), "message": e.message}})
         return
     finally:
         await events.aclose()  # a client that went away aborts the engine request
@@ -387,7 +397,7 @@ async def count_tokens(request: Request) -> Any:
         body = MessagesBody.model_validate(parse_json_body(await request.body()))
         state: ServerState = request.app.state.agentbox
         state.check_model(body.model)
-        chat = prepare_chat(state, conversation_of(body), check_length=False)
+        chat = await state.off_loop(prepare_chat, state, conversation_of(body), check_length=False)
         return JSONResponse({"input_tokens": len(chat.prompt_ids)})
 
     return await _answer(handle)

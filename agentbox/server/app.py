@@ -4,6 +4,8 @@ own modules. This process never runs the model."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import os
 import time
@@ -20,18 +22,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import agentbox
 from agentbox.config import ServerConfig
-from agentbox.engine.client import EngineClient
+from agentbox.engine.client import EngineClient, EngineDead, QueryError
 from agentbox.engine.messages import to_json
-from agentbox.server import anthropic_routes, openai_routes, responses_routes, sessions_routes
+from agentbox.server import anthropic_routes, openai_routes, openapi, responses_routes, sessions_routes
 from agentbox.server.access_log import ErrorReasonMiddleware, install_polling_filter
+from agentbox.server.disconnect import ClientGone, client_gone_handler
 from agentbox.server.errors import (
+    RETRY_AFTER_S,
     APIError,
     api_error_handler,
-    error_body,
+    engine_unavailable_handler,
+    error_response,
     http_error_handler,
+    recursion_handler,
+    unexpected_handler,
     validation_error_handler,
 )
-from agentbox.server.generation import CLIENT_AGENT, ServerState
+from agentbox.server.generation import CLIENT_AGENT, CLIENT_NAMESPACE, ServerState
+from agentbox.server.guard import RequestGuard, is_loopback
 from agentbox.server.model_names import model_names, served_name
 
 log = logging.getLogger("agentbox.server")
@@ -90,6 +98,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         tok_task = asyncio.to_thread(load_tokenizer, resolve_model(config.engine.model))
         info, tokenizer = await asyncio.gather(info_task, tok_task)
         engine.attach_loop(asyncio.get_running_loop())
+        if (give_up := getattr(app.state, "on_engine_give_up", None)) is not None:
+            engine.on_give_up = give_up
         d = model_defaults(config.engine.model, served_name(config))
         app.state.agentbox = ServerState(config, engine, tokenizer, info, served_name(config),
                                          sampling_defaults=d.sampling, thinking_model=d.thinking,
@@ -112,26 +122,46 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    # The engine restarting (or the server stopping) is a 503 with Retry-After, never a plain-text 500.
+    for exc in (EngineDead, QueryError, asyncio.TimeoutError):
+        app.add_exception_handler(exc, engine_unavailable_handler)
+    app.add_exception_handler(RecursionError, recursion_handler)
+    app.add_exception_handler(ClientGone, client_gone_handler)
+    app.add_exception_handler(Exception, unexpected_handler)
 
     app.add_middleware(ClientAgentMiddleware)
 
     if config.api_key:
+        keys = [k.encode() for k in config.api_key.split(",") if k]
+        # Several keys: each its own session namespace (one key: everyone who has it is the same client).
+        spaces = [f"k{hashlib.sha256(k).hexdigest()[:10]}/" if len(keys) > 1 else "" for k in keys]
+
         @app.middleware("http")
         async def auth(request: Request, call_next: Any) -> Any:
             path = request.url.path
             if path in ("/", "/health", "/version"):
                 return await call_next(request)
             bearer = request.headers.get("authorization", "")
-            key = request.headers.get("x-api-key") or (bearer[7:] if bearer.lower().startswith("bearer ") else None)
-            if key != config.api_key:
-                if path.startswith("/v1/messages"):  # Anthropic clients read Anthropic's error shape
-                    return anthropic_routes.anthropic_error(401, "invalid x-api-key")
-                return JSONResponse(error_body("invalid API key", "authentication_error"), 401)
+            key = request.headers.get("x-api-key") or (bearer[7:] if bearer.lower().startswith("bearer ") else "")
+            # Constant time: every key is compared whole, whatever the sent one's first bytes are.
+            hits = [hmac.compare_digest(key.encode(), k) for k in keys]
+            if not any(hits):
+                message = "invalid x-api-key" if path.startswith("/v1/messages") else "invalid API key"
+                return error_response(path, 401, message, "authentication_error", code="invalid_api_key")
+            CLIENT_NAMESPACE.set(spaces[hits.index(True)])
             return await call_next(request)
 
-    app.add_middleware(ErrorReasonMiddleware)  # added last, so outermost: it sees the auth middleware's 401 too
+    if config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
 
-    @app.api_route("/", methods=["GET", "HEAD"])
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(RequestGuard, config=config)  # before auth and routes
+    # Added last, so outermost: it logs the reason of every 4xx, the guard's and the auth middleware's too.
+    app.add_middleware(ErrorReasonMiddleware)
+
+    @app.get("/")
+    @app.head("/", include_in_schema=False)  # one operation in the spec (its id would be GET's twin)
     async def root() -> dict:
         # Claude Code probes `HEAD /` at every start; a 404 there reads as a broken server.
         return {"status": "ok", "name": "agentbox", "version": agentbox.__version__}
@@ -140,7 +170,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def health(request: Request) -> JSONResponse:
         state: ServerState = request.app.state.agentbox
         if state.engine.dead:
-            return JSONResponse({"status": "error", "error": state.engine.dead}, 503)
+            return JSONResponse({"status": "error", "error": state.engine.dead}, 503,
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
         return JSONResponse({"status": "ok", "model": state.model_name})
 
     @app.get("/version")
@@ -174,13 +205,45 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(sessions_routes.router)
+    openapi.install(app, auth=bool(config.api_key))
     return app
 
 
+def exposure_warning(config: ServerConfig) -> str | None:
+    """Why a server bound beyond loopback without a key is anyone's on the network (None when it is not)."""
+    if is_loopback(config.host) or config.api_key:
+        return None
+    return (f"--host {config.host} without an API key: anyone who can reach this port can use the model and "
+            "read every session. Set one:  AGENTBOX_API_KEY=$(openssl rand -hex 16) agentbox serve "
+            f"--host {config.host}")
+
+
 def run_server(config: ServerConfig) -> None:
+    """Serves until SIGTERM / SIGINT. Exits 1 when the engine's restart budget ran out (so a supervisor
+    such as systemd restarts the server), 3 when the server could not start."""
     import uvicorn
 
     # INFO on the root logger: the engine process takes its level from here, so its lines (KV pool,
     # max_model_len, loop guard) reach server.log and `agentbox logs` along with the API's warnings.
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="info", timeout_graceful_shutdown=5)
+    if (why := exposure_warning(config)) is not None:
+        log.warning("%s", why)
+    app = create_app(config)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # Open streams end with an error event and their end marker now, not cut after the grace period.
+            state: ServerState | None = getattr(app.state, "agentbox", None)
+            if state is not None and not self.should_exit:
+                state.engine.stop_requests("the server is shutting down")
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
+                                   timeout_graceful_shutdown=5))
+    app.state.on_engine_give_up = lambda: setattr(server, "should_exit", True)
+    server.run()
+    state: ServerState | None = getattr(app.state, "agentbox", None)
+    if state is not None and state.engine.gave_up:
+        raise SystemExit(1)
+    if not server.started:
+        raise SystemExit(3)

@@ -229,8 +229,8 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
             raise APIError(400, f"{param}[{i}] has no 'role'", param=f"{param}[{i}].role")
     try:
         tools = normalize_tools(conv.tools)
-    except (KeyError, TypeError, AttributeError) as e:
-        raise APIError(400, f"a tool has no name or is not an object: {e}", param="tools") from e
+    except ValueError as e:
+        raise APIError(400, str(e), param="tools") from e
     _check_tool_choice(tools, conv.tool_choice, tool_choice_param)
     template = template_text(tok, tools=bool(tools))
     syntax = tool_syntax(state.tool_parser, template)
@@ -248,6 +248,8 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
         raise APIError(400, f"the chat template rejected these messages: {e}", param=param) from e
     style = reasoning_style_of(template)
     parser = syntax if tools and conv.tool_choice != "none" else None
+    if check_length:
+        state.check_prompt_chars(text, param)  # before tokenizing: a 5 MB prompt is refused at once
     ids = tok.encode(text, add_special_tokens=False)
     if check_length:
         state.check_prompt(len(ids), param)

@@ -3,14 +3,17 @@ usage counted from the engine's real counters. Shared by every API dialect."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from agentbox.chat.harmony import keeps_special_tokens
 from agentbox.config import ServerConfig
@@ -18,7 +21,7 @@ from agentbox.engine.client import EngineClient
 from agentbox.engine.messages import EngineReady, TokenLogprob
 from agentbox.engine.sampling import SamplingParams
 from agentbox.server.detok import Detokenizer, StopChecker
-from agentbox.server.errors import APIError
+from agentbox.server.errors import RETRY_AFTER_S, APIError
 
 
 @dataclass
@@ -48,6 +51,17 @@ class GenEvent:
     usage: Usage = field(default_factory=Usage)
 
 
+T = TypeVar("T")
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    """The longest token's text, in characters (at least 1): the bound `check_prompt_chars` divides by."""
+    vocab = tokenizer.get_vocab()
+    longest = max((len(t) for t in vocab), default=1)
+    # A vocabulary entry is the token's byte-level spelling ('Ġ' for a space): never shorter than its text.
+    return max(1, longest)
+
+
 @dataclass
 class ServerState:
     config: ServerConfig
@@ -64,6 +78,15 @@ class ServerState:
     tool_parser: str | None = None  # the profile's call syntax; None: read from the template
     default_max_tokens: int = 4096  # the profile's output budget for requests that send no max_tokens
     names: tuple[str, ...] = ()  # every name the model answers to, model_name first (server/model_names.py)
+    _cpu: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
+    _max_token_chars: int | None = None
+
+    def remember_client(self, session_id: str, agent: str) -> None:
+        """The session's User-Agent for `top`; the oldest entries go past the engine's session cap."""
+        self.clients.pop(session_id, None)
+        self.clients[session_id] = agent
+        while len(self.clients) > self.config.engine.max_sessions:
+            self.clients.pop(next(iter(self.clients)))
 
     def pick(self, name: str, sent: float | int | None, fallback: float | int) -> float | int:
         """The client's value, else the model profile's default, else the API's."""
@@ -85,6 +108,23 @@ class ServerState:
                 param="model", code="model_not_found", type_="not_found_error",
             )
 
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """Runs `fn` (rendering, tokenizing) on the tokenizer's own thread: a 5 MB prompt took the event loop
+        4.5 s, and /health with it. One thread: the tokenizer is not shared between threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, functools.partial(fn, *args, **kw))
+
+    def check_prompt_chars(self, text: str, param: str) -> None:
+        """Refuses a prompt before tokenizing it when its characters alone prove it too long: no token of
+        this tokenizer is longer than `max_token_chars`, so a text needs at least len / that many tokens."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max_token_chars(self.tokenizer)
+        at_least = len(text) // self._max_token_chars
+        if at_least >= self.info.max_model_len:
+            raise APIError(
+                400, f"the prompt is at least {at_least} tokens long ({len(text)} characters) but this server's "
+                f"context is {self.info.max_model_len} tokens", param=param, code="context_length_exceeded",
+            )
+
     def check_prompt(self, n: int, param: str) -> None:
         if n >= self.info.max_model_len:
             raise APIError(
@@ -101,15 +141,20 @@ class ServerState:
 
 
 log = logging.getLogger("agentbox.server")
-RETRY_AFTER_S = 5
 # The User-Agent of the request being served (set by app.py's middleware), shown per session by `top`.
 CLIENT_AGENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("client_agent", default=None)
+# The API key's session namespace (set by app.py's auth when several keys are configured, else ""): engine
+# session ids are namespace + the client's id, and a key sees, infers and deletes only its own.
+CLIENT_NAMESPACE: contextvars.ContextVar[str] = contextvars.ContextVar("client_namespace", default="")
 
 
 def engine_error(message: str, code: str | None) -> APIError:
     """An engine-side failure as the HTTP error a client can act on."""
     if code in ("queue_full", "admission_timeout"):
         return APIError(503, message, code=code, type_="overloaded_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if code in ("engine_dead", "shutting_down"):  # a restart (or a stop) is under way: come back shortly
+        return APIError(503, f"the engine is unavailable ({message}); retry in {RETRY_AFTER_S} s",
+                        code="engine_unavailable", type_="overloaded_error", headers={"Retry-After": str(RETRY_AFTER_S)})
     if code in ("prompt_too_long", "bad_grammar"):
         return APIError(400, message, param="messages" if code == "prompt_too_long" else "tools", code=code)
     return APIError(500, message, code=code or "engine_error", type_="server_error")
@@ -131,7 +176,8 @@ async def generate(
     stops = StopChecker(sampling.stop)
     usage = Usage(prompt_tokens=len(prompt_ids))
     started, produced = time.monotonic(), []
-    stream = state.engine.generate(rid, prompt_ids, sampling, session_id)
+    ns = CLIENT_NAMESPACE.get()
+    stream = state.engine.generate(rid, prompt_ids, sampling, ns + session_id if session_id else None, ns)
     async with contextlib.aclosing(stream):
         async for o in stream:
             if o.error and o.finish_reason == "error":
@@ -140,9 +186,9 @@ async def generate(
             usage.cached_tokens = o.num_cached_tokens
             usage.host_cached_tokens = o.num_host_cached_tokens
             if o.session_id:
-                usage.session_id = o.session_id
+                usage.session_id = o.session_id.removeprefix(ns)
                 if agent := CLIENT_AGENT.get():
-                    state.clients[o.session_id] = agent
+                    state.remember_client(o.session_id, agent)
             text = stops.feed(detok.add(o.new_token_ids))
             finished, reason = o.finished, o.finish_reason
             if stops.stopped and not finished:

@@ -14,7 +14,8 @@ from agentbox.chat.effort import ReasoningEffort
 from agentbox.engine.messages import TokenLogprob
 from agentbox.engine.sampling import SamplingParams
 from agentbox.server.chat_pipeline import Conversation, FinalOutput, checked, fold, prepare_chat
-from agentbox.server.errors import APIError
+from agentbox.server.disconnect import until_disconnect
+from agentbox.server.errors import APIError, as_api_error
 from agentbox.server.generation import GenEvent, ServerState, Usage, generate, new_id
 from agentbox.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, effort_of
 from agentbox.server.session_key import session_key
@@ -94,11 +95,32 @@ def _message(out: FinalOutput) -> dict[str, Any]:
     return msg
 
 
+async def _chat_answer(state: ServerState, events: AsyncIterator[GenEvent], proc: Any, cid: str, created: int,
+                       logprobs: int | None) -> JSONResponse:
+    """The non-streaming chat answer, once the generation ends."""
+    deltas, lps, last = [], [], None
+    async for ev in events:
+        deltas += proc.feed(ev.text)
+        lps.extend(ev.logprobs or [])
+        last = ev
+    assert last is not None
+    deltas += proc.finish()
+    return JSONResponse({
+        "id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
+        "choices": [{
+            "index": 0, "message": _message(fold(deltas)),
+            "logprobs": _chat_logprobs(state, lps) if logprobs is not None else None,
+            "finish_reason": proc.finish_reason(last.finish_reason),
+        }],
+        "usage": last.usage.openai(),
+    })
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     state: ServerState = request.app.state.agentbox
     state.check_model(body.model)
-    chat = prepare_chat(state, conversation_of(body))
+    chat = await state.off_loop(prepare_chat, state, conversation_of(body))
     prompt = chat.prompt_ids
     max_tokens = state.clamp_max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -109,25 +131,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     events = generate(state, prompt, sp, sid, cid, record=(chat.conv.messages, chat.conv.tools))
     proc = chat.output()
     if not body.stream:
-        deltas, lps, last = [], [], None
-        async for ev in events:
-            deltas += proc.feed(ev.text)
-            lps.extend(ev.logprobs or [])
-            last = ev
-        assert last is not None
-        deltas += proc.finish()
-        return JSONResponse({
-            "id": cid, "object": "chat.completion", "created": created, "model": state.model_name,
-            "choices": [{
-                "index": 0, "message": _message(fold(deltas)),
-                "logprobs": _chat_logprobs(state, lps) if logprobs is not None else None,
-                "finish_reason": proc.finish_reason(last.finish_reason),
-            }],
-            "usage": last.usage.openai(),
-        })
+        return await until_disconnect(request, _chat_answer(state, events, proc, cid, created, logprobs))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     # Fail before the 200 goes out: the first event carries engine-side errors (e.g. the pool).
-    first = await anext(events)
+    first = await until_disconnect(request, anext(events))
 
     async def stream() -> AsyncIterator[str]:
         base = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
@@ -152,7 +159,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 if ev.finished:
                     reason = proc.finish_reason(ev.finish_reason)
                     yield sse({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": reason}]})
-        except APIError as e:
+        except Exception as exc:  # noqa: BLE001 - after the 200: the stream ends with a typed error event
+            e = as_api_error(exc)
             yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
         finally:
             await events.aclose()
@@ -183,7 +191,8 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     state: ServerState = request.app.state.agentbox
     state.check_model(body.model)
     if isinstance(body.prompt, str):
-        prompt = state.tokenizer.encode(body.prompt, add_special_tokens=True)
+        state.check_prompt_chars(body.prompt, "prompt")
+        prompt = await state.off_loop(state.tokenizer.encode, body.prompt, add_special_tokens=True)
     else:
         if any(t < 0 or t >= state.info.vocab_size for t in body.prompt):
             raise APIError(400, f"token ids must be in [0, {state.info.vocab_size})", param="prompt")
@@ -196,18 +205,21 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     events = generate(state, prompt, sp, sid, cid)
     base = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name}
     if not body.stream:
-        text, lps, last = "", [], None
-        async for ev in events:
-            text += ev.text
-            lps.extend(ev.logprobs or [])
-            last = ev
-        assert last is not None
-        return JSONResponse({**base, "choices": [{
-            "index": 0, "text": text, "finish_reason": last.finish_reason,
-            "logprobs": _completion_logprobs(state, lps, 0) if body.logprobs is not None else None,
-        }], "usage": last.usage.openai()})
+        async def answer() -> JSONResponse:
+            text, lps, last = "", [], None
+            async for ev in events:
+                text += ev.text
+                lps.extend(ev.logprobs or [])
+                last = ev
+            assert last is not None
+            return JSONResponse({**base, "choices": [{
+                "index": 0, "text": text, "finish_reason": last.finish_reason,
+                "logprobs": _completion_logprobs(state, lps, 0) if body.logprobs is not None else None,
+            }], "usage": last.usage.openai()})
+
+        return await until_disconnect(request, answer())
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    first = await anext(events)
+    first = await until_disconnect(request, anext(events))
 
     async def stream() -> AsyncIterator[str]:
         usage, offset = Usage(), 0
@@ -222,6 +234,9 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
                         "index": 0, "text": ev.text, "logprobs": lp,
                         "finish_reason": ev.finish_reason if ev.finished else None,
                     }]})
+        except Exception as exc:  # noqa: BLE001 - after the 200: the stream ends with a typed error event
+            e = as_api_error(exc)
+            yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
         finally:
             await events.aclose()
         if include_usage:

@@ -17,18 +17,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentbox.chat.tool_parsers import Delta
-from agentbox.engine.sampling import SamplingParams
+from agentbox.engine.sampling import MAX_TOKENS_MAX, SamplingParams
 from agentbox.server.chat_pipeline import Conversation, OutputProcessor, checked, prepare_chat
-from agentbox.server.errors import APIError
+from agentbox.server.disconnect import until_disconnect
+from agentbox.server.errors import APIError, as_api_error
 from agentbox.server.generation import GenEvent, ServerState, Usage, generate, new_id
-from agentbox.server.protocol import ResponsesReasoning, effort_of
+from agentbox.server.protocol import MAX_SESSION_ID_CHARS, ResponsesReasoning, effort_of
 from agentbox.server.session_key import session_key
 
 router = APIRouter()
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     input: str | list[dict[str, Any]]
@@ -36,14 +37,14 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_MAX)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stream: bool = False
     reasoning: ResponsesReasoning | None = None
     text: dict[str, Any] | None = None
     previous_response_id: str | None = None
-    session_id: str | None = None
+    session_id: str | None = Field(None, max_length=MAX_SESSION_ID_CHARS)
 
 
 # ---- request translation -------------------------------------------------------------------------
@@ -231,7 +232,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
     if body.previous_response_id:
         raise APIError(400, "previous_response_id is not supported: responses are not stored; send the full input",
                        param="previous_response_id")
-    chat = prepare_chat(state, conversation_of(body), param="input")
+    chat = await state.off_loop(prepare_chat, state, conversation_of(body), param="input")
     sp = checked(SamplingParams(
         max_tokens=state.clamp_max_tokens(body.max_output_tokens, len(chat.prompt_ids)),
         temperature=state.pick("temperature", body.temperature, 1.0),
@@ -261,18 +262,21 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         return "incomplete" if last.finish_reason == "length" and not proc.has_tool_calls else "completed"
 
     if not body.stream:
-        last = None
-        async for ev in events:
-            for d in proc.feed(ev.text):
+        async def answer() -> JSONResponse:
+            last = None
+            async for ev in events:
+                for d in proc.feed(ev.text):
+                    builder.feed(d)
+                last = ev
+            assert last is not None
+            for d in proc.finish():
                 builder.feed(d)
-            last = ev
-        assert last is not None
-        for d in proc.finish():
-            builder.feed(d)
-        builder.close()
-        return JSONResponse(response(status_of(proc, last), builder.items, last.usage))
+            builder.close()
+            return JSONResponse(response(status_of(proc, last), builder.items, last.usage))
 
-    first = await anext(events)
+        return await until_disconnect(request, answer())
+
+    first = await until_disconnect(request, anext(events))
 
     def sse(ev: dict) -> str:
         return f"event: {ev['type']}\ndata: {json.dumps(ev, ensure_ascii=False)}\n\n"
@@ -290,7 +294,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
                 if ev.finished:
                     break
                 ev = await anext(events)
-        except APIError as e:
+        except Exception as exc:  # noqa: BLE001 - after the 200: the stream ends with a typed error event
+            e = as_api_error(exc)
             yield sse(builder.event("response.failed", response={**response("failed", builder.items, None),
                                                                  "error": {"code": e.code or "server_error", "message": e.message}}))
             return

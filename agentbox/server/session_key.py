@@ -8,10 +8,25 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from agentbox.server.errors import APIError
+
 _CLAUDE_USER_ID = re.compile(r"_session_([0-9a-fA-F-]{8,})")
 
 
+MAX_SESSION_ID_CHARS = 256  # an id is a key, not a payload: 1 MiB ids grew the session table by 91 MB
+
+
 def session_key(headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
+    """The request's session id (see `_session_key`); one longer than MAX_SESSION_ID_CHARS is a 400."""
+    sid = _session_key(headers, body)
+    if sid is not None and len(sid) > MAX_SESSION_ID_CHARS:
+        raise APIError(400, f"the session id is {len(sid)} characters long; at most {MAX_SESSION_ID_CHARS} are "
+                       "accepted (X-Session-Id, session_id or metadata.user_id)", param="session_id",
+                       code="invalid_value")
+    return sid
+
+
+def _session_key(headers: Mapping[str, str], body: dict[str, Any]) -> str | None:
     """Order: X-Session-Id header, `session_id` body field, X-Claude-Code-Session-Id header, Codex's
     `session-id` header, Anthropic `metadata.user_id` (the `..._session_<uuid>` string, or a JSON string
     carrying `session_id`)."""

@@ -1,5 +1,9 @@
 """Session and cache observability: /v1/sessions (JSON) and /metrics (Prometheus text), from the engine's
-real counters. `agentbox top` reads only these."""
+real counters. `agentbox top` reads only these.
+
+With several API keys, each key lists, reads and deletes only its own sessions (their engine ids carry the
+key's namespace, see generation.CLIENT_NAMESPACE). What stays shared: /metrics and /v1/stats (totals of all
+keys), and the prefix cache itself, whose speed still tells a key that a prefix was computed before."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from fastapi.responses import PlainTextResponse
 
 from agentbox.engine.messages import to_json
 from agentbox.server.errors import APIError
-from agentbox.server.generation import ServerState
+from agentbox.server.generation import CLIENT_NAMESPACE, ServerState
 
 router = APIRouter()
 
@@ -22,34 +26,35 @@ def _not_found(session_id: str) -> APIError:
                     type_="not_found_error")
 
 
-def _with_client(state: ServerState, s: dict) -> dict:
-    return {**s, "client": state.clients.get(s["id"])}
+def _shown(state: ServerState, s: dict, ns: str) -> dict:
+    """A session as its key sees it: its own id, without the namespace."""
+    return {**s, "id": s["id"].removeprefix(ns), "client": state.clients.get(s["id"])}
 
 
 @router.get("/v1/sessions")
 async def list_sessions(request: Request) -> dict:
-    state = _state(request)
+    state, ns = _state(request), CLIENT_NAMESPACE.get()
     res = await state.engine.sessions()
-    return {"object": "list", "data": [_with_client(state, to_json(s)) for s in res.data]}
+    return {"object": "list", "data": [_shown(state, to_json(s), ns) for s in res.data if s.id.startswith(ns)]}
 
 
 @router.get("/v1/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> dict:
-    state = _state(request)
-    res = await state.engine.session(session_id)
+    state, ns = _state(request), CLIENT_NAMESPACE.get()
+    res = await state.engine.session(ns + session_id)
     if res is None:
         raise _not_found(session_id)
-    return _with_client(state, to_json(res))
+    return _shown(state, to_json(res), ns)
 
 
 @router.delete("/v1/sessions/{session_id}")
 async def delete_session(session_id: str, request: Request) -> dict:
-    state = _state(request)
-    res = await state.engine.drop_session(session_id)
+    state, ns = _state(request), CLIENT_NAMESPACE.get()
+    res = await state.engine.drop_session(ns + session_id)
     if res is None:
         raise _not_found(session_id)
-    state.clients.pop(session_id, None)
-    return to_json(res)
+    state.clients.pop(ns + session_id, None)
+    return {**to_json(res), "id": session_id}
 
 
 def _metric(lines: list[str], name: str, kind: str, help_: str, value: float, labels: str = "") -> None:
@@ -59,7 +64,7 @@ def _metric(lines: list[str], name: str, kind: str, help_: str, value: float, la
     lines.append(f"{name}{{{labels}}} {value}" if labels else f"{name} {value}")
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> PlainTextResponse:
     s = to_json(await _state(request).engine.stats())
     c, pool, cache, adm = s["counters"], s["pool"], s["cache"], s["admission"]

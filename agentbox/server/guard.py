@@ -1,0 +1,157 @@
+"""Checks every HTTP request gets before a route reads it: what a web page or a careless client could
+send to a server on the user's own machine.
+
+- Host: a server bound to loopback answers only to loopback names (421 otherwise). A page on
+  evil.example that re-resolves its name to 127.0.0.1 (DNS rebinding) still sends `Host: evil.example`.
+- Content-Type: every POST must say JSON (415 otherwise). A cross-site form or `fetch` with `text/plain`
+  needs no CORS preflight, so without this check any page the user opens could run generations.
+- Size: headers (431) and body (413) are bounded before they are read whole; the JSON is parsed off the
+  event loop and refused (400) when nested deeper than MAX_JSON_DEPTH or carrying a lone UTF-16
+  surrogate, which the tokenizer and the template engine cannot take.
+
+Plain ASGI (Starlette's BaseHTTPMiddleware cut SSE streams short, see app.py), outermost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+from typing import Any
+
+from agentbox.config import ServerConfig
+from agentbox.server.errors import error_response
+
+MAX_HEADER_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 64  # agent requests nest about 8 deep (a tool schema inside a tool inside the request)
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+JSON_FIX = "-H 'Content-Type: application/json'"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(value: str) -> str:
+    """`Host` without its port: `127.0.0.1:8000` -> 127.0.0.1, `[::1]:8000` -> ::1."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def is_json_type(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+class BadInput(ValueError):
+    pass
+
+
+def check_json(raw: bytes) -> None:
+    """Refuses a body too deep or with a lone surrogate; a body that is not JSON is left to the route,
+    which names the parse error in its own shape."""
+    try:
+        body = json.loads(raw)
+    except RecursionError as e:
+        raise BadInput("the request body is nested too deeply to read; flatten it") from e
+    except ValueError:
+        return
+    stack: list[tuple[Any, int, str]] = [(body, 1, "body")]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise BadInput(f"{where} holds a lone UTF-16 surrogate ({value[e.start:e.end]!a}); "
+                                   "send valid Unicode text") from e
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise BadInput(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep (at {where}); "
+                           "flatten it")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            if isinstance(k, str) and not k.isascii():
+                stack.append((k, depth, f"a key in {where}"))
+            stack.append((v, depth + 1, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]"))
+
+
+class RequestGuard:
+    def __init__(self, app: Any, config: ServerConfig) -> None:
+        self.app = app
+        self.loopback = is_loopback(config.host)
+        self.allowed_hosts = LOOPBACK_NAMES | {config.host.strip("[]").lower()}
+        self.max_body = int(config.max_body_mb * 2**20)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+
+        async def refuse(status: int, message: str, code: str) -> None:
+            await error_response(path, status, message, code=code)(scope, receive, send)
+
+        if sum(len(k) + len(v) for k, v in headers) > MAX_HEADER_BYTES:
+            await refuse(431, f"the request headers exceed {MAX_HEADER_BYTES // 1024} KiB", "headers_too_large")
+            return
+        h = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+        if self.loopback and "host" in h and host_name(h["host"]) not in self.allowed_hosts:
+            await refuse(421, f"this server is bound to loopback and answers only to localhost, 127.0.0.1 or "
+                         f"[::1], not to Host {h['host'][:100]!r} (a guard against DNS rebinding). To serve "
+                         "other names: agentbox serve --host 0.0.0.0 with AGENTBOX_API_KEY set", "bad_host")
+            return
+        if scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        ctype = h.get("content-type", "")
+        if not is_json_type(ctype):
+            said = f"Content-Type {ctype[:100]!r}" if ctype else "no Content-Type"
+            await refuse(415, f"the request has {said}; the body must be JSON, sent with {JSON_FIX}",
+                         "unsupported_media_type")
+            return
+        too_big = (f"the request body exceeds {self.max_body / 2**20:g} MiB; the server's limit is raised with "
+                   "agentbox serve --max-body-mb N")
+        declared = h.get("content-length", "0")
+        if declared.isdigit() and int(declared) > self.max_body:
+            await refuse(413, too_big, "body_too_large")
+            return
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                await refuse(413, too_big, "body_too_large")
+                return
+            if not msg.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        try:
+            await asyncio.to_thread(check_json, body)
+        except BadInput as e:
+            await refuse(400, str(e), "invalid_value")
+            return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # after the body: the client's disconnect, when it comes
+
+        await self.app(scope, replay, send)
