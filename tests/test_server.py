@@ -143,7 +143,6 @@ def _post(url: str, body: object, raw: bytes | None = None) -> httpx.Response:
         ({"presence_penalty": 5}, "presence_penalty"),
         ({"top_logprobs": 50, "logprobs": True}, "top_logprobs"),
         ({"min_p": -0.5}, "min_p"),
-        ({"model": "gpt-17"}, "model"),
         ({"messages": []}, "messages"),
         ({"messages": [{"content": "no role"}]}, "messages[0].role"),
     ],
@@ -154,6 +153,13 @@ def test_bad_input_is_400_naming_the_field(live_server: str, patch: dict, param:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"]
+
+
+def test_unknown_model_is_404_naming_the_served_names(live_server: str) -> None:
+    r = _post(live_server, {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["param"] == "model" and err["code"] == "model_not_found" and "'default'" in err["message"]
 
 
 def test_malformed_json_and_long_prompt(live_server: str, client: openai.OpenAI) -> None:
@@ -180,6 +186,6 @@ def test_daemon_status_second_serve_and_logs(live_server: str, agentbox_home: Pa
     info = json.loads(st.stdout)
     assert info["running"] and info["healthy"] and info["url"] == live_server and info["model"] == MODEL
     again = _cli(agentbox_home, "serve", "--port", "1")
-    assert again.returncode != 0 and "already serving" in again.stderr and str(info["pid"]) in again.stderr
+    assert again.returncode != 0 and "already serves" in again.stderr and str(info["pid"]) in again.stderr
     logs = _cli(agentbox_home, "logs", "-n", "200")
     assert logs.returncode == 0 and "POST /v1/chat/completions" in logs.stdout

@@ -206,6 +206,8 @@ def build(app: FastAPI, auth: bool) -> dict[str, Any]:
                 responses.setdefault(str(status), {"description": why, **_json(shape)})
             if "{session_id}" in path:
                 responses["404"] = {"description": "no such session", **_json(shape)}
+            elif path in REQUESTS or path.startswith("/v1/models/"):
+                responses["404"] = {"description": "the model named is not served here", **_json(shape)}
     spec["paths"]["/metrics"]["get"]["responses"]["200"] = {
         "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
     return spec
