@@ -8,6 +8,7 @@ import typer
 
 from agentbox.cli_bench import bench_app
 from agentbox.cli_common import fail
+from agentbox.cli_fleet import fleet_app
 from agentbox.cli_workstation import check_app, workstation_app
 from agentbox.config import CachePolicy, EngineConfig, ServerConfig
 from agentbox.tui import DEFAULT_INTERVAL_S  # a constant; textual loads only when top runs
@@ -269,6 +270,7 @@ def top_cmd(
 # The order of these calls is the order of `agentbox --help`: serve..logs above, then these.
 app.add_typer(workstation_app)
 app.add_typer(top_app)
+app.add_typer(fleet_app)
 app.add_typer(check_app, name="check")
 app.add_typer(bench_app, name="bench")
 

@@ -107,7 +107,10 @@ CLIENT_AGENT: contextvars.ContextVar[str | None] = contextvars.ContextVar("clien
 def engine_error(message: str, code: str | None) -> APIError:
     """An engine-side failure as the HTTP error a client can act on."""
     if code in ("queue_full", "admission_timeout"):
-        return APIError(503, message, code=code, type_="overloaded_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+        # 429, not 503: behind vllm-router a 503 counts as a circuit-breaker failure (two in a row took a
+        # healthy box out of rotation, moving its sessions to a cold cache), while a 429 is handed back to
+        # the client with Retry-After and leaves the box in rotation (docs/serving-a-team.md has the numbers).
+        return APIError(429, message, code=code, type_="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
     if code in ("prompt_too_long", "bad_grammar"):
         return APIError(400, message, param="messages" if code == "prompt_too_long" else "tools", code=code)
     return APIError(500, message, code=code or "engine_error", type_="server_error")
