@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.clients import toml_writer
+from agentbox.clients.routing import routing_headers
 from agentbox.config import ServerConfig, state_dir
 
 if sys.version_info >= (3, 11):
@@ -153,8 +154,9 @@ def openai_env(ep: Endpoint) -> dict[str, str]:
     return {"OPENAI_BASE_URL": ep.openai_url, "OPENAI_API_BASE": ep.openai_url, "OPENAI_API_KEY": ep.api_key}
 
 
-def codex_provider(ep: Endpoint, with_key: bool) -> dict[str, Any]:
-    provider: dict[str, Any] = {"name": "agentbox (local)", "base_url": ep.openai_url, "wire_api": "responses"}
+def codex_provider(ep: Endpoint, with_key: bool, per_launch: bool = False) -> dict[str, Any]:
+    provider: dict[str, Any] = {"name": "agentbox (local)", "base_url": ep.openai_url, "wire_api": "responses",
+                                "http_headers": routing_headers(per_launch)}  # a fleet's routing key
     if with_key:
         provider["env_key"] = KEY_ENV  # Codex sends $AGENTBOX_API_KEY as the bearer token
     return provider
@@ -166,12 +168,12 @@ def codex_limits(ep: Endpoint) -> dict[str, int]:
     return {"model_context_window": ctx, "model_auto_compact_token_limit": ctx - out}
 
 
-def opencode_provider(ep: Endpoint) -> dict[str, Any]:
+def opencode_provider(ep: Endpoint, per_launch: bool = False) -> dict[str, Any]:
     ctx, out = ep.limits()
     return {
         "npm": "@ai-sdk/openai-compatible",
         "name": "agentbox (local)",
-        "options": {"baseURL": ep.openai_url, "apiKey": ep.api_key},
+        "options": {"baseURL": ep.openai_url, "apiKey": ep.api_key, "headers": routing_headers(per_launch)},
         "models": {ep.model: {"name": ep.model, "limit": {"context": ctx, "output": out}}},
     }
 
@@ -276,19 +278,31 @@ def launch_command(client: str, ep: Endpoint, args: list[str]) -> tuple[list[str
     if client == "claude":
         return ["claude", *args], claude_env(ep)
     if client == "codex":
-        provider = "{" + ", ".join(f"{k}={json.dumps(v)}" for k, v in codex_provider(ep, True).items()) + "}"
+        provider = _inline_toml(codex_provider(ep, True, per_launch=True))
         limits = [a for k, v in codex_limits(ep).items() for a in ("-c", f"{k}={v}")]
         argv = ["codex", "-c", f"model_providers.{PROVIDER_ID}={provider}", "-c", f"model_provider={PROVIDER_ID}",
                 *limits, "-m", ep.model, *args]
         return argv, {KEY_ENV: ep.api_key}
     if client == "opencode":
-        config = {"provider": {PROVIDER_ID: opencode_provider(ep)}, "model": f"{PROVIDER_ID}/{ep.model}"}
+        config = {"provider": {PROVIDER_ID: opencode_provider(ep, per_launch=True)}, "model": f"{PROVIDER_ID}/{ep.model}"}
         return ["opencode", *args], {"OPENCODE_CONFIG_CONTENT": json.dumps(config)}
     if client == "aider":
         # aider reads model limits only from a file: ours lives in agentbox's state dir, not the user's.
         meta = state_dir() / "aider.model.metadata.json"
         meta.write_text(json.dumps(aider_metadata(ep), indent=2))
+        # the fleet's routing key as litellm extra_headers (a settings file is YAML; JSON is YAML)
+        settings = state_dir() / "aider.model.settings.yml"
+        settings.write_text(json.dumps([{"name": f"openai/{ep.model}",
+                                         "extra_params": {"extra_headers": routing_headers(True)}}]))
         argv = ["aider", "--model", f"openai/{ep.model}", "--model-metadata-file", str(meta),
+                "--model-settings-file", str(settings),
                 "--no-show-model-warnings", "--no-check-update", "--analytics-disable", *args]
         return argv, {"OPENAI_API_BASE": ep.openai_url, "OPENAI_API_KEY": ep.api_key}
     raise ValueError(f"unknown client {client!r}; choose from {', '.join(LAUNCH_CLIENTS)}")
+
+
+def _inline_toml(table: dict[str, Any]) -> str:
+    """A TOML inline table for `codex -c` (values JSON-quoted, which TOML reads; nested tables inline too)."""
+    items = (f"{json.dumps(k) if not k.isidentifier() else k}="
+             f"{_inline_toml(v) if isinstance(v, dict) else json.dumps(v)}" for k, v in table.items())
+    return "{" + ", ".join(items) + "}"
