@@ -23,6 +23,7 @@ from agentbox.config import ServerConfig
 from agentbox.engine.client import EngineClient
 from agentbox.engine.messages import to_json
 from agentbox.server import anthropic_routes, openai_routes, responses_routes, sessions_routes
+from agentbox.server.backend_header import BackendHeaderMiddleware
 from agentbox.server.errors import (
     APIError,
     api_error_handler,
@@ -117,6 +118,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
 
     app.add_middleware(ClientAgentMiddleware)
+    app.add_middleware(BackendHeaderMiddleware, host=config.host, port=config.port)
 
     if config.api_key:
         @app.middleware("http")
