@@ -8,7 +8,7 @@ import typer
 
 from agentbox.cli_bench import bench_app
 from agentbox.cli_common import fail
-from agentbox.cli_fleet import fleet_app
+from agentbox.cli_fleet import fleet_app, top_fleet
 from agentbox.cli_workstation import check_app, workstation_app
 from agentbox.config import CachePolicy, EngineConfig, ServerConfig
 from agentbox.tui import DEFAULT_INTERVAL_S  # a constant; textual loads only when top runs
@@ -229,7 +229,7 @@ top_app = typer.Typer()
 
 @top_app.command("top")
 def top_cmd(
-    url: str | None = typer.Option(None, "--url", help="server root (default: the running server, else http://127.0.0.1:8000)"),  # noqa: UP007
+    urls: list[str] | None = typer.Option(None, "--url", help="server root (default: the running server, else http://127.0.0.1:8000); repeat it, or give a fleet's URL, for every backend in one view"),  # noqa: UP007
     interval: float = typer.Option(DEFAULT_INTERVAL_S, "--interval", help="seconds between polls"),
     once: bool = typer.Option(False, "--once", help="print one snapshot and exit (for scripts)"),
     json_out: bool = typer.Option(False, "--json", help="with --once: print JSON"),
@@ -243,9 +243,12 @@ def top_cmd(
 
     if interval <= 0:
         fail("--interval must be positive")
-    if url is None:
+    if not urls:
         st = daemon.read_state()
-        url = daemon.url_of(st) if st else f"http://{_S.host}:{_S.port}"
+        urls = [daemon.url_of(st) if st else f"http://{_S.host}:{_S.port}"]
+    if top_fleet(urls, interval, once, json_out, api_key):
+        return
+    url = urls[0]
     if once:
         from rich.console import Console
 

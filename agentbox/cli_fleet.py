@@ -48,3 +48,51 @@ def fleet_cmd(
         code = proc.wait()
     if code not in (0, -signal.SIGTERM, -signal.SIGINT):
         fail(f"vllm-router exited with status {code}; its log: {log or state_dir() / 'fleet.log'}")
+
+
+def top_fleet(urls: list[str], interval: float, once: bool, json_out: bool, api_key: str | None) -> bool:
+    """`agentbox top` over several backends or a fleet's router; False when `urls` is one plain server."""
+    from agentbox.tui.fleet_view import is_fleet
+
+    if not is_fleet(urls):
+        return False
+    if once:
+        import json
+
+        from rich.console import Console
+
+        from agentbox.tui.fleet_view import fleet_once
+
+        snaps, view = fleet_once(urls, api_key)
+        if json_out:
+            typer.echo(json.dumps(snaps, indent=2, default=str))
+        else:
+            Console(width=max(Console().width, 140)).print(view)
+        if not any(s["up"] for s in snaps):
+            raise typer.Exit(1)
+        return True
+    if json_out:
+        fail("--json goes with --once")
+    from agentbox.tui.fleet_view import FleetApp
+
+    FleetApp(urls, interval, api_key).run()
+    return True
+
+
+def doctor_urls(urls: list[str], json_out: bool, api_key: str | None) -> None:
+    """`agentbox doctor --url`: check each router and backend over HTTP (not this machine)."""
+    import json
+    from dataclasses import asdict
+
+    from agentbox import fleet
+
+    findings = fleet.diagnose(urls, api_key)
+    if json_out:
+        typer.echo(json.dumps([asdict(f) for f in findings], indent=2))
+    else:
+        for f in findings:
+            typer.secho(f"{'ok ' if f.ok else 'ERR'} {f.what}", fg=None if f.ok else "red")
+            if f.fix:
+                typer.echo(f"    fix: {f.fix}")
+    if not all(f.ok for f in findings):
+        raise typer.Exit(1)

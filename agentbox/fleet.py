@@ -152,3 +152,41 @@ def start(backends: list[str], cfg: FleetConfig, *, api_key: str | None = None, 
         time.sleep(0.2)
     proc.terminate()
     raise FleetError(f"{ROUTER_EXE} did not list the backends within {cfg.startup_timeout_s} s")
+
+
+@dataclass(frozen=True)
+class Finding:
+    ok: bool
+    what: str
+    fix: str = ""
+
+
+def diagnose(urls: list[str], api_key: str | None = None) -> list[Finding]:
+    """`agentbox doctor --url`: each router (listening, its verdict on each backend) and each backend (health,
+    model, key); the backends must serve one model."""
+    found: list[Finding] = []
+    backends: list[str] = []
+    for url in map(root_url, urls):
+        listed = workers(url)
+        if listed is None:
+            backends.append(url)
+            continue
+        found.append(Finding(True, f"router {url}: vllm-router with {len(listed)} backends"))
+        for w in listed:
+            b = root_url(str(w["url"]))
+            backends.append(b)
+            if not w.get("is_healthy"):
+                found.append(Finding(False, f"router {url} holds {b} out of rotation (health checks failing)",
+                                     f"check it: agentbox doctor --url {b}"))
+    models = {}
+    for b in dict.fromkeys(backends):
+        r = check_backend(b, api_key)
+        if r.problem:
+            found.append(Finding(False, f"backend {b}: {r.problem}", "on that machine: agentbox status; agentbox logs"))
+        else:
+            models[b] = r.model
+            found.append(Finding(True, f"backend {b}: healthy, serves {r.model}"))
+    if len(set(models.values())) > 1:
+        found.append(Finding(False, "backends serve different models: " + ", ".join(f"{b}: {m}" for b, m in models.items()),
+                             "serve one model everywhere (agentbox serve --model ...) so a moved session finds it"))
+    return found

@@ -31,6 +31,7 @@ import pytest
 from agentbox import fleet as fleet_mod
 from agentbox.clients.routing import routing_headers
 from agentbox.server.backend_header import HEADER
+from agentbox.tui.fleet_view import fleet_once
 
 pytestmark = pytest.mark.slow
 if fleet_mod.shutil.which(fleet_mod.ROUTER_EXE) is None and not (Path(sys.executable).parent / fleet_mod.ROUTER_EXE).exists():
@@ -95,13 +96,11 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: 
     for i in range(2):
         port = fleet_mod.free_port()
         backends.append(Backend(f"http://127.0.0.1:{port}", port, {**os.environ, "AGENTBOX_HOME": str(root / f"b{i}")}))
-    print(f"{time.strftime('%X')} starting servers", flush=True)
     starts = [threading.Thread(target=b.serve, args=(tiny_model,)) for b in backends]
     for t in starts:
         t.start()
     for t in starts:
         t.join()
-    print(f"{time.strftime('%X')} starting the router", flush=True)
     port = fleet_mod.free_port()
     proc = subprocess.Popen([sys.executable, "-m", "agentbox.cli", "fleet", *(b.url for b in backends), "--port", str(port),
                              "--log", str(root / "router.log")], env={**os.environ, "AGENTBOX_HOME": str(root)},
@@ -191,6 +190,12 @@ def test_sessions_stick_survive_a_killed_backend_and_return(fleet) -> None:  # n
     # spread over both boxes (the ring depends on the backends' ports: 24 sessions all on one is 2^-23)
     assert {s.turns[0][0] for s in sessions} == {0, 1}
 
+    # `top` over the router's URL shows both backends and their sessions; `doctor --url` passes
+    snaps, _ = fleet_once([url])
+    assert sorted(s["url"] for s in snaps) == sorted(b.url for b in backends)
+    assert all(s["up"] and s["router_healthy"] and s["sessions"] for s in snaps), snaps
+    assert all(f.ok for f in fleet_mod.diagnose([url])), fleet_mod.diagnose([url])
+
     # SIGKILL backend 1: every next turn still succeeds (router retry on chat, the client's on messages and
     # responses), on backend 0, cold for the sessions that lived on 1
     dead = backends[1]
@@ -204,10 +209,11 @@ def test_sessions_stick_survive_a_killed_backend_and_return(fleet) -> None:  # n
         else:
             assert cached >= 0.9 * prompt, s.turns
 
+    bad = [f for f in fleet_mod.diagnose([url]) if not f.ok]
+    assert bad and all(dead.url in f.what for f in bad), bad
+
     # restarted, backend 1 is back in rotation: its sessions hash to it again
-    print(f"{time.strftime('%X')} restarting", flush=True)
     dead.serve(model_dir)
-    print(f"{time.strftime('%X')} restarted", flush=True)
     moved = [s for s in sessions if s.turns[0][0] == 1]
     deadline = time.monotonic() + 60
     while True:
