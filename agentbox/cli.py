@@ -8,6 +8,7 @@ import typer
 
 from agentbox.cli_bench import bench_app
 from agentbox.cli_common import DEBUG_ENV, fail, run_cli
+from agentbox.cli_fleet import fleet_app, top_fleet
 from agentbox.cli_workstation import check_app, workstation_app
 from agentbox.config import CachePolicy, EngineConfig, ServerConfig
 from agentbox.tui import DEFAULT_INTERVAL_S  # a constant; textual loads only when top runs
@@ -280,7 +281,7 @@ top_app = typer.Typer()
 
 @top_app.command("top")
 def top_cmd(
-    url: str | None = typer.Option(None, "--url", help="server root (default: the running server, else http://127.0.0.1:8000)"),  # noqa: UP007
+    urls: list[str] | None = typer.Option(None, "--url", help="server root (default: the running server, else http://127.0.0.1:8000); repeat it, or give a fleet's URL, for every backend in one view"),  # noqa: UP007
     interval: float = typer.Option(DEFAULT_INTERVAL_S, "--interval", help="seconds between polls"),
     once: bool = typer.Option(False, "--once", help="print one snapshot and exit (for scripts)"),
     json_out: bool = typer.Option(False, "--json", help="with --once: print JSON"),
@@ -295,9 +296,12 @@ def top_cmd(
 
     if interval <= 0:
         fail("--interval must be positive")
-    if url is None:
+    if not urls:
         st = daemon.read_state()
-        url = daemon.url_of(st) if st else f"http://{_S.host}:{_S.port}"
+        urls = [daemon.url_of(st) if st else f"http://{_S.host}:{_S.port}"]
+    if top_fleet(urls, interval, once, json_out, api_key):
+        return
+    url = urls[0]
     if once:
         from agentbox.cli_console import console, output_width
         from agentbox.tui.panels import once as render_once
@@ -321,6 +325,7 @@ def top_cmd(
 # The order of these calls is the order of `agentbox --help`: serve..logs above, then these.
 app.add_typer(workstation_app)
 app.add_typer(top_app)
+app.add_typer(fleet_app)
 app.add_typer(check_app, name="check")
 app.add_typer(bench_app, name="bench")
 

@@ -122,11 +122,19 @@ def models_cmd(
 def doctor_cmd(
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
     model: str | None = typer.Option(None, "--model", help="plan this model instead of the default"),  # noqa: UP007
+    urls: list[str] | None = typer.Option(None, "--url", help="check these servers or a fleet's router (and its backends) instead of this machine"),  # noqa: UP007
+    api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="with --url: the servers' API key"),  # noqa: UP007
 ) -> None:
     """Check this machine and say how to fix what is wrong.
 
     GPUs, drivers, wheels, models, disk, the port and a running server."""
     import json
+
+    if urls:
+        from agentbox.cli_fleet import doctor_urls
+
+        doctor_urls(urls, json_out, api_key)
+        return
 
     from agentbox.hw.doctor import doctor, render
 

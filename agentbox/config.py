@@ -65,7 +65,7 @@ class EngineConfig:
     lease_max_ttl_s: float = 120.0
     lease_max_share: float = 0.8  # leased pages may hold at most this share of the pool
     admission_queue_size: int = 256
-    admission_timeout_s: float = 120.0  # a CPU turn can take tens of seconds; agents retry a 503 anyway
+    admission_timeout_s: float = 120.0  # a CPU turn can take tens of seconds; agents retry a 429 anyway
     record_trace: str | None = None
     # Loop guard (engine/loop_guard.py): a cycle of at most `loop_guard_max_period` tokens repeated
     # `loop_guard_min_repeats` times over at least `loop_guard_min_tokens` tokens ends the generation.
@@ -122,3 +122,22 @@ class ServerConfig:
     # Output budget for a request with no max_tokens when the model's profile names none.
     default_max_tokens: int = 4096
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """`agentbox fleet`: vllm-router in front of agentbox servers. The health and retry numbers are the ones
+    measured in docs/serving-a-team.md: with the router's defaults a SIGKILLed backend cost clients two 500s
+    and stayed in rotation 173 s; with these no client saw an error and traffic moved in about 4 s."""
+
+    host: str = "127.0.0.1"  # the router checks no API key: keep it on a private address
+    port: int = 8100
+    policy: str = "consistent_hash"  # hashes X-Session-Id / X-User-Id, body session_id, metadata.user_id
+    health_check_interval_s: int = 5
+    health_failure_threshold: int = 2
+    health_success_threshold: int = 1
+    retry_max_retries: int = 3
+    cb_failure_threshold: int = 2
+    cb_timeout_s: int = 15
+    request_timeout_s: int = 1800  # a long CPU turn is still one request
+    startup_timeout_s: int = 120  # how long the router waits for the backends to answer /health

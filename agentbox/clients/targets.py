@@ -16,6 +16,7 @@ from typing import Any
 from agentbox.clients import toml_writer
 from agentbox.clients.fit import Fit, fit
 from agentbox.clients.names import AGENTS, Client, ClientError, choices
+from agentbox.clients.routing import routing_headers
 from agentbox.config import ServerConfig, state_dir
 
 if sys.version_info >= (3, 11):
@@ -162,8 +163,9 @@ def openai_env(ep: Endpoint) -> dict[str, str]:
     return {"OPENAI_BASE_URL": ep.openai_url, "OPENAI_API_BASE": ep.openai_url, "OPENAI_API_KEY": ep.api_key}
 
 
-def codex_provider(ep: Endpoint, with_key: bool) -> dict[str, Any]:
-    provider: dict[str, Any] = {"name": "agentbox (local)", "base_url": ep.openai_url, "wire_api": "responses"}
+def codex_provider(ep: Endpoint, with_key: bool, per_launch: bool = False) -> dict[str, Any]:
+    provider: dict[str, Any] = {"name": "agentbox (local)", "base_url": ep.openai_url, "wire_api": "responses",
+                                "http_headers": routing_headers(per_launch)}  # a fleet's routing key
     if with_key:
         provider["env_key"] = KEY_ENV  # Codex sends $AGENTBOX_API_KEY as the bearer token
     return provider
@@ -186,7 +188,8 @@ def opencode_key(ep: Endpoint) -> str:
     return f"{{env:{KEY_ENV}}}" if ep.has_key else NO_KEY
 
 
-def opencode_config(ep: Endpoint, limits: Fit, old: dict[str, Any] | None = None) -> dict[str, Any]:
+def opencode_config(ep: Endpoint, limits: Fit, old: dict[str, Any] | None = None,
+                    per_launch: bool = False) -> dict[str, Any]:
     """opencode's config merged into `old`: the provider entry keeps the models it had; no update check and no
     sharing; auto-compaction off where the client's own prompt leaves it no room (see clients/fit.py)."""
     data = dict(old or {})
@@ -195,7 +198,7 @@ def opencode_config(ep: Endpoint, limits: Fit, old: dict[str, Any] | None = None
     entry = dict(providers.get(PROVIDER_ID) or {})
     providers[PROVIDER_ID] = {**entry, "npm": "@ai-sdk/openai-compatible", "name": "agentbox (local)",
                               "options": {**(entry.get("options") or {}), "baseURL": ep.openai_url,
-                                          "apiKey": opencode_key(ep)},
+                                          "apiKey": opencode_key(ep), "headers": routing_headers(per_launch)},
                               "models": {**(entry.get("models") or {}), ep.model: opencode_model(ep, limits)}}
     data["model"] = f"{PROVIDER_ID}/{ep.model}"
     data["autoupdate"] = False
@@ -311,13 +314,13 @@ def launch_command(client: Client, ep: Endpoint, args: list[str], *,
         return ["claude", *args], claude_env(ep, limits), note
     limits = _required(limits, ep)
     if client is Client.CODEX:
-        provider = "{" + ", ".join(f"{k}={json.dumps(v)}" for k, v in codex_provider(ep, True).items()) + "}"
+        provider = _inline_toml(codex_provider(ep, True, per_launch=True))
         settings = [a for k, v in codex_settings(limits).items() for a in ("-c", f"{k}={json.dumps(v)}")]
         argv = ["codex", "-c", f"model_providers.{PROVIDER_ID}={provider}", "-c", f"model_provider={PROVIDER_ID}",
                 *settings, "-m", ep.model, *args]
         return argv, {KEY_ENV: ep.api_key}, note
     if client is Client.OPENCODE:
-        config = opencode_config(ep, limits)
+        config = opencode_config(ep, limits, per_launch=True)
         env = {"OPENCODE_CONFIG_CONTENT": json.dumps(config), KEY_ENV: ep.api_key, **OPENCODE_QUIET_ENV}
         if not limits.compact:
             env["OPENCODE_DISABLE_AUTOCOMPACT"] = "1"  # also wins over a user's own opencode.json
@@ -325,6 +328,17 @@ def launch_command(client: Client, ep: Endpoint, args: list[str], *,
     # aider reads model limits only from a file: ours lives in agentbox's state dir, not the user's.
     meta = state_dir() / "aider.model.metadata.json"
     meta.write_text(json.dumps(aider_metadata(ep, limits), indent=2))
+    # the fleet's routing key as litellm extra_headers (a settings file is YAML; JSON is YAML)
+    settings = state_dir() / "aider.model.settings.yml"
+    settings.write_text(json.dumps([{"name": f"openai/{ep.model}",
+                                     "extra_params": {"extra_headers": routing_headers(True)}}]))
     argv = ["aider", "--model", f"openai/{ep.model}", "--model-metadata-file", str(meta),
-            "--no-show-model-warnings", "--no-check-update", "--analytics-disable", *args]
+            "--model-settings-file", str(settings), "--no-show-model-warnings", "--no-check-update", "--analytics-disable", *args]
     return argv, {"OPENAI_API_BASE": ep.openai_url, "OPENAI_API_KEY": ep.api_key}, note
+
+
+def _inline_toml(table: dict[str, Any]) -> str:
+    """A TOML inline table for `codex -c` (values JSON-quoted, which TOML reads; nested tables inline too)."""
+    items = (f"{json.dumps(k) if not k.isidentifier() else k}="
+             f"{_inline_toml(v) if isinstance(v, dict) else json.dumps(v)}" for k, v in table.items())
+    return "{" + ", ".join(items) + "}"

@@ -73,7 +73,7 @@ class RequestOutput:
     num_recomputed_tokens: int = 0
     session_id: str | None = None
     error: str | None = None
-    error_code: str | None = None  # queue_full | admission_timeout -> 503; prompt_too_long -> 400
+    error_code: str | None = None  # queue_full | admission_timeout -> 429; prompt_too_long -> 400
 
 
 @dataclass

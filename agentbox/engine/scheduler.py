@@ -7,7 +7,7 @@ and continues next step: chunked prefill). Then waiting requests are admitted wh
 running cap and the pool allow: first requests of sessions coming back from a tool (and preempted ones),
 then requests that start a new session. A new session is admitted only while running work plus the
 sessions' leased working sets leave room for its prompt; otherwise it waits (FIFO, bounded), and past the
-admission timeout it is refused (the API answers 503 with Retry-After). Leases stay soft: a running request
+admission timeout it is refused (the API answers 429 with Retry-After). Leases stay soft: a running request
 that needs pages breaks them through the cache's eviction order.
 
 Admission looks before it takes: a pure cache lookup, then a pure check that the pages the request needs

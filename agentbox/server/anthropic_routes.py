@@ -68,7 +68,7 @@ async def _answer(handler: Callable[[], Awaitable[Any]]) -> Any:
     try:
         return await handler()
     except APIError as e:
-        return anthropic_error(e.status, e.message, e.headers)  # Retry-After on a 503 included
+        return anthropic_error(e.status, e.message, e.headers)  # Retry-After on a 429 included
     except ValidationError as e:
         return anthropic_error(400, _validation_message(e))
 

@@ -26,6 +26,7 @@ from agentbox.engine.client import EngineClient, EngineDead, QueryError
 from agentbox.engine.messages import to_json
 from agentbox.server import anthropic_routes, openai_routes, openapi, responses_routes, sessions_routes
 from agentbox.server.access_log import ErrorReasonMiddleware, install_polling_filter
+from agentbox.server.backend_header import BackendHeaderMiddleware
 from agentbox.server.disconnect import ClientGone, client_gone_handler
 from agentbox.server.errors import (
     RETRY_AFTER_S,
@@ -130,6 +131,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_exception_handler(Exception, unexpected_handler)
 
     app.add_middleware(ClientAgentMiddleware)
+    app.add_middleware(BackendHeaderMiddleware, host=config.host, port=config.port)
 
     if config.api_key:
         keys = [k.encode() for k in config.api_key.split(",") if k]

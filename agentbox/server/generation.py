@@ -151,7 +151,10 @@ CLIENT_NAMESPACE: contextvars.ContextVar[str] = contextvars.ContextVar("client_n
 def engine_error(message: str, code: str | None) -> APIError:
     """An engine-side failure as the HTTP error a client can act on."""
     if code in ("queue_full", "admission_timeout"):
-        return APIError(503, message, code=code, type_="overloaded_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+        # 429, not 503: behind vllm-router a 503 counts as a circuit-breaker failure (two in a row took a
+        # healthy box out of rotation, moving its sessions to a cold cache), while a 429 is handed back to
+        # the client with Retry-After and leaves the box in rotation (docs/serving-a-team.md has the numbers).
+        return APIError(429, message, code=code, type_="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
     if code in ("engine_dead", "shutting_down"):  # a restart (or a stop) is under way: come back shortly
         return APIError(503, f"the engine is unavailable ({message}); retry in {RETRY_AFTER_S} s",
                         code="engine_unavailable", type_="overloaded_error", headers={"Retry-After": str(RETRY_AFTER_S)})
