@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentbox import fleet
+from agentbox.clients.names import Client
 from agentbox.clients.routing import ROUTING_HEADER
 from agentbox.clients.targets import Endpoint, launch_command, plan
 from agentbox.config import FleetConfig
@@ -25,18 +26,18 @@ EP = Endpoint(url="http://127.0.0.1:8100", model="m", context=8192)
 def test_codex_and_opencode_send_a_routing_key_the_router_hashes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path / "state"))
-    written = tomllib.loads(plan("codex", EP).new)["model_providers"]["agentbox"]["http_headers"]
+    written = tomllib.loads(plan(Client.CODEX, EP).new)["model_providers"]["agentbox"]["http_headers"]
     assert set(written) == {ROUTING_HEADER} and "@" in written[ROUTING_HEADER]
     # launch: a `-c` inline table Codex parses as TOML, a key per run (runs spread over the boxes)
     keys = []
     for _ in range(2):
-        argv, _env = launch_command("codex", EP, [])
+        argv, _env, _note = launch_command(Client.CODEX, EP, [])
         value = argv[argv.index("-c") + 1].split("=", 1)[1]
         keys.append(tomllib.loads("p=" + value)["p"]["http_headers"][ROUTING_HEADER])
     assert keys[0] != keys[1] and all(k.startswith(written[ROUTING_HEADER] + "/") for k in keys)
-    oc = json.loads(plan("opencode", EP).new)["provider"]["agentbox"]["options"]["headers"]
+    oc = json.loads(plan(Client.OPENCODE, EP).new)["provider"]["agentbox"]["options"]["headers"]
     assert oc == written
-    argv, _env = launch_command("aider", EP, [])
+    argv, _env, _note = launch_command(Client.AIDER, EP, [])
     settings = json.loads(Path(argv[argv.index("--model-settings-file") + 1]).read_text())
     assert settings[0]["name"] == "openai/m" and ROUTING_HEADER in settings[0]["extra_params"]["extra_headers"]
 
