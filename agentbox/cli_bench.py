@@ -80,8 +80,10 @@ def bench_soak(
     max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="tokens per answer"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """N sessions for T minutes with disconnects and malformed requests mixed in: requests answered, failures
-    by type, pages leaked, RSS growth, the slowest /health answer, and whether the engine survived."""
+    """Sessions with disconnects and bad requests mixed in, as JSON.
+
+    N sessions for T minutes: requests answered, failures by type, pages leaked, RSS growth, the slowest
+    /health answer, and whether the engine survived."""
     from agentbox.bench.soak import run_soak
 
     if url is not None:

@@ -17,13 +17,15 @@ _F = FleetConfig()
 
 @fleet_app.command("fleet")
 def fleet_cmd(
-    backends: list[str] = typer.Argument(..., help="agentbox server roots, e.g. http://10.0.0.2:8000 http://10.0.0.3:8000"),
+    backends: list[str] = typer.Argument(..., metavar="URL", help="agentbox server roots, e.g. http://10.0.0.2:8000 http://10.0.0.3:8000"),
     host: str = typer.Option(_F.host, help="address the router listens on (it checks no API key: keep it private)"),
     port: int = typer.Option(_F.port, help="port the router listens on"),
     api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="the backends' API key, if they have one"),  # noqa: UP007
     log: Path | None = typer.Option(None, help="router log file (default: the state dir's fleet.log)"),  # noqa: UP007
 ) -> None:
-    """Serve several agentbox servers at one URL, each session's turns sticking to the server holding its cache."""
+    """Serve several agentbox servers at one URL (a router).
+
+    Each session's turns stick to the server holding its cache."""
     from dataclasses import replace
 
     from agentbox import fleet

@@ -25,6 +25,9 @@ def test_top_at_80x24_shows_every_column_and_each_panel(live_server: str) -> Non
         app = TopApp(live_server, interval=0.3)
         async with app.run_test(size=NARROW) as pilot:
             await wait_for(pilot, lambda: "narrow-tui" in app.session_ids(), 60, "the session listed")
+            # The shared server holds every earlier test's sessions; 24 rows show only some: filter to ours.
+            app.filter_text = "narrow-tui"
+            app.refresh_view()
             await pilot.pause(0.3)
             assert app.narrow
             text = _screen_text(app)
