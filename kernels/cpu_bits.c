@@ -1,4 +1,4 @@
-/* k-bit (5, 6, 8) weight-only matmul and dequantisation for AVX2 + FMA CPUs (built with cpu_gemv.c by
+/* k-bit (5, 6, 8) weight-only matmul and dequantisation for AVX2 + FMA CPUs, and the VNNI variants (built with cpu_gemv.c by
  * cpu_gemv.py; the Python side, layout packing and torch twins are in cpu_bits.py).
  *
  * The form: codes q in [0, 2^bits), per (row, group of 16 or 32 columns) a scale s and optionally an offset

@@ -1,12 +1,15 @@
-/* Weight-only quantised matmuls for x86-64 CPUs with AVX2 + FMA (built at first use by cpu_gemv.py).
+/* Weight-only quantised matmuls for x86-64 CPUs with AVX2 + FMA, or AVX-VNNI / AVX-512 VNNI (one build per
+ * variant, at first use, by cpu_gemv.py; cpu_gemv.h holds the only code that differs between them).
  *
  * Decode reads every weight once per token, so on a CPU its speed is memory bandwidth over bytes per
  * weight. torch's int4/int8 weight-only kernels are compute-bound on AVX2 (no AVX512-BF16), so they buy
  * memory but not speed; these keep the weights 4- or 8-bit and stream them at bandwidth.
  *
  * Activations are quantised per block of 32 to int8 with one fp32 scale (d = max|x| / 127), as llama.cpp
- * does, so one block's dot product is integer arithmetic (u8 x s8 pairs summed to int16, then int32) and
- * one FMA. Offsets (asymmetric 4-bit) multiply the block sums of the rounded x.
+ * does, so one block's dot product is integer arithmetic (u8 x s8 products summed to int32: vpdpbusd, or
+ * AVX2's pairs to int16, then int32) and one FMA. Offsets (asymmetric 4-bit) multiply the block sums of the
+ * rounded x. Several rows of x (2-16: a batch, a speculative verify, a chunk's tail) share each tile's pass:
+ * its codes are read and unpacked once for up to MR = 4 rows, so a row's extra cost is its dot products.
  *
  * Rows come in tiles of NR = 4 (the last one padded with zero rows), each tile stored block by block:
  * Q4: codes [N/4][K/32][4][16] bytes, byte j of a row's block holding element j (low nibble) and j + 16
