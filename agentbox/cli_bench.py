@@ -127,6 +127,18 @@ def bench_llamacpp(
     _print_json(compare_llamacpp(_bench_model(model), prompt_len, tokens, threads, repeats), json_out)
 
 
+@bench_app.command("cpu-rows")
+def bench_cpu_rows(
+    threads: int = typer.Option(1, "--threads", min=1, help="CPU threads"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Per-row cost of the CPU kernels at 1, 2, 4, 8, 16 rows per GGUF type (weights cold), with the CPU and
+    the kernel variant named."""
+    from agentbox.bench.cpu_rows import report
+
+    _print_json(report(threads=threads), json_out)
+
+
 @bench_app.command("cache")
 def bench_cache(
     model: str | None = typer.Option(None, "--model", help="HF model dir or .gguf (default: the embedded SmolLM2)"),  # noqa: UP007

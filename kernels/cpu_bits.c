@@ -1,4 +1,4 @@
-/* k-bit (5, 6, 8) weight-only matmul and dequantisation for AVX2 + FMA CPUs (built with cpu_gemv.c by
+/* k-bit (5, 6, 8) weight-only matmul and dequantisation for AVX2 + FMA CPUs, and the VNNI variants (built with cpu_gemv.c by
  * cpu_gemv.py; the Python side, layout packing and torch twins are in cpu_bits.py).
  *
  * The form: codes q in [0, 2^bits), per (row, group of 16 or 32 columns) a scale s and optionally an offset
@@ -35,6 +35,7 @@
 
 #define QB 32   /* elements per block */
 #define NR 4    /* weight rows one pass over an activation row serves */
+#define MR 4    /* activation rows one pass over a tile serves */
 #define PB 8    /* blocks per record (256 columns: a GGUF K-quant super-block); a row's last may have fewer */
 #define GM 16   /* most groups in a record (8 blocks of two groups of 16) */
 
@@ -170,80 +171,80 @@ static inline __attribute__((always_inline)) __m256i codes(const uint8_t *body, 
     return _mm256_or_si256(lo, _mm256_and_si256(t, _mm256_set1_epi8(0x30)));
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* Four rows' 8 scales (or offset terms) c .. c + 7 (rows' arrays of GM) as st[c .. c + 7][NR]: a 4 x 8 transpose,
+ * so a block's scales of all four rows are one load. */
+static inline __attribute__((always_inline)) void transpose4x8(const float (*v)[GM], int c, float (*t)[NR]) {
+    const __m256 r0 = _mm256_loadu_ps(v[0] + c), r1 = _mm256_loadu_ps(v[1] + c);
+    const __m256 r2 = _mm256_loadu_ps(v[2] + c), r3 = _mm256_loadu_ps(v[3] + c);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE); /* c, c + 4 | c + 1, c + 5 */
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE); /* c + 2, c + 6 | c + 3, c + 7 */
+    _mm256_storeu_ps(t[c], _mm256_permute2f128_ps(u0, u1, 0x20));
+    _mm256_storeu_ps(t[c + 2], _mm256_permute2f128_ps(u2, u3, 0x20));
+    _mm256_storeu_ps(t[c + 4], _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(t[c + 6], _mm256_permute2f128_ps(u2, u3, 0x31));
 }
 
-/* One record (p blocks, g groups) of nr weight rows against activation row m. Offsets stay out of the block
- * loop: w = u s + o + k0 s for stored codes u (k0 = 128 for 8-bit codes, which are stored signed, minus the
- * centre 2^(bits-1) without offsets), so the record adds sum_g (o_g + k0 s_g) * (sum of x in group g). */
-static inline __attribute__((always_inline)) void record(const act_t *a, int64_t m, const shape_t *s,
+/* One record (p blocks, g groups) of a tile's NR weight rows against activation rows m0 .. m0 + mr. The rows'
+ * headers are decoded and their codes unpacked once for all mr activation rows; a block's product of the four
+ * rows is one vector of int32 sums (rows 0 1 2 3 | 0 1 2 3: elements 0..15 | 16..31, so a group of 16 is a
+ * half), so one conversion and FMA per block and activation row. Offsets stay out of the block loop:
+ * w = u s + o + k0 s for stored codes u (k0 = 128 for 8-bit codes, which are stored signed, minus the centre
+ * 2^(bits-1) without offsets), so the record adds sum_g (o_g + k0 s_g) * (sum of x in group g). */
+static inline __attribute__((always_inline)) void record(const act_t *a, int64_t m0, const int mr, const shape_t *s,
                                                          const uint8_t *const *h, int64_t rec, const int p,
-                                                         const int g, __m256 *acc, __m256 *oacc, __m256 *sacc,
-                                                         const int nr, const int bits, const int group) {
-    const int64_t nb = s->k / QB, hb = header_bytes(s, p, group), pairs = plane_bytes(bits, p);
+                                                         const int g, __m256 *acc, __m128 *eacc, const int bits,
+                                                         const int group) {
+    const int64_t nb = s->k / QB, hb = header_bytes(s, p, group), pairs = plane_bytes(bits, p), recs = nrecords(s);
     const int sym8 = bits == 8 && !s->off; /* k0 = 0 and no offsets: nothing to add */
-    /* lanes 0-3 take group 2j, lanes 4-7 group 2j + 1 (a block's int32 lanes 0-3 are its elements 0-15) */
-    const __m256i half[4] = {_mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0), _mm256_set_epi32(3, 3, 3, 3, 2, 2, 2, 2),
-                             _mm256_set_epi32(5, 5, 5, 5, 4, 4, 4, 4), _mm256_set_epi32(7, 7, 7, 7, 6, 6, 6, 6)};
-    const __m256i ones = _mm256_set1_epi16(1);
-    const float *gs = a->gs + (m * nrecords(s) + rec) * GM;
-    float sc[NR][GM], of[NR][GM];
-    /* A short record's scales are written one by one: reading them back as a vector would wait on a failed
-     * store-to-load forward (a sixth of the time at K = 576), so it reads them one by one too. */
-    const int vec = g % 8 == 0;
+    const float k0 = (bits == 8 ? 128.0f : 0.0f) - (s->off ? 0.0f : (float)(1 << (bits - 1)));
+    float sc[NR][GM], of[NR][GM], st[GM][NR], et[GM][NR];
 #pragma GCC unroll 4
-    for (int r = 0; r < nr; r++) { /* unrolled, so the accumulators stay in registers */
+    for (int r = 0; r < NR; r++) {
         header(h[r], s, g, sc[r], of[r]);
-        if (sym8) continue;
-        if (vec)
-            for (int c = 0; c < g; c += 8) {
-                const __m256 x = _mm256_loadu_ps(gs + c);
-                sacc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(sc[r] + c), x, sacc[r]);
-                if (s->off) oacc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(of[r] + c), x, oacc[r]);
-            }
-        else {
-            float ss = 0.0f, os = 0.0f;
-            for (int c = 0; c < g; c++) {
-                ss += sc[r][c] * gs[c];
-                if (s->off) os += of[r][c] * gs[c];
-            }
-            sacc[r] = _mm256_add_ps(sacc[r], _mm256_castps128_ps256(_mm_set_ss(ss)));
-            if (s->off) oacc[r] = _mm256_add_ps(oacc[r], _mm256_castps128_ps256(_mm_set_ss(os)));
-        }
+        if (!sym8)
+            for (int c = 0; c < g; c++) of[r][c] = (s->off ? of[r][c] : 0.0f) + k0 * sc[r][c];
     }
-    const int8_t *xq = a->q + (m * nb + rec * PB) * QB;
-    const float *xd = a->d + m * nb + rec * PB;
-#pragma GCC unroll 8
+    for (int c = 0; c < g; c += 8) {
+        transpose4x8(sc, c, st);
+        if (!sym8) transpose4x8(of, c, et);
+    }
+    if (!sym8)
+        for (int i = 0; i < mr; i++) { /* two chains (even, odd groups): a record's g FMAs are not one latency chain */
+            const float *gs = a->gs + ((m0 + i) * recs + rec) * GM;
+            for (int c = 0; c < g; c++)
+                eacc[2 * i + (c & 1)] = _mm_fmadd_ps(_mm_loadu_ps(et[c]), _mm_broadcast_ss(gs + c), eacc[2 * i + (c & 1)]);
+        }
+#pragma GCC unroll 2 /* not 8: the record is inlined 36 times (bits x group x rows chunk x full / last) */
     for (int b = 0; b < p; b++) {
-        const __m256i xv = _mm256_load_si256((const __m256i *)(xq + b * QB));
-        const __m256 d = _mm256_broadcast_ss(xd + b);
-        for (int r = 0; r < nr; r++) {
-            const __m256i q = codes(h[r] + hb, b, pairs, p, bits);
-            __m256i prod;
-            if (bits == 8) /* |q| unsigned and the sign moved onto x: u8 x s8 is the only byte product */
-                prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xv, q)), ones);
-            else
-                prod = _mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones);
-            const __m256 sv = group == 32 ? _mm256_broadcast_ss(sc[r] + b)
-                              : vec ? _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[r] + 8 * (b / 4)), half[b % 4])
-                                    : _mm256_set_m128(_mm_broadcast_ss(sc[r] + 2 * b + 1), _mm_broadcast_ss(sc[r] + 2 * b));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_mul_ps(sv, d), acc[r]);
+        __m256i q[NR], aq[NR];
+        for (int r = 0; r < NR; r++) {
+            q[r] = codes(h[r] + hb, b, pairs, p, bits);
+            if (bits == 8) aq[r] = _mm256_sign_epi8(q[r], q[r]);
+        }
+        const __m256 sv = group == 32 ? _mm256_broadcast_ps((const __m128 *)st[b]) : _mm256_loadu_ps(st[2 * b]);
+        for (int i = 0; i < mr; i++) {
+            const __m256i xv = _mm256_load_si256((const __m256i *)(a->q + ((m0 + i) * nb + rec * PB + b) * QB));
+            const __m256i prod = bits == 8 ? q8_dot(aq, q, xv) : u8_rows_dot(q, xv);
+            const __m256 d = _mm256_broadcast_ss(a->d + (m0 + i) * nb + rec * PB + b);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_mul_ps(sv, d), acc[i]);
         }
     }
 }
 
-/* One activation row against nr consecutive weight rows (independent FMA chains, x loaded once for all). */
-static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m, const shape_t *s,
-                                                       const uint8_t *w, float *out, int valid,
-                                                       const int bits, const int group) {
-    const int nr = NR; /* past the last row (N % 4), the last row again: one code path, results dropped */
+/* Activation rows m0 .. m0 + mr against the NR consecutive weight rows at w. */
+static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m0, const int mr, const shape_t *s,
+                                                       const uint8_t *w, float *out, int valid, const int bits,
+                                                       const int group) {
+    /* past the last row (N % 4), the last row again: one code path, results dropped */
     const int64_t nb = s->k / QB, rb = row_bytes(s), full = record_bytes(s, PB, group), tail = nb % PB;
-    __m256 acc[NR], oacc[NR], sacc[NR];
-    for (int r = 0; r < nr; r++) acc[r] = oacc[r] = sacc[r] = _mm256_setzero_ps();
+    __m256 acc[MR];
+    __m128 eacc[2 * MR];
+    for (int i = 0; i < mr; i++) {
+        acc[i] = _mm256_setzero_ps();
+        eacc[2 * i] = eacc[2 * i + 1] = _mm_setzero_ps();
+    }
     const uint8_t *h[NR];
     /* The next tile's rows, fetched a slice per record while this tile computes: the four streams of a tile
      * are too short for the hardware prefetcher to ramp up on (cold K 1536 read at 6 GB/s of 20 without). */
@@ -251,31 +252,37 @@ static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m
     const int64_t slice = (NR * rb / (nb / PB + 1) + 63) / 64 * 64;
     int64_t rec = 0;
     for (; rec < nb / PB; rec++) { /* full records: p and g constants, the block loop unrolled */
-        if (m == 0)
+        if (m0 == 0)
             for (int64_t o = rec * slice; o < (rec + 1) * slice; o += 64) _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
-        for (int r = 0; r < nr; r++) h[r] = w + (r < valid ? r : valid - 1) * rb + rec * full;
-        record(a, m, s, h, rec, PB, PB * QB / group, acc, oacc, sacc, nr, bits, group);
+        for (int r = 0; r < NR; r++) h[r] = w + (r < valid ? r : valid - 1) * rb + rec * full;
+        record(a, m0, mr, s, h, rec, PB, PB * QB / group, acc, eacc, bits, group);
     }
-    if (m == 0)
+    if (m0 == 0)
         for (int64_t o = rec * slice; o < NR * rb; o += 64) _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
-    for (int r = 0; r < nr; r++) h[r] = w + (r < valid ? r : valid - 1) * rb + rec * full;
-    switch (tail) { /* the last, shorter record: K 576 = 2 x 8 + 2 blocks; 896, 1408 end in 4, 960 in 6 */
-#define TAIL(P) \
-    case P: record(a, m, s, h, rec, P, P * QB / group, acc, oacc, sacc, nr, bits, group); break;
-        TAIL(2) TAIL(4) TAIL(6)
-#undef TAIL
-        case 0: break;
-        default: record(a, m, s, h, rec, (int)tail, (int)tail * QB / group, acc, oacc, sacc, nr, bits, group);
+    for (int r = 0; r < NR; r++) h[r] = w + (r < valid ? r : valid - 1) * rb + rec * full;
+    if (tail) /* the last, shorter record (K 576 = 2 x 8 + 2 blocks): p a run-time value, one more copy, not four */
+        record(a, m0, mr, s, h, rec, (int)tail, (int)tail * QB / group, acc, eacc, bits, group);
+    for (int i = 0; i < mr; i++) {
+        const __m128 e = _mm_add_ps(eacc[2 * i], eacc[2 * i + 1]);
+        float o[NR];
+        _mm_storeu_ps(o, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)), e));
+        for (int r = 0; r < valid; r++) out[(m0 + i) * s->n + r] = o[r];
     }
-    const __m256 k0 = _mm256_set1_ps((bits == 8 ? 128.0f : 0.0f) - (s->off ? 0.0f : (float)(1 << (bits - 1))));
-    for (int r = 0; r < valid; r++) out[r] = hsum(_mm256_fmadd_ps(k0, sacc[r], _mm256_add_ps(acc[r], oacc[r])));
 }
 
-/* Weight rows j .. j + NR (fewer at the end) against every activation row. */
+/* Weight rows j .. j + NR (fewer at the end) against every activation row, MR at a time (a literal per chunk
+ * size, so the accumulators stay in registers; a row's numbers do not depend on its chunk). */
 static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m, const shape_t *s, const uint8_t *w,
                                                        float *out, int64_t j, const int bits, const int group) {
     const int64_t n = s->n, rb = row_bytes(s);
-    for (int64_t i = 0; i < m; i++) rows(a, i, s, w + j * rb, out + i * n + j, n - j < NR ? (int)(n - j) : NR, bits, group);
+    const int valid = n - j < NR ? (int)(n - j) : NR;
+    int64_t i = 0; /* chunks of 4, then 2, then 1: three copies of the record code, not four */
+    for (; i + MR <= m; i += MR) rows(a, i, MR, s, w + j * rb, out + j, valid, bits, group);
+    if (i + 2 <= m) {
+        rows(a, i, 2, s, w + j * rb, out + j, valid, bits, group);
+        i += 2;
+    }
+    if (i < m) rows(a, i, 1, s, w + j * rb, out + j, valid, bits, group);
 }
 
 static int check(const shape_t *s) {

@@ -1,12 +1,15 @@
-/* Weight-only quantised matmuls for x86-64 CPUs with AVX2 + FMA (built at first use by cpu_gemv.py).
+/* Weight-only quantised matmuls for x86-64 CPUs with AVX2 + FMA, or AVX-VNNI / AVX-512 VNNI (one build per
+ * variant, at first use, by cpu_gemv.py; cpu_gemv.h holds the only code that differs between them).
  *
  * Decode reads every weight once per token, so on a CPU its speed is memory bandwidth over bytes per
  * weight. torch's int4/int8 weight-only kernels are compute-bound on AVX2 (no AVX512-BF16), so they buy
  * memory but not speed; these keep the weights 4- or 8-bit and stream them at bandwidth.
  *
  * Activations are quantised per block of 32 to int8 with one fp32 scale (d = max|x| / 127), as llama.cpp
- * does, so one block's dot product is integer arithmetic (u8 x s8 pairs summed to int16, then int32) and
- * one FMA. Offsets (asymmetric 4-bit) multiply the block sums of the rounded x.
+ * does, so one block's dot product is integer arithmetic (u8 x s8 products summed to int32: vpdpbusd, or
+ * AVX2's pairs to int16, then int32) and one FMA. Offsets (asymmetric 4-bit) multiply the block sums of the
+ * rounded x. Several rows of x (2-16: a batch, a speculative verify, a chunk's tail) share each tile's pass:
+ * its codes are read and unpacked once for up to MR = 4 rows, so a row's extra cost is its dot products.
  *
  * Rows come in tiles of NR = 4 (the last one padded with zero rows), each tile stored block by block:
  * Q4: codes [N/4][K/32][4][16] bytes, byte j of a row's block holding element j (low nibble) and j + 16
@@ -25,6 +28,7 @@
 
 #define QB 32   /* elements per activation block */
 #define NR 4    /* weight rows one pass over an activation row serves */
+#define MR 4    /* activation rows one pass over a tile serves */
 
 typedef struct {
     int8_t *q;     /* [M][K] */
@@ -62,94 +66,104 @@ static inline __attribute__((always_inline)) float ld(const void *p, int64_t i, 
     return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* Four scales (or offsets) of a tile's rows, fp16 or fp32. */
 static inline __attribute__((always_inline)) __m128 ld4(const void *p, int64_t i, const int half) {
     return half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)((const uint16_t *)p + i)))
                 : _mm_loadu_ps((const float *)p + i);
 }
 
-/* One activation row against one tile of NR = 4 weight rows. A tile's block is one 64-byte line of codes,
- * so the tile is one memory stream: with four separate row streams (the rows' own layout) the hardware
- * prefetcher fell behind and the 1536-column down projection ran at half the bandwidth of the others. The
- * four rows are four independent FMA chains, and each activation block is loaded once for all four. */
-static inline __attribute__((always_inline)) void q4_tile(const act_t *a, int64_t m, int64_t k, const uint8_t *codes,
-                                                          const void *so, int64_t group, float *out, const int nr,
-                                                          const int half) {
+/* MR activation rows (1..4: the caller chunks M) against one tile of NR = 4 weight rows. A tile's block is
+ * one 64-byte line of codes, so the tile is one memory stream: with four separate row streams (the rows' own
+ * layout) the hardware prefetcher fell behind and the 1536-column down projection ran at half the bandwidth.
+ * The block's nibbles are unpacked once for all MR rows, and each row's product of the four weight rows is one
+ * vector of int32 sums (q4_dot), so one conversion and one FMA per block and activation row: the per-row cost of
+ * a batch (decode of several sequences, a speculative verify, a chunk tail) is the dot products alone. Each
+ * activation row's sums and FMAs are the same for any MR, so a row's result does not depend on its batch. */
+static inline __attribute__((always_inline)) void q4_tile(const act_t *a, int64_t m0, const int mr, int64_t k,
+                                                          const uint8_t *codes, const void *so, int64_t group,
+                                                          float *out, int64_t n, const int nr, const int half) {
     const int64_t nb = k / QB, per = group / QB, gk = k / group;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[NR];
-    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
-    __m128 oacc = _mm_setzero_ps();
-    const int8_t *xq = a->q + m * k;
-    const float *xd = a->d + m * nb, *xs = a->gsum + m * gk;
+    const __m256i dup = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3); /* q4_dot's lanes: rows 0 0 2 2 | 1 1 3 3 */
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < gk; g++) { /* groups outside, blocks inside: no division in the loop */
-        const __m128 s4 = ld4(so, g * 2 * NR, half);
-        /* the offsets' term: offset * (sum of the rounded x over the group), four rows at once */
-        oacc = _mm_fmadd_ps(ld4(so, g * 2 * NR + NR, half), _mm_set1_ps(xs[g]), oacc);
+        const __m256 s8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ld4(so, g * 2 * NR, half)), dup);
         for (int64_t b = g * per; b < (g + 1) * per; b++) {
-            const __m256i xv = _mm256_load_si256((const __m256i *)(xq + b * QB));
-            float sd[NR];
-            _mm_storeu_ps(sd, _mm_mul_ps(s4, _mm_set1_ps(xd[b])));
             const uint8_t *c = codes + b * NR * 16;
             /* the next tile's line for this block: the prefetcher alone fell behind at a tile's start */
             _mm_prefetch((const char *)(c + NR * k / 2), _MM_HINT_T0);
             const __m256i r01 = _mm256_loadu_si256((const __m256i *)c), r23 = _mm256_loadu_si256((const __m256i *)(c + 32));
+            /* rows 0 | 1 (and 2 | 3) of the tile: elements 0..15 (low nibbles), elements 16..31 (high ones) */
             const __m256i l01 = _mm256_and_si256(r01, low), h01 = _mm256_and_si256(_mm256_srli_epi16(r01, 4), low);
             const __m256i l23 = _mm256_and_si256(r23, low), h23 = _mm256_and_si256(_mm256_srli_epi16(r23, 4), low);
-            /* row r's 32 codes: its low nibbles (elements 0..15), then its high ones (16..31) */
-            const __m256i q[NR] = {_mm256_permute2x128_si256(l01, h01, 0x20), _mm256_permute2x128_si256(l01, h01, 0x31),
-                                   _mm256_permute2x128_si256(l23, h23, 0x20), _mm256_permute2x128_si256(l23, h23, 0x31)};
-            for (int r = 0; r < NR; r++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], xv), ones);
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sd[r]), acc[r]);
+            for (int i = 0; i < mr; i++) {
+                const int8_t *xq = a->q + (m0 + i) * k + b * QB;
+                const __m256i xlo = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)xq));
+                const __m256i xhi = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)(xq + 16)));
+                const __m256i p = q4_dot(l01, h01, l23, h23, xlo, xhi);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s8, _mm256_broadcast_ss(a->d + (m0 + i) * nb + b)), acc[i]);
             }
         }
     }
-    float off[NR];
-    _mm_storeu_ps(off, oacc);
-    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]) + off[r]; /* a padded tail tile stores its real rows */
+    for (int i = 0; i < mr; i++) {
+        /* the offsets' term: offset * (sum of the rounded x over the group), four weight rows at once */
+        const float *xs = a->gsum + (m0 + i) * gk;
+        __m128 oacc = _mm_setzero_ps();
+        for (int64_t g = 0; g < gk; g++) oacc = _mm_fmadd_ps(ld4(so, g * 2 * NR + NR, half), _mm_set1_ps(xs[g]), oacc);
+        const __m128 r = _mm_hadd_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)); /* 0 2 1 3 */
+        float o[NR];
+        _mm_storeu_ps(o, _mm_add_ps(_mm_shuffle_ps(r, r, _MM_SHUFFLE(3, 1, 2, 0)), oacc));
+        for (int j = 0; j < nr; j++) out[(m0 + i) * n + j] = o[j]; /* a padded tail tile stores its real rows */
+    }
 }
 
-static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_t m, int64_t k, const int8_t *codes,
-                                                          const void *scale, float *out, const int nr, const int half) {
+static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_t m0, const int mr, int64_t k,
+                                                          const int8_t *codes, const void *scale, float *out,
+                                                          int64_t n, const int nr, const int half) {
     const int64_t nb = k / QB;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[NR];
-    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
-    const int8_t *xq = a->q + m * k;
-    const float *xd = a->d + m * nb;
+    __m256 acc[MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const __m256i xv = _mm256_load_si256((const __m256i *)(xq + b * QB));
-        float sd[NR];
-        _mm_storeu_ps(sd, _mm_mul_ps(ld4(scale, b * NR, half), _mm_set1_ps(xd[b])));
+        const __m128 s4 = ld4(scale, b * NR, half);
+        const __m256 s8 = _mm256_set_m128(s4, s4); /* q8_dot's lanes: rows 0 1 2 3 | 0 1 2 3 */
         _mm_prefetch((const char *)(codes + NR * k + b * NR * QB), _MM_HINT_T0); /* the next tile's block */
         _mm_prefetch((const char *)(codes + NR * k + b * NR * QB + 64), _MM_HINT_T0);
+        __m256i w[NR], aw[NR];
         for (int r = 0; r < NR; r++) {
-            __m256i w = _mm256_loadu_si256((const __m256i *)(codes + (b * NR + r) * QB));
-            /* |w| as unsigned and the sign moved onto x: u8 x s8 is the only byte product AVX2 has */
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w)), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(sd[r]), acc[r]);
+            w[r] = _mm256_loadu_si256((const __m256i *)(codes + (b * NR + r) * QB));
+            aw[r] = _mm256_sign_epi8(w[r], w[r]); /* |w| as unsigned, its sign moved onto x: u8 x s8 products */
+        }
+        for (int i = 0; i < mr; i++) {
+            const __m256i xv = _mm256_load_si256((const __m256i *)(a->q + (m0 + i) * k + b * QB));
+            const __m256i p = q8_dot(aw, w, xv);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s8, _mm256_broadcast_ss(a->d + (m0 + i) * nb + b)), acc[i]);
         }
     }
-    for (int r = 0; r < nr; r++) out[r] = hsum(acc[r]);
+    for (int i = 0; i < mr; i++) {
+        float o[NR];
+        _mm_storeu_ps(o, _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)));
+        for (int j = 0; j < nr; j++) out[(m0 + i) * n + j] = o[j];
+    }
 }
 
-/* One tile of the output (columns j .. j + 4 of every row of x). */
+/* One tile of the output (columns j .. j + 4 of every row of x), the rows in chunks of MR: a literal per
+ * chunk size, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void q4_tile_rows(const act_t *a, int64_t m, int64_t k, const uint8_t *codes,
                                                                const char *so, int64_t n, int64_t group, float *out,
                                                                int64_t t, const int half) {
     const int64_t j = t * NR, tile_codes = NR * k / 2, tile_so = k / group * 2 * NR * (half ? 2 : 4);
     const int nr = n - j < NR ? (int)(n - j) : NR;
-    for (int64_t i = 0; i < m; i++)
-        q4_tile(a, i, k, codes + t * tile_codes, so + t * tile_so, group, out + i * n + j, nr, half);
+    const uint8_t *c = codes + t * tile_codes;
+    const char *s = so + t * tile_so;
+    for (int64_t i = 0; i < m; i += MR) {
+        switch (m - i < MR ? m - i : MR) {
+            case 1: q4_tile(a, i, 1, k, c, s, group, out + j, n, nr, half); break;
+            case 2: q4_tile(a, i, 2, k, c, s, group, out + j, n, nr, half); break;
+            case 3: q4_tile(a, i, 3, k, c, s, group, out + j, n, nr, half); break;
+            default: q4_tile(a, i, MR, k, c, s, group, out + j, n, nr, half);
+        }
+    }
 }
 
 static inline __attribute__((always_inline)) void q8_tile_rows(const act_t *a, int64_t m, int64_t k, const int8_t *codes,
@@ -157,8 +171,19 @@ static inline __attribute__((always_inline)) void q8_tile_rows(const act_t *a, i
                                                                const int half) {
     const int64_t j = t * NR, tile_scale = k / QB * NR * (half ? 2 : 4);
     const int nr = n - j < NR ? (int)(n - j) : NR;
-    for (int64_t i = 0; i < m; i++) q8_tile(a, i, k, codes + t * NR * k, scale + t * tile_scale, out + i * n + j, nr, half);
+    const int8_t *c = codes + t * NR * k;
+    const char *s = scale + t * tile_scale;
+    for (int64_t i = 0; i < m; i += MR) {
+        switch (m - i < MR ? m - i : MR) {
+            case 1: q8_tile(a, i, 1, k, c, s, out + j, n, nr, half); break;
+            case 2: q8_tile(a, i, 2, k, c, s, out + j, n, nr, half); break;
+            case 3: q8_tile(a, i, 3, k, c, s, out + j, n, nr, half); break;
+            default: q8_tile(a, i, MR, k, c, s, out + j, n, nr, half);
+        }
+    }
 }
+
+const char *ab_isa(void) { return AB_ISA; }
 
 /* Tiles are split over threads. Each `half` has its own parallel loop: GCC outlines an OpenMP region before
  * inlining, so one region shared by both would take `half` as a run-time value (measured 2x slower in

@@ -1,8 +1,64 @@
 /* Shared between cpu_gemv.c (the 4-bit and Q8 matmuls), cpu_bits.c (the 5-, 6- and 8-bit ones) and
  * cpu_decode.c (a whole decoder layer in one call). */
 #pragma once
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+
+/* The build's instruction set (cpu_gemv.py compiles one library per variant and loads the one this CPU runs).
+ * The variants differ only in how a block's int8 dot product is summed to int32: vpdpbusd (VNNI: u8 x s8
+ * products, four to an int32 lane, accumulated) or AVX2's vpmaddubsw + vpmaddwd (pairs to int16, then to
+ * int32). Both sum the same elements into the same lanes, and integer sums are exact, so every variant
+ * gives the same bits; the fp32 work around them is the same instructions in the same order. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define AB_ISA "avx512-vnni"
+#define AB_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define AB_ISA "avx-vnni"
+#define AB_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+#define AB_ISA "avx2"
+#endif
+
+/* A tile's four rows r of one block against one activation block, 4-bit codes: l01 / h01 hold rows 0 | 1
+ * (128-bit halves) elements 0..15 / 16..31, l23 / h23 rows 2 | 3; xlo / xhi the activations' elements 0..15
+ * / 16..31 in both halves. Lanes: rows 0 0 2 2 | 1 1 3 3, the first of each pair summing elements 0..7 and
+ * 16..23, the second 8..15 and 24..31. (AVX2: int16 sums of at most 8 products of 15 x 127, no overflow.) */
+static inline __attribute__((always_inline)) __m256i q4_dot(__m256i l01, __m256i h01, __m256i l23, __m256i h23,
+                                                            __m256i xlo, __m256i xhi) {
+#ifdef AB_DPBUSD
+    const __m256i z = _mm256_setzero_si256();
+    return _mm256_hadd_epi32(AB_DPBUSD(AB_DPBUSD(z, l01, xlo), h01, xhi), AB_DPBUSD(AB_DPBUSD(z, l23, xlo), h23, xhi));
+#else
+    const __m256i ab = _mm256_add_epi16(_mm256_maddubs_epi16(l01, xlo), _mm256_maddubs_epi16(h01, xhi));
+    const __m256i cd = _mm256_add_epi16(_mm256_maddubs_epi16(l23, xlo), _mm256_maddubs_epi16(h23, xhi));
+    return _mm256_madd_epi16(_mm256_hadd_epi16(ab, cd), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Four rows of unsigned codes u[r] (32 each, u8 lanes) against one activation block x: int32 lanes u of each
+ * row sum elements 4u..4u+3 (the same lanes for VNNI and AVX2's pairs of pairs; AVX2 needs u <= 128). */
+static inline __attribute__((always_inline)) __m256i u8_dot(__m256i u, __m256i x) {
+#ifdef AB_DPBUSD
+    return AB_DPBUSD(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+/* Four rows of unsigned codes u[r] against x, as rows 0 1 2 3 | 0 1 2 3 (elements 0..15 | 16..31). */
+static inline __attribute__((always_inline)) __m256i u8_rows_dot(const __m256i *u, __m256i x) {
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(u8_dot(u[0], x), u8_dot(u[1], x)),
+                             _mm256_hadd_epi32(u8_dot(u[2], x), u8_dot(u[3], x)));
+}
+
+/* Four rows of 32 int8 codes w[r] (aw[r] = |w[r]|) against x, as rows 0 1 2 3 | 0 1 2 3 (elements 0..15 |
+ * 16..31): |w| unsigned and w's sign moved onto x, since u8 x s8 is the only byte product. */
+static inline __attribute__((always_inline)) __m256i q8_dot(const __m256i *aw, const __m256i *w, __m256i x) {
+    const __m256i p01 = _mm256_hadd_epi32(u8_dot(aw[0], _mm256_sign_epi8(x, w[0])), u8_dot(aw[1], _mm256_sign_epi8(x, w[1])));
+    const __m256i p23 = _mm256_hadd_epi32(u8_dot(aw[2], _mm256_sign_epi8(x, w[2])), u8_dot(aw[3], _mm256_sign_epi8(x, w[3])));
+    return _mm256_hadd_epi32(p01, p23);
+}
 
 /* One block of 32 activations rounded to int8 with d = max|x| / 127 (llama.cpp's q8 blocks; ties to even):
  * the codes into q, the sums of each half's codes (16 each) into sums. Every kernel rounds through this, so
@@ -24,3 +80,6 @@ static inline float ab_round_block(const float *v, int8_t *q, int sums[2]) {
 
 int ab_q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *so, int64_t n,
                  int64_t group, float *out, int threads, int half);
+
+/* The variant this library was built as (AB_ISA). */
+const char *ab_isa(void);

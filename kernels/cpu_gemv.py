@@ -1,9 +1,11 @@
-"""Weight-only 4- and 8-bit matmuls for AVX2 CPUs (cpu_gemv.c), and their torch twins.
+"""Weight-only 4- and 8-bit matmuls for x86-64 CPUs (cpu_gemv.c), and their torch twins.
 
-The C file is compiled on first use with the system C compiler (as Triton compiles its launchers), cached
-under ~/.cache/agentbox/kernels by the source's hash, and loaded with ctypes: no torch headers, so a build
-takes about a second. Where there is no compiler, no AVX2/FMA or the build fails, `available()` is False
-with the reason in `unavailable_reason()`, and callers keep the dense path.
+The C files are compiled on first use with the system C compiler (as Triton compiles its launchers), one
+library per instruction-set variant (`Isa`: AVX-512 + VNNI, AVX-VNNI, AVX2), cached under
+~/.cache/agentbox/kernels by variant and the sources' hash, and loaded with ctypes: no torch headers, so a
+build takes a few seconds. The variant is picked from /proc/cpuinfo's flags (`pick_isa`); all of them give
+the same bits (see cpu_gemv.h). Where there is no compiler, no AVX2/FMA or the build fails, `available()` is
+False with the reason in `unavailable_reason()`, and callers keep the dense path.
 
 Layouts (see the C file): rows in tiles of four, block by block. Q4 codes [N/4, K/32, 4, 16] uint8 (byte j:
 element j low nibble, j + 16 high) and `so` [N/4, K/group, 2, 4] (a tile's scales, then its offsets), fp32,
@@ -16,7 +18,9 @@ callers with many rows (prefill), where one sgemm beats the kernel.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import enum
 import functools
 import hashlib
 import logging
@@ -24,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -32,8 +37,36 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_decode.c"), SOURCE.with_name("cpu_bits.c"))  # one library; cpu_gemv.h: shared
 BLOCK = 32
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+# fp-contract off: every variant must round the same products the same way (a fused a * b + c is one rounding)
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _c_i64, _c_ptr, _c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+class Isa(enum.Enum):
+    """The library's variants, best first; the value is the name the built library reports (AB_ISA)."""
+
+    AVX512_VNNI = "avx512-vnni"  # vpdpbusd on 256-bit vectors (EVEX), 32 vector registers
+    AVX_VNNI = "avx-vnni"  # vpdpbusd (VEX): AVX2 laptops and desktops since Alder Lake, Zen 5
+    AVX2 = "avx2"  # vpmaddubsw + vpmaddwd, as llama.cpp's AVX2 dot products
+
+    @property
+    def cc_flags(self) -> tuple[str, ...]:
+        base = ("-mavx2", "-mfma", "-mf16c")
+        return base + {Isa.AVX2: (), Isa.AVX_VNNI: ("-mavxvnni",),
+                       Isa.AVX512_VNNI: ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")}[self]
+
+    @property
+    def cpu_flags(self) -> frozenset[str]:
+        """/proc/cpuinfo flags the variant needs."""
+        base = {"avx2", "fma", "f16c"}
+        return frozenset(base | {Isa.AVX2: set(), Isa.AVX_VNNI: {"avx_vnni"},
+                                 Isa.AVX512_VNNI: {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}[self])
+
+
+def pick_isa(flags: set[str] | frozenset[str]) -> Isa | None:
+    """The best variant a CPU with these /proc/cpuinfo flags runs, or None (no AVX2 + FMA + F16C). AMX is left
+    out: llama.cpp's AMX build needs the OS's tile permission, and it was never measured faster here."""
+    return next((isa for isa in Isa if isa.cpu_flags <= flags), None)
 
 
 def _cache_dir() -> Path:
@@ -41,38 +74,59 @@ def _cache_dir() -> Path:
     return Path(root) / "agentbox" / "kernels"
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
 @functools.cache
-def _library() -> tuple[ctypes.CDLL | None, str]:
-    missing = {"avx2", "fma", "f16c"} - _cpu_flags()
-    if missing:
-        return None, f"this CPU lacks {', '.join(sorted(missing))}"
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def build(isa: Isa) -> tuple[Path | None, str]:
+    """(the variant's shared library, "") or (None, why): compiled once per variant and source digest."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None, "no C compiler (cc / gcc) on PATH"
     source = b"".join(p.read_bytes() for p in (*SOURCES, SOURCE.with_name("cpu_gemv.h")))
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_gemv-{digest}.so"
+    flags = (*FLAGS, *isa.cc_flags)
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_gemv-{isa.value}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: tensor-parallel workers may build at the same moment.
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
-        result = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"], capture_output=True, text=True)
+        result = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(partial), "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
-            return None, f"building {SOURCE.name} failed: {result.stderr.strip()[:300]}"
+            return None, f"building {SOURCE.name} ({isa.value}) failed: {result.stderr.strip()[:300]}"
         partial.replace(target)
+    return target, ""
+
+
+@functools.cache
+def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
+    """The variant's library with its signatures declared, or (None, why). Loading a variant the CPU lacks
+    is allowed (a test may compile one), calling into it is not: `_library` only loads `pick_isa`'s."""
+    target, why = build(isa)
+    if target is None:
+        return None, why
     lib = ctypes.CDLL(str(target))
+    lib.ab_isa.restype = ctypes.c_char_p
     lib.ab_q4_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
     lib.ab_q8_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_int, _c_int]
     lib.ab_q4_dequant.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
@@ -90,6 +144,46 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
     return lib, ""
 
 
+_override: Isa | None = None
+
+
+@contextlib.contextmanager
+def use_isa(isa: Isa) -> Iterator[None]:
+    """Kernels called inside run `isa`'s build (tests compare the variants this CPU runs)."""
+    if not isa.cpu_flags <= cpu_flags():
+        raise ValueError(f"this CPU lacks {', '.join(sorted(isa.cpu_flags - cpu_flags()))} for the {isa.value} kernels")
+    global _override
+    previous, _override = _override, isa
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    isa = pick_isa(cpu_flags())
+    if isa is None:
+        return None, f"this CPU lacks {', '.join(sorted(Isa.AVX2.cpu_flags - cpu_flags()))}"
+    return load(isa)
+
+
+def isa() -> Isa | None:
+    """The variant the kernels run on this CPU (None where they are unavailable)."""
+    if _override is not None:
+        return _override
+    lib = _library()[0]
+    return None if lib is None else Isa(lib.ab_isa().decode())
+
+
+def describe() -> str:
+    """One line for `agentbox doctor` and the serve log."""
+    picked = isa()
+    if picked is None:
+        return f"unavailable ({unavailable_reason()}): quantised layers are dequantised"
+    return f"{picked.value} (picked from this CPU's flags: {cpu_model()})"
+
+
 def available() -> bool:
     return _library()[0] is not None
 
@@ -99,7 +193,7 @@ def unavailable_reason() -> str:
 
 
 def _lib() -> ctypes.CDLL:
-    lib, why = _library()
+    lib, why = load(_override) if _override is not None else _library()
     if lib is None:
         raise RuntimeError(f"the CPU weight-only kernels are unavailable: {why}")
     return lib

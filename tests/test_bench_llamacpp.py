@@ -23,7 +23,16 @@ def test_llamacpp_report_shape(smollm2_path: Path) -> None:
         assert packed["decode_tok_s"] > 0
         # SmolLM2's 4-bit layers stay packed: well under the fp32 model's bytes
         assert packed["resident_weight_bytes"] < 0.5 * dense["resident_weight_bytes"]
+    # both sides' CPU and instruction sets are named: ours the kernel variant this CPU's flags picked
+    ours = report["cpu"]["ours"]
+    assert ours["cpu_model"] == cpu_gemv.cpu_model() and set(ours["isa_flags"]) <= cpu_gemv.cpu_flags()
+    assert ours["kernel_isa"] == (cpu_gemv.isa().value if cpu_gemv.available() else None)
     if importlib.util.find_spec("llama_cpp") is None:
         assert "not importable" in report["llama.cpp"]["skipped"] and "ratios" not in report
+        assert "skipped" in report["cpu"]["llama.cpp"]
     else:
         assert set(report["ratios"]) == {f"{p}_{k}" for p in ("prefill", "decode") for k in kernels}
+        theirs = report["cpu"]["llama.cpp"]  # llama.cpp's own build line, parsed
+        assert theirs["system_info"] and theirs["isa_flags"]
+        if "avx2" in cpu_gemv.cpu_flags():  # a native build on an AVX2 CPU uses it
+            assert "AVX2 = 1" in theirs["system_info"] and "AVX2" in theirs["isa_flags"]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from typing import Any
 import httpx
 import torch
 
+from agentbox.bench.cpu_rows import cpu_info
 from agentbox.bench.spawn import llamacpp_target, spawned
 from agentbox.bench.throughput import Rates, engine_rates, random_prompts
 from agentbox.config import EngineConfig
@@ -62,6 +65,21 @@ def _llamacpp_rates(url: str, text: str, prompt_len: int, new_tokens: int) -> Ra
     if len(times) < 2:
         raise RuntimeError(f"llama.cpp streamed {len(times)} tokens")
     return Rates(1, prompt_len, len(times), times[0] - start, times[-1] - times[0])
+
+
+def llamacpp_build() -> dict[str, Any]:
+    """The instruction sets llama.cpp's library was built with (its own system-info line), asked of the
+    Python the server runs under: which dot products its side of the comparison uses."""
+    code = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"skipped": f"{type(exc).__name__}: {exc}"}
+    if done.returncode != 0:
+        return {"skipped": (done.stderr.strip().splitlines() or ["llama_cpp is not importable"])[-1]}
+    line = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    fields = [f.strip().rsplit(" = ", 1) for f in line.replace("CPU :", "").split("|") if " = " in f]
+    return {"system_info": line, "isa_flags": [name.strip() for name, on in fields if on.strip() == "1"]}
 
 
 @contextlib.contextmanager
@@ -111,6 +129,7 @@ def compare_llamacpp(gguf: str, prompt_len: int = 128, new_tokens: int = 64, thr
         torch.set_num_threads(previous)
     report["ours"] = {k.value: {"resident_weight_bytes": resident[k], **_best(runs)} for k, runs in ours.items()}
     report["llama.cpp"] = _best(theirs) if theirs else server
+    report["cpu"] = {"ours": cpu_info(), "llama.cpp": {"cpu_model": cpu_info()["cpu_model"], **llamacpp_build()}}
     if theirs:
         report["ratios"] = {
             f"{phase}_{kernel}": side[f"{phase}_tok_s"] / report["llama.cpp"][f"{phase}_tok_s"]

@@ -104,6 +104,10 @@ class ModelRunner:
             "max_model_len %d", self.rank, self.tp, self.weight_bytes / 2**20, self.num_pages, self.page_size,
             self.num_pages * page_bytes / 2**20, backend_cls.name, self.max_model_len,
         )
+        if self.device.type == "cpu":
+            from agentbox.kernels import cpu_gemv
+
+            log.info("CPU kernels: %s", cpu_gemv.describe())
 
     def _auto_num_pages(self, page_bytes: int) -> int:
         if self.config.kv_cache_gb is not None:

@@ -142,6 +142,9 @@ def software_problems(probe: Probe) -> list[Problem]:
                 "on a GPU machine: install the NVIDIA driver (nvidia-smi must work)",
             )
         )
+        if sw.cpu_kernels_isa:
+            out.append(Problem("info", f"CPU kernels: the {sw.cpu_kernels_isa} build (picked from this CPU's flags)",
+                               "nothing to do"))
         if sw.cpu_kernels_ok is False:
             out.append(
                 Problem(
