@@ -132,8 +132,9 @@ def bench_cpu_rows(
     threads: int = typer.Option(1, "--threads", min=1, help="CPU threads"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """Per-row cost of the CPU kernels at 1, 2, 4, 8, 16 rows per GGUF type (weights cold), with the CPU and
-    the kernel variant named."""
+    """Per-row cost of the CPU kernels at 1 to 16 rows.
+
+    Per GGUF type, weights cold, at 1, 2, 4, 8 and 16 rows, with the CPU and the kernel variant named."""
     from agentbox.bench.cpu_rows import report
 
     _print_json(report(threads=threads), json_out)
