@@ -116,3 +116,12 @@ def live_server(smollm2_path: Path, agentbox_home: Path):  # noqa: ANN201 - yiel
         subprocess.run(
             [sys.executable, "-m", "agentbox.cli", "stop"], env=env, capture_output=True, timeout=60
         )
+
+
+@pytest.fixture
+def fake_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fake HOME (what client setup writes into) and agentbox state dir, both under tmp_path."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path / "state"))
+    (tmp_path / "home").mkdir()
+    return tmp_path / "home"

@@ -18,11 +18,8 @@ EP = Endpoint(url="http://127.0.0.1:8123", model="qwen3-8b", context=65536)
 
 
 @pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path / "state"))
-    (tmp_path / "home").mkdir()
-    return tmp_path / "home"
+def home(fake_home: Path) -> Path:
+    return fake_home
 
 
 def test_claude_code_merge_backup_undo(home: Path) -> None:

@@ -32,6 +32,7 @@ from agentbox import fleet as fleet_mod
 from agentbox.clients.routing import routing_headers
 from agentbox.server.backend_header import HEADER
 from agentbox.tui.fleet_view import fleet_once
+from tests.turn_ending_model import save_turn_ending_qwen3
 
 pytestmark = pytest.mark.slow
 if fleet_mod.shutil.which(fleet_mod.ROUTER_EXE) is None and not (Path(sys.executable).parent / fleet_mod.ROUTER_EXE).exists():
@@ -43,26 +44,7 @@ WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lim
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:  # noqa: ANN001
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-qwen3-fleet")
-    eot = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    cfg = Qwen3Config(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
-                      eos_token_id=eot, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():  # every turn ends at once: a constant dimension only the end-of-turn row reads
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight[:, 0] = 4.0
-        model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[eot, 0] = 30.0
-    model.save_pretrained(d, safe_serialization=True)
-    smollm2_tokenizer.save_pretrained(d)
-    return d
+    return save_turn_ending_qwen3(tmp_path_factory.mktemp("tiny-qwen3-fleet"), smollm2_tokenizer, 8192)
 
 
 @dataclass

@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.turn_ending_model import save_turn_ending_qwen3
+
 pytestmark = pytest.mark.slow
 CACHE = Path(os.environ.get("AGENTBOX_TEST_CLIENTS", Path.home() / ".cache" / "agentbox-test-clients"))
 NPM_PINS = {"claude": "@anthropic-ai/claude-code@2.1.332", "codex": "@openai/codex@0.171.0",
@@ -57,28 +59,7 @@ def aider_bin() -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:  # noqa: ANN001
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    d = tmp_path_factory.mktemp("tiny-qwen3-64k")
-    eot = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    cfg = Qwen3Config(vocab_size=len(smollm2_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=65536,
-                      eos_token_id=eot, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        # The stream stays the embedding (attention and MLP write nothing); dimension 0 is a constant that
-        # only the end-of-turn row reads: every turn ends at once, so a real client finishes its turns.
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight[:, 0] = 4.0
-        model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[eot, 0] = 30.0
-    model.save_pretrained(d, safe_serialization=True)
-    smollm2_tokenizer.save_pretrained(d)
-    return d
+    return save_turn_ending_qwen3(tmp_path_factory.mktemp("tiny-qwen3-64k"), smollm2_tokenizer, 65536)
 
 
 @contextmanager
