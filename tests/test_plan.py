@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from agentbox.hub.plan import Candidate, Plan, PlanConfig, engine_runs, plan, tp_sizes
-from agentbox.hub.plan import resident_weight_bytes as plan_resident_bytes
 from agentbox.hub.profiles import find_profile
+from agentbox.hub.weight_bytes import resident_weight_bytes as plan_resident_bytes
 from agentbox.hw.probe import Probe
 from agentbox.layers.quant.formats import (
     GGUF_MIXES,

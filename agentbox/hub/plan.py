@@ -12,8 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentbox.config import PLAN_CONTEXT, PLAN_SESSIONS
-from agentbox.hub.gguf_moe import ExpertBytes, expert_bytes
-from agentbox.hub.profiles import QUANTISED_FORMATS, KnownBad, Profile, Variant
+from agentbox.hub.profiles import KnownBad, Profile, Variant
+from agentbox.hub.weight_bytes import (
+    active_weight_bytes,
+    cpu_quantised_experts,
+    gguf_experts,
+    gguf_gpu_mix,
+    resident_weight_bytes,
+)
 from agentbox.hw.probe import GIB, Probe
 from agentbox.layers.quant.formats import (
     GGUF_MIXES,
@@ -22,8 +28,6 @@ from agentbox.layers.quant.formats import (
     QuantMethod,
     QuantScheme,
     engine_formats,
-    gguf_mix,
-    gguf_resident_ratio,
     method_of_format,
     moe_expert_formats,
 )
@@ -291,75 +295,12 @@ def fitting_context(cand: Candidate, profile: Profile, probe: Probe, sessions: i
     return max(0, room // per_token // 1024 * 1024)
 
 
-def active_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> int:
-    """Weight bytes one decoded token reads: the active parameters at the variant's resident width."""
-    return resident_weight_bytes(profile, variant, device, cpu_kernels) * profile.active_params // profile.params
-
-
-def resident_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> int:
-    """Bytes the weights occupy once loaded. A method that keeps its weights quantised holds the file's
-    bytes plus what its resident form adds per weight (int4: a bf16 scale and offset per group where the
-    file has an fp16 scale and a 4-bit zero; MoE experts included, layers/moe_quant.py), counted over every
-    parameter (an upper bound: embeddings and norms stay as stored). A dense GGUF file is its size times its
-    mix's resident / file bytes (formats.GGUF_MIXES, the types its name tells) on GPU, and on a CPU whose
-    kernels build (kernels/cpu_gemv, cpu_bits; `cpu_kernels`, from the probe). The rest become the compute
-    dtype (bf16 on GPU, fp32 on CPU; EngineConfig.resolved_dtype): on CPU that is the bound for a CPU where
-    the kernels cannot build and for --exact-cpu; where they build, AWQ / GPTQ / W4A16 linears stay 4-bit
-    (fp32 scale and offset). MoE experts stay quantised on CPU either way."""
-    method = method_of_format(variant.format)
-    if method is None and variant.format in QUANTISED_FORMATS:
-        return variant.size  # not runnable here anyway: planned as an engine that keeps it quantised
-    if (experts := gguf_experts(profile, variant, device)) is not None:
-        if device != "cuda":
-            return experts.resident + (profile.params - profile.expert_params) * 4
-        mix = gguf_mix(variant.name, *variant.files)
-        rest = variant.size - experts.file  # attention, router, norms, tables: the file's mix (experts' aside)
-        return experts.resident + int(rest * (gguf_resident_ratio(mix) if mix is not None else 1.0))
-    if (mix := gguf_gpu_mix(profile, variant, device, cpu_kernels)) is not None:
-        return int(variant.size * gguf_resident_ratio(mix, device))
-    # Other GGUF files (types the name does not tell or the linears do not keep, Q2_K / Q3_K / IQ*) are
-    # planned dequantised, below.
-    if method is not None and METHODS[method].stays_quantised and device == "cuda" and not variant.is_gguf:
-        info = METHODS[method]
-        extra = max(0.0, info.resident_bytes_per_weight - info.file_bytes_per_weight)
-        return variant.size + int(profile.params * extra)
-    if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
-        return int(experts * METHODS[method].moe_cpu_bytes_per_weight) + (profile.params - experts) * 4  # type: ignore[index]
-    if device == "cpu" and cpu_kernels and method is not None and (cpu := METHODS[method].cpu_bytes_per_weight):
-        return variant.size + int(profile.params * max(0.0, cpu - METHODS[method].file_bytes_per_weight))
-    return profile.params * (2 if device == "cuda" else 4)
-
-
-def gguf_experts(profile: Profile, variant: Variant, device: str) -> ExpertBytes | None:
-    """A GGUF MoE variant's experts, kept quantised (layers/gguf_experts.py), by the file type its name tells."""
-    if not variant.is_gguf or not profile.moe:
-        return None
-    return expert_bytes(variant.name, profile.expert_params, device)
-
-
-def gguf_gpu_mix(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> str | None:
-    """The GGUF_MIXES key of a dense GGUF variant planned at its types' resident bytes (on GPU, or on a CPU
-    whose kernels build), or None. The type comes from the variant's name or file name (e.g. "q8_0",
-    "Qwen3-8B-Q4_K_M.gguf")."""
-    if not variant.is_gguf or profile.moe or (device == "cpu" and not cpu_kernels):
-        return None
-    return gguf_mix(variant.name, *variant.files)
-
-
 def gguf_note(variant: Variant, mix: str, weights: int, device: str = "cuda") -> str:
     types = " + ".join(f"{int(share * 100)} % {t.upper()}" for t, share in GGUF_MIXES[mix])
     return (
         f"{variant.format} {mix.upper()} on {'GPU' if device == 'cuda' else 'CPU'}: stays quantised ({types}, by the name): "
         f"{_gb(variant.size)} on disk, {_gb(weights)} resident"
     )
-
-
-def cpu_quantised_experts(profile: Profile, variant: Variant) -> int | None:
-    """The expert parameters that stay quantised on CPU (layers/moe_quant.py keeps them so), or None."""
-    method = method_of_format(variant.format)
-    if not profile.moe or not profile.expert_params or method is None or not METHODS[method].moe_cpu_bytes_per_weight:
-        return None
-    return profile.expert_params
 
 
 def _other_scheme(bad: KnownBad, variant: Variant) -> str | None:
