@@ -47,12 +47,12 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     page_size: int = 16
     num_pages: int | None = None  # None: sized from kv_cache_gb
-    kv_cache_gb: float | None = None  # None: a share of free memory (see engine/runner.py)
+    kv_cache_gb: float | None = None  # None: a share of free memory (see engine/exec/runner.py)
     max_num_seqs: int = 32  # cap on running requests
     max_num_batched_tokens: int = 1024  # per-step token budget (chunked prefill falls out of it)
     max_model_len: int | None = None  # None: the model's own context length
     attention: str = "auto"  # auto | a name in layers/backends' registry (auto: flashinfer, triton, torch)
-    enforce_eager: bool = False  # True: no CUDA graphs for decode (engine/graph_runner.py)
+    enforce_eager: bool = False  # True: no CUDA graphs for decode (engine/exec/graph_runner.py)
     # True: quantised layers dequantised on CPU (exact fp32 numbers; no int8-rounded activations, no fused
     # decode layers: kernels/cpu_gemv.c, cpu_decode.c), at 2-3x the decode time and the fp32 weight bytes.
     exact_cpu: bool = False

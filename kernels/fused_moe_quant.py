@@ -13,7 +13,7 @@ activations stay in x's dtype, the products accumulate in fp32). Layouts (kernel
   bits 4 is the int4 form (no qhigh; offset always), so a Q4_K gate/up layer may run with a Q6_K down.
 - FP8 block, contract 2: `w13_weight` e4m3 [E, 2I, H], `w13_weight_scale_inv` float32 [E, 2I/bo, H/bi];
   `w2_weight` [E, H, I], `w2_weight_scale_inv` [E, H/bo, I/bi]; gate and up each start on a block row.
-- MXFP4, as layers/mxfp4.py stores gpt-oss's experts: `w13_blocks` uint8 [E, 2I, H/32, 16],
+- MXFP4, as layers/experts/mxfp4.py stores gpt-oss's experts: `w13_blocks` uint8 [E, 2I, H/32, 16],
   `w13_scales` uint8 [E, 2I, H/32]; `w2_blocks` [E, H, I/32, 16], `w2_scales` [E, H, I/32].
 Every twin (`*_ref`) dequantises only the experts the batch routes to and runs fused_moe_ref on them.
 """

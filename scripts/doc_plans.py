@@ -27,7 +27,7 @@ def plan_output(command: str) -> str:
 
     from typer.testing import CliRunner
 
-    from agentbox.cli import app
+    from agentbox.cli.main import app
 
     args = shlex.split(command[len("$ agentbox "):])
     cwd = os.getcwd()

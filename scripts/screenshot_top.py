@@ -15,9 +15,9 @@ import threading
 import time
 from pathlib import Path
 
-from agentbox import daemon
 from agentbox.bench import synth
 from agentbox.bench.replay import ReplayOptions, replay_sync
+from agentbox.cli import daemon
 from agentbox.tui.app import TopApp
 
 

@@ -87,7 +87,7 @@ def live_server(smollm2_path: Path, agentbox_home: Path):  # noqa: ANN201 - yiel
     cmd = [
         sys.executable,
         "-m",
-        "agentbox.cli",
+        "agentbox.cli.main",
         "serve",
         "--model",
         str(smollm2_path),
@@ -114,7 +114,7 @@ def live_server(smollm2_path: Path, agentbox_home: Path):  # noqa: ANN201 - yiel
         yield f"http://127.0.0.1:{port}"
     finally:
         subprocess.run(
-            [sys.executable, "-m", "agentbox.cli", "stop"], env=env, capture_output=True, timeout=60
+            [sys.executable, "-m", "agentbox.cli.main", "stop"], env=env, capture_output=True, timeout=60
         )
 
 

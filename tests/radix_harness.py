@@ -13,12 +13,12 @@ from typing import Any
 import torch
 
 from agentbox.config import CachePolicy
-from agentbox.engine.host_tier import HostTier
-from agentbox.engine.kv_pool import PagePool
-from agentbox.engine.kv_pool import PagePool as _Pool
-from agentbox.engine.radix_cache import RadixCache
-from agentbox.engine.radix_node import Lock, Node
-from agentbox.engine.sessions import SessionTable
+from agentbox.engine.cache.host_tier import HostTier
+from agentbox.engine.cache.kv_pool import PagePool
+from agentbox.engine.cache.kv_pool import PagePool as _Pool
+from agentbox.engine.cache.radix_cache import RadixCache
+from agentbox.engine.cache.radix_node import Lock, Node
+from agentbox.engine.cache.sessions import SessionTable
 from agentbox.layers.backends.base import KVCache
 
 LAYERS = 2

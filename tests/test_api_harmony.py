@@ -48,7 +48,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     home = tmp_path_factory.mktemp("home")
     env = {**os.environ, "AGENTBOX_HOME": str(home)}
     port = _free_port()
-    cmd = [sys.executable, "-m", "agentbox.cli", "serve", "--model", str(model), "--port", str(port),
+    cmd = [sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(port),
            "--num-pages", "128", "--max-model-len", "2048"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
@@ -57,7 +57,7 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     try:
         yield request.param, f"http://127.0.0.1:{port}"
     finally:
-        subprocess.run([sys.executable, "-m", "agentbox.cli", "stop"], env=env, capture_output=True, timeout=60)
+        subprocess.run([sys.executable, "-m", "agentbox.cli.main", "stop"], env=env, capture_output=True, timeout=60)
 
 
 def _model(base: str) -> str:

@@ -122,7 +122,7 @@ def test_tool_choice_naming_an_unknown_tool_is_400(live_server: str) -> None:
 
 @pytest.mark.slow
 def test_check_tools_command_passes(live_server: str, agentbox_home: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "check", "tools", "--url", live_server],
+    r = subprocess.run([sys.executable, "-m", "agentbox.cli.main", "check", "tools", "--url", live_server],
                        env={**os.environ, "AGENTBOX_HOME": str(agentbox_home), "COLUMNS": "200"},
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -131,7 +131,7 @@ def test_check_tools_command_passes(live_server: str, agentbox_home: Path) -> No
 
 @pytest.mark.slow
 def test_check_tools_fails_against_no_server(agentbox_home: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "check", "tools", "--url", "http://127.0.0.1:9"],
+    r = subprocess.run([sys.executable, "-m", "agentbox.cli.main", "check", "tools", "--url", "http://127.0.0.1:9"],
                        env={**os.environ, "AGENTBOX_HOME": str(agentbox_home), "COLUMNS": "200"},
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "FAIL" in r.stdout

@@ -24,7 +24,7 @@ from agentbox.bench import synth, trace
 from agentbox.bench.replay import ReplayOptions, replay_sync
 from agentbox.bench.spawn import Target, free_port, run_targets
 from agentbox.bench.stats import summarize
-from agentbox.cli import app as cli_app
+from agentbox.cli.main import app as cli_app
 
 
 def _words(messages: list[dict[str, Any]]) -> int:

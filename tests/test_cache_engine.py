@@ -83,7 +83,7 @@ def test_session_counters_and_recompute_under_pressure(smollm2_loaded, smollm2_p
 
 
 def test_admission_returning_sessions_first_and_timeout(smollm2_loaded, smollm2_path, smollm2_tokenizer) -> None:  # noqa: ANN001
-    from agentbox.engine.messages import AddRequest
+    from agentbox.engine.ipc.messages import AddRequest
 
     tok = smollm2_tokenizer
     llm = make(smollm2_loaded, smollm2_path, num_pages=24, host_cache_gb=0, admission_timeout_s=0.5,
@@ -116,7 +116,7 @@ def test_cached_tokens_count_the_admission_that_ran(smollm2_loaded, smollm2_path
     # B's history sits on the host tier; B comes back while A holds most of the pool, so B's first admission
     # attempt cannot promote it and is put back. When A is done, B starts with its whole history copied in:
     # its counters must say so (they once kept the first attempt's empty match and reported a recompute).
-    from agentbox.engine.messages import AddRequest
+    from agentbox.engine.ipc.messages import AddRequest
 
     tok = smollm2_tokenizer
     llm = make(smollm2_loaded, smollm2_path, num_pages=24, host_cache_gb=0.05)

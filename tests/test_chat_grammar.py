@@ -195,7 +195,7 @@ def test_cache_and_choices(setup) -> None:
 
 
 def test_bench_grammar_reports(setup) -> None:
-    from agentbox.chat.bench_grammar import bench_grammar
+    from agentbox.bench.grammar import bench_grammar
 
     tok, _, _ = setup
     report = bench_grammar(tok, tokens=32, num_tools=4)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agentbox.cli import app
+from agentbox.cli.main import app
 from agentbox.hw.hardware import bundled_names
 
 BUNDLED = ", ".join(bundled_names())
@@ -22,7 +22,7 @@ BUNDLED = ", ".join(bundled_names())
 
 def agentbox(*args: str, home: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "agentbox.cli", *args], capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "agentbox.cli.main", *args], capture_output=True, text=True, timeout=timeout,
         env={**os.environ, "AGENTBOX_HOME": str(home), "AGENTBOX_DEBUG": "", **env},
     )
 

@@ -16,7 +16,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from agentbox.cli import app
+from agentbox.cli.main import app
 from agentbox.hub.embedded import embedded_model_path
 
 HW = Path(__file__).resolve().parents[1] / "profiles" / "hardware"
@@ -86,7 +86,7 @@ def test_plan_in_a_real_80_column_terminal() -> None:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    proc = subprocess.Popen([sys.executable, "-m", "agentbox.cli", *MOE], stdin=slave, stdout=slave,
+    proc = subprocess.Popen([sys.executable, "-m", "agentbox.cli.main", *MOE], stdin=slave, stdout=slave,
                             stderr=slave, env=env, close_fds=True)
     os.close(slave)
     chunks = []

@@ -128,7 +128,7 @@ def test_launch_sets_env_and_touches_no_file(home: Path, tmp_path: Path) -> None
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     out = subprocess.run(
-        [sys.executable, "-m", "agentbox.cli", "launch", "claude", "--model", "m1", "--url", "http://x:1", "-p", "hi"],
+        [sys.executable, "-m", "agentbox.cli.main", "launch", "claude", "--model", "m1", "--url", "http://x:1", "-p", "hi"],
         env=env, capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 0, out.stderr

@@ -33,7 +33,7 @@ def home(fake_home: Path) -> Path:
 
 def run(*args: str) -> Result:
     """The CLI in this process (the setup paths write files only; launch replaces its process, see `cli`)."""
-    from agentbox.cli import app
+    from agentbox.cli.main import app
 
     return CliRunner().invoke(app, list(args))
 
@@ -42,7 +42,7 @@ def cli(*args: str, path_dir: Path | None = None) -> subprocess.CompletedProcess
     env = dict(os.environ)
     if path_dir is not None:
         env["PATH"] = f"{path_dir}{os.pathsep}{env['PATH']}"
-    return subprocess.run([sys.executable, "-m", "agentbox.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "agentbox.cli.main", *args], env=env, capture_output=True, text=True,
                           timeout=120)
 
 

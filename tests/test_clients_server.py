@@ -56,7 +56,7 @@ def test_head_root_output_config_and_session_id_header(live_server: str) -> None
 
 def test_engine_lines_reach_agentbox_logs(live_server: str, agentbox_home: Path) -> None:
     env = {**os.environ, "AGENTBOX_HOME": str(agentbox_home)}
-    out = subprocess.run([sys.executable, "-m", "agentbox.cli", "logs", "-n", "400"], env=env, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "agentbox.cli.main", "logs", "-n", "400"], env=env, capture_output=True,
                          text=True, timeout=60).stdout
     assert "KV pool" in out and "max_model_len 2048" in out
 
@@ -82,14 +82,14 @@ def keyed_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory): 
         port = s.getsockname()[1]
     env = {**os.environ, "AGENTBOX_HOME": str(home / "state"), "HOME": str(home / "home")}
     (home / "home").mkdir()
-    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "serve", "--model", str(smollm2_path), "--port", str(port),
+    r = subprocess.run([sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(smollm2_path), "--port", str(port),
                         "--num-pages", "256", "--max-model-len", "2048", "--api-key", "sekrit"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     try:
         yield f"http://127.0.0.1:{port}", env
     finally:
-        subprocess.run([sys.executable, "-m", "agentbox.cli", "stop"], env=env, capture_output=True, timeout=60)
+        subprocess.run([sys.executable, "-m", "agentbox.cli.main", "stop"], env=env, capture_output=True, timeout=60)
 
 
 def test_api_key_flow_setup_launch_check(keyed_server: tuple[str, dict], tmp_path: Path) -> None:
@@ -100,7 +100,7 @@ def test_api_key_flow_setup_launch_check(keyed_server: tuple[str, dict], tmp_pat
     assert httpx.head(url + "/").status_code == 200  # Claude Code's probe needs no key
 
     def cli(*args: str, **kw: object) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "agentbox.cli", *args], env={**env, **kw.pop("extra", {})},  # type: ignore[dict-item]
+        return subprocess.run([sys.executable, "-m", "agentbox.cli.main", *args], env={**env, **kw.pop("extra", {})},  # type: ignore[dict-item]
                               capture_output=True, text=True, timeout=600)
 
     # A 2048-token context cannot hold these clients' own prompts: setup refuses, --force writes anyway

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from agentbox.config import EngineConfig
+from agentbox.engine.ipc.messages import AddRequest
 from agentbox.engine.llm import LLM
-from agentbox.engine.messages import AddRequest
 from agentbox.engine.sampling import InvalidParam, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from agentbox.config import EngineConfig
 from agentbox.engine.core import EngineCore
 from agentbox.engine.grammar_spec import plain_grammar_error
-from agentbox.engine.messages import AddRequest, RequestOutput
+from agentbox.engine.ipc.messages import AddRequest, RequestOutput
 from agentbox.engine.sampling import InvalidParam, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

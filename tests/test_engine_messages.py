@@ -8,8 +8,7 @@ import json
 import pickle
 
 from agentbox.config import EngineConfig
-from agentbox.engine.llm import LLM
-from agentbox.engine.messages import (
+from agentbox.engine.ipc.messages import (
     EngineStats,
     Query,
     QueryKind,
@@ -18,6 +17,7 @@ from agentbox.engine.messages import (
     SessionList,
     to_json,
 )
+from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 
 STATS_KEYS = {"uptime_s", "running", "waiting", "pool", "cache", "counters", "admission", "sessions", "parallel"}

@@ -53,7 +53,7 @@ def serve(model: Path, tmp_path: Path, **engine: object) -> Iterator[tuple[str, 
     config = ServerConfig(engine=EngineConfig(model=str(model), device="cpu", dtype="float32", num_pages=128,
                                               max_num_seqs=4, cpu_threads=1, **engine))  # type: ignore[arg-type]
     arg = json.dumps(dataclasses.asdict(config)).replace('"port": 8000', '"port": {port}')
-    with spawned([sys.executable, "-m", "agentbox.daemon", arg], tmp_path / "serve.log") as (url, proc):
+    with spawned([sys.executable, "-m", "agentbox.cli.daemon", arg], tmp_path / "serve.log") as (url, proc):
         yield url, proc
 
 

@@ -54,7 +54,7 @@ class Backend:
     env: dict[str, str]
 
     def serve(self, model: Path) -> None:
-        r = subprocess.run([sys.executable, "-m", "agentbox.cli", "serve", "--model", str(model), "--port", str(self.port),
+        r = subprocess.run([sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(self.port),
                             "--num-pages", "2048", "--max-model-len", "4096"],
                            env=self.env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
@@ -68,7 +68,7 @@ class Backend:
         psutil.wait_procs(procs, timeout=10)
 
     def stop(self) -> None:
-        subprocess.run([sys.executable, "-m", "agentbox.cli", "stop"], env=self.env, capture_output=True, timeout=60)
+        subprocess.run([sys.executable, "-m", "agentbox.cli.main", "stop"], env=self.env, capture_output=True, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: 
     for t in starts:
         t.join()
     port = fleet_mod.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "agentbox.cli", "fleet", *(b.url for b in backends), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "agentbox.cli.main", "fleet", *(b.url for b in backends), "--port", str(port),
                              "--log", str(root / "router.log")], env={**os.environ, "AGENTBOX_HOME": str(root)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -1,4 +1,4 @@
-"""GGUF MoE experts that are not 4-bit stay quantised in the k-bit form (layers/moe_bits.py): a tiny random
+"""GGUF MoE experts that are not 4-bit stay quantised in the k-bit form (layers/experts/bits.py): a tiny random
 qwen3moe written with gguf's writer, one (gate, up, down) expert type per layer (every k-bit type, Q4_K_M's
 Q4_K gate/up with a Q6_K down, and gate/up of different types), loaded by our loader and compared with
 transformers on the dequantised twin (fp32); resident expert bytes near the file's; each tp rank's shard."""
@@ -16,9 +16,9 @@ from moe_harness import PROMPT, hf_logits, paged_logits
 from test_gguf_moe import FFN, E, H, Q, qwen3moe_config, twin, write_qwen3moe
 from test_quant_gguf import quantise
 
-from agentbox.layers.gguf_experts import GGUFExperts
-from agentbox.layers.moe import ExpertShard, FusedMoE
-from agentbox.layers.moe_bits import BitsExperts, BitsForm
+from agentbox.layers.experts.base import ExpertShard, FusedMoE
+from agentbox.layers.experts.bits import BitsExperts, BitsForm
+from agentbox.layers.experts.gguf import GGUFExperts
 from agentbox.layers.quant import resident_weight_bytes
 from agentbox.layers.quant.gguf import GGUFBlocks
 from agentbox.models.loader import load_model

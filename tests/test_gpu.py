@@ -160,7 +160,7 @@ def _decode_inputs(runner: PagedRunner, tokens: dict[int, int], cols: int) -> tu
 
 @torch.inference_mode()
 def test_graph_replay_equals_eager_logits(tiny_bf16: tuple[torch.nn.Module, LoadedModel]) -> None:
-    from agentbox.engine.graph_runner import DecodeGraphs
+    from agentbox.engine.exec.graph_runner import DecodeGraphs
     from agentbox.layers.backends import TritonAttention
 
     _, ours = tiny_bf16

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentbox.engine.host_tier import HostTier, copy_pages, host_pages_for, page_bytes
-from agentbox.engine.kv_pool import PagePool
+from agentbox.engine.cache.host_tier import HostTier, copy_pages, host_pages_for, page_bytes
+from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.layers.backends.base import KVCache
 
 

@@ -126,7 +126,7 @@ def test_embedded_variant_needs_no_download(tmp_path: Path, monkeypatch: pytest.
 def test_pull_and_models_commands(hub: HubState) -> None:
     from typer.testing import CliRunner
 
-    from agentbox.cli import app
+    from agentbox.cli.main import app
 
     runner = CliRunner()
     out = runner.invoke(app, ["pull", "Tiny-Test:bf16"])

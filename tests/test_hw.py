@@ -163,7 +163,7 @@ def test_doctor_on_a_described_machine_flags_a_model_too_large(home: Path) -> No
 
 
 def test_doctor_command_json(home: Path) -> None:
-    from agentbox.cli import app
+    from agentbox.cli.main import app
 
     out = CliRunner().invoke(app, ["doctor", "--json"])
     data = json.loads(out.output)

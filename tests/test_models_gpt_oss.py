@@ -14,7 +14,7 @@ from moe_harness import PROMPT, engine_greedy_matches, hf_logits, paged_logits, 
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GptOssConfig, Mxfp4Config
 
-from agentbox.layers.mxfp4 import dequant_mxfp4
+from agentbox.layers.experts.mxfp4 import dequant_mxfp4
 from agentbox.models.loader import load_model
 
 E, H, INTER = 8, 64, 64

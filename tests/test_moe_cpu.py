@@ -1,4 +1,4 @@
-"""Quantised MoE experts on CPU through the CPU kernels (layers/moe_cpu.py): int4 and k-bit experts repacked
+"""Quantised MoE experts on CPU through the CPU kernels (layers/experts/cpu.py): int4 and k-bit experts repacked
 at load, the same numbers as their twin (the dequantised experts on int8-rounded activations), the file's
 bytes resident, and the model's predictions those of the exact path (tests/test_gguf_moe.py's tiny
 Qwen3-MoE GGUF: Q4_0, Q4_1, Q4_K, Q4_K + Q6_K down, Q8_0 layers)."""
@@ -14,7 +14,7 @@ from moe_harness import hf_logits, paged_logits
 from test_gguf_moe import LAYER_TYPES, _experts, _file_expert_bytes, twin, write_qwen3moe
 from top_tokens import assert_top_tokens_agree
 
-from agentbox.layers import moe_cpu
+from agentbox.layers.experts import cpu as moe_cpu
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import load_model
 

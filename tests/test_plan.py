@@ -217,7 +217,7 @@ def test_tp_sizes_divide_kv_heads_and_context_is_clamped() -> None:
 
 
 def test_plan_command_json_and_table() -> None:
-    from agentbox.cli import app
+    from agentbox.cli.main import app
 
     runner = CliRunner()
     out = runner.invoke(app, ["plan", "Qwen3-8B", "--hardware", str(HW / "2x-rtx5090.json"), "--json"])

@@ -37,7 +37,7 @@ def test_greedy_on_a_thinking_model_warns(caplog: pytest.LogCaptureFixture) -> N
 
 
 def test_default_output_budget_applies_only_when_the_client_sends_none() -> None:
-    from agentbox.engine.messages import EngineReady
+    from agentbox.engine.ipc.messages import EngineReady
 
     st = state_for("/models/Qwen3-8B", "Qwen3-8B")
     st.info = EngineReady("m", 40960, 100, [0], 10, 16, "torch", "cpu", "float32")

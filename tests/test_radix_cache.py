@@ -12,9 +12,9 @@ import pytest
 import torch
 from radix_harness import LAYERS, Clock, assert_holds, finish, make_cache, run_turn, start
 
-from agentbox.engine.kv_pool import PagePool
-from agentbox.engine.radix_cache import RadixCache, Tier
-from agentbox.engine.sessions import LeaseState
+from agentbox.engine.cache.kv_pool import PagePool
+from agentbox.engine.cache.radix_cache import RadixCache, Tier
+from agentbox.engine.cache.sessions import LeaseState
 from agentbox.layers.backends.base import KVCache
 
 

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from radix_harness import Req, check_lock, finish, make_cache, snapshot, start
 
-from agentbox.engine.radix_cache import Tier
-from agentbox.engine.radix_node import Match
+from agentbox.engine.cache.radix_cache import Tier
+from agentbox.engine.cache.radix_node import Match
 
 
 class CacheMachine(RuleBasedStateMachine):

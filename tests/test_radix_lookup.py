@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, event, given, settings
 from radix_harness import Clock, check_lock, make_cache, run_turn, snapshot
 
 from agentbox.config import EngineConfig
-from agentbox.engine.radix_cache import RadixCache, Tier
+from agentbox.engine.cache.radix_cache import RadixCache, Tier
+from agentbox.engine.cache.sessions import LeaseState
 from agentbox.engine.request import Request, Status
 from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.scheduler import Scheduler
-from agentbox.engine.sessions import LeaseState
 
 
 def _mixed_cache() -> tuple[RadixCache, Clock]:

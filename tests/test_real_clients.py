@@ -72,14 +72,14 @@ def serving(model: Path, home: Path, *extra: str) -> Iterator[tuple[str, dict, P
     (home / "work").mkdir()
     env = {**os.environ, "AGENTBOX_HOME": str(home / "state"), "HOME": str(home / "home")}
     trace = home / "trace.jsonl"
-    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "serve", "--model", str(model), "--port", str(port),
+    r = subprocess.run([sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(port),
                         "--max-num-batched-tokens", "4096", "--record-trace", str(trace), *extra],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     try:
         yield f"http://127.0.0.1:{port}", env, home, trace
     finally:
-        subprocess.run([sys.executable, "-m", "agentbox.cli", "stop"], env=env, capture_output=True, timeout=60)
+        subprocess.run([sys.executable, "-m", "agentbox.cli.main", "stop"], env=env, capture_output=True, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def server(tiny_qwen3: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa:
 def launch(server: tuple, exe: Path, client: str, *args: str) -> subprocess.CompletedProcess:
     _, env, home, _ = server
     env = {**env, "PATH": f"{exe.parent}{os.pathsep}{env['PATH']}"}
-    return subprocess.run([sys.executable, "-m", "agentbox.cli", "launch", client, *args], env=env, cwd=home / "work",
+    return subprocess.run([sys.executable, "-m", "agentbox.cli.main", "launch", client, *args], env=env, cwd=home / "work",
                           capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
 
 

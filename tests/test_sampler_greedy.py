@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from agentbox.engine.exec.sampler import sample
 from agentbox.engine.request import Request
-from agentbox.engine.sampler import sample
 from agentbox.engine.sampling import SamplingParams
 
 

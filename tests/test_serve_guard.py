@@ -43,7 +43,7 @@ def test_serve_beyond_loopback_without_a_key_is_refused(tmp_path: Path) -> None:
     env.pop("AGENTBOX_API_KEY", None)
     model = tmp_path / "model.gguf"
     model.write_bytes(b"")
-    r = subprocess.run([sys.executable, "-m", "agentbox.cli", "serve", "--host", "0.0.0.0", "--model", str(model)],
+    r = subprocess.run([sys.executable, "-m", "agentbox.cli.main", "serve", "--host", "0.0.0.0", "--model", str(model)],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "--allow-unauthenticated" in r.stderr and "AGENTBOX_API_KEY" in r.stderr

@@ -45,7 +45,7 @@ def _wait_healthy(port: int, proc: subprocess.Popen[str], timeout_s: float = 300
 def test_foreground_status_logs_and_ctrl_c(smollm2_path: Path, tmp_path: Path) -> None:
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "agentbox.cli", "serve", "--foreground", "--model", str(smollm2_path),
+        [sys.executable, "-m", "agentbox.cli.main", "serve", "--foreground", "--model", str(smollm2_path),
          "--port", str(port), *SMALL],
         env={**os.environ, "AGENTBOX_HOME": str(tmp_path), "AGENTBOX_DEBUG": ""}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,  # its own group: Ctrl-C's target below

@@ -178,7 +178,7 @@ def test_malformed_json_and_long_prompt(live_server: str, client: openai.OpenAI)
 
 def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "AGENTBOX_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "agentbox.cli", *args], env=env, capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "agentbox.cli.main", *args], env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_daemon_status_second_serve_and_logs(live_server: str, agentbox_home: Path) -> None:

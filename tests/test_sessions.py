@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from agentbox.config import EngineConfig
-from agentbox.engine.sessions import LeaseState, SessionTable, page_hashes, quantile, sessions_by_lease_age
+from agentbox.engine.cache.sessions import (
+    LeaseState,
+    SessionTable,
+    page_hashes,
+    quantile,
+    sessions_by_lease_age,
+)
 
 
 class Clock:

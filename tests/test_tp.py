@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from agentbox.bench.idle import serve_subprocess, tree_cpu_over
 from agentbox.config import EngineConfig
+from agentbox.engine.exec.step_inputs import StepInputs
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
-from agentbox.engine.step_inputs import StepInputs
 
 TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -318,7 +318,7 @@ def test_server_down_state_shows_and_recovers(live_server: str) -> None:
 def test_once_snapshot_json_and_summary(live_server: str) -> None:
     from typer.testing import CliRunner
 
-    from agentbox.cli import app as cli
+    from agentbox.cli.main import app as cli
 
     snap = snapshot(live_server)
     assert snap["up"] and snap["stats"]["engine"]["model_name"]

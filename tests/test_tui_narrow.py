@@ -9,7 +9,7 @@ import pytest
 from test_tui import _screen_text, run_session, sessions_endpoint, wait_for
 from typer.testing import CliRunner
 
-from agentbox.cli import app as cli_app
+from agentbox.cli.main import app as cli_app
 from agentbox.tui.app import TopApp
 
 NARROW = (80, 24)

@@ -37,7 +37,7 @@ from agentbox.kernels.fused_moe_quant import (
     fused_moe_mxfp4,
     fused_moe_mxfp4_ref,
 )
-from agentbox.layers.moe import MoEActivation, moe_ref
+from agentbox.layers.experts.base import MoEActivation, moe_ref
 
 
 class ExpertFormat(Enum):

@@ -48,7 +48,7 @@ def free_port() -> int:
 
 def agentbox_command(model: str, serve_args: Sequence[str] = ()) -> list[str]:
     """`agentbox serve --foreground` on the placeholder port `{port}`, in this interpreter."""
-    return [sys.executable, "-m", "agentbox.cli", "serve", "--foreground", "--port", "{port}", "--model", model,
+    return [sys.executable, "-m", "agentbox.cli.main", "serve", "--foreground", "--port", "{port}", "--model", model,
             *serve_args]
 
 

@@ -26,9 +26,9 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PretrainedConfig
 
 from agentbox.config import EngineConfig
+from agentbox.engine.exec.runner import DTYPES
+from agentbox.engine.ipc.messages import AddRequest
 from agentbox.engine.llm import LLM
-from agentbox.engine.messages import AddRequest
-from agentbox.engine.runner import DTYPES
 from agentbox.engine.sampling import SamplingParams
 from agentbox.models.llama import head_dim_of, num_kv_heads_of
 from agentbox.models.loader import LoadedModel, ModelSource, iter_weights

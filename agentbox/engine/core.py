@@ -12,10 +12,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from agentbox.config import CachePolicy, EngineConfig
+from agentbox.engine.cache.kv_pool import PagePool
+from agentbox.engine.cache.radix_cache import RadixCache
+from agentbox.engine.cache.session_view import session_detail, session_summary
+from agentbox.engine.exec.runner import ModelRunner
+from agentbox.engine.exec.worker import RankDeath, start_group
 from agentbox.engine.grammar_spec import plain_grammar_error
-from agentbox.engine.kv_pool import PagePool
-from agentbox.engine.loop_guard import LoopGuard
-from agentbox.engine.messages import (
+from agentbox.engine.ipc.messages import (
     AddRequest,
     AdmissionStats,
     EngineCounters,
@@ -34,14 +37,11 @@ from agentbox.engine.messages import (
     TokenLogprob,
     TurnRecord,
 )
-from agentbox.engine.radix_cache import RadixCache
+from agentbox.engine.loop_guard import LoopGuard
 from agentbox.engine.request import Request, Status
-from agentbox.engine.runner import ModelRunner
 from agentbox.engine.scheduler import Scheduler
-from agentbox.engine.session_view import session_detail, session_summary
 from agentbox.models.loader import LoadedModel
 from agentbox.parallel.state import destroy_distributed
-from agentbox.parallel.worker import RankDeath, start_group
 
 if TYPE_CHECKING:
     from agentbox.engine.grammar import GrammarState  # xgrammar loads only when a request needs it

@@ -11,7 +11,7 @@ import torch
 
 from agentbox.config import EngineConfig
 from agentbox.engine.core import EngineCore
-from agentbox.engine.messages import AddRequest, TokenLogprob
+from agentbox.engine.ipc.messages import AddRequest, TokenLogprob
 from agentbox.engine.request import Request
 from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.scheduler import ScheduledSeq, SchedulerOutput

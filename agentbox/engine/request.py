@@ -54,7 +54,7 @@ class Request:
     _generator: torch.Generator | None = None
     _pages: list[int] = field(default_factory=list, repr=False)
     # The runner's persistent page-table row for this request and how many of `pages` it holds already
-    # (engine/page_table.py); assigning `pages` anew resets it, `pages.extend` keeps it.
+    # (engine/exec/page_table.py); assigning `pages` anew resets it, `pages.extend` keeps it.
     table_row: int | None = field(default=None, repr=False)
     pages_in_table: int = field(default=0, repr=False)
 

@@ -26,9 +26,9 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from agentbox.config import CachePolicy, EngineConfig
-from agentbox.engine.kv_pool import PagePool
-from agentbox.engine.radix_cache import RadixCache
-from agentbox.engine.radix_node import Lock, Match
+from agentbox.engine.cache.kv_pool import PagePool
+from agentbox.engine.cache.radix_cache import RadixCache
+from agentbox.engine.cache.radix_node import Lock, Match
 from agentbox.engine.request import Request, Status
 
 

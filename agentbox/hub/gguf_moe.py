@@ -1,9 +1,9 @@
 """What a GGUF MoE file's experts occupy once loaded, for the planner (plain data, no torch).
 
-Every quantised GGUF expert type stays quantised (layers/gguf_experts.py): 4-bit types in the int4 expert
+Every quantised GGUF expert type stays quantised (layers/experts/gguf.py): 4-bit types in the int4 expert
 form (4-bit codes, a scale and an offset per 32 weights), Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K in the k-bit form
-(layers/moe_bits.py: codes at their width, a scale and, for Q5_1 / Q5_K, an offset per group of 32, 16 for
-Q6_K), the scales in bf16 on GPU; on CPU the CPU kernels' forms (layers/moe_cpu.py, formats.GGUF_CPU_BYTES). tests/test_plan_gguf_moe.py measures
+(layers/experts/bits.py: codes at their width, a scale and, for Q5_1 / Q5_K, an offset per group of 32, 16 for
+Q6_K), the scales in bf16 on GPU; on CPU the CPU kernels' forms (layers/experts/cpu.py, formats.GGUF_CPU_BYTES). tests/test_plan_gguf_moe.py measures
 each number below on loaded layers. A profile does not list its file's tensor types, so a variant named
 after a llama.cpp file type gets that type's expert mix.
 """
@@ -27,7 +27,7 @@ class ExpertTypeBytes:
         return self.cuda if device == "cuda" else self.cpu
 
 
-# Experts take the linear layers' forms on every device (layers/moe_cpu.py repacks them for the CPU kernels)
+# Experts take the linear layers' forms on every device (layers/experts/cpu.py repacks them for the CPU kernels)
 EXPERT_TYPE_BYTES: dict[str, ExpertTypeBytes] = {
     t.upper(): ExpertTypeBytes(*GGUF_TYPE_BYTES[t], cpu) for t, cpu in GGUF_CPU_BYTES.items()
 }

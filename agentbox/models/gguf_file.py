@@ -202,8 +202,8 @@ def gguf_quant_config(path: Path) -> QuantConfig:
     names = [(name, t) for t in reader.tensors if (name := hf_tensor_name(t.name)) is not None]
     if any(_stacked_experts(name) for name, _ in names):
         # The MoE layer picks its method from this config; the GGUF one registers itself with that chooser
-        # (layers/moe_quant.py) on import, which only MoE files need.
-        from agentbox.layers import gguf_experts  # noqa: F401
+        # (layers/experts/quant.py) on import, which only MoE files need.
+        from agentbox.layers.experts import gguf  # noqa: F401
 
         return QuantConfig(QuantMethod.GGUF)
     quantised = any(_kept_quantised(name, t) and t.qtype not in FLOAT_TYPES for name, t in names)

@@ -5,7 +5,7 @@ Routing: top-k router logits, softmax over those k (the same weights as softmax-
 Experts: `(clamp(up) + 1) * g * sigmoid(1.702 g)` with g = clamp(gate, max=7), gate and up interleaved in
 the checkpoint's fused gate_up tensor. Checkpoints hold every expert stacked in one tensor per
 projection: bf16 as [E, in, out] (`experts.gate_up_proj`), or MXFP4 as `*_blocks` / `*_scales` in
-[E, out, in/32, ...] order (openai/gpt-oss-*); layers/mxfp4.py keeps the latter resident as stored.
+[E, out, in/32, ...] order (openai/gpt-oss-*); layers/experts/mxfp4.py keeps the latter resident as stored.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from agentbox.layers.experts.base import ExpertMethod, ExpertShard, FusedMoE, MoEActivation
+from agentbox.layers.experts.mxfp4 import Mxfp4Experts, is_mxfp4_checkpoint
 from agentbox.layers.linear import ReplicatedLinear
-from agentbox.layers.moe import ExpertMethod, ExpertShard, FusedMoE, MoEActivation
-from agentbox.layers.mxfp4 import Mxfp4Experts, is_mxfp4_checkpoint
 from agentbox.models.llama import LlamaForCausalLM
 from agentbox.models.weight_loader import ExpertWeight
 

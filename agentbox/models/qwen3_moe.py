@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from agentbox.layers.experts.base import ExpertShard, FusedMoE
 from agentbox.layers.linear import ReplicatedLinear
-from agentbox.layers.moe import ExpertShard, FusedMoE
 from agentbox.layers.quant import QuantConfig, quant_context
 from agentbox.models.llama import LlamaForCausalLM, LlamaMLP
 from agentbox.models.weight_loader import per_expert_weights

@@ -3,7 +3,7 @@
 At tp > 1 the layers' collectives and the start-up agreement (pool size, resident bytes) go over NCCL on
 CUDA and over shared memory on CPU (parallel/shm_group.py: gloo's transport thread wakes every 10 ms, so
 it is not used). Steps themselves do not cross a collective: rank 0 writes each step to the workers'
-pipes (parallel/worker.py), so an idle worker sits in a blocking pipe read, not a spinning broadcast.
+pipes (engine/exec/worker.py), so an idle worker sits in a blocking pipe read, not a spinning broadcast.
 """
 
 from __future__ import annotations

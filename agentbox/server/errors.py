@@ -68,7 +68,7 @@ def as_api_error(exc: BaseException) -> APIError:
     """An exception met mid-stream, after the 200 went out, as the typed error event the stream ends with."""
     if isinstance(exc, APIError):
         return exc
-    from agentbox.engine.client import EngineDead, QueryError
+    from agentbox.engine.ipc.client import EngineDead, QueryError
 
     if isinstance(exc, EngineDead | QueryError | TimeoutError):
         return APIError(503, f"the engine is unavailable ({exc}); retry in {RETRY_AFTER_S} s",

@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 
 from agentbox.chat.harmony import keeps_special_tokens
 from agentbox.config import ServerConfig
-from agentbox.engine.client import EngineClient
-from agentbox.engine.messages import EngineReady, TokenLogprob
+from agentbox.engine.ipc.client import EngineClient
+from agentbox.engine.ipc.messages import EngineReady, TokenLogprob
 from agentbox.engine.sampling import SamplingParams
 from agentbox.server.detok import Detokenizer, StopChecker
 from agentbox.server.errors import RETRY_AFTER_S, APIError

@@ -36,7 +36,7 @@ def local_server_pid(url: str, stats: dict[str, Any] | None) -> int | None:
     pid = (stats or {}).get("pid")
     if isinstance(pid, int) and psutil.pid_exists(pid):
         return pid
-    from agentbox.daemon import read_state
+    from agentbox.cli.daemon import read_state
 
     st = read_state()
     if st and st.get("port") == urlparse(url).port:

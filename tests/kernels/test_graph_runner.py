@@ -8,7 +8,7 @@ import torch
 from model_harness import PagedRunner
 from paged_case import PROMPT
 
-from agentbox.engine.graph_runner import DecodeGraphs, capture_sizes, padded_size
+from agentbox.engine.exec.graph_runner import DecodeGraphs, capture_sizes, padded_size
 from agentbox.layers.backends import TritonAttention
 from agentbox.models.loader import LoadedModel
 

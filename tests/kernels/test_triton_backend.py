@@ -97,7 +97,7 @@ def test_triton_backend_passes_sinks_and_window() -> None:
 def test_serve_refuses_an_unknown_attention_backend() -> None:
     from typer.testing import CliRunner
 
-    from agentbox.cli import app
+    from agentbox.cli.main import app
 
     result = CliRunner().invoke(app, ["serve", "--model", "x", "--attention", "nope"])
     assert result.exit_code != 0

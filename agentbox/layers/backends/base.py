@@ -88,7 +88,7 @@ class KVCache:
 class AttentionBackend(ABC):
     """One instance per engine. `begin` is called once per step before the forward pass.
 
-    CUDA graphs (engine/graph_runner.py): a backend with `supports_cuda_graphs` reads only the metadata's device
+    CUDA graphs (engine/exec/graph_runner.py): a backend with `supports_cuda_graphs` reads only the metadata's device
     tensors on a decode step, so a graph captured once per batch size replays for any lengths. The runner calls
     `init_capture` once, `begin_capture` before capturing each batch size (the metadata's tensors are then its
     static buffers) and `begin_replay` before each replay (host-side work only: no allocation, no new tensors).

@@ -78,7 +78,7 @@ class QuantConfig:
         if name == "gguf":
             return QuantConfig(QuantMethod.GGUF)
         if name == "mxfp4":
-            # gpt-oss: only the experts are MXFP4 and the MoE layer reads them as stored (layers/mxfp4.py);
+            # gpt-oss: only the experts are MXFP4 and the MoE layer reads them as stored (layers/experts/mxfp4.py);
             # its attention and router linears are unquantised.
             return QuantConfig(skip_modules=skip)
         raise ValueError(

@@ -1,0 +1,275 @@
+"""`agentbox bench`: agent trace replay, throughput, cache and grammar benchmarks. cli/main.py adds `bench_app`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from agentbox.cli.common import fail
+from agentbox.config import CachePolicy
+
+bench_app = typer.Typer(help="Benchmarks: agent trace replay, throughput, cache.", no_args_is_help=True)
+
+
+def _bench_model(model: str | None) -> str:
+    """Benchmarks default to the embedded SmolLM2 (a fixed reference), not the machine's planned model."""
+    if model:
+        return model
+    from agentbox.hub.embedded import INSTALL_HINT, embedded_model_path
+
+    path = embedded_model_path()
+    if path is None:
+        fail(f"no --model given and the embedded SmolLM2 is not installed: {INSTALL_HINT}")
+    return str(path)
+
+
+def _print_json(report: dict, json_out: Path | None) -> None:
+    import json
+
+    text = json.dumps(report, indent=2)
+    typer.echo(text)
+    if json_out is not None:
+        json_out.write_text(text + "\n")
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    model: str | None = typer.Option(None, "--model", help="HF model dir or .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
+    tokens: int = typer.Option(64, "--tokens", min=2, help="tokens generated per sequence"),
+    prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="prompt tokens per sequence"),
+    batch: list[int] = typer.Option([1, 8], "--batch", help="batch sizes to time (repeatable; 1 is always timed)"),
+    repeats: int = typer.Option(1, "--repeats", min=1, help="alternating runs per batch size; the fastest is kept"),
+    idle_seconds: float = typer.Option(10.0, "--idle-seconds", help="quiet interval for the idle CPU measure (0: skip)"),
+    tp: int = typer.Option(1, "--tp", min=1, help="also run at this tensor-parallel size and compare with tp 1"),
+    llamacpp: bool = typer.Option(False, "--llamacpp", help="also compare with llama.cpp's server on this GGUF (bench llamacpp)"),
+    threads: int = typer.Option(1, "--threads", min=1, help="CPU threads for both engines in the --llamacpp comparison"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Prefill/decode tokens/s: our engine against transformers.
+
+    Both run the same model; idle CPU too.
+    With --tp N: the tp N / tp 1 decode step-time ratio, the per-step broadcast cost, and idle at tp N.
+    With --llamacpp: single-stream rates against llama.cpp's server at --threads, as `bench llamacpp`."""
+    from agentbox.bench.idle import measure_idle_cpu
+    from agentbox.bench.throughput import compare_throughput, tp_comparison
+
+    path = _bench_model(model)
+    batches = tuple(sorted({1, *batch}))
+    report = compare_throughput(path, tokens, prompt_len, batches, device="cpu", repeats=repeats)
+    if tp > 1:
+        report["tensor_parallel"] = tp_comparison(path, tp, tokens, prompt_len, batches, device="cpu", repeats=repeats)
+    if llamacpp:
+        from agentbox.bench.llamacpp import compare_llamacpp
+
+        if not path.endswith(".gguf"):
+            fail(f"--llamacpp needs a .gguf model (llama.cpp runs GGUF files), got {path}")
+        report["llamacpp"] = compare_llamacpp(path, prompt_len, tokens, threads, max(2, repeats))
+    if idle_seconds > 0:
+        # A small pool: the default takes a share of free RAM, which is not what is being measured here.
+        report["idle"] = measure_idle_cpu(path, idle_seconds, ["--device", "cpu", "--num-pages", "256", "--tp", str(tp)])
+    _print_json(report, json_out)
+
+
+@bench_app.command("soak")
+def bench_soak(
+    url: str | None = typer.Option(None, "--url", help="a running server (default: start one on --model)"),  # noqa: UP007
+    model: str | None = typer.Option(None, "--model", help="HF model dir or .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
+    sessions: int = typer.Option(4, "--sessions", min=1, help="concurrent agent sessions"),
+    minutes: float = typer.Option(1.0, "--minutes", min=0.05, help="how long to run"),
+    max_tokens: int = typer.Option(16, "--max-tokens", min=1, help="tokens per answer"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Sessions with disconnects and bad requests mixed in, as JSON.
+
+    N sessions for T minutes: requests answered, failures by type, pages leaked, RSS growth, the slowest
+    /health answer, and whether the engine survived."""
+    from agentbox.bench.soak import run_soak
+
+    if url is not None:
+        _print_json(run_soak(url.rstrip("/"), sessions, minutes, max_tokens), json_out)
+        return
+    from agentbox.bench.idle import serve_subprocess
+
+    with serve_subprocess(_bench_model(model), ["--max-model-len", "4096"]) as (base, _):
+        report = run_soak(base, sessions, minutes, max_tokens)
+    _print_json(report, json_out)
+
+
+@bench_app.command("step")
+def bench_step(
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Host time per decode step, the model excluded.
+
+    Scheduling + input preparation at 1k and 32k tokens of
+    context, batch 1 and 32, on a tiny random model; the 32k/1k ratio should stay near 1. Then the whole
+    decode step of the torch attention backend at 512, 4k and 8k tokens, its view path against its gather path."""
+    from agentbox.bench.step_bench import decode_report, step_report
+
+    report = step_report()
+    report["torch_decode_step"] = decode_report()
+    _print_json(report, json_out)
+@bench_app.command("llamacpp")
+def bench_llamacpp(
+    model: str | None = typer.Option(None, "--model", help="a .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
+    tokens: int = typer.Option(64, "--tokens", min=2, help="tokens generated per request"),
+    prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="prompt tokens per request"),
+    threads: int = typer.Option(1, "--threads", min=1, help="CPU threads for both engines"),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="requests per side; the fastest is kept"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Our GGUF kernels against llama.cpp's server, single stream.
+
+    Prefill and decode on the same file and thread count."""
+    from agentbox.bench.llamacpp import compare_llamacpp
+
+    _print_json(compare_llamacpp(_bench_model(model), prompt_len, tokens, threads, repeats), json_out)
+
+
+@bench_app.command("cpu-rows")
+def bench_cpu_rows(
+    threads: int = typer.Option(1, "--threads", min=1, help="CPU threads"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Per-row cost of the CPU kernels at 1 to 16 rows.
+
+    Per GGUF type, weights cold, at 1, 2, 4, 8 and 16 rows, with the CPU and the kernel variant named."""
+    from agentbox.bench.cpu_rows import report
+
+    _print_json(report(threads=threads), json_out)
+
+
+@bench_app.command("cache")
+def bench_cache(
+    model: str | None = typer.Option(None, "--model", help="HF model dir or .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
+    prefix_tokens: int = typer.Option(6000, "--prefix-tokens", min=16, help="tokens of the shared prefix"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Cold vs warm time to first token on a long prefix.
+
+    And the hit rate on a byte-identical prefix."""
+    from agentbox.bench.cache_bench import cache_report
+
+    _print_json(cache_report(_bench_model(model), prefix_tokens), json_out)
+
+
+@bench_app.command("replay")
+def bench_replay(
+    trace_file: str = typer.Option(None, "--trace", help="A trace JSONL file (docs/bench.md)."),
+    openhands_file: str = typer.Option(None, "--openhands", help="An OpenHands-style trajectory file."),
+    synthetic: bool = typer.Option(False, "--synthetic", help="A seeded synthetic trace (the default)."),
+    sessions: int = typer.Option(None, help="Sessions (synthetic: how many; files: the first N)."),
+    turns: int = typer.Option(None, help="Synthetic: median turns per session; files: the first N turns."),
+    turn_spread: float = typer.Option(None, help="Synthetic: log-normal spread of turn counts (0: all equal)."),
+    scale: float = typer.Option(None, help="Synthetic: multiply every token size (0.1 for a CPU run)."),
+    result_scale: float = typer.Option(None, help="Synthetic: multiply tool result sizes."),
+    prefix_tokens: int = typer.Option(None, help="Synthetic: system prompt + tools size before --scale."),
+    max_context: int = typer.Option(None, help="Synthetic: end a session before its history passes this."),
+    wait: str = typer.Option(None, help="Tool wait: 'lognormal' (median ~0.42 s) or seconds (0.5, 5, 60)."),
+    seed: int = typer.Option(0, help="Seed of the synthetic trace and sampled waits."),
+    url: str = typer.Option(None, help="An OpenAI-compatible server to replay against."),
+    target: list[str] = typer.Option(None, "--target", help="NAME=URL of another server (repeatable)."),
+    spawn: bool = typer.Option(False, help="Start agentbox once per --policies value."),
+    model: str = typer.Option(None, help="Model for --spawn (a path or a profile name)."),
+    policies: str = typer.Option(",".join(p.value for p in CachePolicy), help="Cache policies for --spawn, comma separated."),
+    num_pages: int = typer.Option(None, help="--spawn: KV pool pages (set it so histories do not all fit)."),
+    serve_arg: list[str] = typer.Option(None, "--serve-arg", help="--spawn: extra `serve` argument (repeatable)."),
+    llamacpp: str = typer.Option(None, help="Also start llama-cpp-python's server on this GGUF."),
+    llamacpp_ctx: int = typer.Option(8192, help="n_ctx of the llama.cpp server."),
+    served_model: str = typer.Option(None, help="Model name to request (default: the server's first)."),
+    flatten_tools: bool = typer.Option(False, help="Send tools and tool turns as plain text, for every engine."),
+    force_length: bool = typer.Option(True, help="Send ignore_eos/min_tokens so answers have the recorded length."),
+    max_concurrency: int = typer.Option(None, help="Cap on sessions in flight (default: all at once)."),
+    save_trace: str = typer.Option(None, help="Also write the replayed trace to this JSONL file."),
+    out: str = typer.Option(None, help="Output folder (default: bench/results/replay-<time>)."),
+) -> None:
+    """Replay concurrent agent sessions against a server.
+
+    Reports total time, time to first token and recomputed history."""
+    import sys
+    import time
+    from dataclasses import fields, replace
+    from pathlib import Path
+
+    from agentbox.bench import compare, synth, trace
+    from agentbox.bench import spawn as spawning
+    from agentbox.bench.replay import ReplayOptions
+
+    if trace_file and openhands_file:
+        raise typer.BadParameter("pass one of --trace and --openhands")
+    if synthetic and (trace_file or openhands_file):
+        raise typer.BadParameter("--synthetic replaces --trace / --openhands")
+    wait_value: str | float | None = None
+    if wait is not None:
+        try:
+            wait_value = "lognormal" if wait == "lognormal" else float(wait)
+        except ValueError as e:
+            raise typer.BadParameter(f"--wait wants 'lognormal' or seconds, got {wait!r}") from e
+    knobs = {"sessions": sessions, "turns": turns, "turn_sigma": turn_spread, "scale": scale, "result_scale": result_scale,
+             "prefix_tokens": prefix_tokens, "max_context_tokens": max_context, "wait": wait_value, "seed": seed}
+    cfg = replace(synth.SynthConfig(), **{f.name: knobs[f.name] for f in fields(synth.SynthConfig)
+                                          if knobs.get(f.name) is not None})
+    sessions_list = compare.build_trace(
+        trace_file=Path(trace_file) if trace_file else None,
+        openhands_file=Path(openhands_file) if openhands_file else None,
+        synth_cfg=cfg, sessions=sessions, turns=turns, wait=wait_value, seed=seed,
+    )
+    if flatten_tools:
+        sessions_list = trace.flatten_tools(sessions_list)
+    if save_trace:
+        trace.save(sessions_list, save_trace)
+
+    targets: list[spawning.Target] = []
+    if url:
+        targets.append(spawning.Target(name="server", url=url))
+    try:
+        targets += [spawning.parse_target(t) for t in target or []]
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    if spawn:
+        if not model:
+            raise typer.BadParameter("--spawn needs --model")
+        choices = ", ".join(p.value for p in CachePolicy)
+        try:
+            wanted = [CachePolicy(p.strip()) for p in policies.split(",") if p.strip()]
+        except ValueError:
+            wanted = []
+        if not wanted:
+            raise typer.BadParameter(f"--policies: a comma-separated subset of {choices}")
+        extra = [*(["--num-pages", str(num_pages)] if num_pages else []), *(serve_arg or [])]
+        targets += [spawning.agentbox_target(model, p.value, extra) for p in wanted]
+    if llamacpp:
+        targets.append(spawning.llamacpp_target(llamacpp, llamacpp_ctx))
+    if not targets:
+        raise typer.BadParameter("nothing to replay against: pass --url, --target, --spawn or --llamacpp")
+
+    out_dir = Path(out or f"bench/results/replay-{time.strftime('%Y%m%d-%H%M%S')}")
+    options = ReplayOptions(model=served_model, force_length=force_length, max_concurrency=max_concurrency)
+    meta = {"command": " ".join(["agentbox", *sys.argv[1:]]), "trace": compare.describe(sessions_list),
+            "source": trace_file or openhands_file or "synthetic",
+            "synth": {f.name: getattr(cfg, f.name) for f in fields(cfg)} if not (trace_file or openhands_file) else None}
+    from agentbox.cli.console import console
+
+    runs, _ = compare.compare(sessions_list, targets, options, out_dir, meta, console())
+    if not runs:
+        raise typer.Exit(1)
+
+
+@bench_app.command("grammar")
+def bench_grammar_cmd(
+    model: str | None = typer.Option(None, help="tokenizer source (default: the embedded SmolLM2)"),
+    parser: str = typer.Option("hermes", help="tool-call syntax to compile for"),
+    num_tools: int = typer.Option(8, help="tools in the compiled set"),
+    tokens: int = typer.Option(256, help="tokens to mask in the overhead measurement"),
+) -> None:
+    """Grammar compile time and per-token mask overhead, as JSON.
+
+    Compile time uncached and cached."""
+    import json
+
+    from agentbox.bench.grammar import bench_grammar
+    from agentbox.models.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(_bench_model(model))) if model else None
+    typer.echo(json.dumps(bench_grammar(tok, parser=parser, num_tools=num_tools, tokens=tokens), indent=2))

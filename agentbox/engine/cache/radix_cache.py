@@ -1,0 +1,395 @@
+"""The radix prefix cache: a tree over page-aligned token prefixes whose nodes own pages of the GPU pool
+(or, once demoted, of the host tier). Tokens after the last full page are never cached.
+
+Look up, then lock (mini-sglang's `match_prefix` / `lock_handle` contract):
+- `match(tokens, session)` is a pure lookup. It returns a `Match` (radix_node.py) naming the longest cached
+  page-aligned prefix: its nodes, its tokens on each tier, the session (given, or inferred from the tags).
+  It changes nothing: no reference, no split, no tag, no lease refresh, no promotion, no access time, no heap
+  entry. Looking and then declining (an admission that does not fit) leaves nothing to undo.
+- `reclaimable(match)` (pure) is how many GPU pages the caller could have after locking the match: the free
+  pages plus every tree page eviction can free without touching the match or another request's lock.
+  An admission checks its need against it before it locks anything.
+- `lock(match)` commits: it splits the last node at the match boundary (so a lock covers whole nodes),
+  gives the caller a reference on every GPU page, promotes the host nodes (copies them back, evicting for
+  room), tags the session on the path, refreshes its lease and the nodes' access times. It returns a
+  `Lock` with the caller's pages. A match describes the tree as it was: after any change to the tree's shape
+  or tiers (an epoch counter) `lock` refuses it, and the caller looks again.
+
+Reference discipline (the whole correctness argument):
+- The tree holds exactly one reference on every page a node owns (GPU pool or host pool).
+- `lock` gives the caller its own reference on every page of the prefix. The caller drops it through
+  `insert` (which consumes the caller's references on the pages it is given: new nodes keep them, pages
+  whose prefix the tree already has are decref'd) or `release` (abort).
+- So a page with refcount 1 is held only by the tree: evictable. A node with any page above 1 is locked by a
+  running request and is never evicted, demoted or dropped. A lock covers a whole path from the root, so
+  the locked nodes are closed under "parent of", every page with refcount above 1 is a tree page, and
+  every other GPU tree page can be freed leaf-first: `reclaimable` is exact, free + gpu_pages -
+  pool.num_shared - the match's GPU pages not yet shared.
+- Host pages carry a reference for the caller only inside `lock`, while they are being promoted.
+
+Tree shape: children are keyed by their first page of tokens, so siblings differ in the first page. The GPU
+nodes form a top-down closed subtree: a GPU node's parent is a GPU node or the root; demotion goes leaf-first
+and promotion top-down, so a path is always "GPU prefix, then host suffix". `lock` splits the last node at
+the match boundary, so a request's references always cover whole nodes.
+
+Eviction, demotion and promotion (`evict`, `evict_host`, `demote`; promotion inside `lock`) are an
+`Evictor` (radix_evict.py, with the priority classes and the heaps): the cache tells it which nodes became
+leaves and it calls back through a small `Tree` view (`locked`, `remove`, `retier`). Under `CachePolicy.NONE`
+nothing is cached.
+
+Sessions are tags: every node on a path a session locked or inserted carries its id (so a child's tags
+are a subset of its parent's). `drop_session` removes the session's own suffix; shared prefixes survive. The per-session
+bookkeeping (tags, lease expiries, the lease cap) is session_index.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from agentbox.config import CachePolicy, EngineConfig
+from agentbox.engine.cache.host_tier import HostTier
+from agentbox.engine.cache.kv_pool import PagePool
+from agentbox.engine.cache.radix_check import check_integrity
+from agentbox.engine.cache.radix_evict import Evictor, HeapEntry
+from agentbox.engine.cache.radix_node import Lock, Match, Node, Tier
+from agentbox.engine.cache.session_index import SessionIndex
+from agentbox.engine.cache.sessions import SessionTable
+from agentbox.engine.ipc.messages import CacheStats
+from agentbox.layers.backends.base import KVCache
+
+
+class RadixCache:
+    def __init__(
+        self,
+        pool: PagePool,
+        kv: KVCache | None = None,
+        sessions: SessionTable | None = None,
+        host: HostTier | None = None,
+        policy: CachePolicy = CachePolicy.SESSION,
+    ) -> None:
+        policy = CachePolicy(policy)
+        if host is not None and (kv is None or host.pool.page_size != pool.page_size):
+            raise ValueError("a host tier needs the GPU KVCache and the same page size")
+        self.pool = pool
+        self.kv = kv
+        self.sessions = sessions if sessions is not None else SessionTable()
+        self.host = host if policy is not CachePolicy.NONE else None
+        self.policy = policy
+        self.ps = pool.page_size
+        self.root = Node((), [], Tier.GPU, None, 0)
+        self.index = SessionIndex(self.sessions, policy)
+        self._epoch = 0  # bumped on every change of the tree's shape or tiers: a Match from before is stale
+        self.gpu_pages = 0
+        self.host_pages = 0
+        self.evictor = Evictor(self)
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, pool: PagePool, kv: KVCache, clock: Callable[[], float] = time.monotonic
+    ) -> RadixCache:
+        """The engine's cache. The host tier belongs to the session policy; lru mirrors general engines."""
+        host = HostTier.sized(kv, config.host_cache_gb) if config.cache_policy is CachePolicy.SESSION else None
+        return cls(pool, kv, SessionTable.from_config(config, clock), host, config.cache_policy)
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.sessions.clock
+
+    # The counters are the evictor's.
+    @property
+    def evictions(self) -> int:  # GPU pages dropped (not demoted)
+        return self.evictor.evictions
+
+    @property
+    def demotions(self) -> int:  # GPU pages copied to host
+        return self.evictor.demotions
+
+    @property
+    def promotions(self) -> int:  # host pages copied back to GPU
+        return self.evictor.promotions
+
+    @property
+    def host_evictions(self) -> int:  # host pages dropped
+        return self.evictor.host_evictions
+
+    # ---- lookup and insert ----
+
+    def visible_tokens(self, m: Match, namespace: str) -> int:
+        """Of m's matched tokens, those on the path up to the deepest node a session of `namespace` tagged
+        (computed or matched before): what a request of that namespace may be told is cached. Pure."""
+        for node in reversed(m.path):
+            if any(s.startswith(namespace) for s in node.sessions):
+                return min(m.num_tokens, node.start + len(node.key))
+        return 0
+
+    def match(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> Match:
+        """The longest cached page-aligned prefix of tokens, and the session (given, else inferred). Pure."""
+        if self.policy is CachePolicy.NONE:
+            return Match((), 0, 0, session, self._epoch)
+        toks = tuple(tokens[: len(tokens) // self.ps * self.ps])
+        path: list[Node] = []
+        node, i, host = self.root, 0, 0
+        while i < len(toks):
+            child = node.children.get(toks[i : i + self.ps])
+            if child is None:
+                break
+            m = self._common(child.key, toks, i)  # >= one page: children are keyed by their first page
+            path.append(child)
+            i += m
+            host += m if child.tier is Tier.HOST else 0
+            if m < len(child.key):
+                break
+            node = child
+        sid = session if session is not None else self.sessions.infer_session(path[-1] if path else None, i,
+                                                                              namespace)
+        return Match(tuple(path), i, host, sid, self._epoch)
+
+    def reclaimable(self, m: Match) -> int:
+        """GPU pages the caller could have after locking m: free pages, plus the unlocked tree pages outside
+        m's GPU prefix (eviction frees them all, leaf-first; promoting m's host part uses pages of this
+        count). Pure."""
+        self._check_fresh(m)
+        rc = self.pool.refcount
+        mine = sum(1 for p in self._gpu_prefix_pages(m) if rc[p] == 1)
+        return self.pool.num_free + self.gpu_pages - self.pool.num_shared - mine
+
+    def lock(self, m: Match) -> Lock:
+        """Commit a lookup: the caller's reference on each GPU page of the prefix (host parts promoted first),
+        the session tagged on the path and its lease refreshed. Host parts that cannot be promoted for lack of
+        GPU pages are left out (a shorter lock); `reclaimable` tells the caller beforehand."""
+        self._check_fresh(m)
+        if not m.path:
+            return Lock([], 0, 0, m.session)
+        path = list(m.path)
+        last = path[-1]
+        if last.start + len(last.key) > m.num_tokens:
+            path[-1] = self._split(last, m.num_tokens - last.start)
+        n_gpu = next((j for j, n in enumerate(path) if n.tier is Tier.HOST), len(path))
+        pages = [p for n in path[:n_gpu] for p in n.pages]
+        self.pool.incref(pages)
+        host_nodes = path[n_gpu:]
+        host_tokens = 0
+        if host_nodes:
+            assert self.host is not None
+            self.host.pool.incref([p for n in host_nodes for p in n.pages])  # no host eviction under us
+            for j, n in enumerate(host_nodes):
+                if not self.evictor.promote(n):
+                    self.host.pool.decref([p for m_ in host_nodes[j:] for p in m_.pages])
+                    path = path[: n_gpu + j]
+                    break
+                pages += n.pages
+                host_tokens += len(n.key)
+        sid = m.session
+        now = self.clock()
+        if path and sid is not None:
+            self.index.tag(path, sid)
+            self.index.refreshed(sid)
+        for n in path:
+            n.last_access = now
+            self.evictor.push_candidate(n)
+        return Lock(pages, len(pages) * self.ps, host_tokens, sid)
+
+    def _check_fresh(self, m: Match) -> None:
+        if m.epoch != self._epoch:
+            raise ValueError("a stale Match: the tree changed since the lookup; match again")
+
+    def _gpu_prefix_pages(self, m: Match) -> list[int]:
+        out: list[int] = []
+        for n in m.path:
+            if n.tier is not Tier.GPU:
+                break
+            out += n.pages[: min(len(n.key), m.num_tokens - n.start) // self.ps]
+        return out
+
+    def insert(self, tokens: Sequence[int], pages: list[int], session: str | None = None) -> None:
+        """Cache tokens[:n * page_size] on pages[:n], n = len(tokens) // page_size; pages[n:] stay the
+        caller's. Consumes the caller's reference on pages[:n]. Grants / refreshes the session's lease."""
+        n = len(tokens) // self.ps
+        if len(pages) < n:
+            raise ValueError(f"{n} full pages of tokens but only {len(pages)} pages")
+        pages = pages[:n]
+        toks = tuple(tokens[: n * self.ps])
+        if session is not None:  # the session computed these, whether or not the policy keeps them
+            self.sessions.record_history(session, toks, self.ps)
+        if self.policy is CachePolicy.NONE:
+            self.pool.decref(pages)
+            return
+        now = self.clock()
+        path: list[Node] = []
+        node, i = self.root, 0
+        while i < len(toks):
+            pi = i // self.ps
+            child = node.children.get(toks[i : i + self.ps])
+            if child is None:
+                child = Node(toks[i:], list(pages[pi:]), Tier.GPU, node, i)
+                node.children[toks[i : i + self.ps]] = child
+                self._epoch += 1
+                self.gpu_pages += len(child.pages)
+                path.append(child)
+                break
+            m = self._common(child.key, toks, i)
+            if m < len(child.key):
+                child = self._split(child, m)
+            mine = pages[pi : pi + m // self.ps]
+            if child.tier is Tier.GPU:
+                self.pool.decref(mine)  # the tree has these tokens: drop the caller's (duplicate) reference
+            else:
+                # The tree kept these on host; the caller's fresh GPU pages are better than a copy back.
+                assert self.host is not None
+                self.host.pool.decref(child.pages)
+                self.retier(child, list(mine), Tier.GPU)
+            path.append(child)
+            node, i = child, i + m
+        if session is not None:
+            self.index.tag(path, session)
+            self.index.refreshed(session)
+        for nd in path:
+            nd.last_access = now
+            self.evictor.push_candidate(nd)
+        if session is not None:
+            self._enforce_cap()
+
+    def release(self, pages: list[int]) -> None:
+        """Drop the caller's references on locked pages it will not insert (abort)."""
+        self.pool.decref(pages)
+
+    def end_turn(self, session: str) -> None:
+        """A session's turn is done: its lease runs a fresh TTL and its eviction keys move with it."""
+        self.sessions.end_turn(session)
+        self.index.refreshed(session)
+        self.evictor.repush_session(session)
+        self._enforce_cap()
+
+    # ---- eviction, demotion, promotion (radix_evict.py) ----
+
+    def evict(self, num_pages: int) -> int:
+        """Free at least num_pages GPU pages if possible (demoting to host where it has room). Returns the
+        number of GPU pages freed."""
+        return self.evictor.evict(num_pages)
+
+    def evict_host(self, num_pages: int) -> int:
+        """Drop host leaves, least recently used first (the host tier is the last stop before recompute)."""
+        return self.evictor.evict_host(num_pages)
+
+    def demote(self, num_pages: int) -> int:
+        """Move at least num_pages of unlocked GPU leaves to host now (e.g. ahead of a burst). Returns pages
+        moved; 0 without a host tier."""
+        return self.evictor.demote(num_pages)
+
+    def drop_session(self, session: str) -> int:
+        """Forget a session: untag its nodes and free those no other session uses and no request holds.
+        Returns pages freed (both tiers)."""
+        nodes = self.index.forget(session)
+        freed = 0
+        for n in sorted(nodes, key=lambda n: n.start, reverse=True):  # children before parents
+            if not n.alive or n.sessions or n.children or self.locked(n):
+                continue
+            parent = n.parent
+            assert parent is not None
+            freed += len(n.pages)
+            self.remove(n)
+            self.evictor.push_candidate(parent)
+        return freed
+
+    def _enforce_cap(self) -> None:
+        for sid in self.index.release_over_cap(self.pool.capacity):
+            self.evictor.repush_session(sid)
+
+    # ---- tree mechanics (`remove`, `retier` and `locked` are also the evictor's view: radix_evict.Tree) ----
+
+    def _common(self, key: tuple[int, ...], toks: tuple[int, ...], i: int) -> int:
+        """Whole pages (in tokens) on which key and toks[i:] agree."""
+        n = min(len(key), len(toks) - i)
+        if key[:n] == toks[i : i + n]:
+            return n // self.ps * self.ps
+        j = next(j for j in range(n) if key[j] != toks[i + j])
+        return j // self.ps * self.ps
+
+    def _split(self, n: Node, m: int) -> Node:
+        """Cut n after m tokens (page-aligned, 0 < m < len); returns the new prefix node (n keeps the rest)."""
+        k = m // self.ps
+        parent = n.parent
+        assert parent is not None and 0 < m < len(n.key) and m % self.ps == 0
+        pre = Node(n.key[:m], n.pages[:k], n.tier, parent, n.start)
+        pre.sessions = set(n.sessions)
+        pre.last_access = n.last_access
+        parent.children[n.key[: self.ps]] = pre
+        n.key, n.pages, n.start, n.parent = n.key[m:], n.pages[k:], n.start + m, pre
+        pre.children[n.key[: self.ps]] = n
+        self.index.split(pre)
+        self._epoch += 1
+        return pre
+
+    def remove(self, n: Node) -> None:
+        """Detach n (no children, unlocked) and drop the tree's reference on its pages."""
+        if self.locked(n):
+            raise RuntimeError("removing a node a request still holds")
+        parent = n.parent
+        assert parent is not None
+        del parent.children[n.key[: self.ps]]
+        self._pool_of(n.tier).decref(n.pages)
+        self._count(n, -1)
+        self.index.removed(n)
+        self._epoch += 1
+        n.alive = False
+        n.version += 1
+
+    def retier(self, n: Node, pages: list[int], tier: Tier) -> None:
+        """n's tokens now live on `pages` of `tier`: the caller copied them and settled the old pages'
+        references. Its heap entries and every Match go stale."""
+        self._count(n, -1)
+        n.pages, n.tier = pages, tier
+        self._count(n, 1)
+        n.version += 1
+        self._epoch += 1
+
+    def locked(self, n: Node) -> bool:
+        """A running request holds a reference on one of n's pages (so n is never evicted, demoted or dropped)."""
+        rc = self._pool_of(n.tier).refcount
+        return any(rc[p] > 1 for p in n.pages)
+
+    def _pool_of(self, tier: Tier) -> PagePool:
+        if tier is Tier.GPU:
+            return self.pool
+        assert self.host is not None
+        return self.host.pool
+
+    def _count(self, n: Node, sign: int) -> None:
+        if n.tier is Tier.GPU:
+            self.gpu_pages += sign * len(n.pages)
+        else:
+            self.host_pages += sign * len(n.pages)
+
+    # The tests' window on the heaps (snapshots, the compaction bound); the heaps are the evictor's.
+    @property
+    def _gpu_heap(self) -> list[HeapEntry]:
+        return self.evictor.gpu_heap
+
+    @property
+    def _host_heap(self) -> list[HeapEntry]:
+        return self.evictor.host_heap
+
+    # ---- counters and checks ----
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            policy=self.policy,
+            gpu_pages=self.gpu_pages,
+            host_pages=self.host_pages,
+            host_total_pages=self.host.pool.capacity if self.host is not None else 0,
+            leased_pages=self.index.leased_pages(),
+            evictions=self.evictions,
+            demotions=self.demotions,
+            promotions=self.promotions,
+            host_evictions=self.host_evictions,
+            sessions=len(self.sessions),
+            live_leases=len(self.sessions.live()),
+        )
+
+    def session_pages(self, session: str) -> dict[Tier, int]:
+        return self.index.pages_by_tier(session)
+
+    def check_integrity(self, running_refs: Counter[int] | None = None) -> None:
+        check_integrity(self, running_refs)

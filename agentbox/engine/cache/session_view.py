@@ -1,0 +1,60 @@
+"""What the sessions endpoints show of a session: its counters plus where its cache lives right now.
+Every number comes from a counter or the tree, never from an estimate."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from agentbox.engine.cache.radix_node import Tier
+from agentbox.engine.cache.sessions import LeaseState, Session
+from agentbox.engine.ipc.messages import SessionDetail, SessionState, SessionSummary
+
+if TYPE_CHECKING:
+    from agentbox.engine.core import EngineCore
+
+
+def _state(core: EngineCore, s: Session, now: float) -> SessionState:
+    if any(r.session_id == s.id for r in core.scheduler.requests.values()):
+        return SessionState.GENERATING
+    if s.lease_state(now) is LeaseState.LIVE:
+        return SessionState.WAITING_TOOL
+    return SessionState.IDLE
+
+
+def session_summary(core: EngineCore, s: Session) -> SessionSummary:
+    now = core.cache.clock()
+    pages = core.cache.session_pages(s.id)
+    ps = core.pool.page_size
+    cached = s.cached_tokens_gpu + s.cached_tokens_host
+    last = s.turn_history[-1] if s.turn_history else None
+    return SessionSummary(
+        id=s.id,
+        turns=s.turns,
+        lease_state=s.lease_state(now),
+        lease_expires_in_s=None if s.lease_expiry is None else round(s.lease_expiry - now, 3),
+        prompt_tokens=s.prompt_tokens,
+        cached_tokens_gpu=s.cached_tokens_gpu,
+        cached_tokens_host=s.cached_tokens_host,
+        recomputed_history_tokens=s.recomputed_tokens,
+        history_tokens=s.history_tokens,
+        last_ttft_s=s.last_ttft_s,
+        state=_state(core, s, now),
+        resident_pages_gpu=pages[Tier.GPU],
+        resident_pages_host=pages[Tier.HOST],
+        resident_tokens_gpu=pages[Tier.GPU] * ps,
+        resident_tokens_host=pages[Tier.HOST] * ps,
+        cached_tokens=cached,
+        hit_rate=cached / s.prompt_tokens if s.prompt_tokens else None,
+        last_turn_hit_rate=last.cached_tokens / last.prompt_tokens if last and last.prompt_tokens else None,
+        recompute_ratio=s.recomputed_tokens / s.history_tokens if s.history_tokens else None,
+        expected_gap_s=round(core.cache.sessions.expected_gap(s), 3) if s.gaps else None,
+    )
+
+
+def session_detail(core: EngineCore, s: Session) -> SessionDetail:
+    return SessionDetail(
+        **vars(session_summary(core, s)),
+        gaps_s=[round(g, 3) for g in s.gaps],
+        turn_history=[replace(t) for t in s.turn_history],
+    )

@@ -1,0 +1,207 @@
+"""The model runner, in two halves. Rank 0 turns a SchedulerOutput into a `StepInputs` (`prepare`: the
+only half that sees Requests); every tensor-parallel rank runs `execute(StepInputs)` on its own shard of
+the weights and its own heads of the KV pool. Only rank 0 samples: the LM head all-gathers the logits, so
+rank 0 holds the whole vocabulary row after `execute`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from agentbox.config import PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
+from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
+from agentbox.engine.exec.page_table import PageTable, RowAssigner
+from agentbox.engine.exec.sampler import sample_isolated
+from agentbox.engine.exec.step_inputs import StepInputs
+from agentbox.engine.ipc.messages import TokenLogprob
+from agentbox.engine.scheduler import SchedulerOutput
+from agentbox.layers.backends import select_backend
+from agentbox.layers.backends.base import AttentionMetadata, KVCache
+from agentbox.layers.context import forward_context
+from agentbox.layers.quant import int4, resident_weight_bytes
+from agentbox.models.loader import LoadedModel, load_model
+from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
+
+if TYPE_CHECKING:
+    from agentbox.engine.exec.worker import TPWorkers
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Share of free GPU memory the KV pool takes when no size is given: most of it (weights are already loaded).
+# On CPU the pool holds what the plan counted (_auto_num_pages).
+GPU_KV_SHARE = 0.85
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r runs on the r-th GPU after the configured one (cuda -> cuda:r, cuda:2 -> cuda:2+r), or the CPU."""
+    dev = torch.device(config.resolved_device)
+    if dev.type != "cuda":
+        return dev
+    return torch.device("cuda", (dev.index or 0) + rank)
+
+
+class ModelRunner:
+    def __init__(
+        self, config: EngineConfig, loaded: LoadedModel | None = None, workers: TPWorkers | None = None
+    ) -> None:
+        self.config = config
+        self.rank, self.tp = tp_rank(), tp_size()
+        if self.tp != config.tensor_parallel_size:
+            raise RuntimeError(f"tp state {self.tp} != config {config.tensor_parallel_size} (join the group first)")
+        self.workers = workers
+        self.device = rank_device(config, self.rank)
+        self.dtype = DTYPES[config.resolved_dtype]
+        torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            # Oversubscribed threads are far slower than fewer threads on a small CPU (measured 5x at 2 vs 1
+            # thread on 2 cores with the API process busy), so leave one core to everything else and split
+            # the rest between the ranks.
+            torch.set_num_threads(config.cpu_threads or max(1, ((os.cpu_count() or 2) - 1) // self.tp))
+        elif self.tp > 1:
+            torch.cuda.set_device(self.device)
+        if loaded is None:
+            exact = int4.cpu_kernel(int4.Int4Kernel.DENSE) if config.exact_cpu else contextlib.nullcontext()
+            with exact:
+                loaded = load_model(config.model, self.dtype, self.device)
+        self.loaded = loaded
+        lm = self.loaded
+        self.weight_bytes = resident_weight_bytes(lm.model)
+        self.weight_bytes_per_rank = control_all_gather(self.weight_bytes)
+        self.page_size = config.page_size
+        page_bytes = KVCache.bytes_per_page(lm.num_layers, self.page_size, lm.num_kv_heads, lm.head_dim, self.dtype)
+        # Page ids mean the same slots on every rank, so every rank's pool has the smallest rank's size.
+        self.num_pages = min(control_all_gather(config.num_pages or self._auto_num_pages(page_bytes)))
+        self.kv_cache = KVCache(
+            lm.num_layers, self.num_pages, self.page_size, lm.num_kv_heads, lm.head_dim, self.dtype, self.device
+        )
+        # The pool must hold at least one full-length request, or such a request could never run.
+        pool_tokens = (self.num_pages - 1) * self.page_size
+        if config.max_model_len and config.max_model_len > lm.max_model_len:
+            raise ValueError(f"--max-model-len {config.max_model_len} is above the {lm.max_model_len} positions this model supports")
+        self.max_model_len = min(config.max_model_len or lm.max_model_len, lm.max_model_len, pool_tokens)
+        backend_cls = select_backend(config.attention, self.device.type)
+        self.backend = backend_cls(
+            self.kv_cache, lm.num_heads, lm.num_kv_heads, lm.head_dim, lm.head_dim**-0.5
+        )
+        # One row per running request plus one for a one-off logits call (LLM.logits).
+        num_rows = config.max_num_seqs + 1
+        self.page_table = PageTable(num_rows, -(-self.max_model_len // self.page_size) + 1, self.device)
+        self.rows = RowAssigner(num_rows) if self.rank == 0 else None
+        self.graphs = build_decode_graphs(
+            not config.enforce_eager, self.device, self.backend,
+            lambda: DecodeGraphs(
+                lm.model, self.backend, self.page_size, config.max_num_seqs, self.page_table.table.shape[1],
+                self.device,
+            ),
+        )
+        log.info(
+            "rank %d/%d: weights %.1f MiB, KV pool %d pages of %d tokens (%.1f MiB), attention backend %s, "
+            "max_model_len %d", self.rank, self.tp, self.weight_bytes / 2**20, self.num_pages, self.page_size,
+            self.num_pages * page_bytes / 2**20, backend_cls.name, self.max_model_len,
+        )
+        if self.device.type == "cpu":
+            from agentbox.kernels import cpu_gemv
+
+            log.info("CPU kernels: %s", cpu_gemv.describe())
+
+    def _auto_num_pages(self, page_bytes: int) -> int:
+        if self.config.kv_cache_gb is not None:
+            budget = int(self.config.kv_cache_gb * 2**30)
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * GPU_KV_SHARE)
+        else:
+            # What the plan counted (config.PLAN_CONTEXT x PLAN_SESSIONS): RAM is shared with everything else
+            # on the machine, so the pool takes what the plan promised, not a share of what is free now.
+            tokens = min(self.config.max_model_len or self.loaded.max_model_len, PLAN_CONTEXT) * PLAN_SESSIONS
+            return -(-tokens // self.page_size) + 1  # page 0 is the pool's null page
+        return max(2, budget // page_bytes)
+
+    # ---- rank 0: Requests -> StepInputs ----
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        """The step's tensors. Work is proportional to the step's new tokens and new pages, never to a
+        request's context: tokens are sliced from the request's list, pages reach the table once."""
+        assert self.rows is not None, "only rank 0 prepares steps"
+        ps = self.page_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        kv_lens: list[int] = []
+        sample_rows: list[int] = []
+        rows, updates = self.rows.assign([s.request for s in out.seqs])
+        for s in out.seqs:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            ids += r.token_ids[start:end]
+            pages = r.pages
+            if end - start == 1:
+                pos.append(start)
+                slots.append(pages[start // ps] * ps + start % ps)
+            else:
+                pos += range(start, end)
+                slots += [pages[p // ps] * ps + p % ps for p in range(start, end)]
+            query_lens.append(end - start)
+            kv_lens.append(end)
+            if s.sample:
+                sample_rows.append(len(ids) - 1)
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(pos, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_lens=query_lens,
+            kv_lens=kv_lens,
+            table_rows=torch.tensor(rows, dtype=torch.int64),
+            page_updates=torch.tensor(updates, dtype=torch.int64).reshape(-1, 3),
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
+            num_table_cols=-(-max(kv_lens) // ps),
+        )
+
+    # ---- every rank: StepInputs -> logits ----
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> torch.Tensor | None:
+        """The forward pass; float32 logits [S, vocab] at step.sample_rows (None when nothing samples).
+        At tp > 1 every rank gets the gathered logits; rank 0 is the one that samples them."""
+        self.page_table.apply(step.page_updates)
+        dev = self.device
+        if self.graphs is not None and self.graphs.fits(step.query_lens, int(step.sample_rows.numel())):
+            return self.graphs.run(
+                step.input_ids.to(dev), step.positions.to(dev), step.slot_mapping.to(dev), step.kv_lens,
+                self.page_table.rows(step.table_rows, step.num_table_cols),
+            )
+        meta = AttentionMetadata(
+            query_lens=step.query_lens,
+            kv_lens=step.kv_lens,
+            page_table=self.page_table.rows(step.table_rows, step.num_table_cols),
+            slot_mapping=step.slot_mapping.to(dev),
+            page_size=self.page_size,
+        )
+        with forward_context(self.backend, meta):
+            hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
+        if not step.sample_rows.numel():
+            return None
+        return self.loaded.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()
+
+    # ---- rank 0: one whole step ----
+
+    def forward_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """float32 logits [N, vocab] at the last new token of each seq with sample=True (None if none)."""
+        step = self.prepare(out)
+        if self.workers is not None:
+            self.workers.send_step(step)
+        return self.execute(step)
+
+    def step(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprob | None], dict[int, str]]:
+        """Runs the step on every rank; returns one token (and logprobs) per seq with sample=True, in order,
+        and the rows whose sampling failed (row -> why: that request's error, not the engine's)."""
+        logits = self.forward_logits(out)
+        if logits is None:
+            return [], [], {}
+        return sample_isolated(logits, [s.request for s in out.seqs if s.sample])

@@ -1,0 +1,127 @@
+"""The engine core process: its entry point and message loop around an `EngineCore` (core.py). The loop
+receives typed messages from the API process (engine/ipc/client.py), steps the core and sends its outputs back;
+a tp rank's death is reported and ends the process, whose restart is the API process's call.
+
+Idle means blocked: with no work the process loop sits in `conn.recv()`; with only blocked admissions it
+waits on the pipe until the next lease expiry or admission timeout. It never sleeps-and-polls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from multiprocessing.connection import Connection
+
+from agentbox.config import EngineConfig
+from agentbox.engine.core import EngineCore
+from agentbox.engine.exec.worker import RankDeath
+from agentbox.engine.ipc.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineFailed,
+    Query,
+    QueryFailed,
+    QueryReply,
+    RequestOutput,
+    Shutdown,
+    StepOutputs,
+)
+
+log = logging.getLogger(__name__)
+
+
+def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = logging.INFO) -> None:
+    """Entry point of the engine core process."""
+    logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group; the API process owns the shutdown (it sends
+    # Shutdown, or its exit closes the pipe), so the engine must not die mid-step with a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # No PR_SET_PDEATHSIG here: it fires when the parent *thread* ends, and a restarted engine is spawned
+    # by a short-lived thread. The pipe's EOF ends this process when the API process goes.
+    send_lock = threading.Lock()  # the tp watchdog thread may report a death while the loop sends
+
+    def send(msg: object) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    core: EngineCore | None = None
+    dying = threading.Lock()
+
+    def on_rank_death(death: RankDeath) -> None:
+        # A collective with a dead peer may never return (NCCL), so the loop cannot be trusted to notice:
+        # report, end the other ranks, and exit; the API process fails in-flight requests and restarts us.
+        # Called by the watchdog, or by the loop when a step fails because a peer went away.
+        dying.acquire()  # once: the other caller blocks here until the process exits
+        why = death.describe()
+        log.error("%s; the engine exits", why)
+        try:
+            send(EngineFailed(why, dead_rank=death.rank))
+        except OSError:
+            pass
+        if core is not None and core.workers is not None:
+            core.workers.kill()
+        os._exit(3)
+
+    try:
+        core = EngineCore(config, on_rank_death=on_rank_death)
+    except Exception as e:  # any load failure is reported to the API process, which explains it
+        log.exception("engine failed to start")
+        send(EngineFailed(f"{type(e).__name__}: {e}"))
+        return
+    send(core.ready_message())
+
+    def handle(msg: object) -> bool:
+        assert core is not None
+        if isinstance(msg, AddRequest):
+            try:
+                err = core.add(msg)
+            except Exception as e:  # a request that cannot even be queued fails alone
+                log.exception("request %s could not be added", msg.request_id)
+                err = RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
+                                    error=f"this request failed in the engine: {type(e).__name__}: {e}",
+                                    error_code="request_failed")
+            if err is not None:
+                send(StepOutputs([err]))
+        elif isinstance(msg, AbortRequest):
+            o = core.abort(msg.request_id)
+            if o is not None:
+                send(StepOutputs([o]))
+        elif isinstance(msg, Query):
+            try:
+                result = core.query(msg)
+            except Exception as e:  # a bad query must not take the engine down
+                log.exception("query failed")
+                result = QueryFailed(f"{type(e).__name__}: {e}")
+            send(QueryReply(msg.query_id, result))
+        elif isinstance(msg, Shutdown):
+            return False
+        return True
+
+    try:
+        while True:
+            if not core.has_work():
+                if not handle(conn.recv()):  # blocks: idle costs nothing
+                    return
+            elif not core.progress_possible():
+                # Only blocked admissions: wait for a message or the next lease expiry / admission timeout.
+                if conn.poll(core.wait_timeout()) and not handle(conn.recv()):
+                    return
+            while conn.poll():
+                if not handle(conn.recv()):
+                    return
+            if core.has_work():
+                try:
+                    outs = core.step()
+                except Exception:
+                    death = core.workers.wait_for_death(5.0) if core.workers is not None else None
+                    if death is not None:
+                        on_rank_death(death)  # does not return
+                    raise
+                if outs:
+                    send(StepOutputs(outs))
+    except (EOFError, BrokenPipeError):
+        log.info("API process went away; engine exiting")
+    finally:
+        core.close()
