@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, KVCache
 from agentbox.layers.backends.torch_backend import TorchAttention
 from agentbox.layers.context import forward_context
@@ -34,6 +35,7 @@ class PagedRunner:
         self.backend = backend_cls(
             self.cache, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, loaded.head_dim**-0.5
         )
+        self.cpu_decode = CpuDecode.build(self.model, torch.device(device))  # as the engine's runner chooses
         self.free_pages = list(range(num_pages))
         self.pages: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
@@ -69,7 +71,10 @@ class PagedRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         with forward_context(self.backend, meta):
-            hidden = self.model(input_ids, pos_t)
+            if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.cache):
+                hidden = self.cpu_decode.run(input_ids, pos_t)
+            else:
+                hidden = self.model(input_ids, pos_t)
         logits = self.model.compute_logits(hidden)
         return dict(zip(chunks, logits.split(query_lens), strict=True))
 

@@ -12,7 +12,10 @@ from quant_checkpoints import CONFIG, PROMPT, quantise_saved, write_int4
 from top_tokens import assert_top_tokens_agree
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from agentbox.models import cpu_decode
+from agentbox.config import EngineConfig
+from agentbox.engine.exec import cpu_decode
+from agentbox.engine.exec.runner import ModelRunner
+from agentbox.engine.exec.step_inputs import StepInputs
 from agentbox.models.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="CPU kernels unavailable")
@@ -79,3 +82,37 @@ def test_fused_decode_covers_qkv_bias_and_qk_norm(family: str, tmp_path: Path) -
             # Measured up to 0.9 % of the logit range (int8-rounded activations flip a step of a code
             # where the two paths' last bits differ); without the q/k norm it is 10-60 %.
             assert (f[s] - e[s]).abs().max() < 0.03 * e[s].abs().max()
+
+
+def _runner_step(runner: ModelRunner, tokens: list[int], start: int, pages: list[int]) -> torch.Tensor:
+    """One step of one sequence (row 0 of the page table) through the engine's runner: its new tokens from
+    position `start`, its pages written first. Returns the logits of its last token."""
+    ps = runner.page_size
+    end = start + len(tokens)
+    cols = -(-end // ps)
+    return runner.execute(StepInputs(
+        input_ids=torch.tensor(tokens), positions=torch.arange(start, end),
+        slot_mapping=torch.tensor([pages[p // ps] * ps + p % ps for p in range(start, end)]),
+        query_lens=[len(tokens)], kv_lens=[end], table_rows=torch.tensor([0]),
+        page_updates=torch.tensor([[0, c, pages[c]] for c in range(cols)]).reshape(-1, 3),
+        sample_rows=torch.tensor([len(tokens) - 1]), num_table_cols=cols,
+    ))[0]
+
+
+@pytest.mark.slow
+def test_the_engine_runner_picks_the_fused_decode(smollm2_path: Path, smollm2_fast: LoadedModel, smollm2_loaded: LoadedModel) -> None:
+    """The runner, not the model, chooses the fused layers: for a decode step of the default CPU path (the
+    harness's fused logits, not the torch layers'), never for the exact path (its layers are dequantised)."""
+    config = EngineConfig(model=str(smollm2_path), num_pages=8, page_size=16, device="cpu", attention="torch")
+    assert ModelRunner(config, loaded=smollm2_loaded).cpu_decode is None
+    runner = ModelRunner(config, loaded=smollm2_fast)
+    assert runner.cpu_decode is not None
+    prompt, pages = PROMPT * 3, [3, 1, 5, 2]
+    _runner_step(runner, prompt, 0, pages)  # prefill: the torch layers
+    got = _runner_step(runner, [42], len(prompt), pages)
+    fused = _decode_logits(smollm2_fast, {0: prompt}, [{0: 42}])[0][0][0]
+    with cpu_decode.disabled():
+        eager = _decode_logits(smollm2_fast, {0: prompt}, [{0: 42}])[0][0][0]
+    scale = eager.abs().max()
+    assert (fused - eager).abs().max() > 1e-4 * scale  # the two paths differ in their last bits (int8 rounding)
+    assert (got - fused).abs().max() < 1e-5 * scale  # the same C layers on the same cache contents

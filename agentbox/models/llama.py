@@ -4,7 +4,9 @@ The differences are small switches read from the config: qkv bias (Qwen2 always,
 `attention_bias`), a per-head RMSNorm on q and k before rope (Qwen3), explicit head_dim (Qwen3, Mistral
 Nemo), tied embeddings, per-layer sliding windows (`layer_types`) and learned attention sinks (gpt-oss).
 MoE families (qwen3_moe.py, gpt_oss.py) reuse this attention and decoder layer and bring their own MLP.
-The file only composes layers; TP splitting lives in the layers' weight loaders.
+The file only composes layers and names the checkpoint's weights; TP splitting lives in the layers' weight
+loaders, and how a step runs (eager, a CUDA graph, the CPU fused decode of engine/exec/cpu_decode.py) is the
+runner's choice.
 The model sees one flattened batch: input_ids [T] and positions [T]; where each token's sequence and cache
 pages are is the attention backend's business (the forward context).
 """
@@ -23,7 +25,6 @@ from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agentbox.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from agentbox.layers.norm import RMSNorm
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
-from agentbox.models import cpu_decode
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 SINK_MODEL_TYPES = ("gpt_oss",)
@@ -149,13 +150,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        fused = cpu_decode.run_layers(self, hidden, positions)  # a decode step on CPU, one call per layer
-        if fused is not None:
-            hidden, residual = fused
-        else:
-            self.rotary.begin(positions, hidden.dtype)
-            for layer in self.layers:
-                hidden, residual = layer(positions, hidden, residual)
+        self.rotary.begin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

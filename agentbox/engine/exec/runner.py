@@ -8,11 +8,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from agentbox.config import PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
+from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.exec.page_table import PageTable, RowAssigner
 from agentbox.engine.exec.sampler import sample_isolated
@@ -25,9 +26,6 @@ from agentbox.layers.context import forward_context
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import LoadedModel, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
-
-if TYPE_CHECKING:
-    from agentbox.engine.exec.worker import TPWorkers
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +43,15 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", (dev.index or 0) + rank)
 
 
+class StepSender(Protocol):
+    """Where rank 0 sends each step for ranks 1..tp-1 (engine/exec/worker.py TPWorkers)."""
+
+    def send_step(self, step: StepInputs) -> None: ...
+
+
 class ModelRunner:
     def __init__(
-        self, config: EngineConfig, loaded: LoadedModel | None = None, workers: TPWorkers | None = None
+        self, config: EngineConfig, loaded: LoadedModel | None = None, workers: StepSender | None = None
     ) -> None:
         self.config = config
         self.rank, self.tp = tp_rank(), tp_size()
@@ -57,22 +61,39 @@ class ModelRunner:
         self.device = rank_device(config, self.rank)
         self.dtype = DTYPES[config.resolved_dtype]
         torch.manual_seed(config.seed)
-        if self.device.type == "cpu":
-            # Oversubscribed threads are far slower than fewer threads on a small CPU (measured 5x at 2 vs 1
-            # thread on 2 cores with the API process busy), so leave one core to everything else and split
-            # the rest between the ranks.
-            torch.set_num_threads(config.cpu_threads or max(1, ((os.cpu_count() or 2) - 1) // self.tp))
-        elif self.tp > 1:
-            torch.cuda.set_device(self.device)
+        self._set_threads()
         if loaded is None:
             exact = int4.cpu_kernel(int4.Int4Kernel.DENSE) if config.exact_cpu else contextlib.nullcontext()
             with exact:
                 loaded = load_model(config.model, self.dtype, self.device)
         self.loaded = loaded
-        lm = self.loaded
-        self.weight_bytes = resident_weight_bytes(lm.model)
+        self.weight_bytes = resident_weight_bytes(loaded.model)
         self.weight_bytes_per_rank = control_all_gather(self.weight_bytes)
         self.page_size = config.page_size
+        page_bytes = self._make_pool()
+        self._make_execution()
+        log.info(
+            "rank %d/%d: weights %.1f MiB, KV pool %d pages of %d tokens (%.1f MiB), attention backend %s, "
+            "max_model_len %d", self.rank, self.tp, self.weight_bytes / 2**20, self.num_pages, self.page_size,
+            self.num_pages * page_bytes / 2**20, self.backend.name, self.max_model_len,
+        )
+        if self.device.type == "cpu":
+            from agentbox.kernels import cpu_gemv
+
+            log.info("CPU kernels: %s", cpu_gemv.describe())
+
+    def _set_threads(self) -> None:
+        if self.device.type == "cpu":
+            # Oversubscribed threads are far slower than fewer threads on a small CPU (measured 5x at 2 vs 1
+            # thread on 2 cores with the API process busy), so leave one core to everything else and split
+            # the rest between the ranks.
+            torch.set_num_threads(self.config.cpu_threads or max(1, ((os.cpu_count() or 2) - 1) // self.tp))
+        elif self.tp > 1:
+            torch.cuda.set_device(self.device)
+
+    def _make_pool(self) -> int:
+        """The KV pool and the context length it allows; returns the bytes of one page."""
+        config, lm = self.config, self.loaded
         page_bytes = KVCache.bytes_per_page(lm.num_layers, self.page_size, lm.num_kv_heads, lm.head_dim, self.dtype)
         # Page ids mean the same slots on every rank, so every rank's pool has the smallest rank's size.
         self.num_pages = min(control_all_gather(config.num_pages or self._auto_num_pages(page_bytes)))
@@ -84,6 +105,12 @@ class ModelRunner:
         if config.max_model_len and config.max_model_len > lm.max_model_len:
             raise ValueError(f"--max-model-len {config.max_model_len} is above the {lm.max_model_len} positions this model supports")
         self.max_model_len = min(config.max_model_len or lm.max_model_len, lm.max_model_len, pool_tokens)
+        return page_bytes
+
+    def _make_execution(self) -> None:
+        """The attention backend, the page table, and the ways a step can run: CUDA graphs, the CPU fused
+        decode, eager (`execute` picks one per step)."""
+        config, lm = self.config, self.loaded
         backend_cls = select_backend(config.attention, self.device.type)
         self.backend = backend_cls(
             self.kv_cache, lm.num_heads, lm.num_kv_heads, lm.head_dim, lm.head_dim**-0.5
@@ -99,15 +126,7 @@ class ModelRunner:
                 self.device,
             ),
         )
-        log.info(
-            "rank %d/%d: weights %.1f MiB, KV pool %d pages of %d tokens (%.1f MiB), attention backend %s, "
-            "max_model_len %d", self.rank, self.tp, self.weight_bytes / 2**20, self.num_pages, self.page_size,
-            self.num_pages * page_bytes / 2**20, backend_cls.name, self.max_model_len,
-        )
-        if self.device.type == "cpu":
-            from agentbox.kernels import cpu_gemv
-
-            log.info("CPU kernels: %s", cpu_gemv.describe())
+        self.cpu_decode = CpuDecode.build(lm.model, self.device)  # None on GPU and for models it cannot run
 
     def _auto_num_pages(self, page_bytes: int) -> int:
         if self.config.kv_cache_gb is not None:
@@ -168,7 +187,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor | None:
         """The forward pass; float32 logits [S, vocab] at step.sample_rows (None when nothing samples).
-        At tp > 1 every rank gets the gathered logits; rank 0 is the one that samples them."""
+        At tp > 1 every rank gets the gathered logits; rank 0 is the one that samples them. The step runs as
+        a CUDA graph replay when one fits, else through the CPU fused decode when it fits, else eagerly."""
         self.page_table.apply(step.page_updates)
         dev = self.device
         if self.graphs is not None and self.graphs.fits(step.query_lens, int(step.sample_rows.numel())):
@@ -184,7 +204,10 @@ class ModelRunner:
             page_size=self.page_size,
         )
         with forward_context(self.backend, meta):
-            hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
+            if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.kv_cache):
+                hidden = self.cpu_decode.run(step.input_ids.to(dev), step.positions.to(dev))
+            else:
+                hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
         if not step.sample_rows.numel():
             return None
         return self.loaded.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()

@@ -26,9 +26,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+import torch
+
 from agentbox.config import EngineConfig
+from agentbox.engine.exec.runner import ModelRunner, rank_device
 from agentbox.engine.exec.step_inputs import StepInputs
 from agentbox.parallel.shm_group import ShmGroup
+from agentbox.parallel.state import init_distributed
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +80,6 @@ def worker_main(
     """Entry point of rank `rank` (>= 1): join the group, load the shard, then run steps until told to stop."""
     die_with_parent()
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
-    from agentbox.engine.exec.runner import ModelRunner, rank_device
-    from agentbox.parallel.state import init_distributed
-
     try:
         init_distributed(rank, config.tensor_parallel_size, port, rank_device(config, rank), shm)
         runner = ModelRunner(config)
@@ -101,8 +102,6 @@ class TPWorkers:
 
     def __init__(self, config: EngineConfig) -> None:
         self.size = config.tensor_parallel_size
-        from agentbox.engine.exec.runner import rank_device
-
         self.port = free_port()
         ctx = mp.get_context("spawn")
         # On CPU the ranks' collectives go through shared memory made here, before the workers exist.
@@ -193,10 +192,6 @@ class TPWorkers:
 def _p2p_guard(config: EngineConfig) -> None:
     """Without GPU peer access NCCL's P2P transport can hang (multi-RTX-4090 boxes): route it through
     host memory instead, before any rank initialises NCCL (the workers inherit the environment)."""
-    import torch
-
-    from agentbox.engine.exec.runner import rank_device
-
     if rank_device(config, 0).type != "cuda" or "NCCL_P2P_DISABLE" in os.environ:
         return
     devs = [rank_device(config, r).index or 0 for r in range(config.tensor_parallel_size)]
@@ -207,9 +202,6 @@ def _p2p_guard(config: EngineConfig) -> None:
 
 def start_group(config: EngineConfig) -> TPWorkers | None:
     """At tp > 1: spawns the workers and joins the group as rank 0 (None at tp 1)."""
-    from agentbox.engine.exec.runner import rank_device
-    from agentbox.parallel.state import init_distributed
-
     if config.tensor_parallel_size == 1:
         return None
     _p2p_guard(config)

@@ -2,10 +2,12 @@
 
 What a CUDA graph is on a GPU, this is on a CPU: the step's small ops (residual adds, RMSNorm, rotary, the
 KV store, attention, SiLU) cost more in PyTorch's per-op dispatch than the 4-bit matmuls cost in arithmetic,
-so the layer runs as one call. A model qualifies when every layer is a Llama-family layer (Llama, Qwen2's
-qkv bias, Qwen3's q/k norm; no other biases, no sinks or windows, a dense SiLU MLP) whose four linears run
-kernels/cpu_gemv's 4-bit kernel, in fp32 at tensor-parallel size 1; a step qualifies when every sequence decodes one token. Anything else runs
-the torch layers, which define the numbers this path must match (tests/test_cpu_decode.py).
+so the layer runs as one call. The runner chooses it (`CpuDecode.build` once per model, `fits` per step), as
+it chooses a CUDA graph; the model file knows nothing of it. A model qualifies when every layer is a
+Llama-family layer (Llama, Qwen2's qkv bias, Qwen3's q/k norm; no other biases, no sinks or windows, a dense
+SiLU MLP) whose four linears run kernels/cpu_gemv's 4-bit kernel, in fp32 at tensor-parallel size 1; a step
+qualifies when every sequence decodes one token. Anything else runs the torch layers, which define the
+numbers this path must match (tests/test_cpu_decode.py).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import get_forward_context
 from agentbox.layers.quant.int4 import Int4Kernel
+from agentbox.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _enabled = True
@@ -63,7 +67,6 @@ def _linears(layer: nn.Module) -> list[nn.Module]:
 def eligible(model: nn.Module) -> bool:
     """Static checks, once per model (see the module notes)."""
     from agentbox.kernels import cpu_gemv
-    from agentbox.models.llama import LlamaDecoderLayer, LlamaMLP
 
     if not cpu_gemv.available():
         return False
@@ -118,22 +121,49 @@ def _cache_key(kv: Any) -> tuple[int, ...]:
     return tuple(t.data_ptr() for t in (*kv.k, *kv.v))
 
 
-def run_layers(model: nn.Module, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(hidden, residual) after every layer, or None when this model or step does not qualify."""
+class CpuDecode:
+    """The fused decode of one model (a causal LM whose `model` is a LlamaModel): embedding, the C layers,
+    the final norm. The runner calls `run` inside the step's forward context when `fits` says so."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        self.model: LlamaModel = lm.model
+        self._plan: _Plan | None = None
+
+    @staticmethod
+    def build(lm: nn.Module, device: torch.device) -> CpuDecode | None:
+        """The fused decode of `lm`, or None when the model does not qualify (see the module notes)."""
+        inner = getattr(lm, "model", None)
+        if device.type != "cpu" or not isinstance(inner, LlamaModel) or not eligible(inner):
+            return None
+        probe = inner.embed_tokens(torch.zeros(1, dtype=torch.int64, device=device))
+        return CpuDecode(lm) if probe.dtype == torch.float32 else None  # the C layer reads fp32 hidden states
+
+    def fits(self, meta: AttentionMetadata, kv: KVCache) -> bool:
+        """Whether this step runs fused: every sequence decodes one token into an fp32 KV pool."""
+        return _enabled and meta.is_decode_only and kv.k[0].dtype == torch.float32
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The final hidden states [T, H], as the model's forward returns them (inside a forward context)."""
+        model = self.model
+        hidden = model.embed_tokens(input_ids)
+        ctx = get_forward_context()
+        kv = ctx.backend.kv_cache
+        if self._plan is None or self._plan.cache_key != _cache_key(kv):
+            self._plan = _plan(model, kv)
+        hidden, residual = run_layers(self._plan, hidden, positions, ctx.meta)
+        hidden, _ = model.norm(hidden, residual)
+        return hidden
+
+
+def run_layers(
+    plan: _Plan, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, residual) after every layer of the plan: one C call per layer."""
     from agentbox.kernels import cpu_gemv
 
-    if not _enabled or hidden.is_cuda or hidden.dtype != torch.float32:
-        return None
-    ok = model.__dict__.get("_cpu_decode_ok")
-    if ok is None:
-        ok = model.__dict__["_cpu_decode_ok"] = eligible(model)
-    ctx = get_forward_context()
-    meta, kv = ctx.meta, ctx.backend.kv_cache
-    if not ok or not meta.is_decode_only or kv.k[0].dtype != torch.float32 or hidden.shape[0] != meta.num_seqs:
-        return None
-    plan: _Plan | None = model.__dict__.get("_cpu_decode_plan")
-    if plan is None or plan.cache_key != _cache_key(kv):
-        plan = model.__dict__["_cpu_decode_plan"] = _plan(model, kv)
+    if hidden.shape[0] != meta.num_seqs:
+        raise ValueError(f"a fused decode step takes one token per sequence ({hidden.shape[0]} for {meta.num_seqs})")
     hidden = hidden.contiguous()  # the embedding's fresh output: updated in place
     residual = torch.empty_like(hidden)
     pos = positions.to(torch.int64).contiguous()
