@@ -19,18 +19,16 @@ from moe_harness import DECODE, PROMPT, engine_greedy_matches, hf_logits, paged_
 from test_quant_gguf import quantise
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-from agentbox.layers.experts.base import ExpertShard, FusedMoE
+from agentbox.layers.experts import ExpertShard, FusedMoE
 from agentbox.layers.experts.bits import BitsExperts
+from agentbox.layers.experts.gguf import GGUFExperts, pack_k
+from agentbox.layers.experts.int4 import Int4Experts
 from agentbox.layers.quant import resident_weight_bytes
 from agentbox.layers.quant.gguf import GGUFBlocks
 from agentbox.layers.quant.int4 import pack_rows_int32
 from agentbox.layers.rotary import rope_parameters
 from agentbox.models.gguf_file import gguf_config, gguf_weights, hf_tensor_name
 from agentbox.models.loader import load_model
-
-# The canonical int4 experts are the experts branch's (layers/experts/quant.py): until it is merged, skip.
-Int4Experts = pytest.importorskip("agentbox.layers.experts.quant").Int4Experts
-from agentbox.layers.experts.gguf import GGUFExperts, pack_k  # noqa: E402  (needs moe_quant)
 
 # The exact CPU path: experts stay in the canonical form (the default repacks them: tests/test_moe_cpu.py).
 pytestmark = pytest.mark.usefixtures("exact_cpu_kernels")

@@ -16,7 +16,7 @@ from moe_harness import PROMPT, hf_logits, paged_logits
 from test_gguf_moe import FFN, E, H, Q, qwen3moe_config, twin, write_qwen3moe
 from test_quant_gguf import quantise
 
-from agentbox.layers.experts.base import ExpertShard, FusedMoE
+from agentbox.layers.experts import ExpertShard, FusedMoE
 from agentbox.layers.experts.bits import BitsExperts, BitsForm
 from agentbox.layers.experts.gguf import GGUFExperts
 from agentbox.layers.quant import resident_weight_bytes

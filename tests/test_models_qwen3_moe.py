@@ -8,7 +8,7 @@ import torch
 from moe_harness import PROMPT, engine_greedy_matches, hf_logits, paged_logits, save_random
 from transformers import Qwen3MoeConfig
 
-from agentbox.layers.experts.base import FusedMoE
+from agentbox.layers.experts import FusedMoE
 from agentbox.models.loader import load_model
 
 TINY_MOE = dict(

@@ -15,9 +15,10 @@ from safetensors import safe_open
 from test_models_qwen3_moe import TINY_MOE
 from transformers import Qwen3MoeConfig
 
-from agentbox.layers.experts.awq_gptq import AwqExperts, GptqExperts
-from agentbox.layers.experts.base import FusedMoE
-from agentbox.layers.experts.quant import Fp8BlockExperts
+from agentbox.layers.experts import FusedMoE
+from agentbox.layers.experts.awq import AwqExperts
+from agentbox.layers.experts.fp8 import Fp8BlockExperts
+from agentbox.layers.experts.gptq import GptqExperts
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import load_model
 

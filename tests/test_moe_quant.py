@@ -1,13 +1,14 @@
-"""Quantised expert methods (layers/experts/quant.py) against their definitions, at the layer level."""
+"""Quantised expert methods (layers/experts/int4.py, fp8.py, awq.py, gptq.py) against their definitions, at the layer level."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from agentbox.layers.experts.awq_gptq import GptqExperts
-from agentbox.layers.experts.base import ExpertShard, FusedMoE, MoEActivation, moe_ref, select_experts
-from agentbox.layers.experts.quant import Fp8BlockExperts, Int4Experts
+from agentbox.layers.experts import ExpertShard, FusedMoE, MoEActivation, moe_ref, select_experts
+from agentbox.layers.experts.fp8 import Fp8BlockExperts
+from agentbox.layers.experts.gptq import GptqExperts
+from agentbox.layers.experts.int4 import Int4Experts
 from agentbox.layers.quant import QuantConfig, QuantMethod
 
 
@@ -90,7 +91,7 @@ def test_gptq_act_order_down_shard_splitting_groups_is_refused_by_name(rank1_of_
 def test_planner_moe_formats_are_the_registered_expert_methods() -> None:
     import agentbox.models.loader  # noqa: F401 - imports every module that registers an expert method
     from agentbox.hub.plan import MOE_EXPERT_FORMATS
-    from agentbox.layers.experts.quant import registered_expert_methods
+    from agentbox.layers.experts import registered_expert_methods
     from agentbox.layers.quant.formats import METHODS
 
     with_experts = {m for m, info in METHODS.items() if info.moe_gpu is not None} | {QuantMethod.UNQUANTIZED}
@@ -100,8 +101,8 @@ def test_planner_moe_formats_are_the_registered_expert_methods() -> None:
 
 
 def test_byte_packing_is_bit_identical_to_the_word_helpers() -> None:
-    from agentbox.layers.experts.awq_gptq import awq_to_rows
-    from agentbox.layers.experts.quant import pack_rows_bytes, unpack_rows_bytes
+    from agentbox.layers.experts.awq import awq_to_rows
+    from agentbox.layers.experts.int4 import pack_rows_bytes, unpack_rows_bytes
     from agentbox.layers.quant.awq import awq_unpack
     from agentbox.layers.quant.int4 import pack_rows_int32, unpack_rows_int32
 
@@ -122,8 +123,8 @@ def test_a_gptq_v2_checkpoint_is_refused_by_its_field() -> None:
 
 
 def test_expert_method_follows_the_quant_config_and_its_skip_modules() -> None:
-    from agentbox.layers.experts.awq_gptq import AwqExperts
-    from agentbox.layers.experts.base import UnquantizedExperts
+    from agentbox.layers.experts.awq import AwqExperts
+    from agentbox.layers.experts.unquantized import UnquantizedExperts
     from agentbox.layers.quant import quant_context
 
     config = QuantConfig(QuantMethod.AWQ, 4, 32, sym=False, skip_modules=("model.layers.0.mlp.experts",))

@@ -13,7 +13,7 @@ from test_gguf_moe import FFN, E, H, Q, write_qwen3moe
 
 from agentbox.hub.gguf_moe import EXPERT_TYPE_BYTES, ExpertBytes, expert_bytes
 from agentbox.hub.profiles import find_profile
-from agentbox.layers.experts.base import FusedMoE
+from agentbox.layers.experts import FusedMoE
 from agentbox.layers.quant import resident_weight_bytes
 from agentbox.models.loader import load_model
 

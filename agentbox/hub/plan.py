@@ -47,7 +47,7 @@ QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANT
 ENGINE_FORMATS = engine_formats()  # the linear-method registry's formats (layers/quant/formats.py)
 # Formats one architecture runs beyond those: gpt-oss's MXFP4 experts stay resident (layers/experts/mxfp4.py).
 ARCHITECTURE_FORMATS: dict[str, frozenset[str]] = {"GptOssForCausalLM": frozenset({"mxfp4"})}
-# Formats the MoE layer's experts load (layers/experts/base.py, layers/experts/quant.py): the expert methods' registry.
+# Formats the MoE layer's experts load (layers/experts/__init__.py): the expert methods' registry.
 MOE_EXPERT_FORMATS = moe_expert_formats()
 # Architectures known and deliberately not run, with the missing piece named.
 ARCHITECTURE_GAPS = {"Glm4MoeLiteForCausalLM": "multi-head latent attention (MLA) is not implemented"}

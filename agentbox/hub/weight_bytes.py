@@ -16,7 +16,7 @@ def active_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_ker
 def resident_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> int:
     """Bytes the weights occupy once loaded. A method that keeps its weights quantised holds the file's
     bytes plus what its resident form adds per weight (int4: a bf16 scale and offset per group where the
-    file has an fp16 scale and a 4-bit zero; MoE experts included, layers/experts/quant.py), counted over every
+    file has an fp16 scale and a 4-bit zero; MoE experts included, layers/experts/int4.py), counted over every
     parameter (an upper bound: embeddings and norms stay as stored). A dense GGUF file is its size times its
     mix's resident / file bytes (formats.GGUF_MIXES, the types its name tells) on GPU, and on a CPU whose
     kernels build (kernels/cpu_gemv, cpu_bits; `cpu_kernels`, from the probe). The rest become the compute
@@ -64,7 +64,7 @@ def gguf_gpu_mix(profile: Profile, variant: Variant, device: str, cpu_kernels: b
 
 
 def cpu_quantised_experts(profile: Profile, variant: Variant) -> int | None:
-    """The expert parameters that stay quantised on CPU (layers/experts/quant.py keeps them so), or None."""
+    """The expert parameters that stay quantised on CPU (layers/experts/int4.py keeps them so), or None."""
     method = method_of_format(variant.format)
     if not profile.moe or not profile.expert_params or method is None or not METHODS[method].moe_cpu_bytes_per_weight:
         return None

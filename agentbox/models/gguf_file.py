@@ -201,11 +201,7 @@ def gguf_quant_config(path: Path) -> QuantConfig:
     reader = open_gguf(path)
     names = [(name, t) for t in reader.tensors if (name := hf_tensor_name(t.name)) is not None]
     if any(_stacked_experts(name) for name, _ in names):
-        # The MoE layer picks its method from this config; the GGUF one registers itself with that chooser
-        # (layers/experts/quant.py) on import, which only MoE files need.
-        from agentbox.layers.experts import gguf  # noqa: F401
-
-        return QuantConfig(QuantMethod.GGUF)
+        return QuantConfig(QuantMethod.GGUF)  # the MoE layer's registry maps it to GGUFExperts (layers/experts/)
     quantised = any(_kept_quantised(name, t) and t.qtype not in FLOAT_TYPES for name, t in names)
     return QuantConfig(QuantMethod.GGUF) if quantised else QuantConfig()
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agentbox.layers.experts.base import ExpertMethod, ExpertShard, FusedMoE, MoEActivation
+from agentbox.layers.experts import ExpertMethod, ExpertShard, FusedMoE, MoEActivation
 from agentbox.layers.experts.mxfp4 import Mxfp4Experts, is_mxfp4_checkpoint
 from agentbox.layers.linear import ReplicatedLinear
 from agentbox.models.llama import LlamaForCausalLM

@@ -21,6 +21,8 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from agentbox.config import state_dir
+from agentbox.layers.experts import FusedMoE
+from agentbox.layers.experts import cpu as cpu_experts
 from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
 from agentbox.layers.quant.lazy import LazySlice
 from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_quant_config, gguf_weights, open_gguf
@@ -129,6 +131,19 @@ def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def repack_experts_for_cpu(model: nn.Module) -> None:
+    """Int4 and k-bit MoE experts on a CPU, repacked for the CPU kernels (layers/experts/cpu.py; the others
+    stay as loaded)."""
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            cpu_experts.install(module)
+
+
+# What the loader does to a model once every weight is in (each layer's own conversion, `process_weights_after_loading`
+# of a layer, has run in load_weights): repacking for the device's kernels, then the linear methods' conversions.
+LOAD_STEPS = (repack_experts_for_cpu, process_weights_after_loading)
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module
@@ -158,7 +173,8 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
     finally:
         torch.set_default_dtype(previous_dtype)
     load_weights(model, iter_weights(src, config, for_engine=True))
-    process_weights_after_loading(model)
+    for step in LOAD_STEPS:
+        step(model)
     model.eval().requires_grad_(False)
     shard = head_shard(config.num_attention_heads, num_kv_heads_of(config))
     return LoadedModel(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agentbox.layers.experts.base import ExpertShard, FusedMoE
+from agentbox.layers.experts import ExpertShard, FusedMoE
 from agentbox.layers.linear import ReplicatedLinear
 from agentbox.layers.quant import QuantConfig, quant_context
 from agentbox.models.llama import LlamaForCausalLM, LlamaMLP

@@ -14,10 +14,10 @@ import torch
 from test_gguf_moe import LAYER_TYPES, Q, write_qwen3moe
 from test_gguf_moe_bits import LAYER_TYPES as BITS_LAYER_TYPES
 
-from agentbox.layers.experts.base import FusedMoE, activate, select_experts
+from agentbox.layers.experts import FusedMoE, activate, select_experts
 from agentbox.layers.experts.bits import BitsExperts
 from agentbox.layers.experts.gguf import GROUP
-from agentbox.layers.experts.quant import Int4Experts
+from agentbox.layers.experts.int4 import Int4Experts
 from agentbox.models.loader import load_model
 
 fused_moe_quant = pytest.importorskip("agentbox.kernels.fused_moe_quant")

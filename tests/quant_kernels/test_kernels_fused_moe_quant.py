@@ -26,8 +26,7 @@ from agentbox.kernels.fused_moe_quant import (
 )
 from agentbox.kernels.w8a16 import w8a16_block_matmul, w8a16_block_matmul_ref
 
-from agentbox.layers.experts import mxfp4
-from agentbox.layers.experts.base import MoEActivation, activate
+from agentbox.layers.experts import MoEActivation, activate, mxfp4
 from agentbox.layers.quant.fp8 import dequantize_block_fp8
 from agentbox.layers.quant.int4 import dequantize, pack_rows_int32
 

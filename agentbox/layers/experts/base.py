@@ -1,27 +1,35 @@
-"""Mixture of experts: top-k routing over E experts, each a gated MLP, sharded over TP ranks like the dense MLP.
+"""The expert-method interface and its registry, with what every expert format shares.
 
-Every rank holds every expert, but only its slice of each expert's intermediate dimension: gate/up rows
-[rank*I/tp, (rank+1)*I/tp) and the matching down columns. Each rank computes a partial sum of every token's
-output and one all-reduce adds them, exactly as MergedColumnParallelLinear + RowParallelLinear do for a dense
-MLP. On one or two PCIe GPUs that beats expert parallelism (no all-to-all, balanced by construction).
+A FusedMoE layer (layers/experts/layer.py) owns no weight layout of its own: its `ExpertMethod` creates the
+expert parameters, loads checkpoint tensors into them (this rank's TP shard of every expert), converts them
+once after loading, and runs the routed experts. The checkpoint chooses the method: each format's file holds
+one method, `layers/experts/__init__.py` registers them (`register_expert_method`), and the layer asks for
+the one the current QuantConfig names (`expert_method`), as the linear layers do with layers/quant/.
 
-The weights' storage is a method (`ExpertMethod`: unquantised here, MXFP4 in layers/experts/mxfp4.py, int4 and FP8
-in layers/experts/quant.py, AWQ / GPTQ in layers/experts/awq_gptq.py, chosen from the checkpoint's QuantConfig);
-the layer only routes. Weights load per expert: `weight_loader(param, tensor, expert_id, shard)` with
-`tensor` one expert's full (unsharded) checkpoint tensor (here in [out, in] order; bias: [out]).
+Quantised layouts share one loader: every expert parameter records where the logical [out, in] dims sit in
+its per-expert layout (`Sharding`), so `load_expert_shard` narrows every layout to this rank's shard.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from enum import Enum
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentbox.parallel.state import all_reduce, tp_rank, tp_size
+from agentbox.layers.quant import base as quant_base
+from agentbox.layers.quant.base import QuantConfig, Sharding
+from agentbox.layers.quant.formats import QuantMethod
+from agentbox.layers.quant.lazy import materialize
+
+if TYPE_CHECKING:
+    from agentbox.layers.experts.layer import FusedMoE
 
 
 class ExpertShard(Enum):
@@ -34,18 +42,6 @@ class ExpertShard(Enum):
 class MoEActivation(Enum):
     SILU = "silu"  # silu(gate) * up
     SWIGLU_OAI = "swiglu_oai"  # gpt-oss: clamped gate * sigmoid(alpha * gate) * (clamped up + 1)
-
-
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax top-k routing: (weights [T, k] float32, expert ids [T, k] int64).
-
-    With renormalize the k weights sum to one, which is also gpt-oss's top-k-then-softmax (the same
-    numbers: softmax over the top logits = the top softmax probabilities renormalised)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 def activate(gate_up: torch.Tensor, activation: MoEActivation, alpha: float, limit: float) -> torch.Tensor:
@@ -97,115 +93,93 @@ class ExpertMethod(ABC):
         """This rank's partial output [T, H] (bias of the down projection included on rank 0 only)."""
 
 
-class UnquantizedExperts(ExpertMethod):
-    """Experts in the model dtype: w13 [E, 2I/tp, H], w2 [E, H, I/tp]."""
-
-    def create_weights(self, layer: FusedMoE) -> None:
-        e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_local
-        layer.add_expert_param("w13_weight", torch.empty(e, 2 * i, h))
-        layer.add_expert_param("w2_weight", torch.empty(e, h, i))
-
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = layer.w13_weight, layer.w2_weight
-        b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
-
-        def act(gate_up: torch.Tensor) -> torch.Tensor:
-            return activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
-
-        if x.is_cuda:  # the Triton grouped GEMM (kernels/fused_moe.py); its twin is the loop below
-            from agentbox.kernels.fused_moe import fused_moe, triton_available
-
-            if triton_available():
-                return fused_moe(x, w13, w2, topk_weights, topk_ids, act, b13, b2)
-        return moe_ref(
-            x, topk_weights, topk_ids, lambda e: (w13[e], w2[e]), layer.activation, b13, b2,
-            layer.swiglu_alpha, layer.swiglu_limit,
-        )
+def add_sharded_param(layer: FusedMoE, name: str, data: torch.Tensor, sharding: Sharding) -> nn.Parameter:
+    """An expert parameter [E, ...] whose per-expert layout keeps the logical out/in dims where `sharding`
+    says; its weight_loader takes one expert's full checkpoint tensor and copies this rank's shard."""
+    layer.add_expert_param(name, data)
+    param: nn.Parameter = getattr(layer, name)
+    param.sharding = sharding  # type: ignore[attr-defined]
+    param.weight_loader = partial(load_expert_shard, layer, name)  # type: ignore[attr-defined]
+    return param
 
 
-class FusedMoE(nn.Module):
-    def __init__(
-        self,
-        num_experts: int,
-        top_k: int,
-        hidden_size: int,
-        intermediate_size: int,
-        *,
-        renormalize: bool,
-        activation: MoEActivation = MoEActivation.SILU,
-        bias: bool = False,
-        swiglu_alpha: float = 1.702,
-        swiglu_limit: float = 7.0,
-        method: ExpertMethod | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        if intermediate_size % self.tp_size:
-            raise ValueError(
-                f"expert intermediate size ({intermediate_size}) is not divisible by the tensor-parallel size ({self.tp_size})"
-            )
-        self.num_experts, self.top_k = num_experts, top_k
-        self.hidden_size = hidden_size
-        self.intermediate_local = intermediate_size // self.tp_size
-        self.renormalize = renormalize
-        self.activation = activation
-        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
-        if method is None:  # the checkpoint's format, from the same QuantConfig the linear layers read
-            from agentbox.layers.experts.quant import expert_method  # it builds on this module
-
-            method = expert_method(prefix)
-        self.prefix = prefix
-        self.method = method
-        self.method.create_weights(self)
-        self.w13_bias: nn.Parameter | None = None
-        self.w2_bias: nn.Parameter | None = None
-        if bias:
-            self.add_expert_param("w13_bias", torch.empty(num_experts, 2 * self.intermediate_local))
-            self.add_expert_param("w2_bias", torch.empty(num_experts, hidden_size))
-
-    def add_expert_param(self, name: str, data: torch.Tensor) -> None:
-        param = nn.Parameter(data, requires_grad=False)
-        param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        setattr(self, name, param)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard: ExpertShard) -> None:
-        """Copy this rank's slice of one expert's tensor. Gate/up split their rows (dim 0), down its dim 1;
-        a 1-D down bias is replicated. Works for any storage whose dims follow [out, in, ...] (MXFP4 blocks)."""
-        if not 0 <= expert_id < self.num_experts:
-            raise ValueError(f"expert id {expert_id} out of range (the layer has {self.num_experts})")
-        dst = param.data[expert_id]
-        r = self.tp_rank
-        if shard is ExpertShard.DOWN:
-            if loaded.dim() == 1:
-                return _copy(dst, loaded, "down bias")
-            size = dst.size(1)
-            return _copy(dst, loaded.narrow(1, r * size, size), "down")
-        half = dst.size(0) // 2
-        if shard is ExpertShard.GATE_UP_INTERLEAVED:
-            parts = [(dst[:half], loaded[0::2]), (dst[half:], loaded[1::2])]
-        elif shard is ExpertShard.GATE:
-            parts = [(dst[:half], loaded)]
-        elif shard is ExpertShard.UP:
-            parts = [(dst[half:], loaded)]
-        else:
-            raise ValueError(f"unknown expert shard {shard!r}")
-        for d, src in parts:
-            _copy(d, src.narrow(0, r * half, half), shard.value)
-
-    def process_weights_after_loading(self) -> None:
-        from agentbox.layers.experts import cpu as moe_cpu
-
-        self.method.process_weights_after_loading(self)
-        moe_cpu.install(self)  # int4 experts on a CPU: repacked for its 4-bit kernel
-
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """x: [T, H]; router_logits: [T, E] (replicated on every rank). Returns [T, H], all-reduced."""
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        return all_reduce(self.method.apply(self, x, topk_weights, topk_ids))
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+def load_expert_shard(
+    layer: FusedMoE, name: str, param: nn.Parameter, loaded: Any, expert_id: int, shard: ExpertShard
+) -> None:
+    """Gate/up: this rank's rows of the output dim, into the gate or up half of w13. Down: this rank's
+    columns of the input dim. A parameter without an output axis (GPTQ g_idx of w13) is written whole by
+    gate and by up, which must agree. A shard off a pack/group boundary is refused, naming the tensor."""
+    if not 0 <= expert_id < layer.num_experts:
+        raise ValueError(f"{name}: expert id {expert_id} out of range (the layer has {layer.num_experts})")
+    sh: Sharding = param.sharding  # type: ignore[attr-defined]
+    what = f"{layer.prefix or 'experts'}.{expert_id}.{shard.value} -> {name}"
+    dst, src, i, r = param.data[expert_id], loaded, layer.intermediate_local, layer.tp_rank
+    if shard is ExpertShard.DOWN:
+        if sh.in_axis is not None:
+            src = quant_base.narrow_shard(src, sh.in_axis, r * i, i, sh.in_pack, what)
+    elif shard in (ExpertShard.GATE, ExpertShard.UP):
+        if sh.out_axis is not None:
+            dst = quant_base.narrow_shard(dst, sh.out_axis, 0 if shard is ExpertShard.GATE else i, i, sh.out_pack, what)
+            src = quant_base.narrow_shard(src, sh.out_axis, r * i, i, sh.out_pack, what)
+        else:  # one tensor for gate and up (they read one input): whichever comes second must agree
+            written: set[int] = param.__dict__.setdefault("written_experts", set())
+            src = materialize(src)
+            if expert_id in written and dst.shape == src.shape and not torch.equal(dst, src.to(dst.dtype)):
+                raise ValueError(f"{what}: differs from the other of gate/up (they share one input)")
+            written.add(expert_id)
+    else:
+        raise ValueError(f"{what}: {shard.value} experts are not supported in a quantised layout")
     if dst.shape != src.shape:
-        raise ValueError(f"FusedMoE: {what} shard shape {tuple(src.shape)} != {tuple(dst.shape)}")
-    dst.copy_(src)
+        raise ValueError(f"{what}: shard shape {tuple(src.shape)} != {tuple(dst.shape)}")
+    dst.copy_(materialize(src))
+
+
+def fused_kernel(name: str) -> Callable[..., torch.Tensor] | None:
+    """A fused-MoE Triton kernel over quantised experts (kernels/fused_moe_quant.py: `fused_moe_int4`,
+    `fused_moe_fp8`), None where Triton or that file is absent: then the torch reference runs."""
+    from agentbox.kernels.fused_moe import triton_available
+
+    if not triton_available():
+        return None
+    try:
+        module = importlib.import_module("agentbox.kernels.fused_moe_quant")
+    except ImportError:  # another engineer's file, merged by the lead
+        return None
+    return getattr(module, name, None)
+
+
+def check_dims(layer: FusedMoE, unit: int, what: str) -> None:
+    for dim, n in (("hidden size", layer.hidden_size), ("expert intermediate size per rank", layer.intermediate_local)):
+        if n % unit:
+            raise ValueError(
+                f"{layer.prefix or 'FusedMoE'}: {what} experts need the {dim} ({n}) to be a multiple of {unit}"
+                + (" (the tensor-parallel shard must fall on a group/block boundary)" if "rank" in dim else "")
+            )
+
+
+def expert_activation(layer: FusedMoE) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's activation as the fused kernels take it: [N, 2I] -> [N, I]."""
+    return lambda gate_up: activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
+
+
+# The expert method of each checkpoint format, filled by layers/experts/__init__.py.
+_EXPERT_METHODS: dict[QuantMethod, Callable[[QuantConfig], ExpertMethod]] = {}
+
+
+def register_expert_method(kind: QuantMethod, factory: Callable[[QuantConfig], ExpertMethod]) -> None:
+    _EXPERT_METHODS[kind] = factory
+
+
+def registered_expert_methods() -> frozenset[QuantMethod]:
+    return frozenset(_EXPERT_METHODS)
+
+
+def expert_method(prefix: str = "") -> ExpertMethod:
+    """The experts' method from the QuantConfig the linear methods use (skip_modules respected)."""
+    config = quant_base.current_config()
+    if config.method is not QuantMethod.UNQUANTIZED and any(s and s in prefix for s in config.skip_modules):
+        config = QuantConfig()
+    factory = _EXPERT_METHODS.get(config.method)
+    if factory is None:
+        raise ValueError(f"MoE experts in {config.method.value} are not supported")
+    return factory(config)

@@ -13,10 +13,14 @@ high bits) with a Q6_K down (6 bits, groups of 16, symmetric). Per projection, K
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from agentbox.layers.experts.base import ExpertMethod, FusedMoE, activate, moe_ref
+from agentbox.layers.experts.base import ExpertMethod, activate, fused_kernel, moe_ref
+
+if TYPE_CHECKING:
+    from agentbox.layers.experts.layer import FusedMoE
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,6 @@ class BitsExperts(ExpertMethod):
         return out[0], out[1]
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        from agentbox.layers.experts.quant import fused_kernel
-
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
         if x.is_cuda and (kernel := fused_kernel("fused_moe_bits")) is not None:
             from agentbox.kernels.fused_moe_quant import BitsWeights  # fused_kernel imported it

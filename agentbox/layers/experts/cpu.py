@@ -1,7 +1,7 @@
 """Quantised MoE experts on CPU through the CPU kernels: kernels/cpu_gemv (4-bit) and kernels/cpu_bits (5,
 6 and 8 bits).
 
-The canonical int4 experts (layers/experts/quant.py: AWQ, GPTQ, GGUF Q4_0 / Q4_1 / Q4_K) and the k-bit ones
+The canonical int4 experts (layers/experts/int4.py: AWQ, GPTQ, GGUF Q4_0 / Q4_1 / Q4_K) and the k-bit ones
 (layers/experts/bits.py: GGUF Q5_* / Q6_K / Q8_0, and Q4_K_M's Q4_K gate/up with a Q6_K down) are K-major for
 the GPU's grouped GEMM; on CPU their reference dequantises each routed expert per call, about 30 s a token
 for a 30B MoE. Here each expert's projections are repacked once at load into the CPU kernels' forms (the
@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentbox.layers.experts.base import ExpertMethod, activate
+from agentbox.layers.experts.bits import BitsExperts
+from agentbox.layers.experts.int4 import Int4Experts, unpack_rows_bytes
 from agentbox.layers.quant import bits as kbits
 from agentbox.layers.quant import int4
 
 if TYPE_CHECKING:
-    from agentbox.layers.experts.base import FusedMoE
+    from agentbox.layers.experts.layer import FusedMoE
 
 PROJECTIONS = ("w13", "w2")
 
@@ -48,7 +50,6 @@ class CpuProjection:
 def _layer_codes(layer: FusedMoE, w: str) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]:
     """(codes [E, K, N] uint8, bits, scale [E, K/g, N], offset or None) of a projection, either method."""
     from agentbox.kernels.dequant import unpack_bits
-    from agentbox.layers.experts.quant import unpack_rows_bytes
 
     qweight, scale = getattr(layer, f"{w}_qweight").data, getattr(layer, f"{w}_scale").data
     offset = getattr(layer, f"{w}_offset", None)
@@ -64,8 +65,6 @@ def eligible(layer: FusedMoE) -> bool:
     """Int4 or k-bit experts in fp32 on a CPU where the kernels build (not under --exact-cpu), 4-bit groups
     on the 4-bit kernel's 32-column blocks, no act-order permutations."""
     from agentbox.kernels import cpu_gemv
-    from agentbox.layers.experts.bits import BitsExperts
-    from agentbox.layers.experts.quant import Int4Experts
 
     if not isinstance(layer.method, Int4Experts | BitsExperts) or layer.w13_qweight.device.type != "cpu":
         return False
@@ -104,7 +103,8 @@ def _pack(codes: torch.Tensor, b: int, scale: torch.Tensor, offset: torch.Tensor
 
 
 def install(layer: FusedMoE) -> bool:
-    """Repack an eligible layer's experts for the CPU kernels (the GPU-layout tensors are released)."""
+    """Repack an eligible layer's experts for the CPU kernels (the GPU-layout tensors are released). A step
+    the model loader runs once every weight is in (models/loader.py), not something the layer does itself."""
     if not eligible(layer):
         return False
     forms = {}
@@ -162,7 +162,7 @@ class CpuExperts(ExpertMethod):
         self.forms = forms
 
     def create_weights(self, layer: FusedMoE) -> None:
-        raise RuntimeError("CPU experts are made by moe_cpu.install from loaded quantised experts")
+        raise RuntimeError("CPU experts are made by layers/experts/cpu.py install (a load step) from loaded quantised experts")
 
     def apply(
         self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

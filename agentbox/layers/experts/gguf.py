@@ -23,17 +23,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from agentbox.layers.experts.base import ExpertMethod, ExpertShard, FusedMoE, UnquantizedExperts
+from agentbox.layers.experts.base import ExpertMethod, ExpertShard
 from agentbox.layers.experts.bits import BitsCodes, BitsExperts, BitsForm, pack_k
-from agentbox.layers.experts.quant import Int4Experts, register_expert_method
-from agentbox.layers.quant.formats import QuantMethod
+from agentbox.layers.experts.int4 import Int4Experts
+from agentbox.layers.experts.unquantized import UnquantizedExperts
 from agentbox.layers.quant.gguf import BITS_TYPES, INT4_TYPES, GGUFBlocks, bits_groups, int4_groups
+
+if TYPE_CHECKING:
+    from agentbox.layers.experts.layer import FusedMoE
 
 GROUP = 32  # input columns per scale of every int4-mapped GGUF type (Q4_K: its 8 sub-blocks of a 256 block)
 
@@ -226,5 +229,3 @@ def _dense(parts: list[_Part], experts: int, dtype: torch.dtype) -> torch.Tensor
     w = _blocks(parts).dequantize().narrow(1, parts[0].trim, parts[0].cols)
     return w.reshape(experts, -1, parts[0].cols).to(dtype)
 
-
-register_expert_method(QuantMethod.GGUF, lambda config: GGUFExperts())

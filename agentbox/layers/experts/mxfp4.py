@@ -10,13 +10,16 @@ only the experts a forward routes to, one at a time. The format's definition is 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from agentbox.kernels.dequant import MXFP4_BLOCK as BLOCK
 from agentbox.kernels.dequant import dequant_mxfp4
-from agentbox.layers.experts.base import ExpertMethod, FusedMoE, activate, moe_ref
+from agentbox.layers.experts.base import ExpertMethod, activate, moe_ref
+
+if TYPE_CHECKING:
+    from agentbox.layers.experts.layer import FusedMoE
 
 __all__ = ["BLOCK", "Mxfp4Experts", "dequant_mxfp4", "is_mxfp4_checkpoint", "kernel_runs"]
 

@@ -45,7 +45,7 @@ class MethodInfo:
     # resident on GPU (bf16 compute); the planner adds the difference to the file's size. 0: not counted.
     file_bytes_per_weight: float = 0.0
     resident_bytes_per_weight: float = 0.0
-    moe_gpu: KernelStatus | None = None  # the MoE experts' GPU path (layers/experts/quant.py); None: not loaded
+    moe_gpu: KernelStatus | None = None  # the MoE experts' GPU path (layers/experts/: int4.py, fp8.py, bits.py); None: not loaded
     moe_cpu_bytes_per_weight: float = 0.0  # experts stay quantised on CPU too (fp32 scales there); 0: not
     cpu_bytes_per_weight: float = 0.0  # dense linears on a CPU whose kernels build (cpu_gemv); 0: dequantised
     scheme: QuantScheme = QuantScheme.WEIGHT_ONLY
@@ -141,7 +141,7 @@ def engine_formats() -> frozenset[str]:
 
 
 def moe_expert_formats() -> frozenset[str]:
-    """Formats whose MoE experts load (layers/experts/quant.py); bf16 / fp16 / fp32 always do."""
+    """Formats whose MoE experts load (the registry in layers/experts/__init__.py); bf16 / fp16 / fp32 always do."""
     quantised = (f for info in METHODS.values() if info.moe_gpu is not None for f in info.formats)
     return frozenset({"bf16", "fp16", "fp32", *quantised})
 
