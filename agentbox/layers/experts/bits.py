@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agentbox.layers.experts.base import ExpertMethod, activate, fused_kernel, moe_ref
+from agentbox.layers.experts.base import ExpertMethod, expert_activation, fused_kernel, moe_ref
 
 if TYPE_CHECKING:
     from agentbox.layers.experts.layer import FusedMoE
@@ -130,9 +130,7 @@ class BitsExperts(ExpertMethod):
         if x.is_cuda and (kernel := fused_kernel("fused_moe_bits")) is not None:
             from agentbox.kernels.fused_moe_quant import BitsWeights  # fused_kernel imported it
 
-            def act(gate_up: torch.Tensor) -> torch.Tensor:
-                return activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
-
+            act = expert_activation(layer)
             w13, w2 = (BitsWeights(*self.tensors(layer, w), f.group, f.bits) for w, f in self.forms.items())
             return kernel(x, w13, w2, topk_weights, topk_ids, act, b13, b2)
         return moe_ref(

@@ -16,7 +16,7 @@ import torch
 
 from agentbox.kernels.dequant import MXFP4_BLOCK as BLOCK
 from agentbox.kernels.dequant import dequant_mxfp4
-from agentbox.layers.experts.base import ExpertMethod, activate, moe_ref
+from agentbox.layers.experts.base import ExpertMethod, expert_activation, moe_ref
 
 if TYPE_CHECKING:
     from agentbox.layers.experts.layer import FusedMoE
@@ -56,9 +56,7 @@ class Mxfp4Experts(ExpertMethod):
         if kernel_runs(x):
             from agentbox.kernels.fused_moe_quant import fused_moe_mxfp4
 
-            def act(gate_up: torch.Tensor) -> torch.Tensor:
-                return activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
-
+            act = expert_activation(layer)
             return fused_moe_mxfp4(
                 x, layer.w13_blocks, layer.w13_scales, layer.w2_blocks, layer.w2_scales,
                 topk_weights, topk_ids, act, layer.w13_bias, b2,

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agentbox.layers.experts.base import ExpertMethod, activate, moe_ref
+from agentbox.layers.experts.base import ExpertMethod, expert_activation, moe_ref
 
 if TYPE_CHECKING:
     from agentbox.layers.experts.layer import FusedMoE
@@ -24,9 +24,7 @@ class UnquantizedExperts(ExpertMethod):
         w13, w2 = layer.w13_weight, layer.w2_weight
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
 
-        def act(gate_up: torch.Tensor) -> torch.Tensor:
-            return activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
-
+        act = expert_activation(layer)
         if x.is_cuda:  # the Triton grouped GEMM (kernels/fused_moe.py); its twin is the loop below
             from agentbox.kernels.fused_moe import fused_moe, triton_available
 
