@@ -125,8 +125,8 @@ class CpuDecode:
     """The fused decode of one model (a causal LM whose `model` is a LlamaModel): embedding, the C layers,
     the final norm. The runner calls `run` inside the step's forward context when `fits` says so."""
 
-    def __init__(self, lm: nn.Module) -> None:
-        self.model: LlamaModel = lm.model
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
         self._plan: _Plan | None = None
 
     @staticmethod
@@ -136,7 +136,7 @@ class CpuDecode:
         if device.type != "cpu" or not isinstance(inner, LlamaModel) or not eligible(inner):
             return None
         probe = inner.embed_tokens(torch.zeros(1, dtype=torch.int64, device=device))
-        return CpuDecode(lm) if probe.dtype == torch.float32 else None  # the C layer reads fp32 hidden states
+        return CpuDecode(inner) if probe.dtype == torch.float32 else None  # the C layer reads fp32 hidden states
 
     def fits(self, meta: AttentionMetadata, kv: KVCache) -> bool:
         """Whether this step runs fused: every sequence decodes one token into an fp32 KV pool."""
