@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from agentbox.engine.cache.radix_node import Tier
 from agentbox.engine.cache.sessions import LeaseState, Session
-from agentbox.engine.ipc.messages import SessionDetail, SessionState, SessionSummary
+from agentbox.engine.cache.stats import SessionDetail, SessionState, SessionSummary
 
 if TYPE_CHECKING:
     from agentbox.engine.core import EngineCore

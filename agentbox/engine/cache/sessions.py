@@ -31,12 +31,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from agentbox.config import EngineConfig
-
-if TYPE_CHECKING:
-    from agentbox.engine.ipc.messages import TurnRecord
 
 # How many recent gaps a session remembers: agents change pace (a long build, then quick edits).
 GAP_HISTORY = 32
@@ -60,6 +57,19 @@ def page_hashes(tokens: Sequence[int], page_size: int) -> list[int]:
         h = hash((h, tuple(tokens[i * page_size : (i + 1) * page_size])))
         out.append(h)
     return out
+
+
+@dataclass
+class TurnRecord:
+    """One turn of a session, as `agentbox top` lists it."""
+
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    host_cached_tokens: int
+    recomputed_tokens: int
+    ttft_s: float
+    completion_tokens: int = 0  # set when the turn's answer is complete
 
 
 @dataclass
