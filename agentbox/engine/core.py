@@ -173,7 +173,7 @@ class EngineCore:
         if over <= 0 and now < self._next_prune:
             return 0
         self._next_prune = now + 1.0  # a sort of the table at most once a second
-        busy = {r.session_id for r in self.scheduler.requests.values()}
+        busy = self._busy_sessions()
         gone = 0
         for s in sorted(table, key=lambda s: s.last_active):
             if s.id in busy or s.in_turn:
@@ -183,6 +183,10 @@ class EngineCore:
             self.cache.forget_session(s.id)
             gone += 1
         return gone
+
+    def _busy_sessions(self) -> set[str | None]:
+        """Sessions with a request in the engine (queued or running)."""
+        return {r.session_id for r in self.scheduler.requests.values()}
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
@@ -358,10 +362,11 @@ class EngineCore:
             return self.stats()
         if q.kind is QueryKind.SESSIONS:
             self.prune_sessions()
-            return SessionList([session_summary(self, s) for s in self.cache.sessions])
+            busy = self._busy_sessions()
+            return SessionList([session_summary(self.cache, s, s.id in busy) for s in self.cache.sessions])
         if q.kind is QueryKind.SESSION:
             s = self.cache.sessions.get(q.arg or "")
-            return None if s is None else session_detail(self, s)
+            return None if s is None else session_detail(self.cache, s, s.id in self._busy_sessions())
         if q.kind is QueryKind.DROP_SESSION:
             sid = q.arg or ""
             if sid not in self.cache.sessions:

@@ -69,7 +69,7 @@ class KVManager(ABC):
     def __init__(self, pool: PagePool, turns: Turns) -> None:
         self.pool = pool  # the GPU pool: callers read its sizes (capacity, num_free, page_size), never write it
         self.turns = turns
-        self.ids = SessionIds()
+        self.ids = SessionIds(turns.table)
 
     @property
     def sessions(self) -> SessionTable:
@@ -133,7 +133,7 @@ class KVManager(ABC):
         """A request's first admission, on its locked prefix: its session is decided, its turn begins (the
         gap since the session's last turn ends here) and its prompt is counted. `shown`: the tokens it may
         be told are cached (under API-key namespaces, only its own key's prefixes)."""
-        sid = self.ids.decide(given, lock.session, namespace)
+        sid = self.ids.decide(lock.session if given is None else given, namespace)
         cached = lock.num_tokens if shown is None else min(shown, lock.num_tokens)
         host = min(lock.num_host_tokens, cached)
         recomputed = self.turns.begin(sid, prompt, cached, host, self.pool.page_size)

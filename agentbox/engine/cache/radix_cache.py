@@ -139,8 +139,7 @@ class RadixCache(KVManager):
             if m < len(child.key):
                 break
             node = child
-        sid = session if session is not None else self.sessions.infer_session(path[-1] if path else None, i,
-                                                                              namespace)
+        sid = self.ids.lookup(session, path[-1] if path else None, i, namespace)
         return Match(tuple(path), i, host, sid, self._epoch)
 
     def reclaimable(self, m: Match) -> int:
