@@ -8,7 +8,9 @@ Entries. The cache holds entries keyed by page-aligned token prefixes. An entry 
 needs to skip computing it: today its KV pages on one tier. It may carry more: an implementation can attach
 other state to an entry (a model with recurrent layers needs a snapshot of that state at the entry's last
 token), and then `match` returns the longest prefix *it can resume from* (for that model: whose last entry
-carries a snapshot), not merely the longest one with pages. Callers read only `Match`/`Lock`, never entries.
+carries a snapshot), not merely the longest one with pages; `insert` is where the caller hands such state
+over with the pages, and the `Lock` is where it gets it back. Dropping or moving an entry takes all it
+carries. Callers read only `Match`/`Lock`, never entries.
 
 Tiers. An entry lives on one tier: the GPU pool (`Tier.GPU`) or a slower one below it (`Tier.HOST` today;
 a disk tier goes below host). A matched path is always "GPU prefix, then slower tiers in order"; `lock`
