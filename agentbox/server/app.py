@@ -39,9 +39,9 @@ from agentbox.server.errors import (
     unexpected_handler,
     validation_error_handler,
 )
-from agentbox.server.generation import CLIENT_AGENT, CLIENT_NAMESPACE, ServerState
 from agentbox.server.guard import RequestGuard, is_loopback
 from agentbox.server.model_names import model_names, served_name
+from agentbox.server.state import CLIENT_AGENT, CLIENT_NAMESPACE, ServerState
 
 log = logging.getLogger("agentbox.server")
 

@@ -23,7 +23,7 @@ from agentbox.chat.tool_prompt import template_renders_tools
 from agentbox.engine.grammar_spec import GrammarSpec, ReasoningMode
 from agentbox.engine.sampling import InvalidParam, SamplingParams
 from agentbox.server.errors import APIError
-from agentbox.server.generation import ServerState
+from agentbox.server.state import ServerState
 
 DEFAULT_TOOL_PARSER = "hermes"  # what a model with no trained call syntax is steered to by the grammar
 log = logging.getLogger("agentbox.server")
