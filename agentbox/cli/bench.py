@@ -192,7 +192,8 @@ def bench_replay(
     from dataclasses import fields, replace
     from pathlib import Path
 
-    from agentbox.bench import compare, synth, trace
+    from agentbox import trace
+    from agentbox.bench import compare, synth
     from agentbox.bench import spawn as spawning
     from agentbox.bench.replay import ReplayOptions
 

@@ -108,7 +108,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                                          default_max_tokens=d.max_output_tokens or config.default_max_tokens,
                                          names=model_names(config, info.model_name))
         if config.record_trace:
-            from agentbox.bench.record import TraceRecorder
+            from agentbox.server.trace_recorder import TraceRecorder
 
             app.state.agentbox.recorder = TraceRecorder(config.record_trace)
             log.info("recording traffic as a replayable trace to %s", config.record_trace)

@@ -42,7 +42,7 @@ class ServerState:
     clients: dict[str, str] = field(default_factory=dict)  # session id -> User-Agent of its last request
     # The model profile's sampling defaults (applied where the client sends none) and whether it thinks.
     sampling_defaults: dict[str, float] = field(default_factory=dict)
-    recorder: Any = None  # agentbox.bench.record.TraceRecorder under `serve --record-trace FILE`
+    recorder: Any = None  # agentbox.server.trace_recorder.TraceRecorder under `serve --record-trace FILE`
     thinking_model: bool = False
     tool_parser: str | None = None  # the profile's call syntax; None: read from the template
     default_max_tokens: int = 4096  # the profile's output budget for requests that send no max_tokens
