@@ -136,7 +136,7 @@ def doctor_cmd(
         doctor_urls(urls, json_out, api_key)
         return
 
-    from agentbox.hw.doctor import doctor, render
+    from agentbox.cli.doctor import doctor, render
 
     report = doctor(model=model)
     if json_out:
