@@ -1,5 +1,6 @@
-"""The package's import graph, computed from the source with `ast`: no cycle between modules of different files,
-and no import from a lower package into a higher one (docs/architecture.md, "Layers").
+"""The package's import graph, computed from the source with `ast`: no cycle between modules of different
+files, and no import from a lower package into a higher one (docs/architecture.md, "Packages and the
+direction of imports").
 
 Runtime imports only: an import inside a function counts (it runs when the function is called), one under
 `if TYPE_CHECKING:` does not. The top-level kernels/ folder counts as `agentbox.kernels` (setup.py maps it).
