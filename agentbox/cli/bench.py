@@ -1,4 +1,5 @@
-"""`agentbox bench`: agent trace replay, throughput, cache and grammar benchmarks. cli/main.py adds `bench_app`."""
+"""`agentbox bench`: owns the benchmark commands (agent trace replay, throughput, cache, grammar and the
+kernel timings) over bench/. cli/main.py adds `bench_app`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The `agentbox` command. Each command is a thin function over the modules; defaults come from config.py."""
+"""The `agentbox` command: owns the root app, the serving commands (serve, status, stop, logs) and `top`, and
+mounts the groups of the other cli/ modules. Each command is a thin function over the modules; defaults come
+from config.py."""
 
 from __future__ import annotations
 
