@@ -2,8 +2,9 @@
 files, and no import from a lower package into a higher one (docs/architecture.md, "Packages and the
 direction of imports").
 
-Runtime imports only: an import inside a function counts (it runs when the function is called), one under
-`if TYPE_CHECKING:` does not. The top-level kernels/ folder counts as `agentbox.kernels` (setup.py maps it).
+Runtime imports only: an import inside a function counts (it runs when the function is called), and so does
+`importlib.import_module("a.literal.name")`; one under `if TYPE_CHECKING:` does not. The top-level kernels/
+folder counts as `agentbox.kernels` (setup.py maps it).
 Importing an ancestor package is no edge: Python has imported every ancestor before the module itself runs.
 """
 
@@ -44,19 +45,27 @@ class Rule:
     why: str
 
 
-ENGINE = Layer(("agentbox.engine",))
-ENGINE_CORE = Layer(("agentbox.engine",), but=("agentbox.engine.exec",))  # engine/*.py, cache/, ipc/
+def layer(*under: str, but: tuple[str, ...] = ()) -> Layer:
+    """`layer("engine", but=("engine.exec",))`: names relative to agentbox ("" is agentbox itself)."""
+
+    def full(name: str) -> str:
+        return f"agentbox.{name}" if name else "agentbox"
+
+    return Layer(tuple(map(full, under)), tuple(map(full, but)))
+
+
+ENGINE = layer("engine")
+ENGINE_CORE = layer("engine", but=("engine.exec",))  # engine/*.py, engine/cache/, engine/ipc/
 RULES = (
-    Rule(Layer(("agentbox.parallel",)), ENGINE, "parallel/ is process groups and collectives; the engine uses it"),
-    Rule(Layer(("agentbox.engine.exec",)), ENGINE_CORE,
+    Rule(layer("parallel"), ENGINE, "parallel/ is process groups and collectives; the engine uses it"),
+    Rule(layer("engine.exec"), ENGINE_CORE,
          "engine/exec/ runs the step it is handed (StepInputs); scheduling, the cache and ipc sit above it"),
-    Rule(Layer(("agentbox.hw",)), Layer(("agentbox.hub",)), "hw/ probes the machine; hub/ plans models from it"),
-    Rule(Layer(("agentbox.layers",)), Layer(("agentbox.models",)), "models compose layers, never the reverse"),
-    Rule(Layer(("agentbox.models", "agentbox.layers")), ENGINE, "the engine runs models; models know no engine"),
-    Rule(ENGINE, Layer(("agentbox.server", "agentbox.chat")), "the engine sees token ids, never HTTP or chat"),
-    Rule(Layer(("agentbox.server",)), Layer(("agentbox.bench",)), "bench/ drives a server; the server never needs it"),
-    Rule(Layer(("agentbox.kernels",)), Layer(("agentbox",), but=("agentbox.kernels",)),
-         "kernels/ is the bottom: torch, Triton and C only"),
+    Rule(layer("hw"), layer("hub"), "hw/ probes the machine; hub/ plans models from it"),
+    Rule(layer("layers"), layer("models"), "models compose layers, never the reverse"),
+    Rule(layer("models", "layers"), ENGINE, "the engine runs models; models know no engine"),
+    Rule(ENGINE, layer("server", "chat"), "the engine sees token ids, never HTTP or chat"),
+    Rule(layer("server"), layer("bench"), "bench/ drives a server; the server never needs it"),
+    Rule(layer("kernels"), layer("", but=("kernels",)), "kernels/ is the bottom: torch, Triton and C only"),
 )
 
 
@@ -79,8 +88,14 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return skip
 
 
-def _imported_names(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
-    """The dotted names one import statement asks for (a name may be a module or a name inside one)."""
+def _imported_names(module: str, is_package: bool, node: ast.AST) -> list[str]:
+    """The dotted names one import asks for (a module, or a name inside one); [] for any other node."""
+    if isinstance(node, ast.Call):  # importlib.import_module("agentbox.x"): a lazy import, still an edge
+        named = ast.unparse(node.func) in ("importlib.import_module", "import_module")
+        arg = node.args[0] if named and node.args else None
+        return [arg.value] if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else []
+    if not isinstance(node, ast.Import | ast.ImportFrom):
+        return []
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names]
     base = node.module or ""
@@ -105,13 +120,13 @@ def import_graph(root: Path = ROOT) -> Graph:
         skip = _type_checking_only(tree)
         edges = graph.setdefault(module, {})
         for node in ast.walk(tree):
-            if not isinstance(node, ast.Import | ast.ImportFrom) or id(node) in skip:
+            if id(node) in skip:
                 continue
             for name in _imported_names(module, path.name == "__init__.py", node):
                 target = resolve(name)
                 if target is None or target == module or module.startswith(target + "."):
                     continue  # outside the package, itself, or an ancestor package (imported already)
-                edges.setdefault(target, f"{path.relative_to(root)}:{node.lineno}")
+                edges.setdefault(target, f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}")
     return graph
 
 
@@ -178,7 +193,8 @@ def test_the_graph_sees_the_real_imports(graph: Graph) -> None:
     assert "agentbox.engine.ipc.client" in graph["agentbox.server.app"]  # a plain `from ... import`
     assert "agentbox.hub.profiles" in graph["agentbox.server.app"]  # an import inside a function
     assert "agentbox.kernels.cpu_gemv" in graph["agentbox.kernels.cpu_bits"]  # kernels/ as agentbox.kernels
-    assert {"agentbox.server.openai_routes", "agentbox.server.sessions_routes"} <= set(graph["agentbox.server.app"])
+    routes = {"agentbox.server.openai_routes", "agentbox.server.sessions_routes"}  # one `from x import a, b`
+    assert routes <= set(graph["agentbox.server.app"])
 
 
 def _write(root: Path, files: dict[str, str]) -> None:
@@ -202,7 +218,7 @@ def test_the_checker_fails_on_a_cycle_and_an_upward_import(tmp_path: Path) -> No
                                    "    from agentbox.chat.harmony import X\n",
         "agentbox/chat/harmony.py": "from . import render\nimport agentbox.chat\n",  # an ancestor: no edge
         "kernels/__init__.py": "",
-        "kernels/gemv.py": "import agentbox.hw.probe\n",
+        "kernels/gemv.py": "import importlib\ndef f():\n    importlib.import_module('agentbox.hw.probe')\n",
     })
     graph = import_graph(tmp_path)
     assert graph["agentbox.chat.harmony"] == {"agentbox.chat.render": "agentbox/chat/harmony.py:1"}
@@ -213,15 +229,18 @@ def test_the_checker_fails_on_a_cycle_and_an_upward_import(tmp_path: Path) -> No
     assert "agentbox/hub/plan.py:1 imports agentbox.hw.probe" in report
     assert upward(graph) == [
         "agentbox/hw/probe.py:2 imports agentbox.hub.plan: " + RULES[2].why,
-        "kernels/gemv.py:1 imports agentbox.hw.probe: " + RULES[-1].why,
+        "kernels/gemv.py:3 imports agentbox.hw.probe: " + RULES[-1].why,
     ]
 
 
 def test_engine_exec_may_not_import_the_engine_core_but_the_core_may_import_it() -> None:
+    e = "agentbox.engine"
     graph: Graph = {
-        "agentbox.engine.exec.runner": {"agentbox.engine.scheduler": "r:1", "agentbox.engine.exec.sampler": "r:2"},
-        "agentbox.engine.core": {"agentbox.engine.exec.runner": "c:1", "agentbox.engine.cache.kv_pool": "c:2"},
-        "agentbox.parallel.state": {"agentbox.engine.exec.worker": "p:1"},
+        f"{e}.exec.runner": {f"{e}.scheduler": "r:1", f"{e}.exec.sampler": "r:2"},
+        f"{e}.exec.sampler": {f"{e}.cache.sessions": "s:1", "agentbox.layers.linear": "s:2"},
+        f"{e}.core": {f"{e}.exec.runner": "c:1", f"{e}.cache.kv_pool": "c:2", f"{e}.ipc.messages": "c:3"},
+        "agentbox.parallel.state": {f"{e}.exec.worker": "p:1"},
     }
     assert upward(graph) == [f"r:1 imports agentbox.engine.scheduler: {RULES[1].why}",
+                             f"s:1 imports agentbox.engine.cache.sessions: {RULES[1].why}",
                              f"p:1 imports agentbox.engine.exec.worker: {RULES[0].why}"]
