@@ -1,4 +1,6 @@
-"""Packages only (the rest is pyproject.toml): kernels/ lives at the top level and ships as agentbox.kernels."""
+"""Packages only (the rest is pyproject.toml). The top-level kernels/ folder is the package `agentbox.kernels`:
+`package_dir` maps it there for the wheel and for the editable install alike (kernels/__init__.py says more),
+so code imports `agentbox.kernels.x`, never `kernels.x`."""
 
 from setuptools import find_packages, setup
 

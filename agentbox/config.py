@@ -66,7 +66,6 @@ class EngineConfig:
     lease_max_share: float = 0.8  # leased pages may hold at most this share of the pool
     admission_queue_size: int = 256
     admission_timeout_s: float = 120.0  # a CPU turn can take tens of seconds; agents retry a 429 anyway
-    record_trace: str | None = None
     # Loop guard (engine/loop_guard.py): a cycle of at most `loop_guard_max_period` tokens repeated
     # `loop_guard_min_repeats` times over at least `loop_guard_min_tokens` tokens ends the generation.
     loop_guard: bool = True
@@ -121,6 +120,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API; none by default
     # Output budget for a request with no max_tokens when the model's profile names none.
     default_max_tokens: int = 4096
+    record_trace: str | None = None  # `serve --record-trace FILE`: live traffic saved as a replayable trace
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 

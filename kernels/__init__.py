@@ -1,5 +1,19 @@
-"""GPU kernels (Triton), imported as `agentbox.kernels` (pyproject maps this folder there).
+"""The compute kernels of agentbox: Triton kernels for the GPU and C kernels for x86-64 CPUs, each with its torch
+reference twin beside it and a test comparing the two. Imported as `agentbox.kernels`.
 
-One file per kernel; its torch reference twin lives beside it, and a test compares them (on CPU under
-Triton's interpreter, `TRITON_INTERPRET=1`: fp32/fp16 only, small shapes).
+Where this folder lives: at the top of the repository, not under agentbox/, but it ships and imports as the
+package `agentbox.kernels`. setup.py maps it (`package_dir={"agentbox.kernels": "kernels"}`), so both the wheel
+and the editable install (`pip install -e .`, what tests use) resolve `agentbox.kernels.x` to `kernels/x.py`;
+pyproject.toml ships the C sources with it (package-data `*.c`, `*.h`). Inside this folder, import siblings as
+`agentbox.kernels.x`, never `kernels.x`. A tree run without installing copies it to agentbox/kernels (see
+scripts/gpu_check.sh).
+
+- GPU (Triton): paged attention (paged_decode.py, prefix_extend.py, store_kv.py; twin: attention_ref.py),
+  dequant-GEMMs (w4a16.py, w8a16.py, w8a8_block.py, wbits.py; formats and twins: dequant.py) and the grouped
+  MoE GEMM (fused_moe.py, fused_moe_quant.py). They import Triton through _triton.py / _quant_triton.py, so a
+  module imports where Triton is absent; on CPU their tests run under Triton's interpreter
+  (`TRITON_INTERPRET=1`: fp32 and fp16 only, small shapes; tests/kernels, tests/quant_kernels).
+- CPU (C, one library built with the system `cc` on first use and loaded with ctypes by cpu_gemv.py): 4- and
+  8-bit GEMV (cpu_gemv.c, cpu_gemv.h; twins in cpu_gemv.py), k-bit weights (cpu_bits.c; cpu_bits.py) and the
+  fused decode layers (cpu_decode.c). docs/cpu-kernels.md has the numbers.
 """

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.bench import openhands, trace
+from agentbox import trace
+from agentbox.bench import openhands
 
 FIXTURE = Path(__file__).parent / "fixtures" / "openhands_small.json"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agentbox.bench import trace
-from agentbox.bench.record import TraceRecorder
+from agentbox import trace
+from agentbox.server.trace_recorder import TraceRecorder
 
 TOOLS = [{"type": "function", "function": {"name": "sh", "parameters": {"type": "object", "properties": {}}}}]
 SYSTEM = {"role": "system", "content": "be brief"}

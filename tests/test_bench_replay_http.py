@@ -20,7 +20,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from typer.testing import CliRunner
 
-from agentbox.bench import synth, trace
+from agentbox import trace
+from agentbox.bench import synth
 from agentbox.bench.replay import ReplayOptions, replay_sync
 from agentbox.bench.spawn import Target, free_port, run_targets
 from agentbox.bench.stats import summarize

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agentbox.bench import synth, trace
+from agentbox import trace
+from agentbox.bench import synth
 from agentbox.bench.synth import SynthConfig
 
 

@@ -137,7 +137,7 @@ def test_serve_without_the_embedded_model_names_the_pip_line_of_this_python(
     assert "[bold]" not in r.output
 
     # item 2: doctor says the same, as an error, not "ok"
-    from agentbox.hw.doctor import doctor
+    from agentbox.cli.doctor import doctor
 
     report = doctor(probe=cpu)
     assert not report.ok
@@ -149,7 +149,7 @@ def test_serve_without_the_embedded_model_names_the_pip_line_of_this_python(
 
 def test_doctor_names_what_serve_starts_with(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              smollm2_path: Path) -> None:
-    from agentbox.hw.doctor import doctor
+    from agentbox.cli.doctor import doctor
     from agentbox.hw.hardware import load_hardware
 
     monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path))

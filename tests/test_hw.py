@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from agentbox.cli.doctor import disk_problem, doctor, port_problems, server_health, software_problems
 from agentbox.config import ServerConfig
-from agentbox.hw.doctor import disk_problem, doctor, port_problems, server_health, software_problems
 from agentbox.hw.probe import Probe, probe
 
 HW = Path(__file__).parents[1] / "profiles" / "hardware"
@@ -179,7 +179,7 @@ def _free_port() -> int:
 
 
 def test_wheel_arch_compatibility() -> None:
-    from agentbox.hw.doctor import wheel_runs_on
+    from agentbox.cli.doctor import wheel_runs_on
 
     cu124 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
     assert wheel_runs_on(cu124, 89)  # sm_86 cubins run on an RTX 4090

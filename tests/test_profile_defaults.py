@@ -9,7 +9,7 @@ import pytest
 
 from agentbox.config import ServerConfig
 from agentbox.server.app import model_defaults
-from agentbox.server.generation import ServerState
+from agentbox.server.state import ServerState
 
 
 def state_for(path: str, name: str) -> ServerState:

@@ -61,7 +61,7 @@ def test_keyless_conversations_are_grouped_by_prefix(live_server: str) -> None:
 
 
 def test_record_trace_captures_live_traffic_as_a_replayable_trace(live_server: str, agentbox_home) -> None:  # noqa: ANN001
-    from agentbox.bench.trace import load
+    from agentbox.trace import load
 
     h = {"X-Session-Id": "recorded-1"}
     msgs = [{"role": "user", "content": "Open README.md and summarise it."}]

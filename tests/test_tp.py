@@ -174,7 +174,7 @@ def test_serve_tp2_idle_death_restart(tiny_with_tokenizer: Path) -> None:
 
 
 def test_doctor_peer_access_advice(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentbox.hw.doctor import tp_problems
+    from agentbox.cli.doctor import tp_problems
 
     monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
     (no_p2p,) = tp_problems(2, peer=lambda a, b: False, count=2)

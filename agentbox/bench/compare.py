@@ -11,7 +11,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from agentbox.bench import openhands, report, synth, trace
+from agentbox import trace
+from agentbox.bench import openhands, report, synth
 from agentbox.bench.replay import ReplayOptions, total_turns
 from agentbox.bench.spawn import Target, TargetRun, run_targets
 from agentbox.bench.stats import TurnRecord

@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from agentbox.bench.trace import Message, Prefix, Session, Turn, content_text, estimate_tokens
+from agentbox.trace import Message, Prefix, Session, Turn, content_text, estimate_tokens
 
 _KEEP_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 

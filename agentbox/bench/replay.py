@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from agentbox.bench.stats import TurnRecord
-from agentbox.bench.trace import Session
+from agentbox.trace import Session
 
 
 @dataclass(frozen=True)

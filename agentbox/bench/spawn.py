@@ -24,7 +24,7 @@ import httpx
 
 from agentbox.bench.replay import ReplayOptions, ReplayResult, replay_sync
 from agentbox.bench.stats import RunStats, TurnRecord, summarize
-from agentbox.bench.trace import Session
+from agentbox.trace import Session
 
 READY_TIMEOUT_S = 600.0  # loading a model on CPU, or compiling kernels on first GPU start
 

@@ -15,7 +15,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from agentbox.bench.trace import Message, Prefix, Session, Turn, estimate_tokens
+from agentbox.trace import Message, Prefix, Session, Turn, estimate_tokens
 
 # Tool gaps: a mixture of two log-normals. 90 % quick tools (median 0.38 s, sigma 0.6) and 10 % slow ones
 # (median 8 s, sigma 1.3, test suites and builds) gives median ~0.42 s, P(<1 s) ~0.86, P(<10 s) ~0.95.

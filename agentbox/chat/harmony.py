@@ -26,6 +26,7 @@ import re
 from typing import Any
 
 from agentbox.chat.effort import ReasoningEffort
+from agentbox.chat.template import template_text
 from agentbox.chat.tool_parsers.base import Delta
 from agentbox.chat.tool_parsers.harmony import CALL, CALL_OPENER, MESSAGE, partial_suffix
 
@@ -44,8 +45,6 @@ def is_harmony_template(template: str) -> bool:
 
 def keeps_special_tokens(tokenizer: Any) -> bool:
     """Harmony's markup is special tokens: detokenize with them, or the channels are lost."""
-    from agentbox.chat.render import template_text
-
     return is_harmony_template(template_text(tokenizer))
 
 

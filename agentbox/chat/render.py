@@ -15,6 +15,7 @@ from jinja2.exceptions import TemplateError
 
 from agentbox.chat import harmony
 from agentbox.chat.effort import ReasoningEffort
+from agentbox.chat.template import template_text
 from agentbox.chat.tool_prompt import fold_tools_into_messages, template_renders_tools
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -75,13 +76,6 @@ def normalize_tools(tools: list[dict] | None) -> list[dict] | None:
             raise ValueError(f"{where}.parameters must be a JSON schema object")
         out.append(t)
     return out
-
-
-def template_text(tokenizer: Any, tools: bool = False) -> str:
-    t = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(t, dict):  # named templates: prefer the tool_use one when tools are present
-        t = (t.get("tool_use") if tools else None) or t.get("default") or next(iter(t.values()), "")
-    return t
 
 
 def template_takes_string_arguments(template: str) -> bool:

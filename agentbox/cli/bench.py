@@ -1,4 +1,5 @@
-"""`agentbox bench`: agent trace replay, throughput, cache and grammar benchmarks. cli/main.py adds `bench_app`."""
+"""`agentbox bench`: owns the benchmark commands (agent trace replay, throughput, cache, grammar and the
+kernel timings) over bench/. cli/main.py adds `bench_app`."""
 
 from __future__ import annotations
 
@@ -192,7 +193,8 @@ def bench_replay(
     from dataclasses import fields, replace
     from pathlib import Path
 
-    from agentbox.bench import compare, synth, trace
+    from agentbox import trace
+    from agentbox.bench import compare, synth
     from agentbox.bench import spawn as spawning
     from agentbox.bench.replay import ReplayOptions
 

@@ -1,5 +1,7 @@
-"""What every `agentbox` command module shares. It imports nothing of cli/main.py, so cli/main.py can import the
-command modules (cli_workstation, cli_bench) without a cycle, also when it runs as `python -m agentbox.cli.main`."""
+"""What every `agentbox` command module shares: owns `fail` (a user error as one red line and an exit code),
+the --debug switch and the entry point that keeps tracebacks from users (`run_cli`). It imports nothing of
+cli/main.py, so cli/main.py can import the command modules (workstation.py, bench.py, fleet.py) without a
+cycle, also when it runs as `python -m agentbox.cli.main`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""How wide the commands' output is: the terminal's width on a terminal, $COLUMNS when it is set, and no
-width at all into a pipe or a file (`agentbox plan | less`, `agentbox models > list`), where a line cut at
-80 columns splits the paths and commands a user copies."""
+"""The commands' console, owning how wide their output is: the terminal's width on a terminal, $COLUMNS when
+it is set, and no width at all into a pipe or a file (`agentbox plan | less`, `agentbox models > list`),
+where a line cut at 80 columns splits the paths and commands a user copies."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Background serving: the state directory's server.json (pid, host, port, model) and server.log, and
+"""Background serving: owns the state directory's server.json (pid, host, port, model) and server.log, and
 start / stop / status over them. `python -m agentbox.cli.daemon CONFIG_JSON` is the background child."""
 
 from __future__ import annotations

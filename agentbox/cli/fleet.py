@@ -1,5 +1,6 @@
-"""`agentbox fleet URL URL ...`: one base URL in front of several agentbox servers (vllm-router, see
-agentbox/fleet.py). Runs in the foreground: stop it with Ctrl-C, or run it under systemd / nohup."""
+"""`agentbox fleet URL URL ...`: owns the fleet commands, one base URL in front of several agentbox servers
+(vllm-router, see agentbox/fleet.py), and `top` and `doctor` over a fleet. The fleet runs in the foreground:
+stop it with Ctrl-C, or run it under systemd / nohup."""
 
 from __future__ import annotations
 

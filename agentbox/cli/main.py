@@ -1,4 +1,6 @@
-"""The `agentbox` command. Each command is a thin function over the modules; defaults come from config.py."""
+"""The `agentbox` command: owns the root app, the serving commands (serve, status, stop, logs) and `top`, and
+mounts the groups of the other cli/ modules. Each command is a thin function over the modules; defaults come
+from config.py."""
 
 from __future__ import annotations
 
@@ -158,11 +160,11 @@ def serve(
         enforce_eager=enforce_eager, exact_cpu=exact_cpu, page_size=page_size,
         num_pages=num_pages, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
-        host_cache_gb=host_cache_gb, record_trace=str(Path(record_trace).resolve()) if record_trace else None,
-        seed=seed, tensor_parallel_size=tp, loop_guard=loop_guard,
+        host_cache_gb=host_cache_gb, seed=seed, tensor_parallel_size=tp, loop_guard=loop_guard,
     )
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
-                          allow_unauthenticated=allow_unauthenticated, max_body_mb=max_body_mb, engine=engine)
+                          allow_unauthenticated=allow_unauthenticated, max_body_mb=max_body_mb, engine=engine,
+                          record_trace=str(Path(record_trace).resolve()) if record_trace else None)
     if foreground:
         daemon.run_foreground(config)
         return

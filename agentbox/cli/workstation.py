@@ -1,5 +1,5 @@
-"""The workstation commands: plan / pull / models / doctor (hw + hub) and setup / launch / check (clients).
-cli/main.py merges `workstation_app` into the root command and adds `check_app` as `agentbox check`."""
+"""The workstation commands: owns plan / pull / models / doctor (hw + hub) and setup / launch / check
+(clients). cli/main.py merges `workstation_app` into the root command and adds `check_app` as `agentbox check`."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def doctor_cmd(
         doctor_urls(urls, json_out, api_key)
         return
 
-    from agentbox.hw.doctor import doctor, render
+    from agentbox.cli.doctor import doctor, render
 
     report = doctor(model=model)
     if json_out:

@@ -27,9 +27,10 @@ from agentbox.server.errors import (
     as_api_error,
     parse_json_body,
 )
-from agentbox.server.generation import GenEvent, ServerState, Usage, generate, new_id
+from agentbox.server.generation import GenEvent, Usage, generate, new_id
 from agentbox.server.protocol import StopString
 from agentbox.server.session_key import session_key
+from agentbox.server.state import ServerState
 
 router = APIRouter()
 

@@ -39,9 +39,9 @@ from agentbox.server.errors import (
     unexpected_handler,
     validation_error_handler,
 )
-from agentbox.server.generation import CLIENT_AGENT, CLIENT_NAMESPACE, ServerState
 from agentbox.server.guard import RequestGuard, is_loopback
 from agentbox.server.model_names import model_names, served_name
+from agentbox.server.state import CLIENT_AGENT, CLIENT_NAMESPACE, ServerState
 
 log = logging.getLogger("agentbox.server")
 
@@ -107,11 +107,11 @@ def create_app(config: ServerConfig) -> FastAPI:
                                          tool_parser=d.tool_parser,
                                          default_max_tokens=d.max_output_tokens or config.default_max_tokens,
                                          names=model_names(config, info.model_name))
-        if config.engine.record_trace:
-            from agentbox.bench.record import TraceRecorder
+        if config.record_trace:
+            from agentbox.server.trace_recorder import TraceRecorder
 
-            app.state.agentbox.recorder = TraceRecorder(config.engine.record_trace)
-            log.info("recording traffic as a replayable trace to %s", config.engine.record_trace)
+            app.state.agentbox.recorder = TraceRecorder(config.record_trace)
+            log.info("recording traffic as a replayable trace to %s", config.record_trace)
         log.info("serving %s on http://%s:%d (engine pid %s); it also answers to %s", served_name(config),
                  config.host, config.port, engine.pid, ", ".join(app.state.agentbox.names[1:]))
         try:

@@ -17,13 +17,14 @@ from agentbox.chat.effort import ReasoningEffort
 from agentbox.chat.grammar import forced_name, grammar_spec
 from agentbox.chat.harmony import is_harmony_template
 from agentbox.chat.reasoning import get_reasoning_splitter, prompt_opens_reasoning
-from agentbox.chat.render import normalize_tools, render_prompt, template_text
+from agentbox.chat.render import normalize_tools, render_prompt
+from agentbox.chat.template import template_text
 from agentbox.chat.tool_parsers import ALIASES, PARSERS, Delta, ToolCall, detect_tool_parser, get_tool_parser
 from agentbox.chat.tool_prompt import template_renders_tools
 from agentbox.engine.grammar_spec import GrammarSpec, ReasoningMode
 from agentbox.engine.sampling import InvalidParam, SamplingParams
 from agentbox.server.errors import APIError
-from agentbox.server.generation import ServerState
+from agentbox.server.state import ServerState
 
 DEFAULT_TOOL_PARSER = "hermes"  # what a model with no trained call syntax is steered to by the grammar
 log = logging.getLogger("agentbox.server")

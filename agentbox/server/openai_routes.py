@@ -16,9 +16,10 @@ from agentbox.engine.sampling import SamplingParams
 from agentbox.server.chat_pipeline import Conversation, FinalOutput, checked, fold, prepare_chat
 from agentbox.server.disconnect import until_disconnect
 from agentbox.server.errors import APIError, as_api_error
-from agentbox.server.generation import GenEvent, ServerState, Usage, generate, new_id
+from agentbox.server.generation import GenEvent, Usage, generate, new_id
 from agentbox.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, effort_of
 from agentbox.server.session_key import session_key
+from agentbox.server.state import ServerState
 
 router = APIRouter()
 

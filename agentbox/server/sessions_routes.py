@@ -2,7 +2,7 @@
 real counters. `agentbox top` reads only these.
 
 With several API keys, each key lists, reads and deletes only its own sessions (their engine ids carry the
-key's namespace, see generation.CLIENT_NAMESPACE). What stays shared: /metrics and /v1/stats (totals of all
+key's namespace, see state.CLIENT_NAMESPACE). What stays shared: /metrics and /v1/stats (totals of all
 keys), and the prefix cache itself, whose speed still tells a key that a prefix was computed before."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fastapi.responses import PlainTextResponse
 
 from agentbox.engine.stats import to_json
 from agentbox.server.errors import APIError
-from agentbox.server.generation import CLIENT_NAMESPACE, ServerState
+from agentbox.server.state import CLIENT_NAMESPACE, ServerState
 
 router = APIRouter()
 

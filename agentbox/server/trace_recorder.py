@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentbox.bench.trace import Message, Prefix, Session, Turn, content_text, save
+from agentbox.trace import Message, Prefix, Session, Turn, content_text, save
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """`agentbox doctor`: everything the probe knows, the local models, the plan for the default model and a
-running server's health — and each problem found, with the command or setting that fixes it."""
+running server's health — and each problem found, with the command or setting that fixes it. It checks the
+whole install, so it lives in cli/, above both hw/ (the machine) and hub/ (models and plans) that it reads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The replay trace: one agent session per JSONL line (format documented in docs/bench.md).
+"""The replay trace: one agent session per JSONL line (format documented in docs/bench.md). Written by
+`serve --record-trace` (server/trace_recorder.py), read by the benchmarks (bench/): a leaf module that
+imports nothing of agentbox, so the server need not import bench/.
 
 A session is a shared prefix (system messages + tool definitions, byte-identical across the sessions of a
 trace, as it is across a real agent's tasks) and a list of turns. A turn appends some messages (the user
