@@ -11,7 +11,8 @@ import torch
 
 from agentbox.chat.grammar import grammar_spec
 from agentbox.chat.tool_parsers import get_tool_parser
-from agentbox.engine.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+from agentbox.engine.exec.bitmask import allocate_bitmask, apply_bitmask
+from agentbox.engine.grammar import GrammarCompiler
 from agentbox.engine.grammar_spec import ReasoningMode
 from agentbox.hub.embedded import embedded_model_path
 from agentbox.models.loader import load_tokenizer, resolve_model

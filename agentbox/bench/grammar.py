@@ -7,7 +7,8 @@ import time
 from typing import Any
 
 from agentbox.chat.grammar import grammar_spec
-from agentbox.engine.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask
+from agentbox.engine.exec.bitmask import allocate_bitmask, apply_bitmask
+from agentbox.engine.grammar import GrammarCompiler
 
 
 def sample_tools(n: int) -> list[dict]:

@@ -39,6 +39,7 @@ from xgrammar.structural_tag import (
     TriggeredTagsFormat,
 )
 
+from agentbox.engine.exec.bitmask import allocate_bitmask
 from agentbox.engine.grammar_spec import ArgStyle, CallMode, GrammarKind, GrammarSpec, ReasoningMode
 
 CACHE_ENTRIES = 128
@@ -52,15 +53,6 @@ CHEAP_CHARS = '"}]>0123456789\n<=/ :,abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQ
 class CompiledGrammar:
     spec: GrammarSpec
     compiled: xgr.CompiledGrammar
-
-
-def allocate_bitmask(batch_size: int, vocab_size: int) -> Any:
-    return xgr.allocate_token_bitmask(batch_size, vocab_size)
-
-
-def apply_bitmask(logits: Any, bitmask: Any, indices: list[int] | None = None) -> None:
-    """Mask disallowed tokens to -inf in place (rows in `indices`, or all)."""
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=indices)
 
 
 def allowed_tokens(bitmask: torch.Tensor, row: int, vocab_size: int) -> torch.Tensor:

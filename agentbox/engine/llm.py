@@ -11,7 +11,8 @@ import torch
 
 from agentbox.config import EngineConfig
 from agentbox.engine.core import EngineCore
-from agentbox.engine.ipc.messages import AddRequest, TokenLogprob
+from agentbox.engine.exec.logprob import TokenLogprob
+from agentbox.engine.ipc.messages import AddRequest
 from agentbox.engine.request import Request
 from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.scheduler import ScheduledSeq, SchedulerOutput

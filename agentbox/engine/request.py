@@ -97,6 +97,10 @@ class Request:
         self.token_ids.append(token)
 
     @property
+    def is_running(self) -> bool:
+        return self.status is Status.RUNNING
+
+    @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from agentbox.chat.harmony import keeps_special_tokens
-from agentbox.engine.ipc.messages import TokenLogprob
+from agentbox.engine.exec.logprob import TokenLogprob
 from agentbox.engine.sampling import SamplingParams
 from agentbox.server.detok import Detokenizer, StopChecker
 from agentbox.server.errors import RETRY_AFTER_S, APIError

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from agentbox.chat.effort import ReasoningEffort
-from agentbox.engine.ipc.messages import TokenLogprob
+from agentbox.engine.exec.logprob import TokenLogprob
 from agentbox.engine.sampling import SamplingParams
 from agentbox.server.chat_pipeline import Conversation, FinalOutput, checked, fold, prepare_chat
 from agentbox.server.disconnect import until_disconnect

@@ -9,9 +9,13 @@ applies the same updates to its own `PageTable` (it sees only tensors), so page 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from agentbox.engine.request import Request, Status
+if TYPE_CHECKING:  # the core's type, for hints only: exec must not import the core at run time
+    from agentbox.engine.request import Request
+
 
 
 class PageTable:
@@ -39,7 +43,7 @@ class RowAssigner:
     def _sweep(self, keep: set[int]) -> None:
         """Frees rows of requests that are no longer running (finished, preempted, a one-off logits call)."""
         for row, owner in enumerate(self.owners):
-            if owner is not None and id(owner) not in keep and owner.status is not Status.RUNNING:
+            if owner is not None and id(owner) not in keep and not owner.is_running:
                 owner.table_row, owner.pages_in_table = None, 0
                 self.owners[row] = None
                 self._free.append(row)

@@ -8,24 +8,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from agentbox.config import PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
 from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
+from agentbox.engine.exec.logprob import TokenLogprob
 from agentbox.engine.exec.page_table import PageTable, RowAssigner
 from agentbox.engine.exec.sampler import sample_isolated
 from agentbox.engine.exec.step_inputs import StepInputs
-from agentbox.engine.ipc.messages import TokenLogprob
-from agentbox.engine.scheduler import SchedulerOutput
 from agentbox.layers.backends import select_backend
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import LoadedModel, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
+
+if TYPE_CHECKING:  # the core's types, for hints only: exec must not import the core at run time
+    from agentbox.engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

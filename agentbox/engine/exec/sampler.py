@@ -4,10 +4,14 @@ what else is in the batch), plus logprobs of the raw distribution when asked."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from agentbox.engine.ipc.messages import TokenLogprob
-from agentbox.engine.request import Request
+from agentbox.engine.exec.logprob import TokenLogprob
+
+if TYPE_CHECKING:  # the core's types, for hints only: exec must not import the core at run time
+    from agentbox.engine.request import Request
 
 
 def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
@@ -60,7 +64,7 @@ def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
 def _apply_grammar(logits: torch.Tensor, reqs: list[Request], rows: list[int]) -> None:
     """Mask every token the request's grammar does not allow next (xgrammar bitmask, in place); a state
     that is closing leaves exactly one token, the next of its shortest completion."""
-    from agentbox.engine.grammar import allocate_bitmask, apply_bitmask
+    from agentbox.engine.exec.bitmask import allocate_bitmask, apply_bitmask
 
     bitmask = allocate_bitmask(len(reqs), logits.shape[-1])
     for i in rows:

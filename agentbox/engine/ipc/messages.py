@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from agentbox.engine.cache.stats import SessionDetail, SessionDropped, SessionList
+from agentbox.engine.exec.logprob import TokenLogprob
 from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.stats import EngineStats
 
@@ -49,13 +50,6 @@ class Query:
 @dataclass
 class Shutdown:
     pass
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
