@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, register_backend
+from agentbox.layers.backends.prefix_attention import extend_attention, split_available
 
 
 @dataclass
@@ -70,14 +71,16 @@ def consecutive_bases(meta: AttentionMetadata) -> list[int] | None:
     return (table[:, 0] * ps).tolist()
 
 
-def seq_views(meta: AttentionMetadata, bases: list[int], window: int | None, device: torch.device) -> list[_SeqView]:
+def seq_views(meta: AttentionMetadata, bases: list[int], window: int | None, device: torch.device,
+              masks: bool = True) -> list[_SeqView]:
+    """masks=False: no mask is built (the caller attends causally without one: prefix_attention.py)."""
     views = []
     q_start = 0
     for base, q_len, kv_len in zip(bases, meta.query_lens, meta.kv_lens, strict=True):
         first = kv_len - q_len  # absolute position of the first new token
         lo = 0 if window is None else max(0, first - window + 1)
         mask = None
-        if q_len > 1:
+        if q_len > 1 and masks:
             key_pos = torch.arange(lo, kv_len)[None, :]
             query_pos = torch.arange(first, kv_len)[:, None]
             visible = key_pos <= query_pos
@@ -213,12 +216,19 @@ class TorchAttention(AttentionBackend):
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         assert self.meta is not None and self.bases is not None
+        # Extends on CPU over the whole prefix (no window, no sinks) skip the mask (prefix_attention.py).
+        split = window is None and sinks is None and split_available(q)
         if window not in self.views:
-            self.views[window] = seq_views(self.meta, self.bases, window, k_cache.device)
+            self.views[window] = seq_views(self.meta, self.bases, window, k_cache.device, masks=not split)
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         g = h // hkv
         outs = []
         for sv in self.views[window]:
+            if split and sv.q_len > 1:
+                keys = k_cache.narrow(0, sv.slot, sv.k_len).to(q.dtype).transpose(0, 1)
+                values = v_cache.narrow(0, sv.slot, sv.k_len).to(q.dtype).transpose(0, 1)
+                outs.append(extend_attention(q.narrow(0, sv.q_start, sv.q_len), keys, values, self.scale))
+                continue
             # [1, Hkv, K, D] strided views of the cache (a copy only when the cache dtype differs from q's).
             keys = k_cache.narrow(0, sv.slot, sv.k_len).to(q.dtype).transpose(0, 1).unsqueeze(0)
             values = v_cache.narrow(0, sv.slot, sv.k_len).to(q.dtype).transpose(0, 1).unsqueeze(0)
