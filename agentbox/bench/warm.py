@@ -16,6 +16,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -126,6 +127,7 @@ def http_turns(base: str, model: str, contexts: tuple[int, ...], warm_turns: int
                 cached.append(p - c)
             out[n] = {"prompt_tokens": prompt, "cold_ttft_s": round(cold, 3), "warm_ttft_ms": round(1e3 * statistics.median(warm), 2),
                       "warm_ttft_ms_all": [round(1e3 * t, 2) for t in warm], "warm_uncached_tokens": cached}
+            print(json.dumps({"context": n, **out[n]}), file=sys.stderr, flush=True)  # progress of a long run
     return out
 
 
@@ -199,6 +201,8 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
         ms = {"parse": t_parse, "render": t_render, "tokenize": t_inc, "lookup": t_lookup,
               "schedule": max(0.0, t1 - t0 - t_lookup), "forward": t2 - t1}
         total = sum(ms.values())
+        print(json.dumps({"context": n, "stage_ms": {k: round(1e3 * v, 3) for k, v in ms.items()}}), file=sys.stderr,
+              flush=True)
         out[n] = {"prompt_tokens": len(ids), "new_tokens": len(ids) - cached,
                   "ms": {k: round(1e3 * v, 3) for k, v in ms.items()},
                   "share": {k: round(v / total, 3) for k, v in ms.items()},
