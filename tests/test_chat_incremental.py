@@ -134,3 +134,16 @@ def test_a_tokenizer_whose_pieces_do_not_compose_is_tokenized_whole(tokenizers: 
 def test_common_prefix(a: str, b: str) -> None:
     n = common_prefix(a, b)
     assert a[:n] == b[:n] and (n == min(len(a), len(b)) or a[n] != b[n])
+
+
+def test_render_leaves_the_messages_as_sent(tokenizers: dict) -> None:
+    """prepare_messages copies each message shallowly: nothing the client sent may be edited in place."""
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "sys"}]},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "reasoning_content": "think",
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "run", "arguments": '{"n": 1}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    sent = copy.deepcopy(msgs)
+    for name, tok in tokenizers.items():
+        render_prompt(tok, msgs, TOOLS)
+        assert msgs == sent, name
