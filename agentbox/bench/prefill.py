@@ -57,7 +57,7 @@ def prefill_seconds(tokens: int, layers: int, chunk: int, use_views: bool = True
         core.close()
 
 
-def prefill_report(short: int = 2048, long: int = 32768, layers: int = 2, chunk: int = 1024) -> dict[str, Any]:
+def prefill_report(short: int = 2048, long: int = 32768, layers: int = 1, chunk: int = 1024) -> dict[str, Any]:
     out: dict[str, Any] = {"what": f"cold chunked prefill, {layers} SmolLM2-shaped layers, chunk {chunk}, 1 thread"}
     rates = {}
     for n in (short, long):
