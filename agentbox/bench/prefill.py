@@ -37,7 +37,7 @@ def prefill_seconds(tokens: int, layers: int, chunk: int, use_views: bool = True
     from agentbox.engine.sampling import SamplingParams
     from agentbox.layers.backends.torch_backend import TorchAttention
 
-    cfg = LlamaConfig(vocab_size=1024, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=layers,
+    cfg = LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=1024, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=layers,
                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                       max_position_embeddings=tokens + 64, tie_word_embeddings=True)
     config = EngineConfig(model="random", device="cpu", dtype="float32", num_pages=tokens // 16 + 64,
