@@ -151,6 +151,7 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
     from agentbox.engine.ipc.messages import AddRequest
     from agentbox.engine.sampling import SamplingParams
     from agentbox.models.loader import load_tokenizer, resolve_model
+    from agentbox.server.fast_json import loads
     from agentbox.server.protocol import ChatCompletionRequest
     from agentbox.server.session_key import session_key
 
@@ -168,7 +169,7 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
         raw = json.dumps(body_of(msgs2, "m")).encode()
 
         def parse(raw: bytes = raw) -> dict[str, Any]:
-            body = ChatCompletionRequest.model_validate(json.loads(raw))
+            body = ChatCompletionRequest.model_validate(loads(raw))  # as the server: fast_json, then pydantic
             session_key({}, body.model_dump())
             return body.messages
 
