@@ -23,6 +23,55 @@ def split_available(q: torch.Tensor) -> bool:
     return _FLASH_CPU is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
 
 
+def page_runs(pages: torch.Tensor, page_size: int, n_tokens: int) -> list[tuple[int, int]]:
+    """Positions 0..n_tokens of a sequence on `pages` (int64, its row of the page table) as runs of
+    consecutive cache slots: [(first slot, tokens)], in order. A session's turns each add a run."""
+    n_pages = -(-n_tokens // page_size)
+    row = pages[:n_pages]
+    breaks = (torch.nonzero(row[1:] - row[:-1] != 1).flatten() + 1).tolist()
+    out, start = [], 0
+    for end in [*breaks, n_pages]:
+        first_tok, last_tok = start * page_size, min(end * page_size, n_tokens)
+        out.append((int(row[start]) * page_size, last_tok - first_tok))
+        start = end
+    return out
+
+
+def runs_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, runs: list[tuple[int, int]],
+                   scale: float) -> torch.Tensor:
+    """Causal attention of q [Q, H, D] (the last Q positions) over a sequence whose keys lie in `runs` of
+    the cache ([slots, Hkv, D]): each run of the prefix is one unmasked fused call on a view of the cache,
+    the new tokens' own keys (gathered: Q slots) one causal call, all merged by log-sum-exp. No copy of
+    the history, whatever the page order."""
+    assert _FLASH_CPU is not None
+    n_q, h, d = q.shape
+    hkv = k_cache.shape[1]
+    g = h // hkv
+    total = sum(n for _, n in runs)
+    prefix = total - n_q
+    slots = torch.cat([torch.arange(s, s + n) for s, n in runs])[prefix:]
+    tail_k = k_cache[slots].to(q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
+    tail_v = v_cache[slots].to(q.dtype).transpose(0, 1).repeat_interleave(g, 0).unsqueeze(0)
+    out, lse = _FLASH_CPU(q.transpose(0, 1).unsqueeze(0), tail_k, tail_v, is_causal=True, scale=scale)[:2]
+    acc_out, acc_lse = out[0].float(), lse[0].float()  # [H, Q, D], [H, Q]
+    qf = q.reshape(n_q, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * n_q, d)
+    pos = 0
+    for slot, n in runs:
+        n = min(n, prefix - pos)
+        if n <= 0:
+            break
+        keys = k_cache.narrow(0, slot, n).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        values = v_cache.narrow(0, slot, n).to(q.dtype).transpose(0, 1).unsqueeze(0)
+        o, l_ = _FLASH_CPU(qf, keys, values, scale=scale)[:2]
+        o, l_ = o.reshape(h, n_q, d).float(), l_.reshape(h, n_q).float()
+        top = torch.maximum(acc_lse, l_)
+        w_a, w_o = torch.exp(acc_lse - top), torch.exp(l_ - top)
+        acc_out = (acc_out * w_a.unsqueeze(-1) + o * w_o.unsqueeze(-1)) / (w_a + w_o).unsqueeze(-1)
+        acc_lse = top + torch.log(w_a + w_o)
+        pos += n
+    return acc_out.to(q.dtype).transpose(0, 1)
+
+
 def extend_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """q [Q, H, D] are the last Q positions of the sequence; keys/values [Hkv, K, D] (views of the cache,
     K >= Q) hold every position up to and including them. Returns [Q, H, D]: causal attention."""

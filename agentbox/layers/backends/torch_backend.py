@@ -31,7 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, register_backend
-from agentbox.layers.backends.prefix_attention import extend_attention, split_available
+from agentbox.layers.backends.prefix_attention import (
+    extend_attention,
+    page_runs,
+    runs_attention,
+    split_available,
+)
 
 
 @dataclass
@@ -148,6 +153,7 @@ class TorchAttention(AttentionBackend):
     layout: _StepLayout | None = None
     window_masks: dict[int, torch.Tensor]
     bases: list[int] | None = None
+    runs: list[list[tuple[int, int]]] | None = None  # per sequence: runs of consecutive slots (CPU)
     views: dict[int | None, list[_SeqView]]
 
     def begin(self, meta: AttentionMetadata) -> None:
@@ -155,7 +161,12 @@ class TorchAttention(AttentionBackend):
         check_layout(meta)
         long_enough = sum(meta.kv_lens) >= self.view_min_mean_kv * meta.num_seqs
         self.bases = consecutive_bases(meta) if self.use_views and long_enough else None
-        self.layout = None if self.bases is not None else build_layout(meta, self.kv_cache.k[0].device)
+        # Pages out of order on CPU (a session's turns each add a run): attend run by run, no gather.
+        self.runs = None
+        if self.bases is None and self.use_views and long_enough and split_available(self.kv_cache.k[0]):
+            table = meta.page_table.to(torch.int64)
+            self.runs = [page_runs(table[i], meta.page_size, kv) for i, kv in enumerate(meta.kv_lens)]
+        self.layout = build_layout(meta, self.kv_cache.k[0].device) if self.bases is None else None
         self.window_masks = {}
         self.views = {}
 
@@ -188,6 +199,12 @@ class TorchAttention(AttentionBackend):
         v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         if self.bases is not None:
             return self._forward_views(q, k_cache, v_cache, sliding_window, sinks)
+        if self.runs is not None and sliding_window is None and sinks is None:
+            outs, start = [], 0
+            for runs, q_len in zip(self.runs, meta.query_lens, strict=True):
+                outs.append(runs_attention(q.narrow(0, start, q_len), k_cache, v_cache, runs, self.scale))
+                start += q_len
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         assert lay is not None
 
         b, max_q, h, d = lay.num_seqs, lay.max_q, self.num_heads, self.head_dim
