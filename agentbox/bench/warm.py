@@ -236,7 +236,8 @@ def cpu_name() -> str:
     return "unknown"
 
 
-def warm_report(contexts: tuple[int, ...] = CONTEXTS, warm_turns: int = 5, http: bool = True) -> dict[str, Any]:
+def warm_report(contexts: tuple[int, ...] = CONTEXTS, warm_turns: int = 5, http: bool = True,
+                prefill: bool = True) -> dict[str, Any]:
     from agentbox.bench.idle import serve_subprocess
     from agentbox.bench.prefill import prefill_report
     from agentbox.hub.embedded import embedded_model_path
@@ -260,6 +261,7 @@ def warm_report(contexts: tuple[int, ...] = CONTEXTS, warm_turns: int = 5, http:
                 report["http"] = http_turns(base, name, contexts, warm_turns)
             lo, hi = report["http"][contexts[0]], report["http"][contexts[-1]]
             report["warm_ratio_longest_over_shortest"] = round(hi["warm_ttft_ms"] / lo["warm_ttft_ms"], 2)
-    report["prefill"] = prefill_report()
+    if prefill:
+        report["prefill"] = prefill_report()
     report["load_after"] = load_now()
     return report
