@@ -32,6 +32,7 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
     for name in ("read", "edit", "grep", "bash")]
 CONTEXTS = (2048, 8192, 32768, 65536, 131072)
+STAGES = ("parse", "render", "tokenize", "lookup", "schedule", "forward")
 
 
 def save_long_context_qwen3(d: Path, tokenizer: Any, max_positions: int) -> Path:
