@@ -121,6 +121,9 @@ class ServerConfig:
     # Output budget for a request with no max_tokens when the model's profile names none.
     default_max_tokens: int = 4096
     record_trace: str | None = None  # `serve --record-trace FILE`: live traffic saved as a replayable trace
+    # Conversations whose text and ids the API keeps so a warm turn tokenizes only its new part
+    # (chat/incremental.py): ~1 MB each at 128k tokens.
+    tokenize_cache_texts: int = 64
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 

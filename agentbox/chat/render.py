@@ -7,7 +7,6 @@ messages, so turn N+1's prompt starts with turn N's prompt plus its answer.
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
@@ -88,7 +87,9 @@ def prepare_messages(messages: list[dict], template: str) -> list[dict]:
     keep_strings = template_takes_string_arguments(template)
     out: list[dict] = []
     for m in messages:
-        m = copy.deepcopy(m)
+        # A shallow copy: every nested value this changes is rebuilt below, never edited in place, and a deep
+        # copy of a 128k-token conversation took a third of its render time.
+        m = dict(m)
         role = m.get("role")
         if role in ("system", "developer"):
             m["role"] = "system"

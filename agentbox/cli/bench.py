@@ -111,6 +111,23 @@ def bench_step(
     report = step_report()
     report["torch_decode_step"] = decode_report()
     _print_json(report, json_out)
+@bench_app.command("warm")
+def bench_warm(
+    contexts: list[int] = typer.Option([2048, 8192, 32768, 65536, 131072], "--context", help="conversation lengths in tokens (repeatable)"),
+    warm_turns: int = typer.Option(5, "--warm-turns", min=1, help="warm turns per context; the median is kept"),
+    http: bool = typer.Option(True, "--http/--no-http", help="also time cold and warm turns over HTTP on a served model"),
+    prefill: bool = typer.Option(True, "--prefill/--no-prefill", help="also time cold prefill at 2k and 32k (SmolLM2-shaped)"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Warm and cold time to first token by context length, on a tiny random 128k-context Qwen3.
+
+    Host time of a warm turn by stage (parse, render, tokenize, lookup, schedule, forward), then cold
+    chunked-prefill tokens/s at 2k and 32k on SmolLM2-shaped layers."""
+    from agentbox.bench.warm import warm_report
+
+    _print_json(warm_report(tuple(sorted(set(contexts))), warm_turns, http, prefill), json_out)
+
+
 @bench_app.command("llamacpp")
 def bench_llamacpp(
     model: str | None = typer.Option(None, "--model", help="a .gguf (default: the embedded SmolLM2)"),  # noqa: UP007

@@ -27,12 +27,13 @@ from agentbox.server.errors import (
     as_api_error,
     parse_json_body,
 )
+from agentbox.server.fast_json import FastJSONRoute
 from agentbox.server.generation import GenEvent, Usage, generate, new_id
 from agentbox.server.protocol import StopString
 from agentbox.server.session_key import session_key
 from agentbox.server.state import ServerState
 
-router = APIRouter()
+router = APIRouter(route_class=FastJSONRoute)  # orjson bodies: server/fast_json.py
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 

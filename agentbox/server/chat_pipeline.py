@@ -16,6 +16,7 @@ from typing import Any
 from agentbox.chat.effort import ReasoningEffort
 from agentbox.chat.grammar import forced_name, grammar_spec
 from agentbox.chat.harmony import is_harmony_template
+from agentbox.chat.incremental import incremental_for
 from agentbox.chat.reasoning import get_reasoning_splitter, prompt_opens_reasoning
 from agentbox.chat.render import normalize_tools, render_prompt
 from agentbox.chat.template import template_text
@@ -251,7 +252,8 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
     parser = syntax if tools and conv.tool_choice != "none" else None
     if check_length:
         state.check_prompt_chars(text, param)  # before tokenizing: a 5 MB prompt is refused at once
-    ids = tok.encode(text, add_special_tokens=False)
+    # Only what this turn appended is tokenized: the ids equal full tokenization (chat/incremental.py).
+    ids = incremental_for(tok, state.config.tokenize_cache_texts).encode(text)
     if check_length:
         state.check_prompt(len(ids), param)
     return PreparedChat(conv, text, ids, tools, parser, style,

@@ -16,12 +16,13 @@ from agentbox.engine.sampling import SamplingParams
 from agentbox.server.chat_pipeline import Conversation, FinalOutput, checked, fold, prepare_chat
 from agentbox.server.disconnect import until_disconnect
 from agentbox.server.errors import APIError, as_api_error
+from agentbox.server.fast_json import FastJSONRoute
 from agentbox.server.generation import GenEvent, Usage, generate, new_id
 from agentbox.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, effort_of
 from agentbox.server.session_key import session_key
 from agentbox.server.state import ServerState
 
-router = APIRouter()
+router = APIRouter(route_class=FastJSONRoute)  # orjson bodies: server/fast_json.py
 
 
 async def _chain(first: GenEvent, rest: AsyncIterator[GenEvent]) -> AsyncIterator[GenEvent]:

@@ -82,6 +82,7 @@ class RadixCache(KVManager):
         self.root = Node((), [], Tier.GPU, None, 0)
         self.index = SessionIndex(self.turns)
         self._epoch = 0  # bumped on every change of the tree's shape or tiers: a Match from before is stale
+        self._hints: dict[str, Node] = {}  # session -> the deepest node its last sequence reached (a hint)
         self.gpu_pages = 0
         self.host_pages = 0
         self.evictor = Evictor(self)
@@ -126,8 +127,10 @@ class RadixCache(KVManager):
     def match(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> Match:
         """The longest cached page-aligned prefix of tokens, and the session (given, else inferred). Pure."""
         toks = tuple(tokens[: len(tokens) // self.ps * self.ps])
-        path: list[Node] = []
-        node, i, host = self.root, 0, 0
+        path = self._hinted_path(session, toks)
+        node = path[-1] if path else self.root
+        i = node.start + len(node.key)
+        host = sum(len(n.key) for n in path if n.tier is Tier.HOST)
         while i < len(toks):
             child = node.children.get(toks[i : i + self.ps])
             if child is None:
@@ -141,6 +144,28 @@ class RadixCache(KVManager):
             node = child
         sid = self.ids.lookup(session, path[-1] if path else None, i, namespace)
         return Match(tuple(path), i, host, sid, self._epoch)
+
+    def _hinted_path(self, session: str | None, toks: tuple[int, ...]) -> list[Node]:
+        """The path to the session's deepest node when toks run through all of it, else []: the walk resumes
+        there, so an agent's next turn walks only its new part. Every key on the path is compared with toks
+        (a C compare per node, no dict walk), so the result is the full walk's: siblings differ in their
+        first page, so a root-to-node chain matching toks is the only one the walk could have taken."""
+        n = self._hints.get(session) if session is not None else None
+        if n is None or not n.alive or n.start + len(n.key) > len(toks):
+            return []
+        path: list[Node] = []
+        while n is not self.root:
+            if n is None or toks[n.start : n.start + len(n.key)] != n.key:
+                return []
+            path.append(n)
+            n = n.parent
+        path.reverse()
+        return path
+
+    def _hint(self, session: str | None, path: list[Node]) -> None:
+        """Remember the deepest node a session's sequence reached (the next lookup's starting point)."""
+        if session is not None and path:
+            self._hints[session] = path[-1]
 
     def reclaimable(self, m: Match) -> int:
         """GPU pages the caller could have after locking m: free pages, plus the unlocked tree pages outside
@@ -182,6 +207,7 @@ class RadixCache(KVManager):
         if path and sid is not None:
             self.index.tag(path, sid)
             self.index.refreshed(sid)
+            self._hint(sid, path)
         for n in path:
             n.last_access = now
             self.evictor.push_candidate(n)
@@ -238,6 +264,7 @@ class RadixCache(KVManager):
         if session is not None:
             self.index.tag(path, session)
             self.index.refreshed(session)
+            self._hint(session, path)
         for nd in path:
             nd.last_access = now
             self.evictor.push_candidate(nd)
@@ -271,6 +298,7 @@ class RadixCache(KVManager):
         """Forget a session: untag its nodes and free those no other session uses and no request holds.
         Returns pages freed (both tiers)."""
         nodes = self.index.forget(session)
+        self._hints.pop(session, None)
         freed = 0
         for n in sorted(nodes, key=lambda n: n.start, reverse=True):  # children before parents
             if not n.alive or n.sessions or n.children or self.locked(n):

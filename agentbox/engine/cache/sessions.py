@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from agentbox.config import EngineConfig
+from agentbox.engine.cache.page_hash_memo import PageHashMemo, common_prefix
 
 # How many recent gaps a session remembers: agents change pace (a long build, then quick edits).
 GAP_HISTORY = 32
@@ -125,6 +126,7 @@ class SessionTable:
         self.max_share = max_share
         self.clock = clock
         self._sessions: dict[str, Session] = {}
+        self._hashes = PageHashMemo()  # a turn hashes only its new pages (page_hash_memo.py)
 
     @classmethod
     def from_config(cls, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> SessionTable:
@@ -143,6 +145,7 @@ class SessionTable:
         return s
 
     def remove(self, sid: str) -> Session | None:
+        self._hashes.forget(sid)
         return self._sessions.pop(sid, None)
 
     def __iter__(self) -> Iterator[Session]:
@@ -225,11 +228,7 @@ class SessionTable:
         s.cached_tokens_gpu += cached_tokens - host_tokens
         s.cached_tokens_host += host_tokens
         s.last_prompt_tokens = len(tokens) // page_size * page_size
-        common = 0
-        for a, b in zip(page_hashes(tokens, page_size), s.history_hashes, strict=False):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix(self._hashes.hashes(sid, tokens, page_size), s.history_hashes)
         recomputed = max(0, common * page_size - cached_tokens)
         s.recomputed_tokens += recomputed
         s.history_tokens += common * page_size
@@ -240,7 +239,7 @@ class SessionTable:
         has (the computed part of a preempted or aborted request): that must not shrink it, or the next
         turn's recompute would go uncounted."""
         s = self.get_or_create(sid)
-        hashes = page_hashes(tokens, page_size)
+        hashes = self._hashes.hashes(sid, tokens, page_size)
         old = s.history_hashes
         if len(hashes) <= len(old) and (not hashes or old[len(hashes) - 1] == hashes[-1]):
             return

@@ -31,6 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, register_backend
+from agentbox.layers.backends.prefix_attention import (
+    extend_attention,
+    page_runs,
+    runs_attention,
+    split_available,
+)
 
 
 @dataclass
@@ -70,14 +76,16 @@ def consecutive_bases(meta: AttentionMetadata) -> list[int] | None:
     return (table[:, 0] * ps).tolist()
 
 
-def seq_views(meta: AttentionMetadata, bases: list[int], window: int | None, device: torch.device) -> list[_SeqView]:
+def seq_views(meta: AttentionMetadata, bases: list[int], window: int | None, device: torch.device,
+              masks: bool = True) -> list[_SeqView]:
+    """masks=False: no mask is built (the caller attends causally without one: prefix_attention.py)."""
     views = []
     q_start = 0
     for base, q_len, kv_len in zip(bases, meta.query_lens, meta.kv_lens, strict=True):
         first = kv_len - q_len  # absolute position of the first new token
         lo = 0 if window is None else max(0, first - window + 1)
         mask = None
-        if q_len > 1:
+        if q_len > 1 and masks:
             key_pos = torch.arange(lo, kv_len)[None, :]
             query_pos = torch.arange(first, kv_len)[:, None]
             visible = key_pos <= query_pos
@@ -145,6 +153,7 @@ class TorchAttention(AttentionBackend):
     layout: _StepLayout | None = None
     window_masks: dict[int, torch.Tensor]
     bases: list[int] | None = None
+    runs: list[list[tuple[int, int]]] | None = None  # per sequence: runs of consecutive slots (CPU)
     views: dict[int | None, list[_SeqView]]
 
     def begin(self, meta: AttentionMetadata) -> None:
@@ -152,7 +161,12 @@ class TorchAttention(AttentionBackend):
         check_layout(meta)
         long_enough = sum(meta.kv_lens) >= self.view_min_mean_kv * meta.num_seqs
         self.bases = consecutive_bases(meta) if self.use_views and long_enough else None
-        self.layout = None if self.bases is not None else build_layout(meta, self.kv_cache.k[0].device)
+        # Pages out of order on CPU (a session's turns each add a run): attend run by run, no gather.
+        self.runs = None
+        if self.bases is None and self.use_views and long_enough and split_available(self.kv_cache.k[0]):
+            table = meta.page_table.to(torch.int64)
+            self.runs = [page_runs(table[i], meta.page_size, kv) for i, kv in enumerate(meta.kv_lens)]
+        self.layout = build_layout(meta, self.kv_cache.k[0].device) if self.bases is None else None
         self.window_masks = {}
         self.views = {}
 
@@ -185,6 +199,12 @@ class TorchAttention(AttentionBackend):
         v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         if self.bases is not None:
             return self._forward_views(q, k_cache, v_cache, sliding_window, sinks)
+        if self.runs is not None and sliding_window is None and sinks is None:
+            outs, start = [], 0
+            for runs, q_len in zip(self.runs, meta.query_lens, strict=True):
+                outs.append(runs_attention(q.narrow(0, start, q_len), k_cache, v_cache, runs, self.scale))
+                start += q_len
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
         assert lay is not None
 
         b, max_q, h, d = lay.num_seqs, lay.max_q, self.num_heads, self.head_dim
@@ -213,12 +233,19 @@ class TorchAttention(AttentionBackend):
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
         assert self.meta is not None and self.bases is not None
+        # Extends on CPU over the whole prefix (no window, no sinks) skip the mask (prefix_attention.py).
+        split = window is None and sinks is None and split_available(q)
         if window not in self.views:
-            self.views[window] = seq_views(self.meta, self.bases, window, k_cache.device)
+            self.views[window] = seq_views(self.meta, self.bases, window, k_cache.device, masks=not split)
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         g = h // hkv
         outs = []
         for sv in self.views[window]:
+            if split and sv.q_len > 1:
+                keys = k_cache.narrow(0, sv.slot, sv.k_len).to(q.dtype).transpose(0, 1)
+                values = v_cache.narrow(0, sv.slot, sv.k_len).to(q.dtype).transpose(0, 1)
+                outs.append(extend_attention(q.narrow(0, sv.q_start, sv.q_len), keys, values, self.scale))
+                continue
             # [1, Hkv, K, D] strided views of the cache (a copy only when the cache dtype differs from q's).
             keys = k_cache.narrow(0, sv.slot, sv.k_len).to(q.dtype).transpose(0, 1).unsqueeze(0)
             values = v_cache.narrow(0, sv.slot, sv.k_len).to(q.dtype).transpose(0, 1).unsqueeze(0)

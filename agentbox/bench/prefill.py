@@ -1,0 +1,72 @@
+"""Cold chunked prefill at long context on SmolLM2-shaped layers (random weights): tokens/s at 2k against 32k.
+
+Chunked prefill attends each chunk's queries over the whole cached prefix. Done right, a chunk costs
+chunk x context attention work plus its linear layers; a backend that copies the prefix out of the pages
+for every chunk and layer (the torch backend's gather path) adds context x context / chunk copies on top.
+
+The arithmetic bound, stated so the ratio can be read: per token and layer, SmolLM2's linear layers are
+~7.1 MFLOP, its attention 4 x heads x head_dim x position FLOP (2 x 9 x 64 x 2 = 2304 per position), so a
+32k prefill (mean position 16k) needs ~4.7x the work per token of a 2k one (mean 1k): tokens/s at 32k can
+be at most ~21 % of 2k's. `flop_rate_ratio` compares the FLOP/s actually reached, which is what the
+backend decides.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+# SmolLM2-135M's layer shape: hidden 576, 9 query heads on 3 kv heads of 64, MLP 1536.
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 576, 9, 3, 64, 1536
+
+
+def _flop_per_token(position: float) -> float:
+    linear = 2 * (2 * HIDDEN * HEADS * HEAD_DIM + 2 * HIDDEN * KV_HEADS * HEAD_DIM + 3 * HIDDEN * MLP)
+    return linear + 4 * HEADS * HEAD_DIM * position
+
+
+def prefill_seconds(tokens: int, layers: int, chunk: int, use_views: bool = True) -> float:
+    """Seconds from adding a `tokens`-long prompt to its first token, in-process engine, one thread."""
+    import torch
+    from transformers import LlamaConfig
+
+    from agentbox.bench.throughput import random_model
+    from agentbox.config import EngineConfig
+    from agentbox.engine.core import EngineCore
+    from agentbox.engine.ipc.messages import AddRequest
+    from agentbox.engine.sampling import SamplingParams
+    from agentbox.layers.backends.torch_backend import TorchAttention
+
+    cfg = LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=1024, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=layers,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                      max_position_embeddings=tokens + 64, tie_word_embeddings=True)
+    config = EngineConfig(model="random", device="cpu", dtype="float32", num_pages=tokens // 16 + 64,
+                          max_num_batched_tokens=chunk, cache_policy="none", cpu_threads=1, attention="torch")
+    core = EngineCore(config, random_model(cfg, torch.float32, "cpu"))
+    previous = TorchAttention.use_views
+    TorchAttention.use_views = use_views
+    try:
+        prompt = [(7 * i) % 1000 + 1 for i in range(tokens)]
+        t0 = time.perf_counter()
+        core.add(AddRequest("p", prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)))
+        while not any(o.new_token_ids for o in core.step()):
+            pass
+        return time.perf_counter() - t0
+    finally:
+        TorchAttention.use_views = previous
+        core.close()
+
+
+def prefill_report(short: int = 2048, long: int = 32768, layers: int = 1, chunk: int = 1024) -> dict[str, Any]:
+    out: dict[str, Any] = {"what": f"cold chunked prefill, {layers} SmolLM2-shaped layers, chunk {chunk}, 1 thread"}
+    rates = {}
+    for n in (short, long):
+        s = prefill_seconds(n, layers, chunk)
+        rates[n] = n / s
+        flops = layers * sum(_flop_per_token(p) for p in range(0, n, 64)) * 64
+        out[f"ctx_{n}"] = {"seconds": round(s, 3), "tok_s": round(n / s, 1), "gflop_s": round(flops / s / 1e9, 2)}
+    out["tok_s_ratio_long_over_short"] = round(rates[long] / rates[short], 3)
+    out["flop_rate_ratio_long_over_short"] = round(out[f"ctx_{long}"]["gflop_s"] / out[f"ctx_{short}"]["gflop_s"], 3)
+    ideal = (_flop_per_token(short / 2) / _flop_per_token(long / 2))
+    out["tok_s_ratio_bound_by_arithmetic"] = round(ideal, 3)
+    return out

@@ -1,0 +1,60 @@
+"""Per-session memo of the chained page hashes (sessions.page_hashes) of the last sequence hashed.
+
+Counting a turn's recomputed history hashes its whole prompt, and finishing it hashes the whole sequence:
+a Python loop over every page of the history, ~8k pages at 128k tokens, on every turn. An agent's turn
+N+1 starts with turn N's sequence, so the hashes of the pages they share are the ones already computed:
+the memo keeps the last sequence (a tuple: shared references to the same ints) and its hashes, finds the
+common prefix with C-speed slice compares, and hashes only the pages after it. Same hashes, bounded memory
+(the most recent `max_sessions` sessions).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two tuples (or two lists): slice compares over doubling blocks, then a binary search."""
+    n = min(len(a), len(b))
+    lo, step, hi = 0, 256, 0
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            break
+        lo, step = hi, step * 2
+    else:
+        return n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class PageHashMemo:
+    def __init__(self, max_sessions: int = 64) -> None:
+        self.max_sessions = max_sessions
+        self._last: OrderedDict[str, tuple[tuple[int, ...], list[int]]] = OrderedDict()
+
+    def hashes(self, sid: str, tokens: Sequence[int], page_size: int) -> list[int]:
+        """page_hashes(tokens, page_size), reusing the pages shared with this session's last sequence."""
+        toks = tuple(tokens)
+        old = self._last.pop(sid, None)
+        keep = 0
+        if old is not None:
+            keep = min(common_prefix(old[0], toks) // page_size, len(old[1]))
+        out = old[1][:keep] if old is not None else []
+        h = out[-1] if out else 0
+        for i in range(keep, len(toks) // page_size):
+            h = hash((h, toks[i * page_size : (i + 1) * page_size]))
+            out.append(h)
+        self._last[sid] = (toks, out)
+        while len(self._last) > self.max_sessions:
+            self._last.popitem(last=False)
+        return list(out)
+
+    def forget(self, sid: str) -> None:
+        self._last.pop(sid, None)

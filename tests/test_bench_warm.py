@@ -1,0 +1,22 @@
+"""`agentbox bench warm` end to end at small contexts: a served tiny model over real HTTP, warm turns hit the
+session's cache, and every stage of the host time is measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentbox.bench.warm import STAGES, warm_report
+
+
+@pytest.mark.slow
+def test_bench_warm_small_contexts(smollm2_path) -> None:  # noqa: ANN001 - the fixture skips without SmolLM2
+    report = warm_report((1024, 3072), warm_turns=2, http=True, prefill=False)
+    for n in (1024, 3072):
+        http = report["http"][n]
+        assert http["prompt_tokens"] > n // 2
+        # a warm turn recomputes only its new tokens (and the last partial page), never the history
+        assert all(0 < u < 64 for u in http["warm_uncached_tokens"]), http
+        stages = report["host_stages"][n]
+        assert set(stages["ms"]) == set(STAGES) and all(v >= 0 for v in stages["ms"].values())
+        assert stages["new_tokens"] < 64 < stages["prompt_tokens"]
+    assert report["warm_ratio_longest_over_shortest"] > 0

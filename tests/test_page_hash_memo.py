@@ -1,0 +1,35 @@
+"""The per-session page-hash memo gives exactly sessions.page_hashes, whatever the session sends next
+(a longer transcript, an edited one, a shorter one, another session's), and forgets past its bound."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import given
+
+from agentbox.engine.cache.page_hash_memo import PageHashMemo, common_prefix
+from agentbox.engine.cache.sessions import page_hashes
+
+seqs = st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from(["grow", "edit", "cut"]),
+                          st.lists(st.integers(0, 3), max_size=20)), max_size=15)
+
+
+@given(ops=seqs)
+def test_memo_equals_page_hashes(ops: list[tuple[str, str, list[int]]]) -> None:
+    memo = PageHashMemo(max_sessions=2)  # three sessions over two slots: some are forgotten and rehashed
+    tokens: dict[str, list[int]] = {}
+    for sid, op, new in ops:
+        t = tokens.get(sid, [])
+        if op == "grow":
+            t = t + new
+        elif op == "edit":
+            t = t[: len(new)] + new
+        else:
+            t = t[: len(new)]
+        tokens[sid] = t
+        assert memo.hashes(sid, t, 4) == page_hashes(t, 4)
+
+
+@given(a=st.lists(st.integers(0, 2), max_size=600), b=st.lists(st.integers(0, 2), max_size=600))
+def test_common_prefix(a: list[int], b: list[int]) -> None:
+    n = common_prefix(a, b)
+    assert a[:n] == b[:n] and (n == min(len(a), len(b)) or a[n] != b[n])
