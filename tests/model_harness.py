@@ -12,6 +12,7 @@ import torch
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, KVCache
 from agentbox.layers.backends.torch_backend import TorchAttention
 from agentbox.layers.context import forward_context
+from agentbox.layers.recurrent_state import StateCache, StateStep
 from agentbox.models.loader import LoadedModel
 
 
@@ -35,6 +36,9 @@ class PagedRunner:
             self.cache, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, loaded.head_dim**-0.5
         )
         self.free_pages = list(range(num_pages))
+        # Hybrid models: a recurrent-state slot per sequence (sequence ids are small ints: the slot is the id)
+        specs = getattr(self.model, "state_specs", None)
+        self.state = StateCache(specs(), 16, dtype, device) if specs is not None else None
         self.pages: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
@@ -68,7 +72,8 @@ class PagedRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        with forward_context(self.backend, meta):
+        state = None if self.state is None else StateStep.of(self.state, list(chunks), query_lens, kv_lens)
+        with forward_context(self.backend, meta, state=state):
             hidden = self.model(input_ids, pos_t)
         logits = self.model.compute_logits(hidden)
         return dict(zip(chunks, logits.split(query_lens), strict=True))

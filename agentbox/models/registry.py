@@ -8,6 +8,7 @@ from torch import nn
 
 from agentbox.models.gpt_oss import GptOssForCausalLM
 from agentbox.models.llama import LlamaForCausalLM
+from agentbox.models.qwen3_5 import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
 from agentbox.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -17,6 +18,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 
