@@ -111,3 +111,21 @@ def test_engine_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001
     prompts = [PROMPT, LONG[:90], [3, 1, 4, 1, 5]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in prompts]
+
+
+def test_cached_prefix_without_snapshot_recomputes(tiny) -> None:  # noqa: ANN001
+    """A second turn whose prefix is in the radix cache: with no state snapshot at that position the hybrid
+    model must not resume (the state would be from the wrong position): it reports nothing cached and its
+    answer equals a cold run."""
+    from agentbox.config import EngineConfig
+    from agentbox.engine.llm import LLM
+    from agentbox.engine.sampling import SamplingParams
+
+    path, hf, ours = tiny
+    llm = LLM(EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch"), loaded=ours)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = llm.generate([LONG[:40]], sp, session_ids=["s"])[0]
+    second_prompt = LONG[:40] + first.token_ids + [9, 8, 7]
+    second = llm.generate([second_prompt], sp, session_ids=["s"])[0]
+    assert second.num_cached_tokens == 0
+    assert second.token_ids == hf_greedy(hf, second_prompt, 6)

@@ -79,6 +79,7 @@ class EngineCore:
         self.pool = PagePool(self.runner.num_pages, config.page_size)
         self.cache = RadixCache.from_config(config, self.pool, self.runner.kv_cache)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.max_model_len)
+        self.scheduler.recurrent_state = self.runner.state_cache is not None
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
         self.started = time.time()
         self._grammar_compiler = None

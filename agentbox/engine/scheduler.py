@@ -67,6 +67,9 @@ class Scheduler:
         self.admission_timeouts = 0
         self.admission_rejections = 0
         self._auto_ids = itertools.count()
+        # A hybrid model's recurrent state resumes only at the exact position it was saved; with no snapshot
+        # there, a cached prefix cannot be resumed, so such requests recompute from the start.
+        self.recurrent_state = False
 
     # ---- lifecycle ----
 
@@ -255,6 +258,8 @@ class Scheduler:
                     break  # FIFO: later new sessions wait behind it
                 # Match at most num_tokens - 1 tokens: the last one must be computed to get logits to sample from.
                 m = self.cache.match(req.all_token_ids[: req.num_tokens - 1], req.session_id, req.namespace)
+                if self.recurrent_state:
+                    m = Match((), 0, 0, m.session, m.epoch)  # keeps the inferred session, reuses no tokens
                 need = self._admission_need(req, m, min(req.num_tokens - m.num_tokens, budget))
                 if need > self.pool.num_free and need > self.cache.reclaimable(m):
                     break  # nothing was taken: it looks again next step

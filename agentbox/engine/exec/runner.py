@@ -23,6 +23,7 @@ from agentbox.layers.backends import select_backend
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
 from agentbox.layers.quant import int4, resident_weight_bytes
+from agentbox.layers.recurrent_state import StateCache, StateStep
 from agentbox.models.loader import LoadedModel, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 
@@ -92,8 +93,15 @@ class ModelRunner:
         num_rows = config.max_num_seqs + 1
         self.page_table = PageTable(num_rows, -(-self.max_model_len // self.page_size) + 1, self.device)
         self.rows = RowAssigner(num_rows) if self.rank == 0 else None
+        # Hybrid models: each running sequence's recurrent state lives in the slot of its page-table row.
+        specs = getattr(lm.model, "state_specs", None)
+        self.state_cache = StateCache(specs(), num_rows, self.dtype, self.device) if specs is not None else None
+        if self.state_cache is not None:
+            log.info("recurrent state: %d linear-attention layers, %.2f MiB per sequence",
+                     len(self.state_cache.specs), StateCache.bytes_per_slot(self.state_cache.specs, self.dtype) / 2**20)
         self.graphs = build_decode_graphs(
-            not config.enforce_eager, self.device, self.backend,
+            # The delta-net layers pick their path per sequence in Python: not capturable yet.
+            not config.enforce_eager and self.state_cache is None, self.device, self.backend,
             lambda: DecodeGraphs(
                 lm.model, self.backend, self.page_size, config.max_num_seqs, self.page_table.table.shape[1],
                 self.device,
@@ -183,7 +191,10 @@ class ModelRunner:
             slot_mapping=step.slot_mapping.to(dev),
             page_size=self.page_size,
         )
-        with forward_context(self.backend, meta):
+        state = None
+        if self.state_cache is not None:
+            state = StateStep.of(self.state_cache, step.table_rows.tolist(), step.query_lens, step.kv_lens)
+        with forward_context(self.backend, meta, state=state):
             hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
         if not step.sample_rows.numel():
             return None
