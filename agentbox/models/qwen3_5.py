@@ -236,3 +236,10 @@ class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
     @property
     def language_model(self) -> HybridModel:
         return self.model.language_model  # type: ignore[return-value]
+
+
+class Qwen3HybridGGUF(Qwen3NextForCausalLM):
+    """A GGUF file of any of the three (models/gguf_hybrid.py): llama.cpp's converter stores every one in the
+    Qwen3.5 layout ([q | k | v] rows, z, b and a apart), under `model.`."""
+
+    fused_qkvz = False

@@ -6,9 +6,10 @@ from typing import Any
 
 from torch import nn
 
+from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.gpt_oss import GptOssForCausalLM
 from agentbox.models.llama import LlamaForCausalLM
-from agentbox.models.qwen3_5 import Qwen3_5ForConditionalGeneration, Qwen3NextForCausalLM
+from agentbox.models.qwen3_5 import Qwen3_5ForConditionalGeneration, Qwen3HybridGGUF, Qwen3NextForCausalLM
 from agentbox.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -21,6 +22,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    HYBRID_CLASS: Qwen3HybridGGUF,
 }
 
 
