@@ -25,7 +25,8 @@ TEXT = dict(
     linear_value_head_dim=8,
     linear_conv_kernel_dim=4,
 )
-MOE = dict(TEXT, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
+# experts of 64: at tp 2 each rank holds 32 columns, one Q8_0 block, of a GGUF expert
+MOE = dict(TEXT, moe_intermediate_size=64, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
 VISION = dict(
     depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=2,
     temporal_patch_size=2, spatial_merge_size=1,

@@ -1,6 +1,7 @@
 """Tensor parallel 2 on the hybrid models: Gated DeltaNet key and value heads (and the conv channels that carry
 them) split across two CPU ranks like attention heads; the engine's greedy tokens, prompts prefilled in 48-token
-chunks beside decodes, equal transformers' (and so tp 1's, which test_models_qwen3_5.py checks)."""
+chunks beside decodes, equal transformers' (and so tp 1's, which test_models_qwen3_5.py checks); the same for
+their GGUF files (Q8_0 linear weights, each rank narrowing the file's blocks)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hybrid_gguf import write_hybrid_gguf
 from hybrid_models import configs, hf_greedy, hf_logits, save_hybrid
 
 from agentbox.config import EngineConfig
@@ -18,11 +20,16 @@ PROMPTS = [[(5 * i + 11 * j) % 250 + 1 for j in range(n)] for i, n in enumerate(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("gguf", [False, True], ids=["safetensors", "gguf"])
 @pytest.mark.parametrize("name", list(configs()))
-def test_tp2_greedy_matches_transformers(name: str, tmp_path: Path) -> None:
-    hf = save_hybrid(configs()[name], tmp_path)
-    config = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_pages=256, page_size=4,
-                          tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=48)
+def test_tp2_greedy_matches_transformers(name: str, gguf: bool, tmp_path: Path) -> None:
+    config = configs()[name]
+    if gguf:
+        config.get_text_config().mlp_only_layers = []  # qwen3next files have no dense-MLP tensors
+    hf = save_hybrid(config, tmp_path / "hf")
+    model = write_hybrid_gguf(hf, name, tmp_path / "m.gguf") if gguf else tmp_path / "hf"
+    config = EngineConfig(model=str(model), device="cpu", dtype="float32", num_pages=256, page_size=4,
+                          tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=48, exact_cpu=True)
     with LLM(config) as llm:
         logits = llm.logits(PROMPTS[2])
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
