@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from agentbox.config import CachePolicy
+from agentbox.engine.cache.cache_policies import cache_for
 from agentbox.engine.cache.host_tier import HostTier
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.kv_pool import PagePool as _Pool
@@ -49,7 +50,7 @@ def make_cache(
     kv = KVCache(LAYERS, num_pages, page_size, 1, 1, torch.float32, "cpu")
     host = HostTier.like(kv, host_pages) if host_pages else None
     sessions = SessionTable(default_ttl_s=10.0, max_ttl_s=120.0, max_share=max_share, clock=clock)
-    return RadixCache(pool, kv, sessions, host, CachePolicy(policy)), clock
+    return cache_for(CachePolicy(policy), pool, kv, sessions, host), clock
 
 
 def compute(cache: RadixCache, tokens: list[int], pages: list[int], start: int) -> None:

@@ -8,17 +8,11 @@ import json
 import pickle
 
 from agentbox.config import EngineConfig
-from agentbox.engine.ipc.messages import (
-    EngineStats,
-    Query,
-    QueryKind,
-    QueryReply,
-    SessionDetail,
-    SessionList,
-    to_json,
-)
+from agentbox.engine.cache.stats import SessionDetail, SessionList
+from agentbox.engine.ipc.messages import Query, QueryKind, QueryReply
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
+from agentbox.engine.stats import EngineStats, to_json
 
 STATS_KEYS = {"uptime_s", "running", "waiting", "pool", "cache", "counters", "admission", "sessions", "parallel"}
 POOL_KEYS = {"total_pages", "free_pages", "used_pages", "page_size", "running_pages"}

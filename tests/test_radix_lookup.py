@@ -106,7 +106,7 @@ PS = 2
 
 def _scheduler(cache: RadixCache) -> Scheduler:
     cfg = EngineConfig(page_size=PS, max_num_batched_tokens=64, max_num_seqs=8, cache_policy=cache.policy)
-    return Scheduler(cfg, cache.pool, cache, max_model_len=64)
+    return Scheduler(cfg, cache, max_model_len=64)
 
 
 def _running(sch: Scheduler, rid: str, num_tokens: int) -> Request:
@@ -189,7 +189,7 @@ def test_scheduler_admission_under_random_traffic(data: st.DataObject) -> None:
                        max_num_seqs=data.draw(st.integers(2, 4), "max seqs"), cache_policy=policy,
                        admission_timeout_s=1e9)
     max_len = (gpu - 1) * ps
-    sch = Scheduler(cfg, cache.pool, cache, max_model_len=max_len)
+    sch = Scheduler(cfg, cache, max_model_len=max_len)
     last: dict[str, list[int]] = {}
     arrivals = data.draw(st.lists(st.tuples(st.sampled_from([None, "a", "b", "c"]),
                                             st.lists(st.integers(0, 3), min_size=1, max_size=8)),

@@ -16,9 +16,9 @@ import torch
 
 from agentbox.bench.throughput import random_prompts
 from agentbox.config import CachePolicy, EngineConfig
-from agentbox.engine.ipc.messages import to_json
 from agentbox.engine.llm import LLM, Completion
 from agentbox.engine.sampling import SamplingParams
+from agentbox.engine.stats import to_json
 
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)  # time to first token = wall time
 

@@ -11,35 +11,36 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from agentbox.config import CachePolicy, EngineConfig
+from agentbox.config import EngineConfig
+from agentbox.engine.cache.cache_policies import kv_manager
 from agentbox.engine.cache.kv_pool import PagePool
-from agentbox.engine.cache.radix_cache import RadixCache
 from agentbox.engine.cache.session_view import session_detail, session_summary
+from agentbox.engine.cache.sessions import TurnRecord
+from agentbox.engine.cache.stats import SessionDropped, SessionList
 from agentbox.engine.exec.runner import ModelRunner
 from agentbox.engine.exec.worker import RankDeath, start_group
 from agentbox.engine.grammar_spec import plain_grammar_error
 from agentbox.engine.ipc.messages import (
     AddRequest,
-    AdmissionStats,
-    EngineCounters,
     EngineReady,
-    EngineStats,
-    ParallelStats,
-    PoolStats,
     Query,
     QueryFailed,
     QueryKind,
     QueryResult,
     RequestOutput,
-    SessionCounts,
-    SessionDropped,
-    SessionList,
     TokenLogprob,
-    TurnRecord,
 )
 from agentbox.engine.loop_guard import LoopGuard
 from agentbox.engine.request import Request, Status
 from agentbox.engine.scheduler import Scheduler
+from agentbox.engine.stats import (
+    AdmissionStats,
+    EngineCounters,
+    EngineStats,
+    ParallelStats,
+    PoolStats,
+    SessionCounts,
+)
 from agentbox.models.loader import LoadedModel
 from agentbox.parallel.state import destroy_distributed
 
@@ -77,8 +78,8 @@ class EngineCore:
         if self.workers is not None:
             self.workers.watch(on_rank_death or self._note_death)
         self.pool = PagePool(self.runner.num_pages, config.page_size)
-        self.cache = RadixCache.from_config(config, self.pool, self.runner.kv_cache)
-        self.scheduler = Scheduler(config, self.pool, self.cache, self.runner.max_model_len)
+        self.cache = kv_manager(config, self.pool, self.runner.kv_cache)
+        self.scheduler = Scheduler(config, self.cache, self.runner.max_model_len)
         self.scheduler.recurrent_state = self.runner.state_cache is not None
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
         self.started = time.time()
@@ -167,23 +168,26 @@ class EngineCore:
     def prune_sessions(self, room: int = 0) -> int:
         """Forgets sessions idle past `session_idle_s`, and the longest idle beyond `max_sessions - room`
         entries (a session with a request in flight stays). Returns how many went."""
-        table, cfg = self.cache.sessions, self.config
+        table, cfg = self.cache.sessions, self.config  # read here; forget_session writes
         now = table.clock()
         over = len(table) + room - cfg.max_sessions
         if over <= 0 and now < self._next_prune:
             return 0
         self._next_prune = now + 1.0  # a sort of the table at most once a second
-        busy = {r.session_id for r in self.scheduler.requests.values()}
+        busy = self._busy_sessions()
         gone = 0
         for s in sorted(table, key=lambda s: s.last_active):
             if s.id in busy or s.in_turn:
                 continue
             if over - gone <= 0 and now - s.last_active < cfg.session_idle_s:
                 break  # oldest first: the rest are more recent still
-            self.cache.drop_session(s.id)
-            table.remove(s.id)
+            self.cache.forget_session(s.id)
             gone += 1
         return gone
+
+    def _busy_sessions(self) -> set[str | None]:
+        """Sessions with a request in the engine (queued or running)."""
+        return {r.session_id for r in self.scheduler.requests.values()}
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
@@ -237,14 +241,11 @@ class EngineCore:
         c.recomputed_history_tokens += req.num_recomputed_tokens
         if req.session_id is not None:
             ttft = now - req.arrival
-            self.cache.sessions.record_ttft(req.session_id, ttft)
-            s = self.cache.sessions.get(req.session_id)
-            if s is not None:
-                s.turn_history.append(TurnRecord(
-                    turn=s.turns, prompt_tokens=req.num_prompt_tokens, cached_tokens=req.num_cached_tokens,
-                    host_cached_tokens=req.num_host_cached_tokens, recomputed_tokens=req.num_recomputed_tokens,
-                    ttft_s=round(ttft, 4),
-                ))
+            self.cache.first_token(req.session_id, ttft, TurnRecord(
+                turn=0, prompt_tokens=req.num_prompt_tokens, cached_tokens=req.num_cached_tokens,
+                host_cached_tokens=req.num_host_cached_tokens, recomputed_tokens=req.num_recomputed_tokens,
+                ttft_s=round(ttft, 4),
+            ))
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
@@ -311,7 +312,7 @@ class EngineCore:
         if reason is not None:
             self._record_completion(req)
             out_.finished, out_.finish_reason = True, reason
-            if self.config.cache_policy is not CachePolicy.NONE:
+            if self.cache.caches_completions:
                 # The answer is complete for the client now; one more step computes the last token's KV
                 # (batched with the others) so the next turn finds prompt + completion cached.
                 req.flushing, req.finish_reason = True, reason
@@ -320,9 +321,8 @@ class EngineCore:
         return out_
 
     def _record_completion(self, req: Request) -> None:
-        s = self.cache.sessions.get(req.session_id) if req.session_id else None
-        if s is not None and s.turn_history:
-            s.turn_history[-1].completion_tokens = req.num_output_tokens
+        if req.session_id:
+            self.cache.complete_turn(req.session_id, req.num_output_tokens)
 
     # ---- queries ----
 
@@ -363,10 +363,11 @@ class EngineCore:
             return self.stats()
         if q.kind is QueryKind.SESSIONS:
             self.prune_sessions()
-            return SessionList([session_summary(self, s) for s in self.cache.sessions])
+            busy = self._busy_sessions()
+            return SessionList([session_summary(self.cache, s, s.id in busy) for s in self.cache.sessions])
         if q.kind is QueryKind.SESSION:
             s = self.cache.sessions.get(q.arg or "")
-            return None if s is None else session_detail(self, s)
+            return None if s is None else session_detail(self.cache, s, s.id in self._busy_sessions())
         if q.kind is QueryKind.DROP_SESSION:
             sid = q.arg or ""
             if sid not in self.cache.sessions:
@@ -374,8 +375,7 @@ class EngineCore:
             active = [r for r in self.scheduler.requests.values() if r.session_id == sid]
             for r in active:
                 self.scheduler.finish(r, "abort")
-            freed = self.cache.drop_session(sid)
-            self.cache.sessions.remove(sid)
+            freed = self.cache.forget_session(sid)
             return SessionDropped(id=sid, deleted=True, freed_pages=freed, aborted_requests=[r.request_id for r in active])
         return QueryFailed(f"unknown query {q.kind!r}")
 

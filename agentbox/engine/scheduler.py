@@ -20,14 +20,12 @@ waits to be recomputed (mostly from that cache). Nothing crashes for lack of pag
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from agentbox.config import CachePolicy, EngineConfig
-from agentbox.engine.cache.kv_pool import PagePool
-from agentbox.engine.cache.radix_cache import RadixCache
+from agentbox.config import EngineConfig
+from agentbox.engine.cache.manager import KVManager
 from agentbox.engine.cache.radix_node import Lock, Match
 from agentbox.engine.request import Request, Status
 
@@ -52,13 +50,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: PagePool, cache: RadixCache, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, cache: KVManager, max_model_len: int) -> None:
         self.config = config
-        self.pool = pool
         self.cache = cache
-        self.sessions = cache.sessions
+        self.pool = cache.pool  # read only (sizes): pages are taken and given back through the cache
         self.max_model_len = max_model_len
-        self.page_size = pool.page_size
+        self.page_size = self.pool.page_size
         self.waiting: deque[Request] = deque()  # returning sessions and preempted requests
         self.waiting_new: deque[Request] = deque()  # requests that start a new session
         self.running: list[Request] = []
@@ -66,7 +63,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.admission_timeouts = 0
         self.admission_rejections = 0
-        self._auto_ids = itertools.count()
         # A hybrid model's recurrent state resumes only at the exact position it was saved; with no snapshot
         # there, a cached prefix cannot be resumed, so such requests recompute from the start.
         self.recurrent_state = False
@@ -75,8 +71,7 @@ class Scheduler:
 
     def add(self, req: Request) -> str | None:
         """Queues a request; returns an error code when the admission queue is full."""
-        returning = req.session_id is not None and req.session_id in self.sessions
-        if not returning and self.config.cache_policy is CachePolicy.SESSION:
+        if self.cache.gates_new_sessions and not self.cache.knows(req.session_id):
             if len(self.waiting_new) >= self.config.admission_queue_size:
                 self.admission_rejections += 1
                 return "queue_full"
@@ -123,7 +118,7 @@ class Scheduler:
         # The partial tail first: the free list is a stack, so pages freed after it come back before it and
         # the next request gets an ascending run (the torch backend's no-copy view path needs one).
         if len(req.pages) > full:
-            self.pool.decref(req.pages[full:])
+            self.cache.release(req.pages[full:])
         self.cache.insert(tokens, req.pages[:full], req.session_id)
         req.pages = []
         req.num_computed_tokens = 0
@@ -140,11 +135,10 @@ class Scheduler:
         need = self._pages_for(req, num_tokens)
         if need <= 0:
             return True
-        if self.pool.num_free < need:
-            self.cache.evict(need - self.pool.num_free)
-        if self.pool.num_free < need:
+        pages = self.cache.reserve(need)
+        if pages is None:
             return False
-        req.pages.extend(self.pool.alloc(need))
+        req.pages.extend(pages)
         return True
 
     def _preempt(self, victim: Request) -> None:
@@ -178,19 +172,13 @@ class Scheduler:
         req.pages = list(lock.pages)
         req.num_computed_tokens = lock.num_tokens
         if req.num_preemptions == 0:
-            if req.session_id is None:
-                # Inferred from the cached prefix, else a fresh tag so its later turns can be recognised.
-                req.session_id = lock.session or f"{req.namespace}auto-{next(self._auto_ids)}"
-            self.sessions.begin_turn(req.session_id)  # the gap since the session's last turn ends here
             # What the request is told (and its session counts): under API-key namespaces, only the prefix
             # its own key's sessions computed (`shown`), so cached_tokens reveals nothing of another key's.
-            cached = lock.num_tokens if shown is None else min(shown, lock.num_tokens)
-            host = min(lock.num_host_tokens, cached)
-            req.num_cached_tokens = cached
-            req.num_host_cached_tokens = host
-            req.num_recomputed_tokens = self.sessions.record_prompt(
-                req.session_id, req.prompt_token_ids, cached, host, self.page_size
-            )
+            t = self.cache.begin_turn(req.session_id, lock, req.namespace, req.prompt_token_ids, shown)
+            req.session_id = t.session
+            req.num_cached_tokens = t.cached_tokens
+            req.num_host_cached_tokens = t.host_cached_tokens
+            req.num_recomputed_tokens = t.recomputed_tokens
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         if not self._reserve(req, req.num_computed_tokens + n):
             raise RuntimeError("admission: the cache could not free the pages it reported reclaimable")
@@ -198,15 +186,10 @@ class Scheduler:
 
     def new_session_fits(self, req: Request) -> bool:
         """Running work plus live leases leave room for this new session's prompt."""
-        if self.config.cache_policy is not CachePolicy.SESSION:
+        if not self.cache.gates_new_sessions:
             return True
         held = len({p for r in self.running for p in r.pages})
-        leased = self.cache.index.leased_pages()
-        # Leased pages the host tier can take are not in the way: they are demoted (copied out, and back
-        # on return) instead of holding a new session at the door.
-        host_room = self.cache.host.pool.num_free if self.cache.host is not None else 0
-        need = -(-req.num_tokens // self.page_size)
-        return need <= self.pool.capacity - held - max(0, leased - host_room)
+        return self.cache.admits_new_session(-(-req.num_tokens // self.page_size), held)
 
     def _expire_admissions(self, failed: list[tuple[Request, str, str]]) -> None:
         now = time.monotonic()
@@ -222,7 +205,7 @@ class Scheduler:
         if self.running or self.waiting or not self.waiting_new:
             return None
         soonest = self.waiting_new[0].arrival + self.config.admission_timeout_s
-        expiries = [s.lease_expiry for s in self.sessions.live() if s.lease_expiry is not None]
+        expiries = [s.lease_expiry for s in self.cache.sessions.live() if s.lease_expiry is not None]
         return min([soonest, *expiries])
 
     def schedule(self) -> SchedulerOutput:

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import agentbox
 from agentbox.config import ServerConfig
 from agentbox.engine.ipc.client import EngineClient, EngineDead, QueryError
-from agentbox.engine.ipc.messages import to_json
+from agentbox.engine.stats import to_json
 from agentbox.server import anthropic_routes, openai_routes, openapi, responses_routes, sessions_routes
 from agentbox.server.access_log import ErrorReasonMiddleware, install_polling_filter
 from agentbox.server.backend_header import BackendHeaderMiddleware

@@ -1,5 +1,6 @@
-"""Which agent session a request belongs to, from what the client sends (inference from the cached
-prefix happens in the engine when none is given)."""
+"""The session id the client sent, read from its request: the first step of the one decision of a request's
+session, which engine/cache/session_ids.py writes down whole (the client's id scoped to its API key's
+namespace; else inferred from the cached prefix; else a fresh `auto-N`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,10 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from agentbox.engine.cache.session_ids import MAX_SESSION_ID_CHARS
 from agentbox.server.errors import APIError
 
 _CLAUDE_USER_ID = re.compile(r"_session_([0-9a-fA-F-]{8,})")
-
-
-MAX_SESSION_ID_CHARS = 256  # an id is a key, not a payload: 1 MiB ids grew the session table by 91 MB
 
 
 def session_key(headers: Mapping[str, str], body: dict[str, Any]) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
-from agentbox.engine.ipc.messages import to_json
+from agentbox.engine.stats import to_json
 from agentbox.server.errors import APIError
 from agentbox.server.generation import CLIENT_NAMESPACE, ServerState
 

@@ -1,9 +1,9 @@
 """The order in which the session policy gives GPU pages up: a heap key per leaf node (radix_evict.py's
-docstring has the three classes). Pure functions of a node, the session table and the clock."""
+docstring has the three classes). Pure functions of a node, the session table and the clock; the other
+policies order by last access alone (RadixCache.eviction_key)."""
 
 from __future__ import annotations
 
-from agentbox.config import CachePolicy
 from agentbox.engine.cache.radix_node import Node
 from agentbox.engine.cache.sessions import LeaseState, Session, SessionTable
 
@@ -11,12 +11,10 @@ ATTN_TOKENS = 4096.0  # depth at which attention's share of a token's recompute 
 MIN_WAIT_S = 0.05  # an overdue session is "about to return": its saving rate is capped, not infinite
 
 
-def gpu_key(n: Node, sessions: SessionTable, policy: CachePolicy, now: float) -> tuple[int, float]:
+def gpu_key(n: Node, sessions: SessionTable, now: float) -> tuple[int, float]:
     """(class, key), smallest first out: 0 unleased by last access, 1 expired by expiry, 2 live by the
-    expected saving per page-second. Under lru everything is class 0."""
+    expected saving per page-second."""
     best = (0, n.last_access)
-    if policy is not CachePolicy.SESSION:
-        return best
     for sid in n.sessions:
         s = sessions.get(sid)
         if s is None:

@@ -34,8 +34,11 @@ the match boundary, so a request's references always cover whole nodes.
 
 Eviction, demotion and promotion (`evict`, `evict_host`, `demote`; promotion inside `lock`) are an
 `Evictor` (radix_evict.py, with the priority classes and the heaps): the cache tells it which nodes became
-leaves and it calls back through a small `Tree` view (`locked`, `remove`, `retier`). Under `CachePolicy.NONE`
-nothing is cached.
+leaves and it calls back through a small `Tree` view (`locked`, `remove`, `retier`, `eviction_key`).
+
+This is the tree the cache policies share; each policy is a subclass (cache_policies.py) that says what it
+changes (the eviction key, which leases hold pages, whether anything is kept at all), and the scheduler and
+the core see them only as a `KVManager` (manager.py).
 
 Sessions are tags: every node on a path a session locked or inserted carries its id (so a child's tags
 are a subset of its parent's). `drop_session` removes the session's own suffix; shared prefixes survive. The per-session
@@ -44,58 +47,54 @@ bookkeeping (tags, lease expiries, the lease cap) is session_index.py.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from agentbox.config import CachePolicy, EngineConfig
 from agentbox.engine.cache.host_tier import HostTier
 from agentbox.engine.cache.kv_pool import PagePool
+from agentbox.engine.cache.manager import KVManager
 from agentbox.engine.cache.radix_check import check_integrity
 from agentbox.engine.cache.radix_evict import Evictor, HeapEntry
 from agentbox.engine.cache.radix_node import Lock, Match, Node, Tier
 from agentbox.engine.cache.session_index import SessionIndex
-from agentbox.engine.cache.sessions import SessionTable
-from agentbox.engine.ipc.messages import CacheStats
+from agentbox.engine.cache.sessions import Session, SessionTable
+from agentbox.engine.cache.stats import CacheStats
+from agentbox.engine.cache.turns import Turns
 from agentbox.layers.backends.base import KVCache
 
 
-class RadixCache:
+class RadixCache(KVManager):
+    """The tree and its mechanics; a policy subclass (cache_policies.py) is what an engine runs."""
+
     def __init__(
         self,
         pool: PagePool,
         kv: KVCache | None = None,
         sessions: SessionTable | None = None,
         host: HostTier | None = None,
-        policy: CachePolicy = CachePolicy.SESSION,
     ) -> None:
-        policy = CachePolicy(policy)
         if host is not None and (kv is None or host.pool.page_size != pool.page_size):
             raise ValueError("a host tier needs the GPU KVCache and the same page size")
-        self.pool = pool
+        super().__init__(pool, Turns(sessions if sessions is not None else SessionTable()))
         self.kv = kv
-        self.sessions = sessions if sessions is not None else SessionTable()
-        self.host = host if policy is not CachePolicy.NONE else None
-        self.policy = policy
+        self.host = host
         self.ps = pool.page_size
         self.root = Node((), [], Tier.GPU, None, 0)
-        self.index = SessionIndex(self.sessions, policy)
+        self.index = SessionIndex(self.turns)
         self._epoch = 0  # bumped on every change of the tree's shape or tiers: a Match from before is stale
         self.gpu_pages = 0
         self.host_pages = 0
         self.evictor = Evictor(self)
 
-    @classmethod
-    def from_config(
-        cls, config: EngineConfig, pool: PagePool, kv: KVCache, clock: Callable[[], float] = time.monotonic
-    ) -> RadixCache:
-        """The engine's cache. The host tier belongs to the session policy; lru mirrors general engines."""
-        host = HostTier.sized(kv, config.host_cache_gb) if config.cache_policy is CachePolicy.SESSION else None
-        return cls(pool, kv, SessionTable.from_config(config, clock), host, config.cache_policy)
+    # ---- what a policy changes ----
 
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self.sessions.clock
+    def eviction_key(self, n: Node, now: float) -> tuple[int, float]:
+        """n's place in the GPU eviction order, smallest first out: least recently used first here."""
+        return (0, n.last_access)
+
+    def leases_holding_pages(self) -> list[Session]:
+        """The sessions whose leases keep pages resident (counted against the cap): none here."""
+        return []
 
     # The counters are the evictor's.
     @property
@@ -126,8 +125,6 @@ class RadixCache:
 
     def match(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> Match:
         """The longest cached page-aligned prefix of tokens, and the session (given, else inferred). Pure."""
-        if self.policy is CachePolicy.NONE:
-            return Match((), 0, 0, session, self._epoch)
         toks = tuple(tokens[: len(tokens) // self.ps * self.ps])
         path: list[Node] = []
         node, i, host = self.root, 0, 0
@@ -142,8 +139,7 @@ class RadixCache:
             if m < len(child.key):
                 break
             node = child
-        sid = session if session is not None else self.sessions.infer_session(path[-1] if path else None, i,
-                                                                              namespace)
+        sid = self.ids.lookup(session, path[-1] if path else None, i, namespace)
         return Match(tuple(path), i, host, sid, self._epoch)
 
     def reclaimable(self, m: Match) -> int:
@@ -211,11 +207,8 @@ class RadixCache:
             raise ValueError(f"{n} full pages of tokens but only {len(pages)} pages")
         pages = pages[:n]
         toks = tuple(tokens[: n * self.ps])
-        if session is not None:  # the session computed these, whether or not the policy keeps them
-            self.sessions.record_history(session, toks, self.ps)
-        if self.policy is CachePolicy.NONE:
-            self.pool.decref(pages)
-            return
+        if session is not None:  # the session computed these
+            self.turns.history(session, toks, self.ps)
         now = self.clock()
         path: list[Node] = []
         node, i = self.root, 0
@@ -251,13 +244,9 @@ class RadixCache:
         if session is not None:
             self._enforce_cap()
 
-    def release(self, pages: list[int]) -> None:
-        """Drop the caller's references on locked pages it will not insert (abort)."""
-        self.pool.decref(pages)
-
     def end_turn(self, session: str) -> None:
         """A session's turn is done: its lease runs a fresh TTL and its eviction keys move with it."""
-        self.sessions.end_turn(session)
+        super().end_turn(session)
         self.index.refreshed(session)
         self.evictor.repush_session(session)
         self._enforce_cap()
@@ -294,7 +283,7 @@ class RadixCache:
         return freed
 
     def _enforce_cap(self) -> None:
-        for sid in self.index.release_over_cap(self.pool.capacity):
+        for sid in self.index.release_over_cap(self.leases_holding_pages(), self.pool.capacity):
             self.evictor.repush_session(sid)
 
     # ---- tree mechanics (`remove`, `retier` and `locked` are also the evictor's view: radix_evict.Tree) ----
@@ -379,7 +368,7 @@ class RadixCache:
             gpu_pages=self.gpu_pages,
             host_pages=self.host_pages,
             host_total_pages=self.host.pool.capacity if self.host is not None else 0,
-            leased_pages=self.index.leased_pages(),
+            leased_pages=self.index.leased_pages(self.leases_holding_pages()),
             evictions=self.evictions,
             demotions=self.demotions,
             promotions=self.promotions,

@@ -1,7 +1,8 @@
 """Eviction, demotion and promotion for the radix cache (radix_cache.py has the tree, the lookup/lock contract
 and the reference discipline): which leaf leaves next, and moving a node's pages between the tiers. The
-`Evictor` sees its cache only through `Tree`, the few members it needs: the pools, the sessions, the page
-counts, `locked`, and the two tree mutations eviction makes (`remove` a node, `retier` its pages).
+`Evictor` sees its cache only through `Tree`, the few members it needs: the pools, the page counts, `locked`,
+`eviction_key` (the policy's order), and the two tree mutations eviction makes (`remove` a node, `retier` its
+pages).
 
 Eviction (`evict(n)`): GPU leaves (nodes without GPU children) leave in priority-class order through an
 incremental heap with lazy invalidation (a node's `version` is bumped on each push; stale entries are
@@ -12,10 +13,10 @@ only grow with time except at lease expiry and turn end, where the session's lea
   class 2: a live lease; lowest expected saving per page-second first: the recompute cost of its tokens
            (tokens x (1 + mean position / ATTN_TOKENS), attention grows with depth; evict_order.py) divided by its pages x
            the time until the session's expected return (last turn end + median gap).
-Under `CachePolicy.LRU` every node is class 0. With a host tier an evicted GPU node is copied to host (making
-room by dropping host LRU leaves) instead of dropped; host nodes on a matched path are promoted back
-(allocate GPU pages, copy) instead of being recomputed. A locked node (any page above refcount 1) is skipped
-and re-pushed: it is never evicted, demoted or dropped.
+The classes are the session policy's (`SessionCache.eviction_key`); under lru every node is class 0. With a
+host tier an evicted GPU node is copied to host (making room by dropping host LRU leaves) instead of dropped;
+host nodes on a matched path are promoted back (allocate GPU pages, copy) instead of being recomputed. A
+locked node (any page above refcount 1) is skipped and re-pushed: it is never evicted, demoted or dropped.
 """
 
 from __future__ import annotations
@@ -25,13 +26,10 @@ import itertools
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from agentbox.config import CachePolicy
-from agentbox.engine.cache.evict_order import gpu_key
 from agentbox.engine.cache.host_tier import HostTier, copy_pages
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.radix_node import Node, Tier
 from agentbox.engine.cache.session_index import SessionIndex
-from agentbox.engine.cache.sessions import SessionTable
 from agentbox.layers.backends.base import KVCache
 
 HeapEntry = tuple[tuple[int, float], int, int, Node]  # (key, push order, node version at push, node)
@@ -43,8 +41,6 @@ class Tree(Protocol):
     pool: PagePool
     kv: KVCache | None
     host: HostTier | None
-    sessions: SessionTable
-    policy: CachePolicy
     index: SessionIndex
     root: Node
     gpu_pages: int
@@ -54,6 +50,8 @@ class Tree(Protocol):
     def clock(self) -> Callable[[], float]: ...
 
     def locked(self, n: Node) -> bool: ...
+
+    def eviction_key(self, n: Node, now: float) -> tuple[int, float]: ...
 
     def remove(self, n: Node) -> None: ...
 
@@ -95,7 +93,7 @@ class Evictor:
             if t.locked(n):
                 held.append(n)
                 continue
-            cur = gpu_key(n, t.sessions, t.policy, now)
+            cur = t.eviction_key(n, now)
             if cur > key and self.gpu_heap and cur > self.gpu_heap[0][0]:
                 self._push(n, self.gpu_heap, cur)
                 continue
@@ -202,7 +200,7 @@ class Evictor:
             return
         t = self.tree
         if n.is_gpu_leaf():
-            self._push(n, self.gpu_heap, gpu_key(n, t.sessions, t.policy, t.clock()))
+            self._push(n, self.gpu_heap, t.eviction_key(n, t.clock()))
         elif n.is_host_leaf():
             self._push(n, self.host_heap, (0, n.last_access))
 

@@ -1,27 +1,27 @@
 """The radix cache's per-session view: which nodes each session's sequences pass through, when each
 session's lease runs out, and the cap on leased GPU pages. The session table (sessions.py) owns the sessions
-themselves; this is only what the tree needs to know about them."""
+themselves (and `Turns` writes it); this is only what the tree needs to know about them."""
 
 from __future__ import annotations
 
 import heapq
 
-from agentbox.config import CachePolicy
 from agentbox.engine.cache.radix_node import Node, Tier
-from agentbox.engine.cache.sessions import Session, SessionTable, sessions_by_lease_age
+from agentbox.engine.cache.sessions import Session, sessions_by_lease_age
+from agentbox.engine.cache.turns import Turns
 
 
 class SessionIndex:
-    def __init__(self, sessions: SessionTable, policy: CachePolicy) -> None:
-        self.sessions = sessions
-        self.policy = policy
+    def __init__(self, turns: Turns) -> None:
+        self.turns = turns
+        self.sessions = turns.table  # read only: changes go through turns
         self.nodes: dict[str, set[Node]] = {}  # session -> the nodes tagged with it
         self._expiries: list[tuple[float, str]] = []  # (lease expiry, session); stale entries die lazily
 
     # ---- tags ----
 
     def tag(self, path: list[Node], sid: str) -> None:
-        self.sessions.get_or_create(sid)
+        self.turns.ensure(sid)
         nodes = self.nodes.setdefault(sid, set())
         for n in path:
             n.sessions.add(sid)
@@ -44,7 +44,7 @@ class SessionIndex:
         nodes = self.nodes.pop(sid, set())
         for n in nodes:
             n.sessions.discard(sid)
-        self.sessions.remove(sid)
+        self.turns.forget(sid)
         return nodes
 
     def pages_by_tier(self, sid: str) -> dict[Tier, int]:
@@ -58,7 +58,7 @@ class SessionIndex:
 
     def refreshed(self, sid: str) -> None:
         """Grant or extend the session's lease and remember when it runs out."""
-        heapq.heappush(self._expiries, (self.sessions.refresh(sid), sid))
+        heapq.heappush(self._expiries, (self.turns.refresh(sid), sid))
         if len(self._expiries) > 4 * len(self.sessions) + 64:
             current = {(s.lease_expiry, s.id) for s in self.sessions if s.lease_expiry is not None}
             self._expiries = [e for e in self._expiries if e in current]
@@ -79,9 +79,8 @@ class SessionIndex:
 
     # ---- the lease cap ----
 
-    def _leased(self) -> tuple[list[Session], dict[Node, int], int]:
-        """Live leases, how many of them hold each GPU node, and the GPU pages they hold in all."""
-        live = self.sessions.live() if self.policy is CachePolicy.SESSION else []
+    def _leased(self, live: list[Session]) -> tuple[dict[Node, int], int]:
+        """How many of the live leases hold each GPU node, and the GPU pages they hold in all."""
         count: dict[Node, int] = {}
         total = 0
         for s in live:
@@ -91,21 +90,22 @@ class SessionIndex:
                     if c == 0:
                         total += len(n.pages)
                     count[n] = c + 1
-        return live, count, total
+        return count, total
 
-    def leased_pages(self) -> int:
-        return self._leased()[2]
+    def leased_pages(self, live: list[Session]) -> int:
+        """GPU pages the leases of `live` hold (the policy says which leases hold pages)."""
+        return self._leased(live)[1]
 
-    def release_over_cap(self, pool_capacity: int) -> list[str]:
-        """Leased GPU pages at most max_share of the pool: break the oldest leases first. Returns the
-        sessions whose lease was broken (their leaves' eviction keys must move)."""
-        live, count, total = self._leased()
+    def release_over_cap(self, live: list[Session], pool_capacity: int) -> list[str]:
+        """Leased GPU pages at most max_share of the pool: break the oldest of `live`'s leases first. Returns
+        the sessions whose lease was broken (their leaves' eviction keys must move)."""
+        count, total = self._leased(live)
         cap = self.sessions.max_share * pool_capacity
         broken: list[str] = []
         for s in sessions_by_lease_age(live):
             if total <= cap:
                 break
-            self.sessions.release_lease(s.id)
+            self.turns.release_lease(s.id)
             broken.append(s.id)
             for n in self.of(s.id):
                 if n in count:

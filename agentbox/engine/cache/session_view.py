@@ -1,31 +1,30 @@
 """What the sessions endpoints show of a session: its counters plus where its cache lives right now.
-Every number comes from a counter or the tree, never from an estimate."""
+Every number comes from a counter or the tree, never from an estimate. The caller (the core) says which
+sessions have a request in the engine; everything else comes from the cache's interface."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
+from agentbox.engine.cache.manager import KVManager
 from agentbox.engine.cache.radix_node import Tier
 from agentbox.engine.cache.sessions import LeaseState, Session
-from agentbox.engine.ipc.messages import SessionDetail, SessionState, SessionSummary
-
-if TYPE_CHECKING:
-    from agentbox.engine.core import EngineCore
+from agentbox.engine.cache.stats import SessionDetail, SessionState, SessionSummary
 
 
-def _state(core: EngineCore, s: Session, now: float) -> SessionState:
-    if any(r.session_id == s.id for r in core.scheduler.requests.values()):
+def _state(s: Session, generating: bool, now: float) -> SessionState:
+    if generating:
         return SessionState.GENERATING
     if s.lease_state(now) is LeaseState.LIVE:
         return SessionState.WAITING_TOOL
     return SessionState.IDLE
 
 
-def session_summary(core: EngineCore, s: Session) -> SessionSummary:
-    now = core.cache.clock()
-    pages = core.cache.session_pages(s.id)
-    ps = core.pool.page_size
+def session_summary(cache: KVManager, s: Session, generating: bool) -> SessionSummary:
+    """`generating`: a request of the session is in the engine."""
+    now = cache.clock()
+    pages = cache.session_pages(s.id)
+    ps = cache.pool.page_size
     cached = s.cached_tokens_gpu + s.cached_tokens_host
     last = s.turn_history[-1] if s.turn_history else None
     return SessionSummary(
@@ -39,7 +38,7 @@ def session_summary(core: EngineCore, s: Session) -> SessionSummary:
         recomputed_history_tokens=s.recomputed_tokens,
         history_tokens=s.history_tokens,
         last_ttft_s=s.last_ttft_s,
-        state=_state(core, s, now),
+        state=_state(s, generating, now),
         resident_pages_gpu=pages[Tier.GPU],
         resident_pages_host=pages[Tier.HOST],
         resident_tokens_gpu=pages[Tier.GPU] * ps,
@@ -48,13 +47,13 @@ def session_summary(core: EngineCore, s: Session) -> SessionSummary:
         hit_rate=cached / s.prompt_tokens if s.prompt_tokens else None,
         last_turn_hit_rate=last.cached_tokens / last.prompt_tokens if last and last.prompt_tokens else None,
         recompute_ratio=s.recomputed_tokens / s.history_tokens if s.history_tokens else None,
-        expected_gap_s=round(core.cache.sessions.expected_gap(s), 3) if s.gaps else None,
+        expected_gap_s=round(cache.sessions.expected_gap(s), 3) if s.gaps else None,
     )
 
 
-def session_detail(core: EngineCore, s: Session) -> SessionDetail:
+def session_detail(cache: KVManager, s: Session, generating: bool) -> SessionDetail:
     return SessionDetail(
-        **vars(session_summary(core, s)),
+        **vars(session_summary(cache, s, generating)),
         gaps_s=[round(g, 3) for g in s.gaps],
         turn_history=[replace(t) for t in s.turn_history],
     )

@@ -1,5 +1,5 @@
-"""Agent sessions: per-session counters, soft leases with a TTL learned from the session's own gaps, and
-session inference from the radix tree's tags.
+"""Agent sessions: per-session counters and soft leases with a TTL learned from the session's own gaps
+(which session a request belongs to is session_ids.py's).
 
 A session is not a container of pages. It is a tag on radix-cache nodes (`RadixCache` tags every node on
 the path a session matched or inserted) plus a lease: a promise, breakable under pressure, that its nodes
@@ -14,13 +14,14 @@ released by the cap). The cap itself — leased pages at most `max_share` of the
 
 Time comes from an injectable `clock` (seconds, monotonic) so tests are deterministic.
 
-Use from the scheduler, once a request's admission is decided:
-    lock = cache.lock(cache.match(tokens, sid))    # refreshes the lease on a hit; infers sid when None
-    sessions.begin_turn(sid)                       # the session's turn starts (measures the gap)
-    sessions.record_prompt(sid, tokens, lock.num_tokens, lock.num_host_tokens)   # counters, once per request
-    sessions.record_ttft(sid, seconds)
-    cache.insert(tokens, pages, sid)               # grants / refreshes the lease, enforces the cap
-    cache.end_turn(sid)                            # turn done: gap clock starts, eviction keys refresh
+The table is the data and its arithmetic (TTLs, expected gaps, live leases); its one writer is `Turns`
+(turns.py), which the cache calls on a lock, an insert or a turn end, and the scheduler and the core reach
+through the `KVManager` (manager.py):
+    lock = kv.lock(kv.match(tokens, sid))          # refreshes the lease on a hit; infers sid when None
+    kv.begin_turn(sid, lock, namespace, tokens)    # decides the id; the turn starts; prompt counters
+    kv.first_token(sid, ttft, record)              # time to first token, the turn's record
+    kv.insert(tokens, pages, sid)                  # grants / refreshes the lease, enforces the cap
+    kv.end_turn(sid)                               # turn done: gap clock starts, eviction keys refresh
 """
 
 from __future__ import annotations
@@ -31,12 +32,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Protocol
 
 from agentbox.config import EngineConfig
-
-if TYPE_CHECKING:
-    from agentbox.engine.ipc.messages import TurnRecord
 
 # How many recent gaps a session remembers: agents change pace (a long build, then quick edits).
 GAP_HISTORY = 32
@@ -60,6 +57,19 @@ def page_hashes(tokens: Sequence[int], page_size: int) -> list[int]:
         h = hash((h, tuple(tokens[i * page_size : (i + 1) * page_size])))
         out.append(h)
     return out
+
+
+@dataclass
+class TurnRecord:
+    """One turn of a session, as `agentbox top` lists it."""
+
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    host_cached_tokens: int
+    recomputed_tokens: int
+    ttft_s: float
+    completion_tokens: int = 0  # set when the turn's answer is complete
 
 
 @dataclass
@@ -91,16 +101,6 @@ class Session:
         if self.lease_expiry is None:
             return LeaseState.NONE
         return LeaseState.LIVE if self.lease_expiry > now else LeaseState.EXPIRED
-
-
-class TaggedNode(Protocol):
-    """What session inference needs of a radix node (kept structural to avoid an import cycle)."""
-
-    @property
-    def parent(self) -> TaggedNode | None: ...
-
-    @property
-    def sessions(self) -> set[str]: ...
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -249,34 +249,6 @@ class SessionTable:
 
     def record_ttft(self, sid: str, seconds: float) -> None:
         self.get_or_create(sid).last_ttft_s = seconds
-
-    # ---- inference ----
-
-    def infer_session(self, match_node: TaggedNode | None, matched_tokens: int, namespace: str = "") -> str | None:
-        """The session a keyless request belongs to, from where its cached prefix ends.
-
-        The deepest tagged node on the matched path names the candidates: sessions whose sequences pass
-        through it. A candidate qualifies only if the match reaches at least its last sequence (page-floored):
-        an agent's next turn re-sends its whole transcript, while a new conversation that merely shares a
-        system prompt ends its match inside that prompt. Among qualifiers the most recently active wins.
-        """
-        node = match_node
-        while node is not None and not any(s.startswith(namespace) for s in node.sessions):
-            node = node.parent
-        if node is None:
-            return None
-        best: Session | None = None
-        for sid in node.sessions:
-            if not sid.startswith(namespace):
-                continue  # another API key's session: never joined, whatever the prefix
-            s = self._sessions.get(sid)
-            # The match must cover the session's whole last sequence (prompt and answer): a new conversation
-            # that shares only a system prompt with a short earlier one must not be folded into it.
-            if s is None or max(s.last_prompt_tokens, s.last_sequence_tokens) > matched_tokens:
-                continue
-            if best is None or s.last_active > best.last_active:
-                best = s
-        return None if best is None else best.id
 
 
 def sessions_by_lease_age(sessions: Iterable[Session]) -> list[Session]:

@@ -27,25 +27,23 @@ from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
 
 from agentbox.config import EngineConfig
+from agentbox.engine.cache.stats import SessionDetail, SessionDropped, SessionList
 from agentbox.engine.ipc.messages import (
     AbortRequest,
     AddRequest,
     EngineFailed,
     EngineReady,
-    EngineStats,
     Query,
     QueryFailed,
     QueryKind,
     QueryReply,
     QueryResult,
     RequestOutput,
-    SessionDetail,
-    SessionDropped,
-    SessionList,
     Shutdown,
     StepOutputs,
 )
 from agentbox.engine.sampling import SamplingParams
+from agentbox.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 

@@ -40,88 +40,107 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # No PR_SET_PDEATHSIG here: it fires when the parent *thread* ends, and a restarted engine is spawned
     # by a short-lived thread. The pipe's EOF ends this process when the API process goes.
-    send_lock = threading.Lock()  # the tp watchdog thread may report a death while the loop sends
+    proc = _EngineProcess(conn)
+    try:
+        core = EngineCore(config, on_rank_death=proc.on_rank_death)
+    except Exception as e:  # any load failure is reported to the API process, which explains it
+        log.exception("engine failed to start")
+        proc.send(EngineFailed(f"{type(e).__name__}: {e}"))
+        return
+    proc.core = core
+    proc.send(core.ready_message())
+    try:
+        proc.loop(core)
+    except (EOFError, BrokenPipeError):
+        log.info("API process went away; engine exiting")
+    finally:
+        core.close()
 
-    def send(msg: object) -> None:
-        with send_lock:
-            conn.send(msg)
 
-    core: EngineCore | None = None
-    dying = threading.Lock()
+class _EngineProcess:
+    """The engine process's side of the pipe: what each message does, the loop, and a rank's death."""
 
-    def on_rank_death(death: RankDeath) -> None:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.core: EngineCore | None = None
+        self._send_lock = threading.Lock()  # the tp watchdog thread may report a death while the loop sends
+        self._dying = threading.Lock()
+
+    def send(self, msg: object) -> None:
+        with self._send_lock:
+            self.conn.send(msg)
+
+    def on_rank_death(self, death: RankDeath) -> None:
         # A collective with a dead peer may never return (NCCL), so the loop cannot be trusted to notice:
         # report, end the other ranks, and exit; the API process fails in-flight requests and restarts us.
         # Called by the watchdog, or by the loop when a step fails because a peer went away.
-        dying.acquire()  # once: the other caller blocks here until the process exits
+        self._dying.acquire()  # once: the other caller blocks here until the process exits
         why = death.describe()
         log.error("%s; the engine exits", why)
         try:
-            send(EngineFailed(why, dead_rank=death.rank))
+            self.send(EngineFailed(why, dead_rank=death.rank))
         except OSError:
             pass
-        if core is not None and core.workers is not None:
-            core.workers.kill()
+        if self.core is not None and self.core.workers is not None:
+            self.core.workers.kill()
         os._exit(3)
 
-    try:
-        core = EngineCore(config, on_rank_death=on_rank_death)
-    except Exception as e:  # any load failure is reported to the API process, which explains it
-        log.exception("engine failed to start")
-        send(EngineFailed(f"{type(e).__name__}: {e}"))
-        return
-    send(core.ready_message())
+    def loop(self, core: EngineCore) -> None:
+        """Until Shutdown or the pipe's end: block while idle, else drain the pipe and step."""
+        conn = self.conn
+        while True:
+            if not core.has_work():
+                if not self.handle(conn.recv()):  # blocks: idle costs nothing
+                    return
+            elif not core.progress_possible():
+                # Only blocked admissions: wait for a message or the next lease expiry / admission timeout.
+                if conn.poll(core.wait_timeout()) and not self.handle(conn.recv()):
+                    return
+            while conn.poll():
+                if not self.handle(conn.recv()):
+                    return
+            if core.has_work():
+                self._step(core)
 
-    def handle(msg: object) -> bool:
+    def _step(self, core: EngineCore) -> None:
+        try:
+            outs = core.step()
+        except Exception:
+            death = core.workers.wait_for_death(5.0) if core.workers is not None else None
+            if death is not None:
+                self.on_rank_death(death)  # does not return
+            raise
+        if outs:
+            self.send(StepOutputs(outs))
+
+    def handle(self, msg: object) -> bool:
+        """One message from the API process; False on Shutdown."""
+        core = self.core
         assert core is not None
         if isinstance(msg, AddRequest):
-            try:
-                err = core.add(msg)
-            except Exception as e:  # a request that cannot even be queued fails alone
-                log.exception("request %s could not be added", msg.request_id)
-                err = RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
-                                    error=f"this request failed in the engine: {type(e).__name__}: {e}",
-                                    error_code="request_failed")
-            if err is not None:
-                send(StepOutputs([err]))
+            self._add(core, msg)
         elif isinstance(msg, AbortRequest):
             o = core.abort(msg.request_id)
             if o is not None:
-                send(StepOutputs([o]))
+                self.send(StepOutputs([o]))
         elif isinstance(msg, Query):
             try:
                 result = core.query(msg)
             except Exception as e:  # a bad query must not take the engine down
                 log.exception("query failed")
                 result = QueryFailed(f"{type(e).__name__}: {e}")
-            send(QueryReply(msg.query_id, result))
+            self.send(QueryReply(msg.query_id, result))
         elif isinstance(msg, Shutdown):
             return False
         return True
 
-    try:
-        while True:
-            if not core.has_work():
-                if not handle(conn.recv()):  # blocks: idle costs nothing
-                    return
-            elif not core.progress_possible():
-                # Only blocked admissions: wait for a message or the next lease expiry / admission timeout.
-                if conn.poll(core.wait_timeout()) and not handle(conn.recv()):
-                    return
-            while conn.poll():
-                if not handle(conn.recv()):
-                    return
-            if core.has_work():
-                try:
-                    outs = core.step()
-                except Exception:
-                    death = core.workers.wait_for_death(5.0) if core.workers is not None else None
-                    if death is not None:
-                        on_rank_death(death)  # does not return
-                    raise
-                if outs:
-                    send(StepOutputs(outs))
-    except (EOFError, BrokenPipeError):
-        log.info("API process went away; engine exiting")
-    finally:
-        core.close()
+    def _add(self, core: EngineCore, msg: AddRequest) -> None:
+        try:
+            err = core.add(msg)
+        except Exception as e:  # a request that cannot even be queued fails alone
+            log.exception("request %s could not be added", msg.request_id)
+            err = RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
+                                error=f"this request failed in the engine: {type(e).__name__}: {e}",
+                                error_code="request_failed")
+        if err is not None:
+            self.send(StepOutputs([err]))

@@ -1,0 +1,75 @@
+"""The engine's counters and the answer to a stats query, as typed dataclasses (never string-keyed dicts):
+they cross the process boundary pickled, and the API process turns them into the JSON it serves with `to_json`,
+whose shape /v1/stats, /metrics, /v1/sessions and `agentbox top` read: field names are the JSON keys."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from agentbox.engine.cache.stats import CacheStats
+
+
+@dataclass
+class EngineCounters:
+    """The engine's running totals since start, from real events."""
+
+    requests: int = 0
+    prompt_tokens: int = 0  # of requests that reached their first token
+    cached_tokens: int = 0  # of those, served from the cache (all tiers)
+    host_cached_tokens: int = 0  # of those, copied back from the host tier
+    recomputed_history_tokens: int = 0  # session history the cache had dropped and was computed again
+    generated_tokens: int = 0
+    computed_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    request_failures: int = 0  # requests ended by their own exception (the engine kept serving)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    total_pages: int
+    free_pages: int
+    used_pages: int
+    page_size: int
+    running_pages: int
+
+@dataclass(frozen=True)
+class AdmissionStats:
+    queued_new_sessions: int
+    timeouts: int
+    rejections: int
+
+
+@dataclass(frozen=True)
+class SessionCounts:
+    count: int
+    live_leases: int
+
+
+@dataclass(frozen=True)
+class ParallelStats:
+    tensor_parallel_size: int = 1
+    weight_bytes_per_rank: list[int] = field(default_factory=list)  # resident parameter bytes, rank order
+    step_send_us: float | None = None  # rank 0's mean time to send a step to the workers; None: no workers
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    uptime_s: float
+    running: int
+    waiting: int
+    pool: PoolStats
+    cache: CacheStats
+    counters: EngineCounters
+    admission: AdmissionStats
+    sessions: SessionCounts
+    parallel: ParallelStats
+
+
+def to_json(msg: Any) -> dict[str, Any]:
+    """A query result as the plain JSON the HTTP API serves: field names as keys, enums by value."""
+    return asdict(msg, dict_factory=lambda items: {k: v.value if isinstance(v, Enum) else v for k, v in items})
