@@ -69,6 +69,8 @@ def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 
 def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # an explicit mask: generate would otherwise take token 0 (the pad id) for padding
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt) :].tolist()

@@ -114,22 +114,63 @@ def test_engine_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in prompts]
 
 
-def test_cached_prefix_without_snapshot_recomputes(tiny) -> None:  # noqa: ANN001
-    """A second turn whose prefix is in the radix cache: with no state snapshot at that position the hybrid
-    model must not resume (the state would be from the wrong position): it reports nothing cached and its
-    answer equals a cold run."""
-    from agentbox.config import EngineConfig
-    from agentbox.engine.llm import LLM
+def _turns(llm, hf, sessions: int, turns: int) -> list[list[tuple[int, int]]]:  # noqa: ANN001
+    """`sessions` conversations interleaved, each turn its whole history + its last answer + 5 new tokens;
+    every answer checked against transformers' cold greedy run. Returns (prompt, cached) per turn."""
     from agentbox.engine.sampling import SamplingParams
 
-    path, hf, ours = tiny
-    llm = LLM(EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch"), loaded=ours)
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    first = llm.generate([LONG[:40]], sp, session_ids=["s"])[0]
-    second_prompt = LONG[:40] + first.token_ids + [9, 8, 7]
-    second = llm.generate([second_prompt], sp, session_ids=["s"])[0]
-    assert second.num_cached_tokens == 0
-    assert second.token_ids == hf_greedy(hf, second_prompt, 6)
+    history = {s: LONG[s * 7 : s * 7 + 30] for s in range(sessions)}
+    seen: list[list[tuple[int, int]]] = [[] for _ in range(sessions)]
+    for t in range(turns):
+        for s in range(sessions):
+            out = llm.generate([history[s]], sp, session_ids=[f"s{s}"])[0]
+            assert out.token_ids == hf_greedy(hf, history[s], 6), (s, t)
+            seen[s].append((len(history[s]), out.num_cached_tokens))
+            history[s] = history[s] + out.token_ids + [(t * 13 + s * 5 + k) % 256 for k in range(5)]
+    return seen
+
+
+def test_cached_prefix_without_snapshot_recomputes(tiny) -> None:  # noqa: ANN001
+    """With snapshots off, a later turn whose prefix is in the radix cache must not resume (the state would
+    be from the wrong position): nothing is reported cached and every answer equals a cold run."""
+    from agentbox.config import EngineConfig
+    from agentbox.engine.llm import LLM
+
+    path, hf, ours = tiny
+    llm = LLM(EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch", state_snapshots=0),
+              loaded=ours)
+    seen = _turns(llm, hf, sessions=1, turns=3)
+    assert all(cached == 0 for _, cached in seen[0])
+
+
+def test_session_snapshots_resume_each_turn(tiny) -> None:  # noqa: ANN001
+    """Each turn ends with a snapshot of the state at its last cached page: the next turn resumes there
+    (its whole history but the last partial page is cached) and answers exactly as a cold run."""
+    from agentbox.config import EngineConfig
+    from agentbox.engine.llm import LLM
+
+    path, hf, ours = tiny
+    llm = LLM(EngineConfig(model=str(path), num_pages=128, page_size=4, attention="torch"), loaded=ours)
+    seen = _turns(llm, hf, sessions=2, turns=3)
+    for turns in seen:
+        assert turns[0][1] == 0
+        for (prompt, cached), (previous, _) in zip(turns[1:], turns, strict=False):
+            assert cached >= (previous + 5) // 4 * 4 and prompt - cached < 4 + 6 + 5
+
+
+def test_snapshot_store_full_drops_lru_and_stays_exact(tiny) -> None:  # noqa: ANN001
+    """Three sessions, two snapshot slots: the least recently used session loses its snapshot and recomputes
+    its history; no answer changes."""
+    from agentbox.config import EngineConfig
+    from agentbox.engine.llm import LLM
+
+    path, hf, ours = tiny
+    llm = LLM(EngineConfig(model=str(path), num_pages=128, page_size=4, attention="torch", state_snapshots=2),
+              loaded=ours)
+    seen = _turns(llm, hf, sessions=3, turns=2)
+    assert [turns[1][1] > 0 for turns in seen].count(False) >= 1
+    assert llm.core.scheduler.snapshots.dropped >= 1
 
 
 @pytest.mark.parametrize("kind", list(configs()))

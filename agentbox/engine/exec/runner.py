@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from agentbox.config import PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
+from agentbox.engine.cache.state_snapshots import SnapshotStore
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.exec.page_table import PageTable, RowAssigner
 from agentbox.engine.exec.sampler import sample_isolated
@@ -93,12 +94,18 @@ class ModelRunner:
         num_rows = config.max_num_seqs + 1
         self.page_table = PageTable(num_rows, -(-self.max_model_len // self.page_size) + 1, self.device)
         self.rows = RowAssigner(num_rows) if self.rank == 0 else None
-        # Hybrid models: each running sequence's recurrent state lives in the slot of its page-table row.
+        # Hybrid models: each running sequence's recurrent state lives in the slot of its page-table row, its
+        # state at its last page boundary in the slot `num_rows` further, then the sessions' snapshots.
         specs = getattr(lm.model, "state_specs", None)
-        self.state_cache = StateCache(specs(), num_rows, self.dtype, self.device) if specs is not None else None
-        if self.state_cache is not None:
-            log.info("recurrent state: %d linear-attention layers, %.2f MiB per sequence",
-                     len(self.state_cache.specs), StateCache.bytes_per_slot(self.state_cache.specs, self.dtype) / 2**20)
+        self.num_rows = num_rows
+        self.num_snapshots = 4 * num_rows if config.state_snapshots is None else config.state_snapshots
+        self.state_cache = None
+        if specs is not None:
+            slots = SnapshotStore.num_slots(num_rows, self.num_snapshots)
+            self.state_cache = StateCache(specs(), slots, self.dtype, self.device)
+            per_slot = StateCache.bytes_per_slot(self.state_cache.specs, self.dtype)
+            log.info("recurrent state: %d linear-attention layers, %.2f MiB per sequence, %d session snapshots "
+                     "(%.1f MiB in all)", len(specs()), per_slot / 2**20, self.num_snapshots, slots * per_slot / 2**20)
         self.graphs = build_decode_graphs(
             # The delta-net layers pick their path per sequence in Python: not capturable yet.
             not config.enforce_eager and self.state_cache is None, self.device, self.backend,
@@ -144,9 +151,16 @@ class ModelRunner:
         kv_lens: list[int] = []
         sample_rows: list[int] = []
         rows, updates = self.rows.assign([s.request for s in out.seqs])
-        for s in out.seqs:
+        copies = list(out.state_copies)  # snapshots saved at turns' ends first: a seed below may read one
+        for s, row in zip(out.seqs, rows, strict=True):
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            if self.state_cache is not None:
+                if r.state_seed is not None:
+                    copies.append((r.state_seed, row))
+                    r.state_seed = None
+                if end % ps == 0:  # execute copies the state at this page boundary (see below)
+                    r.state_aligned_at = end
             ids += r.token_ids[start:end]
             pages = r.pages
             if end - start == 1:
@@ -169,6 +183,7 @@ class ModelRunner:
             page_updates=torch.tensor(updates, dtype=torch.int64).reshape(-1, 3),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
             num_table_cols=-(-max(kv_lens) // ps),
+            state_copies=torch.tensor(copies, dtype=torch.int64).reshape(-1, 2),
         )
 
     # ---- every rank: StepInputs -> logits ----
@@ -193,9 +208,16 @@ class ModelRunner:
         )
         state = None
         if self.state_cache is not None:
+            if step.state_copies.numel():
+                self.state_cache.copy(step.state_copies[:, 0].to(dev), step.state_copies[:, 1].to(dev))
             state = StateStep.of(self.state_cache, step.table_rows.tolist(), step.query_lens, step.kv_lens)
         with forward_context(self.backend, meta, state=state):
             hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
+        if state is not None:  # every sequence that ended on a page boundary: its state there, kept aside
+            ended = [row for row, kv in zip(state.slots, step.kv_lens, strict=True) if kv % self.page_size == 0]
+            if ended:
+                rows = torch.tensor(ended, device=dev)
+                self.state_cache.copy(rows, rows + self.num_rows)
         if not step.sample_rows.numel():
             return None
         return self.loaded.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()
