@@ -177,10 +177,11 @@ def test_snapshot_store_full_drops_lru_and_stays_exact(tiny) -> None:  # noqa: A
 def test_gguf_matches_transformers(kind: str, tmp_path) -> None:  # noqa: ANN001
     """The same model written as llama.cpp writes `qwen35` / `qwen35moe` / `qwen3next` (Q8_0 linear weights):
     logits of prefill, chunked prefill and decode match the transformers twin, greedy through the engine too."""
+    from hybrid_gguf import write_hybrid_gguf
+
     from agentbox.config import EngineConfig
     from agentbox.engine.llm import LLM
     from agentbox.engine.sampling import SamplingParams
-    from hybrid_gguf import write_hybrid_gguf
 
     config = configs()[kind]
     config.get_text_config().mlp_only_layers = []  # qwen3next files have no dense-MLP tensors
