@@ -32,8 +32,15 @@ def test_tp2_greedy_matches_transformers(name: str, gguf: bool, tmp_path: Path) 
                           tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=48, exact_cpu=True)
     with LLM(config) as llm:
         logits = llm.logits(PROMPTS[2])
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outs = llm.generate(PROMPTS, greedy)
         per_rank = llm.core.runner.weight_bytes_per_rank
+        # a second turn of the longest prompt's session resumes from the snapshot every rank copied
+        first = llm.generate([PROMPTS[3]], greedy, session_ids=["tp"])[0]
+        again = PROMPTS[3] + first.token_ids + [1, 2, 3]
+        second = llm.generate([again], greedy, session_ids=["tp"])[0]
+    assert second.num_cached_tokens >= len(PROMPTS[3]) // 4 * 4
+    assert second.token_ids == hf_greedy(hf, again, 8)
     torch.testing.assert_close(logits, hf_logits(hf, PROMPTS[2])[-1], atol=2e-4, rtol=2e-4)
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in PROMPTS]
     assert len(per_rank) == 2
