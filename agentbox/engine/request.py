@@ -61,6 +61,7 @@ class Request:
     # runner last copied this request's state at (a page boundary; engine/cache/state_snapshots.py).
     state_seed: int | None = field(default=None, repr=False)
     state_aligned_at: int = field(default=0, repr=False)
+    state_prompt_saved: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

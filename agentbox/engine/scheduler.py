@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from agentbox.config import EngineConfig
 from agentbox.engine.cache.manager import KVManager
 from agentbox.engine.cache.radix_node import Lock, Match, Tier
-from agentbox.engine.cache.state_snapshots import SnapshotStore
+from agentbox.engine.cache.state_snapshots import SnapshotPoint, SnapshotStore
 from agentbox.engine.request import Request, Status
 
 
@@ -136,9 +136,26 @@ class Scheduler:
             return
         if not tokens or req.state_aligned_at != len(tokens):
             return
-        slot = store.save(req.session_id, tokens)
+        slot = store.save(req.session_id, SnapshotPoint.TURN, tokens)
         if slot is not None:
             self._state_copies.append((store.aligned_slot(req.table_row), slot))
+
+    def _save_prompt_states(self) -> None:
+        """Running requests whose last step ended on their prompt's last page boundary: that state becomes
+        the session's prompt snapshot (copied before the next step can overwrite it)."""
+        store = self.snapshots
+        if store is None:
+            return
+        for req in self.running:
+            boundary = req.num_prompt_tokens // self.page_size * self.page_size
+            if req.state_prompt_saved or boundary == 0 or req.state_aligned_at != boundary:
+                continue
+            req.state_prompt_saved = True
+            if req.session_id is None or req.table_row is None:
+                continue
+            slot = store.save(req.session_id, SnapshotPoint.PROMPT, req.all_token_ids[:boundary])
+            if slot is not None:
+                self._state_copies.append((store.aligned_slot(req.table_row), slot))
 
     def _resume_point(self, req: Request, m: Match) -> Match:
         """For a hybrid model: m cut to the session's snapshot (the longest prefix its state can resume
@@ -227,6 +244,7 @@ class Scheduler:
             req.num_host_cached_tokens = t.host_cached_tokens
             req.num_recomputed_tokens = t.recomputed_tokens
         req.state_aligned_at = 0  # its row's page-aligned copy is from before this admission
+        req.state_prompt_saved = False
         n = self._state_chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
         if not self._reserve(req, req.num_computed_tokens + n):
             raise RuntimeError("admission: the cache could not free the pages it reported reclaimable")
@@ -260,6 +278,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         failed: list[tuple[Request, str, str]] = []
+        self._save_prompt_states()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

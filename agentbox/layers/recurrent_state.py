@@ -47,10 +47,12 @@ class StateCache:
     def bytes_per_slot(specs: list[LinearStateSpec], dtype: torch.dtype) -> int:
         return sum(s.bytes(dtype) for s in specs)
 
-    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """State of slots `src` into slots `dst` (int64 [N] each), every layer."""
-        for t in (*self.conv, *self.matrix):
-            t[dst] = t[src]
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """State of slot src[i] into slot dst[i], every layer, in order: a later copy may read what an
+        earlier one wrote (a snapshot saved, then a request seeded from it), so they are never batched."""
+        for s, d in zip(src, dst, strict=True):
+            for t in (*self.conv, *self.matrix):
+                t[d] = t[s]
 
 
 @dataclass

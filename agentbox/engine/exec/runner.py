@@ -209,15 +209,14 @@ class ModelRunner:
         state = None
         if self.state_cache is not None:
             if step.state_copies.numel():
-                self.state_cache.copy(step.state_copies[:, 0].to(dev), step.state_copies[:, 1].to(dev))
+                self.state_cache.copy(step.state_copies[:, 0].tolist(), step.state_copies[:, 1].tolist())
             state = StateStep.of(self.state_cache, step.table_rows.tolist(), step.query_lens, step.kv_lens)
         with forward_context(self.backend, meta, state=state):
             hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
         if state is not None:  # every sequence that ended on a page boundary: its state there, kept aside
             ended = [row for row, kv in zip(state.slots, step.kv_lens, strict=True) if kv % self.page_size == 0]
             if ended:
-                rows = torch.tensor(ended, device=dev)
-                self.state_cache.copy(rows, rows + self.num_rows)
+                self.state_cache.copy(ended, [row + self.num_rows for row in ended])
         if not step.sample_rows.numel():
             return None
         return self.loaded.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()
