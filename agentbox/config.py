@@ -62,7 +62,7 @@ class EngineConfig:
     cache_policy: CachePolicy = CachePolicy.SESSION
     host_cache_gb: float | None = None  # None: a share of free RAM
     # Hybrid models (Gated DeltaNet): recurrent-state snapshots kept, two per session (engine/cache/
-    # state_snapshots.py). None: 4 per running request; 0: none (a session recomputes its whole history).
+    # state_snapshots.py). None: one per running request; 0: none (a session recomputes its whole history).
     state_snapshots: int | None = None
     lease_default_ttl_s: float = 10.0  # TTL of a session lease before its gaps are measured
     lease_max_ttl_s: float = 120.0

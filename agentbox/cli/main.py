@@ -126,7 +126,7 @@ def serve(
     max_model_len: int | None = typer.Option(None, help="context length (default: the model's)"),  # noqa: UP007
     cache_policy: CachePolicy = typer.Option(_E.cache_policy, help="what the cache keeps between turns"),
     host_cache_gb: float | None = typer.Option(None, help="host-RAM KV tier size in GiB"),  # noqa: UP007
-    state_snapshots: int | None = typer.Option(None, help="hybrid models: recurrent-state snapshots kept (two per session; 0: none; default 4 per running request)"),  # noqa: UP007
+    state_snapshots: int | None = typer.Option(None, help="hybrid models: recurrent-state snapshots kept (two per session; 0: none; default one per running request)"),  # noqa: UP007
     record_trace: str | None = typer.Option(None, help="record live traffic as a replayable trace (JSONL)"),  # noqa: UP007
     seed: int = typer.Option(_E.seed, help="seed for unseeded sampling"),
     tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007

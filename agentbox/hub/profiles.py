@@ -94,9 +94,10 @@ class Profile:
         return 2 * (self.kv_layers_ or self.layers) * self.kv_heads * self.head_dim * dtype_bytes
 
     def state_bytes_per_session(self) -> int:
-        """A hybrid model's recurrent state a session holds: its running state plus its end-of-turn snapshot
-        (engine/cache/state_snapshots.py). 0 for attention-only models."""
-        return 2 * self.state_bytes
+        """A hybrid model's recurrent state a session holds: while it runs, its live state and its copy at the
+        last page boundary; between turns, its two snapshots (end of prompt, end of turn; engine/cache/
+        state_snapshots.py). 0 for attention-only models."""
+        return 4 * self.state_bytes
 
 
 def profile_dirs() -> list[Path]:
