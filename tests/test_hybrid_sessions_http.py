@@ -60,7 +60,7 @@ def _conversations(url: str) -> tuple[list[float], int]:
     lock = threading.Lock()
 
     def ask(messages: list[dict], session: str) -> tuple[str, dict]:
-        r = client.chat.completions.create(model="m", messages=messages, max_tokens=8, temperature=0,
+        r = client.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0,
                                            extra_headers={"X-Session-Id": session})
         return r.choices[0].message.content or "", r.usage.model_dump()
 
@@ -78,11 +78,21 @@ def _conversations(url: str) -> tuple[list[float], int]:
                          {"role": "user", "content": f"Tool result {turn}: 3 passed, {k} failed. Continue."}]
             time.sleep(0.5)
 
-    threads = [threading.Thread(target=agent, args=(k,)) for k in range(4)]
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            agent(k)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if errors:
+        raise errors[0]
     return shares, mismatches
 
 
