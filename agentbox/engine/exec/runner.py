@@ -75,20 +75,10 @@ class ModelRunner:
         self.weight_bytes = resident_weight_bytes(lm.model)
         self.weight_bytes_per_rank = control_all_gather(self.weight_bytes)
         self.page_size = config.page_size
-        # Hybrid models: each running sequence's recurrent state lives in the slot of its page-table row, its
-        # state at its last page boundary in the slot `num_rows` further, then the sessions' snapshots.
-        # Allocated before the KV pool, which takes a share of what is free after it on GPU.
         num_rows = config.max_num_seqs + 1  # one page-table row per running request, one for LLM.logits
-        specs = getattr(lm.model, "state_specs", None)
         self.num_rows = num_rows
         self.num_snapshots = num_rows if config.state_snapshots is None else config.state_snapshots
-        self.state_cache = None
-        if specs is not None:
-            slots = SnapshotStore.num_slots(num_rows, self.num_snapshots)
-            self.state_cache = StateCache(specs(), slots, self.dtype, self.device)
-            per_slot = StateCache.bytes_per_slot(self.state_cache.specs, self.dtype)
-            log.info("recurrent state: %d linear-attention layers, %.2f MiB per sequence, %d session snapshots "
-                     "(%.1f MiB in all)", len(specs()), per_slot / 2**20, self.num_snapshots, slots * per_slot / 2**20)
+        self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
         page_bytes = KVCache.bytes_per_page(lm.num_layers, self.page_size, lm.num_kv_heads, lm.head_dim, self.dtype)
         # Page ids mean the same slots on every rank, so every rank's pool has the smallest rank's size.
         self.num_pages = min(control_all_gather(config.num_pages or self._auto_num_pages(page_bytes)))
@@ -123,6 +113,19 @@ class ModelRunner:
             from agentbox.kernels import cpu_gemv
 
             log.info("CPU kernels: %s", cpu_gemv.describe())
+
+    def _state_cache(self) -> StateCache | None:
+        """Hybrid models: each running sequence's recurrent state lives in the slot of its page-table row,
+        its state at its last page boundary in the slot `num_rows` further, then the sessions' snapshots."""
+        specs = getattr(self.loaded.model, "state_specs", None)
+        if specs is None:
+            return None
+        slots = SnapshotStore.num_slots(self.num_rows, self.num_snapshots)
+        cache = StateCache(specs(), slots, self.dtype, self.device)
+        per_slot = StateCache.bytes_per_slot(cache.specs, self.dtype)
+        log.info("recurrent state: %d linear-attention layers, %.2f MiB per sequence, %d session snapshots "
+                 "(%.1f MiB in all)", len(cache.specs), per_slot / 2**20, self.num_snapshots, slots * per_slot / 2**20)
+        return cache
 
     def _auto_num_pages(self, page_bytes: int) -> int:
         if self.config.kv_cache_gb is not None:
