@@ -61,6 +61,9 @@ class EngineConfig:
     cpu_threads: int | None = None  # None: all cores but one (the API process and the OS keep one)
     cache_policy: CachePolicy = CachePolicy.SESSION
     host_cache_gb: float | None = None  # None: a share of free RAM
+    # Hybrid models (Gated DeltaNet): recurrent-state snapshots kept, two per session (engine/cache/
+    # state_snapshots.py). None: one per running request; 0: none (a session recomputes its whole history).
+    state_snapshots: int | None = None
     lease_default_ttl_s: float = 10.0  # TTL of a session lease before its gaps are measured
     lease_max_ttl_s: float = 120.0
     lease_max_share: float = 0.8  # leased pages may hold at most this share of the pool

@@ -13,6 +13,7 @@ from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, KVCache
 from agentbox.layers.backends.torch_backend import TorchAttention
 from agentbox.layers.context import forward_context
+from agentbox.layers.recurrent_state import StateCache, StateStep
 from agentbox.models.loader import LoadedModel
 
 
@@ -37,6 +38,9 @@ class PagedRunner:
         )
         self.cpu_decode = CpuDecode.build(self.model, torch.device(device))  # as the engine's runner chooses
         self.free_pages = list(range(num_pages))
+        # Hybrid models: a recurrent-state slot per sequence (sequence ids are small ints: the slot is the id)
+        specs = getattr(self.model, "state_specs", None)
+        self.state = StateCache(specs(), 16, dtype, device) if specs is not None else None
         self.pages: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
@@ -70,7 +74,8 @@ class PagedRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        with forward_context(self.backend, meta):
+        state = None if self.state is None else StateStep.of(self.state, list(chunks), query_lens, kv_lens)
+        with forward_context(self.backend, meta, state=state):
             if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.cache):
                 hidden = self.cpu_decode.run(input_ids, pos_t)
             else:

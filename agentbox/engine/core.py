@@ -16,6 +16,7 @@ from agentbox.engine.cache.cache_policies import kv_manager
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.session_view import session_detail, session_summary
 from agentbox.engine.cache.sessions import TurnRecord
+from agentbox.engine.cache.state_snapshots import SnapshotStore
 from agentbox.engine.cache.stats import SessionDropped, SessionList
 from agentbox.engine.exec.runner import ModelRunner
 from agentbox.engine.exec.worker import RankDeath, start_group
@@ -80,6 +81,9 @@ class EngineCore:
         self.pool = PagePool(self.runner.num_pages, config.page_size)
         self.cache = kv_manager(config, self.pool, self.runner.kv_cache)
         self.scheduler = Scheduler(config, self.cache, self.runner.max_model_len)
+        self.scheduler.recurrent_state = self.runner.state_cache is not None
+        if self.runner.state_cache is not None and self.runner.num_snapshots > 0:
+            self.scheduler.snapshots = SnapshotStore(self.runner.num_rows, self.runner.num_snapshots)
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
         self.started = time.time()
         self._grammar_compiler = None

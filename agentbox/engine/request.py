@@ -57,6 +57,11 @@ class Request:
     # (engine/exec/page_table.py); assigning `pages` anew resets it, `pages.extend` keeps it.
     table_row: int | None = field(default=None, repr=False)
     pages_in_table: int = field(default=0, repr=False)
+    # Hybrid models: a snapshot slot to seed the state from before the next step, and the position the
+    # runner last copied this request's state at (a page boundary; engine/cache/state_snapshots.py).
+    state_seed: int | None = field(default=None, repr=False)
+    state_aligned_at: int = field(default=0, repr=False)
+    state_prompt_saved: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agentbox.config import EngineConfig
 from agentbox.engine.cache.manager import KVManager
-from agentbox.engine.cache.radix_node import Lock, Match
+from agentbox.engine.cache.radix_node import Lock, Match, Tier
+from agentbox.engine.cache.state_snapshots import SnapshotPoint, SnapshotStore
 from agentbox.engine.request import Request, Status
 
 
@@ -43,6 +44,7 @@ class SchedulerOutput:
 
     seqs: list[ScheduledSeq]
     failed: list[tuple[Request, str, str]]  # (request, error code, message): finished with an error
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots, before the step
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +65,11 @@ class Scheduler:
         self.num_preemptions = 0
         self.admission_timeouts = 0
         self.admission_rejections = 0
+        # A hybrid model's recurrent state resumes only at the exact position it was saved; with no snapshot
+        # there, a cached prefix cannot be resumed, so such requests recompute from the start.
+        self.recurrent_state = False
+        self.snapshots: SnapshotStore | None = None  # set with recurrent_state when snapshots are kept
+        self._state_copies: list[tuple[int, int]] = []
 
     # ---- lifecycle ----
 
@@ -117,8 +124,68 @@ class Scheduler:
         if len(req.pages) > full:
             self.cache.release(req.pages[full:])
         self.cache.insert(tokens, req.pages[:full], req.session_id)
+        self._save_state(req, tokens)
         req.pages = []
         req.num_computed_tokens = 0
+
+    def _save_state(self, req: Request, tokens: list[int]) -> None:
+        """The session's snapshot of its state at the end of the pages just cached, when the runner's
+        page-aligned copy is at exactly that position (it always is at a turn's end, see _state_chunk)."""
+        store = self.snapshots
+        if store is None or req.session_id is None or req.table_row is None:
+            return
+        if not tokens or req.state_aligned_at != len(tokens):
+            return
+        slot = store.save(req.session_id, SnapshotPoint.TURN, tokens)
+        if slot is not None:
+            self._state_copies.append((store.aligned_slot(req.table_row), slot))
+
+    def _save_prompt_states(self) -> None:
+        """Running requests whose last step ended on their prompt's last page boundary: that state becomes
+        the session's prompt snapshot (copied before the next step can overwrite it)."""
+        store = self.snapshots
+        if store is None:
+            return
+        for req in self.running:
+            boundary = req.num_prompt_tokens // self.page_size * self.page_size
+            if req.state_prompt_saved or boundary == 0 or req.state_aligned_at != boundary:
+                continue
+            req.state_prompt_saved = True
+            if req.session_id is None or req.table_row is None:
+                continue
+            slot = store.save(req.session_id, SnapshotPoint.PROMPT, req.all_token_ids[:boundary])
+            if slot is not None:
+                self._state_copies.append((store.aligned_slot(req.table_row), slot))
+
+    def _resume_point(self, req: Request, m: Match) -> Match:
+        """For a hybrid model: m cut to the session's snapshot (the longest prefix its state can resume
+        from), or to nothing. Host-tier parts are not resumed: a partial promotion would move the lock's end."""
+        snap = None if self.snapshots is None else self.snapshots.find(m.session, req.all_token_ids, m.num_tokens)
+        cut = Match((), 0, 0, m.session, m.epoch)
+        if snap is None:
+            return cut
+        path = tuple(n for n in m.path if n.start < snap.num_tokens)
+        if any(n.tier is Tier.HOST for n in path):
+            return cut
+        assert m.session is not None
+        self.snapshots.used(m.session)  # type: ignore[union-attr]
+        req.state_seed = snap.slot
+        return Match(path, snap.num_tokens, 0, m.session, m.epoch)
+
+    def _state_chunk(self, req: Request, n: int) -> int:
+        """A hybrid model's prefill chunk ends on a page boundary when it can, and the prompt's last page
+        boundary is always a chunk's end: the runner keeps the state at such ends, and the position a turn
+        ends on (its cached pages) must be one of them."""
+        if not self.recurrent_state:
+            return n
+        ps, start = self.page_size, req.num_computed_tokens
+        end = start + n
+        last_boundary = req.num_tokens // ps * ps
+        if end < req.num_tokens and end // ps * ps > start:
+            return end // ps * ps - start
+        if end == req.num_tokens and start < last_boundary < end:
+            return last_boundary - start
+        return n
 
     def running_refs(self) -> Counter[int]:
         return Counter(p for r in self.running for p in r.pages)
@@ -176,7 +243,9 @@ class Scheduler:
             req.num_cached_tokens = t.cached_tokens
             req.num_host_cached_tokens = t.host_cached_tokens
             req.num_recomputed_tokens = t.recomputed_tokens
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        req.state_aligned_at = 0  # its row's page-aligned copy is from before this admission
+        req.state_prompt_saved = False
+        n = self._state_chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
         if not self._reserve(req, req.num_computed_tokens + n):
             raise RuntimeError("admission: the cache could not free the pages it reported reclaimable")
         return n
@@ -209,10 +278,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         failed: list[tuple[Request, str, str]] = []
+        self._save_prompt_states()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._state_chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
             while not self._reserve(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 if victim is req and len(self.running) == 1:
@@ -238,6 +308,9 @@ class Scheduler:
                     break  # FIFO: later new sessions wait behind it
                 # Match at most num_tokens - 1 tokens: the last one must be computed to get logits to sample from.
                 m = self.cache.match(req.all_token_ids[: req.num_tokens - 1], req.session_id, req.namespace)
+                if self.recurrent_state:
+                    req.state_seed = None
+                    m = self._resume_point(req, m)  # keeps the inferred session
                 need = self._admission_need(req, m, min(req.num_tokens - m.num_tokens, budget))
                 if need > self.pool.num_free and need > self.cache.reclaimable(m):
                     break  # nothing was taken: it looks again next step
@@ -248,4 +321,5 @@ class Scheduler:
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
                 budget -= n
-        return SchedulerOutput(seqs, failed)
+        copies, self._state_copies = self._state_copies, []
+        return SchedulerOutput(seqs, failed, copies)

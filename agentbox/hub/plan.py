@@ -41,6 +41,9 @@ ENGINE_ARCHITECTURES = frozenset(
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
         "GptOssForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3NextForCausalLM",
     }
 )
 QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)
@@ -165,6 +168,7 @@ class Plan:
             "context": self.context,
             "sessions": self.sessions,
             "kv_bytes_per_token": self.profile.kv_bytes_per_token(_kv_dtype_bytes(self.probe)),
+            "state_bytes_per_session": self.profile.state_bytes_per_session(),
             "params": self.profile.params,
             "active_params": self.profile.active_params,
             "chosen": chosen.variant.name if chosen else None,
@@ -202,7 +206,7 @@ def _candidate(
     device = "cpu" if probe.cpu_only else "cuda"
     cpu_kernels = probe.software.cpu_kernels_ok is not False  # a described machine: assumed to build them
     weights = resident_weight_bytes(profile, variant, device, cpu_kernels)
-    kv = profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * context * sessions
+    kv = (profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * context + profile.state_bytes_per_session()) * sessions
     reasons: list[str] = []
     notes: list[str] = []
     if why := engine_rejection(profile, variant):
@@ -292,6 +296,7 @@ def fitting_context(cand: Candidate, profile: Profile, probe: Probe, sessions: i
     """The longest context (a multiple of 1024 tokens) at which this candidate fits at its tp; 0 if none."""
     per_token = profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * sessions
     room = (cand.available_bytes - cand.reserve_bytes - cand.weights_bytes // cand.tp) * cand.tp
+    room -= profile.state_bytes_per_session() * sessions
     return max(0, room // per_token // 1024 * 1024)
 
 

@@ -73,6 +73,10 @@ class Profile:
     path: Path | None = None
     active_params_: int | None = None  # MoE: parameters one token reads (routed experts + the rest)
     expert_params: int = 0  # MoE: parameters in the routed experts (what stays quantised on CPU too); 0: unknown
+    # Hybrid models (Gated DeltaNet): only `kv_layers` of the layers keep KV per token; the others keep a
+    # fixed recurrent state of `state_bytes` per sequence (conv + fp32 matrices, engine/layers/recurrent_state.py).
+    kv_layers_: int | None = None
+    state_bytes: int = 0
 
     @property
     def active_params(self) -> int:
@@ -86,8 +90,14 @@ class Profile:
         raise ProfileError(f"{self.name} has no variant {name!r} (it has: {names})")
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V for every layer: 2 x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+        """K and V for every attention layer: 2 x kv layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * (self.kv_layers_ or self.layers) * self.kv_heads * self.head_dim * dtype_bytes
+
+    def state_bytes_per_session(self) -> int:
+        """A hybrid model's recurrent state a session holds: while it runs, its live state and its copy at the
+        last page boundary; between turns, its two snapshots (end of prompt, end of turn; engine/cache/
+        state_snapshots.py). 0 for attention-only models."""
+        return 4 * self.state_bytes
 
 
 def profile_dirs() -> list[Path]:
@@ -158,6 +168,8 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         path=path,
         active_params_=int(data["active_params"]) if "active_params" in data else None,
         expert_params=int(data.get("expert_params", 0)),
+        kv_layers_=int(data["kv_layers"]) if "kv_layers" in data else None,
+        state_bytes=int(data.get("state_bytes", 0)),
     )
 
 

@@ -41,8 +41,10 @@ def render_plan(p: Plan, width: int | None = None) -> Group:
     lines[0].stylize("bold", 0, len(prof.name))
     lines += _wrapped(
         f"context {p.context:,} tokens x {p.sessions} session(s); KV {kv_tok / 1024:.0f} KiB/token = 2 x "
-        f"{prof.layers} layers x {prof.kv_heads} kv heads x {prof.head_dim} head dim x "
-        f"{2 if p.probe.gpus else 4} bytes", width, 0)
+        f"{prof.kv_layers_ or prof.layers} {'attention ' if prof.kv_layers_ else ''}layers x {prof.kv_heads} kv "
+        f"heads x {prof.head_dim} head dim x {2 if p.probe.gpus else 4} bytes"
+        + (f"; recurrent state {prof.state_bytes_per_session() / 2**20:.0f} MiB per session (live, page-aligned "
+           f"copy, 2 snapshots)" if prof.state_bytes else ""), width, 0)
     chosen = p.chosen
     name_w = max((len(c.variant.name) for c in p.candidates), default=4)
     for c in p.candidates:

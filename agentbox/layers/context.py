@@ -11,12 +11,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata
+from agentbox.layers.recurrent_state import StateStep
 
 
 @dataclass
 class ForwardContext:
     backend: AttentionBackend
     meta: AttentionMetadata
+    state: StateStep | None = None  # hybrid models: each sequence's recurrent-state slot
 
 
 _current: ForwardContext | None = None
@@ -24,7 +26,7 @@ _current: ForwardContext | None = None
 
 @contextmanager
 def forward_context(
-    backend: AttentionBackend, meta: AttentionMetadata, *, capture: bool = False
+    backend: AttentionBackend, meta: AttentionMetadata, *, capture: bool = False, state: StateStep | None = None
 ) -> Iterator[ForwardContext]:
     """capture: the step is being captured into a CUDA graph (the backend's begin_capture hook runs)."""
     global _current
@@ -34,7 +36,7 @@ def forward_context(
         backend.begin_capture(meta)
     else:
         backend.begin(meta)
-    _current = ForwardContext(backend, meta)
+    _current = ForwardContext(backend, meta, state)
     try:
         yield _current
     finally:

@@ -24,6 +24,7 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from agentbox.layers.quant import QuantConfig, QuantMethod
 from agentbox.layers.quant.gguf import FLOAT_TYPES, GGUFBlocks
+from agentbox.models.gguf_hybrid import HYBRID_ARCHS, hybrid_config, hybrid_tensor_name, hybrid_weights
 from agentbox.models.gguf_reader import GGUFFile, GGUFTensor
 
 # GGUF general.architecture -> (config class, HF architectures name)
@@ -98,8 +99,11 @@ def _stacked_experts(name: str) -> bool:
 def gguf_config(path: Path) -> PretrainedConfig:
     reader = open_gguf(path)
     arch = gguf_metadata(reader, "general.architecture")
+    if arch in HYBRID_ARCHS:
+        return hybrid_config(reader, arch)
     if arch not in GGUF_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}")
+        supported = ", ".join([*GGUF_ARCHS, *HYBRID_ARCHS])
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
     config_cls, hf_arch = GGUF_ARCHS[arch]
 
     def meta(key: str, default: Any = None) -> Any:
@@ -199,7 +203,8 @@ def gguf_quant_config(path: Path) -> QuantConfig:
     experts of any type: they arrive as blocks, which only the GGUF expert method reads (its float linears
     are then held dense by the GGUF linear method, as in any GGUF file)."""
     reader = open_gguf(path)
-    names = [(name, t) for t in reader.tensors if (name := hf_tensor_name(t.name)) is not None]
+    to_hf = hybrid_tensor_name if gguf_metadata(reader, "general.architecture") in HYBRID_ARCHS else hf_tensor_name
+    names = [(name, t) for t in reader.tensors if (name := to_hf(t.name)) is not None]
     if any(_stacked_experts(name) for name, _ in names):
         return QuantConfig(QuantMethod.GGUF)  # the MoE layer's registry maps it to GGUFExperts (layers/experts/)
     quantised = any(_kept_quantised(name, t) and t.qtype not in FLOAT_TYPES for name, t in names)
@@ -217,6 +222,9 @@ def gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
     """HF-named weights; with `keep_quantised`, linear weights come as GGUFBlocks (views of the file)."""
     reader = open_gguf(path)
+    if gguf_metadata(reader, "general.architecture") in HYBRID_ARCHS:
+        yield from hybrid_weights(reader, config, keep_quantised, _experts)
+        return
     permuted = gguf_metadata(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)

@@ -176,16 +176,18 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
     for step in LOAD_STEPS:
         step(model)
     model.eval().requires_grad_(False)
-    shard = head_shard(config.num_attention_heads, num_kv_heads_of(config))
+    text = config.get_text_config()  # an image-text checkpoint's text model (the config itself otherwise)
+    shard = head_shard(text.num_attention_heads, num_kv_heads_of(text))
     return LoadedModel(
         model=model,
         hf_config=config,
-        num_layers=config.num_hidden_layers,
+        # KV layers: a hybrid model keeps pages only for its attention layers
+        num_layers=getattr(model, "num_kv_layers", text.num_hidden_layers),
         num_heads=shard.num_heads,
         num_kv_heads=shard.num_kv_heads,
-        head_dim=head_dim_of(config),
-        vocab_size=config.vocab_size,
-        max_model_len=_max_model_len(config),
+        head_dim=head_dim_of(text),
+        vocab_size=text.vocab_size,
+        max_model_len=_max_model_len(text),
         eos_token_ids=eos_token_ids(src, config),
         source=src,
         dtype=dtype,

@@ -8,20 +8,25 @@ A model class declares only how its names differ from the checkpoint's:
   expert (Qwen3-MoE: `experts.3.gate_proj.weight`); one without it holds every expert stacked on dim 0
   (gpt-oss: `experts.gate_up_proj`), and the loop hands each expert's slice over in turn. Either way the
   parameter's loader is called as `weight_loader(param, tensor, expert_id, shard)`.
-- `skip_checkpoint_names`: substrings of checkpoint names that have no parameter (rotary tables).
+- `skip_checkpoint_names`: substrings of checkpoint names that have no parameter (rotary tables); a dict
+  maps each to what it is, and the load logs how many tensors each skipped (a vision tower, MTP layers).
 
 Each parameter's `weight_loader` takes the full (unsharded) tensor and copies this rank's shard.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SKIPS = ("rotary_emb.inv_freq",)
 
@@ -80,9 +85,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
     experts: tuple[ExpertWeight, ...] = tuple(getattr(model, "expert_mapping", ()))
     skips = DEFAULT_SKIPS + tuple(getattr(model, "skip_checkpoint_names", ()))
     tied = bool(getattr(model, "tie_word_embeddings", False))
+    skipped: Counter[str] = Counter()
     loaded: set[str] = set()
     for name, tensor in weights:
-        if any(s in name for s in skips):
+        if hit := next((s for s in skips if s in name), None):
+            skipped[hit] += 1
             continue
         if name == "lm_head.weight" and tied:
             continue  # some tied checkpoints still carry a copy
@@ -109,6 +116,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
             else:
                 loader(param, tensor, shard_id)
         loaded.add(name)
+    described = getattr(model, "skip_checkpoint_names", {})
+    for skip, n in skipped.items():
+        if isinstance(described, dict) and skip in described:
+            log.info("skipped %d checkpoint tensors under %r: %s", n, skip, described[skip])
     missing = [n for n in params if n not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:10])}")

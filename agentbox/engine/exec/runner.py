@@ -23,6 +23,7 @@ from agentbox.layers.backends import select_backend
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
 from agentbox.layers.quant import int4, resident_weight_bytes
+from agentbox.layers.recurrent_state import StateCache, StateStep
 from agentbox.models.loader import LoadedModel, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 
@@ -72,6 +73,9 @@ class ModelRunner:
         self.weight_bytes = resident_weight_bytes(loaded.model)
         self.weight_bytes_per_rank = control_all_gather(self.weight_bytes)
         self.page_size = config.page_size
+        self.num_rows = config.max_num_seqs + 1  # one page-table row per running request, one for LLM.logits
+        self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
+        self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
         page_bytes = self._make_pool()
         self._make_execution()
         log.info(
@@ -117,18 +121,31 @@ class ModelRunner:
         self.backend = backend_cls(
             self.kv_cache, lm.num_heads, lm.num_kv_heads, lm.head_dim, lm.head_dim**-0.5
         )
-        # One row per running request plus one for a one-off logits call (LLM.logits).
-        num_rows = config.max_num_seqs + 1
         self.page_table = PageTable(num_rows, -(-self.max_model_len // self.page_size) + 1, self.device)
         self.rows = RowAssigner(num_rows) if self.rank == 0 else None
         self.graphs = build_decode_graphs(
-            not config.enforce_eager, self.device, self.backend,
+            # The delta-net layers pick their path per sequence in Python: not capturable yet.
+            not config.enforce_eager and self.state_cache is None, self.device, self.backend,
             lambda: DecodeGraphs(
                 lm.model, self.backend, self.page_size, config.max_num_seqs, self.page_table.table.shape[1],
                 self.device,
             ),
         )
         self.cpu_decode = CpuDecode.build(lm.model, self.device)  # None on GPU and for models it cannot run
+
+    def _state_cache(self) -> StateCache | None:
+        """Hybrid models: each running sequence's recurrent state lives in the slot of its page-table row,
+        its state at its last page boundary in the slot `num_rows` further, then the sessions' snapshots."""
+        specs = getattr(self.loaded.model, "state_specs", None)
+        if specs is None:
+            return None
+        # Live rows, their page-aligned copies, then the snapshots (the layout engine/cache/state_snapshots.py keeps).
+        slots = 2 * self.num_rows + self.num_snapshots
+        cache = StateCache(specs(), slots, self.dtype, self.device)
+        per_slot = StateCache.bytes_per_slot(cache.specs, self.dtype)
+        log.info("recurrent state: %d linear-attention layers, %.2f MiB per sequence, %d session snapshots "
+                 "(%.1f MiB in all)", len(cache.specs), per_slot / 2**20, self.num_snapshots, slots * per_slot / 2**20)
+        return cache
 
     def _auto_num_pages(self, page_bytes: int) -> int:
         if self.config.kv_cache_gb is not None:
@@ -157,9 +174,16 @@ class ModelRunner:
         kv_lens: list[int] = []
         sample_rows: list[int] = []
         rows, updates = self.rows.assign([s.request for s in out.seqs])
-        for s in out.seqs:
+        copies = list(out.state_copies)  # snapshots saved at turns' ends first: a seed below may read one
+        for s, row in zip(out.seqs, rows, strict=True):
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
+            if self.state_cache is not None:
+                if r.state_seed is not None:
+                    copies.append((r.state_seed, row))
+                    r.state_seed = None
+                if end % ps == 0:  # execute copies the state at this page boundary (see below)
+                    r.state_aligned_at = end
             ids += r.token_ids[start:end]
             pages = r.pages
             if end - start == 1:
@@ -182,6 +206,7 @@ class ModelRunner:
             page_updates=torch.tensor(updates, dtype=torch.int64).reshape(-1, 3),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
             num_table_cols=-(-max(kv_lens) // ps),
+            state_copies=torch.tensor(copies, dtype=torch.int64).reshape(-1, 2),
         )
 
     # ---- every rank: StepInputs -> logits ----
@@ -205,11 +230,20 @@ class ModelRunner:
             slot_mapping=step.slot_mapping.to(dev),
             page_size=self.page_size,
         )
-        with forward_context(self.backend, meta):
+        state = None
+        if self.state_cache is not None:
+            if step.state_copies.numel():
+                self.state_cache.copy(step.state_copies[:, 0].tolist(), step.state_copies[:, 1].tolist())
+            state = StateStep.of(self.state_cache, step.table_rows.tolist(), step.query_lens, step.kv_lens)
+        with forward_context(self.backend, meta, state=state):
             if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.kv_cache):
                 hidden = self.cpu_decode.run(step.input_ids.to(dev), step.positions.to(dev))
             else:
                 hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
+        if state is not None:  # every sequence that ended on a page boundary: its state there, kept aside
+            ended = [row for row, kv in zip(state.slots, step.kv_lens, strict=True) if kv % self.page_size == 0]
+            if ended:
+                self.state_cache.copy(ended, [row + self.num_rows for row in ended])
         if not step.sample_rows.numel():
             return None
         return self.loaded.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()

@@ -9,12 +9,12 @@ the host work nor the bytes sent grow with a request's context length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-_HEADER = 5  # num tokens, num seqs, num page updates, num sampled rows, page table columns
+_HEADER = 6  # num tokens, num seqs, num page updates, num sampled rows, page table columns, state copies
 
 
 @dataclass
@@ -28,6 +28,9 @@ class StepInputs:
     page_updates: torch.Tensor  # int64 [U, 3]: (row, column, page) entries written before the step
     sample_rows: torch.Tensor  # int64 [S]: token rows whose logits are sampled (last new token of a seq)
     num_table_cols: int  # page-table columns this step reads (pages of its longest sequence)
+    # int64 [C, 2]: hybrid models' (src, dst) recurrent-state slot copies done before the step (a snapshot
+    # saved at a turn's end, a request seeded from one)
+    state_copies: torch.Tensor = field(default_factory=lambda: torch.empty(0, 2, dtype=torch.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -36,18 +39,20 @@ class StepInputs:
     def pack(self) -> bytes:
         """One int64 buffer: a header of counts, then every field in order."""
         t, b, u, s = self.num_tokens, len(self.query_lens), int(self.page_updates.shape[0]), int(self.sample_rows.numel())
-        head = np.array([t, b, u, s, self.num_table_cols, *self.query_lens, *self.kv_lens], dtype=np.int64)
+        c = int(self.state_copies.shape[0])
+        head = np.array([t, b, u, s, self.num_table_cols, c, *self.query_lens, *self.kv_lens], dtype=np.int64)
         parts = [self.input_ids, self.positions, self.slot_mapping, self.table_rows, self.page_updates.reshape(-1),
-                 self.sample_rows]
+                 self.sample_rows, self.state_copies.reshape(-1)]
         # numpy, not torch.cat: a decode step's pack is a few microseconds instead of tens (measured 70 us).
         return np.concatenate([head, *(p.numpy() for p in parts)]).tobytes()
 
     @staticmethod
     def unpack(buf: bytes) -> StepInputs:
         flat = torch.frombuffer(bytearray(buf), dtype=torch.int64)
-        t, b, u, s, cols = flat[:_HEADER].tolist()
+        t, b, u, s, cols, c = flat[:_HEADER].tolist()
         lens = flat[_HEADER : _HEADER + 2 * b].tolist()
         o = _HEADER + 2 * b
-        sizes = [t, t, t, b, 3 * u, s]
-        ids, pos, slots, rows, updates, sample = torch.split(flat[o : o + sum(sizes)], sizes)
-        return StepInputs(ids, pos, slots, lens[:b], lens[b:], rows, updates.reshape(u, 3), sample, cols)
+        sizes = [t, t, t, b, 3 * u, s, 2 * c]
+        ids, pos, slots, rows, updates, sample, copies = torch.split(flat[o : o + sum(sizes)], sizes)
+        return StepInputs(ids, pos, slots, lens[:b], lens[b:], rows, updates.reshape(u, 3), sample, cols,
+                          copies.reshape(c, 2))

@@ -1,0 +1,69 @@
+"""The recurrent state of a hybrid model's linear-attention layers (Gated DeltaNet): one slot per sequence.
+
+A linear layer keeps no per-token KV. What it carries from one step to the next is fixed-size: the last K-1
+inputs of its short conv and the [Dk, Dv] state matrix of each value head. `StateCache` holds both for every
+linear layer and every slot; the runner gives each running sequence a slot (its page-table row) and a step
+tells the layers which slot each sequence reads and writes (`StateStep`, in the forward context).
+
+A state describes exactly one position: the tokens a sequence has computed. It can never be resumed from
+any other position, so a sequence whose first token is in the step (`fresh`) starts from zeros, and one
+resumed elsewhere needs a snapshot taken at that exact position (`copy`: slot to slot, the same on every
+tensor-parallel rank).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LinearStateSpec:
+    """One linear layer's state on this rank (its share of the heads)."""
+
+    conv_channels: int  # q, k and v channels that go through the conv
+    conv_len: int  # kernel size - 1: the inputs the conv carries over
+    num_heads: int  # value heads
+    key_dim: int
+    value_dim: int
+
+    def bytes(self, dtype: torch.dtype) -> int:
+        conv = self.conv_channels * self.conv_len * torch.empty(0, dtype=dtype).element_size()
+        return conv + self.num_heads * self.key_dim * self.value_dim * 4  # the matrix is fp32
+
+
+class StateCache:
+    def __init__(self, specs: list[LinearStateSpec], num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.specs = specs
+        self.num_slots = num_slots
+        self.conv = [torch.zeros(num_slots, s.conv_channels, s.conv_len, dtype=dtype, device=device) for s in specs]
+        self.matrix = [
+            torch.zeros(num_slots, s.num_heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device)
+            for s in specs
+        ]
+
+    @staticmethod
+    def bytes_per_slot(specs: list[LinearStateSpec], dtype: torch.dtype) -> int:
+        return sum(s.bytes(dtype) for s in specs)
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """State of slot src[i] into slot dst[i], every layer, in order: a later copy may read what an
+        earlier one wrote (a snapshot saved, then a request seeded from it), so they are never batched."""
+        for s, d in zip(src, dst, strict=True):
+            for t in (*self.conv, *self.matrix):
+                t[d] = t[s]
+
+
+@dataclass
+class StateStep:
+    """A step's view of the state: each sequence's slot, new tokens, and whether it starts at position 0."""
+
+    cache: StateCache
+    slots: list[int]
+    query_lens: list[int]
+    fresh: list[bool]
+
+    @staticmethod
+    def of(cache: StateCache, slots: list[int], query_lens: list[int], kv_lens: list[int]) -> StateStep:
+        return StateStep(cache, slots, query_lens, [k == q for q, k in zip(query_lens, kv_lens, strict=True)])
