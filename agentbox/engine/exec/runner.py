@@ -121,8 +121,8 @@ class ModelRunner:
         self.backend = backend_cls(
             self.kv_cache, lm.num_heads, lm.num_kv_heads, lm.head_dim, lm.head_dim**-0.5
         )
-        self.page_table = PageTable(num_rows, -(-self.max_model_len // self.page_size) + 1, self.device)
-        self.rows = RowAssigner(num_rows) if self.rank == 0 else None
+        self.page_table = PageTable(self.num_rows, -(-self.max_model_len // self.page_size) + 1, self.device)
+        self.rows = RowAssigner(self.num_rows) if self.rank == 0 else None
         self.graphs = build_decode_graphs(
             # The delta-net layers pick their path per sequence in Python: not capturable yet.
             not config.enforce_eager and self.state_cache is None, self.device, self.backend,
