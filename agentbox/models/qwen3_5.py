@@ -23,7 +23,8 @@ from torch import nn
 
 from agentbox.layers.attention import Attention
 from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from agentbox.layers.experts.base import ExpertShard, FusedMoE
+from agentbox.layers.experts.base import ExpertShard
+from agentbox.layers.experts.layer import FusedMoE
 from agentbox.layers.gated_deltanet import GatedDeltaNet
 from agentbox.layers.linear import LinearBase, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from agentbox.layers.norm import RMSNorm
