@@ -119,9 +119,9 @@ def bench_warm(
     prefill: bool = typer.Option(True, "--prefill/--no-prefill", help="also time cold prefill at 2k and 32k (SmolLM2-shaped)"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """Warm and cold time to first token by context length, on a tiny random 128k-context Qwen3.
+    """Warm vs cold time to first token, by context length.
 
-    Host time of a warm turn by stage (parse, render, tokenize, lookup, schedule, forward), then cold
+    On a tiny random 128k-context Qwen3. Host time of a warm turn by stage (parse, render, tokenize, lookup, schedule, forward), then cold
     chunked-prefill tokens/s at 2k and 32k on SmolLM2-shaped layers."""
     from agentbox.bench.warm import warm_report
 
