@@ -36,14 +36,18 @@
 #define MR 4    /* activation rows one pass over a Q8 tile serves */
 #define MR4 8   /* activation rows one pass over a Q4 tile serves (its per-row loop holds fewer registers) */
 
+#define MC 64   /* Q4: rows a slice of the activations holds (see ab_q4_matmul) */
+
 typedef struct {
-    int8_t *q;     /* [M][K], or for Q4 [K/32][M][4][16]: each block as q4_dot's four operands (q4_expand) */
-    float *d;      /* [M][K/32] (Q4: [K/32][M]) */
-    float *gsum;   /* [M][K/group] (Q4: [K/group][M]): sums of the rounded x per scale group (for the offsets) */
-    int64_t m;
+    int8_t *q;     /* [M][K], or for Q4 per slice [K/32][rows][4][16]: a block as q4_dot's operands (q4_expand) */
+    float *d;      /* [M][K/32] (Q4: per slice [K/32][rows]) */
+    float *gsum;   /* [M][K/group] (Q4: per slice [K/group][rows]): sums of the rounded x per scale group */
+    int64_t m;     /* Q4: the slice's rows */
 } act_t;
 /* Q4 keeps a block's rows side by side, so the kernel's loop over rows reads at constant offsets from one
- * pointer: eight row pointers (the rows' own layout) did not fit in the registers. */
+ * pointer (eight row pointers, the rows' own layout, did not fit in the registers), in slices of MC rows, so
+ * a slice is one stretch of memory (all rows side by side put a block's rows M x 64 bytes apart: at 256 rows
+ * the blocks of a tile's pass fell on a few cache sets, twice the time a row of 128). */
 
 /* A block's activations q[32] as q4_dot's four operands out[4][16], in quadwords of elements 4j..4j + 3:
  * (0 2 1 3) (1 3 0 2) (4 6 5 7) (5 7 4 6). Lanes 0 and 1 of each half of the code vectors see quadwords
@@ -64,19 +68,18 @@ static int quantize_activations(const float *x, int64_t m, int64_t k, int64_t gr
     a->d = (float *)malloc(sizeof(float) * (size_t)(m * nb));
     a->gsum = (float *)calloc((size_t)(m * (k / group)), sizeof(float));
     if (!a->q || !a->d || !a->gsum) return -1;
-    a->m = m;
     for (int64_t r = 0; r < m * nb; r++) {
         int sums[2];
         int8_t q[QB];
-        const int64_t row = r / nb, b = r % nb;
+        const int64_t row = r / nb, b = r % nb, i0 = row / MC * MC, mc = m - i0 < MC ? m - i0 : MC, ri = row - i0;
         const float d = ab_round_block(x + r * QB, q4 ? q : a->q + r * QB, sums);
-        if (q4) q4_expand(q, a->q + (b * m + row) * 2 * QB);
+        if (q4) q4_expand(q, a->q + (i0 * nb + b * mc + ri) * 2 * QB);
         const int sq = sums[0] + sums[1];
-        a->d[q4 ? b * m + row : r] = d;
+        a->d[q4 ? i0 * nb + b * mc + ri : r] = d;
         /* The sum of the quantised block, so the result is exactly that of x rounded to d * q: a many-row
          * caller can dequantise the weight and multiply the same rounded x (numbers independent of M).
          * r / per = row * (K / group) + group index, since K / 32 = per * K / group. */
-        a->gsum[q4 ? b / per * m + row : r / per] += d * (float)sq;
+        a->gsum[q4 ? i0 * (k / group) + b / per * mc + ri : r / per] += d * (float)sq;
     }
     return 0;
 }
@@ -201,14 +204,15 @@ static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_
 
 /* One tile of the output (columns j .. j + 4 of every row of x), the rows in chunks of MR: a literal per
  * chunk size, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void q4_tile_rows(const act_t *a, int64_t m, int64_t k, const uint8_t *codes,
-                                                               const char *so, int64_t n, int64_t group, float *out,
-                                                               int64_t t, const int half, const int g32) {
+static inline __attribute__((always_inline)) void q4_tile_rows(const act_t *a, int64_t i, int64_t m, int64_t k,
+                                                               const uint8_t *codes, const char *so, int64_t n,
+                                                               int64_t group, float *out, int64_t t, const int half,
+                                                               const int g32) {
     const int64_t j = t * NR, tile_codes = NR * k / 2, tile_so = k / group * 2 * NR * (half ? 2 : 4);
     const int nr = n - j < NR ? (int)(n - j) : NR;
     const uint8_t *c = codes + t * tile_codes;
     const char *s = so + t * tile_so;
-    for (int64_t i = 0; i < m;) { /* chunks of 8, then 4, 3, 2, 1: five copies of the loop, not eight */
+    while (i < m) { /* rows i .. m in chunks of 8, then 4, 3, 2, 1: five copies of the loop, not eight */
         const int64_t left = m - i;
         const int mr = left >= MR4 ? MR4 : left >= 4 ? 4 : (int)left;
         switch (mr) {
@@ -244,9 +248,15 @@ const char *ab_isa(void) { return AB_ISA; }
 /* Tiles are split over threads. Each (half, group of 32 or not) has its own parallel loop: GCC outlines an
  * OpenMP region before inlining, so one region shared by all would take them as run-time values (measured 2x
  * slower in cpu_bits.c), not the literals each variant is compiled for. */
+/* Rows in slices of MC (prefill): a slice's activations (MC x K x 2 bytes) stay in the L2 cache while every
+ * tile passes over them; all of M at once fell out of it. */
 #define Q4_REGION(HALF, G32)                                                                                   \
-    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                       \
-    for (int64_t t = 0; t < tiles; t++) q4_tile_rows(&a, m, k, codes, s, n, group, out, t, HALF, G32);
+    for (int64_t i0 = 0; i0 < m; i0 += MC) {                                                                  \
+        const int64_t mc = m - i0 < MC ? m - i0 : MC;                                                          \
+        const act_t v = {a.q + i0 * k * 2, a.d + i0 * (k / QB), a.gsum + i0 * (k / group), mc};               \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                   \
+        for (int64_t t = 0; t < tiles; t++) q4_tile_rows(&v, 0, mc, k, codes, s, n, group, out + i0 * n, t, HALF, G32); \
+    }
 
 int ab_q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *so, int64_t n,
                  int64_t group, float *out, int threads, int half) {
