@@ -12,9 +12,14 @@
  * its codes are read and unpacked once for up to MR = 4 rows, so a row's extra cost is its dot products.
  *
  * Rows come in tiles of NR = 4 (the last one padded with zero rows), each tile stored block by block:
- * Q4: codes [N/4][K/32][4][16] bytes, byte j of a row's block holding element j (low nibble) and j + 16
- *     (high nibble); scales and offsets [N/4][K/group][2][4] (a tile's four scales, then its four offsets),
- *     fp32 or fp16, group a multiple of 32: w = q * scale + offset.
+ * Q4: codes [N/4][K/32][2][4][8] bytes: half h, row r, byte i holds elements e = 16 h + (i < 4 ? i : i + 4)
+ *     and e + 4, e in the low nibble for even rows and in the high one for odd rows. So a block's 64 bytes
+ *     unpack (AND, shift) into four vectors whose int32 lane j holds four codes of row j / 2, of its elements
+ *     0..7 and 16..23 (j even) or 8..15 and 24..31 (j odd), against activations stored as four 16-byte
+ *     operands (q4_expand): the products sum vertically into one vector of the tile's eight half-row sums
+ *     (q4_dot in cpu_gemv.h), with no horizontal add per activation row.
+ *     Scales and offsets [N/4][K/group][2][4] (a tile's four scales, then its four offsets), fp32 or fp16,
+ *     group a multiple of 32: w = q * scale + offset.
  * Q8: codes [N/4][K/32][4][32] int8; scales [N/4][K/32][4] fp32 or fp16: w = q * scale (GGUF Q8_0).
  * Rows of the output are split over `threads` OpenMP threads (none are started for one).
  */
@@ -28,29 +33,53 @@
 
 #define QB 32   /* elements per activation block */
 #define NR 4    /* weight rows one pass over an activation row serves */
-#define MR 4    /* activation rows one pass over a tile serves */
+#define MR 4    /* activation rows one pass over a Q8 tile serves */
+#define MR4 8   /* activation rows one pass over a Q4 tile serves (its per-row loop holds fewer registers) */
+
+#define MC 64   /* Q4: rows a slice of the activations holds (see ab_q4_matmul) */
 
 typedef struct {
-    int8_t *q;     /* [M][K] */
-    float *d;      /* [M][K/32] */
-    float *gsum;   /* [M][K/group]: sums of the rounded x per scale group (the offsets multiply them) */
+    int8_t *q;     /* [M][K], or for Q4 per slice [K/32][rows][4][16]: a block as q4_dot's operands (q4_expand) */
+    float *d;      /* [M][K/32] (Q4: per slice [K/32][rows]) */
+    float *gsum;   /* [M][K/group] (Q4: per slice [K/group][rows]): sums of the rounded x per scale group */
+    int64_t m;     /* Q4: the slice's rows */
 } act_t;
+/* Q4 keeps a block's rows side by side, so the kernel's loop over rows reads at constant offsets from one
+ * pointer (eight row pointers, the rows' own layout, did not fit in the registers), in slices of MC rows, so
+ * a slice is one stretch of memory (all rows side by side put a block's rows M x 64 bytes apart: at 256 rows
+ * the blocks of a tile's pass fell on a few cache sets, twice the time a row of 128). */
 
-static int quantize_activations(const float *x, int64_t m, int64_t k, int64_t group, act_t *a) {
+/* A block's activations q[32] as q4_dot's four operands out[4][16], in quadwords of elements 4j..4j + 3:
+ * (0 2 1 3) (1 3 0 2) (4 6 5 7) (5 7 4 6). Lanes 0 and 1 of each half of the code vectors see quadwords
+ * 0 1 4 5 (elements 0..7, 16..23) and 2 3 6 7, lanes 2 and 3 the same sets in another order (the odd rows'
+ * swapped nibbles). 64 bytes a block, each operand one 16-byte broadcast in the kernel. */
+static inline void q4_expand(const int8_t *q, int8_t *out) {
+    const __m256i perm = _mm256_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15,
+                                          0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    const __m256i y = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)q), perm);
+    const __m256i z = _mm256_shuffle_epi32(y, _MM_SHUFFLE(1, 0, 3, 2)); /* the quadwords of each half swapped */
+    _mm256_storeu_si256((__m256i *)out, _mm256_permute2x128_si256(y, z, 0x20));
+    _mm256_storeu_si256((__m256i *)(out + 32), _mm256_permute2x128_si256(y, z, 0x31));
+}
+
+static int quantize_activations(const float *x, int64_t m, int64_t k, int64_t group, const int q4, act_t *a) {
     int64_t nb = k / QB, per = group / QB;
-    a->q = (int8_t *)aligned_alloc(32, (size_t)((m * k + 31) / 32 * 32));
+    a->q = (int8_t *)aligned_alloc(32, (size_t)((m * k * (q4 ? 2 : 1) + 31) / 32 * 32));
     a->d = (float *)malloc(sizeof(float) * (size_t)(m * nb));
     a->gsum = (float *)calloc((size_t)(m * (k / group)), sizeof(float));
     if (!a->q || !a->d || !a->gsum) return -1;
     for (int64_t r = 0; r < m * nb; r++) {
         int sums[2];
-        const float d = ab_round_block(x + r * QB, a->q + r * QB, sums);
+        int8_t q[QB];
+        const int64_t row = r / nb, b = r % nb, i0 = row / MC * MC, mc = m - i0 < MC ? m - i0 : MC, ri = row - i0;
+        const float d = ab_round_block(x + r * QB, q4 ? q : a->q + r * QB, sums);
+        if (q4) q4_expand(q, a->q + (i0 * nb + b * mc + ri) * 2 * QB);
         const int sq = sums[0] + sums[1];
-        a->d[r] = d;
+        a->d[q4 ? i0 * nb + b * mc + ri : r] = d;
         /* The sum of the quantised block, so the result is exactly that of x rounded to d * q: a many-row
          * caller can dequantise the weight and multiply the same rounded x (numbers independent of M).
          * r / per = row * (K / group) + group index, since K / 32 = per * K / group. */
-        a->gsum[r / per] += d * (float)sq;
+        a->gsum[q4 ? i0 * (k / group) + b / per * mc + ri : r / per] += d * (float)sq;
     }
     return 0;
 }
@@ -79,42 +108,68 @@ static inline __attribute__((always_inline)) __m128 ld4(const void *p, int64_t i
  * vector of int32 sums (q4_dot), so one conversion and one FMA per block and activation row: the per-row cost of
  * a batch (decode of several sequences, a speculative verify, a chunk tail) is the dot products alone. Each
  * activation row's sums and FMAs are the same for any MR, so a row's result does not depend on its batch. */
+/* A tile's four results of one activation row: (rows 0 2 1 3 of the pair sums, summed) + the offsets' term. A
+ * masked store for a padded tail tile (a plain loop of nr stores compiles to a call to memcpy per row). */
+static inline __attribute__((always_inline)) void store4(float *dst, __m128 v, const int nr) {
+    if (nr == NR)
+        _mm_storeu_ps(dst, v);
+    else
+        _mm_maskstore_ps(dst, _mm_cmpgt_epi32(_mm_set1_epi32(nr), _mm_setr_epi32(0, 1, 2, 3)), v);
+}
+
 static inline __attribute__((always_inline)) void q4_tile(const act_t *a, int64_t m0, const int mr, int64_t k,
                                                           const uint8_t *codes, const void *so, int64_t group,
-                                                          float *out, int64_t n, const int nr, const int half) {
+                                                          float *out, int64_t n, const int nr, const int half,
+                                                          const int g32) {
     const int64_t nb = k / QB, per = group / QB, gk = k / group;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i dup = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3); /* q4_dot's lanes: rows 0 0 2 2 | 1 1 3 3 */
-    __m256 acc[MR];
-    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < gk; g++) { /* groups outside, blocks inside: no division in the loop */
-        const __m256 s8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ld4(so, g * 2 * NR, half)), dup);
-        for (int64_t b = g * per; b < (g + 1) * per; b++) {
-            const uint8_t *c = codes + b * NR * 16;
-            /* the next tile's line for this block: the prefetcher alone fell behind at a tile's start */
-            _mm_prefetch((const char *)(c + NR * k / 2), _MM_HINT_T0);
-            const __m256i r01 = _mm256_loadu_si256((const __m256i *)c), r23 = _mm256_loadu_si256((const __m256i *)(c + 32));
-            /* rows 0 | 1 (and 2 | 3) of the tile: elements 0..15 (low nibbles), elements 16..31 (high ones) */
-            const __m256i l01 = _mm256_and_si256(r01, low), h01 = _mm256_and_si256(_mm256_srli_epi16(r01, 4), low);
-            const __m256i l23 = _mm256_and_si256(r23, low), h23 = _mm256_and_si256(_mm256_srli_epi16(r23, 4), low);
-            for (int i = 0; i < mr; i++) {
-                const int8_t *xq = a->q + (m0 + i) * k + b * QB;
-                const __m256i xlo = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)xq));
-                const __m256i xhi = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)(xq + 16)));
-                const __m256i p = q4_dot(l01, h01, l23, h23, xlo, xhi);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s8, _mm256_broadcast_ss(a->d + (m0 + i) * nb + b)), acc[i]);
+    const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3); /* q4_dot's lanes: rows 0 0 1 1 2 2 3 3 */
+    const int64_t m = a->m;
+    const int8_t *xq = a->q + m0 * 2 * QB; /* block b, row i: xq + (b m + i) 2 QB */
+    const float *xd = a->d + m0, *xs = a->gsum + m0;
+    __m256 acc[MR4];
+    __m128 oacc[MR4];
+    for (int i = 0; i < mr; i++) {
+        acc[i] = _mm256_setzero_ps();
+        oacc[i] = _mm_setzero_ps();
+    }
+    __m256 s8 = _mm256_setzero_ps();
+    for (int64_t b = 0, g = 0, left = 0; b < nb; b++) { /* left: blocks to the next scale group */
+        if (left == 0) {
+            s8 = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(ld4(so, g * 2 * NR, half)), dup);
+            /* the offsets' term, offset * (sum of the rounded x over the group), four weight rows at once: for
+             * a few rows here, not after the blocks, where one row waited on one chain of gk dependent FMAs */
+            if (mr < 4) {
+                const __m128 o4 = ld4(so, g * 2 * NR + NR, half);
+                for (int i = 0; i < mr; i++) oacc[i] = _mm_fmadd_ps(o4, _mm_set1_ps(xs[g * m + i]), oacc[i]);
             }
+            left = g32 ? 1 : per;
+            g++;
+        }
+        left--;
+        const uint8_t *c = codes + b * NR * 16;
+        /* the next tile's line for this block: the prefetcher alone fell behind at a tile's start */
+        _mm_prefetch((const char *)(c + NR * k / 2), _MM_HINT_T0);
+        const __m256i c0 = _mm256_loadu_si256((const __m256i *)c), c1 = _mm256_loadu_si256((const __m256i *)(c + 32));
+        const __m256i v[4] = {_mm256_and_si256(c0, low), _mm256_and_si256(_mm256_srli_epi16(c0, 4), low),
+                              _mm256_and_si256(c1, low), _mm256_and_si256(_mm256_srli_epi16(c1, 4), low)};
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++) {
+            const __m128i *xb = (const __m128i *)(xq + (b * m + i) * 2 * QB);
+            const __m256i x[4] = {_mm256_broadcastsi128_si256(_mm_load_si128(xb)), _mm256_broadcastsi128_si256(_mm_load_si128(xb + 1)),
+                                  _mm256_broadcastsi128_si256(_mm_load_si128(xb + 2)), _mm256_broadcastsi128_si256(_mm_load_si128(xb + 3))};
+            const __m256i p = q4_dot(v, x);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s8, _mm256_broadcast_ss(xd + b * m + i)), acc[i]);
         }
     }
-    for (int i = 0; i < mr; i++) {
-        /* the offsets' term: offset * (sum of the rounded x over the group), four weight rows at once */
-        const float *xs = a->gsum + (m0 + i) * gk;
-        __m128 oacc = _mm_setzero_ps();
-        for (int64_t g = 0; g < gk; g++) oacc = _mm_fmadd_ps(ld4(so, g * 2 * NR + NR, half), _mm_set1_ps(xs[g]), oacc);
-        const __m128 r = _mm_hadd_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)); /* 0 2 1 3 */
-        float o[NR];
-        _mm_storeu_ps(o, _mm_add_ps(_mm_shuffle_ps(r, r, _MM_SHUFFLE(3, 1, 2, 0)), oacc));
-        for (int j = 0; j < nr; j++) out[(m0 + i) * n + j] = o[j]; /* a padded tail tile stores its real rows */
+    if (mr >= 4) /* many rows: their chains side by side here, where the registers are free again */
+        for (int64_t g = 0; g < gk; g++) {
+            const __m128 o4 = ld4(so, g * 2 * NR + NR, half);
+            for (int i = 0; i < mr; i++) oacc[i] = _mm_fmadd_ps(o4, _mm_set1_ps(xs[g * m + i]), oacc[i]);
+        }
+    for (int i = 0; i < mr; i++) { /* each row's two half sums, then its offsets' term */
+        const __m128 r = _mm_hadd_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
+        store4(out + (m0 + i) * n, _mm_add_ps(r, oacc[i]), nr);
     }
 }
 
@@ -149,20 +204,25 @@ static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_
 
 /* One tile of the output (columns j .. j + 4 of every row of x), the rows in chunks of MR: a literal per
  * chunk size, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void q4_tile_rows(const act_t *a, int64_t m, int64_t k, const uint8_t *codes,
-                                                               const char *so, int64_t n, int64_t group, float *out,
-                                                               int64_t t, const int half) {
+static inline __attribute__((always_inline)) void q4_tile_rows(const act_t *a, int64_t i, int64_t m, int64_t k,
+                                                               const uint8_t *codes, const char *so, int64_t n,
+                                                               int64_t group, float *out, int64_t t, const int half,
+                                                               const int g32) {
     const int64_t j = t * NR, tile_codes = NR * k / 2, tile_so = k / group * 2 * NR * (half ? 2 : 4);
     const int nr = n - j < NR ? (int)(n - j) : NR;
     const uint8_t *c = codes + t * tile_codes;
     const char *s = so + t * tile_so;
-    for (int64_t i = 0; i < m; i += MR) {
-        switch (m - i < MR ? m - i : MR) {
-            case 1: q4_tile(a, i, 1, k, c, s, group, out + j, n, nr, half); break;
-            case 2: q4_tile(a, i, 2, k, c, s, group, out + j, n, nr, half); break;
-            case 3: q4_tile(a, i, 3, k, c, s, group, out + j, n, nr, half); break;
-            default: q4_tile(a, i, MR, k, c, s, group, out + j, n, nr, half);
+    while (i < m) { /* rows i .. m in chunks of 8, then 4, 3, 2, 1: five copies of the loop, not eight */
+        const int64_t left = m - i;
+        const int mr = left >= MR4 ? MR4 : left >= 4 ? 4 : (int)left;
+        switch (mr) {
+            case 1: q4_tile(a, i, 1, k, c, s, group, out + j, n, nr, half, g32); break;
+            case 2: q4_tile(a, i, 2, k, c, s, group, out + j, n, nr, half, g32); break;
+            case 3: q4_tile(a, i, 3, k, c, s, group, out + j, n, nr, half, g32); break;
+            case 4: q4_tile(a, i, 4, k, c, s, group, out + j, n, nr, half, g32); break;
+            default: q4_tile(a, i, MR4, k, c, s, group, out + j, n, nr, half, g32);
         }
+        i += mr;
     }
 }
 
@@ -185,32 +245,41 @@ static inline __attribute__((always_inline)) void q8_tile_rows(const act_t *a, i
 
 const char *ab_isa(void) { return AB_ISA; }
 
-/* Tiles are split over threads. Each `half` has its own parallel loop: GCC outlines an OpenMP region before
- * inlining, so one region shared by both would take `half` as a run-time value (measured 2x slower in
- * cpu_bits.c), not the literal each variant is compiled for. */
+/* Tiles are split over threads. Each (half, group of 32 or not) has its own parallel loop: GCC outlines an
+ * OpenMP region before inlining, so one region shared by all would take them as run-time values (measured 2x
+ * slower in cpu_bits.c), not the literals each variant is compiled for. */
+/* Rows in slices of MC (prefill): a slice's activations (MC x K x 2 bytes) stay in the L2 cache while every
+ * tile passes over them; all of M at once fell out of it. */
+#define Q4_REGION(HALF, G32)                                                                                   \
+    for (int64_t i0 = 0; i0 < m; i0 += MC) {                                                                  \
+        const int64_t mc = m - i0 < MC ? m - i0 : MC;                                                          \
+        const act_t v = {a.q + i0 * k * 2, a.d + i0 * (k / QB), a.gsum + i0 * (k / group), mc};               \
+        _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                   \
+        for (int64_t t = 0; t < tiles; t++) q4_tile_rows(&v, 0, mc, k, codes, s, n, group, out + i0 * n, t, HALF, G32); \
+    }
+
 int ab_q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *so, int64_t n,
                  int64_t group, float *out, int threads, int half) {
     if (k % QB || group % QB || k % group) return -2;
     act_t a;
-    if (quantize_activations(x, m, k, group, &a)) return -1;
+    if (quantize_activations(x, m, k, group, 1, &a)) return -1;
     const int64_t tiles = (n + NR - 1) / NR;
     const char *s = (const char *)so;
-    if (half) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int64_t t = 0; t < tiles; t++) q4_tile_rows(&a, m, k, codes, s, n, group, out, t, 1);
+    if (group == QB) { /* GGUF's Q4_0 / Q4_1: a scale per block */
+        if (half) { Q4_REGION(1, 1) } else { Q4_REGION(0, 1) }
     } else {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-        for (int64_t t = 0; t < tiles; t++) q4_tile_rows(&a, m, k, codes, s, n, group, out, t, 0);
+        if (half) { Q4_REGION(1, 0) } else { Q4_REGION(0, 0) }
     }
     free_activations(&a);
     return 0;
 }
+#undef Q4_REGION
 
 int ab_q8_matmul(const float *x, int64_t m, int64_t k, const int8_t *codes, const void *scale, int64_t n,
                  float *out, int threads, int half) {
     if (k % QB) return -2;
     act_t a;
-    if (quantize_activations(x, m, k, QB, &a)) return -1;
+    if (quantize_activations(x, m, k, QB, 0, &a)) return -1;
     const int64_t tiles = (n + NR - 1) / NR;
     const char *s = (const char *)scale;
     if (half) {
@@ -232,13 +301,17 @@ void ab_q4_dequant(const uint8_t *codes, const void *so, int64_t n, int64_t k, i
     for (int64_t j = 0; j < n; j++) {
         const int64_t t = j / NR, r = j % NR;
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *c = codes + ((t * nb + b) * NR + r) * 16;
             const int64_t sg = (t * gk + b / per) * 2 * NR + r;
             const float s = ld(so, sg, half), o = ld(so, sg + NR, half);
             float *dst = out + j * k + b * QB;
-            for (int i = 0; i < 16; i++) {
-                dst[i] = (float)(c[i] & 0x0F) * s + o;
-                dst[i + 16] = (float)(c[i] >> 4) * s + o;
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *c = codes + (t * nb + b) * NR * 16 + h * 32 + r * 8; /* see the layout above */
+                const int lo = r % 2 ? 4 : 0;
+                for (int i = 0; i < 8; i++) {
+                    const int e = 16 * h + (i < 4 ? i : i + 4);
+                    dst[e + lo] = (float)(c[i] & 0x0F) * s + o;
+                    dst[e + 4 - lo] = (float)(c[i] >> 4) * s + o;
+                }
             }
         }
     }

@@ -20,19 +20,18 @@
 #define AB_ISA "avx2"
 #endif
 
-/* A tile's four rows r of one block against one activation block, 4-bit codes: l01 / h01 hold rows 0 | 1
- * (128-bit halves) elements 0..15 / 16..31, l23 / h23 rows 2 | 3; xlo / xhi the activations' elements 0..15
- * / 16..31 in both halves. Lanes: rows 0 0 2 2 | 1 1 3 3, the first of each pair summing elements 0..7 and
- * 16..23, the second 8..15 and 24..31. (AVX2: int16 sums of at most 8 products of 15 x 127, no overflow.) */
-static inline __attribute__((always_inline)) __m256i q4_dot(__m256i l01, __m256i h01, __m256i l23, __m256i h23,
-                                                            __m256i xlo, __m256i xhi) {
+/* A tile's four weight rows of one block against one activation block, 4-bit codes in the layout of cpu_gemv.c:
+ * v[t] holds, at int32 lane j, four codes of row j / 2 (j even: of elements 0..7 and 16..23, j odd: 8..15 and
+ * 24..31) and x[t] the four activations each lane multiplies (q4_expand in cpu_gemv.c). Lane j of the result is that half-row's sum: four vertical sums, no horizontal
+ * step per activation row. (AVX2: int16 sums of at most 8 products of 15 x 127, no overflow.) */
+static inline __attribute__((always_inline)) __m256i q4_dot(const __m256i *v, const __m256i *x) {
 #ifdef AB_DPBUSD
     const __m256i z = _mm256_setzero_si256();
-    return _mm256_hadd_epi32(AB_DPBUSD(AB_DPBUSD(z, l01, xlo), h01, xhi), AB_DPBUSD(AB_DPBUSD(z, l23, xlo), h23, xhi));
+    return _mm256_add_epi32(AB_DPBUSD(AB_DPBUSD(z, v[0], x[0]), v[1], x[1]), AB_DPBUSD(AB_DPBUSD(z, v[2], x[2]), v[3], x[3]));
 #else
-    const __m256i ab = _mm256_add_epi16(_mm256_maddubs_epi16(l01, xlo), _mm256_maddubs_epi16(h01, xhi));
-    const __m256i cd = _mm256_add_epi16(_mm256_maddubs_epi16(l23, xlo), _mm256_maddubs_epi16(h23, xhi));
-    return _mm256_madd_epi16(_mm256_hadd_epi16(ab, cd), _mm256_set1_epi16(1));
+    const __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(v[0], x[0]), _mm256_maddubs_epi16(v[1], x[1])),
+                                       _mm256_add_epi16(_mm256_maddubs_epi16(v[2], x[2]), _mm256_maddubs_epi16(v[3], x[3])));
+    return _mm256_madd_epi16(s, _mm256_set1_epi16(1));
 #endif
 }
 

@@ -7,8 +7,9 @@ build takes a few seconds. The variant is picked from /proc/cpuinfo's flags (`pi
 the same bits (see cpu_gemv.h). Where there is no compiler, no AVX2/FMA or the build fails, `available()` is
 False with the reason in `unavailable_reason()`, and callers keep the dense path.
 
-Layouts (see the C file): rows in tiles of four, block by block. Q4 codes [N/4, K/32, 4, 16] uint8 (byte j:
-element j low nibble, j + 16 high) and `so` [N/4, K/group, 2, 4] (a tile's scales, then its offsets), fp32,
+Layouts (see the C file): rows in tiles of four, block by block. Q4 codes [N/4, K/32, 2, 4, 8] uint8 (half h,
+row r, byte i: two elements, in the order q4_dot reads them: `Q4_LOW` / `Q4_HIGH`) and `so` [N/4, K/group,
+2, 4] (a tile's scales, then its offsets), fp32,
 or fp16 where that loses nothing (`exact_half`); Q8 codes [N/4, K/32, 4, 32] int8 and scales [N/4, K/32, 4]
 (fp16 where exact). `pack_q4` / `pack_q8` build them from rows; every kernel takes the true N. The twins quantise the
 activations exactly as the kernel does (per 32, d = max|x| / 127, round half to even) so kernel and twin
@@ -207,6 +208,10 @@ def _check(rc: int, what: str) -> None:
 # ---- packing ----------------------------------------------------------------------------------------
 
 TILE = 4  # weight rows per tile (NR in the C file)
+# A Q4 row's byte i of half h holds elements 16 h + Q4_LOW[i] (low nibble) and 16 h + Q4_HIGH[i] (high) of its
+# block; odd rows of a tile swap the two nibbles (the C file's layout comment says why).
+Q4_LOW = (0, 1, 2, 3, 8, 9, 10, 11)
+Q4_HIGH = (4, 5, 6, 7, 12, 13, 14, 15)
 
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:
@@ -231,21 +236,31 @@ def exact_half(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.float() for t in tensors)
 
 
+def _q4_swap(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [T, K/32, 4, 2, 8] with the nibbles of odd rows swapped (its own inverse)."""
+    out = codes.clone()
+    out[:, :, 1::2] = (codes[:, :, 1::2] >> 4) | (codes[:, :, 1::2] << 4)
+    return out
+
+
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes [N, K] (0..15), scale / offset [N, K/g] -> (codes [N/4, K/32, 4, 16] uint8: byte j holds element
-    j (low) and j + 16 (high); so [N/4, K/g, 2, 4] fp16 where exact, else fp32)."""
+    """Codes [N, K] (0..15), scale / offset [N, K/g] -> (codes [N/4, K/32, 2, 4, 8] uint8 (see Q4_LOW);
+    so [N/4, K/g, 2, 4] fp16 where exact, else fp32)."""
     n, k = q.shape
-    blocks = q.to(torch.uint8).reshape(n, k // BLOCK, BLOCK)
-    codes = _tiles(blocks[..., :16] | (blocks[..., 16:] << 4))
+    halves = q.to(torch.uint8).reshape(n, k // BLOCK, 2, 16)
+    nibbles = halves[..., list(Q4_LOW)] | (halves[..., list(Q4_HIGH)] << 4)  # [N, K/32, 2, 8]
+    codes = _q4_swap(_tiles(nibbles)).transpose(2, 3).contiguous()  # [T, K/32, 4, 2, 8] -> [T, K/32, 2, 4, 8]
     s, o = exact_half(scale, offset)
     return codes, torch.stack([_tiles(s), _tiles(o)], dim=2).contiguous()
 
 
 def unpack_q4(codes: torch.Tensor, so: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of pack_q4: (codes [N, K], scale [N, K/g], offset [N, K/g] in so's dtype)."""
-    rows = _rows(codes, n)
-    q = torch.cat([rows & 0x0F, rows >> 4], dim=-1).reshape(n, -1)
-    return q, _rows(so[:, :, 0], n), _rows(so[:, :, 1], n)
+    nibbles = _rows(_q4_swap(codes.transpose(2, 3)), n)  # [N, K/32, 2, 8]
+    halves = torch.empty(*nibbles.shape[:-1], 16, dtype=torch.uint8)
+    halves[..., list(Q4_LOW)] = nibbles & 0x0F
+    halves[..., list(Q4_HIGH)] = nibbles >> 4
+    return halves.reshape(n, -1), _rows(so[:, :, 0], n), _rows(so[:, :, 1], n)
 
 
 def pack_q8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ def _q4(n: int, k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tens
 def test_tiles_unpack_to_the_rows_they_were_packed_from() -> None:
     q, scale, offset = _rows(7, 64, 32, seed=3)  # 7 rows: the second tile is padded
     codes, so = cg.pack_q4(q, scale, offset)
-    assert codes.shape == (2, 2, 4, 16) and so.shape == (2, 2, 2, 4) and so.dtype == torch.float32
+    assert codes.shape == (2, 2, 2, 4, 8) and so.shape == (2, 2, 2, 4) and so.dtype == torch.float32
     back = cg.unpack_q4(codes, so, 7)
     assert torch.equal(back[0], q) and torch.equal(back[1], scale) and torch.equal(back[2], offset)
     dense = q.reshape(7, 2, 32).float() * scale.unsqueeze(-1) + offset.unsqueeze(-1)
@@ -36,7 +36,7 @@ def test_tiles_unpack_to_the_rows_they_were_packed_from() -> None:
 
 
 @pytest.mark.parametrize(("n", "k", "group"), [(37, 64, 32), (64, 256, 128), (9, 192, 64)])
-@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("m", [1, 3, 6, 9])  # chunks of the rows: 1, 3, 4 + 2, 8 + 1
 def test_q4_matmul_equals_its_twin(n: int, k: int, group: int, m: int) -> None:
     w = _q4(n, k, group, seed=n + m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

@@ -1,7 +1,7 @@
 """The CPU kernels' multi-row products and instruction-set variants (kernels/cpu_gemv.c, cpu_bits.c).
 
-A batch (decode of several sequences, a speculative verify, a chunk's tail) runs up to 4 activation rows per
-pass over a weight tile; a row's numbers must not depend on the batch it came in. The library is built per
+A batch (decode of several sequences, a speculative verify, a chunk's tail, a prefill) runs up to 8 activation
+rows per pass over a weight tile; a row's numbers must not depend on the batch it came in. The library is built per
 ISA variant and the variant is picked from the CPU's flags; every variant the CPU runs gives the AVX2 bits,
 and the ones it cannot run at least compile (with their VNNI dot products in them)."""
 
@@ -73,11 +73,14 @@ def test_a_row_gets_the_same_bits_in_any_batch(kind: str) -> None:
     x = torch.randn(16, 320, generator=torch.Generator().manual_seed(3)) * 2
     x[5] = 0.0  # an all-zero row: d = 0
     whole = mm(x)
-    for m in (1, 2, 3, 5, 7, 8, 13):  # chunks of 4, 2 and 1 rows
+    for m in (1, 2, 3, 5, 7, 8, 13):  # chunks of 8, 4, 3, 2 and 1 rows (Q4), 4, 2 and 1 (the others)
         assert torch.equal(mm(x[:m]), whole[:m]), m
     for i in (0, 5, 9, 15):
         assert torch.equal(mm(x[i:i + 1]), whole[i:i + 1])
     assert torch.equal(mm(x[3:11]), whole[3:11])
+    # a prefill-sized step (Q4 keeps its activations in slices of 64 rows): the same bits as one row alone
+    many = torch.cat([x] * 5)  # 80 rows
+    assert torch.equal(mm(many), torch.cat([whole] * 5))
 
 
 def _runnable() -> list[cg.Isa]:

@@ -53,12 +53,17 @@ def cpu_info() -> dict[str, object]:
             "kernel_isa": picked.value if picked else None, "cores": os.cpu_count()}
 
 
-def _q4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """A Q4_1-like weight: fp16 scale and offset per 32 columns."""
+def _q4(n: int, k: int, seed: int, half: bool = True) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A Q4_1-like weight: fp16 scale and offset per 32 columns; or Q4_K-like (`half` False): fp32 ones, the
+    products of the file's super-block and 6-bit sub-block scales, which fp16 does not hold exactly."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (n, k), generator=g)
-    s = (torch.rand(n, k // 32, generator=g) / 32).half().float()
-    return (*cg.pack_q4(q, s, (-torch.rand(n, k // 32, generator=g) / 4).half().float()), n)
+    s, o = torch.rand(n, k // 32, generator=g) / 32, -torch.rand(n, k // 32, generator=g) / 4
+    if half:
+        s, o = s.half().float(), o.half().float()
+    else:
+        s, o = s * 0.37, o * 0.11
+    return (*cg.pack_q4(q, s, o), n)
 
 
 def _q8(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -74,6 +79,10 @@ def _kinds(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor, object], t
     q4_bytes = q4[0].numel() + q4[1].numel() * q4[1].element_size()
     out["Q4_1 (cpu_gemv q4)"] = (lambda x, w: cg.q4_matmul(x, *w),
                                  [q4] + [(q4[0].clone(), q4[1].clone(), n) for _ in range(_copies(q4_bytes) - 1)], q4_bytes)
+    q4k = _q4(n, k, 3, half=False)
+    q4k_bytes = q4k[0].numel() + q4k[1].numel() * q4k[1].element_size()
+    out["Q4_K (cpu_gemv q4, fp32 scales)"] = (lambda x, w: cg.q4_matmul(x, *w), [q4k] + [
+        (q4k[0].clone(), q4k[1].clone(), n) for _ in range(_copies(q4k_bytes) - 1)], q4k_bytes)
     q8 = _q8(n, k, 2)
     q8_bytes = q8[0].numel() + q8[1].numel() * q8[1].element_size()
     out["Q8_0 (cpu_gemv q8)"] = (lambda x, w: cg.q8_matmul(x, *w),
@@ -88,7 +97,7 @@ def _kinds(n: int, k: int) -> dict[str, tuple[Callable[[torch.Tensor, object], t
 
 
 def _dense(kind: str, w: object) -> torch.Tensor:
-    if kind.startswith("Q4_1"):
+    if kind.startswith(("Q4_1", "Q4_K")):
         return cg.q4_dequant(*w)  # type: ignore[misc]
     if kind.startswith("Q8_0 (cpu_gemv"):
         codes, scale, n = w  # type: ignore[misc]

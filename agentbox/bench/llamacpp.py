@@ -95,9 +95,11 @@ def _llamacpp_server(gguf: str, n_ctx: int, threads: int) -> Iterator[str | dict
         yield url
 
 
-def compare_llamacpp(gguf: str, prompt_len: int = 128, new_tokens: int = 64, threads: int = 1, repeats: int = 2) -> dict[str, Any]:
-    """Rounds of one request per engine, interleaved (ours with each kernel, then llama.cpp, `repeats`
-    times), so a shared machine's slow minute falls on both sides; each side keeps its fastest run."""
+def compare_llamacpp(gguf: str, prompt_len: int = 128, new_tokens: int = 64, threads: int = 1, repeats: int = 2,
+                     default_only: bool = False) -> dict[str, Any]:
+    """Rounds of one request per engine, interleaved (ours with each kernel, or only the default one, then
+    llama.cpp, `repeats` times), so a shared machine's slow minute falls on both sides; each side keeps its
+    fastest run."""
     src = resolve_model(gguf)
     if src.kind != "gguf":
         raise ValueError(f"{gguf!r} is not a GGUF file: the llama.cpp comparison needs one")
@@ -111,6 +113,8 @@ def compare_llamacpp(gguf: str, prompt_len: int = 128, new_tokens: int = 64, thr
     kernels = [int4.Int4Kernel.DENSE, int4.Int4Kernel.INT4_CPU]
     if cpu_gemv.available():
         kernels.append(int4.Int4Kernel.CPU_SIMD)
+    if default_only:
+        kernels = [int4.default_cpu_kernel()]
     ours: dict[int4.Int4Kernel, list[Rates]] = {k: [] for k in kernels}
     theirs: list[Rates] = []
     resident: dict[int4.Int4Kernel, int] = {}

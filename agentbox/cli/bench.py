@@ -135,6 +135,7 @@ def bench_llamacpp(
     prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="prompt tokens per request"),
     threads: int = typer.Option(1, "--threads", min=1, help="CPU threads for both engines"),
     repeats: int = typer.Option(2, "--repeats", min=1, help="requests per side; the fastest is kept"),
+    default_only: bool = typer.Option(False, "--default-only", help="time only our default kernel, not dense / int4-cpu"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
     """Our GGUF kernels against llama.cpp's server, single stream.
@@ -142,7 +143,8 @@ def bench_llamacpp(
     Prefill and decode on the same file and thread count."""
     from agentbox.bench.llamacpp import compare_llamacpp
 
-    _print_json(compare_llamacpp(_bench_model(model), prompt_len, tokens, threads, repeats), json_out)
+    report = compare_llamacpp(_bench_model(model), prompt_len, tokens, threads, repeats, default_only=default_only)
+    _print_json(report, json_out)
 
 
 @bench_app.command("cpu-rows")

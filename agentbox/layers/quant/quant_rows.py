@@ -28,7 +28,7 @@ MAX_KERNEL_ROWS = 32  # as int4.CPU_SIMD_MAX_ROWS: beyond it one dequantise + sg
 
 @dataclass
 class QuantRows:
-    codes: torch.Tensor  # Q8: [V/4, H/32, 4, 32] int8; Q4: [V/4, H/32, 4, 16] uint8 (cpu_gemv's tiles)
+    codes: torch.Tensor  # Q8: [V/4, H/32, 4, 32] int8; Q4: [V/4, H/32, 2, 4, 8] uint8 (cpu_gemv's tiles)
     scale: torch.Tensor  # Q8: [V/4, H/32, 4]; Q4: scales and offsets [V/4, H/32, 2, 4]; fp16 where exact
     n: int  # V (padded to the embedding's size)
 
