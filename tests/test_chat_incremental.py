@@ -12,10 +12,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentbox.chat.incremental import IncrementalTokenizer, common_prefix
+from agentbox.chat.incremental import IncrementalTokenizer
 from agentbox.chat.render import render_prompt
 from agentbox.hub.embedded import embedded_model_path
 from agentbox.models.loader import load_tokenizer, resolve_model
+from agentbox.prefix import common_prefix
 from tests.test_chat_render import qwen3
 
 HARMONY = (Path(__file__).parent / "fixtures" / "harmony" / "gpt-oss-chat_template.jinja").read_text()

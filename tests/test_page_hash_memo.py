@@ -6,8 +6,9 @@ from __future__ import annotations
 import hypothesis.strategies as st
 from hypothesis import given
 
-from agentbox.engine.cache.page_hash_memo import PageHashMemo, common_prefix
+from agentbox.engine.cache.page_hash_memo import PageHashMemo
 from agentbox.engine.cache.sessions import page_hashes
+from agentbox.prefix import common_prefix
 
 seqs = st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from(["grow", "edit", "cut"]),
                           st.lists(st.integers(0, 3), max_size=20)), max_size=15)

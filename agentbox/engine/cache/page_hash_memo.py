@@ -13,25 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of two tuples (or two lists): slice compares over doubling blocks, then a binary search."""
-    n = min(len(a), len(b))
-    lo, step, hi = 0, 256, 0
-    while lo < n:
-        hi = min(n, lo + step)
-        if a[lo:hi] != b[lo:hi]:
-            break
-        lo, step = hi, step * 2
-    else:
-        return n
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+from agentbox.prefix import common_prefix
 
 
 class PageHashMemo:

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from agentbox.config import EngineConfig
-from agentbox.engine.cache.page_hash_memo import PageHashMemo, common_prefix
+from agentbox.engine.cache.page_hash_memo import PageHashMemo
+from agentbox.prefix import common_prefix
 
 # How many recent gaps a session remembers: agents change pace (a long build, then quick edits).
 GAP_HISTORY = 32
