@@ -162,7 +162,18 @@ class RadixCache(KVManager):
         path.reverse()
         return path
 
-    def _hint(self, session: str | None, path: list[Node]) -> None:
+    def _touch(self, path: Sequence[Node], session: str | None, now: float) -> None:
+        """A path just locked or inserted: tagged to the session (its lease refreshed, its lookup hint moved to
+        the path's end), and every node's recency renewed for the evictor."""
+        if session is not None:
+            self.index.tag(path, session)
+            self.index.refreshed(session)
+            self._hint(session, path)
+        for n in path:
+            n.last_access = now
+            self.evictor.push_candidate(n)
+
+    def _hint(self, session: str | None, path: Sequence[Node]) -> None:
         """Remember the deepest node a session's sequence reached (the next lookup's starting point)."""
         if session is not None and path:
             self._hints[session] = path[-1]
@@ -204,13 +215,7 @@ class RadixCache(KVManager):
                 host_tokens += len(n.key)
         sid = m.session
         now = self.clock()
-        if path and sid is not None:
-            self.index.tag(path, sid)
-            self.index.refreshed(sid)
-            self._hint(sid, path)
-        for n in path:
-            n.last_access = now
-            self.evictor.push_candidate(n)
+        self._touch(path, sid if path else None, now)
         return Lock(pages, len(pages) * self.ps, host_tokens, sid)
 
     def _check_fresh(self, m: Match) -> None:
@@ -261,13 +266,7 @@ class RadixCache(KVManager):
                 self.retier(child, list(mine), Tier.GPU)
             path.append(child)
             node, i = child, i + m
-        if session is not None:
-            self.index.tag(path, session)
-            self.index.refreshed(session)
-            self._hint(session, path)
-        for nd in path:
-            nd.last_access = now
-            self.evictor.push_candidate(nd)
+        self._touch(path, session, now)
         if session is not None:
             self._enforce_cap()
 
