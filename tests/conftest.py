@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from agentbox.hub.embedded import INSTALL_HINT, embedded_model_path
+
+# Servers spawned by tests run under a fake HOME (a client's config files must never touch the user's), and the
+# CPU kernels' build cache is ~/.cache/agentbox/kernels: each such server compiled the kernels again, about 45 s
+# of a 65 s start on 2 cores. One cache for the run, the default one, inherited by every subprocess.
+os.environ.setdefault("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
 
 
 @pytest.fixture(scope="session")
