@@ -30,9 +30,7 @@ class PagedRunner:
         self.device = device
         self.page_size = page_size
         dtype = loaded.dtype
-        self.cache = KVCache(
-            loaded.num_layers, num_pages, page_size, loaded.num_kv_heads, loaded.head_dim, dtype, device
-        )
+        self.cache = KVCache(loaded.kv_specs, num_pages, page_size, dtype, device)
         self.backend = backend_cls(
             self.cache, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, loaded.head_dim**-0.5
         )

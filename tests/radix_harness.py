@@ -47,7 +47,7 @@ def make_cache(
 ) -> tuple[RadixCache, Clock]:
     clock = clock or Clock()
     pool = PagePool(num_pages, page_size)
-    kv = KVCache(LAYERS, num_pages, page_size, 1, 1, torch.float32, "cpu")
+    kv = KVCache.uniform(LAYERS, num_pages, page_size, 1, 1, torch.float32, "cpu")
     host = HostTier.like(kv, host_pages) if host_pages else None
     sessions = SessionTable(default_ttl_s=10.0, max_ttl_s=120.0, max_share=max_share, clock=clock)
     return cache_for(CachePolicy(policy), pool, kv, sessions, host), clock

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentbox.engine.cache.host_tier import HostTier, copy_pages, host_pages_for, page_bytes
+from agentbox.engine.cache.host_tier import HostTier, copy_pages, host_pages_for
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.layers.backends.base import KVCache
 
 
 def _random_cache(num_pages: int, page_size: int, dtype: torch.dtype, device: str = "cpu") -> KVCache:
-    kv = KVCache(3, num_pages, page_size, 2, 4, dtype, device)
+    kv = KVCache.uniform(3, num_pages, page_size, 2, 4, dtype, device)
     g = torch.Generator().manual_seed(0)
     for t in (*kv.k, *kv.v):
         t.copy_(torch.randn(t.shape, generator=g).to(dtype))
@@ -56,7 +56,7 @@ def test_copy_rejects_mismatched_shapes() -> None:
 
 def test_sized_from_host_cache_gb() -> None:
     gpu = _random_cache(4, 4, torch.float32)
-    per_page = page_bytes(gpu)
+    per_page = gpu.page_bytes
     assert per_page == 2 * 3 * 4 * 2 * 4 * 4
     tier = HostTier.sized(gpu, 10 * per_page / 1024**3)
     assert tier is not None and tier.pool.num_pages == 10 and tier.bytes_per_page == per_page

@@ -91,7 +91,7 @@ def test_torch_backend_matches_naive(layout: str, heads: int, kv_heads: int, dty
     query_lens, kv_lens = LAYOUTS[layout]
     page_size, num_pages, d = 4, 32, 16
     meta, slots = make_step(query_lens, kv_lens, page_size, num_pages)
-    cache = KVCache(2, num_pages, page_size, kv_heads, d, dtype, "cpu")
+    cache = KVCache.uniform(2, num_pages, page_size, kv_heads, d, dtype, "cpu")
     torch.manual_seed(1)
     for layer in range(2):  # the cached prefix: random k/v already in place
         cache.k[layer].normal_()
@@ -140,7 +140,7 @@ def test_view_path_equals_gather_path(window: int | None, with_sinks: bool) -> N
     heads, kv_heads, d, page_size = 6, 2, 16, 4
     meta = consecutive_step(query_lens, kv_lens, page_size)
     torch.manual_seed(3)
-    cache = KVCache(1, 40, page_size, kv_heads, d, torch.float32, "cpu")
+    cache = KVCache.uniform(1, 40, page_size, kv_heads, d, torch.float32, "cpu")
     cache.k[0].normal_()
     cache.v[0].normal_()
     t = sum(query_lens)
@@ -148,7 +148,7 @@ def test_view_path_equals_gather_path(window: int | None, with_sinks: bool) -> N
     sinks = torch.randn(heads) if with_sinks else None
     outs = []
     for use_views in (True, False):
-        caches = KVCache(1, 40, page_size, kv_heads, d, torch.float32, "cpu")
+        caches = KVCache.uniform(1, 40, page_size, kv_heads, d, torch.float32, "cpu")
         caches.k[0].copy_(cache.k[0])
         caches.v[0].copy_(cache.v[0])
         backend = TorchAttention(caches, heads, kv_heads, d, d**-0.5)
@@ -183,7 +183,7 @@ def test_layout_mask_and_indices() -> None:
 
 
 def test_bad_layout_and_missing_begin_are_refused() -> None:
-    cache = KVCache(1, 4, 4, 1, 8, torch.float32, "cpu")
+    cache = KVCache.uniform(1, 4, 4, 1, 8, torch.float32, "cpu")
     backend = TorchAttention(cache, 1, 1, 8, 1.0)
     x = torch.zeros(1, 1, 8)
     with pytest.raises(RuntimeError, match="before begin"):
@@ -196,7 +196,7 @@ def test_bad_layout_and_missing_begin_are_refused() -> None:
 def test_attention_layer_runs_the_context_backend() -> None:
     assert ATTENTION_BACKENDS["torch"] is TorchAttention
     meta, slots = make_step([2, 1], [2, 3], page_size=4, num_pages=8)
-    cache = KVCache(3, 8, 4, 2, 8, torch.float32, "cpu")
+    cache = KVCache.uniform(3, 8, 4, 2, 8, torch.float32, "cpu")
     cache.k[2].normal_()
     cache.v[2].normal_()
     backend = TorchAttention(cache, 4, 2, 8, 0.3)
@@ -219,7 +219,7 @@ def test_torch_backend_on_cuda() -> None:
         pytest.skip("no CUDA device")
     query_lens, kv_lens = LAYOUTS["mixed"]
     meta, slots = make_step(query_lens, kv_lens, 4, 32)
-    cache = KVCache(1, 32, 4, 2, 64, torch.bfloat16, "cuda")
+    cache = KVCache.uniform(1, 32, 4, 2, 64, torch.bfloat16, "cuda")
     cache.k[0].normal_()
     cache.v[0].normal_()
     t = sum(query_lens)

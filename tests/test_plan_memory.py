@@ -51,9 +51,7 @@ def test_the_cpu_kv_pool_is_what_the_plan_counted(smollm2_path: Path, smollm2_fa
                 if c.variant.name == "embedded")
     with LLM(EngineConfig(model=str(smollm2_path)), loaded=smollm2_fast) as llm:  # type: ignore[arg-type]
         runner = llm.core.runner
-        page_bytes = llm.core.runner.kv_cache.bytes_per_page(
-            runner.loaded.num_layers, runner.page_size, runner.loaded.num_kv_heads, runner.loaded.head_dim,
-            runner.dtype)
+        page_bytes = runner.kv_cache.page_bytes
         # Page 0 is the pool's null page; the rest hold the plan's 8,192 tokens x 1 session exactly.
         assert (runner.num_pages - 1) * page_bytes == cand.kv_bytes
         assert runner.max_model_len == 8192

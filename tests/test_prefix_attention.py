@@ -48,7 +48,7 @@ def test_pages_out_of_order_attend_run_by_run(heads: int, kv_heads: int, dtype: 
     query_lens, kv_lens = [1, 6, 1, 3, 12, 5], [33, 6, 2, 11, 12, 40]
     page_size, num_pages, d = 4, 40, 16
     meta, slots = make_step(query_lens, kv_lens, page_size, num_pages, seed=seed)
-    cache = KVCache(1, num_pages, page_size, kv_heads, d, dtype, "cpu")
+    cache = KVCache.uniform(1, num_pages, page_size, kv_heads, d, dtype, "cpu")
     torch.manual_seed(seed)
     cache.k[0].normal_()
     cache.v[0].normal_()

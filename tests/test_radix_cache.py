@@ -270,7 +270,7 @@ def test_from_config_builds_the_host_tier_for_the_session_policy() -> None:
     from agentbox.config import EngineConfig
     from agentbox.engine.cache.cache_policies import kv_manager
 
-    kv = KVCache(LAYERS, 8, 4, 1, 2, torch.float32, "cpu")
+    kv = KVCache.uniform(LAYERS, 8, 4, 1, 2, torch.float32, "cpu")
     per_page = 2 * LAYERS * 4 * 2 * 4
     for policy, has_host in (("session", True), ("lru", False), ("none", False)):
         cfg = EngineConfig(cache_policy=policy, host_cache_gb=6 * per_page / 1024**3, lease_max_share=0.5)

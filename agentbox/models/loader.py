@@ -21,6 +21,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from agentbox.config import state_dir
+from agentbox.layers.backends.base import KVLayerSpec
 from agentbox.layers.experts import FusedMoE
 from agentbox.layers.experts import cpu as cpu_experts
 from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
@@ -157,6 +158,13 @@ class LoadedModel:
     eos_token_ids: list[int]
     source: ModelSource
     dtype: torch.dtype  # the compute dtype (a quantised parameter's own dtype says nothing of it)
+
+    @property
+    def kv_specs(self) -> list[KVLayerSpec]:
+        """Each KV layer's shape on this rank: the model's own list where its layers differ (per-layer head
+        sizes, tied K=V), else num_layers layers of num_kv_heads x head_dim."""
+        own = getattr(self.model, "kv_layer_specs", None)
+        return own() if own is not None else KVLayerSpec.uniform(self.num_layers, self.num_kv_heads, self.head_dim)
 
 
 def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:

@@ -76,7 +76,7 @@ def test_triton_backend_passes_sinks_and_window() -> None:
     from agentbox.layers.backends.base import AttentionMetadata, KVCache
 
     h, hkv, d, ps = 8, 2, 16, 4
-    cache = KVCache(1, 8, ps, hkv, d, torch.float32, DEVICE)
+    cache = KVCache.uniform(1, 8, ps, hkv, d, torch.float32, DEVICE)
     backend = TritonAttention(cache, h, hkv, d, d**-0.5)
     sinks = torch.linspace(-1, 1, h, device=DEVICE)
     gen = torch.Generator().manual_seed(2)

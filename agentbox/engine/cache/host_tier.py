@@ -2,7 +2,7 @@
 instead of dropping them, and promotes them back from instead of recomputing.
 
 `HostTier` is a `PagePool` (the same bookkeeping as the GPU pool: page ids, refcounts, page 0 scratch) plus a
-`KVCache` on the CPU with the GPU cache's layer count, heads, head size, dtype and page size. On a CUDA
+`KVCache` on the CPU with the GPU cache's layer shapes, dtype and page size. On a CUDA
 machine its tensors are pinned, so copies to and from the GPU run at full PCIe speed. On CPU the tier is
 just a second CPU pool, which keeps the whole demote/promote path testable without a GPU.
 
@@ -32,20 +32,22 @@ def copy_pages(src: KVCache, src_pages: list[int], dst: KVCache, dst_pages: list
     """Copy the k/v of `src_pages` in `src` into `dst_pages` of `dst`, every layer. Pages pair up in order."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"copy of {len(src_pages)} pages into {len(dst_pages)}")
-    if src.page_size != dst.page_size or len(src.k) != len(dst.k):
-        raise ValueError("the two caches differ in page size or layer count")
+    if src.page_size != dst.page_size or src.specs != dst.specs:
+        raise ValueError("the two caches differ in page size or layer shapes")
     if not src_pages:
         return
     src_dev, dst_dev = src.k[0].device, dst.k[0].device
     src_idx = _slots(src_pages, src.page_size, src_dev)
     dst_idx = _slots(dst_pages, dst.page_size, dst_dev)
-    # One staging tensor for all layers (k and v): a single transfer between devices. Blocking on purpose:
-    # a non-blocking device-to-host copy would be read by index_copy_ before it lands.
-    staged = torch.stack([t.index_select(0, src_idx) for t in (*src.k, *src.v)])
+    # One staging tensor for all layers (k and v, flattened: layers may differ in shape): a single transfer
+    # between devices. Blocking on purpose: a non-blocking device-to-host copy would be read by index_copy_
+    # before it lands.
+    parts = [t.index_select(0, src_idx) for t in src.tensors()]
+    staged = torch.cat([p.reshape(-1) for p in parts])
     if staged.device != dst_dev:
         staged = staged.to(dst_dev)
-    for i, t in enumerate((*dst.k, *dst.v)):
-        t.index_copy_(0, dst_idx, staged[i])
+    for t, chunk in zip(dst.tensors(), staged.split([p.numel() for p in parts]), strict=True):
+        t.index_copy_(0, dst_idx, chunk.view(len(dst_idx), *t.shape[1:]))
 
 
 class HostTier:
@@ -58,15 +60,9 @@ class HostTier:
     @classmethod
     def like(cls, gpu_kv: KVCache, num_pages: int) -> HostTier:
         """A host tier of num_pages pages shaped like gpu_kv (pinned when CUDA is present)."""
-        num_layers = len(gpu_kv.k)
-        _, kv_heads, head_dim = gpu_kv.k[0].shape
-        dtype = gpu_kv.k[0].dtype
-        kv = KVCache(0, num_pages, gpu_kv.page_size, kv_heads, head_dim, dtype, "cpu")
-        shape = (num_pages * gpu_kv.page_size, kv_heads, head_dim)
-        pin = torch.cuda.is_available()
         # empty, not zeros: a page is always written before it is read, and untouched memory stays uncommitted.
-        kv.k = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        kv.v = [torch.empty(shape, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        kv = KVCache(gpu_kv.specs, num_pages, gpu_kv.page_size, gpu_kv.dtype, "cpu", zeroed=False,
+                     pin_memory=torch.cuda.is_available())
         return cls(PagePool(num_pages, gpu_kv.page_size), kv)
 
     @classmethod
@@ -78,12 +74,7 @@ class HostTier:
 
     @property
     def bytes_per_page(self) -> int:
-        return page_bytes(self.kv)
-
-
-def page_bytes(kv: KVCache) -> int:
-    t = kv.k[0]
-    return 2 * len(kv.k) * kv.page_size * t.shape[1] * t.shape[2] * t.element_size()
+        return self.kv.page_bytes
 
 
 def host_pages_for(gpu_kv: KVCache, host_cache_gb: float | None) -> int:
@@ -95,7 +86,7 @@ def host_pages_for(gpu_kv: KVCache, host_cache_gb: float | None) -> int:
         # A share of free RAM, but no more than a few times the GPU pool: beyond that the tier only costs
         # memory (pinned memory on GPU machines is not swappable) without holding more sessions in practice.
         budget = min(psutil.virtual_memory().available * DEFAULT_HOST_SHARE,
-                     DEFAULT_HOST_POOL_MULTIPLE * page_bytes(gpu_kv) * gpu_kv.num_pages)
+                     DEFAULT_HOST_POOL_MULTIPLE * gpu_kv.page_bytes * gpu_kv.num_pages)
     else:
         budget = host_cache_gb * 1024**3
-    return int(budget // page_bytes(gpu_kv))
+    return int(budget // gpu_kv.page_bytes)

@@ -100,12 +100,10 @@ class ModelRunner:
     def _make_pool(self) -> int:
         """The KV pool and the context length it allows; returns the bytes of one page."""
         config, lm = self.config, self.loaded
-        page_bytes = KVCache.bytes_per_page(lm.num_layers, self.page_size, lm.num_kv_heads, lm.head_dim, self.dtype)
+        page_bytes = KVCache.bytes_per_page(lm.kv_specs, self.page_size, self.dtype)
         # Page ids mean the same slots on every rank, so every rank's pool has the smallest rank's size.
         self.num_pages = min(control_all_gather(config.num_pages or self._auto_num_pages(page_bytes)))
-        self.kv_cache = KVCache(
-            lm.num_layers, self.num_pages, self.page_size, lm.num_kv_heads, lm.head_dim, self.dtype, self.device
-        )
+        self.kv_cache = KVCache(lm.kv_specs, self.num_pages, self.page_size, self.dtype, self.device)
         # The pool must hold at least one full-length request, or such a request could never run.
         pool_tokens = (self.num_pages - 1) * self.page_size
         if config.max_model_len and config.max_model_len > lm.max_model_len:

@@ -8,6 +8,7 @@ q/k/v of the flattened batch. It writes the new k/v into the paged cache and ret
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -59,30 +60,84 @@ class AttentionMetadata:
         return all(q == 1 for q in self.query_lens)
 
 
+@dataclass(frozen=True)
+class KVLayerSpec:
+    """What one attention layer keeps per token: num_kv_heads heads of head_dim for K, and of v_head_dim for V.
+
+    Layers of one model may differ (Gemma 4: 256 on sliding layers, 512 on global ones). tied: V is K, stored
+    once (Gemma 4's global layers; MLA's latent, whose first v_head_dim values serve as V).
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int | None = None  # None: head_dim
+    tied: bool = False
+
+    @property
+    def values_per_token(self) -> int:
+        v = 0 if self.tied else self.num_kv_heads * (self.v_head_dim or self.head_dim)
+        return self.num_kv_heads * self.head_dim + v
+
+    @staticmethod
+    def uniform(num_layers: int, num_kv_heads: int, head_dim: int) -> list[KVLayerSpec]:
+        return [KVLayerSpec(num_kv_heads, head_dim)] * num_layers
+
+
 class KVCache:
-    """Per-layer paged key/value storage: k[layer] and v[layer] are [num_slots, num_kv_heads, head_dim]
-    where num_slots = num_pages * page_size. Owned by the engine's runner; handed to backends."""
+    """Per-layer paged key/value storage: k[layer] is [num_slots, num_kv_heads, head_dim] and v[layer]
+    [num_slots, num_kv_heads, v_head_dim] (the same tensor as k[layer] for a tied layer), where
+    num_slots = num_pages * page_size. Owned by the engine's runner; handed to backends."""
 
     def __init__(
         self,
-        num_layers: int,
+        specs: Sequence[KVLayerSpec],
         num_pages: int,
         page_size: int,
-        num_kv_heads: int,
-        head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        *,
+        zeroed: bool = True,
+        pin_memory: bool = False,
     ) -> None:
+        self.specs = list(specs)
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_pages * page_size, num_kv_heads, head_dim)
-        # zeros, not empty: padded rows of a batch read stale slots through a mask, and NaN garbage * 0 is NaN.
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        slots = num_pages * page_size
+        # zeros by default: padded rows of a batch read stale slots through a mask, and NaN garbage * 0 is NaN.
+        # A host tier asks for empty memory: its pages are always written before they are read.
+        make = torch.zeros if zeroed else torch.empty
+
+        def alloc(heads: int, dim: int) -> torch.Tensor:
+            return make((slots, heads, dim), dtype=dtype, device=device, pin_memory=pin_memory)
+
+        self.k = [alloc(s.num_kv_heads, s.head_dim) for s in self.specs]
+        self.v = [k if s.tied else alloc(s.num_kv_heads, s.v_head_dim or s.head_dim)
+                  for s, k in zip(self.specs, self.k, strict=True)]
+
+    @classmethod
+    def uniform(
+        cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | str,
+    ) -> KVCache:
+        """Every layer the same shape (most models)."""
+        return cls(KVLayerSpec.uniform(num_layers, num_kv_heads, head_dim), num_pages, page_size, dtype, device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k[0].dtype
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds data, each once (a tied layer's V is its K)."""
+        return [*self.k, *(v for s, v in zip(self.specs, self.v, strict=True) if not s.tied)]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.bytes_per_page(self.specs, self.page_size, self.dtype)
 
     @staticmethod
-    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+    def bytes_per_page(specs: Sequence[KVLayerSpec], page_size: int, dtype: torch.dtype) -> int:
+        element = torch.tensor([], dtype=dtype).element_size()
+        return page_size * element * sum(s.values_per_token for s in specs)
 
 
 class AttentionBackend(ABC):
