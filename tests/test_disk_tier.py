@@ -39,7 +39,7 @@ def _compute(cache: LruCache, kv: KVCache, toks: list[int]) -> dict[int, list[to
     assert pages is not None
     out = {}
     for i, p in enumerate(pages):
-        for li, t in enumerate((*kv.k, *kv.v)):
+        for t in (*kv.k, *kv.v):
             t[p * PS : (p + 1) * PS] = torch.randn(PS, 2, 4)
         out[i] = [t[p * PS : (p + 1) * PS].clone() for t in (*kv.k, *kv.v)]
     cache.insert(toks, pages)

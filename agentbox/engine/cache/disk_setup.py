@@ -8,7 +8,8 @@ import logging
 import shutil
 from pathlib import Path
 
-from agentbox.config import DISK_CACHE_MAX_GB, DISK_CACHE_SHARE, EngineConfig, state_dir
+from agentbox.config import DISK_CACHE_MAX_GB, DISK_CACHE_SHARE, EngineConfig
+from agentbox.engine.cache.disk_listing import disk_root
 from agentbox.engine.cache.disk_namespace import namespace_for
 from agentbox.engine.cache.disk_tier import DiskTier
 from agentbox.engine.cache.host_tier import page_bytes
@@ -16,10 +17,6 @@ from agentbox.engine.cache.radix_disk import DiskLink
 from agentbox.layers.backends.base import KVCache
 
 log = logging.getLogger(__name__)
-
-
-def disk_root() -> Path:
-    return state_dir() / "kvcache"
 
 
 def disk_budget_bytes(root: Path, disk_cache_gb: float | None) -> int:

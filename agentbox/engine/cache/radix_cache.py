@@ -52,12 +52,12 @@ from collections import Counter
 from collections.abc import Sequence
 
 from agentbox.engine.cache.disk_pages import bytes_to_pages
+from agentbox.engine.cache.disk_sessions import load_sessions, save_sessions
+from agentbox.engine.cache.disk_tier import SESSIONS
 from agentbox.engine.cache.host_tier import HostTier
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.manager import KVManager
 from agentbox.engine.cache.radix_check import check_integrity
-from agentbox.engine.cache.disk_sessions import load_sessions, save_sessions
-from agentbox.engine.cache.disk_tier import SESSIONS
 from agentbox.engine.cache.radix_disk import DiskLink
 from agentbox.engine.cache.radix_evict import Evictor, HeapEntry
 from agentbox.engine.cache.radix_node import Lock, Match, Node, Tier
@@ -507,13 +507,13 @@ class RadixCache(KVManager):
                 "disk_sessions": len(self.on_disk)}
 
     def session_pages(self, session: str) -> dict[Tier, int]:
+        """Pages of the session's nodes per tier; with a disk tier, also its history on disk since the last
+        start (until it returns)."""
         out = self.index.pages_by_tier(session)
-        end = self.on_disk.get(session)
-        out[Tier.DISK] = end[1] // self.ps if end is not None and end[0] in self.disk_pages() else 0
+        if self.disk is not None:
+            end = self.on_disk.get(session)
+            out[Tier.DISK] = end[1] // self.ps if end is not None and end[0] in self.disk.tier.pages else 0
         return out
-
-    def disk_pages(self) -> dict[str, object]:
-        return self.disk.tier.pages if self.disk is not None else {}
 
     def check_integrity(self, running_refs: Counter[int] | None = None) -> None:
         check_integrity(self, running_refs)
