@@ -42,7 +42,7 @@ def _turn(client: OpenAI, messages: list[dict[str, str]], session: str) -> tuple
     text = ""
     usage = None
     stream = client.chat.completions.create(
-        model="any", messages=messages, max_tokens=12, temperature=0, stream=True,  # type: ignore[arg-type]
+        model="default", messages=messages, max_tokens=12, temperature=0, stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True}, extra_headers={"X-Session-Id": session})
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
@@ -58,7 +58,7 @@ def test_a_session_survives_a_graceful_restart(smollm2_path: Path, tmp_path: Pat
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     history = [{"role": "system", "content": "You are a helpful coding assistant."}]
-    for i in range(6):
+    for i in range(9):
         history += [{"role": "user", "content": " ".join(FILLER.format(i=i * 10 + j) for j in range(5))},
                     {"role": "assistant", "content": f"Try reordering the objects of module {i}."}]
     history.append({"role": "user", "content": "It still fails. What should I check next?"})
@@ -67,12 +67,12 @@ def test_a_session_survives_a_graceful_restart(smollm2_path: Path, tmp_path: Pat
     _serve(env, smollm2_path, port)
     try:
         client = OpenAI(base_url=url + "/v1", api_key="none")
-        # The cold reference first, on a fresh server (nothing cached), then forgotten.
+        # The cold reference first, on a fresh server (nothing cached); the conversation so far then shares
+        # its prefix (computing it again would only double the test's time).
         cold, cold_ttft, prompt, cached = _turn(client, next_turn, "reference")
         assert cached == 0 and prompt >= 3000
-        assert httpx.delete(f"{url}/v1/sessions/reference").status_code == 200
-        _, _, _, cached = _turn(client, history, "agent")  # the conversation so far, computed again
-        assert cached == 0
+        _, _, history_tokens, _ = _turn(client, history, "agent")
+        assert history_tokens >= 3000
     finally:
         stopped = _agentbox(env, "stop")
     assert stopped.returncode == 0, stopped.stderr

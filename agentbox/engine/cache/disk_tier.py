@@ -145,12 +145,15 @@ class DiskTier:
 
     def find(self, toks: tuple[int, ...], page_size: int, first: int) -> list[PageRef]:
         """The pages on disk continuing toks from page `first` (all of [first, k) for the largest k)."""
-        if not self.pages or first >= len(toks) // page_size:
+        n = len(toks) // page_size
+        if not self.pages or first >= n:
             return []
-        hs = self.hashes(toks, page_size, len(toks) // page_size)
+        hs = self.hashes(toks, page_size, first)  # the chain up to `first` (memoised), then page by page
+        prev = hs[-1] if hs else b""
         out: list[PageRef] = []
-        for h in hs[first:]:
-            ref = self.pages.get(h.hex())
+        for i in range(first, n):
+            prev = chain(prev, toks[i * page_size : (i + 1) * page_size])
+            ref = self.pages.get(prev.hex())
             if ref is None:
                 break
             out.append(ref)
