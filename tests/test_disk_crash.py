@@ -79,14 +79,14 @@ def test_kill_9_in_a_write_storm_then_restart_serves_cold_tokens(tiny: Path, tmp
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # until the index names a good number of chunks
             idx = next(root.glob("*/index.json"), None)
-            if idx is not None and idx.stat().st_size > 4000 and len(list(root.glob("*/chunks/*"))) > 20:
+            if idx is not None and idx.stat().st_size > 2500 and len(list(root.glob("*/chunks/*"))) > 8:
                 break
             time.sleep(0.05)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # the whole tree, mid-write
         proc.wait()
     chunks = sorted(root.glob("*/chunks/*.kv"))
-    assert len(chunks) > 20, "the storm wrote too little to test anything"
+    assert len(chunks) > 8, "the storm wrote too little to test anything"
     torn = chunks[len(chunks) // 2]
     torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2] + b"\0" * (torn.stat().st_size // 2 + 3))
 
