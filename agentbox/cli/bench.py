@@ -287,9 +287,10 @@ def bench_restart_cmd(
     num_pages: int = typer.Option(None, help="KV pool pages"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """Recomputed history with a restart mid-replay, vs none, vs --no-restore.
+    """Recomputed history when the server restarts mid-replay.
 
-    A graceful stop writes the cache to disk; the next start reads it."""
+    Next to the same replay without a restart, and with --no-restore. A graceful stop writes the cache to
+    disk; the next start reads it."""
     import json
     import time
 

@@ -14,7 +14,7 @@ cache_app = typer.Typer(help="show or clear the KV cache kept on disk across res
 
 @cache_app.callback()
 def cache_root(ctx: typer.Context) -> None:
-    """Show or clear the KV cache kept on disk across restarts (no command: show)."""
+    """Show or clear the KV cache kept on disk (no command: show)."""
     if ctx.invoked_subcommand is None:
         show()
 
@@ -47,7 +47,9 @@ def _live() -> str | None:
 
 @cache_app.command("show")
 def show() -> None:
-    """Each model's namespace on disk: size, chunks, pages, sessions, oldest entry."""
+    """List what is on disk, per model.
+
+    Each namespace's size, chunks, pages, sessions and oldest entry."""
     from agentbox.engine.cache.disk_listing import disk_root, namespaces
 
     found = namespaces()
@@ -63,7 +65,9 @@ def show() -> None:
 
 @cache_app.command("clear")
 def clear(namespace: str | None = typer.Argument(None, help="a namespace (its first characters); default: all")) -> None:  # noqa: UP007
-    """Remove namespaces from disk (a running server recomputes what it then misses)."""
+    """Remove namespaces from disk.
+
+    A running server recomputes what it then misses."""
     from agentbox.engine.cache.disk_listing import clear as clear_ns
 
     gone = clear_ns(namespace)

@@ -52,8 +52,6 @@ from collections import Counter
 from collections.abc import Sequence
 
 from agentbox.engine.cache.disk_pages import bytes_to_pages
-from agentbox.engine.cache.disk_sessions import load_sessions, save_sessions
-from agentbox.engine.cache.disk_tier import SESSIONS
 from agentbox.engine.cache.host_tier import HostTier
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.manager import KVManager
@@ -420,23 +418,16 @@ class RadixCache(KVManager):
             return 0, 0
         written, left = self.flush(budget_s)
         ends = dict(self.on_disk)
-        for s in self.sessions:
-            nodes = self.index.of(s.id)
-            if nodes:
-                deepest = max(nodes, key=lambda n: n.start + len(n.key))
-                h = self.disk.end_hash(deepest)
-                if self.disk.tier.has(h):
-                    ends[s.id] = (h.hex(), deepest.start + len(deepest.key))
-        save_sessions(self.disk.tier.dir / SESSIONS, self.sessions, ends)
+        ends.update(self.disk.session_ends({s.id: self.index.of(s.id) for s in self.sessions}))
+        self.disk.save_sessions(self.sessions, ends)
         return written, left
 
     def restore_sessions(self) -> int:
         """The sessions saved at the last stop, back under their ids ("on disk" until they return)."""
         if self.disk is None:
             return 0
-        ends = load_sessions(self.disk.tier.dir / SESSIONS, self.turns)
-        self.on_disk = {sid: e for sid, e in ends.items() if e[0] in self.disk.tier.pages}
-        return len(ends)
+        self.on_disk = self.disk.load_sessions(self.turns)
+        return len(self.on_disk)
 
     def _kv_of(self, n: Node) -> KVCache:
         if n.tier is Tier.GPU:
@@ -495,16 +486,8 @@ class RadixCache(KVManager):
             host_evictions=self.host_evictions,
             sessions=len(self.sessions),
             live_leases=len(self.sessions.live()),
-            **self._disk_stats(),
+            **(self.disk.stats(len(self.on_disk)) if self.disk is not None else {}),
         )
-
-    def _disk_stats(self) -> dict[str, int]:
-        if self.disk is None:
-            return {}
-        t = self.disk.tier
-        return {"disk_pages": t.num_pages, "disk_bytes": t.bytes_used, "disk_budget_bytes": t.budget,
-                "disk_written": self.disk.spilled, "disk_restored": self.disk.restored, "disk_torn": t.torn,
-                "disk_sessions": len(self.on_disk)}
 
     def session_pages(self, session: str) -> dict[Tier, int]:
         """Pages of the session's nodes per tier; with a disk tier, also its history on disk since the last

@@ -17,8 +17,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from agentbox.engine.cache.disk_pages import pages_to_bytes
-from agentbox.engine.cache.disk_tier import DiskTier, PageRef
+from agentbox.engine.cache.disk_sessions import load_sessions, save_sessions
+from agentbox.engine.cache.disk_tier import SESSIONS, DiskTier, PageRef
 from agentbox.engine.cache.radix_node import Node
+from agentbox.engine.cache.sessions import SessionTable
+from agentbox.engine.cache.turns import Turns
 from agentbox.layers.backends.base import KVCache
 
 log = logging.getLogger(__name__)
@@ -83,3 +86,28 @@ class DiskLink:
                 log.info("saving the KV cache to disk: %d / %d pages", done, total)
         self.tier.save_index()
         return written, total - done
+
+    def session_ends(self, nodes_of: dict[str, set[Node]]) -> dict[str, tuple[str, int]]:
+        """Per session with nodes, the disk hash its deepest node ends on and its tokens (when on disk)."""
+        ends = {}
+        for sid, nodes in nodes_of.items():
+            if nodes:
+                deepest = max(nodes, key=lambda n: n.start + len(n.key))
+                h = self.end_hash(deepest)
+                if self.tier.has(h):
+                    ends[sid] = (h.hex(), deepest.start + len(deepest.key))
+        return ends
+
+    def save_sessions(self, table: SessionTable, ends: dict[str, tuple[str, int]]) -> None:
+        save_sessions(self.tier.dir / SESSIONS, table, ends)
+
+    def load_sessions(self, turns: Turns) -> dict[str, tuple[str, int]]:
+        """The sessions saved at the last stop, back in the table; those whose history is still on disk."""
+        ends = load_sessions(self.tier.dir / SESSIONS, turns)
+        return {sid: e for sid, e in ends.items() if self.tier.has(bytes.fromhex(e[0]))}
+
+    def stats(self, sessions_on_disk: int) -> dict[str, int]:
+        t = self.tier
+        return {"disk_pages": t.num_pages, "disk_bytes": t.bytes_used, "disk_budget_bytes": t.budget,
+                "disk_written": self.spilled, "disk_restored": self.restored, "disk_torn": t.torn,
+                "disk_sessions": sessions_on_disk}
