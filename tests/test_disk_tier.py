@@ -163,3 +163,16 @@ def test_a_model_change_never_reuses_a_namespace(tmp_path: Path) -> None:
     (model / "model.safetensors").write_bytes(b"v" * 65)  # other weights
     keys.add(namespace_for(cfg, kv).key)
     assert base not in keys and len(keys) == 8
+
+
+def test_a_garbled_index_starts_empty_never_fails(tmp_path: Path) -> None:
+    kv = _kv()
+    cache = _cache(tmp_path, kv)
+    _compute(cache, kv, list(range(2 * PS)))
+    cache.evict(2)
+    cache.persist(5.0)
+    for garbage in ('{"chunks": [{"name": 1}]}', "{not json"):
+        (tmp_path / "ns" / "index.json").write_text(garbage)
+        again = _cache(tmp_path, _kv())
+        assert again.stats().disk_pages == 0 and again.match(list(range(2 * PS + 1))).num_tokens == 0
+        assert not list((tmp_path / "ns" / "chunks").iterdir())  # the unindexed chunk went, counted

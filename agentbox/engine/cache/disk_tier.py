@@ -120,7 +120,7 @@ class DiskTier:
             raw = json.loads((self.dir / INDEX).read_text())
         except (OSError, ValueError):
             raw = {"chunks": []}
-        for c in sorted((Chunk(**d) for d in raw.get("chunks", [])), key=lambda c: c.used):
+        for c in sorted(_chunks(raw), key=lambda c: c.used):
             p = self.chunks_dir / f"{c.name}.kv"
             if not p.is_file() or p.stat().st_size != c.nbytes:
                 self.torn += 1
@@ -306,6 +306,17 @@ class DiskTier:
         for c in list(self.chunks.values()):
             self._drop(c)
         self.save_index()
+
+
+def _chunks(raw: object) -> list[Chunk]:
+    """The index's chunks; an entry that does not parse is skipped (its file is then an orphan, deleted)."""
+    out = []
+    for d in raw.get("chunks", []) if isinstance(raw, dict) else []:
+        try:
+            out.append(Chunk(**d))
+        except TypeError:
+            continue
+    return out
 
 
 def _dir_bytes(p: Path) -> int:
