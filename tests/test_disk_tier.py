@@ -17,6 +17,7 @@ from agentbox.engine.cache.disk_tier import DiskTier
 from agentbox.engine.cache.host_tier import page_bytes
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.radix_disk import DiskLink
+from agentbox.engine.cache.radix_node import Tier
 from agentbox.layers.backends.base import KVCache
 
 PS = 4
@@ -176,3 +177,23 @@ def test_a_garbled_index_starts_empty_never_fails(tmp_path: Path) -> None:
         again = _cache(tmp_path, _kv())
         assert again.stats().disk_pages == 0 and again.match(list(range(2 * PS + 1))).num_tokens == 0
         assert not list((tmp_path / "ns" / "chunks").iterdir())  # the unindexed chunk went, counted
+
+
+def test_sessions_come_back_under_their_ids_on_disk(tmp_path: Path) -> None:
+    kv = _kv()
+    cache = _cache(tmp_path, kv)
+    toks = list(range(40, 40 + 5 * PS))
+    pages = cache.reserve(5)
+    assert pages is not None
+    cache.insert(toks, pages, "agent-7")
+    cache.end_turn("agent-7")
+    cache.persist(5.0)
+    again = _cache(tmp_path, _kv())
+    assert again.restore_sessions() == 1 and "agent-7" in again.sessions
+    assert again.session_pages("agent-7")[Tier.DISK] == 5 and again.stats().disk_sessions == 1
+    m = again.match([*toks, 1, 2])  # no id: the request is recognised by its history on disk
+    assert m.session == "agent-7" and m.num_disk_tokens == 5 * PS
+    assert again.match(toks[: 3 * PS]).session is None  # a prefix of it is not its next turn
+    again.lock(m)
+    assert again.session_pages("agent-7") == {Tier.GPU: 5, Tier.HOST: 0, Tier.DISK: 0}  # back: not "on disk"
+    again.check_integrity()

@@ -143,20 +143,22 @@ class DiskTier:
     def hashes(self, toks: tuple[int, ...], page_size: int, upto: int) -> list[bytes]:
         return self.memo.hashes(toks, page_size, upto)
 
-    def find(self, toks: tuple[int, ...], page_size: int, first: int) -> list[PageRef]:
-        """The pages on disk continuing toks from page `first` (all of [first, k) for the largest k)."""
+    def find(self, toks: tuple[int, ...], page_size: int, first: int) -> list[tuple[str, PageRef]]:
+        """The pages on disk continuing toks from page `first` (all of [first, k) for the largest k), with
+        their hashes."""
         n = len(toks) // page_size
         if not self.pages or first >= n:
             return []
         hs = self.hashes(toks, page_size, first)  # the chain up to `first` (memoised), then page by page
         prev = hs[-1] if hs else b""
-        out: list[PageRef] = []
+        out: list[tuple[str, PageRef]] = []
         for i in range(first, n):
             prev = chain(prev, toks[i * page_size : (i + 1) * page_size])
-            ref = self.pages.get(prev.hex())
+            h = prev.hex()
+            ref = self.pages.get(h)
             if ref is None:
                 break
-            out.append(ref)
+            out.append((h, ref))
         return out
 
     def has(self, h: bytes) -> bool:

@@ -153,9 +153,17 @@ class RadixCache(KVManager):
         sid = self.ids.lookup(session, path[-1] if path else None, i, namespace)
         if self.disk is None or i >= len(toks):
             return Match(tuple(path), i, host, sid, self._epoch)
-        refs, dtoks = self.disk.find(toks, i)  # the walk goes on on disk
+        refs, dtoks, hashes = self.disk.find(toks, i)  # the walk goes on on disk
+        if sid is None and self.on_disk:
+            sid = self._restored_session(hashes, namespace)
         d = len(dtoks)
         return Match(tuple(path), i + d, host + d, sid, self._epoch, refs, dtoks)
+
+    def _restored_session(self, hashes: list[str], namespace: str) -> str | None:
+        """A keyless request whose disk match runs through the end of a session restored at start (its whole
+        last sequence): that session (the deepest such end). Pure."""
+        ends = {h: sid for sid, (h, _) in self.on_disk.items() if sid.startswith(namespace)}
+        return next((ends[h] for h in reversed(hashes) if h in ends), None)
 
     def _hinted_path(self, session: str | None, toks: tuple[int, ...]) -> list[Node]:
         """The path to the session's deepest node when toks run through all of it, else []: the walk resumes

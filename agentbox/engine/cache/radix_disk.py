@@ -47,10 +47,10 @@ class DiskLink:
         self.spilled = 0  # pages written (spills and flushes)
         self.restored = 0  # pages read back into the tree
 
-    def find(self, toks: tuple[int, ...], start: int) -> tuple[tuple[PageRef, ...], tuple[int, ...]]:
-        """The disk pages continuing toks from token `start` (page-aligned), and their tokens. Pure."""
-        refs = self.tier.find(toks, self.ps, start // self.ps)
-        return tuple(refs), toks[start : start + len(refs) * self.ps]
+    def find(self, toks: tuple[int, ...], start: int) -> tuple[tuple[PageRef, ...], tuple[int, ...], list[str]]:
+        """The disk pages continuing toks from token `start` (page-aligned), their tokens and hashes. Pure."""
+        found = self.tier.find(toks, self.ps, start // self.ps)
+        return tuple(r for _, r in found), toks[start : start + len(found) * self.ps], [h for h, _ in found]
 
     def end_hash(self, n: Node) -> bytes:
         toks = prefix_tokens(n)
