@@ -412,11 +412,9 @@ class RadixCache(KVManager):
         written, pages left unwritten)."""
         if self.disk is None:
             return 0, 0
-        nodes, queue = [], list(self.root.children.values())
-        while queue:
-            n = queue.pop(0)
-            nodes.append(n)
-            queue.extend(n.children.values())
+        nodes = list(self.root.children.values())
+        for n in nodes:  # breadth-first: parents before children
+            nodes.extend(n.children.values())
         return self.disk.flush(nodes, self._kv_of, time.monotonic() + budget_s)
 
     def persist(self, budget_s: float) -> tuple[int, int]:
