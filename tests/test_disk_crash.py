@@ -79,7 +79,7 @@ def test_kill_9_in_a_write_storm_then_restart_serves_cold_tokens(tiny: Path, tmp
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # until the index names a good number of chunks
             idx = next(root.glob("*/index.json"), None)
-            if idx is not None and idx.stat().st_size > 2500 and len(list(root.glob("*/chunks/*"))) > 8:
+            if idx is not None and idx.stat().st_size > 2500 and len(list(root.glob("*/chunks/*.kv"))) > 8:
                 break
             time.sleep(0.05)
     finally:
