@@ -14,7 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
+from rich.console import Console
 
+from agentbox.tui import panels
 from tests.conftest import _free_port
 
 pytestmark = pytest.mark.slow
@@ -83,6 +85,11 @@ def test_a_session_survives_a_graceful_restart(smollm2_path: Path, tmp_path: Pat
         sessions = httpx.get(f"{url}/v1/sessions").json()["data"]
         agent = next(s for s in sessions if s["id"] == "agent")
         assert agent["turns"] == 1 and agent["on_disk_tokens"] > 3000  # back under its id, on disk
+        top = Console(width=200, record=True)  # what `agentbox top` draws from the same JSON
+        top.print(panels.sessions_table(sessions))
+        top.print(panels.pool_panel({"stats": httpx.get(f"{url}/v1/stats").json()}, 60))
+        shown = top.export_text()
+        assert "on disk" in shown and "torn 0" in shown, shown
         warm, warm_ttft, prompt, cached = _turn(client, next_turn, "agent")
         print(f"\nnext turn after a restart: {cached}/{prompt} tokens cached; time to first token "
               f"{warm_ttft:.2f} s vs {cold_ttft:.2f} s cold ({warm_ttft / cold_ttft:.2f}x)")
