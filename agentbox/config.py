@@ -26,6 +26,9 @@ PLAN_SESSIONS = 1
 
 
 STATE_ENV = "AGENTBOX_HOME"
+DISK_CACHE_SHARE = 0.1  # of the free disk under the state directory, by default
+DISK_CACHE_MAX_GB = 64.0
+SERVE_DISK_CACHE_GB: float | None = None  # the server's default: a share of free disk
 
 
 def state_dir() -> Path:
@@ -61,6 +64,12 @@ class EngineConfig:
     cpu_threads: int | None = None  # None: all cores but one (the API process and the OS keep one)
     cache_policy: CachePolicy = CachePolicy.SESSION
     host_cache_gb: float | None = None  # None: a share of free RAM
+    # The disk tier under the in-memory ones (engine/cache/disk_tier.py), under state_dir()/kvcache.
+    # None: DISK_CACHE_SHARE of the free disk there, at most DISK_CACHE_MAX_GB; 0: off. `agentbox serve`
+    # passes SERVE_DISK_CACHE_GB; an in-process engine (the offline `LLM`, tests) writes nothing unless asked.
+    disk_cache_gb: float | None = 0.0
+    disk_restore: bool = True  # False (`serve --no-restore`): the model's namespace is cleared at start
+    disk_flush_s: float = 8.0  # a graceful stop writes the cache to disk for at most this long
     # Hybrid models (Gated DeltaNet): recurrent-state snapshots kept, two per session (engine/cache/
     # state_snapshots.py). None: one per running request; 0: none (a session recomputes its whole history).
     state_snapshots: int | None = None

@@ -64,7 +64,11 @@ async def replay(
     url: str,
     options: ReplayOptions = ReplayOptions(),
     on_turn: Callable[[TurnRecord], None] | None = None,
+    start_turn: int = 0,
+    run_tag: str | None = None,
 ) -> ReplayResult:
+    """`start_turn`: skip each session's turns before it (the rest of a replay cut by a restart, under the
+    same `run_tag`: the session ids of its first part)."""
     headers = {"Authorization": f"Bearer {options.api_key}"} if options.api_key else {}
     limits = httpx.Limits(max_connections=max(len(sessions), 1) + 4)
     timeout = httpx.Timeout(options.request_timeout_s, connect=30.0)
@@ -72,23 +76,19 @@ async def replay(
         base_url=api_base(url), headers=headers, timeout=timeout, limits=limits
     ) as client:
         model = options.model or await discover_model(client)
-        run_tag = uuid.uuid4().hex[
-            :8
-        ]  # a fresh session id per run: a server must not mistake run 2 for run 1
+        run_tag = run_tag or uuid.uuid4().hex[:8]  # a fresh session id per run: run 2 is not run 1
         gate = asyncio.Semaphore(options.max_concurrency) if options.max_concurrency else None
         records: list[TurnRecord] = []
         t0 = time.perf_counter()
 
         async def one(session: Session) -> None:
             if gate is None:
-                await _session(
-                    client, session, model, options, f"{session.id}-{run_tag}", t0, records, on_turn
-                )
+                await _session(client, session, model, options, f"{session.id}-{run_tag}", t0, records, on_turn,
+                               start_turn)
                 return
             async with gate:
-                await _session(
-                    client, session, model, options, f"{session.id}-{run_tag}", t0, records, on_turn
-                )
+                await _session(client, session, model, options, f"{session.id}-{run_tag}", t0, records, on_turn,
+                               start_turn)
 
         await asyncio.gather(*(one(s) for s in sessions))
         wall = time.perf_counter() - t0
@@ -105,8 +105,11 @@ async def _session(
     t0: float,
     records: list[TurnRecord],
     on_turn: Callable[[TurnRecord], None] | None,
+    start_turn: int = 0,
 ) -> None:
     for i, (turn, messages) in enumerate(zip(session.turns, session.prompts(), strict=True)):
+        if i < start_turn:
+            continue
         body: dict[str, Any] = {
             "model": model,
             "messages": messages,
@@ -205,5 +208,7 @@ def replay_sync(
     url: str,
     options: ReplayOptions = ReplayOptions(),
     on_turn: Callable[[TurnRecord], None] | None = None,
+    start_turn: int = 0,
+    run_tag: str | None = None,
 ) -> ReplayResult:
-    return asyncio.run(replay(sessions, url, options, on_turn))
+    return asyncio.run(replay(sessions, url, options, on_turn, start_turn, run_tag))

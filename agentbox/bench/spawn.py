@@ -114,16 +114,19 @@ def spawned(
     log_path: Path,
     ready_paths: tuple[str, ...] = ("/health",),
     timeout_s: float = READY_TIMEOUT_S,
+    home: str | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Start `command` (`{port}` replaced by a free loopback port), wait until one of `ready_paths` answers
-    200, yield (base URL, process), and stop it whatever happens. Output goes to log_path."""
+    200, yield (base URL, process), and stop it whatever happens. Output goes to log_path. `home`: its
+    state directory (a restart reuses one); default a fresh temporary one."""
     port = free_port()
     cmd = [a.replace("{port}", str(port)) for a in command]
     url = f"http://127.0.0.1:{port}"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     # Each spawned server gets its own state directory, so it neither collides with a server the user
     # runs (`serve` refuses a second one per directory) nor leaves server.json behind.
-    with open(log_path, "wb") as log, tempfile.TemporaryDirectory(prefix="agentbox-bench-") as home:
+    fresh = contextlib.nullcontext(home) if home else tempfile.TemporaryDirectory(prefix="agentbox-bench-")
+    with open(log_path, "ab" if home else "wb") as log, fresh as home:
         log.write((" ".join(cmd) + "\n").encode())
         log.flush()
         env = {**os.environ, "AGENTBOX_HOME": home}

@@ -277,6 +277,40 @@ def bench_replay(
         raise typer.Exit(1)
 
 
+@bench_app.command("restart")
+def bench_restart_cmd(
+    model: str = typer.Option(None, help="HF model dir or .gguf (default: the embedded SmolLM2)"),
+    sessions: int = typer.Option(3, help="synthetic sessions"),
+    turns: int = typer.Option(6, help="turns per session"),
+    restart_after: int = typer.Option(3, help="stop and start the server after this many turns"),
+    scale: float = typer.Option(0.05, help="multiply every token size of the synthetic trace"),
+    num_pages: int = typer.Option(None, help="KV pool pages"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Recomputed history when the server restarts mid-replay.
+
+    Next to the same replay without a restart, and with --no-restore. A graceful stop writes the cache to
+    disk; the next start reads it."""
+    import json
+    import time
+
+    from agentbox.bench import compare, synth
+    from agentbox.bench.restart import bench_restart
+
+    if not 0 < restart_after < turns:
+        raise typer.BadParameter(f"--restart-after must be between 1 and --turns - 1 (got {restart_after})")
+    cfg = synth.SynthConfig(sessions=sessions, turns=turns, turn_sigma=0.0, scale=scale, wait=0.0)
+    trace = compare.build_trace(trace_file=None, openhands_file=None, synth_cfg=cfg, sessions=sessions,
+                                turns=turns, wait=0.0, seed=0)
+    extra = ["--num-pages", str(num_pages)] if num_pages else []
+    out = Path(f"bench/results/restart-{time.strftime('%Y%m%d-%H%M%S')}")
+    result = bench_restart(trace, _bench_model(model), extra, restart_after, out)
+    text = json.dumps(result, indent=2)
+    typer.echo(text)
+    if json_out is not None:
+        json_out.write_text(text)
+
+
 @bench_app.command("grammar")
 def bench_grammar_cmd(
     model: str | None = typer.Option(None, help="tokenizer source (default: the embedded SmolLM2)"),

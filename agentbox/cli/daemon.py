@@ -136,7 +136,7 @@ def spawn(config: ServerConfig) -> subprocess.Popen:
     )
 
 
-def stop(timeout: float = 20.0) -> dict | None:
+def stop(timeout: float = 30.0) -> dict | None:  # the engine writes its cache to disk first (disk_flush_s)
     """Stops the running server (SIGTERM, then SIGKILL past the timeout). Returns what was stopped."""
     st = read_state()
     if st is None:

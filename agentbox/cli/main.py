@@ -9,10 +9,11 @@ from pathlib import Path
 import typer
 
 from agentbox.cli.bench import bench_app
+from agentbox.cli.cache_cmd import cache_app
 from agentbox.cli.common import DEBUG_ENV, fail, run_cli
 from agentbox.cli.fleet import fleet_app, top_fleet
 from agentbox.cli.workstation import check_app, workstation_app
-from agentbox.config import CachePolicy, EngineConfig, ServerConfig
+from agentbox.config import SERVE_DISK_CACHE_GB, CachePolicy, EngineConfig, ServerConfig
 from agentbox.tui import DEFAULT_INTERVAL_S  # a constant; textual loads only when top runs
 
 app = typer.Typer(
@@ -128,6 +129,8 @@ def serve(
     max_model_len: int | None = typer.Option(None, help="context length (default: the model's)"),  # noqa: UP007
     cache_policy: CachePolicy = typer.Option(_E.cache_policy, help="what the cache keeps between turns"),
     host_cache_gb: float | None = typer.Option(None, help="host-RAM KV tier size in GiB"),  # noqa: UP007
+    disk_cache_gb: float | None = typer.Option(SERVE_DISK_CACHE_GB, help="disk KV tier size in GiB (default: a share of free disk; 0: off)"),  # noqa: UP007
+    restore: bool = typer.Option(_E.disk_restore, "--restore/--no-restore", help="reuse the KV cache saved on disk (--no-restore: start cold)"),
     state_snapshots: int | None = typer.Option(None, help="hybrid models: recurrent-state snapshots kept (two per session; 0: none; default one per running request)"),  # noqa: UP007
     record_trace: str | None = typer.Option(None, help="record live traffic as a replayable trace (JSONL)"),  # noqa: UP007
     seed: int = typer.Option(_E.seed, help="seed for unseeded sampling"),
@@ -161,7 +164,7 @@ def serve(
         enforce_eager=enforce_eager, exact_cpu=exact_cpu, page_size=page_size,
         num_pages=num_pages, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
-        host_cache_gb=host_cache_gb, seed=seed, tensor_parallel_size=tp, loop_guard=loop_guard,
+        host_cache_gb=host_cache_gb, disk_cache_gb=disk_cache_gb, disk_restore=restore, seed=seed, tensor_parallel_size=tp, loop_guard=loop_guard,
         state_snapshots=state_snapshots,
     )
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
@@ -332,6 +335,7 @@ app.add_typer(top_app)
 app.add_typer(fleet_app)
 app.add_typer(check_app, name="check")
 app.add_typer(bench_app, name="bench")
+app.add_typer(cache_app, name="cache")
 
 
 def main() -> None:

@@ -79,7 +79,8 @@ class EngineCore:
         if self.workers is not None:
             self.workers.watch(on_rank_death or self._note_death)
         self.pool = PagePool(self.runner.num_pages, config.page_size)
-        self.cache = kv_manager(config, self.pool, self.runner.kv_cache)
+        # Pages alone cannot resume a recurrent-state model: its disk tier waits for persisted snapshots.
+        self.cache = kv_manager(config, self.pool, self.runner.kv_cache, disk=self.runner.state_cache is None)
         self.scheduler = Scheduler(config, self.cache, self.runner.max_model_len)
         self.scheduler.recurrent_state = self.runner.state_cache is not None
         if self.runner.state_cache is not None and self.runner.num_snapshots > 0:
@@ -93,6 +94,15 @@ class EngineCore:
     def _note_death(self, death: RankDeath) -> None:
         log.error("%s", death.describe())
         self.rank_death = death
+
+    def persist(self) -> None:
+        """A graceful stop: the cache's unsaved pages and the session table to the disk tier, within
+        config.disk_flush_s (engine/cache/radix_disk.py)."""
+        t0 = time.monotonic()
+        written, left = self.cache.persist(self.config.disk_flush_s)
+        if written or left:
+            log.info("saved %d KV pages of %d sessions to disk in %.1f s%s", written, len(self.cache.sessions),
+                     time.monotonic() - t0, f"; {left} pages left unsaved (--disk-flush-s)" if left else "")
 
     def close(self) -> None:
         """Stops the tensor-parallel workers and leaves the group (nothing to do at tp 1)."""

@@ -59,7 +59,7 @@ def fmt_bytes(v: Any) -> str:
 
 # ---- the session table ----
 
-_STATE_STYLE = {"generating": "bold green", "waiting_tool": "yellow", "idle": "dim"}
+_STATE_STYLE = {"generating": "bold green", "waiting_tool": "yellow", "idle": "dim", "on disk": "cyan"}
 _LEASE_STYLE = {"live": "green", "expired": "red", "none": "dim"}
 
 
@@ -80,6 +80,8 @@ def _lease(s: Mapping[str, Any]) -> Text:
 
 def _state(s: Mapping[str, Any]) -> Text:
     state = s.get("state") or DASH
+    if state == "idle" and (_n(s.get("on_disk_tokens")) or 0) > 0:
+        state = "on disk"  # saved at the last stop, read back when it returns
     return Text(state.replace("waiting_tool", "tool wait"), style=_STATE_STYLE.get(state, ""))
 
 
@@ -269,6 +271,10 @@ def pool_panel(snap: Mapping[str, Any], width: int = 40) -> Group:
     host_g = _gauge([("held", host, "cyan"), ("free", host_free, "grey50")], host_total, width)
     moves = Text(f"evictions {fmt_tokens(cache.get('evictions'))}  demotions {fmt_tokens(cache.get('demotions'))}  "
                  f"promotions {fmt_tokens(cache.get('promotions'))}", style="dim")
+    if _n(cache.get("disk_budget_bytes")):
+        moves.append(f"\non disk {fmt_tokens(cache.get('disk_pages'))} pages "
+                     f"({(_n(cache.get('disk_bytes')) or 0) / 2**30:.1f} of {(_n(cache.get('disk_budget_bytes')) or 0) / 2**30:.1f} GiB)"
+                     f"  read back {fmt_tokens(cache.get('disk_restored'))}  torn {cache.get('disk_torn', 0)}")
     return Group(title, gpu, host_title, host_g, moves)
 
 

@@ -14,10 +14,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from agentbox.config import CachePolicy, EngineConfig
+from agentbox.engine.cache.disk_setup import disk_link
 from agentbox.engine.cache.evict_order import gpu_key
 from agentbox.engine.cache.host_tier import HostTier
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.radix_cache import RadixCache
+from agentbox.engine.cache.radix_disk import DiskLink
 from agentbox.engine.cache.radix_node import Match, Node
 from agentbox.engine.cache.sessions import Session, SessionTable
 from agentbox.layers.backends.base import KVCache
@@ -50,8 +52,8 @@ class NoCache(RadixCache):
     caches_completions = False  # nothing keeps the last token's KV: the answer ends with its last sample
 
     def __init__(self, pool: PagePool, kv: KVCache | None = None, sessions: SessionTable | None = None,
-                 host: HostTier | None = None) -> None:
-        super().__init__(pool, kv, sessions, None)  # nothing to demote into
+                 host: HostTier | None = None, disk: DiskLink | None = None) -> None:
+        super().__init__(pool, kv, sessions, None, None)  # nothing to demote into
 
     def match(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> Match:
         return Match((), 0, 0, session, self._epoch)
@@ -73,12 +75,20 @@ POLICIES: dict[CachePolicy, type[RadixCache]] = {
 
 
 def cache_for(policy: CachePolicy | str, pool: PagePool, kv: KVCache | None = None,
-              sessions: SessionTable | None = None, host: HostTier | None = None) -> RadixCache:
-    return POLICIES[CachePolicy(policy)](pool, kv, sessions, host)
+              sessions: SessionTable | None = None, host: HostTier | None = None,
+              disk: DiskLink | None = None) -> RadixCache:
+    cls = POLICIES[CachePolicy(policy)]
+    return cls(pool, kv, sessions, host) if disk is None else cls(pool, kv, sessions, host, disk)
 
 
 def kv_manager(config: EngineConfig, pool: PagePool, kv: KVCache,
-               clock: Callable[[], float] = time.monotonic) -> RadixCache:
-    """The engine's cache. The host tier belongs to the session policy; lru mirrors general engines."""
-    host = HostTier.sized(kv, config.host_cache_gb) if config.cache_policy is CachePolicy.SESSION else None
-    return cache_for(config.cache_policy, pool, kv, SessionTable.from_config(config, clock), host)
+               clock: Callable[[], float] = time.monotonic, disk: bool = True) -> RadixCache:
+    """The engine's cache. The host and disk tiers belong to the session policy; lru mirrors general engines.
+    `disk`: False where pages alone cannot resume a sequence (recurrent-state models)."""
+    session = config.cache_policy is CachePolicy.SESSION
+    host = HostTier.sized(kv, config.host_cache_gb) if session else None
+    link = disk_link(config, kv) if session and disk and config.tensor_parallel_size == 1 else None
+    cache = cache_for(config.cache_policy, pool, kv, SessionTable.from_config(config, clock), host, link)
+    if link is not None and config.disk_restore:
+        cache.restore_sessions()
+    return cache

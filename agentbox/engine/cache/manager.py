@@ -12,8 +12,8 @@ carries a snapshot), not merely the longest one with pages; `insert` is where th
 over with the pages, and the `Lock` is where it gets it back. Dropping or moving an entry takes all it
 carries. Callers read only `Match`/`Lock`, never entries.
 
-Tiers. An entry lives on one tier: the GPU pool (`Tier.GPU`) or a slower one below it (`Tier.HOST` today;
-a disk tier goes below host). A matched path is always "GPU prefix, then slower tiers in order"; `lock`
+Tiers. An entry lives on one tier: the GPU pool (`Tier.GPU`) or a slower one below it (`Tier.HOST`,
+then `Tier.DISK`, radix_disk.py). A matched path is always "GPU prefix, then slower tiers in order"; `lock`
 brings every slower part up into fresh GPU pages (so the caller only ever sees GPU pages) and `evict` moves
 entries down a tier before it drops them. A new tier is an implementation detail of `lock`, `evict`,
 `reclaimable` and `stats`: nothing a caller does changes.
@@ -150,6 +150,11 @@ class KVManager(ABC):
     def end_turn(self, session: str) -> None:
         """The turn is done and its pages inserted: the lease runs a fresh TTL, eviction keys follow it."""
         self.turns.end(session)
+
+    def persist(self, budget_s: float) -> tuple[int, int]:
+        """A graceful stop: write what the disk tier lacks (pages, sessions) within budget_s. Returns (pages
+        written, pages left unwritten); (0, 0) without a disk tier."""
+        return 0, 0
 
     @abstractmethod
     def drop_session(self, session: str) -> int:

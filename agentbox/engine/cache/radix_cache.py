@@ -47,13 +47,16 @@ bookkeeping (tags, lease expiries, the lease cap) is session_index.py.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 
+from agentbox.engine.cache.disk_pages import bytes_to_pages
 from agentbox.engine.cache.host_tier import HostTier
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.manager import KVManager
 from agentbox.engine.cache.radix_check import check_integrity
+from agentbox.engine.cache.radix_disk import DiskLink
 from agentbox.engine.cache.radix_evict import Evictor, HeapEntry
 from agentbox.engine.cache.radix_node import Lock, Match, Node, Tier
 from agentbox.engine.cache.session_index import SessionIndex
@@ -72,12 +75,17 @@ class RadixCache(KVManager):
         kv: KVCache | None = None,
         sessions: SessionTable | None = None,
         host: HostTier | None = None,
+        disk: DiskLink | None = None,
     ) -> None:
         if host is not None and (kv is None or host.pool.page_size != pool.page_size):
             raise ValueError("a host tier needs the GPU KVCache and the same page size")
+        if disk is not None and kv is None:
+            raise ValueError("a disk tier needs the GPU KVCache")
         super().__init__(pool, Turns(sessions if sessions is not None else SessionTable()))
         self.kv = kv
         self.host = host
+        self.disk = disk
+        self.on_disk: dict[str, tuple[str, int]] = {}  # sessions restored at start, not back yet: end hash, tokens
         self.ps = pool.page_size
         self.root = Node((), [], Tier.GPU, None, 0)
         self.index = SessionIndex(self.turns)
@@ -143,7 +151,19 @@ class RadixCache(KVManager):
                 break
             node = child
         sid = self.ids.lookup(session, path[-1] if path else None, i, namespace)
-        return Match(tuple(path), i, host, sid, self._epoch)
+        if self.disk is None or i >= len(toks):
+            return Match(tuple(path), i, host, sid, self._epoch)
+        refs, dtoks, hashes = self.disk.find(toks, i)  # the walk goes on on disk
+        if sid is None and self.on_disk:
+            sid = self._restored_session(hashes, namespace)
+        d = len(dtoks)
+        return Match(tuple(path), i + d, host + d, sid, self._epoch, refs, dtoks)
+
+    def _restored_session(self, hashes: list[str], namespace: str) -> str | None:
+        """A keyless request whose disk match runs through the end of a session restored at start (its whole
+        last sequence): that session (the deepest such end). Pure."""
+        ends = {h: sid for sid, (h, _) in self.on_disk.items() if sid.startswith(namespace)}
+        return next((ends[h] for h in reversed(hashes) if h in ends), None)
 
     def _hinted_path(self, session: str | None, toks: tuple[int, ...]) -> list[Node]:
         """The path to the session's deepest node when toks run through all of it, else []: the walk resumes
@@ -166,6 +186,7 @@ class RadixCache(KVManager):
         """A path just locked or inserted: tagged to the session (its lease refreshed, its lookup hint moved to
         the path's end), and every node's recency renewed for the evictor."""
         if session is not None:
+            self.on_disk.pop(session, None)
             self.index.tag(path, session)
             self.index.refreshed(session)
             self._hint(session, path)
@@ -192,12 +213,13 @@ class RadixCache(KVManager):
         the session tagged on the path and its lease refreshed. Host parts that cannot be promoted for lack of
         GPU pages are left out (a shorter lock); `reclaimable` tells the caller beforehand."""
         self._check_fresh(m)
-        if not m.path:
+        if not m.path and not m.disk:
             return Lock([], 0, 0, m.session)
         path = list(m.path)
-        last = path[-1]
-        if last.start + len(last.key) > m.num_tokens:
-            path[-1] = self._split(last, m.num_tokens - last.start)
+        mem = m.num_tokens - m.num_disk_tokens
+        last = path[-1] if path else self.root
+        if last.start + len(last.key) > mem:
+            path[-1] = self._split(last, mem - last.start)
         n_gpu = next((j for j, n in enumerate(path) if n.tier is Tier.HOST), len(path))
         pages = [p for n in path[:n_gpu] for p in n.pages]
         self.pool.incref(pages)
@@ -213,10 +235,38 @@ class RadixCache(KVManager):
                     break
                 pages += n.pages
                 host_tokens += len(n.key)
+        disk_tokens = 0
+        if m.disk and len(pages) * self.ps == mem:
+            node = self._restore(path[-1] if path else self.root, m)
+            if node is not None:
+                path.append(node)
+                self.pool.incref(node.pages)
+                pages += node.pages
+                disk_tokens = len(node.key)
         sid = m.session
         now = self.clock()
         self._touch(path, sid if path else None, now)
-        return Lock(pages, len(pages) * self.ps, host_tokens, sid)
+        return Lock(pages, len(pages) * self.ps, host_tokens + disk_tokens, sid, disk_tokens)
+
+    def _restore(self, parent: Node, m: Match) -> Node | None:
+        """Read m's disk pages (as many as GPU room and intact chunks allow) into fresh GPU pages, attached
+        under parent as one new node."""
+        assert self.disk is not None and self.kv is not None
+        k = len(m.disk)
+        if self.pool.num_free < k:
+            self.evict(k - self.pool.num_free)
+        blobs = self.disk.tier.read_pages(m.disk[: min(k, self.pool.num_free)])
+        if not blobs:
+            return None
+        pages = self.pool.alloc(len(blobs))
+        bytes_to_pages(self.kv, pages, blobs)
+        toks = m.disk_tokens[: len(blobs) * self.ps]
+        node = Node(toks, pages, Tier.GPU, parent, parent.start + len(parent.key))
+        parent.children[toks[: self.ps]] = node
+        self.gpu_pages += len(pages)
+        self._epoch += 1
+        self.disk.restored += len(pages)
+        return node
 
     def _check_fresh(self, m: Match) -> None:
         if m.epoch != self._epoch:
@@ -352,6 +402,46 @@ class RadixCache(KVManager):
         n.alive = False
         n.version += 1
 
+    def spill(self, n: Node) -> None:
+        """n's pages are about to leave memory for good: written to the disk tier first (if there is one)."""
+        if self.disk is not None:
+            self.disk.spill(n, self._kv_of(n))
+
+    def flush(self, budget_s: float) -> tuple[int, int]:
+        """Write every node of the tree to the disk tier (top-down) within budget_s seconds. Returns (pages
+        written, pages left unwritten)."""
+        if self.disk is None:
+            return 0, 0
+        nodes = list(self.root.children.values())
+        for n in nodes:  # breadth-first: parents before children
+            nodes.extend(n.children.values())
+        return self.disk.flush(nodes, self._kv_of, time.monotonic() + budget_s)
+
+    def persist(self, budget_s: float) -> tuple[int, int]:
+        """A graceful stop: every node to disk (`flush`), then the session table beside it, each session with
+        the prefix its cached history ends on. Returns (pages written, pages left unwritten)."""
+        if self.disk is None:
+            return 0, 0
+        written, left = self.flush(budget_s)
+        ends = dict(self.on_disk)
+        ends.update(self.disk.session_ends({s.id: self.index.of(s.id) for s in self.sessions}))
+        self.disk.save_sessions(self.sessions, ends)
+        return written, left
+
+    def restore_sessions(self) -> int:
+        """The sessions saved at the last stop, back under their ids ("on disk" until they return)."""
+        if self.disk is None:
+            return 0
+        self.on_disk = self.disk.load_sessions(self.turns)
+        return len(self.on_disk)
+
+    def _kv_of(self, n: Node) -> KVCache:
+        if n.tier is Tier.GPU:
+            assert self.kv is not None
+            return self.kv
+        assert self.host is not None
+        return self.host.kv
+
     def retier(self, n: Node, pages: list[int], tier: Tier) -> None:
         """n's tokens now live on `pages` of `tier`: the caller copied them and settled the old pages'
         references. Its heap entries and every Match go stale."""
@@ -402,10 +492,17 @@ class RadixCache(KVManager):
             host_evictions=self.host_evictions,
             sessions=len(self.sessions),
             live_leases=len(self.sessions.live()),
+            **(self.disk.stats(len(self.on_disk)) if self.disk is not None else {}),
         )
 
     def session_pages(self, session: str) -> dict[Tier, int]:
-        return self.index.pages_by_tier(session)
+        """Pages of the session's nodes per tier; with a disk tier, also its history on disk since the last
+        start (until it returns)."""
+        out = self.index.pages_by_tier(session)
+        if self.disk is not None:
+            end = self.on_disk.get(session)
+            out[Tier.DISK] = end[1] // self.ps if end is not None and end[0] in self.disk.tier.pages else 0
+        return out
 
     def check_integrity(self, running_refs: Counter[int] | None = None) -> None:
         check_integrity(self, running_refs)

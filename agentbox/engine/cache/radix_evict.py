@@ -57,6 +57,8 @@ class Tree(Protocol):
 
     def retier(self, n: Node, pages: list[int], tier: Tier) -> None: ...
 
+    def spill(self, n: Node) -> None: ...
+
 
 def _valid(n: Node, version: int, tier: Tier) -> bool:
     return n.alive and n.version == version and n.tier is tier
@@ -125,6 +127,7 @@ class Evictor:
         for child in list(n.children.values()):
             self._drop_subtree(child)
             self.host_evictions += len(child.pages) if child.tier is Tier.HOST else 0
+        self.tree.spill(n)
         self.tree.remove(n)
 
     def _make_host_room(self, k: int) -> bool:
@@ -151,6 +154,7 @@ class Evictor:
             assert parent is not None
             freed += len(n.pages)
             self.host_evictions += len(n.pages)
+            self.tree.spill(n)
             self.tree.remove(n)
             self.push_candidate(parent)
         for n in held:

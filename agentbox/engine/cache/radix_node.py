@@ -7,11 +7,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentbox.engine.cache.disk_tier import PageRef
 
 
 class Tier(Enum):
     GPU = "gpu"
     HOST = "host"
+    DISK = "disk"  # never a node's tier: pages on disk are outside the tree until a lock reads them back
 
 
 class Node:
@@ -56,10 +61,16 @@ class Match:
     changes (`lock` refuses it after that); nodes are not split yet, so the last one may be matched in part."""
 
     path: tuple[Node, ...]  # root to the deepest matched node; GPU nodes first, then host nodes
-    num_tokens: int  # page-aligned tokens matched, both tiers
-    num_host_tokens: int  # of num_tokens, those on host nodes (a lock copies them back)
+    num_tokens: int  # page-aligned tokens matched, every tier
+    num_host_tokens: int  # of num_tokens, those on slower tiers (host nodes, then disk): a lock copies them back
     session: str | None  # the given session, else the one inferred from the tree's tags
     epoch: int  # the cache's mutation count when the lookup ran
+    disk: tuple[PageRef, ...] = ()  # pages on disk continuing the path (the last num_disk_tokens tokens)
+    disk_tokens: tuple[int, ...] = ()  # their tokens
+
+    @property
+    def num_disk_tokens(self) -> int:
+        return len(self.disk_tokens)
 
     @property
     def num_gpu_tokens(self) -> int:
@@ -73,5 +84,6 @@ class Lock:
 
     pages: list[int]  # GPU pages covering the first num_tokens tokens, one reference each for the caller
     num_tokens: int
-    num_host_tokens: int  # of num_tokens, those copied back from the host tier
+    num_host_tokens: int  # of num_tokens, those copied back from a slower tier (host or disk)
     session: str | None
+    num_disk_tokens: int = 0  # of num_host_tokens, those read back from disk

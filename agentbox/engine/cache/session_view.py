@@ -48,6 +48,7 @@ def session_summary(cache: KVManager, s: Session, generating: bool) -> SessionSu
         last_turn_hit_rate=last.cached_tokens / last.prompt_tokens if last and last.prompt_tokens else None,
         recompute_ratio=s.recomputed_tokens / s.history_tokens if s.history_tokens else None,
         expected_gap_s=round(cache.sessions.expected_gap(s), 3) if s.gaps else None,
+        on_disk_tokens=pages.get(Tier.DISK, 0) * ps,
     )
 
 

@@ -24,6 +24,14 @@ class CacheStats:
     host_evictions: int  # host pages dropped
     sessions: int
     live_leases: int
+    # The disk tier (disk_tier.py); zeros without one.
+    disk_pages: int = 0
+    disk_bytes: int = 0
+    disk_budget_bytes: int = 0
+    disk_written: int = 0  # pages written (spilled or flushed)
+    disk_restored: int = 0  # pages read back instead of recomputed
+    disk_torn: int = 0  # chunks dropped: left torn by a crash or failing their checksum
+    disk_sessions: int = 0  # sessions restored at start that have not returned yet ("on disk")
 
 
 class SessionState(Enum):
@@ -55,6 +63,7 @@ class SessionSummary:
     last_turn_hit_rate: float | None
     recompute_ratio: float | None
     expected_gap_s: float | None
+    on_disk_tokens: int = 0  # restored at start from the disk tier, not back yet (`agentbox top`: "on disk")
 
 
 @dataclass(frozen=True)

@@ -65,5 +65,13 @@ class Turns:
     def release_lease(self, sid: str) -> None:
         self.table.release_lease(sid)
 
+    def restore(self, sid: str, fields: dict[str, object], gaps: Sequence[float]) -> Session:
+        """A session saved at the last stop (disk_sessions.py) comes back under its id, without a lease."""
+        s = self.table.get_or_create(sid)
+        for name, value in fields.items():
+            setattr(s, name, value)
+        s.gaps.extend(gaps)
+        return s
+
     def forget(self, sid: str) -> None:
         self.table.remove(sid)

@@ -299,7 +299,7 @@ class EngineClient:
                 self._conn.send(Shutdown())
         except (OSError, BrokenPipeError):
             pass
-        proc.join(10)
+        proc.join(10 + self.config.disk_flush_s)  # a graceful stop writes the cache to disk first
         if proc.is_alive():
             proc.terminate()
             proc.join(5)

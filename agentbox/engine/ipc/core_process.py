@@ -51,8 +51,10 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
     proc.send(core.ready_message())
     try:
         proc.loop(core)
+        core.persist()  # Shutdown: a graceful stop writes the cache to disk first
     except (EOFError, BrokenPipeError):
         log.info("API process went away; engine exiting")
+        core.persist()
     finally:
         core.close()
 

@@ -1,0 +1,66 @@
+"""Which on-disk namespace a running engine may read: a hash of everything that decides what a KV page holds.
+
+A page written by one model must never be served to another. The key covers the weights' identity (every
+file of the model: its name, size and mtime, cheap to read for a 50 GB checkpoint; a file replaced in
+place changes its mtime), the compute dtype, the KV dtype and layout (layers, heads, head size), the page
+size, the tensor-parallel degree, the CPU path (the exact one and the int8 one compute different KV), and
+the tokenizer and chat template (files of the model, or inside its GGUF). Anything else is another
+namespace; the disk tier evicts other namespaces before its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import agentbox
+from agentbox.config import EngineConfig
+from agentbox.layers.backends.base import KVCache
+
+# Bumped when the chunk format or what a page holds changes: old namespaces then stop matching.
+FORMAT_VERSION = 1
+
+
+def _files(model: Path) -> list[tuple[str, int, int]]:
+    if model.is_file():
+        st = model.stat()
+        return [(model.name, st.st_size, st.st_mtime_ns)]
+    out = []
+    for root, _, names in os.walk(model):
+        for name in names:
+            p = Path(root, name)
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            out.append((str(p.relative_to(model)), st.st_size, st.st_mtime_ns))
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    key: str  # hex digest: the directory name
+    meta: dict[str, object]  # what the key covers, written beside it for `agentbox cache`
+
+
+def namespace_for(config: EngineConfig, kv: KVCache, tp: int = 1) -> Namespace:
+    model = Path(config.model).expanduser()
+    t = kv.k[0]
+    meta: dict[str, object] = {
+        "format": FORMAT_VERSION,
+        "agentbox": agentbox.__version__,
+        "model": str(model),
+        "files": _files(model) if model.exists() else [],
+        "dtype": config.resolved_dtype,
+        "kv_dtype": str(t.dtype),
+        "kv_layout": [len(kv.k), int(t.shape[1]), int(t.shape[2])],
+        "page_size": kv.page_size,
+        "tp": tp,
+        "exact_cpu": config.exact_cpu,
+        "device": t.device.type,
+    }
+    blob = json.dumps(meta, sort_keys=True).encode()
+    return Namespace(hashlib.blake2b(blob, digest_size=12).hexdigest(), meta)

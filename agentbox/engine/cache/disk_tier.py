@@ -1,0 +1,332 @@
+"""The disk tier: KV pages that leave the last in-memory tier are written here, not dropped, and a later turn
+(or the next server, after a restart) reads them back instead of recomputing them.
+
+Layout, under `root` (state_dir()/kvcache): one directory per namespace (disk_namespace.py: a hash of the
+model, dtypes, KV layout, page size, tp), holding `index.json` and `chunks/<hash>.kv`.
+- A page is named by the chained content hash of its token prefix (`chain`: blake2b over the previous
+  page's hash and this page's tokens), so a page can only ever be found by a sequence that starts with the
+  very tokens it was computed for.
+- A chunk is a run of pages written together (one radix node's pages), page-major, named by its last
+  page's hash; its blake2b checksum is kept in the index. A chunk whose bytes do not match is dropped and
+  counted (`torn`), never served: the caller recomputes those tokens.
+- The index is rewritten whole and atomically (temporary file, fsync, rename) after the chunk files it names
+  are written and fsynced, so a crash at any instant leaves a consistent tier: at worst the chunks written
+  since the last index are missing (they are orphans on the next start, deleted and counted).
+- Bounded: past `budget_bytes` (all namespaces together) other namespaces go first, then this one's least
+  recently used chunks. A full disk is a logged warning, never a failed request.
+
+On start the index is read (no data): the server serves at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from agentbox.prefix import common_prefix
+
+log = logging.getLogger(__name__)
+
+INDEX = "index.json"
+SESSIONS = "sessions.json"
+HASH_BYTES = 16
+INDEX_EVERY_S = 0.5  # the index is rewritten at most this often while spilling (and at every flush)
+
+
+def chain(prev: bytes, page: Sequence[int]) -> bytes:
+    return hashlib.blake2b(prev + np.asarray(page, dtype=np.int64).tobytes(), digest_size=HASH_BYTES).digest()
+
+
+def checksum(data: bytes | memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=HASH_BYTES).hexdigest()
+
+
+@dataclass
+class Chunk:
+    name: str
+    pages: list[str]  # page hashes (hex), in order
+    sum: str
+    nbytes: int
+    created: float
+    used: float
+
+
+@dataclass(frozen=True)
+class PageRef:
+    chunk: str
+    index: int  # the page's place in its chunk
+
+
+class HashMemo:
+    """The chained hashes of the last few sequences hashed: an agent's next turn starts with the last one."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._seqs: list[tuple[tuple[int, ...], list[bytes]]] = []
+
+    def hashes(self, toks: tuple[int, ...], page_size: int, upto: int) -> list[bytes]:
+        """The hashes of pages [0, upto) of toks."""
+        best, out = 0, []
+        for seq, hs in self._seqs:
+            k = min(common_prefix(seq, toks) // page_size, len(hs), upto)
+            if k > best:
+                best, out = k, hs
+        hs = out[:best]
+        for i in range(best, upto):
+            hs.append(chain(hs[-1] if hs else b"", toks[i * page_size : (i + 1) * page_size]))
+        self._seqs = [(toks[: upto * page_size], hs), *self._seqs[: self.keep - 1]]
+        return hs
+
+
+class DiskTier:
+    def __init__(self, root: Path, namespace: str, meta: dict[str, object], page_bytes: int,
+                 budget_bytes: int, restore: bool = True) -> None:
+        self.root = root
+        self.dir = root / namespace
+        self.chunks_dir = self.dir / "chunks"
+        self.namespace = namespace
+        self.page_bytes = page_bytes
+        self.budget = budget_bytes
+        self.chunks: OrderedDict[str, Chunk] = OrderedDict()  # least recently used first
+        self.pages: dict[str, PageRef] = {}
+        self.memo = HashMemo()
+        self.torn = 0  # chunks dropped: unindexed leftovers of a crash, or bytes that fail their checksum
+        self.written = 0  # pages written
+        self.read = 0  # pages read back
+        self.full_disk = 0  # writes skipped for lack of space
+        self._dirty = False
+        self._last_index = 0.0
+        self._others: int | None = None  # bytes of the other namespaces (measured once, then tracked)
+        if not restore:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.chunks_dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "meta.json").write_text(json.dumps(meta, indent=1))
+        self._load()
+
+    # ---- start ----
+
+    def _load(self) -> None:
+        try:
+            raw = json.loads((self.dir / INDEX).read_text())
+        except (OSError, ValueError):
+            raw = {"chunks": []}
+        for c in sorted(_chunks(raw), key=lambda c: c.used):
+            p = self.chunks_dir / f"{c.name}.kv"
+            if not p.is_file() or p.stat().st_size != c.nbytes:
+                self.torn += 1
+                continue
+            self._add(c)
+        for p in self.chunks_dir.iterdir():  # a crash's leftovers: temporaries and chunks no index names
+            if p.suffix != ".kv" or p.stem not in self.chunks:
+                p.unlink(missing_ok=True)
+                self.torn += 1
+        if self.torn:
+            log.warning("disk KV tier: dropped %d torn or unindexed chunks (recomputed when needed)", self.torn)
+
+    def _add(self, c: Chunk) -> None:
+        self.chunks[c.name] = c
+        for i, h in enumerate(c.pages):
+            self.pages[h] = PageRef(c.name, i)
+
+    # ---- lookups (pure) ----
+
+    def hashes(self, toks: tuple[int, ...], page_size: int, upto: int) -> list[bytes]:
+        return self.memo.hashes(toks, page_size, upto)
+
+    def find(self, toks: tuple[int, ...], page_size: int, first: int) -> list[tuple[str, PageRef]]:
+        """The pages on disk continuing toks from page `first` (all of [first, k) for the largest k), with
+        their hashes."""
+        n = len(toks) // page_size
+        if not self.pages or first >= n:
+            return []
+        hs = self.hashes(toks, page_size, first)  # the chain up to `first` (memoised), then page by page
+        prev = hs[-1] if hs else b""
+        out: list[tuple[str, PageRef]] = []
+        for i in range(first, n):
+            prev = chain(prev, toks[i * page_size : (i + 1) * page_size])
+            h = prev.hex()
+            ref = self.pages.get(h)
+            if ref is None:
+                break
+            out.append((h, ref))
+        return out
+
+    def has(self, h: bytes) -> bool:
+        return h.hex() in self.pages
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(c.nbytes for c in self.chunks.values())
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+    # ---- read ----
+
+    def read_pages(self, refs: Sequence[PageRef]) -> list[bytes]:
+        """The bytes of refs' pages, in order, stopping at the first chunk that is missing or fails its
+        checksum (that chunk is dropped and counted)."""
+        out: list[bytes] = []
+        loaded: dict[str, memoryview] = {}
+        now = time.time()
+        for ref in refs:
+            data = loaded.get(ref.chunk)
+            if data is None:
+                data = self._read_chunk(ref.chunk)
+                if data is None:
+                    break
+                loaded[ref.chunk] = data
+                c = self.chunks[ref.chunk]
+                c.used = now
+                self.chunks.move_to_end(c.name)
+            out.append(bytes(data[ref.index * self.page_bytes : (ref.index + 1) * self.page_bytes]))
+        self.read += len(out)
+        self._dirty = self._dirty or bool(out)
+        return out
+
+    def _read_chunk(self, name: str) -> memoryview | None:
+        c = self.chunks.get(name)
+        if c is None:
+            return None
+        try:
+            data = (self.chunks_dir / f"{name}.kv").read_bytes()
+        except OSError:
+            data = b""
+        if len(data) != c.nbytes or checksum(data) != c.sum:
+            log.warning("disk KV tier: chunk %s is torn or corrupt; dropped (its tokens are recomputed)", name)
+            self._drop(c)
+            self.torn += 1
+            self.save_index()
+            return None
+        return memoryview(data)
+
+    # ---- write ----
+
+    def write(self, hashes: Sequence[bytes], data: bytes) -> bool:
+        """Write one chunk: pages named by `hashes`, `data` their bytes page-major. False when skipped
+        (over the budget alone, or the disk is full)."""
+        n = len(data)
+        if n != len(hashes) * self.page_bytes:
+            raise ValueError(f"{len(hashes)} pages but {n} bytes")
+        if not hashes or n > self.budget or not self._make_room(n):
+            return False
+        name = hashes[-1].hex()
+        path = self.chunks_dir / f"{name}.kv"
+        tmp = path.with_suffix(".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self.full_disk += 1
+            if self.full_disk == 1 or self.full_disk % 100 == 0:
+                log.warning("disk KV tier: could not write %s (%s); pages are dropped instead (%d so far). "
+                            "Free space under %s or lower --disk-cache-gb", path.name, e.strerror, self.full_disk,
+                            self.root)
+            return False
+        now = time.time()
+        old = self.chunks.get(name)
+        if old is not None:
+            self._drop(old, unlink=False)
+        self._add(Chunk(name, [h.hex() for h in hashes], checksum(data), n, now, now))
+        self.written += len(hashes)
+        self._dirty = True
+        if now - self._last_index >= INDEX_EVERY_S:
+            self.save_index()
+        return True
+
+    def _make_room(self, n: int) -> bool:
+        over = self._total_bytes() + n - self.budget
+        for other in self._other_namespaces():  # stale models first, oldest first
+            if over <= 0:
+                break
+            size = _dir_bytes(other)
+            over -= size
+            self._others = (self._others or 0) - size
+            shutil.rmtree(other, ignore_errors=True)
+            log.info("disk KV tier: evicted the namespace %s (another model or setting)", other.name)
+        while over > 0 and self.chunks:
+            c = next(iter(self.chunks.values()))
+            over -= c.nbytes
+            self._drop(c)
+        return over <= 0
+
+    def _drop(self, c: Chunk, unlink: bool = True) -> None:
+        self.chunks.pop(c.name, None)
+        for i, h in enumerate(c.pages):
+            if self.pages.get(h) == PageRef(c.name, i):
+                del self.pages[h]
+        if unlink:
+            (self.chunks_dir / f"{c.name}.kv").unlink(missing_ok=True)
+        self._dirty = True
+
+    def _other_namespaces(self) -> list[Path]:
+        others = [p for p in self.root.iterdir() if p.is_dir() and p != self.dir]
+        return sorted(others, key=lambda p: _mtime(p / INDEX))
+
+    def _total_bytes(self) -> int:
+        if self._others is None:
+            self._others = sum(_dir_bytes(p) for p in self._other_namespaces())
+        return self.bytes_used + self._others
+
+    def save_index(self) -> None:
+        """Rewrite the index atomically: a temporary file, fsync, rename (then the directory's fsync)."""
+        body = json.dumps({"chunks": [c.__dict__ for c in self.chunks.values()]})
+        tmp = self.dir / (INDEX + ".tmp")
+        try:
+            with open(tmp, "w") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / INDEX)
+            fd = os.open(self.dir, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("disk KV tier: could not write its index (%s); the last chunks may be lost", e.strerror)
+            return
+        self._dirty = False
+        self._last_index = time.time()
+
+    def clear(self) -> None:
+        for c in list(self.chunks.values()):
+            self._drop(c)
+        self.save_index()
+
+
+def _chunks(raw: object) -> list[Chunk]:
+    """The index's chunks; an entry that does not parse is skipped (its file is then an orphan, deleted)."""
+    out = []
+    for d in raw.get("chunks", []) if isinstance(raw, dict) else []:
+        try:
+            out.append(Chunk(**d))
+        except TypeError:
+            continue
+    return out
+
+
+def _dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return 0.0

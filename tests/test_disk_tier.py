@@ -1,0 +1,215 @@
+"""The disk tier under the radix cache: pages that leave memory are written, a later match (or a new cache over
+the same directory: a restart) reads them back bit-exact; torn and corrupt chunks are dropped and counted;
+the tier stays within its budget; a model change never reuses a namespace."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentbox.config import EngineConfig
+from agentbox.engine.cache.cache_policies import LruCache
+from agentbox.engine.cache.disk_namespace import namespace_for
+from agentbox.engine.cache.disk_pages import bytes_to_pages, pages_to_bytes
+from agentbox.engine.cache.disk_tier import DiskTier
+from agentbox.engine.cache.host_tier import page_bytes
+from agentbox.engine.cache.kv_pool import PagePool
+from agentbox.engine.cache.radix_disk import DiskLink
+from agentbox.engine.cache.radix_node import Tier
+from agentbox.layers.backends.base import KVCache
+
+PS = 4
+
+
+def _kv(num_pages: int = 12) -> KVCache:
+    return KVCache(2, num_pages, PS, 2, 4, torch.float32, "cpu")
+
+
+def _cache(root: Path, kv: KVCache, budget: int = 1 << 30, ns: str = "ns") -> LruCache:
+    tier = DiskTier(root, ns, {"test": True}, page_bytes(kv), budget)
+    return LruCache(PagePool(kv.num_pages, PS), kv, disk=DiskLink(tier, PS))
+
+
+def _compute(cache: LruCache, kv: KVCache, toks: list[int]) -> dict[int, list[torch.Tensor]]:
+    """'Compute' toks: fresh pages filled with values derived from the tokens, inserted. Returns page data by
+    page index in the sequence."""
+    n = len(toks) // PS
+    pages = cache.reserve(n)
+    assert pages is not None
+    out = {}
+    for i, p in enumerate(pages):
+        for t in (*kv.k, *kv.v):
+            t[p * PS : (p + 1) * PS] = torch.randn(PS, 2, 4)
+        out[i] = [t[p * PS : (p + 1) * PS].clone() for t in (*kv.k, *kv.v)]
+    cache.insert(toks, pages)
+    cache.check_integrity()
+    return out
+
+
+def _pages_of(kv: KVCache, pages: list[int]) -> list[list[torch.Tensor]]:
+    return [[t[p * PS : (p + 1) * PS].clone() for t in (*kv.k, *kv.v)] for p in pages]
+
+
+def test_evicted_pages_come_back_from_disk_exact_and_after_a_restart(tmp_path: Path) -> None:
+    kv = _kv()
+    cache = _cache(tmp_path, kv)
+    toks = list(range(100, 100 + 8 * PS))
+    data = _compute(cache, kv, toks)
+    assert cache.evict(8) == 8 and cache.gpu_pages == 0  # no host tier: written to disk, freed
+    assert cache.stats().disk_pages == 8 and cache.stats().disk_written == 8
+    # The same prefix plus a new part: the match goes on on disk, the lock reads it back.
+    m = cache.match([*toks, 1, 2, 3, 4, 5], "s")
+    assert m.num_tokens == 8 * PS and m.num_disk_tokens == 8 * PS and m.num_gpu_tokens == 0
+    lock = cache.lock(m)
+    assert lock.num_tokens == 8 * PS and lock.num_disk_tokens == 8 * PS
+    got = _pages_of(kv, lock.pages)
+    assert all(torch.equal(a, b) for i in range(8) for a, b in zip(data[i], got[i], strict=True))
+    cache.check_integrity()
+    cache.release(lock.pages)
+    # A diverging sequence matches only the shared pages.
+    other = [*toks[: 3 * PS], *range(7, 7 + 5 * PS)]
+    assert cache.match(other).num_tokens == 3 * PS
+    # A restart: a new cache over the same directory finds every page (the index was flushed by persist).
+    cache.persist(5.0)
+    kv2 = _kv()
+    again = _cache(tmp_path, kv2)
+    m2 = again.match(toks[: 6 * PS + 2])
+    assert m2.num_tokens == 6 * PS and m2.num_disk_tokens == 6 * PS
+    got2 = _pages_of(kv2, again.lock(m2).pages)
+    assert all(torch.equal(a, b) for i in range(6) for a, b in zip(data[i], got2[i], strict=True))
+    again.check_integrity()
+
+
+def test_corrupt_and_torn_chunks_are_dropped_counted_never_served(tmp_path: Path) -> None:
+    kv = _kv()
+    cache = _cache(tmp_path, kv)
+    a = list(range(1, 1 + 3 * PS))
+    _compute(cache, kv, a)
+    cache.evict(3)  # one chunk: a's 3 pages
+    b = [*a, *range(50, 50 + 3 * PS)]
+    _compute(cache, kv, b)  # a's pages are back? no: recomputed here, then b's tail is a second chunk
+    cache.evict(12)
+    cache.persist(5.0)
+    chunks = sorted((tmp_path / "ns" / "chunks").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    assert len(chunks) == 2
+    tail = chunks[-1]
+    raw = bytearray(tail.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # a flipped byte in b's tail chunk
+    tail.write_bytes(bytes(raw))
+    (tmp_path / "ns" / "chunks" / "deadbeef.tmp").write_bytes(b"half a chunk")  # a crash's leftover
+    kv2 = _kv()
+    again = _cache(tmp_path, kv2)
+    assert again.stats().disk_torn == 1  # the leftover, found at start
+    m = again.match([*b, 9])
+    assert m.num_tokens == 6 * PS  # the index still names both chunks
+    lock = again.lock(m)
+    assert lock.num_tokens == 3 * PS  # the corrupt chunk is not served: its tokens are recomputed
+    assert again.stats().disk_torn == 2 and again.match([*b, 9]).num_disk_tokens == 0
+    again.check_integrity()
+
+
+def test_bounded_by_budget_other_namespaces_first(tmp_path: Path) -> None:
+    kv = _kv()
+    per_page = page_bytes(kv)
+    stale = tmp_path / "stale-model"
+    (stale / "chunks").mkdir(parents=True)
+    (stale / "chunks" / "x.kv").write_bytes(b"\0" * per_page * 2)
+    cache = _cache(tmp_path, kv, budget=5 * per_page)
+    for j in range(4):
+        _compute(cache, kv, list(range(1000 * j, 1000 * j + 2 * PS)))
+        cache.evict(2)
+    t = cache.disk.tier  # type: ignore[union-attr]
+    assert not stale.exists()  # the other namespace went first
+    assert t.bytes_used <= 5 * per_page and t.num_pages == 4  # then the oldest chunks of this one
+    assert cache.match(list(range(3000, 3000 + 2 * PS))).num_disk_tokens == 2 * PS  # the newest is kept
+    assert cache.match(list(range(0, 2 * PS))).num_disk_tokens == 0
+
+
+def test_a_full_disk_is_a_warning_not_a_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    kv = _kv()
+    cache = _cache(tmp_path, kv)
+    _compute(cache, kv, list(range(2 * PS)))
+
+    def enospc(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", enospc)  # what the kernel says when the disk is full
+    assert cache.evict(2) == 2  # the pages are dropped, eviction goes on
+    assert cache.stats().disk_pages == 0 and "No space left" in caplog.text
+    assert not list((tmp_path / "ns" / "chunks").iterdir())  # no temporary left behind
+
+
+def test_a_model_change_never_reuses_a_namespace(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"w" * 64)
+    (model / "tokenizer_config.json").write_text('{"chat_template": "a"}')
+    cfg = EngineConfig(model=str(model), dtype="float32", device="cpu")
+    kv = _kv()
+    base = namespace_for(cfg, kv).key
+    assert namespace_for(cfg, _kv()).key == base  # same model, same settings: the same namespace
+    keys = {
+        namespace_for(EngineConfig(model=str(model), dtype="bfloat16", device="cpu"), kv).key,
+        namespace_for(cfg, KVCache(2, 12, 8, 2, 4, torch.float32, "cpu")).key,  # page size
+        namespace_for(cfg, KVCache(2, 12, PS, 2, 4, torch.bfloat16, "cpu")).key,  # KV dtype
+        namespace_for(cfg, KVCache(3, 12, PS, 2, 4, torch.float32, "cpu")).key,  # layout
+        namespace_for(cfg, kv, tp=2).key,
+        namespace_for(EngineConfig(model=str(model), dtype="float32", device="cpu", exact_cpu=True), kv).key,
+    }
+    (model / "tokenizer_config.json").write_text('{"chat_template": "b"}')  # another chat template
+    keys.add(namespace_for(cfg, kv).key)
+    (model / "model.safetensors").write_bytes(b"v" * 65)  # other weights
+    keys.add(namespace_for(cfg, kv).key)
+    assert base not in keys and len(keys) == 8
+
+
+def test_a_garbled_index_starts_empty_never_fails(tmp_path: Path) -> None:
+    kv = _kv()
+    cache = _cache(tmp_path, kv)
+    _compute(cache, kv, list(range(2 * PS)))
+    cache.evict(2)
+    cache.persist(5.0)
+    for garbage in ('{"chunks": [{"name": 1}]}', "{not json"):
+        (tmp_path / "ns" / "index.json").write_text(garbage)
+        again = _cache(tmp_path, _kv())
+        assert again.stats().disk_pages == 0 and again.match(list(range(2 * PS + 1))).num_tokens == 0
+        assert not list((tmp_path / "ns" / "chunks").iterdir())  # the unindexed chunk went, counted
+
+
+def test_sessions_come_back_under_their_ids_on_disk(tmp_path: Path) -> None:
+    kv = _kv()
+    cache = _cache(tmp_path, kv)
+    toks = list(range(40, 40 + 5 * PS))
+    pages = cache.reserve(5)
+    assert pages is not None
+    cache.insert(toks, pages, "agent-7")
+    cache.end_turn("agent-7")
+    cache.persist(5.0)
+    again = _cache(tmp_path, _kv())
+    assert again.restore_sessions() == 1 and "agent-7" in again.sessions
+    assert again.session_pages("agent-7")[Tier.DISK] == 5 and again.stats().disk_sessions == 1
+    m = again.match([*toks, 1, 2])  # no id: the request is recognised by its history on disk
+    assert m.session == "agent-7" and m.num_disk_tokens == 5 * PS
+    assert again.match(toks[: 3 * PS]).session is None  # a prefix of it is not its next turn
+    again.lock(m)
+    assert again.session_pages("agent-7") == {Tier.GPU: 5, Tier.HOST: 0, Tier.DISK: 0}  # back: not "on disk"
+    again.check_integrity()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_page_bytes_round_trip_bf16_exact(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    kv = KVCache(3, 6, PS, 2, 8, torch.bfloat16, device)
+    for t in (*kv.k, *kv.v):
+        t.copy_(torch.randn(t.shape).to(torch.bfloat16))
+    blob = pages_to_bytes(kv, [4, 1])
+    assert len(blob) == 2 * page_bytes(kv)
+    out = KVCache(3, 6, PS, 2, 8, torch.bfloat16, device)
+    bytes_to_pages(out, [2, 5], [blob[: page_bytes(kv)], blob[page_bytes(kv) :]])
+    for a, b in zip((*kv.k, *kv.v), (*out.k, *out.v), strict=True):
+        assert torch.equal(a[4 * PS : 5 * PS], b[2 * PS : 3 * PS]) and torch.equal(a[PS : 2 * PS], b[5 * PS : 6 * PS])
