@@ -123,7 +123,9 @@ class ModelRunner:
         self.rows = RowAssigner(self.num_rows) if self.rank == 0 else None
         self.graphs = build_decode_graphs(
             # The delta-net layers pick their path per sequence in Python: not capturable yet.
-            not config.enforce_eager and self.state_cache is None, self.device, self.backend,
+            not config.enforce_eager and self.state_cache is None
+            and getattr(lm.model, "supports_cuda_graphs", True),  # MLA reads host-side lengths (eager)
+            self.device, self.backend,
             lambda: DecodeGraphs(
                 lm.model, self.backend, self.page_size, config.max_num_seqs, self.page_table.table.shape[1],
                 self.device,

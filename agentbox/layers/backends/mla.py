@@ -1,0 +1,127 @@
+"""Multi-head latent attention (MLA: DeepSeek V2/V3, GLM-4.7-Flash) over the paged KV pool, torch reference.
+
+The pool keeps, per token and layer, one "head" of kv_lora_rank + rope_dim values (512 + 64): the normed
+latent c and the rotated shared rope key k_pe (`KVLayerSpec(1, 576, 512, tied=True)`: V is the latent's first
+kv_lora_rank values, stored once). Every tensor-parallel rank keeps the whole latent (it is shared by all
+heads); the ranks split the heads of the up-projections W_UK, W_UV (kv_b_proj) instead.
+
+Two ways to attend, the same numbers:
+- expanded (prefill): each visible key's latent goes through kv_b_proj into per-head k_nope [192] and v [256];
+  the query [q_nope | q_pe] attends over [k_nope | k_pe] as ordinary multi-head attention. Cheap when the
+  queries are many: the up-projection is paid once per key, not once per query head and key.
+- absorbed (decode): W_UK folds into the query (q_lat = q_nope W_UK, [H, 512]), so the query [q_lat | q_pe]
+  attends straight over the cached 576 values as one-kv-head attention, the output latent is mapped by W_UV.
+  No key is ever expanded: what vLLM, SGLang and FlashMLA do for decode.
+
+A backend may bring its own kernel as `forward_mla(layer_id, q, latent_keys, meta, scale)` (the absorbed
+form: q [T, H, 576], returns [T, H, kv_lora_rank]); otherwise the torch reference below runs (any device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata
+from agentbox.layers.backends.torch_backend import _StepLayout, build_layout
+
+
+@dataclass(frozen=True)
+class MLAWeights:
+    """This rank's heads of kv_b_proj as dense matrices for the absorbed form."""
+
+    w_uk: torch.Tensor  # [H, qk_nope_dim, kv_lora_rank]
+    w_uv: torch.Tensor  # [H, v_head_dim, kv_lora_rank]
+
+
+class _LayoutMemo:
+    """The gather layout of the step being run, built once for every MLA layer of that step."""
+
+    meta: AttentionMetadata | None = None
+    layout: _StepLayout | None = None
+
+    def get(self, meta: AttentionMetadata, device: torch.device) -> _StepLayout:
+        if self.meta is not meta or self.layout is None:
+            self.meta, self.layout = meta, build_layout(meta, device)
+        return self.layout
+
+
+_memo = _LayoutMemo()
+
+
+def write_latent(backend: AttentionBackend, layer_id: int, latent_keys: torch.Tensor) -> torch.Tensor:
+    """Store the step's [T, 576] latent + rope keys at the metadata's slots; returns the layer's cache
+    [num_slots, 1, 576]."""
+    meta = backend.meta
+    if meta is None:
+        raise RuntimeError("MLA attention before the backend's begin(meta)")
+    cache = backend.kv_cache.k[layer_id]
+    slots = meta.slot_mapping.to(cache.device, torch.int64)
+    cache.index_copy_(0, slots, latent_keys.unsqueeze(1).to(cache.dtype))
+    return cache
+
+
+def _padded(q: torch.Tensor, lay: _StepLayout) -> torch.Tensor:
+    """[T, H, D] -> [B, H, max_q, D] with zero rows for padding."""
+    t, h, d = q.shape
+    out = q.new_zeros(lay.num_seqs * lay.max_q, h, d)
+    out[lay.q_index] = q
+    return out.view(lay.num_seqs, lay.max_q, h, d).transpose(1, 2)
+
+
+def _unpadded(out: torch.Tensor, lay: _StepLayout) -> torch.Tensor:
+    """[B, H, max_q, D] -> [T, H, D]."""
+    b, h, q, d = out.shape
+    return out.transpose(1, 2).reshape(b * q, h, d)[lay.q_index]
+
+
+def absorbed_reference(
+    q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, kv_lora_rank: int, scale: float
+) -> torch.Tensor:
+    """q: [T, H, kv_lora_rank + rope] (q_nope already through W_UK); cache [slots, 1, kv_lora_rank + rope].
+    Returns the attended latent [T, H, kv_lora_rank]."""
+    lay = _memo.get(meta, cache.device)
+    keys = cache[lay.kv_slots].to(q.dtype).transpose(1, 2)  # [B, 1, max_kv, 576]
+    out = F.scaled_dot_product_attention(
+        _padded(q, lay), keys, keys[..., :kv_lora_rank], attn_mask=lay.mask, scale=scale, enable_gqa=True
+    )
+    return _unpadded(out, lay)
+
+
+def expanded_reference(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_b_proj: torch.nn.Module,
+    dims: tuple[int, int, int],
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, nope + rope]; dims (kv_lora_rank, qk_nope_dim, v_head_dim). Every visible key's latent is
+    expanded by kv_b_proj into this rank's heads. Returns [T, H, v_head_dim]."""
+    rank, nope, v_dim = dims
+    lay = _memo.get(meta, cache.device)
+    latent = cache[lay.kv_slots][:, :, 0].to(q.dtype)  # [B, max_kv, 576]
+    b, kv, h = latent.shape[0], latent.shape[1], q.shape[1]
+    kv_up = kv_b_proj(latent[..., :rank].reshape(b * kv, rank)).view(b, kv, h, nope + v_dim)
+    k_pe = latent[..., rank:].unsqueeze(2).expand(b, kv, h, latent.shape[-1] - rank)
+    keys = torch.cat([kv_up[..., :nope], k_pe], dim=-1).transpose(1, 2)  # [B, H, max_kv, nope + rope]
+    values = kv_up[..., nope:].transpose(1, 2)
+    out = F.scaled_dot_product_attention(_padded(q, lay), keys, values, attn_mask=lay.mask, scale=scale)
+    return _unpadded(out, lay)
+
+
+def mla_absorbed(
+    backend: AttentionBackend, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
+    cache: torch.Tensor, w: MLAWeights, scale: float,
+) -> torch.Tensor:
+    """The absorbed form end to end: [T, H, v_head_dim]."""
+    meta = backend.meta
+    assert meta is not None
+    rank = w.w_uk.shape[-1]
+    q_lat = torch.einsum("thn,hnc->thc", q_nope, w.w_uk.to(q_nope.dtype))
+    q = torch.cat([q_lat, q_pe], dim=-1)
+    own = getattr(backend, "forward_mla", None)
+    out_lat = own(layer_id, q, meta, scale) if own is not None else absorbed_reference(q, cache, meta, rank, scale)
+    return torch.einsum("thc,hvc->thv", out_lat, w.w_uv.to(out_lat.dtype))
