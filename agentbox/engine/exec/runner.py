@@ -76,7 +76,7 @@ class ModelRunner:
         self.num_rows = config.max_num_seqs + 1  # one page-table row per running request, one for LLM.logits
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
         self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
-        page_bytes = self._make_pool()
+        self.page_bytes = page_bytes = self._make_pool()  # this rank's bytes of one page, every KV layer
         self._make_execution()
         log.info(
             "rank %d/%d: weights %.1f MiB, KV pool %d pages of %d tokens (%.1f MiB), attention backend %s, "
