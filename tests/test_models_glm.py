@@ -101,3 +101,21 @@ def test_engine_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001
     prompts = [PROMPT, LONG[:40], [3, 1, 4, 1, 5]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 10) for p in prompts]
+
+
+def test_gguf_matches_transformers(tmp_path) -> None:  # noqa: ANN001
+    """The same model as llama.cpp writes it (`deepseek2`, split attn_k_b / attn_v_b, Q8_0 linear weights and
+    experts): logits of prefill, a chunk over the cached prefix and decode match the transformers twin."""
+    from glm_gguf import write_glm_gguf
+
+    from agentbox.layers.quant import int4
+
+    hf = save_glm(tiny_config(), tmp_path / "hf")
+    path = write_glm_gguf(hf, tmp_path / "glm.gguf")
+    with int4.cpu_kernel(int4.Int4Kernel.DENSE):  # compared with an fp32 twin: the exact CPU path
+        ours = load_model(str(path), torch.float32, "cpu")
+    assert isinstance(ours.model, Glm4MoeLiteForCausalLM) and ours.hf_config.mlp_layer_types == hf.config.mlp_layer_types
+    runner = PagedRunner(ours, page_size=4)
+    out = [runner.step({0: LONG[:40]})[0], runner.step({0: LONG[40:]})[0]]
+    out += [runner.step({0: [t]})[0] for t in DECODE]
+    torch.testing.assert_close(torch.cat(out), hf_logits(hf, LONG + DECODE), atol=ATOL, rtol=ATOL)
