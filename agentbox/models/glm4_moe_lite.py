@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from agentbox.layers.backends.base import KVLayerSpec
-from agentbox.layers.backends.mla import MLAWeights, expanded_reference, mla_absorbed, write_latent
+from agentbox.layers.backends.mla import MLAWeights, expanded_reference, has_kernels, mla_absorbed, write_latent
 from agentbox.layers.context import get_forward_context
 from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agentbox.layers.experts import ExpertShard, FusedMoE
@@ -114,8 +114,8 @@ class MLAttention(nn.Module):
         k_pe = self._rope(positions, kv[:, None, self.rank :])[:, 0]
         ctx = get_forward_context()
         cache = write_latent(ctx.backend, self.layer_id, torch.cat([latent, k_pe], dim=-1))
-        if ctx.meta.is_decode_only:
-            out = mla_absorbed(ctx.backend, self.layer_id, q_nope, q_pe, cache, self._weights(), self.scale)
+        if ctx.meta.is_decode_only or has_kernels(ctx.backend):
+            out = mla_absorbed(ctx.backend, q_nope, q_pe, cache, self._weights(), self.scale)
         else:
             dims = (self.rank, self.nope, self.v_dim)
             out = expanded_reference(torch.cat([q_nope, q_pe], -1), cache, ctx.meta, self.kv_b_proj, dims, self.scale)

@@ -13,8 +13,9 @@ Two ways to attend, the same numbers:
   attends straight over the cached 576 values as one-kv-head attention, the output latent is mapped by W_UV.
   No key is ever expanded: what vLLM, SGLang and FlashMLA do for decode.
 
-A backend may bring its own kernel as `forward_mla(layer_id, q, latent_keys, meta, scale)` (the absorbed
-form: q [T, H, 576], returns [T, H, kv_lora_rank]); otherwise the torch reference below runs (any device).
+The triton backend runs both steps in the absorbed form with kernels/mla_attention.py (decode: one query row
+per sequence; prefill chunks: one row per new token over its visible prefix); other backends run the torch
+references below (any device): expanded for steps with a prefill chunk, absorbed for decode-only steps.
 """
 
 from __future__ import annotations
@@ -112,16 +113,33 @@ def expanded_reference(
     return _unpadded(out, lay)
 
 
-def mla_absorbed(
-    backend: AttentionBackend, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
-    cache: torch.Tensor, w: MLAWeights, scale: float,
-) -> torch.Tensor:
-    """The absorbed form end to end: [T, H, v_head_dim]."""
+def has_kernels(backend: AttentionBackend) -> bool:
+    """Whether the backend runs MLA in its own kernels (then every step takes the absorbed form)."""
+    return backend.name == "triton"
+
+
+def absorbed_attention(backend: AttentionBackend, q: torch.Tensor, cache: torch.Tensor, rank: int, scale: float) -> torch.Tensor:
+    """q [T, H, rank + rope] -> the attended latent [T, H, rank], by the backend's kernel or the reference."""
     meta = backend.meta
     assert meta is not None
+    if not has_kernels(backend):
+        return absorbed_reference(q, cache, meta, rank, scale)
+    from agentbox.kernels import mla_attention  # imported on first use: triton reads TRITON_INTERPRET then
+
+    meta.ensure_device_tensors(cache.device)
+    assert meta.kv_lens_tensor is not None and meta.query_start_loc is not None
+    common = dict(rank=rank, page_size=meta.page_size, scale=scale)
+    if meta.is_decode_only:
+        return mla_attention.mla_decode(q, cache, meta.page_table, meta.kv_lens_tensor, **common)
+    return mla_attention.mla_extend(q, cache, meta.page_table, meta.query_start_loc, meta.kv_lens_tensor, **common)
+
+
+def mla_absorbed(
+    backend: AttentionBackend, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, w: MLAWeights,
+    scale: float,
+) -> torch.Tensor:
+    """The absorbed form end to end: W_UK into the query, attention over the latent, W_UV out. [T, H, v_head_dim]."""
     rank = w.w_uk.shape[-1]
     q_lat = torch.einsum("thn,hnc->thc", q_nope, w.w_uk.to(q_nope.dtype))
-    q = torch.cat([q_lat, q_pe], dim=-1)
-    own = getattr(backend, "forward_mla", None)
-    out_lat = own(layer_id, q, meta, scale) if own is not None else absorbed_reference(q, cache, meta, rank, scale)
+    out_lat = absorbed_attention(backend, torch.cat([q_lat, q_pe], dim=-1), cache, rank, scale)
     return torch.einsum("thc,hvc->thv", out_lat, w.w_uv.to(out_lat.dtype))
