@@ -26,7 +26,13 @@ import torch
 from torch import nn
 
 from agentbox.layers.backends.base import KVLayerSpec
-from agentbox.layers.backends.mla import MLAWeights, expanded_reference, has_kernels, mla_absorbed, write_latent
+from agentbox.layers.backends.mla import (
+    MLAWeights,
+    expanded_reference,
+    has_kernels,
+    mla_absorbed,
+    write_latent,
+)
 from agentbox.layers.context import get_forward_context
 from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agentbox.layers.experts import ExpertShard, FusedMoE

@@ -6,8 +6,8 @@ from typing import Any
 
 from torch import nn
 
-from agentbox.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
+from agentbox.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from agentbox.models.gpt_oss import GptOssForCausalLM
 from agentbox.models.llama import LlamaForCausalLM
 from agentbox.models.qwen3_5 import Qwen3_5ForConditionalGeneration, Qwen3HybridGGUF, Qwen3NextForCausalLM
