@@ -119,3 +119,24 @@ def test_gguf_matches_transformers(tmp_path) -> None:  # noqa: ANN001
     out = [runner.step({0: LONG[:40]})[0], runner.step({0: LONG[40:]})[0]]
     out += [runner.step({0: [t]})[0] for t in DECODE]
     torch.testing.assert_close(torch.cat(out), hf_logits(hf, LONG + DECODE), atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "awq"])  # gptq: the same int4 method (checked once by hand)
+def test_quantised_checkpoints_match_their_twin(fmt: str, tmp_path) -> None:  # noqa: ANN001
+    """FP8 block (128 x 128) and AWQ checkpoints of a GLM whose every linear dim is whole blocks and
+    groups (kv_a_proj_with_mqa quantised too, as released): prefill and decode logits equal the dequantised
+    twin's in transformers."""
+    from quant_checkpoints import quantise_saved
+
+    from agentbox.layers.quant import int4
+
+    dims = dict(hidden_size=128, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=128, qk_nope_head_dim=128,
+                v_head_dim=128, num_attention_heads=2, num_key_value_heads=2, moe_intermediate_size=128,
+                intermediate_size=256, num_hidden_layers=2)
+    save_glm(tiny_config(**dims), tmp_path / fmt)
+    twin = quantise_saved(tmp_path / fmt, fmt)
+    with int4.cpu_kernel(int4.Int4Kernel.DENSE):
+        ours = load_model(str(tmp_path / fmt), torch.float32, "cpu")
+    runner = PagedRunner(ours, page_size=4)
+    out = [runner.step({0: PROMPT})[0]] + [runner.step({0: [t]})[0] for t in DECODE]
+    torch.testing.assert_close(torch.cat(out), hf_logits(twin, PROMPT + DECODE), atol=ATOL, rtol=ATOL)
