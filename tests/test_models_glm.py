@@ -84,6 +84,18 @@ def test_absorbed_equals_expanded() -> None:
     torch.testing.assert_close(absorbed, expanded, atol=1e-4, rtol=1e-4)
 
 
+def test_mla_scale_follows_transformers_yarn_mscale() -> None:
+    from transformers.models.glm4_moe_lite.modeling_glm4_moe_lite import yarn_apply_mscale
+
+    from agentbox.models.glm4_moe_lite import mla_scale
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
+            "rope_theta": 10000.0}
+    for config in (tiny_config(), tiny_config(rope_parameters=yarn)):
+        assert mla_scale(config) == pytest.approx(yarn_apply_mscale(config.rope_parameters, 20**-0.5))
+    assert mla_scale(tiny_config(rope_parameters=yarn)) > 20**-0.5
+
+
 def test_mtp_layer_skipped_in_log(tiny, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
     path, _, _ = tiny
     with caplog.at_level(logging.INFO, logger="agentbox.models.weight_loader"):

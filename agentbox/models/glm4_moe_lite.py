@@ -20,6 +20,7 @@ num_hidden_layers, `num_nextn_predict_layers`) is skipped at load and named in t
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -50,9 +51,10 @@ def mla_scale(config: Any) -> float:
     transformers' DeepSeek / GLM attention computes it)."""
     scale = float(config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     _, scaling = rope_parameters(config)
-    if scaling and scaling.get("mscale_all_dim"):
-        m = 0.1 * float(scaling["mscale_all_dim"]) * torch.log(torch.tensor(float(scaling["factor"]))).item() + 1.0
-        scale *= m * m if float(scaling["factor"]) > 1 else 1.0
+    factor = float((scaling or {}).get("factor") or 1.0)
+    if scaling and scaling.get("mscale_all_dim") and factor > 1:
+        m = 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale *= m * m
     return scale
 
 

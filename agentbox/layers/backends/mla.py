@@ -21,12 +21,16 @@ references below (any device): expanded for steps with a prefill chunk, absorbed
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata
-from agentbox.layers.backends.torch_backend import _StepLayout, build_layout
+from agentbox.layers.backends.torch_backend import build_layout
+
+if TYPE_CHECKING:  # the torch backend's gather layout, reused as is (its type is only named here)
+    from agentbox.layers.backends.torch_backend import _StepLayout
 
 
 @dataclass(frozen=True)
