@@ -95,6 +95,9 @@ block gpu_moe 60 "$PY" -m agentbox.bench.gpu_moe
 # Quantised experts (issue 14): int4 / FP8 block / MXFP4 fused-MoE kernels against the same kernel on bf16
 # experts at Qwen3-30B-A3B's and gpt-oss-20b's expert shapes, 1 and 16 tokens (agentbox/bench/gpu_moe_quant.py).
 block moe_quant 45 "$PY" -m agentbox.bench.gpu_moe_quant
+# MLA (issue 23): tiny GLM-4.7-Flash bf16 logits against transformers (torch and triton backends), the Triton
+# MLA decode kernel against its twin at the real shape, decode tok/s at batch 1 and 8 (random 4-layer model).
+block gpu_mla 90 "$PY" -m agentbox.bench.gpu_mla
 # Tensor parallel (issue 11): tp 2 over NCCL against tp 1; needs two GPUs (CPU tests cover tp 2 over gloo).
 ngpu="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 if [[ "$ngpu" -ge 2 ]]; then
@@ -102,7 +105,7 @@ if [[ "$ngpu" -ge 2 ]]; then
 else
     echo "gpu_check: tp 2 check skipped: $ngpu GPU visible, tensor parallel needs two" >&2
 fi
-# Other blocks go here, one line each. Time limits so far: 120 + 70 + 60 + 110 + 60 + 45 = 465 s on one GPU
+# Other blocks go here, one line each. Time limits so far: 120 + 70 + 60 + 110 + 60 + 45 + 90 = 555 s on one GPU
 # (+ 120 s tp on two), expected well under (most of it Triton compiling on a cold cache); keep it under 8 minutes.
 
 json="$extra/gpu_check.json"

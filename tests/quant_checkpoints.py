@@ -18,6 +18,8 @@ CONFIG = dict(
     num_attention_heads=4, num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
     rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="float16",
 )
+# Linear weights as released checkpoints name them (MLA's kv_a_proj_with_mqa too: DeepSeek / GLM quantise it).
+LINEAR_WEIGHTS = ("_proj.weight", "_proj_with_mqa.weight")
 INPUT_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
 PROMPT = [5, 17, 100, 3, 99, 42, 7, 120, 64, 1, 33, 8]
 
@@ -79,7 +81,7 @@ def quantise_int4_state(
     gen = torch.Generator().manual_seed(1)
     perms: dict[tuple[str, int], torch.Tensor] = {}
     for name, p in state.items():
-        if not name.endswith("_proj.weight"):
+        if not name.endswith(LINEAR_WEIGHTS):
             out[name] = p.half()
             twin[name] = out[name].float()
             continue
@@ -172,7 +174,7 @@ def quantise_fp8_state(
     twin: dict[str, torch.Tensor] = {}
     for name, p in state.items():
         p = p.bfloat16().float()
-        if not name.endswith("_proj.weight"):
+        if not name.endswith(LINEAR_WEIGHTS):
             out[name], twin[name] = p.bfloat16(), p
             continue
         rows, cols = p.shape

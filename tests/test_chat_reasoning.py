@@ -16,6 +16,10 @@ CASES = [
     ("deepseek_r1", False, "First, consider x.</think>The answer is x.", "First, consider x.", "The answer is x."),
     ("deepseek_r1", False, "<think>y</think>\nz", "y", "z"),
     ("none", False, "<think>kept</think>", "", "<think>kept</think>"),
+    # GLM-4.7: an empty thinking block is its closer alone, whether or not the prompt opened it
+    ("glm45", False, "</think><tool_call>ls</tool_call>", "", "<tool_call>ls</tool_call>"),
+    ("glm45", True, "</think>Done.", "", "Done."),
+    ("qwen3", False, "</think>\nDone.", "", "Done."),
 ]
 
 

@@ -15,7 +15,7 @@ from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.stats import EngineStats, to_json
 
 STATS_KEYS = {"uptime_s", "running", "waiting", "pool", "cache", "counters", "admission", "sessions", "parallel"}
-POOL_KEYS = {"total_pages", "free_pages", "used_pages", "page_size", "running_pages"}
+POOL_KEYS = {"total_pages", "free_pages", "used_pages", "page_size", "running_pages", "kv_bytes_per_token"}
 CACHE_KEYS = {"policy", "gpu_pages", "host_pages", "host_total_pages", "leased_pages", "evictions", "demotions",
               "promotions", "host_evictions", "sessions", "live_leases"}
 COUNTER_KEYS = {"requests", "prompt_tokens", "cached_tokens", "host_cached_tokens", "recomputed_history_tokens",
@@ -50,6 +50,9 @@ def test_query_answers_are_typed_and_keep_their_json(smollm2_loaded, smollm2_pat
     assert set(st["admission"]) == {"queued_new_sessions", "timeouts", "rejections"}
     assert set(st["sessions"]) == {"count", "live_leases"}
     assert st["parallel"]["tensor_parallel_size"] == 1
+    # K and V of every layer, fp32: 2 x layers x kv heads x head dim x 4 bytes
+    lm = smollm2_loaded
+    assert st["pool"]["kv_bytes_per_token"] == 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * 4
     assert st["cache"]["policy"] == "session" and st["sessions"]["count"] == 1
     assert st["counters"]["requests"] == 2 and st["counters"]["cached_tokens"] == second.num_cached_tokens
     assert st["counters"]["generated_tokens"] == 6

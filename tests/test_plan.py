@@ -149,14 +149,26 @@ def test_gpt_oss_20b_on_a_16gb_card_fits_with_a_shorter_context() -> None:
     assert run("gpt-oss-20b", "1x-rtx4080", context=context + 1024).chosen is None
 
 
-def test_glm_flash_stays_refused_with_its_reason() -> None:
-    p = run("GLM-4.7-Flash", "1x-h100")
-    assert p.chosen is None
-    assert all(c.reasons[0] == "engine: Glm4MoeLiteForCausalLM: multi-head latent attention (MLA) is not implemented"
-               for c in p.candidates)
-    assert not engine_runs(find_profile("GLM-4.7-Flash"))
-    for name in ("gpt-oss-20b", "Qwen3-Coder-30B-A3B-Instruct", "Qwen3-8B", "SmolLM2-135M-Instruct"):
-        assert engine_runs(find_profile(name))
+def test_glm_flash_mla_cache_is_sized_exactly_and_a_variant_is_chosen() -> None:
+    """MLA keeps one latent (kv_lora_rank) + one rope key per token and layer, on every rank: the planner sizes
+    it from the config values and does not divide it by tp."""
+    prof = find_profile("GLM-4.7-Flash")
+    assert prof.mla and prof.kv_bytes_per_token(2) == 47 * (512 + 64) * 2 == 54_144
+    for hw in ("1x-rtx4090", "1x-rtx5090", "2x-rtx5090"):
+        p = run("GLM-4.7-Flash", hw)
+        assert p.chosen is not None, hw
+        assert p.chosen.kv_bytes == 54_144 * p.context * p.sessions
+        assert "every rank keeps the whole latent cache" in p.chosen.arithmetic
+    bf16 = cand(run("GLM-4.7-Flash", "2x-rtx5090"), "bf16")
+    assert bf16.tp == 2 and bf16.need_per_device == bf16.weights_bytes // 2 + bf16.kv_bytes + bf16.reserve_bytes
+    assert engine_runs(prof)
+    from agentbox.cli.main import app
+
+    result = CliRunner().invoke(app, ["plan", "GLM-4.7-Flash", "--hardware", str(HW / "1x-rtx4090.json"), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    chosen = next(c for c in data["candidates"] if c["variant"] == data["chosen"])
+    assert data["kv_bytes_per_token"] == 54_144 and chosen["kv_replicated"] is True
 
 
 def test_gpt_oss_120b_mxfp4_does_not_fit_32gb_cards() -> None:

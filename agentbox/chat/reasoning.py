@@ -23,6 +23,7 @@ class ReasoningStyle:
 REASONING_STYLES: dict[str, ReasoningStyle | None] = {
     "qwen3": ReasoningStyle("qwen3"),
     "deepseek_r1": ReasoningStyle("deepseek_r1", always_starts_inside=True),
+    "glm45": ReasoningStyle("glm45"),  # GLM-4.5/4.7: an empty block may be its closer alone (`</think>`)
     "none": None,
 }
 
@@ -84,8 +85,12 @@ class ReasoningSplitter:
                     self.buf = rest[len(s.start) :]
                     self.inside, self.opening_allowed = True, False
                     continue
-                if s.start.startswith(rest) and not final:
-                    break  # could still be the opener
+                if rest.startswith(s.end):  # an empty block written as its closer alone (GLM-4.7): no content
+                    self.buf = rest[len(s.end) :]
+                    self.inside, self.opening_allowed, self.done, self.strip_next = False, False, True, True
+                    continue
+                if (s.start.startswith(rest) or s.end.startswith(rest)) and not final:
+                    break  # could still be the opener or a lone closer
                 self.opening_allowed = False
                 self.done = not self.inside
                 continue

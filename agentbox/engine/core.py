@@ -351,6 +351,7 @@ class EngineCore:
                 used_pages=self.pool.num_used,
                 page_size=self.pool.page_size,
                 running_pages=len(sch.running_refs()),
+                kv_bytes_per_token=self.runner.page_bytes // self.pool.page_size,
             ),
             cache=self.cache.stats(),
             counters=replace(self.counters),

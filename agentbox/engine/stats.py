@@ -36,6 +36,7 @@ class PoolStats:
     used_pages: int
     page_size: int
     running_pages: int
+    kv_bytes_per_token: int = 0  # one rank's KV pool bytes per cached token, every layer (MLA: the latent)
 
 @dataclass(frozen=True)
 class AdmissionStats:

@@ -44,6 +44,7 @@ ENGINE_ARCHITECTURES = frozenset(
         "Qwen3_5ForConditionalGeneration",
         "Qwen3_5MoeForConditionalGeneration",
         "Qwen3NextForCausalLM",
+        "Glm4MoeLiteForCausalLM",
     }
 )
 QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)
@@ -53,7 +54,7 @@ ARCHITECTURE_FORMATS: dict[str, frozenset[str]] = {"GptOssForCausalLM": frozense
 # Formats the MoE layer's experts load (layers/experts/__init__.py): the expert methods' registry.
 MOE_EXPERT_FORMATS = moe_expert_formats()
 # Architectures known and deliberately not run, with the missing piece named.
-ARCHITECTURE_GAPS = {"Glm4MoeLiteForCausalLM": "multi-head latent attention (MLA) is not implemented"}
+ARCHITECTURE_GAPS: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class Candidate:
     reasons: list[str] = field(default_factory=list)  # empty: accepted
     notes: list[str] = field(default_factory=list)
     decode_weight_bytes: int = 0  # weights one decoded token reads (MoE: the active parameters only)
+    kv_replicated: bool = False  # MLA: every rank keeps the whole latent cache (kv_bytes is then per rank)
 
     @property
     def ok(self) -> bool:
@@ -105,7 +107,8 @@ class Candidate:
 
     @property
     def need_per_device(self) -> int:
-        return self.weights_bytes // self.tp + self.kv_bytes // self.tp + self.reserve_bytes
+        kv = self.kv_bytes if self.kv_replicated else self.kv_bytes // self.tp
+        return self.weights_bytes // self.tp + kv + self.reserve_bytes
 
     @property
     def fits(self) -> bool:
@@ -116,8 +119,10 @@ class Candidate:
         # CPU plans against the machine's RAM (stable); a GPU's is its free memory
         where = "free per GPU" if self.device == "cuda" else "of RAM"
         op = "<=" if self.fits else ">"
+        kv = (f"{_num(self.kv_bytes)} KV (every rank keeps the whole latent cache)" if self.kv_replicated
+              else f"{_num(self.kv_bytes)}/{self.tp} KV")
         return (
-            f"{_num(self.weights_bytes)}/{self.tp} weights + {_num(self.kv_bytes)}/{self.tp} KV + "
+            f"{_num(self.weights_bytes)}/{self.tp} weights + {kv} + "
             f"{_num(self.reserve_bytes)} reserve = {_gb(self.need_per_device)} {op} {_gb(self.available_bytes)} {where}"
         )
 
@@ -131,6 +136,7 @@ class Candidate:
             "tp": self.tp,
             "weights_bytes": self.weights_bytes,
             "kv_bytes": self.kv_bytes,
+            "kv_replicated": self.kv_replicated,
             "reserve_bytes": self.reserve_bytes,
             "need_per_device": self.need_per_device,
             "available_bytes": self.available_bytes,
@@ -195,7 +201,9 @@ def plan(profile: Profile, probe: Probe, config: PlanConfig | None = None) -> Pl
     if best is not None and best.device == "cuda" and best.tp < len(probe.gpus):
         notes.append(
             f"{best.variant.name} fits at tp={best.tp}, leaving {len(probe.gpus) - best.tp} GPU(s) free; "
-            f"a larger tp splits weights and KV, buying room for more sessions or context"
+            + ("a larger tp splits the weights (every rank keeps the whole latent cache), buying room for more "
+               "sessions or context" if profile.mla else
+               "a larger tp splits weights and KV, buying room for more sessions or context")
         )
     return Plan(profile, probe, context, sessions, candidates, notes)
 
@@ -225,7 +233,8 @@ def _candidate(
         # Against the machine's RAM, not what is free this minute: the plan (and so what `serve` picks) must
         # not move with the page cache. Free RAM only rejects a variant that cannot load now, saying so.
         cand = Candidate(
-            variant, device, 1, weights, kv, int(config.cpu_reserve_gib * GIB), probe.host.ram_total
+            variant, device, 1, weights, kv, int(config.cpu_reserve_gib * GIB), probe.host.ram_total,
+            kv_replicated=profile.mla,
         )
     else:
         cand = _best_tp(profile, probe, variant, weights, kv, config)
@@ -295,7 +304,7 @@ MIN_USEFUL_CONTEXT = 4096  # below this an agent's system prompt alone does not 
 def fitting_context(cand: Candidate, profile: Profile, probe: Probe, sessions: int) -> int:
     """The longest context (a multiple of 1024 tokens) at which this candidate fits at its tp; 0 if none."""
     per_token = profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * sessions
-    room = (cand.available_bytes - cand.reserve_bytes - cand.weights_bytes // cand.tp) * cand.tp
+    room = (cand.available_bytes - cand.reserve_bytes - cand.weights_bytes // cand.tp) * (1 if cand.kv_replicated else cand.tp)
     room -= profile.state_bytes_per_session() * sessions
     return max(0, room // per_token // 1024 * 1024)
 
@@ -358,7 +367,8 @@ def moe_kernel_caveat(variant: Variant, device: str) -> str | None:
 
 
 def tp_sizes(profile: Profile, num_gpus: int) -> list[int]:
-    """Powers of two up to the GPU count that divide the KV heads (each rank holds whole heads)."""
+    """Powers of two up to the GPU count that divide the KV heads (each rank holds whole heads; MLA: the
+    profile's kv_heads are the attention heads whose up-projections the ranks split)."""
     sizes, tp = [], 1
     while tp <= max(1, num_gpus):
         if profile.kv_heads % tp == 0:
@@ -376,7 +386,8 @@ def _best_tp(
     for tp in tp_sizes(profile, len(probe.gpus)):
         used = by_free[:tp]
         reserve = int(config.reserve_gib * GIB + config.reserve_share * max(g.memory_total for g in used))
-        cand = Candidate(variant, "cuda", tp, weights, kv, reserve, min(g.memory_free for g in used))
+        cand = Candidate(variant, "cuda", tp, weights, kv, reserve, min(g.memory_free for g in used),
+                         kv_replicated=profile.mla)
         if cand.fits:
             return cand
     assert cand is not None  # tp_sizes always yields 1

@@ -77,6 +77,11 @@ class Profile:
     # fixed recurrent state of `state_bytes` per sequence (conv + fp32 matrices, engine/layers/recurrent_state.py).
     kv_layers_: int | None = None
     state_bytes: int = 0
+    # Multi-head latent attention (GLM-4.7-Flash, DeepSeek): the cache keeps one latent of kv_lora_rank and one
+    # rope key per token and layer, and every tensor-parallel rank keeps all of it (tp splits the heads of the
+    # up-projections, not the latent). 0: ordinary K and V heads.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
 
     @property
     def active_params(self) -> int:
@@ -89,9 +94,17 @@ class Profile:
         names = ", ".join(v.name for v in self.variants)
         raise ProfileError(f"{self.name} has no variant {name!r} (it has: {names})")
 
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V for every attention layer: 2 x kv layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * (self.kv_layers_ or self.layers) * self.kv_heads * self.head_dim * dtype_bytes
+        """K and V for every attention layer: 2 x kv layers x kv_heads x head_dim x dtype bytes; MLA: the
+        latent and the rope key, kv layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, on each rank."""
+        layers = self.kv_layers_ or self.layers
+        if self.mla:
+            return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
+        return 2 * layers * self.kv_heads * self.head_dim * dtype_bytes
 
     def state_bytes_per_session(self) -> int:
         """A hybrid model's recurrent state a session holds: while it runs, its live state and its copy at the
@@ -170,6 +183,8 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         expert_params=int(data.get("expert_params", 0)),
         kv_layers_=int(data["kv_layers"]) if "kv_layers" in data else None,
         state_bytes=int(data.get("state_bytes", 0)),
+        kv_lora_rank=int(data.get("kv_lora_rank", 0)),
+        qk_rope_head_dim=int(data.get("qk_rope_head_dim", 0)),
     )
 
 

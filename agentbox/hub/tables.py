@@ -40,9 +40,8 @@ def render_plan(p: Plan, width: int | None = None) -> Group:
                      f" on {describe_machine(p.probe)}", width, 0)
     lines[0].stylize("bold", 0, len(prof.name))
     lines += _wrapped(
-        f"context {p.context:,} tokens x {p.sessions} session(s); KV {kv_tok / 1024:.0f} KiB/token = 2 x "
-        f"{prof.kv_layers_ or prof.layers} {'attention ' if prof.kv_layers_ else ''}layers x {prof.kv_heads} kv "
-        f"heads x {prof.head_dim} head dim x {2 if p.probe.gpus else 4} bytes"
+        f"context {p.context:,} tokens x {p.sessions} session(s); KV {kv_tok / 1024:.0f} KiB/token = "
+        + _kv_formula(prof, 2 if p.probe.gpus else 4)
         + (f"; recurrent state {prof.state_bytes_per_session() / 2**20:.0f} MiB per session (live, page-aligned "
            f"copy, 2 snapshots)" if prof.state_bytes else ""), width, 0)
     chosen = p.chosen
@@ -120,3 +119,11 @@ def render_models(models: list[LocalModel]) -> Group:
     for line in lines:
         line.no_wrap, line.overflow = True, "ignore"  # the terminal wraps a long path; rich must not cut it
     return Group(*lines)
+
+
+def _kv_formula(prof: Profile, dtype_bytes: int) -> str:
+    layers = f"{prof.kv_layers_ or prof.layers} {'attention ' if prof.kv_layers_ else ''}layers"
+    if prof.mla:
+        return (f"{layers} x ({prof.kv_lora_rank} latent + {prof.qk_rope_head_dim} rope key) x {dtype_bytes} bytes, "
+                f"the whole latent cache on every tensor-parallel rank")
+    return f"2 x {layers} x {prof.kv_heads} kv heads x {prof.head_dim} head dim x {dtype_bytes} bytes"

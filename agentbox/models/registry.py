@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
+from agentbox.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from agentbox.models.gpt_oss import GptOssForCausalLM
 from agentbox.models.llama import LlamaForCausalLM
 from agentbox.models.qwen3_5 import Qwen3_5ForConditionalGeneration, Qwen3HybridGGUF, Qwen3NextForCausalLM
@@ -19,6 +20,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

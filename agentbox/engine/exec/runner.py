@@ -76,7 +76,7 @@ class ModelRunner:
         self.num_rows = config.max_num_seqs + 1  # one page-table row per running request, one for LLM.logits
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
         self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
-        page_bytes = self._make_pool()
+        self.page_bytes = page_bytes = self._make_pool()  # this rank's bytes of one page, every KV layer
         self._make_execution()
         log.info(
             "rank %d/%d: weights %.1f MiB, KV pool %d pages of %d tokens (%.1f MiB), attention backend %s, "
@@ -123,7 +123,9 @@ class ModelRunner:
         self.rows = RowAssigner(self.num_rows) if self.rank == 0 else None
         self.graphs = build_decode_graphs(
             # The delta-net layers pick their path per sequence in Python: not capturable yet.
-            not config.enforce_eager and self.state_cache is None, self.device, self.backend,
+            not config.enforce_eager and self.state_cache is None
+            and getattr(lm.model, "supports_cuda_graphs", True),  # MLA reads host-side lengths (eager)
+            self.device, self.backend,
             lambda: DecodeGraphs(
                 lm.model, self.backend, self.page_size, config.max_num_seqs, self.page_table.table.shape[1],
                 self.device,

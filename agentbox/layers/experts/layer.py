@@ -95,6 +95,11 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; router_logits: [T, E] (replicated on every rank). Returns [T, H], all-reduced."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(x, topk_weights, topk_ids)
+
+    def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] with the routing already chosen (a model with its own router: GLM's grouped top-k).
+        topk_weights [T, k] float32, topk_ids [T, k] int64. Returns [T, H], all-reduced."""
         return all_reduce(self.method.apply(self, x, topk_weights, topk_ids))
 
 

@@ -15,3 +15,32 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def select_experts_grouped(
+    router_logits: torch.Tensor,
+    top_k: int,
+    correction_bias: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's "noaux_tc" routing (GLM-4.5/4.7): sigmoid scores; the per-expert correction bias only
+    chooses (it is trained to balance load, never weights an output); the experts are first narrowed to the
+    `topk_group` groups whose best two biased scores sum highest, then the top k of those are taken; their
+    unbiased scores, renormalised when asked, times `scaling`, are the weights."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + correction_bias.float()
+    t, e = choice.shape
+    if n_group > 1:
+        group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
