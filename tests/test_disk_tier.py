@@ -25,7 +25,7 @@ PS = 4
 
 
 def _kv(num_pages: int = 12) -> KVCache:
-    return KVCache(2, num_pages, PS, 2, 4, torch.float32, "cpu")
+    return KVCache.uniform(2, num_pages, PS, 2, 4, torch.float32, "cpu")
 
 
 def _cache(root: Path, kv: KVCache, budget: int = 1 << 30, ns: str = "ns") -> LruCache:
@@ -154,9 +154,9 @@ def test_a_model_change_never_reuses_a_namespace(tmp_path: Path) -> None:
     assert namespace_for(cfg, _kv()).key == base  # same model, same settings: the same namespace
     keys = {
         namespace_for(EngineConfig(model=str(model), dtype="bfloat16", device="cpu"), kv).key,
-        namespace_for(cfg, KVCache(2, 12, 8, 2, 4, torch.float32, "cpu")).key,  # page size
-        namespace_for(cfg, KVCache(2, 12, PS, 2, 4, torch.bfloat16, "cpu")).key,  # KV dtype
-        namespace_for(cfg, KVCache(3, 12, PS, 2, 4, torch.float32, "cpu")).key,  # layout
+        namespace_for(cfg, KVCache.uniform(2, 12, 8, 2, 4, torch.float32, "cpu")).key,  # page size
+        namespace_for(cfg, KVCache.uniform(2, 12, PS, 2, 4, torch.bfloat16, "cpu")).key,  # KV dtype
+        namespace_for(cfg, KVCache.uniform(3, 12, PS, 2, 4, torch.float32, "cpu")).key,  # layout
         namespace_for(cfg, kv, tp=2).key,
         namespace_for(EngineConfig(model=str(model), dtype="float32", device="cpu", exact_cpu=True), kv).key,
     }

@@ -56,7 +56,7 @@ def namespace_for(config: EngineConfig, kv: KVCache, tp: int = 1) -> Namespace:
         "files": _files(model) if model.exists() else [],
         "dtype": config.resolved_dtype,
         "kv_dtype": str(t.dtype),
-        "kv_layout": [len(kv.k), int(t.shape[1]), int(t.shape[2])],
+        "kv_layout": [[s.num_kv_heads, s.head_dim, s.v_head_dim or s.head_dim, s.tied] for s in kv.specs],
         "page_size": kv.page_size,
         "tp": tp,
         "exact_cpu": config.exact_cpu,

@@ -15,11 +15,12 @@ def _slots(pages: list[int], page_size: int, device: torch.device) -> torch.Tens
 
 
 def pages_to_bytes(kv: KVCache, pages: list[int]) -> bytes:
-    """The bytes of `pages` (each page: [2 * layers, page_size, heads, head_dim], k layers then v)."""
+    """The bytes of `pages`; each page is every stored tensor's page_size slots in `kv.tensors()` order (layers
+    may differ in shape; a tied layer's V is its K, stored once)."""
     idx = _slots(pages, kv.page_size, kv.k[0].device)
-    staged = torch.stack([t.index_select(0, idx) for t in (*kv.k, *kv.v)])  # [2L, n * ps, H, D]
-    two_l, _, h, d = staged.shape
-    staged = staged.view(two_l, len(pages), kv.page_size, h, d).transpose(0, 1).contiguous().cpu()
+    n = len(pages)
+    parts = [t.index_select(0, idx).reshape(n, -1) for t in kv.tensors()]  # [pages, one layer's page]
+    staged = torch.cat(parts, dim=1).contiguous().cpu()  # page-major
     return staged.view(torch.uint8).numpy().tobytes()
 
 
@@ -27,11 +28,11 @@ def bytes_to_pages(kv: KVCache, pages: list[int], blobs: list[bytes]) -> None:
     """Write blobs (one per page, as pages_to_bytes made them) into `pages` of kv."""
     if not pages:
         return
-    t0 = kv.k[0]
-    _, h, d = t0.shape
+    tensors = kv.tensors()
+    device = tensors[0].device
     raw = torch.from_numpy(np.frombuffer(b"".join(blobs), dtype=np.uint8).copy())
-    staged = raw.view(t0.dtype).view(len(pages), 2 * len(kv.k), kv.page_size, h, d).transpose(0, 1)
-    staged = staged.reshape(2 * len(kv.k), len(pages) * kv.page_size, h, d).to(t0.device)
-    idx = _slots(pages, kv.page_size, t0.device)
-    for i, t in enumerate((*kv.k, *kv.v)):
-        t.index_copy_(0, idx, staged[i])
+    staged = raw.view(kv.dtype).view(len(pages), -1).to(device)
+    widths = [kv.page_size * t[0].numel() for t in tensors]
+    idx = _slots(pages, kv.page_size, device)
+    for t, part in zip(tensors, staged.split(widths, dim=1), strict=True):
+        t.index_copy_(0, idx, part.reshape(len(pages) * kv.page_size, *t.shape[1:]))

@@ -12,7 +12,6 @@ from agentbox.config import DISK_CACHE_MAX_GB, DISK_CACHE_SHARE, EngineConfig
 from agentbox.engine.cache.disk_listing import disk_root
 from agentbox.engine.cache.disk_namespace import namespace_for
 from agentbox.engine.cache.disk_tier import DiskTier
-from agentbox.engine.cache.host_tier import page_bytes
 from agentbox.engine.cache.radix_disk import DiskLink
 from agentbox.layers.backends.base import KVCache
 
@@ -33,7 +32,7 @@ def disk_link(config: EngineConfig, kv: KVCache) -> DiskLink | None:
         root = disk_root()
         budget = disk_budget_bytes(root, config.disk_cache_gb)
         ns = namespace_for(config, kv, config.tensor_parallel_size)
-        tier = DiskTier(root, ns.key, ns.meta, page_bytes(kv), budget, restore=config.disk_restore)
+        tier = DiskTier(root, ns.key, ns.meta, kv.page_bytes, budget, restore=config.disk_restore)
     except OSError as e:
         log.warning("the disk KV tier is off: %s (%s). Fix the directory or pass --disk-cache-gb 0",
                     e.filename or "state directory", e.strerror)
