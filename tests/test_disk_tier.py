@@ -15,7 +15,6 @@ from agentbox.engine.cache.cache_policies import LruCache
 from agentbox.engine.cache.disk_namespace import namespace_for
 from agentbox.engine.cache.disk_pages import bytes_to_pages, pages_to_bytes
 from agentbox.engine.cache.disk_tier import DiskTier
-from agentbox.engine.cache.host_tier import page_bytes
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.radix_disk import DiskLink
 from agentbox.engine.cache.radix_node import Tier
@@ -29,7 +28,7 @@ def _kv(num_pages: int = 12) -> KVCache:
 
 
 def _cache(root: Path, kv: KVCache, budget: int = 1 << 30, ns: str = "ns") -> LruCache:
-    tier = DiskTier(root, ns, {"test": True}, page_bytes(kv), budget)
+    tier = DiskTier(root, ns, {"test": True}, kv.page_bytes, budget)
     return LruCache(PagePool(kv.num_pages, PS), kv, disk=DiskLink(tier, PS))
 
 
@@ -113,7 +112,7 @@ def test_corrupt_and_torn_chunks_are_dropped_counted_never_served(tmp_path: Path
 
 def test_bounded_by_budget_other_namespaces_first(tmp_path: Path) -> None:
     kv = _kv()
-    per_page = page_bytes(kv)
+    per_page = kv.page_bytes
     stale = tmp_path / "stale-model"
     (stale / "chunks").mkdir(parents=True)
     (stale / "chunks" / "x.kv").write_bytes(b"\0" * per_page * 2)
