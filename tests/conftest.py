@@ -13,6 +13,9 @@ from agentbox.hub.embedded import INSTALL_HINT, embedded_model_path
 # CPU kernels' build cache is ~/.cache/agentbox/kernels: each such server compiled the kernels again, about 45 s
 # of a 65 s start on 2 cores. One cache for the run, the default one, inherited by every subprocess.
 os.environ.setdefault("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+# `agentbox serve` keeps a disk KV tier by default and writes its cache there at every stop (up to
+# disk_flush_s): dozens of servers a run would each pay it. The disk-tier tests pass --disk-cache-gb.
+os.environ.setdefault("AGENTBOX_DISK_CACHE_GB", "0")
 
 
 @pytest.fixture(scope="session")

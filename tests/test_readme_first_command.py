@@ -58,7 +58,7 @@ def test_readme_first_command_serves_the_embedded_model_on_a_fresh_copy(tmp_path
     copy_repository(repo)
     assert not (repo / ".venv").exists()
     port = _free_port()  # the default 8000 may be taken on a shared machine: the only change to the command
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "AGENTBOX_PROFILES", "PYTHONPATH")}
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "AGENTBOX_PROFILES", "PYTHONPATH", "AGENTBOX_DISK_CACHE_GB")}
     env |= {"AGENTBOX_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if ".venv" not in p)
     agentbox = str(repo / ".venv/bin/agentbox")

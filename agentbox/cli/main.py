@@ -129,7 +129,7 @@ def serve(
     max_model_len: int | None = typer.Option(None, help="context length (default: the model's)"),  # noqa: UP007
     cache_policy: CachePolicy = typer.Option(_E.cache_policy, help="what the cache keeps between turns"),
     host_cache_gb: float | None = typer.Option(None, help="host-RAM KV tier size in GiB"),  # noqa: UP007
-    disk_cache_gb: float | None = typer.Option(SERVE_DISK_CACHE_GB, help="disk KV tier size in GiB (default: a share of free disk; 0: off)"),  # noqa: UP007
+    disk_cache_gb: float | None = typer.Option(SERVE_DISK_CACHE_GB, envvar="AGENTBOX_DISK_CACHE_GB", help="disk KV tier size in GiB (default: a share of free disk; 0: off)"),  # noqa: UP007
     restore: bool = typer.Option(_E.disk_restore, "--restore/--no-restore", help="reuse the KV cache saved on disk (--no-restore: start cold)"),
     state_snapshots: int | None = typer.Option(None, help="hybrid models: recurrent-state snapshots kept (two per session; 0: none; default one per running request)"),  # noqa: UP007
     record_trace: str | None = typer.Option(None, help="record live traffic as a replayable trace (JSONL)"),  # noqa: UP007
