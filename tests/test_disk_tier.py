@@ -203,12 +203,12 @@ def test_sessions_come_back_under_their_ids_on_disk(tmp_path: Path) -> None:
 def test_page_bytes_round_trip_bf16_exact(device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    kv = KVCache(3, 6, PS, 2, 8, torch.bfloat16, device)
+    kv = KVCache.uniform(3, 6, PS, 2, 8, torch.bfloat16, device)
     for t in (*kv.k, *kv.v):
         t.copy_(torch.randn(t.shape).to(torch.bfloat16))
     blob = pages_to_bytes(kv, [4, 1])
-    assert len(blob) == 2 * page_bytes(kv)
-    out = KVCache(3, 6, PS, 2, 8, torch.bfloat16, device)
-    bytes_to_pages(out, [2, 5], [blob[: page_bytes(kv)], blob[page_bytes(kv) :]])
+    assert len(blob) == 2 * kv.page_bytes
+    out = KVCache.uniform(3, 6, PS, 2, 8, torch.bfloat16, device)
+    bytes_to_pages(out, [2, 5], [blob[: kv.page_bytes], blob[kv.page_bytes :]])
     for a, b in zip((*kv.k, *kv.v), (*out.k, *out.v), strict=True):
         assert torch.equal(a[4 * PS : 5 * PS], b[2 * PS : 3 * PS]) and torch.equal(a[PS : 2 * PS], b[5 * PS : 6 * PS])
