@@ -18,7 +18,7 @@ from agentbox.engine.cache.disk_tier import DiskTier
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.radix_disk import DiskLink
 from agentbox.engine.cache.radix_node import Tier
-from agentbox.layers.backends.base import KVCache
+from agentbox.layers.backends.base import KVCache, KVLayerSpec
 
 PS = 4
 
@@ -211,4 +211,19 @@ def test_page_bytes_round_trip_bf16_exact(device: str) -> None:
     out = KVCache.uniform(3, 6, PS, 2, 8, torch.bfloat16, device)
     bytes_to_pages(out, [2, 5], [blob[: kv.page_bytes], blob[kv.page_bytes :]])
     for a, b in zip((*kv.k, *kv.v), (*out.k, *out.v), strict=True):
+        assert torch.equal(a[4 * PS : 5 * PS], b[2 * PS : 3 * PS]) and torch.equal(a[PS : 2 * PS], b[5 * PS : 6 * PS])
+
+
+def test_pages_of_mixed_layer_shapes_round_trip() -> None:
+    # Gemma 4 / MLA pools: layers differ in heads and head sizes, and a tied layer's V is its K (stored once).
+    specs = [KVLayerSpec(2, 4), KVLayerSpec(1, 8, tied=True), KVLayerSpec(1, 6, v_head_dim=3)]
+    kv = KVCache(specs, 6, PS, torch.float32, "cpu")
+    for t in kv.tensors():
+        t.copy_(torch.randn(t.shape))
+    blob = pages_to_bytes(kv, [4, 1])
+    assert len(blob) == 2 * kv.page_bytes == 2 * PS * 4 * (2 * 4 * 2 + 8 + 6 + 3)
+    out = KVCache(specs, 6, PS, torch.float32, "cpu")
+    bytes_to_pages(out, [2, 5], [blob[: kv.page_bytes], blob[kv.page_bytes :]])
+    assert out.v[1] is out.k[1]
+    for a, b in zip(kv.tensors(), out.tensors(), strict=True):
         assert torch.equal(a[4 * PS : 5 * PS], b[2 * PS : 3 * PS]) and torch.equal(a[PS : 2 * PS], b[5 * PS : 6 * PS])
