@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from agentbox.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.gpt_oss import GptOssForCausalLM
 from agentbox.models.llama import LlamaForCausalLM
@@ -19,6 +20,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -92,13 +92,14 @@ class TritonAttention(AttentionBackend):
         *,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         meta = self.meta
         if meta is None or meta.query_start_loc is None or meta.kv_lens_tensor is None:
             raise RuntimeError("TritonAttention.forward before begin(meta)")
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
         self._store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        common = dict(page_size=meta.page_size, scale=self.scale, sliding_window=sliding_window, sinks=sinks)
+        common = dict(page_size=meta.page_size, scale=self.scale if scale is None else scale, sliding_window=sliding_window, sinks=sinks)
         if self.decode_only:
             return self._decode.paged_decode(
                 q, k_cache, v_cache, meta.page_table, meta.kv_lens_tensor, num_splits=self.num_splits,

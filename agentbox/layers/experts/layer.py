@@ -80,6 +80,9 @@ class FusedMoE(nn.Module):
         half = dst.size(0) // 2
         if shard is ExpertShard.GATE_UP_INTERLEAVED:
             parts = [(dst[:half], loaded[0::2]), (dst[half:], loaded[1::2])]
+        elif shard is ExpertShard.GATE_UP:
+            whole = loaded.size(0) // 2
+            parts = [(dst[:half], loaded[:whole]), (dst[half:], loaded[whole:])]
         elif shard is ExpertShard.GATE:
             parts = [(dst[:half], loaded)]
         elif shard is ExpertShard.UP:
@@ -95,6 +98,11 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; router_logits: [T, E] (replicated on every rank). Returns [T, H], all-reduced."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(x, topk_weights, topk_ids)
+
+    def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] with the model's own routing (Gemma 4 scales each expert's weight): [T, k] weights
+        (float32) and expert ids. Returns [T, H], all-reduced."""
         return all_reduce(self.method.apply(self, x, topk_weights, topk_ids))
 
 
