@@ -41,6 +41,8 @@ ENGINE_ARCHITECTURES = frozenset(
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
         "GptOssForCausalLM",
+        "Gemma4ForCausalLM",
+        "Gemma4ForConditionalGeneration",
         "Qwen3_5ForConditionalGeneration",
         "Qwen3_5MoeForConditionalGeneration",
         "Qwen3NextForCausalLM",
@@ -54,6 +56,11 @@ ARCHITECTURE_FORMATS: dict[str, frozenset[str]] = {"GptOssForCausalLM": frozense
 MOE_EXPERT_FORMATS = moe_expert_formats()
 # Architectures known and deliberately not run, with the missing piece named.
 ARCHITECTURE_GAPS = {"Glm4MoeLiteForCausalLM": "multi-head latent attention (MLA) is not implemented"}
+# Formats an architecture cannot load yet although the engine has their kernels.
+FORMAT_GAPS = {
+    ("Gemma4ForConditionalGeneration", "gguf"): "GGUF gemma4 files are not mapped to the model yet",
+    ("Gemma4ForCausalLM", "gguf"): "GGUF gemma4 files are not mapped to the model yet",
+}
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,8 @@ def engine_rejection(profile: Profile, variant: Variant) -> str | None:
         return f"engine: {arch}: {ARCHITECTURE_GAPS[arch]}"
     if arch not in ENGINE_ARCHITECTURES:
         return f"engine: architecture {arch} not implemented yet"
+    if (gap := FORMAT_GAPS.get((arch, variant.format))) is not None:
+        return f"engine: {gap}"
     if variant.format not in ENGINE_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
         return f"engine: no {variant.format} kernels yet"
     if profile.moe and variant.format not in MOE_EXPERT_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
@@ -168,6 +177,9 @@ class Plan:
             "context": self.context,
             "sessions": self.sessions,
             "kv_bytes_per_token": self.profile.kv_bytes_per_token(_kv_dtype_bytes(self.probe)),
+            "kv_bytes_per_token_by_kind": self.profile.kv_bytes_per_token_by_kind(_kv_dtype_bytes(self.probe)),
+            "sliding_window_saving_per_session": self.profile.sliding_window_saving(
+                self.context, _kv_dtype_bytes(self.probe)),
             "state_bytes_per_session": self.profile.state_bytes_per_session(),
             "params": self.profile.params,
             "active_params": self.profile.active_params,
@@ -190,6 +202,11 @@ def plan(profile: Profile, probe: Probe, config: PlanConfig | None = None) -> Pl
     candidates = [_candidate(profile, v, probe, context, sessions, config) for v in profile.variants]
     candidates.sort(key=_rank)
     best = candidates[0] if candidates and candidates[0].ok else None
+    if saving := profile.sliding_window_saving(context, _kv_dtype_bytes(probe)):
+        notes.append(
+            f"KV counted per layer kind; sliding layers keep pages for the whole context: freeing those past "
+            f"their {profile.sliding_window}-token window would save {_gb(saving)} per session (not done yet)"
+        )
     if (moved := _moved_by_free_ram(candidates, best, probe)) is not None:
         notes.append(moved)
     if best is not None and best.device == "cuda" and best.tp < len(probe.gpus):
