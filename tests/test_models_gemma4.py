@@ -78,6 +78,27 @@ def test_engine_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 12) for p in prompts]
 
 
+def test_session_turns_past_window_reuse_and_pool_bytes(tiny) -> None:  # noqa: ANN001
+    """Three turns of one session, each far past the window: turn N+1 finds turn N cached (>= 90 %), every
+    answer equals transformers' cold run, and the KV in use (stats: used pages x page bytes) is what the
+    per-layer shapes take, below every layer at the widest shape."""
+    _, path, hf, ours = tiny
+    llm = LLM(EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch"), loaded=ours)
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    history = LONG[:24]
+    for turn in range(3):
+        out = llm.generate([history], sp, session_ids=["s"])[0]
+        assert out.token_ids == hf_greedy(hf, history, 6), turn
+        if turn:
+            assert out.num_cached_tokens >= 0.9 * previous, (turn, out.num_cached_tokens, previous)
+        previous = len(history) + 6
+        history = history + out.token_ids + [(turn * 13 + k) % 256 for k in range(5)]
+    pool = llm.core.stats().pool
+    widest = KVCache.bytes_per_page(KVLayerSpec.uniform(4, 2, 32), 4, torch.float32)
+    assert pool.used_pages > 0 and pool.page_bytes == KVCache.bytes_per_page(ours.kv_specs, 4, torch.float32)
+    assert pool.used_pages * pool.page_bytes < 0.8 * pool.used_pages * widest
+
+
 @pytest.mark.slow
 def test_tp2_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001
     """Two gloo ranks: sliding layers split their 2 KV heads, global ones replicate their 1 KV head (dense)."""

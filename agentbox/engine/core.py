@@ -341,6 +341,7 @@ class EngineCore:
                 used_pages=self.pool.num_used,
                 page_size=self.pool.page_size,
                 running_pages=len(sch.running_refs()),
+                page_bytes=self.runner.kv_cache.page_bytes,
             ),
             cache=self.cache.stats(),
             counters=replace(self.counters),

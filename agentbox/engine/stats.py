@@ -36,6 +36,8 @@ class PoolStats:
     used_pages: int
     page_size: int
     running_pages: int
+    # One page over every KV layer at each layer's own shape (one rank): used_pages x page_bytes is the KV in use
+    page_bytes: int = 0
 
 @dataclass(frozen=True)
 class AdmissionStats:
