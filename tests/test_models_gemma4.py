@@ -85,7 +85,7 @@ def test_session_turns_past_window_reuse_and_pool_bytes(tiny) -> None:  # noqa: 
     _, path, hf, ours = tiny
     llm = LLM(EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch"), loaded=ours)
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    history = LONG[:24]
+    history, previous = LONG[:24], 0
     for turn in range(3):
         out = llm.generate([history], sp, session_ids=["s"])[0]
         assert out.token_ids == hf_greedy(hf, history, 6), turn

@@ -3,11 +3,9 @@ freeing the sliding layers' pages past their window would save; GGUF gemma4 vari
 
 from __future__ import annotations
 
-
 from agentbox.hub.plan import PlanConfig, plan
 from agentbox.hub.profiles import find_profile
 from agentbox.hw.hardware import load_hardware
-
 
 
 def test_gemma4_kv_per_layer_kind() -> None:
