@@ -16,6 +16,7 @@ from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 from agentbox.layers.backends.base import KVCache, KVLayerSpec
+from agentbox.layers.window_kv import WindowKVSpec
 from agentbox.models.loader import load_model
 
 LONG = [(i * 37 + 11) % 256 for i in range(40)]
@@ -52,15 +53,12 @@ def test_ragged_batch_equals_each_alone(tiny) -> None:  # noqa: ANN001
     torch.testing.assert_close(got[2], hf_logits(hf, LONG[5:8]), atol=ATOL, rtol=ATOL)
 
 
-def test_pool_holds_each_layer_at_its_own_shape(tiny) -> None:  # noqa: ANN001
-    """Sliding layers 2 KV heads x 16, global ones 16 query heads' worth of 32 with 1 KV head (K=V projection,
-    dense) or 2 (MoE): the pool is that, not every layer at the widest shape."""
+def test_pool_holds_global_layers_rings_hold_sliding(tiny) -> None:  # noqa: ANN001
+    """Global layers: pages of 1 KV head x 32 (K=V projection, dense) or 2 (MoE); sliding layers: a ring of the
+    window's 8 positions x 2 KV heads x 16 per sequence, outside the pool."""
     kind, _, _, ours = tiny
-    global_heads = 1 if kind == "dense" else 2
-    assert ours.kv_specs == [KVLayerSpec(2, 16), KVLayerSpec(global_heads, 32)] * 2
-    assert [a.self_attn.attn.sliding_window for a in ours.model.language_model.layers] == [WINDOW, None] * 2
-    widest = KVCache.bytes_per_page(KVLayerSpec.uniform(4, 2, 32), 16, torch.float32)
-    assert KVCache.bytes_per_page(ours.kv_specs, 16, torch.float32) < widest * (0.75 if kind == "dense" else 0.8)
+    assert ours.num_layers == 2 and ours.kv_specs == [KVLayerSpec(1 if kind == "dense" else 2, 32)] * 2
+    assert ours.model.state_specs() == [WindowKVSpec(2, 16, WINDOW)] * 2
 
 
 def test_towers_skipped_and_named(tmp_path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001

@@ -44,6 +44,7 @@ from agentbox.layers.linear import (
 from agentbox.layers.norm import RMSNorm
 from agentbox.layers.quant import QuantConfig, quant_context
 from agentbox.layers.rotary import RotaryEmbedding
+from agentbox.layers.window_kv import WindowAttention, WindowKVSpec
 from agentbox.models.llama import LlamaForCausalLM
 from agentbox.models.weight_loader import ExpertWeight
 from agentbox.parallel.state import head_shard
@@ -93,7 +94,9 @@ def make_rotary(config: Any, kind: str, head_dim: int) -> RotaryEmbedding:
 
 
 class Gemma4Attention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding, index: int) -> None:
+        """index: the layer's place among its kind (KV layer of the pool for a global layer, ring slot layer
+        for a sliding one)."""
         super().__init__()
         self.sliding = config.layer_types[layer_id] == SLIDING
         self.head_dim, total_kv = layer_shape(config, layer_id)
@@ -111,9 +114,13 @@ class Gemma4Attention(nn.Module):
         self.q_norm = GemmaRMSNorm(self.head_dim, self.eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, self.eps)
         self.rotary = rotary  # one per layer kind, shared
-        window = int(config.sliding_window) if self.sliding else None
-        # Scale 1: q and k are RMS-normed per head, the norm's weight carries the temperature.
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, 1.0, layer_id, sliding_window=window)
+        # Scale 1: q and k are RMS-normed per head, the norm's weight carries the temperature. Sliding layers keep
+        # their last `sliding_window` positions in a ring per sequence (layers/window_kv.py), global layers every
+        # position in the paged pool.
+        self.attn: nn.Module = (
+            WindowAttention(self.num_heads, self.num_kv_heads, self.head_dim, 1.0, int(config.sliding_window), index)
+            if self.sliding else Attention(self.num_heads, self.num_kv_heads, self.head_dim, 1.0, index)
+        )
 
     def kv_spec(self) -> KVLayerSpec:
         return KVLayerSpec(self.num_kv_heads, self.head_dim)
@@ -163,10 +170,10 @@ class Gemma4Router(nn.Module):
 
 
 class Gemma4DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding, index: int) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma4Attention(config, layer_id, rotary)
+        self.self_attn = Gemma4Attention(config, layer_id, rotary, index)
         self.mlp = GeluMLP(config)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
@@ -218,9 +225,12 @@ class Gemma4TextModel(nn.Module):
         self.rotary = nn.ModuleDict(
             {kind: make_rotary(config, kind, layer_shape(config, first[kind])[0]) for kind in kinds}
         )
-        self.layers = nn.ModuleList(
-            [Gemma4DecoderLayer(config, i, self.rotary[kind]) for i, kind in enumerate(config.layer_types)]
-        )
+        counts = dict.fromkeys(kinds, 0)
+        layers = []
+        for i, kind in enumerate(config.layer_types):
+            layers.append(Gemma4DecoderLayer(config, i, self.rotary[kind], counts[kind]))
+            counts[kind] += 1
+        self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ple_size = int(getattr(config, "hidden_size_per_layer_input", 0) or 0)
         if self.ple_size:  # per-layer input embeddings (the names transformers gives them)
@@ -276,18 +286,26 @@ class Gemma4ForCausalLM(nn.Module):
     def language_model(self) -> Gemma4TextModel:
         return self.model  # type: ignore[return-value]
 
+    def _attention(self, sliding: bool) -> list[Gemma4Attention]:
+        return [layer.self_attn for layer in self.language_model.layers if layer.self_attn.sliding == sliding]
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Only the global layers keep pages in the pool."""
+        return len(self._attention(False))
+
     def kv_layer_specs(self) -> list[KVLayerSpec]:
-        """Each layer's KV shape on this rank: sliding and global layers differ in head size and KV heads."""
-        return [layer.self_attn.kv_spec() for layer in self.language_model.layers]
+        """Each global layer's KV shape on this rank."""
+        return [a.kv_spec() for a in self._attention(False)]
+
+    def state_specs(self) -> list[WindowKVSpec]:
+        """Each sliding layer's ring, in layer order (its state index)."""
+        return [a.attn.state_spec() for a in self._attention(True)]
 
     def attention_shape(self) -> tuple[int, int, int]:
-        """(heads, KV heads, head size) of the first layer on this rank (the backends read each layer's own)."""
-        first = self.language_model.layers[0].self_attn
+        """(heads, KV heads, head size) of the first global layer on this rank (backends read each layer's own)."""
+        first = self._attention(False)[0]
         return first.num_heads, first.num_kv_heads, first.head_dim
-
-    def sliding_windows(self) -> list[int | None]:
-        """Each KV layer's window (None: global), for the cache's per-kind accounting."""
-        return [layer.self_attn.attn.sliding_window for layer in self.language_model.layers]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
