@@ -177,9 +177,6 @@ class Plan:
             "context": self.context,
             "sessions": self.sessions,
             "kv_bytes_per_token": self.profile.kv_bytes_per_token(_kv_dtype_bytes(self.probe)),
-            "kv_bytes_per_token_by_kind": self.profile.kv_bytes_per_token_by_kind(_kv_dtype_bytes(self.probe)),
-            "sliding_window_saving_per_session": self.profile.sliding_window_saving(
-                self.context, _kv_dtype_bytes(self.probe)),
             "state_bytes_per_session": self.profile.state_bytes_per_session(),
             "params": self.profile.params,
             "active_params": self.profile.active_params,
@@ -202,11 +199,6 @@ def plan(profile: Profile, probe: Probe, config: PlanConfig | None = None) -> Pl
     candidates = [_candidate(profile, v, probe, context, sessions, config) for v in profile.variants]
     candidates.sort(key=_rank)
     best = candidates[0] if candidates and candidates[0].ok else None
-    if saving := profile.sliding_window_saving(context, _kv_dtype_bytes(probe)):
-        notes.append(
-            f"KV counted per layer kind; sliding layers keep pages for the whole context: freeing those past "
-            f"their {profile.sliding_window}-token window would save {_gb(saving)} per session (not done yet)"
-        )
     if (moved := _moved_by_free_ram(candidates, best, probe)) is not None:
         notes.append(moved)
     if best is not None and best.device == "cuda" and best.tp < len(probe.gpus):

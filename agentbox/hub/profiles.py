@@ -77,12 +77,6 @@ class Profile:
     # fixed recurrent state of `state_bytes` per sequence (conv + fp32 matrices, engine/layers/recurrent_state.py).
     kv_layers_: int | None = None
     state_bytes: int = 0
-    # Models with two layer kinds (Gemma 4): `global_layers` of the KV layers are full-attention layers of
-    # `global_kv_heads` x `global_head_dim`; the rest slide over `sliding_window` tokens at kv_heads x head_dim.
-    global_layers: int = 0
-    global_kv_heads: int = 0
-    global_head_dim: int = 0
-    sliding_window: int = 0
 
     @property
     def active_params(self) -> int:
@@ -96,25 +90,8 @@ class Profile:
         raise ProfileError(f"{self.name} has no variant {name!r} (it has: {names})")
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V for every attention layer: 2 x kv layers x kv_heads x head_dim x dtype bytes, each layer
-        kind at its own shape. Sliding layers are counted for every token: the pool keeps their pages for
-        the whole context (what `sliding_window_saving` would give back is not freed yet)."""
-        return sum(self.kv_bytes_per_token_by_kind(dtype_bytes).values())
-
-    def kv_bytes_per_token_by_kind(self, dtype_bytes: int = 2) -> dict[str, int]:
-        """{"sliding": ..., "global": ...} for two-kind models, {"attention": ...} otherwise."""
-        layers = self.kv_layers_ or self.layers
-        if not self.global_layers:
-            return {"attention": 2 * layers * self.kv_heads * self.head_dim * dtype_bytes}
-        return {
-            "sliding": 2 * (layers - self.global_layers) * self.kv_heads * self.head_dim * dtype_bytes,
-            "global": 2 * self.global_layers * self.global_kv_heads * self.global_head_dim * dtype_bytes,
-        }
-
-    def sliding_window_saving(self, context: int, dtype_bytes: int = 2) -> int:
-        """Bytes per session that freeing sliding layers' pages past their window would save at `context`."""
-        sliding = self.kv_bytes_per_token_by_kind(dtype_bytes).get("sliding", 0)
-        return sliding * max(0, context - self.sliding_window) if self.sliding_window else 0
+        """K and V for every attention layer: 2 x kv layers x kv_heads x head_dim x dtype bytes."""
+        return 2 * (self.kv_layers_ or self.layers) * self.kv_heads * self.head_dim * dtype_bytes
 
     def state_bytes_per_session(self) -> int:
         """A hybrid model's recurrent state a session holds: while it runs, its live state and its copy at the
@@ -193,10 +170,6 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         expert_params=int(data.get("expert_params", 0)),
         kv_layers_=int(data["kv_layers"]) if "kv_layers" in data else None,
         state_bytes=int(data.get("state_bytes", 0)),
-        global_layers=int(data.get("global_layers", 0)),
-        global_kv_heads=int(data.get("global_kv_heads", 0)),
-        global_head_dim=int(data.get("global_head_dim", 0)),
-        sliding_window=int(data.get("sliding_window", 0)),
     )
 
 

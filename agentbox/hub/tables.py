@@ -39,15 +39,10 @@ def render_plan(p: Plan, width: int | None = None) -> Group:
     lines = _wrapped(f"{prof.name} ({prof.architecture}, {prof.params / 1e9:.1f}B params{', MoE' if prof.moe else ''})"
                      f" on {describe_machine(p.probe)}", width, 0)
     lines[0].stylize("bold", 0, len(prof.name))
-    layers = prof.kv_layers_ or prof.layers
-    kinds = (f"2 x {layers - prof.global_layers} sliding layers x {prof.kv_heads} kv heads x {prof.head_dim} + 2 x "
-             f"{prof.global_layers} global layers x {prof.global_kv_heads} x {prof.global_head_dim}"
-             if prof.global_layers else
-             f"2 x {layers} {'attention ' if prof.kv_layers_ else ''}layers x {prof.kv_heads} kv heads x "
-             f"{prof.head_dim} head dim")
     lines += _wrapped(
-        f"context {p.context:,} tokens x {p.sessions} session(s); KV {kv_tok / 1024:.0f} KiB/token = {kinds} x "
-        f"{2 if p.probe.gpus else 4} bytes"
+        f"context {p.context:,} tokens x {p.sessions} session(s); KV {kv_tok / 1024:.0f} KiB/token = 2 x "
+        f"{prof.kv_layers_ or prof.layers} {'attention ' if prof.kv_layers_ else ''}layers x {prof.kv_heads} kv "
+        f"heads x {prof.head_dim} head dim x {2 if p.probe.gpus else 4} bytes"
         + (f"; recurrent state {prof.state_bytes_per_session() / 2**20:.0f} MiB per session (live, page-aligned "
            f"copy, 2 snapshots)" if prof.state_bytes else ""), width, 0)
     chosen = p.chosen
