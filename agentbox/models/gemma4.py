@@ -4,7 +4,9 @@ of `Gemma4ForConditionalGeneration`, as transformers computes them.
 What differs from Llama:
 - layers are sliding (window `sliding_window`, default rope) or global (`per_layer_config`: a wider head,
   `global_head_dim`, often fewer KV heads, `num_global_key_value_heads`; "proportional" rope that turns the first
-  quarter of the frequencies over the whole head). So the KV pool has one shape per layer (`kv_layer_specs`);
+  quarter of the frequencies over the whole head). Only the global layers keep pages in the pool
+  (`kv_layer_specs`, their own head size); each sliding layer keeps its last `sliding_window` positions in a
+  ring per sequence (`state_specs`, layers/window_kv.py), so its memory does not grow with the context;
 - `attention_k_eq_v` on global layers: no v_proj, V comes from the same projection as K. The cache still keeps
   both: K is normed with a weight and rotated, V normed without one and not rotated, so they are different
   tensors (storing one would need the backend to re-derive K from V per position);
