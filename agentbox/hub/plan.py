@@ -57,10 +57,7 @@ MOE_EXPERT_FORMATS = moe_expert_formats()
 # Architectures known and deliberately not run, with the missing piece named.
 ARCHITECTURE_GAPS = {"Glm4MoeLiteForCausalLM": "multi-head latent attention (MLA) is not implemented"}
 # Formats an architecture cannot load yet although the engine has their kernels.
-FORMAT_GAPS = {
-    ("Gemma4ForConditionalGeneration", "gguf"): "GGUF gemma4 files are not mapped to the model yet",
-    ("Gemma4ForCausalLM", "gguf"): "GGUF gemma4 files are not mapped to the model yet",
-}
+FORMAT_GAPS: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from agentbox.layers.quant import QuantConfig, quant_context
 from agentbox.layers.rotary import RotaryEmbedding
 from agentbox.layers.window_kv import WindowAttention, WindowKVSpec
 from agentbox.models.llama import LlamaForCausalLM
-from agentbox.models.weight_loader import ExpertWeight
+from agentbox.models.weight_loader import ExpertWeight, per_expert_weights
 from agentbox.parallel.state import head_shard
 
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
@@ -265,6 +265,8 @@ class Gemma4ForCausalLM(nn.Module):
     expert_mapping = (
         ExpertWeight("experts.gate_up_proj", "experts.w13_weight", ExpertShard.GATE_UP),
         ExpertWeight("experts.down_proj", "experts.w2_weight", ExpertShard.DOWN),
+        # GGUF files: one weight per expert and projection (models/gguf_gemma4.py)
+        *per_expert_weights("gate_proj", "up_proj", "down_proj", (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN)),
     )
     skip_checkpoint_names: dict[str, str] = {}
     prefix = "model"

@@ -24,6 +24,7 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from agentbox.layers.quant import QuantConfig, QuantMethod
 from agentbox.layers.quant.gguf import FLOAT_TYPES, GGUFBlocks
+from agentbox.models.gguf_gemma4 import GEMMA4_ARCH, gemma4_config, gemma4_tensor_name, gemma4_weights
 from agentbox.models.gguf_hybrid import HYBRID_ARCHS, hybrid_config, hybrid_tensor_name, hybrid_weights
 from agentbox.models.gguf_reader import GGUFFile, GGUFTensor
 
@@ -101,8 +102,10 @@ def gguf_config(path: Path) -> PretrainedConfig:
     arch = gguf_metadata(reader, "general.architecture")
     if arch in HYBRID_ARCHS:
         return hybrid_config(reader, arch)
+    if arch == GEMMA4_ARCH:
+        return gemma4_config(reader)
     if arch not in GGUF_ARCHS:
-        supported = ", ".join([*GGUF_ARCHS, *HYBRID_ARCHS])
+        supported = ", ".join([*GGUF_ARCHS, *HYBRID_ARCHS, GEMMA4_ARCH])
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
     config_cls, hf_arch = GGUF_ARCHS[arch]
 
@@ -203,7 +206,8 @@ def gguf_quant_config(path: Path) -> QuantConfig:
     experts of any type: they arrive as blocks, which only the GGUF expert method reads (its float linears
     are then held dense by the GGUF linear method, as in any GGUF file)."""
     reader = open_gguf(path)
-    to_hf = hybrid_tensor_name if gguf_metadata(reader, "general.architecture") in HYBRID_ARCHS else hf_tensor_name
+    arch = gguf_metadata(reader, "general.architecture")
+    to_hf = hybrid_tensor_name if arch in HYBRID_ARCHS else gemma4_tensor_name if arch == GEMMA4_ARCH else hf_tensor_name
     names = [(name, t) for t in reader.tensors if (name := to_hf(t.name)) is not None]
     if any(_stacked_experts(name) for name, _ in names):
         return QuantConfig(QuantMethod.GGUF)  # the MoE layer's registry maps it to GGUFExperts (layers/experts/)
@@ -224,6 +228,9 @@ def gguf_weights(
     reader = open_gguf(path)
     if gguf_metadata(reader, "general.architecture") in HYBRID_ARCHS:
         yield from hybrid_weights(reader, config, keep_quantised, _experts)
+        return
+    if gguf_metadata(reader, "general.architecture") == GEMMA4_ARCH:
+        yield from gemma4_weights(reader, keep_quantised, _experts)
         return
     permuted = gguf_metadata(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
