@@ -48,6 +48,20 @@ def keeps_special_tokens(tokenizer: Any) -> bool:
     return is_harmony_template(template_text(tokenizer))
 
 
+# Gemma 4's special tokens its output parsers read (llama.cpp's converter marks the same ones to be rendered)
+GEMMA4_VISIBLE = ("<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>",
+                  '<|"|>')
+
+
+def hidden_special_ids(tokenizer: Any) -> frozenset[int] | None:
+    """Gemma 4: the special token ids to drop when detokenizing (all but GEMMA4_VISIBLE, so its thought channel
+    and tool calls reach the parsers and its end-of-turn token does not reach the client); None for others."""
+    if "<|tool_call>call:" not in template_text(tokenizer):
+        return None
+    visible = {tokenizer.convert_tokens_to_ids(t) for t in GEMMA4_VISIBLE}
+    return frozenset(i for i in tokenizer.all_special_ids if i not in visible)
+
+
 class HarmonySplitter:
     """Feed output text (special tokens kept); get reasoning and content deltas (calls as normalised content)."""
 

@@ -24,6 +24,8 @@ REASONING_STYLES: dict[str, ReasoningStyle | None] = {
     "qwen3": ReasoningStyle("qwen3"),
     "deepseek_r1": ReasoningStyle("deepseek_r1", always_starts_inside=True),
     "glm45": ReasoningStyle("glm45"),  # GLM-4.5/4.7: an empty block may be its closer alone (`</think>`)
+    # Gemma 4: a thought channel; with thinking off its template closes an empty one at the prompt's end
+    "gemma4": ReasoningStyle("gemma4", start="<|channel>thought\n", end="<channel|>"),
     "none": None,
 }
 

@@ -36,7 +36,9 @@ class PoolStats:
     used_pages: int
     page_size: int
     running_pages: int
-    kv_bytes_per_token: int = 0  # one rank's KV pool bytes per cached token, every layer (MLA: the latent)
+    # One page over every KV layer at each layer's own shape (one rank): used_pages x page_bytes is the KV in use
+    page_bytes: int = 0
+    kv_bytes_per_token: int = 0  # page_bytes / page_size: one rank's KV bytes per cached token (MLA: the latent)
 
 @dataclass(frozen=True)
 class AdmissionStats:

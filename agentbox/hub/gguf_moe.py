@@ -42,6 +42,7 @@ EXPERT_MIX: dict[str, dict[str, float]] = {
     "q4_1": {"Q4_1": 1.0},
     "q4_k_s": {"Q4_K": 23 / 24, "Q5_K": 1 / 24},
     "q4_k_m": {"Q4_K": 5 / 6, "Q6_K": 1 / 6},
+    "ud-q4_k_xl": {"Q4_K": 5 / 6, "Q6_K": 1 / 6},  # Unsloth's dynamic mix: planned as Q4_K_M's experts (approx)
     "q5_0": {"Q5_0": 1.0},
     "q5_1": {"Q5_1": 1.0},
     "q5_k_s": {"Q5_K": 1.0},

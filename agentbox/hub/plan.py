@@ -41,6 +41,8 @@ ENGINE_ARCHITECTURES = frozenset(
         "Qwen3ForCausalLM",
         "Qwen3MoeForCausalLM",
         "GptOssForCausalLM",
+        "Gemma4ForCausalLM",
+        "Gemma4ForConditionalGeneration",
         "Qwen3_5ForConditionalGeneration",
         "Qwen3_5MoeForConditionalGeneration",
         "Qwen3NextForCausalLM",
@@ -55,6 +57,8 @@ ARCHITECTURE_FORMATS: dict[str, frozenset[str]] = {"GptOssForCausalLM": frozense
 MOE_EXPERT_FORMATS = moe_expert_formats()
 # Architectures known and deliberately not run, with the missing piece named.
 ARCHITECTURE_GAPS: dict[str, str] = {}
+# Formats an architecture cannot load yet although the engine has their kernels.
+FORMAT_GAPS: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ def engine_rejection(profile: Profile, variant: Variant) -> str | None:
         return f"engine: {arch}: {ARCHITECTURE_GAPS[arch]}"
     if arch not in ENGINE_ARCHITECTURES:
         return f"engine: architecture {arch} not implemented yet"
+    if (gap := FORMAT_GAPS.get((arch, variant.format))) is not None:
+        return f"engine: {gap}"
     if variant.format not in ENGINE_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
         return f"engine: no {variant.format} kernels yet"
     if profile.moe and variant.format not in MOE_EXPERT_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):

@@ -42,6 +42,6 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = get_forward_context().backend.forward(
-            self.layer_id, q, k, v, sliding_window=self.sliding_window, sinks=self.sinks
+            self.layer_id, q, k, v, sliding_window=self.sliding_window, sinks=self.sinks, scale=self.scale
         )
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -14,8 +14,17 @@ tensor-parallel rank).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+
+class StateSpec(Protocol):
+    """One layer's per-slot state: the tensors it allocates for every slot (slot is dim 0 of each)."""
+
+    def bytes(self, dtype: torch.dtype) -> int: ...
+
+    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -32,38 +41,49 @@ class LinearStateSpec:
         conv = self.conv_channels * self.conv_len * torch.empty(0, dtype=dtype).element_size()
         return conv + self.num_heads * self.key_dim * self.value_dim * 4  # the matrix is fp32
 
+    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        return (
+            torch.zeros(num_slots, self.conv_channels, self.conv_len, dtype=dtype, device=device),
+            torch.zeros(num_slots, self.num_heads, self.key_dim, self.value_dim, dtype=torch.float32, device=device),
+        )
+
 
 class StateCache:
-    def __init__(self, specs: list[LinearStateSpec], num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    """Every state layer's tensors for every slot. `layers[i]` are layer i's tensors (a linear layer's conv and
+    matrix, `conv[i]` and `matrix[i]`; a sliding-window layer's key and value rings, layers/window_kv.py)."""
+
+    def __init__(self, specs: list[StateSpec], num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.specs = specs
         self.num_slots = num_slots
-        self.conv = [torch.zeros(num_slots, s.conv_channels, s.conv_len, dtype=dtype, device=device) for s in specs]
-        self.matrix = [
-            torch.zeros(num_slots, s.num_heads, s.key_dim, s.value_dim, dtype=torch.float32, device=device)
-            for s in specs
-        ]
+        self.layers = [s.allocate(num_slots, dtype, device) for s in specs]
+        self.conv = [t[0] for t in self.layers]
+        self.matrix = [t[1] for t in self.layers]
 
     @staticmethod
-    def bytes_per_slot(specs: list[LinearStateSpec], dtype: torch.dtype) -> int:
+    def bytes_per_slot(specs: list[StateSpec], dtype: torch.dtype) -> int:
         return sum(s.bytes(dtype) for s in specs)
 
     def copy(self, src: list[int], dst: list[int]) -> None:
         """State of slot src[i] into slot dst[i], every layer, in order: a later copy may read what an
         earlier one wrote (a snapshot saved, then a request seeded from it), so they are never batched."""
         for s, d in zip(src, dst, strict=True):
-            for t in (*self.conv, *self.matrix):
-                t[d] = t[s]
+            for tensors in self.layers:
+                for t in tensors:
+                    t[d] = t[s]
 
 
 @dataclass
 class StateStep:
-    """A step's view of the state: each sequence's slot, new tokens, and whether it starts at position 0."""
+    """A step's view of the state: each sequence's slot, new tokens, whether it starts at position 0, and the
+    position of its first new token."""
 
     cache: StateCache
     slots: list[int]
     query_lens: list[int]
     fresh: list[bool]
+    starts: list[int]
 
     @staticmethod
     def of(cache: StateCache, slots: list[int], query_lens: list[int], kv_lens: list[int]) -> StateStep:
-        return StateStep(cache, slots, query_lens, [k == q for q, k in zip(query_lens, kv_lens, strict=True)])
+        starts = [k - q for q, k in zip(query_lens, kv_lens, strict=True)]
+        return StateStep(cache, slots, query_lens, [s == 0 for s in starts], starts)

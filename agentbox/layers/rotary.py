@@ -2,8 +2,8 @@
 
 cos/sin are tabulated once in fp32 for every position up to max_position and indexed by the step's
 `positions` tensor, so any positions work (a decode at 5000, a prefix-cached chunk starting at 640) and the
-lookup is a plain gather that CUDA graphs can capture. Scaling types: default, linear, llama3 and yarn
-(gpt-oss); anything else (dynamic NTK, longrope) is refused rather than silently computed wrong.
+lookup is a plain gather that CUDA graphs can capture. Scaling types: default, linear, llama3, yarn
+(gpt-oss) and proportional (Gemma 4's global layers); anything else (dynamic NTK, longrope) is refused rather than silently computed wrong.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -69,6 +69,13 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "linear":
         return inv_freq / float(scaling["factor"])
+    if rope_type == "proportional":
+        # Gemma 4: the first partial_rotary_factor of the frequencies (still over head_dim) turn, the rest are
+        # zero, so the rotation keeps the head's full width: dims i and i + D/2 pair up for i < the rotated share.
+        angles = int(float(scaling.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+        inv_freq = inv_freq / float(scaling.get("factor", 1.0))
+        inv_freq[angles:] = 0.0
+        return inv_freq
     if rope_type == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])

@@ -24,6 +24,7 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from agentbox.layers.quant import QuantConfig, QuantMethod
 from agentbox.layers.quant.gguf import FLOAT_TYPES, GGUFBlocks
+from agentbox.models.gguf_gemma4 import GEMMA4_ARCH, gemma4_config, gemma4_tensor_name, gemma4_weights
 from agentbox.models.gguf_hybrid import HYBRID_ARCHS, hybrid_config, hybrid_tensor_name, hybrid_weights
 from agentbox.models.gguf_mla import MLA_ARCHS, mla_config, mla_tensor_name, mla_weights
 from agentbox.models.gguf_reader import GGUFFile, GGUFTensor
@@ -104,8 +105,10 @@ def gguf_config(path: Path) -> PretrainedConfig:
         return hybrid_config(reader, arch)
     if arch in MLA_ARCHS:
         return mla_config(reader, arch)
+    if arch == GEMMA4_ARCH:
+        return gemma4_config(reader)
     if arch not in GGUF_ARCHS:
-        supported = ", ".join([*GGUF_ARCHS, *HYBRID_ARCHS, *MLA_ARCHS])
+        supported = ", ".join([*GGUF_ARCHS, *HYBRID_ARCHS, *MLA_ARCHS, GEMMA4_ARCH])
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {supported}")
     config_cls, hf_arch = GGUF_ARCHS[arch]
 
@@ -207,7 +210,8 @@ def gguf_quant_config(path: Path) -> QuantConfig:
     are then held dense by the GGUF linear method, as in any GGUF file)."""
     reader = open_gguf(path)
     arch = gguf_metadata(reader, "general.architecture")
-    to_hf = hybrid_tensor_name if arch in HYBRID_ARCHS else mla_tensor_name if arch in MLA_ARCHS else hf_tensor_name
+    to_hf = (hybrid_tensor_name if arch in HYBRID_ARCHS else mla_tensor_name if arch in MLA_ARCHS
+             else gemma4_tensor_name if arch == GEMMA4_ARCH else hf_tensor_name)
     names = [(name, t) for t in reader.tensors if (name := to_hf(t.name)) is not None]
     if any(_stacked_experts(name) for name, _ in names):
         return QuantConfig(QuantMethod.GGUF)  # the MoE layer's registry maps it to GGUFExperts (layers/experts/)
@@ -231,6 +235,9 @@ def gguf_weights(
         return
     if gguf_metadata(reader, "general.architecture") in MLA_ARCHS:
         yield from mla_weights(reader, config, keep_quantised, _experts)
+        return
+    if gguf_metadata(reader, "general.architecture") == GEMMA4_ARCH:
+        yield from gemma4_weights(reader, keep_quantised, _experts)
         return
     permuted = gguf_metadata(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:

@@ -185,15 +185,21 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
         step(model)
     model.eval().requires_grad_(False)
     text = config.get_text_config()  # an image-text checkpoint's text model (the config itself otherwise)
-    shard = head_shard(text.num_attention_heads, num_kv_heads_of(text))
+    # (heads, kv heads, head size) on this rank; a model whose layers differ (Gemma 4) says its first layer's
+    own_shape = getattr(model, "attention_shape", None)
+    if own_shape is not None:
+        num_heads, num_kv_heads, head_dim = own_shape()
+    else:
+        shard = head_shard(text.num_attention_heads, num_kv_heads_of(text))
+        num_heads, num_kv_heads, head_dim = shard.num_heads, shard.num_kv_heads, head_dim_of(text)
     return LoadedModel(
         model=model,
         hf_config=config,
         # KV layers: a hybrid model keeps pages only for its attention layers
         num_layers=getattr(model, "num_kv_layers", text.num_hidden_layers),
-        num_heads=shard.num_heads,
-        num_kv_heads=shard.num_kv_heads,
-        head_dim=head_dim_of(text),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
         vocab_size=text.vocab_size,
         max_model_len=_max_model_len(text),
         eos_token_ids=eos_token_ids(src, config),

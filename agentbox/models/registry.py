@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from agentbox.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from agentbox.models.gpt_oss import GptOssForCausalLM
@@ -21,6 +22,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

@@ -195,9 +195,11 @@ class PreparedChat:
 
 
 def reasoning_style_of(template: str) -> str:
-    """harmony channels (gpt-oss), qwen3-style `<think>` blocks when the template knows them; else none."""
+    """harmony channels (gpt-oss), Gemma 4's thought channel, qwen3-style `<think>` blocks when the template knows them; else none."""
     if is_harmony_template(template):
         return "harmony"
+    if "<|channel>thought" in template:  # Gemma 4
+        return "gemma4"
     return "qwen3" if "<think>" in template else "none"
 
 

@@ -9,15 +9,17 @@ class Detokenizer:
     """Emits text as tokens arrive, holding back an incomplete UTF-8 sequence (shown as U+FFFD) until the
     next token completes it. Decodes a short window, not the whole output, so cost stays per token."""
 
-    def __init__(self, tokenizer: Any, prompt_tail: list[int] | None = None, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, prompt_tail: list[int] | None = None, skip_special_tokens: bool = True,
+                 hidden_ids: frozenset[int] | None = None) -> None:
         self.tok = tokenizer
         self.skip = skip_special_tokens  # False for harmony (gpt-oss): its channel markup is special tokens
+        self.hidden = hidden_ids or frozenset()  # never shown (Gemma 4: the special tokens its parsers do not read)
         self.ids: list[int] = list(prompt_tail or [])[-4:]
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 
     def add(self, token_ids: list[int]) -> str:
-        self.ids.extend(token_ids)
+        self.ids.extend(t for t in token_ids if t not in self.hidden)
         prefix = self.tok.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=self.skip)
         full = self.tok.decode(self.ids[self.prefix_offset :], skip_special_tokens=self.skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from agentbox.chat.harmony import keeps_special_tokens
+from agentbox.chat.harmony import hidden_special_ids, keeps_special_tokens
 from agentbox.engine.exec.logprob import TokenLogprob
 from agentbox.engine.sampling import SamplingParams
 from agentbox.server.detok import Detokenizer, StopChecker
@@ -72,7 +72,9 @@ async def generate(
     `record` (messages, tools): the conversation as the client sent it, for `serve --record-trace`."""
     rid = request_id or new_id("req")
     state.warn_if_greedy_thinking(sampling.temperature)
-    detok = Detokenizer(state.tokenizer, prompt_ids, skip_special_tokens=not keeps_special_tokens(state.tokenizer))
+    hidden = hidden_special_ids(state.tokenizer)  # Gemma 4: special tokens kept but its end of turn
+    keep = hidden is not None or keeps_special_tokens(state.tokenizer)
+    detok = Detokenizer(state.tokenizer, prompt_ids, skip_special_tokens=not keep, hidden_ids=hidden)
     stops = StopChecker(sampling.stop)
     usage = Usage(prompt_tokens=len(prompt_ids))
     started, produced = time.monotonic(), []

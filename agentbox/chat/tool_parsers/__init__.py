@@ -12,13 +12,15 @@ from agentbox.chat.tool_parsers.base import (
     collect,
     new_call_id,
 )
+from agentbox.chat.tool_parsers.gemma4 import Gemma4Parser
 from agentbox.chat.tool_parsers.harmony import HarmonyToolParser
 from agentbox.chat.tool_parsers.json_family import HermesParser, Llama3JsonParser, MistralParser
 from agentbox.chat.tool_parsers.xml_family import Glm45Parser, Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p
-    for p in (HermesParser, Qwen3CoderParser, Glm45Parser, Llama3JsonParser, MistralParser, HarmonyToolParser)
+    for p in (HermesParser, Qwen3CoderParser, Glm45Parser, Llama3JsonParser, MistralParser, HarmonyToolParser,
+              Gemma4Parser)
 }
 ALIASES = {"gpt_oss": "openai", "harmony": "openai", "qwen25": "hermes", "qwen2_5": "hermes", "qwen3": "hermes", "glm47": "glm45", "llama3": "llama3_json"}
 
@@ -39,6 +41,8 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     t = chat_template or ""
     if "<|channel|>" in t and "commentary" in t:  # harmony (gpt-oss): calls go to the commentary channel
         return "openai"
+    if "<|tool_call>call:" in t:  # Gemma 4
+        return "gemma4"
     if "<function=" in t and "<parameter=" in t:
         return "qwen3_coder"
     if "<arg_key>" in t:

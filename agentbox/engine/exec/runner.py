@@ -76,7 +76,7 @@ class ModelRunner:
         self.num_rows = config.max_num_seqs + 1  # one page-table row per running request, one for LLM.logits
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
         self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
-        self.page_bytes = page_bytes = self._make_pool()  # this rank's bytes of one page, every KV layer
+        page_bytes = self._make_pool()
         self._make_execution()
         log.info(
             "rank %d/%d: weights %.1f MiB, KV pool %d pages of %d tokens (%.1f MiB), attention backend %s, "
@@ -134,16 +134,23 @@ class ModelRunner:
         self.cpu_decode = CpuDecode.build(lm.model, self.device)  # None on GPU and for models it cannot run
 
     def _state_cache(self) -> StateCache | None:
-        """Hybrid models: each running sequence's recurrent state lives in the slot of its page-table row,
-        its state at its last page boundary in the slot `num_rows` further, then the sessions' snapshots."""
+        """Hybrid models (and Gemma 4's sliding-window rings): each running sequence's state lives in the slot
+        of its page-table row, its state at its last page boundary in the slot `num_rows` further, then the
+        sessions' snapshots."""
         specs = getattr(self.loaded.model, "state_specs", None)
         if specs is None:
             return None
         # Live rows, their page-aligned copies, then the snapshots (the layout engine/cache/state_snapshots.py keeps).
         slots = 2 * self.num_rows + self.num_snapshots
+        per_slot = StateCache.bytes_per_slot(specs(), self.dtype)
+        if self.device.type == "cuda" and slots * per_slot > torch.cuda.mem_get_info(self.device)[0]:
+            # Gemma 4 31B's sliding rings are 800 MiB a sequence: the default 32 rows want 99 slots.
+            raise ValueError(
+                f"per-sequence state takes {per_slot / 2**20:.0f} MiB x {slots} slots (live, page-aligned copy and "
+                f"snapshot per row), more than this GPU has free; lower it, e.g. --max-num-seqs 4 --state-snapshots 4"
+            )
         cache = StateCache(specs(), slots, self.dtype, self.device)
-        per_slot = StateCache.bytes_per_slot(cache.specs, self.dtype)
-        log.info("recurrent state: %d linear-attention layers, %.2f MiB per sequence, %d session snapshots "
+        log.info("per-sequence state: %d layers, %.2f MiB per sequence, %d session snapshots "
                  "(%.1f MiB in all)", len(cache.specs), per_slot / 2**20, self.num_snapshots, slots * per_slot / 2**20)
         return cache
 

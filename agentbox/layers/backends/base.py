@@ -183,11 +183,14 @@ class AttentionBackend(ABC):
         *,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         """q: [T, num_heads, D]; k, v: [T, num_kv_heads, D] for the step's T new tokens.
         Stores k/v at meta.slot_mapping in layer `layer_id`'s cache, returns [T, num_heads, D].
         sliding_window W: a query at position p sees keys max(0, p-W+1)..p. sinks: [num_heads] float
-        logits joining each row's softmax denominator, contributing no value."""
+        logits joining each row's softmax denominator, contributing no value. Head counts and sizes are read
+        from q and the layer's cache, and `scale` (None: the constructor's) is the layer's, so layers of one
+        model may differ (Gemma 4: 256-wide sliding layers, 512-wide global ones, scale 1)."""
 
     @classmethod
     def unavailable_reason(cls, device: str, auto: bool = False) -> str | None:

@@ -105,12 +105,17 @@ class FlashInferAttention(AttentionBackend):
         *,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         meta = self.meta
         if meta is None:
             raise RuntimeError("FlashInferAttention.forward before begin(meta)")
         if sinks is not None:
             raise ValueError("the flashinfer backend does not support attention sinks; use --attention triton")
+        if q.shape[-1] != self.head_dim or (scale is not None and scale != self.scale):
+            # its wrappers are planned once per step for one head size and scale
+            raise ValueError("the flashinfer backend needs one head size and scale for every layer (this model "
+                             "varies them per layer); use --attention triton")
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
         slots = meta.slot_mapping.to(torch.int64)
         k_cache.index_copy_(0, slots, k.to(k_cache.dtype))

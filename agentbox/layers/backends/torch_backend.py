@@ -189,8 +189,10 @@ class TorchAttention(AttentionBackend):
         *,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         meta, lay = self.meta, self.layout
+        scale = self.scale if scale is None else scale
         if meta is None or (lay is None and self.bases is None):
             raise RuntimeError("TorchAttention.forward before begin(meta)")
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
@@ -198,16 +200,16 @@ class TorchAttention(AttentionBackend):
         k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         if self.bases is not None:
-            return self._forward_views(q, k_cache, v_cache, sliding_window, sinks)
+            return self._forward_views(q, k_cache, v_cache, sliding_window, sinks, scale)
         if self.runs is not None and sliding_window is None and sinks is None:
             outs, start = [], 0
             for runs, q_len in zip(self.runs, meta.query_lens, strict=True):
-                outs.append(runs_attention(q.narrow(0, start, q_len), k_cache, v_cache, runs, self.scale))
+                outs.append(runs_attention(q.narrow(0, start, q_len), k_cache, v_cache, runs, scale))
                 start += q_len
             return outs[0] if len(outs) == 1 else torch.cat(outs)
         assert lay is not None
 
-        b, max_q, h, d = lay.num_seqs, lay.max_q, self.num_heads, self.head_dim
+        b, max_q, (_, h, d) = lay.num_seqs, lay.max_q, q.shape
         keys = k_cache[lay.kv_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, max_kv, D]
         values = v_cache[lay.kv_slots].to(q.dtype).transpose(1, 2)
         queries = q.new_zeros(b * max_q, h, d)
@@ -215,14 +217,14 @@ class TorchAttention(AttentionBackend):
         queries = queries.view(b, max_q, h, d).transpose(1, 2)  # [B, H, max_q, D]
         mask = self._mask(lay, sliding_window)
         if sinks is not None:
-            out = _attention_with_sinks(queries, keys, values, mask, self.scale, sinks)
+            out = _attention_with_sinks(queries, keys, values, mask, scale, sinks)
         else:
             # enable_gqa: SDPA reads each kv head for its group of query heads, no repeat_interleave copies
             # (measured ~6 % of a CPU decode step).
             out = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.num_kv_heads != h
+                queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=k_cache.shape[1] != h
             )
-        return out.transpose(1, 2).reshape(b * max_q, h, d)[lay.q_index]
+        return out.transpose(1, 2).reshape(b * max_q, h, values.shape[-1])[lay.q_index]
 
     def _forward_views(
         self,
@@ -231,20 +233,21 @@ class TorchAttention(AttentionBackend):
         v_cache: torch.Tensor,
         window: int | None,
         sinks: torch.Tensor | None,
+        scale: float,
     ) -> torch.Tensor:
         assert self.meta is not None and self.bases is not None
         # Extends on CPU over the whole prefix (no window, no sinks) skip the mask (prefix_attention.py).
         split = window is None and sinks is None and split_available(q)
         if window not in self.views:
             self.views[window] = seq_views(self.meta, self.bases, window, k_cache.device, masks=not split)
-        h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        (_, h, d), hkv = q.shape, k_cache.shape[1]
         g = h // hkv
         outs = []
         for sv in self.views[window]:
             if split and sv.q_len > 1:
                 keys = k_cache.narrow(0, sv.slot, sv.k_len).to(q.dtype).transpose(0, 1)
                 values = v_cache.narrow(0, sv.slot, sv.k_len).to(q.dtype).transpose(0, 1)
-                outs.append(extend_attention(q.narrow(0, sv.q_start, sv.q_len), keys, values, self.scale))
+                outs.append(extend_attention(q.narrow(0, sv.q_start, sv.q_len), keys, values, scale))
                 continue
             # [1, Hkv, K, D] strided views of the cache (a copy only when the cache dtype differs from q's).
             keys = k_cache.narrow(0, sv.slot, sv.k_len).to(q.dtype).transpose(0, 1).unsqueeze(0)
@@ -252,13 +255,13 @@ class TorchAttention(AttentionBackend):
             qs = q.narrow(0, sv.q_start, sv.q_len)  # [Q, H, D]
             if sinks is not None:
                 mask = None if sv.mask is None else sv.mask[None, None]
-                o = _attention_with_sinks(qs.transpose(0, 1).unsqueeze(0), keys, values, mask, self.scale, sinks)
+                o = _attention_with_sinks(qs.transpose(0, 1).unsqueeze(0), keys, values, mask, scale, sinks)
                 outs.append(o[0].transpose(0, 1))
                 continue
             # Query head hk*g + j reads kv head hk: fold the group into the rows, [1, Hkv, g*Q, D].
             qf = qs.reshape(sv.q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * sv.q_len, d)
             mask = None if sv.mask is None else sv.mask.repeat(g, 1)
-            o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scale)
             outs.append(o.view(hkv, g, sv.q_len, d).permute(2, 0, 1, 3).reshape(sv.q_len, h, d))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

@@ -38,6 +38,15 @@ class Tiles:
 INTERPRETER_TILES = Tiles(32, 16, 32)
 GPU_TILES_16BIT = Tiles(64, 64, 64)
 GPU_TILES_FP32 = Tiles(32, 32, 32)
+# Past this head size (Gemma 4's 512-wide global layers) a tile's rows are halved so the q, k and v tiles of one
+# program still fit in shared memory (not yet measured on a GPU: a guess from the tile bytes).
+WIDE_HEAD = 256
+
+
+def tiles_for(tiles: Tiles, head_dim: int) -> Tiles:
+    if head_dim <= WIDE_HEAD:
+        return tiles
+    return Tiles(max(16, tiles.decode_n // 2), max(16, tiles.extend_m // 2), max(16, tiles.extend_n // 2))
 
 
 def _kernels() -> tuple[ModuleType, ModuleType, ModuleType]:
@@ -92,21 +101,23 @@ class TritonAttention(AttentionBackend):
         *,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        scale: float | None = None,
     ) -> torch.Tensor:
         meta = self.meta
         if meta is None or meta.query_start_loc is None or meta.kv_lens_tensor is None:
             raise RuntimeError("TritonAttention.forward before begin(meta)")
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
         self._store.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        common = dict(page_size=meta.page_size, scale=self.scale, sliding_window=sliding_window, sinks=sinks)
+        common = dict(page_size=meta.page_size, scale=self.scale if scale is None else scale,
+                      sliding_window=sliding_window, sinks=sinks)
+        tiles = tiles_for(self.tiles, q.shape[-1])
         if self.decode_only:
             return self._decode.paged_decode(
                 q, k_cache, v_cache, meta.page_table, meta.kv_lens_tensor, num_splits=self.num_splits,
-                block_n=self.tiles.decode_n, **common,
+                block_n=tiles.decode_n, **common,
             )
         return self._extend.prefix_extend(
             q, k_cache, v_cache, meta.page_table, meta.query_start_loc, meta.kv_lens_tensor,
-            max_query_len=meta.max_query_len, block_m=self.tiles.extend_m, block_n=self.tiles.extend_n,
-            **common,
+            max_query_len=meta.max_query_len, block_m=tiles.extend_m, block_n=tiles.extend_n, **common,
         )
 

@@ -36,12 +36,14 @@ class ExpertShard(Enum):
     GATE = "gate"  # rows [0, I) of the fused gate_up weight
     UP = "up"  # rows [I, 2I)
     GATE_UP_INTERLEAVED = "gate_up_interleaved"  # gpt-oss: rows alternate gate, up, gate, up, ...
+    GATE_UP = "gate_up"  # Gemma 4: one stacked tensor, gate rows first, then up
     DOWN = "down"  # down projection: the intermediate dimension is dim 1 (bias: replicated)
 
 
 class MoEActivation(Enum):
     SILU = "silu"  # silu(gate) * up
     SWIGLU_OAI = "swiglu_oai"  # gpt-oss: clamped gate * sigmoid(alpha * gate) * (clamped up + 1)
+    GELU_TANH = "gelu_tanh"  # Gemma 4: gelu(gate, tanh approximation) * up
 
 
 def activate(gate_up: torch.Tensor, activation: MoEActivation, alpha: float, limit: float) -> torch.Tensor:
@@ -49,6 +51,8 @@ def activate(gate_up: torch.Tensor, activation: MoEActivation, alpha: float, lim
     gate, up = gate_up.chunk(2, dim=-1)
     if activation is MoEActivation.SILU:
         return F.silu(gate) * up
+    if activation is MoEActivation.GELU_TANH:
+        return F.gelu(gate, approximate="tanh") * up
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))

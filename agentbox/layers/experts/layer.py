@@ -80,6 +80,9 @@ class FusedMoE(nn.Module):
         half = dst.size(0) // 2
         if shard is ExpertShard.GATE_UP_INTERLEAVED:
             parts = [(dst[:half], loaded[0::2]), (dst[half:], loaded[1::2])]
+        elif shard is ExpertShard.GATE_UP:
+            whole = loaded.size(0) // 2
+            parts = [(dst[:half], loaded[:whole]), (dst[half:], loaded[whole:])]
         elif shard is ExpertShard.GATE:
             parts = [(dst[:half], loaded)]
         elif shard is ExpertShard.UP:
@@ -98,8 +101,8 @@ class FusedMoE(nn.Module):
         return self.forward_routed(x, topk_weights, topk_ids)
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] with the routing already chosen (a model with its own router: GLM's grouped top-k).
-        topk_weights [T, k] float32, topk_ids [T, k] int64. Returns [T, H], all-reduced."""
+        """x: [T, H] with the routing already chosen by the model's own router (GLM's grouped top-k, Gemma 4's
+        per-expert scales): topk_weights [T, k] float32, topk_ids [T, k] int64. Returns [T, H], all-reduced."""
         return all_reduce(self.method.apply(self, x, topk_weights, topk_ids))
 
 

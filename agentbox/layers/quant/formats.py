@@ -118,6 +118,8 @@ GGUF_MIXES: dict[str, tuple[tuple[str, float], ...]] = {
     "q5_k_s": (("q5_k", 1.0),),
     "q4_k_m": (("q4_k", 0.85), ("q6_k", 0.15)),
     "q5_k_m": (("q5_k", 0.85), ("q6_k", 0.15)),
+    # unsloth's dynamic mix (UD-Q4_K_XL): mostly Q4_K, sensitive tensors kept wider; approx as Q4_K_M plus
+    "q4_k_xl": (("q4_k", 0.8), ("q6_k", 0.2)),
 }
 
 

@@ -1,0 +1,76 @@
+"""Sliding-window attention whose keys and values live in a per-sequence ring of `window` positions, not in
+the paged pool (Gemma 4's sliding layers: 50 of the 31B's 60 layers, whose KV would otherwise grow with the
+whole context).
+
+A query at position p sees keys p-W+1 .. p (the convention of layers/attention.py). So what a sequence carries
+from one step to the next is its last W-1 positions' k and v: a fixed-size state, held like the linear layers'
+recurrent state (layers/recurrent_state.py) in the slot of its page-table row. Position p sits at ring index
+p % W. The runner copies a slot at each page boundary, and the scheduler keeps per-session snapshots
+(engine/cache/state_snapshots.py), so a session's next turn resumes with the ring exactly as it was; a cached
+prefix without a snapshot at that position is recomputed, never resumed wrong. The global layers keep every
+position in the paged pool, so the radix cache still holds the whole history for them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentbox.layers.context import get_forward_context
+
+
+@dataclass(frozen=True)
+class WindowKVSpec:
+    """One sliding layer's ring on this rank: `window` positions of num_kv_heads x head_dim, for K and for V."""
+
+    num_kv_heads: int
+    head_dim: int
+    window: int
+
+    def bytes(self, dtype: torch.dtype) -> int:
+        return 2 * self.window * self.num_kv_heads * self.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, ...]:
+        shape = (num_slots, self.window, self.num_kv_heads, self.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+
+class WindowAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int,
+                 state_index: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.window, self.state_index = scale, window, state_index
+
+    def state_spec(self) -> WindowKVSpec:
+        return WindowKVSpec(self.num_kv_heads, self.head_dim, self.window)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D] of the step's flattened batch. Returns [T, H*D]."""
+        step = get_forward_context().state
+        if step is None:
+            raise RuntimeError("a sliding-window layer ran without a state slot (the runner sets one per step)")
+        k_ring, v_ring = step.cache.layers[self.state_index]
+        w, outs, lo = self.window, [], 0
+        for slot, n, start in zip(step.slots, step.query_lens, step.starts, strict=True):
+            hi = lo + n
+            kept = torch.arange(max(0, start - w + 1), start, device=q.device)  # earlier positions still seen
+            keys = torch.cat([k_ring[slot, kept % w], k[lo:hi].to(k_ring.dtype)]).to(q.dtype)
+            values = torch.cat([v_ring[slot, kept % w], v[lo:hi].to(v_ring.dtype)]).to(q.dtype)
+            key_pos = torch.cat([kept, torch.arange(start, start + n, device=q.device)])
+            query_pos = torch.arange(start, start + n, device=q.device)[:, None]
+            mask = (key_pos[None, :] <= query_pos) & (key_pos[None, :] > query_pos - w)
+            out = F.scaled_dot_product_attention(
+                q[lo:hi].transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+            outs.append(out[0].transpose(0, 1).reshape(n, -1))
+            # After the read: the step's last (up to W) positions go into the ring for the next step.
+            new = torch.arange(max(start, start + n - w), start + n, device=q.device)
+            k_ring[slot, new % w] = k[new - start + lo].to(k_ring.dtype)
+            v_ring[slot, new % w] = v[new - start + lo].to(v_ring.dtype)
+            lo = hi
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
