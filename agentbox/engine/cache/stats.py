@@ -55,6 +55,7 @@ class SessionSummary:
     last_turn_hit_rate: float | None
     recompute_ratio: float | None
     expected_gap_s: float | None
+    snapshot_bytes: int  # hybrid models: the session's recurrent-state snapshots held now (0: none)
 
 
 @dataclass(frozen=True)
