@@ -62,7 +62,7 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
         fi
     done
 fi
-run "$PY" -c 'import agentbox.engine.llm, agentbox.bench.gpu_decode, agentbox.kernels.paged_decode
+run "$PY" -c 'import agentbox.engine.llm, agentbox.bench.gpu_decode, agentbox.bench.gpu_hybrid, agentbox.kernels.paged_decode
 print("engine and kernels import without the HTTP stack")'
 
 # Every gpu-marked test of the suite: bf16 logits of the dense, MoE (bf16 / FP8 / AWQ / GPTQ / GGUF / MXFP4
@@ -95,6 +95,10 @@ block gpu_moe 60 "$PY" -m agentbox.bench.gpu_moe
 # Quantised experts (issue 14): int4 / FP8 block / MXFP4 fused-MoE kernels against the same kernel on bf16
 # experts at Qwen3-30B-A3B's and gpt-oss-20b's expert shapes, 1 and 16 tokens (agentbox/bench/gpu_moe_quant.py).
 block moe_quant 45 "$PY" -m agentbox.bench.gpu_moe_quant
+# Hybrid models (issue 22): a random Qwen3.6-35B-A3B-shaped model with 4 of its 40 layers (3 Gated DeltaNet +
+# 1 gated attention), bf16 logits against transformers' torch path (fp32 and bf16), decode tok/s at batch 1
+# and 8 (agentbox/bench/gpu_hybrid.py; the tiny hybrids' bf16 logits are in `pytest -m gpu` above).
+block hybrid 150 "$PY" -m agentbox.bench.gpu_hybrid
 # Tensor parallel (issue 11): tp 2 over NCCL against tp 1; needs two GPUs (CPU tests cover tp 2 over gloo).
 ngpu="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 if [[ "$ngpu" -ge 2 ]]; then
@@ -102,7 +106,7 @@ if [[ "$ngpu" -ge 2 ]]; then
 else
     echo "gpu_check: tp 2 check skipped: $ngpu GPU visible, tensor parallel needs two" >&2
 fi
-# Other blocks go here, one line each. Time limits so far: 120 + 70 + 60 + 110 + 60 + 45 = 465 s on one GPU
+# Other blocks go here, one line each. Time limits so far: 120 + 70 + 60 + 110 + 60 + 45 + 150 = 615 s on one GPU
 # (+ 120 s tp on two), expected well under (most of it Triton compiling on a cold cache); keep it under 8 minutes.
 
 json="$extra/gpu_check.json"
