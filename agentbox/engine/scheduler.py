@@ -174,8 +174,9 @@ class Scheduler:
         found = [s for s in (store.find(m.session, req.all_token_ids, m.num_tokens),
                              store.find_shared(req.all_token_ids, m.num_tokens)) if s is not None]
         snap = max(found, key=lambda s: s.num_tokens, default=None)
-        if m.num_tokens > (snap.num_tokens if snap else 0):
-            req.state_share_at = m.num_tokens // self.page_size * self.page_size
+        share_at = m.num_tokens // self.page_size * self.page_size
+        if share_at > (snap.num_tokens if snap else 0):
+            req.state_share_at = share_at
         if snap is None:
             return cut
         path = tuple(n for n in m.path if n.start < snap.num_tokens)
