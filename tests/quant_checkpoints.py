@@ -166,7 +166,7 @@ FP8_QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "
 
 
 def quantise_fp8_state(
-    state: dict[str, torch.Tensor], block: tuple[int, int] = (128, 128)
+    state: dict[str, torch.Tensor], block: tuple[int, int] = (128, 128), suffixes: tuple[str, ...] = LINEAR_WEIGHTS
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(the Qwen3-*-FP8 checkpoint's tensors: e4m3 `*_proj.weight` + float32 `weight_scale_inv` per block,
     the rest bf16; the dequantised twin's tensors). Every quantised dim must be whole blocks."""
@@ -174,7 +174,7 @@ def quantise_fp8_state(
     twin: dict[str, torch.Tensor] = {}
     for name, p in state.items():
         p = p.bfloat16().float()
-        if not name.endswith(LINEAR_WEIGHTS):
+        if not name.endswith(suffixes):
             out[name], twin[name] = p.bfloat16(), p
             continue
         rows, cols = p.shape

@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -96,9 +97,16 @@ def _conversations(url: str) -> tuple[list[float], int]:
     return shares, mismatches
 
 
+def _snapshot_residency(url: str) -> tuple[dict[str, int], dict | None]:
+    """Snapshot bytes per session (/v1/sessions) and the store's totals (/v1/stats)."""
+    sessions = httpx.get(url + "/v1/sessions", timeout=30).json()["data"]
+    return {s["id"]: s["snapshot_bytes"] for s in sessions}, httpx.get(url + "/v1/stats", timeout=30).json()["snapshots"]
+
+
 def test_hybrid_sessions_over_http(tmp_path: Path, smollm2_tokenizer) -> None:  # noqa: ANN001
     model = _save(tmp_path / "qwen3.5-tiny", smollm2_tokenizer)
     results = {}
+    residency = {}
     # Snapshots are LRU over a fixed number of slots (default: one per page-table row, 17 here). Between two
     # turns of one agent the other three and all cold twins save up to 14 newer ones, more when a loaded machine
     # skews the agents' pace, which can push out an agent's snapshot (seen once: a turn at 0 cached). The test is
@@ -107,11 +115,19 @@ def test_hybrid_sessions_over_http(tmp_path: Path, smollm2_tokenizer) -> None:  
         url, env = _serve(model, tmp_path / f"home-{name}", snapshots)
         try:
             results[name] = _conversations(url)
+            residency[name] = _snapshot_residency(url)
         finally:
             subprocess.run([sys.executable, "-m", "agentbox.cli.main", "stop"], env=env, capture_output=True, timeout=60)
     (on, bad_on), (off, bad_off) = results["on"], results["off"]
     print(f"\nlater turns' cached share: snapshots on min {min(on):.3f} mean {sum(on) / len(on):.3f}; "
           f"off max {max(off):.3f} mean {sum(off) / len(off):.3f}; answers unlike a cold run: {bad_on} / {bad_off}")
     assert bad_on == 0 and bad_off == 0
+    # what the snapshots hold, per session and in all, from the store: each agent keeps its turn's two
+    held, stats = residency["on"]
+    assert stats is not None and stats["used_bytes"] == stats["count"] * stats["slot_bytes"] > 0
+    assert all(held[f"agent-{k}"] == 2 * stats["slot_bytes"] for k in range(4))
+    assert sum(held.values()) <= stats["used_bytes"]
+    held_off, stats_off = residency["off"]
+    assert stats_off is None and not any(held_off.values())
     assert min(on) >= 0.9
     assert max(off) == 0.0

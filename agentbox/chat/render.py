@@ -154,6 +154,10 @@ def render_prompt(
     kwargs: dict[str, Any] = {}
     if enable_thinking is not None:
         kwargs["enable_thinking"] = enable_thinking
+    if "preserve_thinking" in template:
+        # Qwen3.5 / 3.6 drop earlier turns' reasoning unless told to keep it: kept, turn N+1 starts with the
+        # very tokens turn N ended with, so the session's cache and its recurrent-state snapshot stay usable.
+        kwargs["preserve_thinking"] = True
     if reasoning_effort is not None and "reasoning_effort" in template:
         is_harmony = harmony.is_harmony_template(template)
         kwargs["reasoning_effort"] = harmony.template_effort(reasoning_effort) if is_harmony else reasoning_effort.value

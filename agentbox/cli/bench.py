@@ -174,6 +174,22 @@ def bench_cache(
     _print_json(cache_report(_bench_model(model), prefix_tokens), json_out)
 
 
+def _policies(policies: str) -> list[str]:
+    """`--policies` as cache policy names, checked."""
+    choices = ", ".join(p.value for p in CachePolicy)
+    try:
+        wanted = [CachePolicy(p.strip()).value for p in policies.split(",") if p.strip()]
+    except ValueError:
+        wanted = []
+    if not wanted:
+        raise typer.BadParameter(f"--policies: a comma-separated subset of {choices}")
+    return wanted
+
+
+def _spawn_args(num_pages: int | None, serve_arg: list[str] | None) -> list[str]:
+    return [*(["--num-pages", str(num_pages)] if num_pages else []), *(serve_arg or [])]
+
+
 @bench_app.command("replay")
 def bench_replay(
     trace_file: str = typer.Option(None, "--trace", help="A trace JSONL file (docs/bench.md)."),
@@ -191,6 +207,7 @@ def bench_replay(
     url: str = typer.Option(None, help="An OpenAI-compatible server to replay against."),
     target: list[str] = typer.Option(None, "--target", help="NAME=URL of another server (repeatable)."),
     spawn: bool = typer.Option(False, help="Start agentbox once per --policies value."),
+    tiny: bool = typer.Option(False, help="Also start agentbox on a tiny random hybrid and dense model, per policy."),
     model: str = typer.Option(None, help="Model for --spawn (a path or a profile name)."),
     policies: str = typer.Option(",".join(p.value for p in CachePolicy), help="Cache policies for --spawn, comma separated."),
     num_pages: int = typer.Option(None, help="--spawn: KV pool pages (set it so histories do not all fit)."),
@@ -207,7 +224,9 @@ def bench_replay(
     """Replay concurrent agent sessions against a server.
 
     Reports total time, time to first token and recomputed history."""
+    import shutil
     import sys
+    import tempfile
     import time
     from dataclasses import fields, replace
     from pathlib import Path
@@ -251,19 +270,20 @@ def bench_replay(
     if spawn:
         if not model:
             raise typer.BadParameter("--spawn needs --model")
-        choices = ", ".join(p.value for p in CachePolicy)
+        targets += [spawning.agentbox_target(model, p, _spawn_args(num_pages, serve_arg)) for p in _policies(policies)]
+    models_dir = None
+    if tiny:
+        from agentbox.bench.tiny_models import tiny_targets
+
+        models_dir = Path(tempfile.mkdtemp(prefix="agentbox-tiny-"))  # the tiny checkpoints: removed at the end
         try:
-            wanted = [CachePolicy(p.strip()) for p in policies.split(",") if p.strip()]
-        except ValueError:
-            wanted = []
-        if not wanted:
-            raise typer.BadParameter(f"--policies: a comma-separated subset of {choices}")
-        extra = [*(["--num-pages", str(num_pages)] if num_pages else []), *(serve_arg or [])]
-        targets += [spawning.agentbox_target(model, p.value, extra) for p in wanted]
+            targets += tiny_targets(models_dir, _policies(policies), _spawn_args(num_pages, serve_arg))
+        except RuntimeError as e:
+            fail(str(e))
     if llamacpp:
         targets.append(spawning.llamacpp_target(llamacpp, llamacpp_ctx))
     if not targets:
-        raise typer.BadParameter("nothing to replay against: pass --url, --target, --spawn or --llamacpp")
+        raise typer.BadParameter("nothing to replay against: pass --url, --target, --spawn, --tiny or --llamacpp")
 
     out_dir = Path(out or f"bench/results/replay-{time.strftime('%Y%m%d-%H%M%S')}")
     options = ReplayOptions(model=served_model, force_length=force_length, max_concurrency=max_concurrency)
@@ -272,7 +292,11 @@ def bench_replay(
             "synth": {f.name: getattr(cfg, f.name) for f in fields(cfg)} if not (trace_file or openhands_file) else None}
     from agentbox.cli.console import console
 
-    runs, _ = compare.compare(sessions_list, targets, options, out_dir, meta, console())
+    try:
+        runs, _ = compare.compare(sessions_list, targets, options, out_dir, meta, console())
+    finally:
+        if models_dir is not None:
+            shutil.rmtree(models_dir, ignore_errors=True)
     if not runs:
         raise typer.Exit(1)
 

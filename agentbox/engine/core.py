@@ -84,7 +84,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.cache, self.runner.max_model_len)
         self.scheduler.recurrent_state = self.runner.state_cache is not None
         if self.runner.state_cache is not None and self.runner.num_snapshots > 0:
-            self.scheduler.snapshots = SnapshotStore(self.runner.num_rows, self.runner.num_snapshots)
+            self.scheduler.snapshots = SnapshotStore(
+                self.runner.num_rows, self.runner.num_snapshots, self.runner.state_cache.slot_bytes()
+            )
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
         self.started = time.time()
         self._grammar_compiler = None
@@ -363,6 +365,7 @@ class EngineCore:
             ),
             sessions=SessionCounts(count=len(self.cache.sessions), live_leases=len(self.cache.sessions.live())),
             parallel=self._parallel_stats(),
+            snapshots=None if sch.snapshots is None else sch.snapshots.stats(),
         )
 
     def _parallel_stats(self) -> ParallelStats:
@@ -373,16 +376,23 @@ class EngineCore:
             step_send_us=round(1e6 * w.send_seconds / w.steps_sent, 1) if w is not None and w.steps_sent else None,
         )
 
+    def _snapshot_bytes(self, session: str) -> int:
+        store = self.scheduler.snapshots
+        return 0 if store is None else store.session_bytes(session)
+
     def query(self, q: Query) -> QueryResult:
         if q.kind is QueryKind.STATS:
             return self.stats()
         if q.kind is QueryKind.SESSIONS:
             self.prune_sessions()
             busy = self._busy_sessions()
-            return SessionList([session_summary(self.cache, s, s.id in busy) for s in self.cache.sessions])
+            snap = self._snapshot_bytes
+            return SessionList([session_summary(self.cache, s, s.id in busy, snap(s.id)) for s in self.cache.sessions])
         if q.kind is QueryKind.SESSION:
             s = self.cache.sessions.get(q.arg or "")
-            return None if s is None else session_detail(self.cache, s, s.id in self._busy_sessions())
+            if s is None:
+                return None
+            return session_detail(self.cache, s, s.id in self._busy_sessions(), self._snapshot_bytes(s.id))
         if q.kind is QueryKind.DROP_SESSION:
             sid = q.arg or ""
             if sid not in self.cache.sessions:

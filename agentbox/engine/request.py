@@ -62,6 +62,7 @@ class Request:
     state_seed: int | None = field(default=None, repr=False)
     state_aligned_at: int = field(default=0, repr=False)
     state_prompt_saved: bool = field(default=False, repr=False)
+    state_share_at: int = field(default=0, repr=False)  # > 0: keep the state there as a shared-prefix snapshot
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -136,39 +136,53 @@ class Scheduler:
             return
         if not tokens or req.state_aligned_at != len(tokens):
             return
-        slot = store.save(req.session_id, SnapshotPoint.TURN, tokens)
-        if slot is not None:
-            self._state_copies.append((store.aligned_slot(req.table_row), slot))
+        self._copy_out(req, store.save(req.session_id, SnapshotPoint.TURN, tokens))
 
     def _save_prompt_states(self) -> None:
         """Running requests whose last step ended on their prompt's last page boundary: that state becomes
-        the session's prompt snapshot (copied before the next step can overwrite it)."""
+        the session's prompt snapshot (copied before the next step can overwrite it); those whose last step
+        ended at their shared-prefix point (`_resume_point`): a shared snapshot."""
         store = self.snapshots
         if store is None:
             return
         for req in self.running:
+            at = req.state_share_at
+            if at and req.state_aligned_at == at and req.table_row is not None:
+                req.state_share_at = 0
+                self._copy_out(req, store.save_shared(req.all_token_ids[:at]))
             boundary = req.num_prompt_tokens // self.page_size * self.page_size
             if req.state_prompt_saved or boundary == 0 or req.state_aligned_at != boundary:
                 continue
             req.state_prompt_saved = True
-            if req.session_id is None or req.table_row is None:
-                continue
-            slot = store.save(req.session_id, SnapshotPoint.PROMPT, req.all_token_ids[:boundary])
-            if slot is not None:
-                self._state_copies.append((store.aligned_slot(req.table_row), slot))
+            if req.session_id is not None:
+                self._copy_out(req, store.save(req.session_id, SnapshotPoint.PROMPT, req.all_token_ids[:boundary]))
+
+    def _copy_out(self, req: Request, slot: int | None) -> None:
+        """The request's page-aligned state into a snapshot slot, before the next step."""
+        if slot is not None and req.table_row is not None and self.snapshots is not None:
+            self._state_copies.append((self.snapshots.aligned_slot(req.table_row), slot))
 
     def _resume_point(self, req: Request, m: Match) -> Match:
-        """For a hybrid model: m cut to the session's snapshot (the longest prefix its state can resume
-        from), or to nothing. Host-tier parts are not resumed: a partial promotion would move the lock's end."""
-        snap = None if self.snapshots is None else self.snapshots.find(m.session, req.all_token_ids, m.num_tokens)
+        """For a hybrid model: m cut to the longest prefix a snapshot resumes (the session's own, or a shared
+        prefix's), or to nothing. When m is longer, the request keeps its state at m's end as a shared snapshot.
+        Host-tier parts are not resumed: a partial promotion would move the lock's end."""
+        store = self.snapshots
         cut = Match((), 0, 0, m.session, m.epoch)
+        req.state_share_at = 0
+        if store is None:
+            return cut
+        found = [s for s in (store.find(m.session, req.all_token_ids, m.num_tokens),
+                             store.find_shared(req.all_token_ids, m.num_tokens)) if s is not None]
+        snap = max(found, key=lambda s: s.num_tokens, default=None)
+        share_at = m.num_tokens // self.page_size * self.page_size
+        if share_at > (snap.num_tokens if snap else 0):
+            req.state_share_at = share_at
         if snap is None:
             return cut
         path = tuple(n for n in m.path if n.start < snap.num_tokens)
         if any(n.tier is Tier.HOST for n in path):
             return cut
-        assert m.session is not None
-        self.snapshots.used(m.session)  # type: ignore[union-attr]
+        store.used(snap)
         req.state_seed = snap.slot
         return Match(path, snap.num_tokens, 0, m.session, m.epoch)
 
@@ -180,6 +194,8 @@ class Scheduler:
             return n
         ps, start = self.page_size, req.num_computed_tokens
         end = start + n
+        if start < req.state_share_at < end:
+            return req.state_share_at - start
         last_boundary = req.num_tokens // ps * ps
         if end < req.num_tokens and end // ps * ps > start:
             return end // ps * ps - start

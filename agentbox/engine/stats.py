@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from agentbox.engine.cache.state_snapshots import SnapshotStats
 from agentbox.engine.cache.stats import CacheStats
 
 
@@ -71,6 +72,7 @@ class EngineStats:
     admission: AdmissionStats
     sessions: SessionCounts
     parallel: ParallelStats
+    snapshots: SnapshotStats | None = None  # hybrid models' recurrent-state snapshots; None: no such store
 
 
 def to_json(msg: Any) -> dict[str, Any]:

@@ -63,6 +63,10 @@ class StateCache:
     def bytes_per_slot(specs: list[StateSpec], dtype: torch.dtype) -> int:
         return sum(s.bytes(dtype) for s in specs)
 
+    def slot_bytes(self) -> int:
+        """Bytes one slot holds, from the tensors themselves."""
+        return sum(t[0].numel() * t.element_size() for t in (*self.conv, *self.matrix))
+
     def copy(self, src: list[int], dst: list[int]) -> None:
         """State of slot src[i] into slot dst[i], every layer, in order: a later copy may read what an
         earlier one wrote (a snapshot saved, then a request seeded from it), so they are never batched."""

@@ -54,6 +54,8 @@ def fmt_bytes(v: Any) -> str:
     x = _n(v)
     if x is None:
         return DASH
+    if x < 2**20:  # a tiny model's state snapshot is a few KiB
+        return f"{x / 2**10:.0f}K"
     return f"{x / 2**30:.1f}G" if x >= 2**30 else f"{x / 2**20:.0f}M"
 
 
@@ -107,6 +109,8 @@ SESSION_COLUMNS: tuple[Column, ...] = (
            lambda s: fmt_tokens(s.get("resident_tokens_gpu"))),
     Column("resident_tokens_host", "host tok", _num_value("resident_tokens_host"),
            lambda s: fmt_tokens(s.get("resident_tokens_host"))),
+    Column("snapshot_bytes", "state", _num_value("snapshot_bytes"),
+           lambda s: fmt_bytes(s.get("snapshot_bytes")) if s.get("snapshot_bytes") else DASH),
     Column("lease_expires_in_s", "lease", _num_value("lease_expires_in_s"), _lease),
     Column("last_turn_hit_rate", "hit last", _num_value("last_turn_hit_rate"), _hit("last_turn_hit_rate")),
     Column("hit_rate", "hit life", _num_value("hit_rate"), _hit("hit_rate")),
@@ -275,7 +279,14 @@ def pool_panel(snap: Mapping[str, Any], width: int = 40) -> Group:
         moves.append(f"\non disk {fmt_tokens(cache.get('disk_pages'))} pages "
                      f"({(_n(cache.get('disk_bytes')) or 0) / 2**30:.1f} of {(_n(cache.get('disk_budget_bytes')) or 0) / 2**30:.1f} GiB)"
                      f"  read back {fmt_tokens(cache.get('disk_restored'))}  torn {cache.get('disk_torn', 0)}")
-    return Group(title, gpu, host_title, host_g, moves)
+    snaps = st.get("snapshots")
+    if not snaps:
+        return Group(title, gpu, host_title, host_g, moves)
+    # hybrid models: the recurrent-state snapshots beside the pool (a fixed set of slots, one state each)
+    held = Text(f"state snapshots {snaps.get('count', DASH)} of {snaps.get('capacity', DASH)}, "
+                f"{fmt_bytes(snaps.get('used_bytes'))} of {fmt_bytes(snaps.get('capacity_bytes'))}  "
+                f"hits {fmt_tokens(snaps.get('hits'))}  dropped {fmt_tokens(snaps.get('dropped'))}")
+    return Group(title, gpu, host_title, host_g, moves, held)
 
 
 def _series(label: str, now: str, values: Iterable[float | None], top: float | None, style: str) -> Text:

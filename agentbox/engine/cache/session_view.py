@@ -20,8 +20,9 @@ def _state(s: Session, generating: bool, now: float) -> SessionState:
     return SessionState.IDLE
 
 
-def session_summary(cache: KVManager, s: Session, generating: bool) -> SessionSummary:
-    """`generating`: a request of the session is in the engine."""
+def session_summary(cache: KVManager, s: Session, generating: bool, snapshot_bytes: int = 0) -> SessionSummary:
+    """`generating`: a request of the session is in the engine; `snapshot_bytes`: its recurrent-state
+    snapshots held now (the snapshot store's count, which the core owns)."""
     now = cache.clock()
     pages = cache.session_pages(s.id)
     ps = cache.pool.page_size
@@ -48,13 +49,14 @@ def session_summary(cache: KVManager, s: Session, generating: bool) -> SessionSu
         last_turn_hit_rate=last.cached_tokens / last.prompt_tokens if last and last.prompt_tokens else None,
         recompute_ratio=s.recomputed_tokens / s.history_tokens if s.history_tokens else None,
         expected_gap_s=round(cache.sessions.expected_gap(s), 3) if s.gaps else None,
+        snapshot_bytes=snapshot_bytes,
         on_disk_tokens=pages.get(Tier.DISK, 0) * ps,
     )
 
 
-def session_detail(cache: KVManager, s: Session, generating: bool) -> SessionDetail:
+def session_detail(cache: KVManager, s: Session, generating: bool, snapshot_bytes: int = 0) -> SessionDetail:
     return SessionDetail(
-        **vars(session_summary(cache, s, generating)),
+        **vars(session_summary(cache, s, generating, snapshot_bytes)),
         gaps_s=[round(g, 3) for g in s.gaps],
         turn_history=[replace(t) for t in s.turn_history],
     )

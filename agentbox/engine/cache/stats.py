@@ -63,6 +63,7 @@ class SessionSummary:
     last_turn_hit_rate: float | None
     recompute_ratio: float | None
     expected_gap_s: float | None
+    snapshot_bytes: int  # hybrid models: the session's recurrent-state snapshots held now (0: none)
     on_disk_tokens: int = 0  # restored at start from the disk tier, not back yet (`agentbox top`: "on disk")
 
 
