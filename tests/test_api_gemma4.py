@@ -1,8 +1,9 @@
 """Gemma 4's output through the real server and the official clients, on every API, streaming and not: a
-scripted checkpoint (tests/scripted_model.py) with Gemma 4's released chat template (tests/data/) replays a
-recorded-style Gemma 4 answer (text, then `<|tool_call>call:get_weather{...}<tool_call|>` with a `<|"|>`-quoted
-string and a bare number) token by token; every API must return the text and one get_weather call with typed
-arguments. Thinking is off (the template's default: it closes an empty thought channel at the prompt's end)."""
+scripted checkpoint (tests/scripted_model.py) with our own template reproducing Gemma 4's chat format (tests/data/,
+not the released file) replays a recorded-style Gemma 4 answer (text, then
+`<|tool_call>call:get_weather{...}<tool_call|>` with a `<|"|>`-quoted string and a bare number) token by token;
+every API must return the text and one get_weather call with typed arguments. Thinking is off (the template's
+default: it closes an empty thought channel at the prompt's end)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import openai
 import pytest
 from scripted_model import write_scripted_model
 
-TEMPLATE = (Path(__file__).parent / "data" / "gemma4_31b_it_chat_template.jinja").read_text()
+TEMPLATE = (Path(__file__).parent / "data" / "gemma4_format_chat_template.jinja").read_text()
 # `<channel|>` stays a plain word: it is the prompt's last token, which the script continues from
 SPECIAL = ["<|turn>", "<turn|>", "<|channel>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool>", "<tool|>"]
 OUTPUT = 'Checking the forecast.<|tool_call>call:get_weather{city:<|"|>Paris, FR<|"|>,days:3}<tool_call|>'

@@ -1,6 +1,7 @@
-"""Gemma 4's formats on its released chat template (tests/data/): the template's own rendering of a tool call
-reads back as the same call (strings with commas, braces and quotes, nested objects, lists, booleans, numbers),
-fed whole or one character at a time; its thought channel splits from the answer; the template is recognised."""
+"""Gemma 4's formats on our own test template reproducing Gemma 4's published chat format (tests/data/, not
+the released file): the template's rendering of a tool call reads back as the same call (strings with commas,
+braces and quotes, nested objects, lists, booleans, numbers), fed whole or one character at a time; its thought
+channel splits from the answer; the template is recognised."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from agentbox.chat.reasoning import ReasoningSplitter
 from agentbox.chat.tool_parsers import collect, detect_tool_parser, get_tool_parser
 from agentbox.server.chat_pipeline import reasoning_style_of
 
-TEMPLATE = (Path(__file__).parent / "data" / "gemma4_31b_it_chat_template.jinja").read_text()
+TEMPLATE = (Path(__file__).parent / "data" / "gemma4_format_chat_template.jinja").read_text()
 ARGS = {"path": "src/a.py", "old": 'x = {"a": 1}, y', "n": 3, "ratio": 0.5, "force": False,
         "tags": ["a", "b, c"], "opts": {"depth": 2, "mode": "fast"}}
 
