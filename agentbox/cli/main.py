@@ -12,7 +12,7 @@ from agentbox.cli.bench import bench_app
 from agentbox.cli.common import DEBUG_ENV, fail, run_cli
 from agentbox.cli.fleet import fleet_app, top_fleet
 from agentbox.cli.workstation import check_app, workstation_app
-from agentbox.config import CachePolicy, EngineConfig, ServerConfig
+from agentbox.config import CachePolicy, EngineConfig, ServerConfig, Speculative
 from agentbox.tui import DEFAULT_INTERVAL_S  # a constant; textual loads only when top runs
 
 app = typer.Typer(
@@ -133,6 +133,7 @@ def serve(
     seed: int = typer.Option(_E.seed, help="seed for unseeded sampling"),
     tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007
     loop_guard: bool = typer.Option(_E.loop_guard, "--loop-guard/--no-loop-guard", help="end generations stuck repeating a cycle of tokens (finish reason length)"),
+    speculative: Speculative = typer.Option(_E.speculative, help="drafts from the session's own text, verified exactly"),
 ) -> None:
     """Start the server (in the background unless --foreground)."""
     from agentbox.cli import daemon
@@ -162,7 +163,7 @@ def serve(
         num_pages=num_pages, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
         host_cache_gb=host_cache_gb, seed=seed, tensor_parallel_size=tp, loop_guard=loop_guard,
-        state_snapshots=state_snapshots,
+        state_snapshots=state_snapshots, speculative=speculative,
     )
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                           allow_unauthenticated=allow_unauthenticated, max_body_mb=max_body_mb, engine=engine,

@@ -1,0 +1,125 @@
+"""Speculative decoding (engine/draft.py, engine/exec/verify.py): greedy output with drafts equals greedy
+output without, token for token, on SmolLM2 (exact and default CPU paths) and tiny random dense and MoE
+models; stops, max_tokens and the pool's pages hold inside an accepted run; the sampled rule keeps the
+distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from moe_harness import save_random
+from transformers import LlamaConfig, Qwen3MoeConfig
+
+from agentbox.config import EngineConfig, Speculative
+from agentbox.engine.draft import longest_match
+from agentbox.engine.exec.verify import sampled_prefix
+from agentbox.engine.llm import LLM
+from agentbox.engine.request import Request
+from agentbox.engine.sampling import SamplingParams
+from agentbox.models.loader import load_model
+
+TEXT = (
+    "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\n"
+    "def sub(a, b):\n    return a - b\n"
+)
+TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=256, max_position_embeddings=512)
+
+
+def _run(loaded, path, spec: Speculative, prompts: list[list[int]], sp: SamplingParams, **kw):  # noqa: ANN001, ANN202
+    llm = LLM(EngineConfig(model=str(path), num_pages=256, speculative=spec, **kw), loaded=loaded)
+    outs = llm.generate(prompts, sp)
+    llm.core.check_integrity()
+    return [o.token_ids for o in outs], [o.finish_reason for o in outs], llm.core.counters
+
+
+def test_longest_match_is_the_latest_longest() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        hay = rng.integers(0, 4, size=int(rng.integers(2, 60))).astype(np.int32)
+        pat = rng.integers(0, 4, size=int(rng.integers(1, 8))).astype(np.int32)
+        limit = int(rng.integers(1, hay.size + 1))
+        best = (-1, 0)
+        for end in range(limit):
+            n = 0
+            while n < pat.size and end - n >= 0 and hay[end - n] == pat[-1 - n]:
+                n += 1
+            if n and n >= best[1]:
+                best = (end, n)
+        assert longest_match(hay, limit, pat) == best
+
+
+@pytest.fixture(scope="module")
+def copy_prompts(smollm2_tokenizer) -> list[list[int]]:  # noqa: ANN001
+    ask = "Copy this code exactly, then stop.\n\n" + TEXT + "\nCopy:\n"
+    return [smollm2_tokenizer.encode(ask), smollm2_tokenizer.encode("The three primary colors are")]
+
+
+def test_smollm2_exact_greedy_equals_plain(smollm2_loaded, smollm2_path, copy_prompts) -> None:  # noqa: ANN001
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    plain, _, c0 = _run(smollm2_loaded, smollm2_path, Speculative.OFF, copy_prompts, sp)
+    spec, _, c1 = _run(smollm2_loaded, smollm2_path, Speculative.SUFFIX, copy_prompts, sp)
+    assert spec == plain
+    assert c0.drafted_tokens == 0 and c1.accepted_tokens > 0 and c1.drafted_tokens >= c1.accepted_tokens
+    assert c1.steps < c0.steps  # accepted drafts saved steps
+    # a stop token and max_tokens inside an accepted run end the output exactly where plain decoding does
+    ref = plain[0]
+    stop = ref[20]
+    cut = ref[: ref.index(stop) + 1]
+    for s in (SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[stop]),
+              SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)):
+        want = cut if s.stop_token_ids else ref[:13]
+        for mode in (Speculative.OFF, Speculative.NGRAM, Speculative.SUFFIX):
+            out, why, _ = _run(smollm2_loaded, smollm2_path, mode, copy_prompts[:1], s)
+            assert out[0] == want and why[0] == ("stop" if s.stop_token_ids else "length"), mode
+
+
+def test_smollm2_default_cpu_path_verify_is_bit_exact(smollm2_fast, smollm2_path, copy_prompts) -> None:  # noqa: ANN001
+    # The fused CPU layer runs a verify's rows as one-token decodes at their positions: same numbers.
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, _, _ = _run(smollm2_fast, smollm2_path, Speculative.OFF, copy_prompts[:1], sp)
+    spec, _, c = _run(smollm2_fast, smollm2_path, Speculative.AUTO, copy_prompts[:1], sp)
+    assert spec == plain and c.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_tiny_random_models_greedy_equals_plain(arch: str, tmp_path) -> None:  # noqa: ANN001
+    cfg = (LlamaConfig(**TINY, architectures=["LlamaForCausalLM"]) if arch == "llama" else Qwen3MoeConfig(
+        **TINY, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+        architectures=["Qwen3MoeForCausalLM"]))
+    save_random(cfg, tmp_path)
+    loaded = load_model(str(tmp_path), torch.float32, "cpu")
+    base = [(7 * i + 3) % 250 + 1 for i in range(12)]
+    prompts = [base * 3, base[:5] * 4 + [9, 8, 7]]  # repeats: the drafter proposes their continuations
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, _, _ = _run(loaded, tmp_path, Speculative.OFF, prompts, sp, page_size=4, attention="torch")
+    spec, _, c = _run(loaded, tmp_path, Speculative.SUFFIX, prompts, sp, page_size=4, attention="torch")
+    assert spec == plain and c.drafted_tokens > 0
+
+
+def test_sampled_verify_keeps_the_distribution() -> None:
+    # Chi-square over many draws: the first output token is distributed as p at row 0, and after an accepted
+    # first draft token the second as p at row 1, whatever the draft says.
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6) * 1.5
+    req = Request("r", [1], SamplingParams(temperature=0.8, top_k=5, seed=1234))
+    draft = [int(logits[0].argsort()[-2]), 2]  # the second likeliest first (often rejected), then any
+    p = torch.softmax(logits / 0.8, dim=-1)
+    p[torch.arange(3), logits.argmin(dim=-1)] = 0.0  # top_k=5 of 6 drops each row's least likely token
+    p /= p.sum(dim=-1, keepdim=True)
+    p1 = p[1]
+    n = 6000
+    first = np.zeros(6)
+    second = np.zeros(6)
+    for _ in range(n):
+        out = sampled_prefix(logits, req, draft)
+        first[out[0]] += 1
+        if out[0] == draft[0] and len(out) > 1:
+            second[out[1]] += 1
+    for counts, probs in ((first, p[0]), (second, p1)):
+        expected = probs.numpy() * counts.sum()
+        keep = expected > 0
+        assert counts[~keep].sum() == 0
+        chi2 = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+        assert chi2 < 20.5  # p = 0.001 at 5 degrees of freedom
