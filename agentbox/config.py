@@ -96,11 +96,12 @@ class EngineConfig:
     session_idle_s: float = 3600.0
     max_sessions: int = 1024
     # Speculative decoding (engine/draft.py): drafts of up to `spec_max_draft` tokens, proposed only after a
-    # match of at least `spec_min_match` tokens; k starts at `spec_start_draft` and follows acceptance.
+    # match of at least `spec_min_match` tokens; k is chosen from the request's acceptance and what each
+    # verified row costs over a decode step (`spec_row_cost`; None: measured defaults per device, draft.py).
     speculative: Speculative = Speculative.AUTO
     spec_max_draft: int = 16
-    spec_start_draft: int = 4
     spec_min_match: int = 3
+    spec_row_cost: float | None = None
     spec_global_tokens: int = 65536  # recent outputs of every session searched when a request's own miss
 
     def __post_init__(self) -> None:

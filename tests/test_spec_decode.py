@@ -52,35 +52,37 @@ def test_longest_match_is_the_latest_longest() -> None:
 
 @pytest.fixture(scope="module")
 def copy_prompts(smollm2_tokenizer) -> list[list[int]]:  # noqa: ANN001
-    ask = "Copy this code exactly, then stop.\n\n" + TEXT + "\nCopy:\n"
+    # The file twice, then its first line again: the model goes on copying (mostly), drafts follow the copies.
+    ask = "# math.py\n" + TEXT + "\n\n# math_copy.py\n" + TEXT + "\n\n# math_copy2.py\ndef add(a, b):\n"
     return [smollm2_tokenizer.encode(ask), smollm2_tokenizer.encode("The three primary colors are")]
 
 
 def test_smollm2_exact_greedy_equals_plain(smollm2_loaded, smollm2_path, copy_prompts) -> None:  # noqa: ANN001
-    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-    plain, _, c0 = _run(smollm2_loaded, smollm2_path, Speculative.OFF, copy_prompts, sp)
-    spec, _, c1 = _run(smollm2_loaded, smollm2_path, Speculative.SUFFIX, copy_prompts, sp)
+    # spec_row_cost 0: every draft as long as the match allows, so long verifies and rejected tails run.
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain, _, c0 = _run(smollm2_loaded, smollm2_path, Speculative.OFF, copy_prompts[:1], sp)
+    spec, _, c1 = _run(smollm2_loaded, smollm2_path, Speculative.SUFFIX, copy_prompts[:1], sp, spec_row_cost=0.0)
     assert spec == plain
-    assert c0.drafted_tokens == 0 and c1.accepted_tokens > 0 and c1.drafted_tokens >= c1.accepted_tokens
+    assert c0.drafted_tokens == 0 and c1.accepted_tokens > 0 and c1.drafted_tokens > c1.accepted_tokens
     assert c1.steps < c0.steps  # accepted drafts saved steps
-    # a stop token and max_tokens inside an accepted run end the output exactly where plain decoding does
-    ref = plain[0]
-    stop = ref[20]
-    cut = ref[: ref.index(stop) + 1]
-    for s in (SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[stop]),
-              SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)):
-        want = cut if s.stop_token_ids else ref[:13]
-        for mode in (Speculative.OFF, Speculative.NGRAM, Speculative.SUFFIX):
-            out, why, _ = _run(smollm2_loaded, smollm2_path, mode, copy_prompts[:1], s)
-            assert out[0] == want and why[0] == ("stop" if s.stop_token_ids else "length"), mode
 
 
 def test_smollm2_default_cpu_path_verify_is_bit_exact(smollm2_fast, smollm2_path, copy_prompts) -> None:  # noqa: ANN001
-    # The fused CPU layer runs a verify's rows as one-token decodes at their positions: same numbers.
-    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    # The fused CPU layer runs a verify's rows as one-token decodes at their positions: the same numbers, so
+    # the default path's output is plain decoding's too; a stop token and max_tokens inside an accepted run
+    # end the output exactly where plain decoding does.
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     plain, _, _ = _run(smollm2_fast, smollm2_path, Speculative.OFF, copy_prompts[:1], sp)
-    spec, _, c = _run(smollm2_fast, smollm2_path, Speculative.AUTO, copy_prompts[:1], sp)
-    assert spec == plain and c.accepted_tokens > 0
+    spec, _, c = _run(smollm2_fast, smollm2_path, Speculative.AUTO, copy_prompts, sp)
+    assert spec[0] == plain[0] and c.accepted_tokens > 0
+    ref = plain[0]
+    stop = next(t for i, t in enumerate(ref) if i >= 16 and t not in ref[:i])  # first seen mid-run
+    for s, want in ((SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[stop]), ref[: ref.index(stop) + 1]),
+                    (SamplingParams(max_tokens=29, temperature=0.0, ignore_eos=True), ref[:29])):
+        for mode in (Speculative.NGRAM, Speculative.SUFFIX):
+            out, why, c = _run(smollm2_fast, smollm2_path, mode, copy_prompts[:1], s, spec_row_cost=0.0)
+            assert out[0] == want and why[0] == ("stop" if s.stop_token_ids else "length"), mode
+            assert c.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -94,7 +96,8 @@ def test_tiny_random_models_greedy_equals_plain(arch: str, tmp_path) -> None:  #
     prompts = [base * 3, base[:5] * 4 + [9, 8, 7]]  # repeats: the drafter proposes their continuations
     sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     plain, _, _ = _run(loaded, tmp_path, Speculative.OFF, prompts, sp, page_size=4, attention="torch")
-    spec, _, c = _run(loaded, tmp_path, Speculative.SUFFIX, prompts, sp, page_size=4, attention="torch")
+    spec, _, c = _run(loaded, tmp_path, Speculative.SUFFIX, prompts, sp, page_size=4, attention="torch",
+                      spec_row_cost=0.0)
     assert spec == plain and c.drafted_tokens > 0
 
 
@@ -109,7 +112,7 @@ def test_sampled_verify_keeps_the_distribution() -> None:
     p[torch.arange(3), logits.argmin(dim=-1)] = 0.0  # top_k=5 of 6 drops each row's least likely token
     p /= p.sum(dim=-1, keepdim=True)
     p1 = p[1]
-    n = 6000
+    n = 2500
     first = np.zeros(6)
     second = np.zeros(6)
     for _ in range(n):
@@ -123,3 +126,22 @@ def test_sampled_verify_keeps_the_distribution() -> None:
         assert counts[~keep].sum() == 0
         chi2 = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
         assert chi2 < 20.5  # p = 0.001 at 5 degrees of freedom
+
+
+def test_grammar_bound_tool_call_greedy_equals_plain(smollm2_fast, smollm2_path, smollm2_tokenizer) -> None:  # noqa: ANN001
+    # A required tool call whose arguments repeat the conversation's: each draft row is masked by the grammar
+    # after the draft tokens before it, and the output is plain constrained decoding's.
+    from agentbox.chat.grammar import grammar_spec
+
+    tools = [{"type": "function", "function": {"name": "read_file", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "start": {"type": "integer"}},
+        "required": ["path", "start"]}}}]
+    call = '<tool_call>\n{"name": "read_file", "arguments": {"path": "src/agentbox/engine/scheduler.py", "start": 40}}\n</tool_call>'
+    text = f"Earlier calls:\n{call}\n{call}\nCall read_file again on the same path, start 40.\n"
+    prompt = smollm2_tokenizer.encode(text)
+    sp = SamplingParams(max_tokens=200, temperature=0.0, grammar=grammar_spec(tools, "required", None, "hermes",
+                                                                              parallel_tool_calls=False))
+    plain, why0, _ = _run(smollm2_fast, smollm2_path, Speculative.OFF, [prompt], sp)
+    spec, why1, c = _run(smollm2_fast, smollm2_path, Speculative.SUFFIX, [prompt], sp)
+    assert spec == plain and why1 == why0 == ["stop"]
+    assert c.accepted_tokens > 0

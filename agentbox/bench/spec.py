@@ -18,7 +18,9 @@ from typing import Any
 from agentbox.config import EngineConfig, Speculative
 from agentbox.engine.ipc.messages import AddRequest
 from agentbox.engine.llm import LLM
+from agentbox.engine.request import Request
 from agentbox.engine.sampling import SamplingParams
+from agentbox.engine.scheduler import ScheduledSeq, SchedulerOutput
 from agentbox.kernels.cpu_gemv import cpu_model
 
 FILE = '''import json
@@ -65,12 +67,16 @@ TOOL_HISTORY = (
     "Tool call:"
 )
 
-WORKLOADS: dict[str, list[dict[str, str]]] = {
-    "edit": [{"role": "user", "content": "Here is a file:\n\n" + FILE + "\nReturn the whole file with the default "
-              "port changed from 8000 to 9000. Reply with the file only."}],
-    "tool_call": [{"role": "user", "content": TOOL_HISTORY}],
-    "prose": [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message "
-               "in a bottle."}],
+# name -> (chat messages, the start of the assistant's reply the prompt ends with). SmolLM2-135M follows
+# these (checked by eye): it returns the file from its opening fence, and continues the tool call's JSON.
+WORKLOADS: dict[str, tuple[list[dict[str, str]], str]] = {
+    "edit": ([{"role": "system", "content": "You are a code editor. You reply with the complete edited file and "
+               "nothing else."},
+              {"role": "user", "content": "```python\n" + FILE + "```\nIn this file, change 8000 to 9000."}],
+             "```python\n"),
+    "tool_call": ([{"role": "user", "content": TOOL_HISTORY}],
+                  'Tool call: {"name": "read_file", "arguments": {"path": "'),
+    "prose": ([{"role": "user", "content": "Explain how a refrigerator works."}], ""),
 }
 
 
@@ -97,6 +103,8 @@ def _workload(engines: dict[str, LLM], prompt: list[int], max_tokens: int, repea
     counts = {}
     for _ in range(repeats):
         for side, llm in engines.items():
+            if llm.core.drafter is not None:
+                llm.core.drafter.forget()  # each run drafts from its own prompt only, never the last run's answer
             before = (llm.core.counters.drafted_tokens, llm.core.counters.accepted_tokens, llm.core.counters.steps)
             toks, secs = _decode(llm, prompt, max_tokens)
             c = llm.core.counters
@@ -117,6 +125,30 @@ def _workload(engines: dict[str, LLM], prompt: list[int], max_tokens: int, repea
     }
 
 
+def verify_cost(llm: LLM, prompt: list[int], ks: tuple[int, ...] = (0, 1, 3, 7, 15), repeats: int = 15) -> dict[str, Any]:
+    """The forward pass of one sequence scoring its next token plus k drafts, against k = 0 (a decode step),
+    after `prompt`: the fastest of `repeats` each, in scratch pages (as LLM.logits uses)."""
+    core = llm.core
+    req = Request("spec-verify-cost", list(prompt), SamplingParams(temperature=0.0))
+    req.pages = core.pool.alloc(-(-(len(prompt) + max(ks) + 1) // core.pool.page_size))
+    try:
+        core.runner.forward_logits(SchedulerOutput([ScheduledSeq(req, len(prompt), True)], []))
+        req.num_computed_tokens = len(prompt) - 1  # its last token again, as a decode, then k drafts after it
+        best = {}
+        for k in ks:
+            step = SchedulerOutput([ScheduledSeq(req, 1 + k, True, prompt[:k])], [])
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                core.runner.forward_logits(step)
+                times.append(time.perf_counter() - t)
+            best[k] = min(times)
+    finally:
+        core.pool.decref(req.pages)
+    return {"context_tokens": len(prompt), "decode_step_ms": round(best[0] * 1e3, 2),
+            "verify_vs_decode": {str(k): round(best[k] / best[0], 3) for k in ks}}
+
+
 def spec_report(model: str, mode: Speculative = Speculative.AUTO, max_tokens: int = 256, repeats: int = 2,
                 exact_cpu: bool = False) -> dict[str, Any]:
     from agentbox.models.loader import load_tokenizer, resolve_model
@@ -130,15 +162,14 @@ def spec_report(model: str, mode: Speculative = Speculative.AUTO, max_tokens: in
     tok = load_tokenizer(resolve_model(model))
     load0, start = os.getloadavg()[0], time.time()
     results = {}
-    for name, messages in WORKLOADS.items():
-        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(prompt, list):
-            prompt = list(prompt["input_ids"])
-        results[name] = _workload(engines, list(prompt), max_tokens, repeats)
+    for name, (messages, reply_start) in WORKLOADS.items():
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + reply_start
+        results[name] = _workload(engines, tok.encode(text), max_tokens, repeats)
+    cost = verify_cost(off, tok.encode(FILE))
     return {
         "model": os.path.basename(model), "device": str(off.core.runner.device), "cpu_model": cpu_model(),
         "cpu_threads": __import__("torch").get_num_threads(), "exact_cpu": exact_cpu, "mode": mode.value,
-        "max_tokens": max_tokens, "repeats": repeats, "workloads": results,
+        "max_tokens": max_tokens, "repeats": repeats, "workloads": results, "verify_cost": cost,
         "goals": {"edit": 2.0, "tool_call": 1.3, "prose": 0.97},
         "load_average_before_after": [load0, os.getloadavg()[0]], "seconds": round(time.time() - start, 1),
     }

@@ -321,9 +321,10 @@ class EngineCore:
         """A step's tokens into their request, up to the first that ends it. Past the first, each is a draft
         token the verify agreed with: its KV was computed in this step, so it counts as computed."""
         out = self._accept(req, tokens[0], lp)
+        gs = req.grammar_state
         for t in tokens[1:]:
-            if out.finished:
-                break
+            if out.finished or (gs is not None and gs.closing is not None):
+                break  # a grammar that starts closing forces its next tokens: the verified rows did not
             req.num_computed_tokens += 1
             more = self._accept(req, t, None)
             out.new_token_ids += more.new_token_ids

@@ -13,9 +13,12 @@ token backwards while any still match. It needs no index to build or keep in ste
 history is an int32 array that only grows), and costs tens of microseconds at 30k tokens against a decode
 step's milliseconds. `arctic-inference` (SuffixDecoding's own tree) was not used: see docs/speculative.md.
 
-A draft that is rejected costs a verify wider than a decode, so k follows acceptance: it doubles after a draft
-accepted whole, shrinks to what was accepted otherwise, and a request whose acceptance stays low stops
-drafting for a while (a pause that doubles each time), so prose that repeats nothing decodes as before.
+A rejected draft still costs its rows: on a CPU each verified row adds about a quarter of a decode step (the
+4-bit kernels share a weight's pass among 8 rows; measured by `agentbox bench spec`), on a GPU almost nothing.
+So k is chosen per step to maximise the expected tokens per unit of step cost, (1 + a + a^2 + ... + a^k) /
+(1 + c k), from the request's recent per-token acceptance a and the row cost c. When no k pays (a too low for
+c), the request stops drafting for a while (a pause that doubles each time), so prose that repeats nothing
+decodes as before.
 """
 
 from __future__ import annotations
@@ -32,12 +35,27 @@ if TYPE_CHECKING:
 
 # The longest match looked for: past this, a longer match predicts no better (and the scan stops early).
 MAX_MATCH = 32
-# Acceptance below this (a moving average over verifies) pauses a request's drafting; the pause starts at
-# PAUSE_STEPS decode steps and doubles each time, up to MAX_PAUSE_STEPS.
-LOW_ACCEPTANCE = 0.25
-EMA_WEIGHT = 0.3
+# What a verified row costs over a decode step, when the config names none: CPU from `agentbox bench spec`'s
+# verify_cost on SmolLM2 (a 4-row verify 1.3x a decode, 8 rows 2.0-2.8x, on a shared 2-core EPYC); GPU decode is
+# memory-bound, so rows up to 16 cost about as much as one.
+ROW_COST = {"cpu": 0.25, "cuda": 0.02}
+# The per-token acceptance a new request starts from, and its weight in verified tokens; each verify's counts
+# decay by DECAY, so a is the recent acceptance.
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT, DECAY = 0.7, 2.0, 0.8
 PAUSE_STEPS = 16
 MAX_PAUSE_STEPS = 512
+
+
+def best_k(acceptance: float, row_cost: float, max_k: int) -> int:
+    """The k maximising expected tokens per step cost, (1 + a + ... + a^k) / (1 + c k); 0 when none beats 1."""
+    best, best_gain, tokens, p = 0, 1.0, 1.0, 1.0
+    for k in range(1, max_k + 1):
+        p *= acceptance
+        tokens += p
+        gain = tokens / (1 + row_cost * k)
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best
 
 
 class TokenHistory:
@@ -84,16 +102,22 @@ def longest_match(hay: np.ndarray, limit: int, pattern: np.ndarray, max_len: int
 
 @dataclass
 class DraftState:
-    """One request's drafting: its token history, the current k, what it drafted and had accepted."""
+    """One request's drafting: its token history, its recent acceptance, what it drafted and had accepted."""
 
-    k: int
     history: TokenHistory = field(default_factory=TokenHistory)
     drafted: int = 0
     accepted: int = 0
-    ema: float = 1.0  # recent acceptance rate; starts trusting, the first misses pull it down
+    # decayed counts of accepted draft tokens and of rejections (one per verify that stopped early)
+    kept: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+    refused: float = (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
     paused_until: int = 0  # a decode-step count
     pause: int = PAUSE_STEPS
     steps: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """The recent chance that a draft token is accepted, given the one before it was."""
+        return self.kept / (self.kept + self.refused)
 
 
 class GlobalHistory:
@@ -120,18 +144,20 @@ class Drafter:
     def __init__(self, config: EngineConfig) -> None:
         self.mode = Speculative.SUFFIX if config.speculative is Speculative.AUTO else config.speculative
         self.max_draft = config.spec_max_draft
-        self.start_draft = min(config.spec_start_draft, config.spec_max_draft)
         self.min_match = config.spec_min_match
+        device = "cuda" if config.resolved_device.startswith("cuda") else "cpu"
+        self.row_cost = ROW_COST[device] if config.spec_row_cost is None else config.spec_row_cost
         self.recent = GlobalHistory(config.spec_global_tokens if self.mode is Speculative.SUFFIX else 0)
 
     @staticmethod
     def eligible(req: Request) -> bool:
-        """Drafts are verified for greedy and sampled requests without a grammar, penalties or logprobs
-        (those would need each draft position's own mask or counts)."""
-        s = req.sampling
+        """Drafts are verified for greedy and sampled requests without penalties or logprobs (those would
+        need each draft position's own counts), and for greedy ones under a grammar that is not closing (a
+        closing grammar forces its tokens; exec/verify.py masks each draft position with the grammar)."""
+        s, gs = req.sampling, req.grammar_state
         return (
-            req.grammar_state is None and s.logprobs is None and s.repetition_penalty == 1.0
-            and not s.presence_penalty and not s.frequency_penalty
+            (gs is None or (s.greedy and gs.closing is None)) and s.logprobs is None
+            and s.repetition_penalty == 1.0 and not s.presence_penalty and not s.frequency_penalty
         )
 
     def propose(self, req: Request, limit: int) -> list[int]:
@@ -140,12 +166,16 @@ class Drafter:
             return []
         st = req.draft_state
         if st is None:
-            st = req.draft_state = DraftState(self.start_draft)
+            st = req.draft_state = DraftState()
         st.steps += 1
         if st.steps < st.paused_until:
             return []
+        k = min(best_k(st.acceptance, self.row_cost, self.max_draft), limit)
+        if k == 0:  # no draft pays at this acceptance: pause, then start again from the prior
+            st.paused_until, st.pause = st.steps + st.pause, min(2 * st.pause, MAX_PAUSE_STEPS)
+            st.kept, st.refused = PRIOR_ACCEPTANCE * PRIOR_WEIGHT, (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
+            return []
         st.history.sync(req.all_token_ids)
-        k = min(st.k, limit)
         hist = st.history.view
         pattern = hist[-MAX_MATCH:]
         if self.mode is Speculative.NGRAM:
@@ -164,18 +194,18 @@ class Drafter:
         return []
 
     def observe(self, req: Request, drafted: int, accepted: int) -> None:
-        """A verify's result: k and the request's acceptance follow it."""
+        """A verify's result: the request's acceptance follows it."""
         st = req.draft_state
         if st is None or drafted == 0:
             return
         st.drafted += drafted
         st.accepted += accepted
-        st.k = min(2 * st.k, self.max_draft) if accepted == drafted else max(1, accepted + 1)
-        st.ema = (1 - EMA_WEIGHT) * st.ema + EMA_WEIGHT * accepted / drafted
-        if st.ema < LOW_ACCEPTANCE:
-            st.paused_until = st.steps + st.pause
-            st.pause = min(2 * st.pause, MAX_PAUSE_STEPS)
-            st.ema, st.k = 0.5, self.start_draft  # after the pause: a fresh, cautious start
+        st.kept = DECAY * st.kept + accepted
+        st.refused = DECAY * st.refused + (accepted < drafted)
 
     def finished(self, req: Request) -> None:
         self.recent.add(req.output_token_ids)
+
+    def forget(self) -> None:
+        """Drops the recent outputs (a benchmark repeating a request would otherwise draft its last answer)."""
+        self.recent = GlobalHistory(self.recent.capacity)

@@ -210,6 +210,12 @@ class Scheduler:
         req.pages.extend(pages)
         return True
 
+    def _chunk(self, req: Request, budget: int) -> tuple[int, list[int]]:
+        """A running request's tokens this step (a draft's included) and its draft."""
+        n = self._state_chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
+        draft = self._draft(req, n, budget)
+        return n + len(draft), draft
+
     def _draft(self, req: Request, n: int, budget: int) -> list[int]:
         """A draft for a request about to decode its next token, within the step's budget, its max_tokens
         and the context (every drafted token may become an output token, plus one more)."""
@@ -305,9 +311,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._state_chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
-            draft = self._draft(req, n, budget)
-            n += len(draft)
+            n, draft = self._chunk(req, budget)
             while not self._reserve(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 if victim is req and len(self.running) == 1:

@@ -17,8 +17,8 @@ from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.exec.logprob import TokenLogprob
 from agentbox.engine.exec.page_table import PageTable, RowAssigner
-from agentbox.engine.exec.verify import sample_verified
 from agentbox.engine.exec.step_inputs import StepInputs
+from agentbox.engine.exec.verify import sample_verified
 from agentbox.layers.backends import select_backend
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context

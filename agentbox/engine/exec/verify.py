@@ -1,6 +1,7 @@
 """Verifying drafts (speculative decoding, engine/draft.py): a drafted sequence brings logits after its last
 real token and after each draft token; the sampler keeps the longest draft prefix the model agrees with, plus
 one token of the model's own. Sequences without a draft are sampled as ever (exec/sampler.py).
+Under a grammar (greedy only), each row is masked with the grammar's state after the draft tokens before it.
 
 Greedy: draft token j is kept while it is the argmax of the row before it, so the output is token for token
 plain greedy decoding's. Sampled: the standard rejection rule (Leviathan et al. 2023; Chen et al. 2023) with a
@@ -27,6 +28,30 @@ def greedy_prefix(best: list[int], draft: list[int]) -> list[int]:
         if best[j] != t:
             return best[: j + 1]
     return best[: len(draft) + 1]
+
+
+def grammar_prefix(logits: torch.Tensor, req: Request, draft: list[int]) -> list[int]:
+    """Greedy under a grammar: row j masked by the grammar after draft[:j]; the matcher looks ahead through
+    the accepted draft tokens and is rolled back (the core accepts the kept tokens as ever)."""
+    from agentbox.engine.exec.bitmask import allocate_bitmask, apply_bitmask
+
+    gs = req.grammar_state
+    assert gs is not None
+    bitmask = allocate_bitmask(1, logits.shape[-1])
+    out: list[int] = []
+    ahead = 0
+    try:
+        for j in range(len(draft) + 1):
+            row = logits[j : j + 1].clone()
+            gs.fill_bitmask(bitmask, 0)
+            apply_bitmask(row, bitmask)
+            out.append(int(row.argmax()))
+            if j == len(draft) or out[-1] != draft[j] or not gs.advance(out[-1]):
+                break
+            ahead += 1
+    finally:
+        gs.rollback(ahead)
+    return out
 
 
 def sampled_prefix(logits: torch.Tensor, req: Request, draft: list[int]) -> list[int]:
@@ -68,7 +93,7 @@ def sample_verified(
             if j in pfailed:
                 failed[i] = pfailed[j]
     drafted = [i for i, d in enumerate(drafts) if d]
-    greedy = [i for i in drafted if reqs[i].sampling.greedy]
+    greedy = [i for i in drafted if reqs[i].sampling.greedy and reqs[i].grammar_state is None]
     if greedy:  # one argmax and one host sync for every greedy draft of the step
         rows = torch.cat([torch.arange(starts[i], starts[i] + 1 + len(drafts[i])) for i in greedy])
         best = logits.index_select(0, rows.to(logits.device)).argmax(dim=-1).tolist()
@@ -77,10 +102,14 @@ def sample_verified(
             n = 1 + len(drafts[i])
             tokens[i], at = greedy_prefix(best[at : at + n], drafts[i]), at + n
     for i in drafted:
-        if reqs[i].sampling.greedy:
+        if i in greedy:
             continue
+        rows = logits[starts[i] : starts[i] + 1 + len(drafts[i])]
         try:
-            tokens[i] = sampled_prefix(logits[starts[i] : starts[i] + 1 + len(drafts[i])], reqs[i], drafts[i])
+            if reqs[i].grammar_state is not None:
+                tokens[i] = grammar_prefix(rows, reqs[i], drafts[i])
+            else:
+                tokens[i] = sampled_prefix(rows, reqs[i], drafts[i])
         except Exception as e:  # noqa: BLE001 - one request's failure is that request's error
             failed[i] = f"{type(e).__name__}: {e}"
     return tokens, lps, failed
