@@ -145,3 +145,25 @@ def test_grammar_bound_tool_call_greedy_equals_plain(smollm2_fast, smollm2_path,
     spec, why1, c = _run(smollm2_fast, smollm2_path, Speculative.SUFFIX, [prompt], sp)
     assert spec == plain and why1 == why0 == ["stop"]
     assert c.accepted_tokens > 0
+
+
+def test_usage_stats_and_sessions_report_drafts(live_server: str) -> None:
+    # The shared server (default --speculative auto): usage carries the accepted / rejected draft tokens,
+    # /v1/stats the totals and acceptance rate, /v1/sessions the session's counts (agentbox top's column).
+    import httpx
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{live_server}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    r = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=48, extra_headers={"X-Session-Id": "spec-usage"},
+        messages=[{"role": "user", "content": "Repeat this code exactly.\n\n" + TEXT + "\n" + TEXT}])
+    details = r.usage.completion_tokens_details
+    assert details is not None and details.accepted_prediction_tokens is not None
+    assert details.rejected_prediction_tokens is not None and details.rejected_prediction_tokens >= 0
+    stats = httpx.get(f"{live_server}/v1/stats").json()
+    spec = stats["speculative"]
+    assert spec["mode"] == "suffix" and spec["drafted_tokens"] >= spec["accepted_tokens"] >= 0
+    assert spec["accepted_tokens"] >= details.accepted_prediction_tokens
+    session = httpx.get(f"{live_server}/v1/sessions/spec-usage").json()
+    assert session["spec_accepted_tokens"] == details.accepted_prediction_tokens

@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from agentbox.config import EngineConfig, Speculative
 from agentbox.engine.cache.cache_policies import kv_manager
@@ -17,7 +17,7 @@ from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.session_view import session_detail, session_summary
 from agentbox.engine.cache.sessions import TurnRecord
 from agentbox.engine.cache.state_snapshots import SnapshotStore
-from agentbox.engine.cache.stats import SessionDropped, SessionList
+from agentbox.engine.cache.stats import SessionDetail, SessionDropped, SessionList, SessionSummary
 from agentbox.engine.draft import Drafter
 from agentbox.engine.exec.runner import ModelRunner
 from agentbox.engine.exec.worker import RankDeath, start_group
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from agentbox.engine.grammar import GrammarState  # xgrammar loads only when a request needs it
 
 log = logging.getLogger(__name__)
+_Summary = TypeVar("_Summary", SessionSummary, SessionDetail)
 
 
 class EngineCore:
@@ -401,6 +402,12 @@ class EngineCore:
             acceptance_rate=round(c.accepted_tokens / c.drafted_tokens, 4) if c.drafted_tokens else 0.0,
         )
 
+    def _spec_counts(self, summary: _Summary) -> _Summary:
+        counts = None if self.drafter is None else self.drafter.by_session.get(summary.id)
+        if counts is None:
+            return summary
+        return replace(summary, spec_drafted_tokens=counts[0], spec_accepted_tokens=counts[1])
+
     def _parallel_stats(self) -> ParallelStats:
         w = self.workers
         return ParallelStats(
@@ -415,10 +422,11 @@ class EngineCore:
         if q.kind is QueryKind.SESSIONS:
             self.prune_sessions()
             busy = self._busy_sessions()
-            return SessionList([session_summary(self.cache, s, s.id in busy) for s in self.cache.sessions])
+            return SessionList([self._spec_counts(session_summary(self.cache, s, s.id in busy))
+                                for s in self.cache.sessions])
         if q.kind is QueryKind.SESSION:
             s = self.cache.sessions.get(q.arg or "")
-            return None if s is None else session_detail(self.cache, s, s.id in self._busy_sessions())
+            return None if s is None else self._spec_counts(session_detail(self.cache, s, s.id in self._busy_sessions()))
         if q.kind is QueryKind.DROP_SESSION:
             sid = q.arg or ""
             if sid not in self.cache.sessions:

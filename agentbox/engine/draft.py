@@ -44,6 +44,7 @@ ROW_COST = {"cpu": 0.25, "cuda": 0.02}
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT, DECAY = 0.7, 2.0, 0.8
 PAUSE_STEPS = 16
 MAX_PAUSE_STEPS = 512
+MAX_SESSIONS = 4096  # per-session counts kept for /v1/sessions (the session table holds at most 1024 by default)
 
 
 def best_k(acceptance: float, row_cost: float, max_k: int) -> int:
@@ -148,16 +149,20 @@ class Drafter:
         device = "cuda" if config.resolved_device.startswith("cuda") else "cpu"
         self.row_cost = ROW_COST[device] if config.spec_row_cost is None else config.spec_row_cost
         self.recent = GlobalHistory(config.spec_global_tokens if self.mode is Speculative.SUFFIX else 0)
+        self.by_session: dict[str, list[int]] = {}  # session -> [drafted, accepted], the newest MAX_SESSIONS
 
     @staticmethod
     def eligible(req: Request) -> bool:
-        """Drafts are verified for greedy and sampled requests without penalties or logprobs (those would
-        need each draft position's own counts), and for greedy ones under a grammar that is not closing (a
-        closing grammar forces its tokens; exec/verify.py masks each draft position with the grammar)."""
+        """Drafts are verified for greedy and unseeded sampled requests without penalties or logprobs (those
+        would need each draft position's own counts), and for greedy ones under a grammar that is not closing
+        (a closing grammar forces its tokens; exec/verify.py masks each draft position with the grammar). A
+        seeded sampled request is not drafted: its draws would depend on the drafts, which depend on the
+        batch and on other sessions, and a seed promises the same output whatever else runs."""
         s, gs = req.sampling, req.grammar_state
         return (
-            (gs is None or (s.greedy and gs.closing is None)) and s.logprobs is None
-            and s.repetition_penalty == 1.0 and not s.presence_penalty and not s.frequency_penalty
+            (s.greedy or s.seed is None) and (gs is None or (s.greedy and gs.closing is None))
+            and s.logprobs is None and s.repetition_penalty == 1.0 and not s.presence_penalty
+            and not s.frequency_penalty
         )
 
     def propose(self, req: Request, limit: int) -> list[int]:
@@ -200,6 +205,13 @@ class Drafter:
             return
         st.drafted += drafted
         st.accepted += accepted
+        if req.session_id is not None:
+            counts = self.by_session.pop(req.session_id, None) or [0, 0]
+            counts[0] += drafted
+            counts[1] += accepted
+            self.by_session[req.session_id] = counts  # re-inserted: the dict's order is recency
+            if len(self.by_session) > MAX_SESSIONS:
+                del self.by_session[next(iter(self.by_session))]
         st.kept = DECAY * st.kept + accepted
         st.refused = DECAY * st.refused + (accepted < drafted)
 

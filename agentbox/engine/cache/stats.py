@@ -55,6 +55,9 @@ class SessionSummary:
     last_turn_hit_rate: float | None
     recompute_ratio: float | None
     expected_gap_s: float | None
+    # speculative decoding (engine/draft.py), filled by the core: draft tokens verified / accepted
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)
