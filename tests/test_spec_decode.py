@@ -71,18 +71,19 @@ def test_smollm2_default_cpu_path_verify_is_bit_exact(smollm2_fast, smollm2_path
     # The fused CPU layer runs a verify's rows as one-token decodes at their positions: the same numbers, so
     # the default path's output is plain decoding's too; a stop token and max_tokens inside an accepted run
     # end the output exactly where plain decoding does.
-    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True)
     plain, _, _ = _run(smollm2_fast, smollm2_path, Speculative.OFF, copy_prompts[:1], sp)
     spec, _, c = _run(smollm2_fast, smollm2_path, Speculative.AUTO, copy_prompts, sp)
     assert spec[0] == plain[0] and c.accepted_tokens > 0
     ref = plain[0]
     stop = next(t for i, t in enumerate(ref) if i >= 16 and t not in ref[:i])  # first seen mid-run
-    for s, want in ((SamplingParams(max_tokens=48, temperature=0.0, stop_token_ids=[stop]), ref[: ref.index(stop) + 1]),
-                    (SamplingParams(max_tokens=29, temperature=0.0, ignore_eos=True), ref[:29])):
-        for mode in (Speculative.NGRAM, Speculative.SUFFIX):
-            out, why, c = _run(smollm2_fast, smollm2_path, mode, copy_prompts[:1], s, spec_row_cost=0.0)
-            assert out[0] == want and why[0] == ("stop" if s.stop_token_ids else "length"), mode
-            assert c.accepted_tokens > 0
+    for mode, s, want in (
+        (Speculative.NGRAM, SamplingParams(max_tokens=36, temperature=0.0, stop_token_ids=[stop]), ref[: ref.index(stop) + 1]),
+        (Speculative.SUFFIX, SamplingParams(max_tokens=27, temperature=0.0, ignore_eos=True), ref[:27]),
+    ):
+        out, why, c = _run(smollm2_fast, smollm2_path, mode, copy_prompts[:1], s, spec_row_cost=0.0)
+        assert out[0] == want and why[0] == ("stop" if s.stop_token_ids else "length"), mode
+        assert c.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -94,7 +95,7 @@ def test_tiny_random_models_greedy_equals_plain(arch: str, tmp_path) -> None:  #
     loaded = load_model(str(tmp_path), torch.float32, "cpu")
     base = [(7 * i + 3) % 250 + 1 for i in range(12)]
     prompts = [base * 3, base[:5] * 4 + [9, 8, 7]]  # repeats: the drafter proposes their continuations
-    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     plain, _, _ = _run(loaded, tmp_path, Speculative.OFF, prompts, sp, page_size=4, attention="torch")
     spec, _, c = _run(loaded, tmp_path, Speculative.SUFFIX, prompts, sp, page_size=4, attention="torch",
                       spec_row_cost=0.0)
@@ -112,7 +113,7 @@ def test_sampled_verify_keeps_the_distribution() -> None:
     p[torch.arange(3), logits.argmin(dim=-1)] = 0.0  # top_k=5 of 6 drops each row's least likely token
     p /= p.sum(dim=-1, keepdim=True)
     p1 = p[1]
-    n = 2500
+    n = 1500
     first = np.zeros(6)
     second = np.zeros(6)
     for _ in range(n):
@@ -156,7 +157,7 @@ def test_usage_stats_and_sessions_report_drafts(live_server: str) -> None:
     client = OpenAI(base_url=f"{live_server}/v1", api_key="none")
     model = client.models.list().data[0].id
     r = client.chat.completions.create(
-        model=model, temperature=0, max_tokens=48, extra_headers={"X-Session-Id": "spec-usage"},
+        model=model, temperature=0, max_tokens=24, extra_headers={"X-Session-Id": "spec-usage"},
         messages=[{"role": "user", "content": "Repeat this code exactly.\n\n" + TEXT + "\n" + TEXT}])
     details = r.usage.completion_tokens_details
     assert details is not None and details.accepted_prediction_tokens is not None

@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 # The longest match looked for: past this, a longer match predicts no better (and the scan stops early).
 MAX_MATCH = 32
 # What a verified row costs over a decode step, when the config names none: CPU from `agentbox bench spec`'s
-# verify_cost on SmolLM2 (a 4-row verify 1.3x a decode, 8 rows 2.0-2.8x, on a shared 2-core EPYC); GPU decode is
+# verify_cost on SmolLM2 (4 rows 1.5x a decode, 8 rows 2.5x, 16 rows 5.2x, on a shared 2-core EPYC); GPU decode is
 # memory-bound, so rows up to 16 cost about as much as one.
-ROW_COST = {"cpu": 0.25, "cuda": 0.02}
+ROW_COST = {"cpu": 0.3, "cuda": 0.02}
 # The per-token acceptance a new request starts from, and its weight in verified tokens; each verify's counts
 # decay by DECAY, so a is the recent acceptance.
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT, DECAY = 0.7, 2.0, 0.8
@@ -146,6 +146,7 @@ class Drafter:
         self.mode = Speculative.SUFFIX if config.speculative is Speculative.AUTO else config.speculative
         self.max_draft = config.spec_max_draft
         self.min_match = config.spec_min_match
+        self.match_factor = config.spec_match_factor
         device = "cuda" if config.resolved_device.startswith("cuda") else "cpu"
         self.row_cost = ROW_COST[device] if config.spec_row_cost is None else config.spec_row_cost
         self.recent = GlobalHistory(config.spec_global_tokens if self.mode is Speculative.SUFFIX else 0)
@@ -187,16 +188,19 @@ class Drafter:
             end, n = longest_match(hist, hist.size - 1, pattern, self.min_match)
         else:
             end, n = longest_match(hist, hist.size - 1, pattern)
-        if n >= self.min_match:
-            return hist[end + 1 : end + 1 + k].tolist()
+        if n >= self.min_match:  # a longer match predicts further: the draft grows with it
+            return hist[end + 1 : end + 1 + self._length(k, n)].tolist()
         glob = self.recent.tokens.view
         if glob.size:
             end, n = longest_match(glob, glob.size - 1, pattern)
             if n >= self.min_match:
-                cont = glob[end + 1 : end + 1 + k]
+                cont = glob[end + 1 : end + 1 + self._length(k, n)]
                 stop = np.flatnonzero(cont < 0)
                 return (cont[: stop[0]] if stop.size else cont).tolist()
         return []
+
+    def _length(self, k: int, matched: int) -> int:
+        return max(1, min(k, int(self.match_factor * matched)))
 
     def observe(self, req: Request, drafted: int, accepted: int) -> None:
         """A verify's result: the request's acceptance follows it."""
