@@ -168,3 +168,22 @@ def test_usage_stats_and_sessions_report_drafts(live_server: str) -> None:
     assert spec["accepted_tokens"] >= details.accepted_prediction_tokens
     session = httpx.get(f"{live_server}/v1/sessions/spec-usage").json()
     assert session["spec_accepted_tokens"] == details.accepted_prediction_tokens
+
+
+@pytest.mark.slow
+def test_tp2_verify_equals_tp1_plain(tmp_path) -> None:  # noqa: ANN001
+    # Draft ids travel in StepInputs.input_ids: rank 1 scores the same extend as rank 0.
+    from tests.test_tp import CONFIGS, GREEDY, _config
+
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(CONFIGS["llama"]).save_pretrained(tmp_path)
+    base = [(7 * i + 3) % 250 + 1 for i in range(12)]
+    prompts = [base * 3, base[:5] * 4]
+    with LLM(_config(str(tmp_path), 1, speculative=Speculative.OFF)) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    with LLM(_config(str(tmp_path), 2, speculative=Speculative.SUFFIX, spec_row_cost=0.0)) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        drafted = llm.core.counters.drafted_tokens
+    assert got == ref and drafted > 0
