@@ -16,6 +16,15 @@ class CachePolicy(str, Enum):
     NONE = "none"  # nothing: every prompt is computed in full (the cold baseline)
 
 
+class Speculative(str, Enum):
+    """Draft-free speculative decoding (engine/draft.py; the CLI's --speculative choices are these values)."""
+
+    AUTO = "auto"  # suffix where the engine can verify drafts (not yet for hybrid models' recurrent state)
+    SUFFIX = "suffix"  # longest match in the request's own tokens, then in recent outputs of every session
+    NGRAM = "ngram"  # a fixed-length n-gram match in the request's own tokens only (llama.cpp's kind)
+    OFF = "off"
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # What the planner (hub/plan.py) counts as KV: this many sessions resident at this context (or the model's,
@@ -95,6 +104,15 @@ class EngineConfig:
     # entries the longest idle goes first. Without them the table grew with every id a client made up.
     session_idle_s: float = 3600.0
     max_sessions: int = 1024
+    # Speculative decoding (engine/draft.py): drafts of up to `spec_max_draft` tokens, proposed only after a
+    # match of at least `spec_min_match` tokens; k is chosen from the request's acceptance and what each
+    # verified row costs over a decode step (`spec_row_cost`; None: measured defaults per device, draft.py).
+    speculative: Speculative = Speculative.AUTO
+    spec_max_draft: int = 16
+    spec_min_match: int = 3
+    spec_row_cost: float | None = None
+    spec_match_factor: float = 0.5  # a draft is at most this many tokens per matched token (vLLM's suffix rule)
+    spec_global_tokens: int = 65536  # recent outputs of every session searched when a request's own miss
 
     def __post_init__(self) -> None:
         # Callers may name the policy ("lru"); an unknown name fails here, naming the field.
@@ -104,6 +122,12 @@ class EngineConfig:
             choices = ", ".join(p.value for p in CachePolicy)
             raise ValueError(f"cache_policy must be one of {choices} (got {self.cache_policy!r})") from None
         object.__setattr__(self, "cache_policy", policy)
+        try:
+            spec = Speculative(self.speculative)
+        except ValueError:
+            choices = ", ".join(p.value for p in Speculative)
+            raise ValueError(f"speculative must be one of {choices} (got {self.speculative!r})") from None
+        object.__setattr__(self, "speculative", spec)
 
     @property
     def resolved_device(self) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from agentbox.cli.common import fail
-from agentbox.config import CachePolicy
+from agentbox.config import CachePolicy, Speculative
 
 bench_app = typer.Typer(help="Benchmarks: agent trace replay, throughput, cache.", no_args_is_help=True)
 
@@ -145,6 +145,25 @@ def bench_llamacpp(
 
     report = compare_llamacpp(_bench_model(model), prompt_len, tokens, threads, repeats, default_only=default_only)
     _print_json(report, json_out)
+
+
+@bench_app.command("spec")
+def bench_spec(
+    model: str | None = typer.Option(None, "--model", help="HF model dir or .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
+    speculative: Speculative = typer.Option(Speculative.AUTO, help="the draft mode compared with off"),
+    max_tokens: int = typer.Option(256, "--max-tokens", min=2, help="tokens generated per request"),
+    repeats: int = typer.Option(2, "--repeats", min=1, help="runs per side; the fastest decode is kept"),
+    exact_cpu: bool = typer.Option(False, "--exact-cpu", help="CPU: dequantised layers (exact fp32)"),
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Decode tok/s with and without speculative decoding.
+
+    Edit, tool-call and prose workloads in the same run, with the acceptance rate and tokens per step."""
+    from agentbox.bench.spec import spec_report
+
+    if speculative is Speculative.OFF:
+        fail("--speculative off compares nothing: pick auto, suffix or ngram")
+    _print_json(spec_report(_bench_model(model), speculative, max_tokens, repeats, exact_cpu), json_out)
 
 
 @bench_app.command("cpu-rows")

@@ -13,7 +13,7 @@ from agentbox.cli.cache_cmd import cache_app
 from agentbox.cli.common import DEBUG_ENV, fail, run_cli
 from agentbox.cli.fleet import fleet_app, top_fleet
 from agentbox.cli.workstation import check_app, workstation_app
-from agentbox.config import SERVE_DISK_CACHE_GB, CachePolicy, EngineConfig, ServerConfig
+from agentbox.config import SERVE_DISK_CACHE_GB, CachePolicy, EngineConfig, ServerConfig, Speculative
 from agentbox.tui import DEFAULT_INTERVAL_S  # a constant; textual loads only when top runs
 
 app = typer.Typer(
@@ -136,6 +136,7 @@ def serve(
     seed: int = typer.Option(_E.seed, help="seed for unseeded sampling"),
     tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007
     loop_guard: bool = typer.Option(_E.loop_guard, "--loop-guard/--no-loop-guard", help="end generations stuck repeating a cycle of tokens (finish reason length)"),
+    speculative: Speculative = typer.Option(_E.speculative, help="drafts from the session's own text, verified exactly"),
 ) -> None:
     """Start the server (in the background unless --foreground)."""
     from agentbox.cli import daemon
@@ -164,8 +165,8 @@ def serve(
         enforce_eager=enforce_eager, exact_cpu=exact_cpu, page_size=page_size,
         num_pages=num_pages, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
-        host_cache_gb=host_cache_gb, disk_cache_gb=disk_cache_gb, disk_restore=restore, seed=seed, tensor_parallel_size=tp, loop_guard=loop_guard,
-        state_snapshots=state_snapshots,
+        host_cache_gb=host_cache_gb, disk_cache_gb=disk_cache_gb, disk_restore=restore, seed=seed,
+        tensor_parallel_size=tp, loop_guard=loop_guard, state_snapshots=state_snapshots, speculative=speculative,
     )
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                           allow_unauthenticated=allow_unauthenticated, max_body_mb=max_body_mb, engine=engine,

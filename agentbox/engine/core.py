@@ -9,15 +9,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
-from agentbox.config import EngineConfig
+from agentbox.config import EngineConfig, Speculative
 from agentbox.engine.cache.cache_policies import kv_manager
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.session_view import session_detail, session_summary
 from agentbox.engine.cache.sessions import TurnRecord
 from agentbox.engine.cache.state_snapshots import SnapshotStore
-from agentbox.engine.cache.stats import SessionDropped, SessionList
+from agentbox.engine.cache.stats import SessionDetail, SessionDropped, SessionList, SessionSummary
+from agentbox.engine.draft import Drafter
 from agentbox.engine.exec.runner import ModelRunner
 from agentbox.engine.exec.worker import RankDeath, start_group
 from agentbox.engine.grammar_spec import plain_grammar_error
@@ -41,6 +42,7 @@ from agentbox.engine.stats import (
     ParallelStats,
     PoolStats,
     SessionCounts,
+    SpecStats,
 )
 from agentbox.models.loader import LoadedModel
 from agentbox.parallel.state import destroy_distributed
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from agentbox.engine.grammar import GrammarState  # xgrammar loads only when a request needs it
 
 log = logging.getLogger(__name__)
+_Summary = TypeVar("_Summary", SessionSummary, SessionDetail)
 
 
 class EngineCore:
@@ -88,10 +91,22 @@ class EngineCore:
                 self.runner.num_rows, self.runner.num_snapshots, self.runner.state_cache.slot_bytes()
             )
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
+        self.drafter = self._drafter(config)
+        self.scheduler.drafter = self.drafter
         self.started = time.time()
         self._grammar_compiler = None
         self.counters = EngineCounters()
         self._next_prune = 0.0
+
+    def _drafter(self, config: EngineConfig) -> Drafter | None:
+        if config.speculative is Speculative.OFF:
+            return None
+        if self.runner.state_cache is not None:
+            # A verify advances the recurrent state past every draft token, rejected ones included; resuming
+            # at the accepted position needs per-position states, which the delta-net layers do not keep yet.
+            log.info("speculative decoding is off for this model: its recurrent state cannot step back yet")
+            return None
+        return Drafter(config)
 
     def _note_death(self, death: RankDeath) -> None:
         log.error("%s", death.describe())
@@ -221,6 +236,8 @@ class EngineCore:
             num_cached_tokens=req.num_cached_tokens,
             num_host_cached_tokens=req.num_host_cached_tokens,
             num_recomputed_tokens=req.num_recomputed_tokens,
+            num_drafted_tokens=req.num_drafted,
+            num_accepted_tokens=req.num_accepted,
             session_id=req.session_id,
         )
 
@@ -287,7 +304,7 @@ class EngineCore:
                 c.decode_tokens += s.num_new_tokens
             else:
                 c.prefill_tokens += s.num_new_tokens
-            req.num_computed_tokens += s.num_new_tokens
+            req.num_computed_tokens += s.num_new_tokens - len(s.draft)  # accepted drafts count in _accept_run
             if req.flushing:
                 self.scheduler.finish(req, req.finish_reason or "stop")
                 continue
@@ -297,7 +314,7 @@ class EngineCore:
             why = failed.get(i)
             if why is None:
                 try:
-                    results.append(self._accept(req, tokens[i], lps[i]))
+                    results.append(self._accept_run(req, tokens[i], lps[i], len(s.draft)))
                     continue
                 except Exception as e:  # noqa: BLE001 - its grammar or stop check: this request's fault alone
                     why = f"{type(e).__name__}: {e}"
@@ -312,6 +329,27 @@ class EngineCore:
         o = self._output(req, [], None)
         o.error, o.error_code = f"this request failed in the engine: {why}", "request_failed"
         return o
+
+    def _accept_run(self, req: Request, tokens: list[int], lp: TokenLogprob | None, drafted: int) -> RequestOutput:
+        """A step's tokens into their request, up to the first that ends it. Past the first, each is a draft
+        token the verify agreed with: its KV was computed in this step, so it counts as computed."""
+        out = self._accept(req, tokens[0], lp)
+        gs = req.grammar_state
+        for t in tokens[1:]:
+            if out.finished or (gs is not None and gs.closing is not None):
+                break  # a grammar that starts closing forces its next tokens: the verified rows did not
+            req.num_computed_tokens += 1
+            more = self._accept(req, t, None)
+            out.new_token_ids += more.new_token_ids
+            out.finished, out.finish_reason = more.finished, more.finish_reason
+        if drafted and self.drafter is not None:
+            self.drafter.observe(req, drafted, len(tokens) - 1)
+            self.counters.drafted_tokens += drafted
+            self.counters.accepted_tokens += len(tokens) - 1
+            if req.is_running:
+                self.scheduler.trim_draft(req)
+            out.num_drafted_tokens, out.num_accepted_tokens = req.num_drafted, req.num_accepted
+        return out
 
     def _accept(self, req: Request, token: int, lp: TokenLogprob | None) -> RequestOutput:
         """One sampled token into its request: grammar, stop checks, the output the client gets."""
@@ -336,6 +374,8 @@ class EngineCore:
         return out_
 
     def _record_completion(self, req: Request) -> None:
+        if self.drafter is not None:
+            self.drafter.finished(req)
         if req.session_id:
             self.cache.complete_turn(req.session_id, req.num_output_tokens)
 
@@ -366,7 +406,22 @@ class EngineCore:
             sessions=SessionCounts(count=len(self.cache.sessions), live_leases=len(self.cache.sessions.live())),
             parallel=self._parallel_stats(),
             snapshots=None if sch.snapshots is None else sch.snapshots.stats(),
+            speculative=self._spec_stats(),
         )
+
+    def _spec_stats(self) -> SpecStats:
+        c = self.counters
+        return SpecStats(
+            mode=self.drafter.mode.value if self.drafter is not None else "off",
+            drafted_tokens=c.drafted_tokens, accepted_tokens=c.accepted_tokens,
+            acceptance_rate=round(c.accepted_tokens / c.drafted_tokens, 4) if c.drafted_tokens else 0.0,
+        )
+
+    def _spec_counts(self, summary: _Summary) -> _Summary:
+        counts = None if self.drafter is None else self.drafter.by_session.get(summary.id)
+        if counts is None:
+            return summary
+        return replace(summary, spec_drafted_tokens=counts[0], spec_accepted_tokens=counts[1])
 
     def _parallel_stats(self) -> ParallelStats:
         w = self.workers
@@ -387,12 +442,13 @@ class EngineCore:
             self.prune_sessions()
             busy = self._busy_sessions()
             snap = self._snapshot_bytes
-            return SessionList([session_summary(self.cache, s, s.id in busy, snap(s.id)) for s in self.cache.sessions])
+            return SessionList([self._spec_counts(session_summary(self.cache, s, s.id in busy, snap(s.id)))
+                                for s in self.cache.sessions])
         if q.kind is QueryKind.SESSION:
             s = self.cache.sessions.get(q.arg or "")
             if s is None:
                 return None
-            return session_detail(self.cache, s, s.id in self._busy_sessions(), self._snapshot_bytes(s.id))
+            return self._spec_counts(session_detail(self.cache, s, s.id in self._busy_sessions(), self._snapshot_bytes(s.id)))
         if q.kind is QueryKind.DROP_SESSION:
             sid = q.arg or ""
             if sid not in self.cache.sessions:

@@ -177,6 +177,14 @@ class GrammarState:
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
+    def advance(self, token_id: int) -> bool:
+        """Accepts a draft token while a verify looks ahead (exec/verify.py); `rollback` undoes it."""
+        return bool(self.matcher.accept_token(int(token_id)))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+
     def start_closing(self, reason: str) -> None:
         if self.closing is None and not self.is_terminated():
             self.closing = reason

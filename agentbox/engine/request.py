@@ -16,6 +16,7 @@ import torch
 from agentbox.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from agentbox.engine.draft import DraftState
     from agentbox.engine.grammar import GrammarState
     from agentbox.engine.loop_guard import LoopGuard
 
@@ -51,6 +52,7 @@ class Request:
     first_token_time: float | None = None
     grammar_state: GrammarState | None = None  # when decoding is constrained
     loop_guard: LoopGuard | None = None  # engine/loop_guard.py, unless `serve --no-loop-guard`
+    draft_state: DraftState | None = None  # speculative decoding (engine/draft.py), from its first draft
     _generator: torch.Generator | None = None
     _pages: list[int] = field(default_factory=list, repr=False)
     # The runner's persistent page-table row for this request and how many of `pages` it holds already
@@ -101,6 +103,22 @@ class Request:
 
     def append_output(self, token: int) -> None:
         self.token_ids.append(token)
+
+    def trim_pages(self, keep: int) -> list[int]:
+        """Drops the pages past the first `keep` (a rejected draft's tail) and returns them; the runner's
+        table row keeps the pages it still holds."""
+        gone = self._pages[keep:]
+        del self._pages[keep:]
+        self.pages_in_table = min(self.pages_in_table, keep)
+        return gone
+
+    @property
+    def num_drafted(self) -> int:
+        return 0 if self.draft_state is None else self.draft_state.drafted
+
+    @property
+    def num_accepted(self) -> int:
+        return 0 if self.draft_state is None else self.draft_state.accepted
 
     @property
     def is_running(self) -> bool:

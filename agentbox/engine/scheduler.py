@@ -28,6 +28,7 @@ from agentbox.config import EngineConfig
 from agentbox.engine.cache.manager import KVManager
 from agentbox.engine.cache.radix_node import Lock, Match, Tier
 from agentbox.engine.cache.state_snapshots import SnapshotPoint, SnapshotStore
+from agentbox.engine.draft import Drafter
 from agentbox.engine.request import Request, Status
 
 
@@ -36,6 +37,9 @@ class ScheduledSeq:
     request: Request
     num_new_tokens: int
     sample: bool  # this chunk reaches the end of the request's tokens: sample one more
+    # Speculative decoding: tokens proposed after the request's last one, scored in this step after it (they
+    # count in num_new_tokens and have KV slots reserved); the sampler keeps the prefix the model agrees with.
+    draft: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +74,7 @@ class Scheduler:
         self.recurrent_state = False
         self.snapshots: SnapshotStore | None = None  # set with recurrent_state when snapshots are kept
         self._state_copies: list[tuple[int, int]] = []
+        self.drafter: Drafter | None = None  # set by the core when speculative decoding is on
 
     # ---- lifecycle ----
 
@@ -221,6 +226,30 @@ class Scheduler:
         req.pages.extend(pages)
         return True
 
+    def _chunk(self, req: Request, budget: int) -> tuple[int, list[int]]:
+        """A running request's tokens this step (a draft's included) and its draft."""
+        n = self._state_chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
+        draft = self._draft(req, n, budget)
+        return n + len(draft), draft
+
+    def _draft(self, req: Request, n: int, budget: int) -> list[int]:
+        """A draft for a request about to decode its next token, within the step's budget, its max_tokens
+        and the context (every drafted token may become an output token, plus one more)."""
+        if self.drafter is None or n != 1 or req.flushing or req.num_computed_tokens + 1 != req.num_tokens:
+            return []
+        limit = min(budget - 1, req.sampling.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
+        draft = self.drafter.propose(req, limit)
+        if draft and not self._reserve(req, req.num_tokens + len(draft)):
+            return []  # a draft never preempts anyone: without room it is not scored
+        return draft
+
+    def trim_draft(self, req: Request) -> None:
+        """After a verify: the pages past what the request's next token needs go back (a rejected tail)."""
+        keep = -(-req.num_tokens // self.page_size)
+        if len(req.pages) > keep:
+            self.cache.release(req.trim_pages(keep))
+
     def _preempt(self, victim: Request) -> None:
         if victim.flushing:  # its answer is out already; only its cache entry is lost
             self.finish(victim, victim.finish_reason or "stop")
@@ -298,7 +327,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._state_chunk(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            n, draft = self._chunk(req, budget)
             while not self._reserve(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 if victim is req and len(self.running) == 1:
@@ -313,7 +342,8 @@ class Scheduler:
                                "the request does not fit the KV pool even alone; raise --kv-cache-gb or lower max_tokens"))
                 i += 1
                 continue
-            seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens and not req.flushing))
+            seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens + len(draft)
+                                     and not req.flushing, draft))
             budget -= n
             i += 1
         self._expire_admissions(failed)

@@ -28,6 +28,8 @@ class EngineCounters:
     steps: int = 0
     preemptions: int = 0
     request_failures: int = 0  # requests ended by their own exception (the engine kept serving)
+    drafted_tokens: int = 0  # speculative decoding: draft tokens verified
+    accepted_tokens: int = 0  # of those, kept (each one a decode step saved)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,16 @@ class ParallelStats:
 
 
 @dataclass(frozen=True)
+class SpecStats:
+    """Speculative decoding since start (engine/draft.py): mode "off" when the engine does not draft."""
+
+    mode: str = "off"
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0  # accepted / drafted
+
+
+@dataclass(frozen=True)
 class EngineStats:
     uptime_s: float
     running: int
@@ -73,6 +85,7 @@ class EngineStats:
     sessions: SessionCounts
     parallel: ParallelStats
     snapshots: SnapshotStats | None = None  # hybrid models' recurrent-state snapshots; None: no such store
+    speculative: SpecStats = field(default_factory=SpecStats)
 
 
 def to_json(msg: Any) -> dict[str, Any]:

@@ -23,6 +23,8 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     host_cached_tokens: int = 0
+    drafted_tokens: int = 0  # speculative decoding (engine/draft.py)
+    accepted_tokens: int = 0
     session_id: str | None = None
 
     def openai(self) -> dict:
@@ -31,6 +33,9 @@ class Usage:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            # OpenAI's names for a prediction's tokens the model kept and refused: here, the drafts'
+            "completion_tokens_details": {"accepted_prediction_tokens": self.accepted_tokens,
+                                          "rejected_prediction_tokens": self.drafted_tokens - self.accepted_tokens},
         }
 
 
@@ -87,6 +92,7 @@ async def generate(
             usage.completion_tokens += len(o.new_token_ids)
             usage.cached_tokens = o.num_cached_tokens
             usage.host_cached_tokens = o.num_host_cached_tokens
+            usage.drafted_tokens, usage.accepted_tokens = o.num_drafted_tokens, o.num_accepted_tokens
             if o.session_id:
                 usage.session_id = o.session_id.removeprefix(ns)
                 if agent := CLIENT_AGENT.get():

@@ -76,6 +76,8 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int]
+    # speculative decoding: draft tokens the model kept / refused (OpenAI's predicted-output fields)
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class ChatChoice(BaseModel):

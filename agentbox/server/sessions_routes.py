@@ -77,6 +77,8 @@ async def metrics(request: Request) -> PlainTextResponse:
       c["recomputed_history_tokens"])
     m("agentbox_generated_tokens_total", "counter", "Generated tokens.", c["generated_tokens"])
     m("agentbox_prefill_tokens_total", "counter", "Prompt tokens computed.", c["prefill_tokens"])
+    m("agentbox_spec_drafted_tokens_total", "counter", "Draft tokens verified (speculative decoding).", c["drafted_tokens"])
+    m("agentbox_spec_accepted_tokens_total", "counter", "Draft tokens accepted (each a decode step saved).", c["accepted_tokens"])
     m("agentbox_preemptions_total", "counter", "Requests preempted for lack of pages.", c["preemptions"])
     m("agentbox_cache_hit_rate", "gauge", "cached / prompt tokens since start.",
       c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0)

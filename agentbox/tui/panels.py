@@ -117,7 +117,15 @@ SESSION_COLUMNS: tuple[Column, ...] = (
     Column("recomputed_history_tokens", "recomp", _num_value("recomputed_history_tokens"),
            lambda s: fmt_tokens(s.get("recomputed_history_tokens"))),
     Column("last_ttft_s", "TTFT", _num_value("last_ttft_s"), lambda s: fmt_secs(s.get("last_ttft_s"))),
+    Column("spec_acceptance", "spec acc", lambda s: a if (a := _spec_acceptance(s)) is not None else -1.0,
+           lambda s: _hit("spec_acceptance")({"spec_acceptance": _spec_acceptance(s)})),
 )
+
+
+def _spec_acceptance(s: Mapping[str, Any]) -> float | None:
+    """Speculative decoding: the share of the session's draft tokens the model accepted (none drafted: None)."""
+    drafted = _n(s.get("spec_drafted_tokens"))
+    return None if not drafted else (_n(s.get("spec_accepted_tokens")) or 0) / drafted
 
 
 # Below this many columns the table keeps what fits 80 (the client last, host tokens in the pool panel).

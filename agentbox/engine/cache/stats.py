@@ -65,6 +65,9 @@ class SessionSummary:
     expected_gap_s: float | None
     snapshot_bytes: int  # hybrid models: the session's recurrent-state snapshots held now (0: none)
     on_disk_tokens: int = 0  # restored at start from the disk tier, not back yet (`agentbox top`: "on disk")
+    # speculative decoding (engine/draft.py), filled by the core: draft tokens verified / accepted
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass(frozen=True)

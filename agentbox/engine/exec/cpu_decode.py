@@ -6,8 +6,15 @@ so the layer runs as one call. The runner chooses it (`CpuDecode.build` once per
 it chooses a CUDA graph; the model file knows nothing of it. A model qualifies when every layer is a
 Llama-family layer (Llama, Qwen2's qkv bias, Qwen3's q/k norm; no other biases, no sinks or windows, a dense
 SiLU MLP) whose four linears run kernels/cpu_gemv's 4-bit kernel, in fp32 at tensor-parallel size 1; a step
-qualifies when every sequence decodes one token. Anything else runs the torch layers, which define the
-numbers this path must match (tests/test_cpu_decode.py).
+qualifies when every sequence brings at most MAX_QUERY tokens (a decode, a speculative verify, a short
+extend). Anything else runs the torch layers, which define the numbers this path must match
+(tests/test_cpu_decode.py).
+
+A sequence's several tokens run as that many rows, each attending to the sequence's pages up to its own
+position: the C layer stores every row's k/v before any row attends, so a row sees the rows before it, and
+its numbers are those of a one-token decode at that position (the 4-bit kernel's rows do not depend on the
+step's size). A verify of k drafts is thus one pass over the weights for k + 1 rows, and its accepted tokens
+are bit for bit what decoding them one by one gives.
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ from agentbox.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _enabled = True
+# Tokens of one sequence the fused path takes in a step: a verify of the largest draft and a short extend
+# (a warm turn's few new tokens); longer prefills run the torch layers (their sgemm-free attention is O(n^2)
+# per row here, and a prefill is compute-bound anyway).
+MAX_QUERY = 32
 
 
 class _Q4(ctypes.Structure):
@@ -139,8 +150,8 @@ class CpuDecode:
         return CpuDecode(inner) if probe.dtype == torch.float32 else None  # the C layer reads fp32 hidden states
 
     def fits(self, meta: AttentionMetadata, kv: KVCache) -> bool:
-        """Whether this step runs fused: every sequence decodes one token into an fp32 KV pool."""
-        return _enabled and meta.is_decode_only and kv.k[0].dtype == torch.float32
+        """Whether this step runs fused: every sequence brings at most MAX_QUERY tokens, into an fp32 KV pool."""
+        return _enabled and meta.max_query_len <= MAX_QUERY and kv.k[0].dtype == torch.float32
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -162,14 +173,20 @@ def run_layers(
     """(hidden, residual) after every layer of the plan: one C call per layer."""
     from agentbox.kernels import cpu_gemv
 
-    if hidden.shape[0] != meta.num_seqs:
-        raise ValueError(f"a fused decode step takes one token per sequence ({hidden.shape[0]} for {meta.num_seqs})")
+    if hidden.shape[0] != sum(meta.query_lens):
+        raise ValueError(f"the step has {hidden.shape[0]} tokens, its metadata {sum(meta.query_lens)}")
     hidden = hidden.contiguous()  # the embedding's fresh output: updated in place
     residual = torch.empty_like(hidden)
     pos = positions.to(torch.int64).contiguous()
     slots = meta.slot_mapping.to(torch.int64).contiguous()
-    table = meta.page_table.to(torch.int32).contiguous()
-    kv_lens = torch.tensor(meta.kv_lens, dtype=torch.int64)
+    table = meta.page_table.to(torch.int32)
+    if meta.is_decode_only:
+        kv_lens = torch.tensor(meta.kv_lens, dtype=torch.int64)
+    else:  # one row per token: its sequence's pages, the keys up to its own position
+        table = table.repeat_interleave(torch.tensor(meta.query_lens), dim=0)
+        kv_lens = torch.tensor([kv - q + 1 + j for q, kv in zip(meta.query_lens, meta.kv_lens, strict=True)
+                                for j in range(q)], dtype=torch.int64)
+    table = table.contiguous()
     lib, threads = cpu_gemv._lib(), cpu_gemv.threads()
     args = (hidden.data_ptr(), residual.data_ptr())
     for i, layer in enumerate(plan.layers):

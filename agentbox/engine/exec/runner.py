@@ -17,8 +17,8 @@ from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.exec.logprob import TokenLogprob
 from agentbox.engine.exec.page_table import PageTable, RowAssigner
-from agentbox.engine.exec.sampler import sample_isolated
 from agentbox.engine.exec.step_inputs import StepInputs
+from agentbox.engine.exec.verify import sample_verified
 from agentbox.layers.backends import select_backend
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
@@ -191,7 +191,8 @@ class ModelRunner:
                     r.state_seed = None
                 if end % ps == 0:  # execute copies the state at this page boundary (see below)
                     r.state_aligned_at = end
-            ids += r.token_ids[start:end]
+            ids += r.token_ids[start:end]  # a draft's positions are past the list's end: the slice stops there
+            ids += s.draft
             pages = r.pages
             if end - start == 1:
                 pos.append(start)
@@ -201,8 +202,8 @@ class ModelRunner:
                 slots += [pages[p // ps] * ps + p % ps for p in range(start, end)]
             query_lens.append(end - start)
             kv_lens.append(end)
-            if s.sample:
-                sample_rows.append(len(ids) - 1)
+            if s.sample:  # a drafted seq samples after its last real token and after each draft token
+                sample_rows += range(len(ids) - 1 - len(s.draft), len(ids))
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             positions=torch.tensor(pos, dtype=torch.int64),
@@ -264,10 +265,12 @@ class ModelRunner:
             self.workers.send_step(step)
         return self.execute(step)
 
-    def step(self, out: SchedulerOutput) -> tuple[list[int], list[TokenLogprob | None], dict[int, str]]:
-        """Runs the step on every rank; returns one token (and logprobs) per seq with sample=True, in order,
-        and the rows whose sampling failed (row -> why: that request's error, not the engine's)."""
+    def step(self, out: SchedulerOutput) -> tuple[list[list[int]], list[TokenLogprob | None], dict[int, str]]:
+        """Runs the step on every rank; returns per seq with sample=True, in order, its new tokens (one, or
+        a verified draft's accepted prefix plus one) and logprobs, and the seqs whose sampling failed
+        (index -> why: that request's error, not the engine's)."""
         logits = self.forward_logits(out)
         if logits is None:
             return [], [], {}
-        return sample_isolated(logits, [s.request for s in out.seqs if s.sample])
+        sampled = [s for s in out.seqs if s.sample]
+        return sample_verified(logits, [s.request for s in sampled], [s.draft for s in sampled])

@@ -33,7 +33,7 @@ def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> None:
             logits[i] -= s.frequency_penalty * counts + s.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _filter(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks, vectorised over the batch."""
     dev = logits.device
     temps = torch.tensor([max(r.sampling.temperature, 1e-5) for r in reqs], device=dev).unsqueeze(1)
@@ -130,7 +130,7 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[T
     random_rows = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
     if random_rows:
         sub = [reqs[i] for i in random_rows]
-        probs = _filter(logits[random_rows], sub).softmax(dim=-1).cpu()
+        probs = filter_logits(logits[random_rows], sub).softmax(dim=-1).cpu()
         for j, i in enumerate(random_rows):
             tokens[i] = int(torch.multinomial(probs[j], 1, generator=reqs[i].generator()).item())
     lps: list[TokenLogprob | None] = [None] * len(reqs)

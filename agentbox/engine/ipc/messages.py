@@ -63,6 +63,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_host_cached_tokens: int = 0
     num_recomputed_tokens: int = 0
+    num_drafted_tokens: int = 0  # speculative decoding, this request so far: draft tokens verified
+    num_accepted_tokens: int = 0  # of those, kept
     session_id: str | None = None
     error: str | None = None
     error_code: str | None = None  # queue_full | admission_timeout -> 429; prompt_too_long -> 400

@@ -1,0 +1,227 @@
+"""Draft-free speculative decoding: drafts proposed from text the request has already seen.
+
+An agent's output repeats its context: the file it edits around the change, a diff against a file it just
+read, a tool call's arguments, a test name from a log. So the draft for the next tokens is the continuation
+of the longest earlier match of the request's last tokens: first in its own tokens (prompt + output: an
+agent's prompt is its session's whole history), then in a bounded window of recent outputs of every session
+(SuffixDecoding's global tree, NeurIPS 2025; llama.cpp's `ngram` speculation is the fixed-length case). The
+engine verifies a draft as a short extend (scheduler.py reserves its slots, exec/verify.py keeps the longest
+prefix the model agrees with plus one token), so the output is exactly what plain decoding gives.
+
+The search is a vectorised scan instead of a suffix tree: positions holding the last token, narrowed token by
+token backwards while any still match. It needs no index to build or keep in step with the request (the
+history is an int32 array that only grows), and costs tens of microseconds at 30k tokens against a decode
+step's milliseconds. `arctic-inference` (SuffixDecoding's own tree) was not used: see docs/speculative.md.
+
+A rejected draft still costs its rows: on a CPU each verified row adds about a quarter of a decode step (the
+4-bit kernels share a weight's pass among 8 rows; measured by `agentbox bench spec`), on a GPU almost nothing.
+So k is chosen per step to maximise the expected tokens per unit of step cost, (1 + a + a^2 + ... + a^k) /
+(1 + c k), from the request's recent per-token acceptance a and the row cost c. When no k pays (a too low for
+c), the request stops drafting for a while (a pause that doubles each time), so prose that repeats nothing
+decodes as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from agentbox.config import EngineConfig, Speculative
+
+if TYPE_CHECKING:
+    from agentbox.engine.request import Request
+
+# The longest match looked for: past this, a longer match predicts no better (and the scan stops early).
+MAX_MATCH = 32
+# What a verified row costs over a decode step, when the config names none: CPU from `agentbox bench spec`'s
+# verify_cost on SmolLM2 (4 rows 1.5x a decode, 8 rows 2.5x, 16 rows 5.2x, on a shared 2-core EPYC); GPU decode is
+# memory-bound, so rows up to 16 cost about as much as one.
+ROW_COST = {"cpu": 0.3, "cuda": 0.02}
+# The per-token acceptance a new request starts from, and its weight in verified tokens; each verify's counts
+# decay by DECAY, so a is the recent acceptance.
+PRIOR_ACCEPTANCE, PRIOR_WEIGHT, DECAY = 0.7, 2.0, 0.8
+PAUSE_STEPS = 16
+MAX_PAUSE_STEPS = 512
+MAX_SESSIONS = 4096  # per-session counts kept for /v1/sessions (the session table holds at most 1024 by default)
+
+
+def best_k(acceptance: float, row_cost: float, max_k: int) -> int:
+    """The k maximising expected tokens per step cost, (1 + a + ... + a^k) / (1 + c k); 0 when none beats 1."""
+    best, best_gain, tokens, p = 0, 1.0, 1.0, 1.0
+    for k in range(1, max_k + 1):
+        p *= acceptance
+        tokens += p
+        gain = tokens / (1 + row_cost * k)
+        if gain > best_gain:
+            best, best_gain = k, gain
+    return best
+
+
+class TokenHistory:
+    """An int32 array that only grows, kept in step with a token list by appending what it lacks."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self.buf = np.empty(capacity, dtype=np.int32)
+        self.n = 0
+
+    def extend(self, tokens: list[int] | np.ndarray) -> None:
+        need = self.n + len(tokens)
+        if need > self.buf.size:
+            grown = np.empty(max(need, 2 * self.buf.size), dtype=np.int32)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        self.buf[self.n : need] = tokens
+        self.n = need
+
+    def sync(self, tokens: list[int]) -> None:
+        if len(tokens) > self.n:
+            self.extend(tokens[self.n :])
+
+    @property
+    def view(self) -> np.ndarray:
+        return self.buf[: self.n]
+
+
+def longest_match(hay: np.ndarray, limit: int, pattern: np.ndarray, max_len: int = MAX_MATCH) -> tuple[int, int]:
+    """(end, length): the latest position `end < limit` of `hay` where the longest suffix of `pattern` (up to
+    max_len tokens) ends, and that suffix's length; (-1, 0) when the last token of pattern is nowhere."""
+    cand = np.flatnonzero(hay[:limit] == pattern[-1])
+    if cand.size == 0:
+        return -1, 0
+    length = 1
+    while length < min(max_len, pattern.size):
+        prev = cand - length
+        ok = prev >= 0
+        keep = cand[ok][hay[prev[ok]] == pattern[-1 - length]]
+        if keep.size == 0:
+            break
+        cand, length = keep, length + 1
+    return int(cand[-1]), length
+
+
+@dataclass
+class DraftState:
+    """One request's drafting: its token history, its recent acceptance, what it drafted and had accepted."""
+
+    history: TokenHistory = field(default_factory=TokenHistory)
+    drafted: int = 0
+    accepted: int = 0
+    # decayed counts of accepted draft tokens and of rejections (one per verify that stopped early)
+    kept: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+    refused: float = (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
+    paused_until: int = 0  # a decode-step count
+    pause: int = PAUSE_STEPS
+    steps: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """The recent chance that a draft token is accepted, given the one before it was."""
+        return self.kept / (self.kept + self.refused)
+
+
+class GlobalHistory:
+    """Recent outputs of every session, one array with -1 between outputs; the oldest half goes when full."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.tokens = TokenHistory(max(16, min(capacity, 4096)))
+
+    def add(self, output: list[int]) -> None:
+        if self.capacity <= 0 or not output:
+            return
+        output = output[-(self.capacity // 2) :]
+        if self.tokens.n + len(output) + 1 > self.capacity:
+            keep = self.tokens.view[self.tokens.n - self.capacity // 2 :].copy() if self.tokens.n else []
+            self.tokens.n = 0
+            self.tokens.extend(keep)
+        self.tokens.extend([*output, -1])
+
+
+class Drafter:
+    """Proposes drafts for the scheduler and learns from their verification (engine/core.py)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.mode = Speculative.SUFFIX if config.speculative is Speculative.AUTO else config.speculative
+        self.max_draft = config.spec_max_draft
+        self.min_match = config.spec_min_match
+        self.match_factor = config.spec_match_factor
+        device = "cuda" if config.resolved_device.startswith("cuda") else "cpu"
+        self.row_cost = ROW_COST[device] if config.spec_row_cost is None else config.spec_row_cost
+        self.recent = GlobalHistory(config.spec_global_tokens if self.mode is Speculative.SUFFIX else 0)
+        self.by_session: dict[str, list[int]] = {}  # session -> [drafted, accepted], the newest MAX_SESSIONS
+
+    @staticmethod
+    def eligible(req: Request) -> bool:
+        """Drafts are verified for greedy and unseeded sampled requests without penalties or logprobs (those
+        would need each draft position's own counts), and for greedy ones under a grammar that is not closing
+        (a closing grammar forces its tokens; exec/verify.py masks each draft position with the grammar). A
+        seeded sampled request is not drafted: its draws would depend on the drafts, which depend on the
+        batch and on other sessions, and a seed promises the same output whatever else runs."""
+        s, gs = req.sampling, req.grammar_state
+        return (
+            (s.greedy or s.seed is None) and (gs is None or (s.greedy and gs.closing is None))
+            and s.logprobs is None and s.repetition_penalty == 1.0 and not s.presence_penalty
+            and not s.frequency_penalty
+        )
+
+    def propose(self, req: Request, limit: int) -> list[int]:
+        """Up to min(k, limit) draft tokens to follow req's tokens, or none."""
+        if limit <= 0 or not self.eligible(req):
+            return []
+        st = req.draft_state
+        if st is None:
+            st = req.draft_state = DraftState()
+        st.steps += 1
+        if st.steps < st.paused_until:
+            return []
+        k = min(best_k(st.acceptance, self.row_cost, self.max_draft), limit)
+        if k == 0:  # no draft pays at this acceptance: pause, then start again from the prior
+            st.paused_until, st.pause = st.steps + st.pause, min(2 * st.pause, MAX_PAUSE_STEPS)
+            st.kept, st.refused = PRIOR_ACCEPTANCE * PRIOR_WEIGHT, (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
+            return []
+        st.history.sync(req.all_token_ids)
+        hist = st.history.view
+        pattern = hist[-MAX_MATCH:]
+        if self.mode is Speculative.NGRAM:
+            end, n = longest_match(hist, hist.size - 1, pattern, self.min_match)
+        else:
+            end, n = longest_match(hist, hist.size - 1, pattern)
+        if n >= self.min_match:  # a longer match predicts further: the draft grows with it
+            return hist[end + 1 : end + 1 + self._length(k, n)].tolist()
+        glob = self.recent.tokens.view
+        if glob.size:
+            end, n = longest_match(glob, glob.size - 1, pattern)
+            if n >= self.min_match:
+                cont = glob[end + 1 : end + 1 + self._length(k, n)]
+                stop = np.flatnonzero(cont < 0)
+                return (cont[: stop[0]] if stop.size else cont).tolist()
+        return []
+
+    def _length(self, k: int, matched: int) -> int:
+        return max(1, min(k, int(self.match_factor * matched)))
+
+    def observe(self, req: Request, drafted: int, accepted: int) -> None:
+        """A verify's result: the request's acceptance follows it."""
+        st = req.draft_state
+        if st is None or drafted == 0:
+            return
+        st.drafted += drafted
+        st.accepted += accepted
+        if req.session_id is not None:
+            counts = self.by_session.pop(req.session_id, None) or [0, 0]
+            counts[0] += drafted
+            counts[1] += accepted
+            self.by_session[req.session_id] = counts  # re-inserted: the dict's order is recency
+            if len(self.by_session) > MAX_SESSIONS:
+                del self.by_session[next(iter(self.by_session))]
+        st.kept = DECAY * st.kept + accepted
+        st.refused = DECAY * st.refused + (accepted < drafted)
+
+    def finished(self, req: Request) -> None:
+        self.recent.add(req.output_token_ids)
+
+    def forget(self) -> None:
+        """Drops the recent outputs (a benchmark repeating a request would otherwise draft its last answer)."""
+        self.recent = GlobalHistory(self.recent.capacity)
