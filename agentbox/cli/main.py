@@ -129,14 +129,14 @@ def serve(
     max_model_len: int | None = typer.Option(None, help="context length (default: the model's)"),  # noqa: UP007
     cache_policy: CachePolicy = typer.Option(_E.cache_policy, help="what the cache keeps between turns"),
     host_cache_gb: float | None = typer.Option(None, help="host-RAM KV tier size in GiB"),  # noqa: UP007
-    disk_cache_gb: float | None = typer.Option(SERVE_DISK_CACHE_GB, envvar="AGENTBOX_DISK_CACHE_GB", help="disk KV tier size in GiB (default: a share of free disk; 0: off)"),  # noqa: UP007
-    restore: bool = typer.Option(_E.disk_restore, "--restore/--no-restore", help="reuse the KV cache saved on disk (--no-restore: start cold)"),
-    state_snapshots: int | None = typer.Option(None, help="hybrid models: recurrent-state snapshots kept (two per session; 0: none; default one per running request)"),  # noqa: UP007
+    disk_cache_gb: float | None = typer.Option(SERVE_DISK_CACHE_GB, envvar="AGENTBOX_DISK_CACHE_GB", help="disk KV tier in GiB (0: off)"),  # noqa: UP007
+    restore: bool = typer.Option(_E.disk_restore, "--restore/--no-restore", help="reuse the KV cache saved on disk"),
+    state_snapshots: int | None = typer.Option(None, help="hybrid models: state snapshots kept (0: none)"),  # noqa: UP007
     record_trace: str | None = typer.Option(None, help="record live traffic as a replayable trace (JSONL)"),  # noqa: UP007
     seed: int = typer.Option(_E.seed, help="seed for unseeded sampling"),
     tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007
-    loop_guard: bool = typer.Option(_E.loop_guard, "--loop-guard/--no-loop-guard", help="end generations stuck repeating a cycle of tokens (finish reason length)"),
-    speculative: Speculative = typer.Option(_E.speculative, help="drafts from the session's own text, verified exactly"),
+    loop_guard: bool = typer.Option(_E.loop_guard, "--loop-guard/--no-loop-guard", help="end generations stuck in a loop of tokens"),
+    speculative: Speculative = typer.Option(_E.speculative, help="speculate from the session's own text"),
 ) -> None:
     """Start the server (in the background unless --foreground)."""
     from agentbox.cli import daemon
