@@ -173,7 +173,7 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
 
         def parse(raw: bytes = raw) -> dict[str, Any]:
             body = ChatCompletionRequest.model_validate(loads(raw))  # as the server: fast_json, then pydantic
-            session_key({}, body.model_dump())
+            session_key({}, body)
             return body.messages
 
         t_parse, _ = _timed(parse)

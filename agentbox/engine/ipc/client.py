@@ -240,9 +240,11 @@ class EngineClient:
             self._send(AddRequest(request_id, prompt_token_ids, sampling, session_id, namespace))
             while True:
                 o = await q.get()
+                # Set before the yield: a caller that stops reading after the last output closes this generator
+                # at the yield, and an abort sent then would cut the engine's flush step (the turn's last KV).
+                finished = o.finished
                 yield o
-                if o.finished:
-                    finished = True
+                if finished:
                     return
         finally:
             self._queues.pop(request_id, None)
