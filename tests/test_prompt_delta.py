@@ -60,3 +60,34 @@ def test_session_turns_answer_as_the_whole_prompt(live_server: str) -> None:
             if turn:
                 assert a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
             msgs = [*msgs, a["choices"][0]["message"], {"role": "user", "content": f"And another ({turn})?"}]
+
+
+def test_a_sessions_next_request_writes_only_its_new_page_columns() -> None:
+    """engine/exec/page_table.py: the row a session's last request held keeps its pages; the next request of
+    that session takes it and writes only the columns after the first difference, and the table row it reads
+    is its own pages whatever another session did in between."""
+    import torch
+
+    from agentbox.engine.exec.page_table import PageTable, RowAssigner
+    from agentbox.engine.request import Request, Status
+    from agentbox.engine.sampling import SamplingParams
+
+    rows, table = RowAssigner(2), PageTable(2, 64, torch.device("cpu"))
+
+    def run(sid: str, pages: list[int]) -> tuple[Request, int]:
+        r = Request(sid + str(len(pages)), [1], SamplingParams(), sid)
+        r.pages, r.status = list(pages), Status.RUNNING
+        got, updates = rows.assign([r])
+        table.apply(torch.tensor(updates, dtype=torch.int64).reshape(-1, 3))
+        assert table.table[got[0], : len(pages)].tolist() == pages
+        r.status = Status.FINISHED
+        return r, len(updates) // 3
+
+    history = list(range(10, 50))
+    assert run("a", history)[1] == 40
+    assert run("b", [7, 8, 9])[1] == 3  # another session, another row
+    assert run("a", [*history[:-1], 90, 91])[1] == 2  # the last page was partial: rewritten, one more
+    assert run("b", [7, 8, 9, 5])[1] == 1
+    rows._sweep(set())
+    r, written = run("c", [3, *history])  # a new session takes a free row: rewritten from the first difference
+    assert written == 41
