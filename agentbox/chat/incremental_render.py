@@ -81,6 +81,12 @@ class IncrementalRenderer:
         self.incremental_renders = 0  # counters: turns rendered from a kept conversation, and in full
         self.full_renders = 0
 
+    def copy(self) -> IncrementalRenderer:
+        """A twin with the same kept conversations (benchmarks time one render from the same state repeatedly)."""
+        twin = IncrementalRenderer(self.tok, self.max_conversations, self.probe)
+        twin.kept, twin._probed = OrderedDict(self.kept), self._probed
+        return twin
+
     def render(self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool = True,
                enable_thinking: bool | None = None, reasoning_effort: ReasoningEffort | None = None,
                tool_parser: str = "hermes") -> str:
