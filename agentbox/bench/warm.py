@@ -5,9 +5,10 @@ what remains of a warm turn's time to first token is the server's own work. Two 
 - over real HTTP on loopback (`agentbox serve`): the cold turn (the whole conversation, nothing cached) and
   warm turns (each appends a short assistant answer and a tool result, ~20 tokens) of one session;
 - in this process, the same stages the server runs on the same warm request, each timed with
-  `perf_counter` around the real function: parse (JSON + the pydantic request model), render (the chat
-  template), tokenize (the session's incremental tokenizer, and full tokenization for comparison), lookup
-  (the radix cache's match), schedule (the scheduler's step, lookup excluded) and forward (the runner's step).
+  `perf_counter` around the real function: parse (the guard's JSON decode and check + the pydantic request
+  model), render (the session's incremental render, and the full one for comparison), tokenize (the
+  session's incremental tokenizer, and full tokenization for comparison), lookup (the radix cache's match),
+  schedule (the scheduler's step, lookup excluded) and forward (the runner's step).
 """
 
 from __future__ import annotations
@@ -149,12 +150,13 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
 
     from agentbox.bench.throughput import random_model
     from agentbox.chat.incremental import IncrementalTokenizer
+    from agentbox.chat.incremental_render import IncrementalRenderer
     from agentbox.config import EngineConfig
     from agentbox.engine.core import EngineCore
     from agentbox.engine.ipc.messages import AddRequest
     from agentbox.engine.sampling import SamplingParams
     from agentbox.models.loader import load_tokenizer, resolve_model
-    from agentbox.server.fast_json import loads
+    from agentbox.server.guard import check_json
     from agentbox.server.protocol import ChatCompletionRequest
     from agentbox.server.session_key import session_key
 
@@ -167,17 +169,22 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
         msgs = conversation(n, seed=n)
         incremental = IncrementalTokenizer(tok, 8)
         render = _render(tok)
-        ids_before = incremental.encode(render(msgs))
+        renderer = IncrementalRenderer(tok, 8)
+        ids_before = incremental.encode(renderer.render(msgs, TOOLS))
         msgs2 = msgs + followup(0)
         raw = json.dumps(body_of(msgs2, "m")).encode()
 
         def parse(raw: bytes = raw) -> dict[str, Any]:
-            body = ChatCompletionRequest.model_validate(loads(raw))  # as the server: fast_json, then pydantic
-            session_key({}, body.model_dump())
+            # as the server: the guard's decode and check (reused by the route), then pydantic
+            body = ChatCompletionRequest.model_validate(check_json(raw))
+            session_key({}, body)
             return body.messages
 
         t_parse, _ = _timed(parse)
-        t_render, text = _timed(render, msgs2)
+        t_full_render, full_text = _timed(render, msgs2)
+        # the session's incremental renderer, timed on a fresh copy of its state each repeat
+        t_render, text = _timed(lambda r=renderer, m=msgs2: r.copy().render(m, TOOLS))
+        assert text == full_text, "incremental rendering differs from the full render"
         t_full, full_ids = _timed(tok.encode, text, add_special_tokens=False, repeats=1)
         # the incremental tokenizer is timed on a fresh copy of the session's state each repeat
         t_inc, ids = _timed(lambda inc=incremental, t=text: inc.copy().encode(t))
@@ -211,6 +218,7 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
                   "ms": {k: round(1e3 * v, 3) for k, v in ms.items()},
                   "share": {k: round(v / total, 3) for k, v in ms.items()},
                   "total_ms": round(1e3 * total, 2), "full_tokenize_ms": round(1e3 * t_full, 2),
+                  "full_render_ms": round(1e3 * t_full_render, 2),
                   "full_walk_lookup_ms": round(1e3 * t_walk, 3)}
     return out
 

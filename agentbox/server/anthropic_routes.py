@@ -270,7 +270,7 @@ async def _prepare(request: Request, body: CreateBody) -> tuple[ServerState, Pre
         stop=list(body.stop_sequences or []),
     ))
     sp.grammar = chat.grammar()
-    return state, chat, sp, session_key(request.headers, body.model_dump())
+    return state, chat, sp, session_key(request.headers, body)
 
 
 async def _message(state: ServerState, events: AsyncIterator[GenEvent], proc: Any, head: dict,

@@ -17,8 +17,9 @@ from agentbox.chat.effort import ReasoningEffort
 from agentbox.chat.grammar import forced_name, grammar_spec
 from agentbox.chat.harmony import is_harmony_template
 from agentbox.chat.incremental import incremental_for
+from agentbox.chat.incremental_render import renderer_for
 from agentbox.chat.reasoning import get_reasoning_splitter, prompt_opens_reasoning
-from agentbox.chat.render import normalize_tools, render_prompt
+from agentbox.chat.render import normalize_tools
 from agentbox.chat.template import template_text
 from agentbox.chat.tool_parsers import ALIASES, PARSERS, Delta, ToolCall, detect_tool_parser, get_tool_parser
 from agentbox.chat.tool_prompt import template_renders_tools
@@ -244,8 +245,10 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
                     "go into the system turn instead (see README, 'Tools for templates without them')",
                     state.model_name, syntax)
     try:
-        text = render_prompt(tok, conv.messages, tools, enable_thinking=conv.enable_thinking,
-                             reasoning_effort=conv.reasoning_effort, tool_parser=syntax)
+        # Only what this turn appended is rendered when the template allows (chat/incremental_render.py).
+        text = renderer_for(tok, state.config.tokenize_cache_texts).render(
+            conv.messages, tools, enable_thinking=conv.enable_thinking, reasoning_effort=conv.reasoning_effort,
+            tool_parser=syntax)
     except ValueError as e:  # unsupported content parts
         raise APIError(400, str(e), param=param) from e
     except Exception as e:  # a template error is the request's fault (roles out of order, etc.)

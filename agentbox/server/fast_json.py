@@ -17,6 +17,8 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from agentbox.server.guard import PARSED_BODY
+
 try:
     import orjson
 except ImportError:  # then the stdlib decoder, as FastAPI does
@@ -36,7 +38,8 @@ class FastJSONRequest(Request):
     async def json(self) -> Any:
         # Starlette's own cache attribute, so every later reader of the body's JSON gets this decode.
         if not hasattr(self, "_json"):
-            self._json = loads(await self.body())
+            parsed = self.scope.pop(PARSED_BODY, None)  # the guard's decode of this same body (guard.py)
+            self._json = parsed if parsed is not None else loads(await self.body())
         return self._json
 
 

@@ -22,10 +22,16 @@ from typing import Any
 from agentbox.config import ServerConfig
 from agentbox.server.errors import error_response
 
+try:
+    import orjson
+except ImportError:  # then the stdlib path alone
+    orjson = None  # type: ignore[assignment]
+
 MAX_HEADER_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 64  # agent requests nest about 8 deep (a tool schema inside a tool inside the request)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 JSON_FIX = "-H 'Content-Type: application/json'"
+PARSED_BODY = "agentbox.parsed_body"  # the scope key of the body as check_json decoded it (or None)
 
 
 def is_loopback(host: str) -> bool:
@@ -54,9 +60,18 @@ class BadInput(ValueError):
     pass
 
 
-def check_json(raw: bytes) -> None:
+def check_json(raw: bytes) -> Any:
     """Refuses a body too deep or with a lone surrogate; a body that is not JSON is left to the route,
-    which names the parse error in its own shape."""
+    which names the parse error in its own shape.
+
+    Fast path: orjson refuses every lone surrogate (escaped or raw) itself, so a body it reads needs only the
+    depth walk over its containers, not a look at every string (the stdlib decode and that walk took 25-28 ms
+    of a warm turn at 128k tokens, 0.63 MB). Anything orjson refuses takes the stdlib path below, which
+    finds and words the fault as before. Returns orjson's decode when it passed (the route reuses it), else
+    None."""
+    body = _orjson_body(raw)
+    if body is not None and _depth_ok(body):
+        return body
     try:
         body = json.loads(raw)
     except RecursionError as e:
@@ -84,6 +99,29 @@ def check_json(raw: bytes) -> None:
             if isinstance(k, str) and not k.isascii():
                 stack.append((k, depth, f"a key in {where}"))
             stack.append((v, depth + 1, f"{where}.{k}" if isinstance(k, str) else f"{where}[{k}]"))
+
+
+def _orjson_body(raw: bytes) -> Any:
+    if orjson is None:
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _depth_ok(body: Any) -> bool:
+    """Whether no container nests deeper than MAX_JSON_DEPTH (strings were checked by the decoder). False
+    sends the body down the full walk, which names where."""
+    stack: list[tuple[Any, int]] = [(body, 1)] if isinstance(body, dict | list) else []
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return False
+        for v in value.values() if isinstance(value, dict) else value:
+            if isinstance(v, dict | list):
+                stack.append((v, depth + 1))
+    return True
 
 
 class RequestGuard:
@@ -141,7 +179,8 @@ class RequestGuard:
                 break
         body = b"".join(chunks)
         try:
-            await asyncio.to_thread(check_json, body)
+            # The route's JSON decode (server/fast_json.py) takes this one instead of decoding again.
+            scope[PARSED_BODY] = await asyncio.to_thread(check_json, body)
         except BadInput as e:
             await refuse(400, str(e), "invalid_value")
             return

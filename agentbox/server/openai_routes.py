@@ -128,7 +128,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sp = sampling_from(state, body, max_tokens, logprobs)
     sp.grammar = chat.grammar()
-    sid = session_key(request.headers, body.model_dump())
+    sid = session_key(request.headers, body)
     cid, created = new_id("chatcmpl"), int(time.time())
     events = generate(state, prompt, sp, sid, cid, record=(chat.conv.messages, chat.conv.tools))
     proc = chat.output()
@@ -202,7 +202,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
     state.check_prompt(len(prompt), "prompt")
     max_tokens = state.clamp_max_tokens(body.max_tokens or 16, len(prompt))
     sp = sampling_from(state, body, max_tokens, body.logprobs)
-    sid = session_key(request.headers, body.model_dump())
+    sid = session_key(request.headers, body)
     cid, created = new_id("cmpl"), int(time.time())
     events = generate(state, prompt, sp, sid, cid)
     base = {"id": cid, "object": "text_completion", "created": created, "model": state.model_name}

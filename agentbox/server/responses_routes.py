@@ -241,7 +241,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         top_p=state.pick("top_p", body.top_p, 1.0),
     ))
     sp.grammar = chat.grammar()
-    sid = session_key(request.headers, body.model_dump())
+    sid = session_key(request.headers, body)
     rid = "resp_" + new_id("r")[2:]
     created = int(time.time())
     events = generate(state, chat.prompt_ids, sp, sid, rid, record=(chat.conv.messages, chat.conv.tools))

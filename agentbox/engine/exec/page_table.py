@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from agentbox.prefix import common_prefix
+
 if TYPE_CHECKING:  # the core's type, for hints only: exec must not import the core at run time
     from agentbox.engine.request import Request
 
@@ -34,11 +36,17 @@ class PageTable:
 
 
 class RowAssigner:
-    """Rank 0's side: which row each request holds, and what to write into it this step."""
+    """Rank 0's side: which row each request holds, and what to write into it this step.
+
+    A row keeps its pages after its request ends (nothing reads a free row), and a session's next request
+    takes the row its last one held when it is free: a warm turn's pages start with the last turn's (the
+    locked prefix), so only the columns after the first difference are written, not ~7.5k at 128k tokens."""
 
     def __init__(self, num_rows: int) -> None:
         self.owners: list[Request | None] = [None] * num_rows
         self._free = list(range(num_rows - 1, -1, -1))
+        self.contents: list[list[int]] = [[] for _ in range(num_rows)]  # the pages each row holds, by column
+        self._session_rows: dict[str, int] = {}  # the row a session's last request held
 
     def _sweep(self, keep: set[int]) -> None:
         """Frees rows of requests that are no longer running (finished, preempted, a one-off logits call)."""
@@ -47,6 +55,23 @@ class RowAssigner:
                 owner.table_row, owner.pages_in_table = None, 0
                 self.owners[row] = None
                 self._free.append(row)
+
+    def _take_row(self, r: Request) -> int:
+        """A free row for r: its session's last row when free (its pages are mostly there), else the next."""
+        if not self._free:
+            raise RuntimeError(f"page table full: {len(self.owners)} rows, all running")
+        row = self._session_rows.get(r.session_id) if r.session_id is not None else None
+        if row is not None and row in self._free:
+            self._free.remove(row)
+        else:
+            row = self._free.pop()
+        if r.session_id is not None:
+            self._session_rows[r.session_id] = row
+            if len(self._session_rows) > 4 * len(self.owners):  # bounded: forget the oldest sessions
+                for sid in list(self._session_rows)[: len(self._session_rows) // 2]:
+                    del self._session_rows[sid]
+        self.owners[row] = r
+        return row
 
     def assign(self, reqs: list[Request]) -> tuple[list[int], list[int]]:
         """Rows for the step's requests, and the flat (row, column, page) triples to write first."""
@@ -57,13 +82,14 @@ class RowAssigner:
         updates: list[int] = []
         for r in reqs:
             if r.table_row is None or self.owners[r.table_row] is not r:
-                if not self._free:
-                    raise RuntimeError(f"page table full: {len(self.owners)} rows, all running")
-                r.table_row, r.pages_in_table = self._free.pop(), 0
-                self.owners[r.table_row] = r
+                r.table_row = self._take_row(r)
+                r.pages_in_table = common_prefix(self.contents[r.table_row], r.pages)  # already in the row
             row, have, pages = r.table_row, r.pages_in_table, r.pages
+            held = self.contents[row]
+            del held[have:]
             for col in range(have, len(pages)):  # usually none; one when a decode crosses a page boundary
                 updates += (row, col, pages[col])
+                held.append(pages[col])
             r.pages_in_table = len(pages)
             rows.append(row)
         return rows, updates

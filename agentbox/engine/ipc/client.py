@@ -24,6 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from agentbox.config import EngineConfig
@@ -42,6 +43,7 @@ from agentbox.engine.ipc.messages import (
     Shutdown,
     StepOutputs,
 )
+from agentbox.engine.ipc.prompt_delta import RESEND, PromptSender
 from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.stats import EngineStats
 
@@ -64,6 +66,7 @@ class EngineClient:
         self._queries: dict[int, asyncio.Future[QueryResult]] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
+        self._prompts = PromptSender()  # each session's last prompt, as the engine keeps it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: mp.process.BaseProcess | None = None
         self.dead: str | None = None
@@ -214,7 +217,9 @@ class EngineClient:
             conn.close()
             proc.kill()
             return
-        self._proc, self._conn, self.info = proc, conn, info
+        with self._send_lock:
+            self._proc, self._conn, self.info = proc, conn, info
+            self._prompts.clear()  # the new engine knows no prompt
         self.dead = None
         self._start_reader()
         log.warning("engine restarted after: %s (restart %d; every session's cache was lost)", why, self.restarts)
@@ -237,17 +242,36 @@ class EngineClient:
         self._queues[request_id] = q
         finished = False
         try:
-            self._send(AddRequest(request_id, prompt_token_ids, sampling, session_id, namespace))
+            self._send_add(AddRequest(request_id, prompt_token_ids, sampling, session_id, namespace))
             while True:
                 o = await q.get()
+                if o.error_code == RESEND:  # the engine lacks the base of the delta: the full ids, once
+                    self._send_add(AddRequest(request_id, prompt_token_ids, sampling, session_id, namespace), False)
+                    continue
+                # Set before the yield: a caller that stops reading after the last output closes this generator
+                # at the yield, and an abort sent then would cut the engine's flush step (the turn's last KV).
+                finished = o.finished
                 yield o
-                if o.finished:
-                    finished = True
+                if finished:
                     return
         finally:
             self._queues.pop(request_id, None)
             if not finished and not self.dead:
                 self._send(AbortRequest(request_id))
+
+    def _send_add(self, msg: AddRequest, delta: bool = True) -> None:
+        """An AddRequest with only the ids the engine lacks for its session (engine/ipc/prompt_delta.py). Under
+        the send lock: the engine must receive the prompts' versions in the order they were assigned."""
+        if self.dead:
+            raise EngineDead(self.dead)
+        if self.closing:
+            raise EngineDead(self.closing)
+        with self._send_lock:
+            if not delta:
+                self._prompts.forget(msg.session_id)
+            ids, version, base, shared, check = self._prompts.encode(msg.session_id, msg.prompt_token_ids)
+            self._conn.send(replace(msg, prompt_token_ids=ids, prompt_version=version, base_version=base,
+                                    shared_tokens=shared, prompt_check=check))
 
     def abort(self, request_id: str) -> None:
         if not self.dead:

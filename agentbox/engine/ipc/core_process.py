@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import threading
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from agentbox.config import EngineConfig
@@ -28,6 +29,7 @@ from agentbox.engine.ipc.messages import (
     Shutdown,
     StepOutputs,
 )
+from agentbox.engine.ipc.prompt_delta import RESEND, PromptStore
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class _EngineProcess:
         self.conn = conn
         self.core: EngineCore | None = None
         self._send_lock = threading.Lock()  # the tp watchdog thread may report a death while the loop sends
+        self.prompts = PromptStore()  # each session's last prompt: requests carry only the ids it lacks
         self._dying = threading.Lock()
 
     def send(self, msg: object) -> None:
@@ -137,6 +140,14 @@ class _EngineProcess:
         return True
 
     def _add(self, core: EngineCore, msg: AddRequest) -> None:
+        ids = self.prompts.rebuild(msg.session_id, msg.prompt_version, msg.prompt_token_ids, msg.base_version,
+                                   msg.shared_tokens, msg.prompt_check)
+        if ids is None:  # not the prompt the API process built on: it sends the full ids
+            self.send(StepOutputs([RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
+                                                 error="the engine lacks this prompt's base", error_code=RESEND)]))
+            return
+        if msg.shared_tokens:
+            msg = replace(msg, prompt_token_ids=ids, shared_tokens=0)
         try:
             err = core.add(msg)
         except Exception as e:  # a request that cannot even be queued fails alone

@@ -1,0 +1,93 @@
+"""A session's prompt crosses the pipe as a delta (engine/ipc/prompt_delta.py): the engine rebuilds exactly
+the ids the API process had, and anything it cannot rebuild (restart, an unknown version, a wrong check) is
+refused, never guessed; over HTTP a session's later turns answer as the same prompt sent whole."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import httpx
+
+from agentbox.engine.ipc.prompt_delta import MIN_SHARED, PromptSender, PromptStore
+
+
+def _through_pipe(sender: PromptSender, store: PromptStore, key: str | None, ids: list[int]) -> list[int] | None:
+    sent, version, base, shared, check = pickle.loads(pickle.dumps(sender.encode(key, ids)))
+    return store.rebuild(key, version, sent, base, shared, check)
+
+
+def test_rebuilt_prompts_equal_the_sent_ones() -> None:
+    rng = random.Random(0)
+    sender, store = PromptSender(max_keys=2), PromptStore(max_keys=2)
+    prompts = {k: [rng.randrange(50_000) for _ in range(MIN_SHARED + 100)] for k in ("a", "b", "c")}
+    for turn in range(30):
+        key = rng.choice("abc")
+        cut = rng.choice([len(prompts[key]), len(prompts[key]) - 5, MIN_SHARED // 2])  # grows, edits, or restarts
+        prompts[key] = prompts[key][:cut] + [rng.randrange(50_000) for _ in range(rng.randrange(1, 40))]
+        sent = sender.encode(key, prompts[key])
+        store_ids = store.rebuild(key, sent[1], sent[0], *sent[2:])
+        assert store_ids == prompts[key], turn
+        if sent[3]:
+            assert len(sent[0]) < 50  # only the new ids crossed
+    assert _through_pipe(sender, store, None, [1, 2, 3]) == [1, 2, 3]
+
+
+def test_an_unknown_base_is_refused() -> None:
+    sender, store = PromptSender(), PromptStore()
+    ids = list(range(1000))
+    assert _through_pipe(sender, store, "s", ids) == ids
+    assert _through_pipe(sender, PromptStore(), "s", [*ids, 7]) is None  # a restarted engine knows no base
+    sender.forget("s")  # what the client does on that answer: the full ids go
+    assert _through_pipe(sender, store, "s", [*ids, 7]) == [*ids, 7]
+    sent, version, base, shared, check = sender.encode("s", [*ids, 7, 8])
+    assert shared and store.rebuild("s", version, sent, base, shared, check + 1) is None  # a wrong check
+    assert store.rebuild("s", version, sent, base + 1, shared, check) is None  # another version
+
+
+def test_session_turns_answer_as_the_whole_prompt(live_server: str) -> None:
+    """Turn 2 of a session goes as a delta; its greedy answer and prompt size equal the same
+    conversation sent without a session (whole ids, nothing kept)."""
+    msgs = [{"role": "system", "content": "You are terse. " + "Keep answers short. " * 70},
+            {"role": "user", "content": "Name a color."}]
+    with httpx.Client(base_url=live_server, timeout=120) as c:
+        for turn in range(2):
+            body = {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": msgs, "max_tokens": 6, "temperature": 0}
+            a = c.post("/v1/chat/completions", json=body, headers={"X-Session-Id": "delta-1"}).json()
+            b = c.post("/v1/chat/completions", json=body).json()
+            assert a["choices"][0]["message"] == b["choices"][0]["message"], turn
+            assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"], turn
+            if turn:
+                assert a["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            msgs = [*msgs, a["choices"][0]["message"], {"role": "user", "content": f"And another ({turn})?"}]
+
+
+def test_a_sessions_next_request_writes_only_its_new_page_columns() -> None:
+    """engine/exec/page_table.py: the row a session's last request held keeps its pages; the next request of
+    that session takes it and writes only the columns after the first difference, and the table row it reads
+    is its own pages whatever another session did in between."""
+    import torch
+
+    from agentbox.engine.exec.page_table import PageTable, RowAssigner
+    from agentbox.engine.request import Request, Status
+    from agentbox.engine.sampling import SamplingParams
+
+    rows, table = RowAssigner(2), PageTable(2, 64, torch.device("cpu"))
+
+    def run(sid: str, pages: list[int]) -> tuple[Request, int]:
+        r = Request(sid + str(len(pages)), [1], SamplingParams(), sid)
+        r.pages, r.status = list(pages), Status.RUNNING
+        got, updates = rows.assign([r])
+        table.apply(torch.tensor(updates, dtype=torch.int64).reshape(-1, 3))
+        assert table.table[got[0], : len(pages)].tolist() == pages
+        r.status = Status.FINISHED
+        return r, len(updates) // 3
+
+    history = list(range(10, 50))
+    assert run("a", history)[1] == 40
+    assert run("b", [7, 8, 9])[1] == 3  # another session, another row
+    assert run("a", [*history[:-1], 90, 91])[1] == 2  # the last page was partial: rewritten, one more
+    assert run("b", [7, 8, 9, 5])[1] == 1
+    rows._sweep(set())
+    r, written = run("c", [3, *history])  # a new session takes a free row: rewritten from the first difference
+    assert written == 41
