@@ -14,17 +14,20 @@ from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.stats import EngineStats, to_json
 
-STATS_KEYS = {"uptime_s", "running", "waiting", "pool", "cache", "counters", "admission", "sessions", "parallel"}
-POOL_KEYS = {"total_pages", "free_pages", "used_pages", "page_size", "running_pages", "kv_bytes_per_token"}
+STATS_KEYS = {"uptime_s", "running", "waiting", "pool", "cache", "counters", "admission", "sessions", "parallel", "snapshots",
+              "speculative"}
+POOL_KEYS = {"total_pages", "free_pages", "used_pages", "page_size", "running_pages", "page_bytes", "kv_bytes_per_token"}
 CACHE_KEYS = {"policy", "gpu_pages", "host_pages", "host_total_pages", "leased_pages", "evictions", "demotions",
-              "promotions", "host_evictions", "sessions", "live_leases"}
+              "promotions", "host_evictions", "sessions", "live_leases", "disk_pages", "disk_bytes", "disk_budget_bytes",
+              "disk_written", "disk_restored", "disk_torn", "disk_sessions"}
 COUNTER_KEYS = {"requests", "prompt_tokens", "cached_tokens", "host_cached_tokens", "recomputed_history_tokens",
                 "generated_tokens", "computed_tokens", "prefill_tokens", "decode_tokens", "steps", "preemptions",
-                "request_failures"}
+                "request_failures", "drafted_tokens", "accepted_tokens"}
 SUMMARY_KEYS = {"id", "turns", "lease_state", "lease_expires_in_s", "prompt_tokens", "cached_tokens_gpu",
                 "cached_tokens_host", "recomputed_history_tokens", "history_tokens", "last_ttft_s", "state",
                 "resident_pages_gpu", "resident_pages_host", "resident_tokens_gpu", "resident_tokens_host",
-                "cached_tokens", "hit_rate", "last_turn_hit_rate", "recompute_ratio", "expected_gap_s"}
+                "cached_tokens", "hit_rate", "last_turn_hit_rate", "recompute_ratio", "expected_gap_s", "snapshot_bytes",
+                "on_disk_tokens", "spec_drafted_tokens", "spec_accepted_tokens"}
 TURN_KEYS = {"turn", "prompt_tokens", "cached_tokens", "host_cached_tokens", "recomputed_tokens", "ttft_s",
              "completion_tokens"}
 

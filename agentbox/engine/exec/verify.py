@@ -49,6 +49,8 @@ def grammar_prefix(logits: torch.Tensor, req: Request, draft: list[int]) -> list
             if j == len(draft) or out[-1] != draft[j] or not gs.advance(out[-1]):
                 break
             ahead += 1
+            if gs.is_terminated():  # the draft's token ended the grammar: no row after it has a mask
+                break
     finally:
         gs.rollback(ahead)
     return out
