@@ -134,3 +134,10 @@ def fake_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path / "state"))
     (tmp_path / "home").mkdir()
     return tmp_path / "home"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files holding a `slow` test run first (order kept otherwise): the two workers (pyproject's addopts) take
+    whole files, so a long file drawn last would run alone at the end while the other worker sits idle."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
