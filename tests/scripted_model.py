@@ -12,6 +12,12 @@ decoder joins pieces without spaces. The prompt's last token (`assistant`, from 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -86,3 +92,23 @@ def write_scripted_model(
     model.save_pretrained(path)
     fast.save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids[-1]]}))
+
+
+@contextmanager
+def serving_scripted(model: Path, home: Path) -> Iterator[str]:
+    """`agentbox serve` (background, as a user runs it) of the scripted checkpoint at `model` on a free
+    loopback port with its own state dir `home`; yields the base URL, stops it on exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "AGENTBOX_HOME": str(home)}
+    cmd = [sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(port),
+           "--num-pages", "128", "--max-model-len", "2048"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        log = home / "server.log"
+        raise RuntimeError(f"agentbox serve failed: {r.stderr}\n{log.read_text() if log.exists() else ''}")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        subprocess.run([sys.executable, "-m", "agentbox.cli.main", "stop"], env=env, capture_output=True, timeout=60)

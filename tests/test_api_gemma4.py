@@ -8,17 +8,13 @@ default: it closes an empty thought channel at the prompt's end)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
-from scripted_model import write_scripted_model
+from scripted_model import serving_scripted, write_scripted_model
 
 TEMPLATE = (Path(__file__).parent / "data" / "gemma4_format_chat_template.jinja").read_text()
 # `<channel|>` stays a plain word: it is the prompt's last token, which the script continues from
@@ -33,29 +29,13 @@ USER = "Weather in Paris for 3 days?"
 pytestmark = pytest.mark.slow  # one real server (about 15 s to start on a shared CPU)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = tmp_path_factory.mktemp("scripted-gemma4")
     write_scripted_model(model, OUTPUT, "<turn|>", SPECIAL, TEMPLATE, after="<channel|>")
-    home = tmp_path_factory.mktemp("home")
-    env = {**os.environ, "AGENTBOX_HOME": str(home)}
-    port = _free_port()
-    cmd = [sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(port),
-           "--num-pages", "128", "--max-model-len", "2048"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        log = home / "server.log"
-        raise RuntimeError(f"agentbox serve failed: {r.stderr}\n{log.read_text() if log.exists() else ''}")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        subprocess.run([sys.executable, "-m", "agentbox.cli.main", "stop"], env=env, capture_output=True, timeout=60)
+    with serving_scripted(model, tmp_path_factory.mktemp("home")) as url:
+        yield url
 
 
 def test_every_api_reads_gemma4_calls(base: str) -> None:

@@ -7,16 +7,12 @@ parser crashes on it, vllm#32436). The server must report no reasoning, no conte
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import anthropic
 import openai
 import pytest
-from scripted_model import write_scripted_model
+from scripted_model import serving_scripted, write_scripted_model
 
 TEMPLATE = (
     "[gMASK]<sop>{%- if tools -%}<|system|>\n# Tools\n\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n"
@@ -36,29 +32,13 @@ QUESTION = "Files here, and the weather in Paris?"
 pytestmark = pytest.mark.slow  # one real server (about 15 s to start on a shared CPU)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     model = tmp_path_factory.mktemp("scripted-glm")
     write_scripted_model(model, SCRIPT, "<|observation|>", SPECIAL, TEMPLATE, after="<think>")
-    home = tmp_path_factory.mktemp("home")
-    env = {**os.environ, "AGENTBOX_HOME": str(home)}
-    port = _free_port()
-    cmd = [sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(port),
-           "--num-pages", "128", "--max-model-len", "2048"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        log = home / "server.log"
-        raise RuntimeError(f"agentbox serve failed: {r.stderr}\n{log.read_text() if log.exists() else ''}")
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        subprocess.run([sys.executable, "-m", "agentbox.cli.main", "stop"], env=env, capture_output=True, timeout=60)
+    with serving_scripted(model, tmp_path_factory.mktemp("home")) as url:
+        yield url
 
 
 def _model(base: str) -> str:

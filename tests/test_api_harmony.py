@@ -7,17 +7,13 @@ not end the turn (harmony ends turns with `<|return|>` / `<|call|>`)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
-from scripted_model import write_scripted_model
+from scripted_model import serving_scripted, write_scripted_model
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harmony"
 TEMPLATE = (FIXTURES / "gpt-oss-chat_template.jinja").read_text()
@@ -35,29 +31,13 @@ OPENAI_TOOL = {"type": "function", "function": {"name": "get_weather", "descript
 pytestmark = pytest.mark.slow  # two real servers (about 20 s each to start on a shared CPU)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module", params=list(SCRIPTS))
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     model = tmp_path_factory.mktemp(f"scripted-{request.param}")
     write_scripted_model(model, *SCRIPTS[request.param], SPECIAL, TEMPLATE)
-    home = tmp_path_factory.mktemp("home")
-    env = {**os.environ, "AGENTBOX_HOME": str(home)}
-    port = _free_port()
-    cmd = [sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(port),
-           "--num-pages", "128", "--max-model-len", "2048"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        log = home / "server.log"
-        raise RuntimeError(f"agentbox serve failed: {r.stderr}\n{log.read_text() if log.exists() else ''}")
-    try:
-        yield request.param, f"http://127.0.0.1:{port}"
-    finally:
-        subprocess.run([sys.executable, "-m", "agentbox.cli.main", "stop"], env=env, capture_output=True, timeout=60)
+    with serving_scripted(model, tmp_path_factory.mktemp("home")) as url:
+        yield request.param, url
 
 
 def _model(base: str) -> str:
