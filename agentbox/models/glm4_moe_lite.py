@@ -41,7 +41,7 @@ from agentbox.layers.experts.routing import select_experts_grouped
 from agentbox.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from agentbox.layers.norm import RMSNorm
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
-from agentbox.models.llama import LlamaForCausalLM, LlamaMLP
+from agentbox.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from agentbox.models.weight_loader import per_expert_weights
 from agentbox.parallel.state import tp_size
 
@@ -174,25 +174,17 @@ def is_sparse_layer(config: Any, layer_id: int) -> bool:
     return layer_id >= int(getattr(config, "first_k_dense_replace", 0) or 0)
 
 
-class Glm4MoeLiteDecoderLayer(nn.Module):
+class Glm4MoeLiteDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm residual layer (its forward) around MLA and, past the first dense layers, the
+    shared-expert MoE."""
+
     def __init__(self, config: Any, layer_id: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         prefix = f"model.layers.{layer_id}"
         self.self_attn = MLAttention(config, layer_id, rotary, f"{prefix}.self_attn")
         self.mlp = SharedExpertsMoE(config, f"{prefix}.mlp") if is_sparse_layer(config, layer_id) else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class Glm4MoeLiteModel(nn.Module):
