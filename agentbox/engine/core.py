@@ -9,15 +9,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from agentbox.config import EngineConfig, Speculative
 from agentbox.engine.cache.cache_policies import kv_manager
 from agentbox.engine.cache.kv_pool import PagePool
-from agentbox.engine.cache.session_view import session_detail, session_summary
 from agentbox.engine.cache.sessions import TurnRecord
 from agentbox.engine.cache.state_snapshots import SnapshotStore
-from agentbox.engine.cache.stats import SessionDetail, SessionDropped, SessionList, SessionSummary
 from agentbox.engine.draft import Drafter
 from agentbox.engine.exec.runner import ModelRunner
 from agentbox.engine.exec.worker import RankDeath, start_group
@@ -26,23 +24,17 @@ from agentbox.engine.ipc.messages import (
     AddRequest,
     EngineReady,
     Query,
-    QueryFailed,
-    QueryKind,
     QueryResult,
     RequestOutput,
     TokenLogprob,
 )
 from agentbox.engine.loop_guard import LoopGuard
+from agentbox.engine.reports import answer_query, engine_stats
 from agentbox.engine.request import Request, Status
 from agentbox.engine.scheduler import Scheduler
 from agentbox.engine.stats import (
-    AdmissionStats,
     EngineCounters,
     EngineStats,
-    ParallelStats,
-    PoolStats,
-    SessionCounts,
-    SpecStats,
 )
 from agentbox.models.loader import LoadedModel
 from agentbox.parallel.state import destroy_distributed
@@ -51,7 +43,6 @@ if TYPE_CHECKING:
     from agentbox.engine.grammar import GrammarState  # xgrammar loads only when a request needs it
 
 log = logging.getLogger(__name__)
-_Summary = TypeVar("_Summary", SessionSummary, SessionDetail)
 
 
 class EngineCore:
@@ -204,7 +195,7 @@ class EngineCore:
         if over <= 0 and now < self._next_prune:
             return 0
         self._next_prune = now + 1.0  # a sort of the table at most once a second
-        busy = self._busy_sessions()
+        busy = self.busy_sessions()
         gone = 0
         for s in sorted(table, key=lambda s: s.last_active):
             if s.id in busy or s.in_turn:
@@ -215,7 +206,7 @@ class EngineCore:
             gone += 1
         return gone
 
-    def _busy_sessions(self) -> set[str | None]:
+    def busy_sessions(self) -> set[str | None]:
         """Sessions with a request in the engine (queued or running)."""
         return {r.session_id for r in self.scheduler.requests.values()}
 
@@ -382,83 +373,10 @@ class EngineCore:
     # ---- queries ----
 
     def stats(self) -> EngineStats:
-        sch = self.scheduler
-        return EngineStats(
-            uptime_s=time.time() - self.started,
-            running=len(sch.running),
-            waiting=sch.num_waiting(),
-            pool=PoolStats(
-                total_pages=self.pool.capacity,
-                free_pages=self.pool.num_free,
-                used_pages=self.pool.num_used,
-                page_size=self.pool.page_size,
-                running_pages=len(sch.running_refs()),
-                page_bytes=self.runner.kv_cache.page_bytes,
-                kv_bytes_per_token=self.runner.kv_cache.page_bytes // self.pool.page_size,
-            ),
-            cache=self.cache.stats(),
-            counters=replace(self.counters),
-            admission=AdmissionStats(
-                queued_new_sessions=len(sch.waiting_new),
-                timeouts=sch.admission_timeouts,
-                rejections=sch.admission_rejections,
-            ),
-            sessions=SessionCounts(count=len(self.cache.sessions), live_leases=len(self.cache.sessions.live())),
-            parallel=self._parallel_stats(),
-            snapshots=None if sch.snapshots is None else sch.snapshots.stats(),
-            speculative=self._spec_stats(),
-        )
-
-    def _spec_stats(self) -> SpecStats:
-        c = self.counters
-        return SpecStats(
-            mode=self.drafter.mode.value if self.drafter is not None else "off",
-            drafted_tokens=c.drafted_tokens, accepted_tokens=c.accepted_tokens,
-            acceptance_rate=round(c.accepted_tokens / c.drafted_tokens, 4) if c.drafted_tokens else 0.0,
-        )
-
-    def _spec_counts(self, summary: _Summary) -> _Summary:
-        counts = None if self.drafter is None else self.drafter.by_session.get(summary.id)
-        if counts is None:
-            return summary
-        return replace(summary, spec_drafted_tokens=counts[0], spec_accepted_tokens=counts[1])
-
-    def _parallel_stats(self) -> ParallelStats:
-        w = self.workers
-        return ParallelStats(
-            tensor_parallel_size=self.runner.tp,
-            weight_bytes_per_rank=list(self.runner.weight_bytes_per_rank),
-            step_send_us=round(1e6 * w.send_seconds / w.steps_sent, 1) if w is not None and w.steps_sent else None,
-        )
-
-    def _snapshot_bytes(self, session: str) -> int:
-        store = self.scheduler.snapshots
-        return 0 if store is None else store.session_bytes(session)
+        return engine_stats(self)
 
     def query(self, q: Query) -> QueryResult:
-        if q.kind is QueryKind.STATS:
-            return self.stats()
-        if q.kind is QueryKind.SESSIONS:
-            self.prune_sessions()
-            busy = self._busy_sessions()
-            snap = self._snapshot_bytes
-            return SessionList([self._spec_counts(session_summary(self.cache, s, s.id in busy, snap(s.id)))
-                                for s in self.cache.sessions])
-        if q.kind is QueryKind.SESSION:
-            s = self.cache.sessions.get(q.arg or "")
-            if s is None:
-                return None
-            return self._spec_counts(session_detail(self.cache, s, s.id in self._busy_sessions(), self._snapshot_bytes(s.id)))
-        if q.kind is QueryKind.DROP_SESSION:
-            sid = q.arg or ""
-            if sid not in self.cache.sessions:
-                return None
-            active = [r for r in self.scheduler.requests.values() if r.session_id == sid]
-            for r in active:
-                self.scheduler.finish(r, "abort")
-            freed = self.cache.forget_session(sid)
-            return SessionDropped(id=sid, deleted=True, freed_pages=freed, aborted_requests=[r.request_id for r in active])
-        return QueryFailed(f"unknown query {q.kind!r}")
+        return answer_query(self, q)
 
     def check_integrity(self) -> None:
         self.cache.check_integrity(self.scheduler.running_refs())

@@ -1,0 +1,111 @@
+"""What the engine core reports, from its real counters: `/v1/stats` (EngineStats) and the answers to the
+session queries (list, one session, drop). Apart from core.py, which admits requests and runs steps."""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, TypeVar
+
+from agentbox.engine.cache.session_view import session_detail, session_summary
+from agentbox.engine.cache.stats import SessionDetail, SessionDropped, SessionList, SessionSummary
+from agentbox.engine.ipc.messages import Query, QueryFailed, QueryKind, QueryResult
+from agentbox.engine.stats import (
+    AdmissionStats,
+    EngineStats,
+    ParallelStats,
+    PoolStats,
+    SessionCounts,
+    SpecStats,
+)
+
+if TYPE_CHECKING:
+    from agentbox.engine.core import EngineCore
+
+_Summary = TypeVar("_Summary", SessionSummary, SessionDetail)
+
+
+def engine_stats(core: EngineCore) -> EngineStats:
+    sch = core.scheduler
+    return EngineStats(
+        uptime_s=time.time() - core.started,
+        running=len(sch.running),
+        waiting=sch.num_waiting(),
+        pool=PoolStats(
+            total_pages=core.pool.capacity,
+            free_pages=core.pool.num_free,
+            used_pages=core.pool.num_used,
+            page_size=core.pool.page_size,
+            running_pages=len(sch.running_refs()),
+            page_bytes=core.runner.kv_cache.page_bytes,
+            kv_bytes_per_token=core.runner.kv_cache.page_bytes // core.pool.page_size,
+        ),
+        cache=core.cache.stats(),
+        counters=replace(core.counters),
+        admission=AdmissionStats(
+            queued_new_sessions=len(sch.waiting_new),
+            timeouts=sch.admission_timeouts,
+            rejections=sch.admission_rejections,
+        ),
+        sessions=SessionCounts(count=len(core.cache.sessions), live_leases=len(core.cache.sessions.live())),
+        parallel=_parallel_stats(core),
+        snapshots=None if sch.snapshots is None else sch.snapshots.stats(),
+        speculative=_spec_stats(core),
+    )
+
+
+def _spec_stats(core: EngineCore) -> SpecStats:
+    c = core.counters
+    return SpecStats(
+        mode=core.drafter.mode.value if core.drafter is not None else "off",
+        drafted_tokens=c.drafted_tokens, accepted_tokens=c.accepted_tokens,
+        acceptance_rate=round(c.accepted_tokens / c.drafted_tokens, 4) if c.drafted_tokens else 0.0,
+    )
+
+
+def _spec_counts(core: EngineCore, summary: _Summary) -> _Summary:
+    counts = None if core.drafter is None else core.drafter.by_session.get(summary.id)
+    if counts is None:
+        return summary
+    return replace(summary, spec_drafted_tokens=counts[0], spec_accepted_tokens=counts[1])
+
+
+def _parallel_stats(core: EngineCore) -> ParallelStats:
+    w = core.workers
+    return ParallelStats(
+        tensor_parallel_size=core.runner.tp,
+        weight_bytes_per_rank=list(core.runner.weight_bytes_per_rank),
+        step_send_us=round(1e6 * w.send_seconds / w.steps_sent, 1) if w is not None and w.steps_sent else None,
+    )
+
+
+def _snapshot_bytes(core: EngineCore, session: str) -> int:
+    store = core.scheduler.snapshots
+    return 0 if store is None else store.session_bytes(session)
+
+
+def answer_query(core: EngineCore, q: Query) -> QueryResult:
+    if q.kind is QueryKind.STATS:
+        return engine_stats(core)
+    if q.kind is QueryKind.SESSIONS:
+        core.prune_sessions()
+        busy = core.busy_sessions()
+        snap = functools.partial(_snapshot_bytes, core)
+        return SessionList([_spec_counts(core, session_summary(core.cache, s, s.id in busy, snap(s.id)))
+                            for s in core.cache.sessions])
+    if q.kind is QueryKind.SESSION:
+        s = core.cache.sessions.get(q.arg or "")
+        if s is None:
+            return None
+        return _spec_counts(core, session_detail(core.cache, s, s.id in core.busy_sessions(), _snapshot_bytes(core, s.id)))
+    if q.kind is QueryKind.DROP_SESSION:
+        sid = q.arg or ""
+        if sid not in core.cache.sessions:
+            return None
+        active = [r for r in core.scheduler.requests.values() if r.session_id == sid]
+        for r in active:
+            core.scheduler.finish(r, "abort")
+        freed = core.cache.forget_session(sid)
+        return SessionDropped(id=sid, deleted=True, freed_pages=freed, aborted_requests=[r.request_id for r in active])
+    return QueryFailed(f"unknown query {q.kind!r}")
