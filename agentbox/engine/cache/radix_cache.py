@@ -47,16 +47,14 @@ bookkeeping (tags, lease expiries, the lease cap) is session_index.py.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Sequence
 
-from agentbox.engine.cache.disk_pages import bytes_to_pages
 from agentbox.engine.cache.host_tier import HostTier
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.manager import KVManager
 from agentbox.engine.cache.radix_check import check_integrity
-from agentbox.engine.cache.radix_disk import DiskLink
+from agentbox.engine.cache.radix_disk import DiskLink, DiskTree
 from agentbox.engine.cache.radix_evict import Evictor, HeapEntry
 from agentbox.engine.cache.radix_node import Lock, Match, Node, Tier
 from agentbox.engine.cache.session_index import SessionIndex
@@ -66,7 +64,7 @@ from agentbox.engine.cache.turns import Turns
 from agentbox.layers.backends.base import KVCache
 
 
-class RadixCache(KVManager):
+class RadixCache(DiskTree, KVManager):
     """The tree and its mechanics; a policy subclass (cache_policies.py) is what an engine runs."""
 
     def __init__(
@@ -159,12 +157,6 @@ class RadixCache(KVManager):
         d = len(dtoks)
         return Match(tuple(path), i + d, host + d, sid, self._epoch, refs, dtoks)
 
-    def _restored_session(self, hashes: list[str], namespace: str) -> str | None:
-        """A keyless request whose disk match runs through the end of a session restored at start (its whole
-        last sequence): that session (the deepest such end). Pure."""
-        ends = {h: sid for sid, (h, _) in self.on_disk.items() if sid.startswith(namespace)}
-        return next((ends[h] for h in reversed(hashes) if h in ends), None)
-
     def _hinted_path(self, session: str | None, toks: tuple[int, ...]) -> list[Node]:
         """The path to the session's deepest node when toks run through all of it, else []: the walk resumes
         there, so an agent's next turn walks only its new part. Every key on the path is compared with toks
@@ -247,26 +239,6 @@ class RadixCache(KVManager):
         now = self.clock()
         self._touch(path, sid if path else None, now)
         return Lock(pages, len(pages) * self.ps, host_tokens + disk_tokens, sid, disk_tokens)
-
-    def _restore(self, parent: Node, m: Match) -> Node | None:
-        """Read m's disk pages (as many as GPU room and intact chunks allow) into fresh GPU pages, attached
-        under parent as one new node."""
-        assert self.disk is not None and self.kv is not None
-        k = len(m.disk)
-        if self.pool.num_free < k:
-            self.evict(k - self.pool.num_free)
-        blobs = self.disk.tier.read_pages(m.disk[: min(k, self.pool.num_free)])
-        if not blobs:
-            return None
-        pages = self.pool.alloc(len(blobs))
-        bytes_to_pages(self.kv, pages, blobs)
-        toks = m.disk_tokens[: len(blobs) * self.ps]
-        node = Node(toks, pages, Tier.GPU, parent, parent.start + len(parent.key))
-        parent.children[toks[: self.ps]] = node
-        self.gpu_pages += len(pages)
-        self._epoch += 1
-        self.disk.restored += len(pages)
-        return node
 
     def _check_fresh(self, m: Match) -> None:
         if m.epoch != self._epoch:
@@ -401,46 +373,6 @@ class RadixCache(KVManager):
         self._epoch += 1
         n.alive = False
         n.version += 1
-
-    def spill(self, n: Node) -> None:
-        """n's pages are about to leave memory for good: written to the disk tier first (if there is one)."""
-        if self.disk is not None:
-            self.disk.spill(n, self._kv_of(n))
-
-    def flush(self, budget_s: float) -> tuple[int, int]:
-        """Write every node of the tree to the disk tier (top-down) within budget_s seconds. Returns (pages
-        written, pages left unwritten)."""
-        if self.disk is None:
-            return 0, 0
-        nodes = list(self.root.children.values())
-        for n in nodes:  # breadth-first: parents before children
-            nodes.extend(n.children.values())
-        return self.disk.flush(nodes, self._kv_of, time.monotonic() + budget_s)
-
-    def persist(self, budget_s: float) -> tuple[int, int]:
-        """A graceful stop: every node to disk (`flush`), then the session table beside it, each session with
-        the prefix its cached history ends on. Returns (pages written, pages left unwritten)."""
-        if self.disk is None:
-            return 0, 0
-        written, left = self.flush(budget_s)
-        ends = dict(self.on_disk)
-        ends.update(self.disk.session_ends({s.id: self.index.of(s.id) for s in self.sessions}))
-        self.disk.save_sessions(self.sessions, ends)
-        return written, left
-
-    def restore_sessions(self) -> int:
-        """The sessions saved at the last stop, back under their ids ("on disk" until they return)."""
-        if self.disk is None:
-            return 0
-        self.on_disk = self.disk.load_sessions(self.turns)
-        return len(self.on_disk)
-
-    def _kv_of(self, n: Node) -> KVCache:
-        if n.tier is Tier.GPU:
-            assert self.kv is not None
-            return self.kv
-        assert self.host is not None
-        return self.host.kv
 
     def retier(self, n: Node, pages: list[int], tier: Tier) -> None:
         """n's tokens now live on `pages` of `tier`: the caller copied them and settled the old pages'

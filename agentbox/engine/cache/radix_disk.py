@@ -16,10 +16,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from agentbox.engine.cache.disk_pages import pages_to_bytes
+from agentbox.engine.cache.disk_pages import bytes_to_pages, pages_to_bytes
 from agentbox.engine.cache.disk_sessions import load_sessions, save_sessions
 from agentbox.engine.cache.disk_tier import SESSIONS, DiskTier, PageRef
-from agentbox.engine.cache.radix_node import Node
+from agentbox.engine.cache.host_tier import HostTier
+from agentbox.engine.cache.kv_pool import PagePool
+from agentbox.engine.cache.radix_node import Match, Node, Tier
+from agentbox.engine.cache.session_index import SessionIndex
 from agentbox.engine.cache.sessions import SessionTable
 from agentbox.engine.cache.turns import Turns
 from agentbox.layers.backends.base import KVCache
@@ -111,3 +114,87 @@ class DiskLink:
         return {"disk_pages": t.num_pages, "disk_bytes": t.bytes_used, "disk_budget_bytes": t.budget,
                 "disk_written": self.spilled, "disk_restored": self.restored, "disk_torn": t.torn,
                 "disk_sessions": sessions_on_disk}
+
+
+class DiskTree:
+    """The RadixCache's disk-tier methods (a mixin: they read the tree's fields declared below), kept apart
+    so radix_cache.py holds the tree's own mechanics."""
+
+    disk: DiskLink | None
+    kv: KVCache | None
+    host: HostTier | None
+    pool: PagePool
+    root: Node
+    ps: int
+    on_disk: dict[str, tuple[str, int]]
+    index: SessionIndex
+    gpu_pages: int
+    _epoch: int
+    sessions: SessionTable  # KVManager's property: annotations only here, so nothing shadows the tree's own
+    evict: Callable[[int], int]
+
+    def _restored_session(self, hashes: list[str], namespace: str) -> str | None:
+        """A keyless request whose disk match runs through the end of a session restored at start (its whole
+        last sequence): that session (the deepest such end). Pure."""
+        ends = {h: sid for sid, (h, _) in self.on_disk.items() if sid.startswith(namespace)}
+        return next((ends[h] for h in reversed(hashes) if h in ends), None)
+
+    def _restore(self, parent: Node, m: Match) -> Node | None:
+        """Read m's disk pages (as many as GPU room and intact chunks allow) into fresh GPU pages, attached
+        under parent as one new node."""
+        assert self.disk is not None and self.kv is not None
+        k = len(m.disk)
+        if self.pool.num_free < k:
+            self.evict(k - self.pool.num_free)
+        blobs = self.disk.tier.read_pages(m.disk[: min(k, self.pool.num_free)])
+        if not blobs:
+            return None
+        pages = self.pool.alloc(len(blobs))
+        bytes_to_pages(self.kv, pages, blobs)
+        toks = m.disk_tokens[: len(blobs) * self.ps]
+        node = Node(toks, pages, Tier.GPU, parent, parent.start + len(parent.key))
+        parent.children[toks[: self.ps]] = node
+        self.gpu_pages += len(pages)
+        self._epoch += 1
+        self.disk.restored += len(pages)
+        return node
+
+    def spill(self, n: Node) -> None:
+        """n's pages are about to leave memory for good: written to the disk tier first (if there is one)."""
+        if self.disk is not None:
+            self.disk.spill(n, self._kv_of(n))
+
+    def flush(self, budget_s: float) -> tuple[int, int]:
+        """Write every node of the tree to the disk tier (top-down) within budget_s seconds. Returns (pages
+        written, pages left unwritten)."""
+        if self.disk is None:
+            return 0, 0
+        nodes = list(self.root.children.values())
+        for n in nodes:  # breadth-first: parents before children
+            nodes.extend(n.children.values())
+        return self.disk.flush(nodes, self._kv_of, time.monotonic() + budget_s)
+
+    def persist(self, budget_s: float) -> tuple[int, int]:
+        """A graceful stop: every node to disk (`flush`), then the session table beside it, each session with
+        the prefix its cached history ends on. Returns (pages written, pages left unwritten)."""
+        if self.disk is None:
+            return 0, 0
+        written, left = self.flush(budget_s)
+        ends = dict(self.on_disk)
+        ends.update(self.disk.session_ends({s.id: self.index.of(s.id) for s in self.sessions}))
+        self.disk.save_sessions(self.sessions, ends)
+        return written, left
+
+    def restore_sessions(self) -> int:
+        """The sessions saved at the last stop, back under their ids ("on disk" until they return)."""
+        if self.disk is None:
+            return 0
+        self.on_disk = self.disk.load_sessions(self.turns)
+        return len(self.on_disk)
+
+    def _kv_of(self, n: Node) -> KVCache:
+        if n.tier is Tier.GPU:
+            assert self.kv is not None
+            return self.kv
+        assert self.host is not None
+        return self.host.kv
