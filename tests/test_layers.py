@@ -153,6 +153,7 @@ def test_view_path_equals_gather_path(window: int | None, with_sinks: bool) -> N
         caches.v[0].copy_(cache.v[0])
         backend = TorchAttention(caches, heads, kv_heads, d, d**-0.5)
         backend.use_views, backend.view_min_mean_kv = use_views, 0  # short sequences, views all the same
+        backend.use_cpu_kernel = False  # the paths under test, not cpu_attention.c
         backend.begin(meta)
         assert (backend.bases is not None) == use_views
         outs.append(backend.forward(0, q, k, v, sliding_window=window, sinks=sinks))

@@ -56,7 +56,7 @@ def test_pages_out_of_order_attend_run_by_run(heads: int, kv_heads: int, dtype: 
     q = torch.randn(t, heads, d, dtype=dtype)
     k, v = torch.randn(t, kv_heads, d, dtype=dtype), torch.randn(t, kv_heads, d, dtype=dtype)
     backend = TorchAttention(cache, heads, kv_heads, d, d**-0.5)
-    backend.view_min_mean_kv = 0
+    backend.view_min_mean_kv, backend.use_cpu_kernel = 0, False
     backend.begin(meta)
     assert backend.bases is None and backend.runs is not None and max(len(r) for r in backend.runs) > 1
     out = backend.forward(0, q, k, v)

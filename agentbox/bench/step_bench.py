@@ -125,6 +125,7 @@ def decode_step_ms(context: int, steps: int = 12) -> dict[str, float]:
     core = EngineCore(config, random_model(_small(context + 2 * steps + 64), torch.float32, "cpu"))
     backend = core.runner.backend
     assert isinstance(backend, TorchAttention)
+    backend.use_cpu_kernel = False  # this report is the view path against the gather
     _decoding(core, 1, context)
     times: dict[bool, list[float]] = {True: [], False: []}
     for i in range(2 * steps + 2):

@@ -21,6 +21,11 @@ sequences, where one padded SDPA beats a Python loop of small ones (measured on 
 thread, 4 heads on 2 kv heads x 64: 32 decodes at 64 tokens 2.0 ms views vs 1.8 ms gather per layer,
 at 128 tokens 3.6 vs 4.2, at 256 tokens 3.6 vs 15.3). Both give the same numbers
 (tests/test_layers.py compares them on ragged batches with chunked prefill, sinks and windows).
+
+On an AVX2 CPU with an fp32 cache, layers without a window or sinks skip all of that: kernels/cpu_attention.c
+takes the whole step in one call, reading keys in place through the page table (any page order), the key
+range of a long sequence split across the threads (a warm turn's ~25 tokens over 121k keys: 38-53 ms in
+torch's fused kernel on one thread, ~12 ms of CPU in the kernel, split over the engine's threads).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from agentbox.kernels import cpu_attention
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, register_backend
 from agentbox.layers.backends.prefix_attention import (
     extend_attention,
@@ -148,6 +154,8 @@ class TorchAttention(AttentionBackend):
 
     # False forces the gather path (the baseline of `agentbox bench step`, and the test's twin).
     use_views: bool = True
+    # False keeps fp32 CPU steps off cpu_attention.c (tests and `bench step` that probe the paths below).
+    use_cpu_kernel: bool = True
     # The view path runs when the step's sequences average at least this many keys (see the module notes).
     view_min_mean_kv: int = 128
     layout: _StepLayout | None = None
@@ -155,10 +163,21 @@ class TorchAttention(AttentionBackend):
     bases: list[int] | None = None
     runs: list[list[tuple[int, int]]] | None = None  # per sequence: runs of consecutive slots (CPU)
     views: dict[int | None, list[_SeqView]]
+    paged: bool = False  # this step's fp32 CPU layers go to cpu_attention.c
+    planned: bool = False  # the views / runs / gather layout of this step are built
 
     def begin(self, meta: AttentionMetadata) -> None:
         super().begin(meta)
         check_layout(meta)
+        # fp32 on an AVX2 CPU: cpu_attention.c reads every sequence's pages in place, so the views, runs
+        # and gather below are planned only when a layer it does not take (a window, sinks) asks for them.
+        self.paged = self.use_cpu_kernel and self.use_views and self.kv_cache.k[0].device.type == "cpu" and cpu_attention.available()
+        self.planned = not self.paged
+        if not self.paged:
+            self._plan(meta)
+
+    def _plan(self, meta: AttentionMetadata) -> None:
+        self.planned = True
         long_enough = sum(meta.kv_lens) >= self.view_min_mean_kv * meta.num_seqs
         self.bases = consecutive_bases(meta) if self.use_views and long_enough else None
         # Pages out of order on CPU (a session's turns each add a run): attend run by run, no gather.
@@ -193,12 +212,18 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         meta, lay = self.meta, self.layout
         scale = self.scale if scale is None else scale
-        if meta is None or (lay is None and self.bases is None):
+        if meta is None:
             raise RuntimeError("TorchAttention.forward before begin(meta)")
         k_cache, v_cache = self.kv_cache.k[layer_id], self.kv_cache.v[layer_id]
         slot_mapping = meta.slot_mapping.to(k_cache.device, torch.int64)
         k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        if self.paged and sliding_window is None and sinks is None and cpu_attention.supports(q, k_cache):
+            return cpu_attention.paged_attention(q, k_cache, v_cache, meta.page_table, meta.page_size,
+                                                 meta.query_lens, meta.kv_lens, scale)
+        if not self.planned:
+            self._plan(meta)
+            lay = self.layout
         if self.bases is not None:
             return self._forward_views(q, k_cache, v_cache, sliding_window, sinks, scale)
         if self.runs is not None and sliding_window is None and sinks is None:

@@ -1,0 +1,253 @@
+/* Causal attention over a paged KV cache for AVX2 + FMA CPUs: extends (a prefill chunk, a warm turn's new
+ * tokens over a long cached prefix) and decode, every sequence of a step in one call (built and loaded by
+ * cpu_attention.py; its torch twin is there too).
+ *
+ * Sequence s has q_lens[s] new tokens, the last of its kv_lens[s] positions; its keys sit in the cache
+ * slots page_table[s][pos / page_size] * page_size + pos % page_size (k/v [slots, hkv, hd] fp32, written
+ * before this call). Nothing of the prefix is gathered or copied: keys are read in place, page by page.
+ *
+ * Work: an item is (sequence, kv head, a range of the keys). Its rows are the kv head's query group for
+ * every new token (row i * g + j: token i, query head kvh * g + j), so a key tile loaded once serves all of
+ * them (no GQA copy). The item walks its keys in tiles of TK positions: the tile's keys are transposed into
+ * [hd][TK] (scores vectorise across keys), then each row does an online softmax step (running max m, sum l,
+ * unnormalised accumulator acc[hd]) in base 2 (q . k * scale * log2 e, exp2). Rows whose position is before
+ * the tile skip it; keys past a row's position are masked. A long sequence's keys are split into ranges
+ * so the engine's threads share one sequence (a warm turn: ~25 tokens over 121k keys), and the ranges'
+ * (m, l, acc) merge by their maxima afterwards, which is exactly the softmax over the union.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TK 32          /* keys per tile (a multiple of 16) */
+#define RB 4           /* rows per pass over a tile's keys (8 score accumulators) */
+#define MIN_RANGE 1024 /* fewest keys worth a range of their own (the merge and the item's setup) */
+#define LOG2E 1.4426950408889634f
+
+static inline __m256 exp2_ps(__m256 x) {
+    /* 2^x = 2^n * 2^f, n = round(x), |f| <= 0.5; 2^f by its Taylor series to degree 7 (error < 1e-8). Keys
+     * masked with -inf (x < -126) give exactly 0. */
+    const __m256 lo = _mm256_set1_ps(-126.0f);
+    const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lo);
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, n);
+    static const float c[8] = {1.0f, 0.69314718056f, 0.24022650695f, 0.05550410866f,
+                               0.00961812911f, 0.00133335581f, 0.00015403530f, 0.00001525273f};
+    __m256 p = _mm256_set1_ps(c[7]);
+    for (int i = 6; i >= 0; i--) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c[i]));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+
+static inline float hmax(__m256 v) {
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
+    return _mm_cvtss_f32(a);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_shuffle_ps(a, a, 1));
+    return _mm_cvtss_f32(a);
+}
+
+typedef struct {
+    const float *q, *k, *v;
+    const int32_t *pages; /* the sequence's row of the page table */
+    int64_t page_size, hq, hkv, hd, g;
+    int64_t q_start, n_q, kv_len, kvh;
+    float scale2; /* scale * log2 e */
+} item_t;
+
+/* Scores of RB rows over a tile's 16 keys kt16 ([hd][TK] from column c0): 8 independent FMA chains. */
+static inline void scores16(const float *const *qr, const float *kt, int64_t hd, int64_t c0, __m256 *s) {
+    for (int j = 0; j < 2 * RB; j++) s[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < hd; d++) {
+        const __m256 k0 = _mm256_load_ps(kt + d * TK + c0), k1 = _mm256_load_ps(kt + d * TK + c0 + 8);
+        for (int j = 0; j < RB; j++) {
+            const __m256 qd = _mm256_broadcast_ss(qr[j] + d);
+            s[2 * j] = _mm256_fmadd_ps(qd, k0, s[2 * j]);
+            s[2 * j + 1] = _mm256_fmadd_ps(qd, k1, s[2 * j + 1]);
+        }
+    }
+}
+
+/* acc[j][d0 .. d0 + 8 w) = acc * alpha[j] + sum over keys o < nk of p[j][o] v[o]: RB x w independent chains */
+static inline void values(float *const *acc, const float *alpha, float p[RB][TK], const float *const *vrow,
+                          int64_t nk, int64_t d0, int w) {
+    __m256 a[RB][2];
+    for (int j = 0; j < RB; j++)
+        for (int u = 0; u < w; u++) a[j][u] = _mm256_mul_ps(_mm256_loadu_ps(acc[j] + d0 + 8 * u), _mm256_set1_ps(alpha[j]));
+    for (int64_t o = 0; o < nk; o++) {
+        const __m256 v0 = _mm256_loadu_ps(vrow[o] + d0), v1 = w > 1 ? _mm256_loadu_ps(vrow[o] + d0 + 8) : v0;
+        for (int j = 0; j < RB; j++) {
+            const __m256 pj = _mm256_broadcast_ss(&p[j][o]);
+            a[j][0] = _mm256_fmadd_ps(pj, v0, a[j][0]);
+            if (w > 1) a[j][1] = _mm256_fmadd_ps(pj, v1, a[j][1]);
+        }
+    }
+    for (int j = 0; j < RB; j++)
+        for (int u = 0; u < w; u++) _mm256_storeu_ps(acc[j] + d0 + 8 * u, a[j][u]);
+}
+
+/* One item: keys [a, b) of its sequence for its kv head's rows; state[r] = (m, l, acc[hd]) per row. */
+static void run_item(const item_t *it, int64_t a, int64_t b, float *state) {
+    const int64_t hd = it->hd, g = it->g, rows = it->n_q * g, first_pos = it->kv_len - it->n_q;
+    const int64_t stride = hd + 2, kv_stride = it->hkv * hd;
+    float kt[256 * TK] __attribute__((aligned(32))); /* [hd][TK] */
+    float p[RB][TK] __attribute__((aligned(32)));
+    float scratch[RB][258]; /* the state of padding rows of a short last block */
+    const float *vrow[TK];
+    const __m256 sc2 = _mm256_set1_ps(it->scale2);
+    for (int64_t r = 0; r < rows; r++) {
+        state[r * stride] = -INFINITY;
+        state[r * stride + 1] = 0.0f;
+        memset(state + r * stride + 2, 0, sizeof(float) * hd);
+    }
+    for (int64_t t0 = a; t0 < b; t0 += TK) {
+        const int64_t nk = b - t0 < TK ? b - t0 : TK;
+        for (int64_t o = 0; o < TK; o++) {
+            if (o >= nk) {
+                for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = 0.0f;
+                vrow[o] = NULL;
+                continue;
+            }
+            const int64_t pos = t0 + o;
+            const int64_t slot = (int64_t)it->pages[pos / it->page_size] * it->page_size + pos % it->page_size;
+            const float *key = it->k + slot * kv_stride + it->kvh * hd;
+            for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = key[d];
+            vrow[o] = it->v + slot * kv_stride + it->kvh * hd;
+        }
+        /* rows before the tile's first key see none of it (rows ascend in position, g rows per token) */
+        for (int64_t r0 = t0 > first_pos ? (t0 - first_pos) * g : 0; r0 < rows; r0 += RB) {
+            const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
+            const float *qr[RB];
+            float *st[RB], *acc[RB], alpha[RB];
+            int64_t seen = 0; /* keys of the tile any row of the block sees */
+            for (int64_t j = 0; j < RB; j++) {
+                const int64_t r = r0 + (j < nr ? j : 0);
+                qr[j] = it->q + (it->q_start + r / g) * it->hq * hd + (it->kvh * g + r % g) * hd;
+                st[j] = j < nr ? state + r * stride : scratch[j];
+                acc[j] = st[j] + 2;
+            }
+            for (int64_t c0 = 0; c0 < TK; c0 += 16) {
+                __m256 s[2 * RB];
+                scores16(qr, kt, hd, c0, s);
+                for (int j = 0; j < RB; j++) {
+                    _mm256_store_ps(p[j] + c0, _mm256_mul_ps(s[2 * j], sc2));
+                    _mm256_store_ps(p[j] + c0 + 8, _mm256_mul_ps(s[2 * j + 1], sc2));
+                }
+            }
+            for (int64_t j = 0; j < RB; j++) {
+                if (j >= nr) { /* padding rows: no weight */
+                    memset(p[j], 0, sizeof(p[j]));
+                    alpha[j] = 0.0f;
+                    continue;
+                }
+                const int64_t pos = first_pos + (r0 + j) / g;
+                const int64_t visible = pos - t0 + 1 < nk ? pos - t0 + 1 : nk; /* keys t0 .. pos */
+                seen = visible > seen ? visible : seen;
+                for (int64_t o = visible; o < TK; o++) p[j][o] = -INFINITY;
+                __m256 top = _mm256_load_ps(p[j]);
+                for (int64_t o = 8; o < TK; o += 8) top = _mm256_max_ps(top, _mm256_load_ps(p[j] + o));
+                const float m_old = st[j][0], t = hmax(top), m_new = t > m_old ? t : m_old;
+                const __m256 mv = _mm256_set1_ps(m_new);
+                __m256 sum = _mm256_setzero_ps();
+                for (int64_t o = 0; o < TK; o += 8) {
+                    const __m256 e = exp2_ps(_mm256_sub_ps(_mm256_load_ps(p[j] + o), mv));
+                    _mm256_store_ps(p[j] + o, e);
+                    sum = _mm256_add_ps(sum, e);
+                }
+                alpha[j] = m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new);
+                st[j][0] = m_new;
+                st[j][1] = st[j][1] * alpha[j] + hsum(sum);
+            }
+            int64_t d0 = 0;
+            for (; d0 + 16 <= hd; d0 += 16) values(acc, alpha, p, vrow, seen, d0, 2);
+            if (d0 < hd) values(acc, alpha, p, vrow, seen, d0, 1);
+        }
+    }
+}
+
+/* q [T, hq, hd] -> out [T, hq, hd]; sequence s's queries are rows q_starts[s] .. + q_lens[s] of q.
+ * Returns 0, or 1 for shapes it does not take (hd a multiple of 8 up to 256, hq a multiple of hkv). */
+int ab_paged_attention(const float *q, int64_t n_seqs, const int64_t *q_starts, const int64_t *q_lens,
+                       const int64_t *kv_lens, const int32_t *page_table, int64_t pt_stride, int64_t page_size,
+                       const float *k_cache, const float *v_cache, int64_t hq, int64_t hkv, int64_t hd, float scale,
+                       float *out, int threads) {
+    if (hd % 8 || hd > 256 || hkv < 1 || hq % hkv || page_size < 1) return 1;
+    const int64_t g = hq / hkv, stride = hd + 2;
+    threads = threads < 1 ? 1 : threads;
+    /* ranges per sequence: enough items for the threads, none shorter than MIN_RANGE keys */
+    const int64_t want = threads > 1 ? 4 * threads : 1;
+    int64_t *n_ranges = malloc(sizeof(int64_t) * n_seqs), *first_item = malloc(sizeof(int64_t) * (n_seqs + 1));
+    int64_t *state_at = NULL;
+    int64_t n_items = 0;
+    for (int64_t s = 0; s < n_seqs; s++) {
+        int64_t by_len = (kv_lens[s] + MIN_RANGE - 1) / MIN_RANGE, by_threads = (want + n_seqs * hkv - 1) / (n_seqs * hkv);
+        n_ranges[s] = by_len < by_threads ? by_len : by_threads;
+        if (n_ranges[s] < 1) n_ranges[s] = 1;
+        first_item[s] = n_items;
+        n_items += hkv * n_ranges[s];
+    }
+    first_item[n_seqs] = n_items;
+    state_at = malloc(sizeof(int64_t) * (n_items + 1));
+    int64_t total = 0;
+    for (int64_t s = 0; s < n_seqs; s++)
+        for (int64_t i = first_item[s]; i < first_item[s + 1]; i++) {
+            state_at[i] = total;
+            total += q_lens[s] * g * stride;
+        }
+    float *state = malloc(sizeof(float) * (total ? total : 1));
+    if (!n_ranges || !first_item || !state_at || !state) {
+        free(n_ranges), free(first_item), free(state_at), free(state);
+        return 2;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (int64_t i = 0; i < n_items; i++) {
+        int64_t s = 0;
+        while (first_item[s + 1] <= i) s++;
+        const int64_t local = i - first_item[s], kvh = local / n_ranges[s], rg = local % n_ranges[s];
+        /* ranges in whole tiles so only a sequence's last tile is short */
+        const int64_t tiles = (kv_lens[s] + TK - 1) / TK, per = (tiles + n_ranges[s] - 1) / n_ranges[s];
+        int64_t a = rg * per * TK, b = (rg + 1) * per * TK;
+        b = b < kv_lens[s] ? b : kv_lens[s];
+        a = a < b ? a : b;
+        const item_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd, g,
+                           q_starts[s], q_lens[s], kv_lens[s], kvh, scale * LOG2E};
+        run_item(&it, a, b, state + state_at[i]);
+    }
+    /* merge each row's ranges: m = max m_r, l = sum l_r 2^(m_r - m), acc likewise; out = acc / l */
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t s = 0; s < n_seqs; s++) {
+        const int64_t rows = q_lens[s] * g;
+        for (int64_t kvh = 0; kvh < hkv; kvh++)
+            for (int64_t r = 0; r < rows; r++) {
+                float m = -INFINITY, l = 0.0f, acc[256];
+                for (int64_t rg = 0; rg < n_ranges[s]; rg++) {
+                    const float *st = state + state_at[first_item[s] + kvh * n_ranges[s] + rg] + r * stride;
+                    m = st[0] > m ? st[0] : m;
+                }
+                for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
+                for (int64_t rg = 0; rg < n_ranges[s]; rg++) {
+                    const float *st = state + state_at[first_item[s] + kvh * n_ranges[s] + rg] + r * stride;
+                    if (st[0] == -INFINITY) continue;
+                    const float w = exp2f(st[0] - m);
+                    l += st[1] * w;
+                    for (int64_t d = 0; d < hd; d++) acc[d] += st[2 + d] * w;
+                }
+                const int64_t i = r / g, head = kvh * g + r % g;
+                float *o = out + (q_starts[s] + i) * hq * hd + head * hd;
+                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
+            }
+    }
+    free(n_ranges), free(first_item), free(state_at), free(state);
+    return 0;
+}

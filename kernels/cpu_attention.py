@@ -1,0 +1,130 @@
+"""Causal attention over the paged KV cache on AVX2 CPUs (cpu_attention.c), and its torch twin.
+
+Every sequence of a step in one call: a decode token or an extend (a prefill chunk, a warm turn's new
+tokens) over its cached prefix, the keys read in place from the pages (no gather, no copy of the history,
+no mask), the key range of a long sequence split across the threads and merged by log-sum-exp. Why: a warm
+turn on a 128k conversation is ~25 new tokens over 121k keys; torch's fused CPU attention ran it on one
+thread in 38-53 ms (the split into runs and a causal tail in prefix_attention.py; ~0.4 GFLOP), and the
+gather path copies the whole history per layer.
+
+Built on first use like cpu_gemv's library (the system `cc`, cached under ~/.cache/agentbox/kernels by the
+source's digest), its own small library so it builds and loads apart from the weight kernels. `available()`
+is False without a compiler, AVX2 + FMA or a successful build (callers keep the torch path); `supports`
+says which layers it takes (fp32 cache, head size a multiple of 8 up to 256, no window, no sinks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from agentbox.kernels.cpu_gemv import Isa, cpu_flags, threads
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", *Isa.AVX2.cc_flags)
+_c_i64, _c_ptr, _c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "agentbox" / "kernels"
+
+
+def _build() -> tuple[Path | None, str]:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None, "no C compiler (cc / gcc) on PATH"
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_attention-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # beside the target, then renamed: tensor-parallel workers may build at the same moment
+        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+            partial = Path(tmp.name)
+        result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True)
+        if result.returncode != 0:
+            partial.unlink(missing_ok=True)
+            return None, f"building {SOURCE.name} failed: {result.stderr.strip()[:300]}"
+        partial.replace(target)
+    return target, ""
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, str]:
+    missing = Isa.AVX2.cpu_flags - cpu_flags()
+    if missing:
+        return None, f"this CPU lacks {', '.join(sorted(missing))}"
+    target, why = _build()
+    if target is None:
+        return None, why
+    lib = ctypes.CDLL(str(target))
+    lib.ab_paged_attention.argtypes = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr,
+                                       _c_i64, _c_i64, _c_i64, ctypes.c_float, _c_ptr, _c_int]
+    lib.ab_paged_attention.restype = _c_int
+    return lib, ""
+
+
+def available() -> bool:
+    return _library()[0] is not None
+
+
+def unavailable_reason() -> str:
+    return _library()[1]
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Shapes and dtypes the kernel takes (the caller checks window and sinks)."""
+    hd, hkv = k_cache.shape[-1], k_cache.shape[-2]
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and hd % 8 == 0 and hd <= 256 and q.shape[1] % hkv == 0)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                    page_size: int, query_lens: list[int], kv_lens: list[int], scale: float,
+                    n_threads: int | None = None) -> torch.Tensor:
+    """q [T, H, D] fp32 (each sequence's new tokens in order: the last query_lens[s] of its kv_lens[s]
+    positions), k/v cache [slots, Hkv, D] fp32 holding every position already, page_table [B, P] (its
+    pages) -> [T, H, D]: causal attention."""
+    lib, why = _library()
+    if lib is None:
+        raise RuntimeError(f"the CPU attention kernel is unavailable: {why}")
+    q = q.contiguous()
+    table = page_table.to(torch.int32).contiguous()
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    kv = torch.tensor(kv_lens, dtype=torch.int64)
+    out = torch.empty_like(q)
+    _, h, d = q.shape
+    rc = lib.ab_paged_attention(q.data_ptr(), len(query_lens), starts.data_ptr(), q_lens.data_ptr(), kv.data_ptr(),
+                                table.data_ptr(), table.shape[1], page_size, k_cache.data_ptr(), v_cache.data_ptr(),
+                                h, k_cache.shape[1], d, scale, out.data_ptr(), n_threads or threads())
+    if rc != 0:
+        raise RuntimeError(f"paged_attention refused q {tuple(q.shape)} over kv heads of {k_cache.shape[1:]} "
+                           f"(code {rc}): head size a multiple of 8 up to 256, query heads a multiple of kv heads")
+    return out
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                        page_size: int, query_lens: list[int], kv_lens: list[int], scale: float) -> torch.Tensor:
+    """The twin: gather each sequence's keys through its pages, SDPA with the causal offset mask, fp64."""
+    outs, start = [], 0
+    for s, (n_q, n_kv) in enumerate(zip(query_lens, kv_lens, strict=True)):
+        pos = torch.arange(n_kv)
+        slots = page_table[s].to(torch.int64)[pos // page_size] * page_size + pos % page_size
+        keys, values = k_cache[slots].double().transpose(0, 1), v_cache[slots].double().transpose(0, 1)
+        qs = q[start:start + n_q].double().transpose(0, 1)  # [H, Q, D]
+        visible = pos[None, :] <= (n_kv - n_q + torch.arange(n_q))[:, None]
+        o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=visible, scale=scale,
+                                           enable_gqa=keys.shape[0] != qs.shape[0])
+        outs.append(o.transpose(0, 1).float())
+        start += n_q
+    return torch.cat(outs)

@@ -1,0 +1,52 @@
+"""cpu_attention.c against its torch twin: decode and extends over shuffled pages, GQA, ragged batches, a
+sequence split across threads, and the torch backend's CPU path through the kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentbox.kernels import cpu_attention
+from agentbox.kernels.cpu_attention import paged_attention, paged_attention_ref
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no AVX2 build of cpu_attention.c")
+
+
+def _case(seed: int, query_lens: list[int], kv_lens: list[int], hq: int, hkv: int, hd: int, page_size: int):
+    gen = torch.Generator().manual_seed(seed)
+    pages_each = [-(-kv // page_size) for kv in kv_lens]
+    n_pages = sum(pages_each) + 3
+    perm = torch.randperm(n_pages - 1, generator=gen) + 1  # page 0 is scratch; the rest in shuffled order
+    table = torch.zeros(len(kv_lens), max(pages_each), dtype=torch.int32)
+    at = 0
+    for s, n in enumerate(pages_each):
+        table[s, :n] = perm[at:at + n].to(torch.int32)
+        at += n
+    k = torch.randn(n_pages * page_size, hkv, hd, generator=gen)
+    v = torch.randn(n_pages * page_size, hkv, hd, generator=gen)
+    q = torch.randn(sum(query_lens), hq, hd, generator=gen) * 2
+    return q, k, v, table
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "kv_lens", "hq", "hkv", "hd", "page_size", "threads"),
+    [
+        ([1, 1, 1], [1, 37, 300], 4, 2, 16, 16, 1),  # decode, a one-token sequence, GQA
+        ([25], [5000], 2, 1, 16, 16, 2),  # a warm turn: few queries over many keys, ranges merged
+        ([7, 1, 64], [7, 2100, 3000], 9, 3, 64, 16, 2),  # a ragged batch: fresh prompt, decode, an extend
+        ([33], [1500], 6, 6, 24, 8, 3),  # MHA, head size 24, pages of 8, three threads
+    ],
+)
+def test_kernel_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, threads) -> None:
+    q, k, v, table = _case(len(kv_lens) * 7 + hd, query_lens, kv_lens, hq, hkv, hd, page_size)
+    scale = hd ** -0.5
+    got = paged_attention(q, k, v, table, page_size, query_lens, kv_lens, scale, n_threads=threads)
+    want = paged_attention_ref(q, k, v, table, page_size, query_lens, kv_lens, scale)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_refuses_shapes_it_does_not_take() -> None:
+    q, k, v, table = _case(0, [2], [20], 2, 1, 12, 16)
+    assert not cpu_attention.supports(q, k)
+    with pytest.raises(RuntimeError, match="head size a multiple of 8"):
+        paged_attention(q, k, v, table, 16, [2], [20], 0.3)
