@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from agentbox.kernels.cpu_gemv import Isa, cpu_flags, threads
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
