@@ -1,6 +1,8 @@
 """Incremental tokenization (chat/incremental.py) gives exactly the ids of full tokenization, on every chat
-template we ship, over randomized multi-turn agent conversations: tool calls, tool results, reasoning, text
-parts, unicode and whitespace edges, and edits that change an earlier message (the prefix moves back)."""
+template we ship (SmolLM2's own; the Qwen3, Qwen3.6, gpt-oss harmony, Gemma 4 and GLM-4.7 forms the tests
+carry, each over SmolLM2's tokens plus the template's special tokens), over randomized multi-turn agent
+conversations: tool calls, tool results, reasoning, text parts, images as the text a text model receives
+for them, unicode and whitespace edges, and edits that change an earlier message (the prefix moves back)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,16 @@ from tests.test_chat_render import qwen3
 
 HARMONY = (Path(__file__).parent / "fixtures" / "harmony" / "gpt-oss-chat_template.jinja").read_text()
 HARMONY_SPECIAL = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
+FIXTURES = Path(__file__).parent
+# template name -> (template text, special tokens it adds to SmolLM2's tokenizer)
+TEMPLATES = {
+    "qwen3_6": ((FIXTURES / "fixtures" / "qwen3_6_like_chat_template.jinja").read_text(), []),
+    "gemma4": ((FIXTURES / "data" / "gemma4_format_chat_template.jinja").read_text(),
+               ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool>",
+                "<tool|>", "<|tool_response>", "<tool_response|>", "<|think|>"]),
+}
+# An image in a user turn reaches a text model as this line (server/anthropic_routes.py).
+IMAGE = "[image omitted: this model reads text only]"
 TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} something",
                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
          for n in ("read_file", "run")]
@@ -37,7 +49,16 @@ def tokenizers() -> dict:
     harmony = copy.deepcopy(base)
     harmony.add_special_tokens({"additional_special_tokens": HARMONY_SPECIAL})
     harmony.chat_template = HARMONY
-    return {"smollm2": base, "qwen3": qwen, "harmony": harmony}
+    out = {"smollm2": base, "qwen3": qwen, "harmony": harmony}
+    from tests.test_api_glm import SPECIAL as GLM_SPECIAL
+    from tests.test_api_glm import TEMPLATE as GLM
+    for name, (template, special) in {**TEMPLATES, "glm4_7": (GLM, GLM_SPECIAL)}.items():
+        tok = copy.deepcopy(base)
+        if special:
+            tok.add_special_tokens({"additional_special_tokens": special})
+        tok.chat_template = template
+        out[name] = tok
+    return out
 
 
 # Text that stresses token boundaries: spaces and newlines at the edges, digits, unicode, markup look-alikes.
@@ -62,7 +83,7 @@ def step(draw: st.DrawFn, k: int) -> list[dict]:
     out = [msg]
     out += [{"role": "tool", "tool_call_id": c["id"], "content": draw(text)} for c in calls]
     if not calls or draw(st.booleans()):
-        parts = draw(st.lists(text, min_size=1, max_size=3))
+        parts = draw(st.lists(st.one_of(text, st.just(IMAGE)), min_size=1, max_size=3))
         out.append({"role": "user", "content": [{"type": "text", "text": p} for p in parts]
                     if draw(st.booleans()) else "\n".join(parts)})
     return out
@@ -77,7 +98,7 @@ def conversation(draw: st.DrawFn) -> tuple[list[dict], bool, int | None]:
     return msgs, draw(st.booleans()), edit
 
 
-@pytest.mark.parametrize("template", ["smollm2", "qwen3", "harmony"])
+@pytest.mark.parametrize("template", ["smollm2", "qwen3", "harmony", "qwen3_6", "gemma4", "glm4_7"])
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=conversation())
 def test_incremental_ids_equal_full_tokenization(tokenizers: dict, template: str,
