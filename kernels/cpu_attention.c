@@ -22,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TK 32          /* keys per tile (a multiple of 16) */
+#define TK 64          /* keys per tile (a multiple of 16) */
 #define RB 4           /* rows per pass over a tile's keys (8 score accumulators) */
 #define MIN_RANGE 1024 /* fewest keys worth a range of their own (the merge and the item's setup) */
 #define LOG2E 1.4426950408889634f
@@ -112,14 +112,15 @@ static void run_item(const item_t *it, int64_t a, int64_t b, float *state) {
     }
     for (int64_t t0 = a; t0 < b; t0 += TK) {
         const int64_t nk = b - t0 < TK ? b - t0 : TK;
+        int64_t pg = t0 / it->page_size, off = t0 % it->page_size; /* walk the pages: no division per key */
         for (int64_t o = 0; o < TK; o++) {
             if (o >= nk) {
                 for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = 0.0f;
                 vrow[o] = NULL;
                 continue;
             }
-            const int64_t pos = t0 + o;
-            const int64_t slot = (int64_t)it->pages[pos / it->page_size] * it->page_size + pos % it->page_size;
+            const int64_t slot = (int64_t)it->pages[pg] * it->page_size + off;
+            if (++off == it->page_size) pg++, off = 0;
             const float *key = it->k + slot * kv_stride + it->kvh * hd;
             for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = key[d];
             vrow[o] = it->v + slot * kv_stride + it->kvh * hd;
