@@ -22,8 +22,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define SB 256         /* keys per span (a multiple of TK) */
+#define RBLK 96        /* rows per block (a multiple of RB) */
 #define TK 64          /* keys per tile (a multiple of 16) */
-#define RB 4           /* rows per pass over a tile's keys (8 score accumulators) */
+#define RB 6           /* rows per pass over a tile's keys (12 accumulators of the 16 vector registers) */
 #define MIN_RANGE 1024 /* fewest keys worth a range of their own (the merge and the item's setup) */
 #define LOG2E 1.4426950408889634f
 
@@ -96,84 +98,106 @@ static inline void values(float *const *acc, const float *alpha, float p[RB][TK]
         for (int u = 0; u < w; u++) _mm256_storeu_ps(acc[j] + d0 + 8 * u, a[j][u]);
 }
 
-/* One item: keys [a, b) of its sequence for its kv head's rows; state[r] = (m, l, acc[hd]) per row. */
-static void run_item(const item_t *it, int64_t a, int64_t b, float *state) {
+/* Tile t0 .. t0 + nk of the item's keys: transposed into kt [hd][TK] (zeros past nk), values' rows in vrow. */
+static void load_tile(const item_t *it, int64_t t0, int64_t nk, float *kt, const float **vrow) {
+    const int64_t hd = it->hd, kv_stride = it->hkv * hd;
+    int64_t pg = t0 / it->page_size, off = t0 % it->page_size; /* walk the pages: no division per key */
+    for (int64_t o = 0; o < TK; o++) {
+        if (o >= nk) {
+            for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = 0.0f;
+            vrow[o] = NULL;
+            continue;
+        }
+        const int64_t slot = (int64_t)it->pages[pg] * it->page_size + off;
+        if (++off == it->page_size) pg++, off = 0;
+        const float *key = it->k + slot * kv_stride + it->kvh * hd;
+        for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = key[d];
+        vrow[o] = it->v + slot * kv_stride + it->kvh * hd;
+    }
+}
+
+/* One item: keys [a, b) of its sequence for its kv head's rows; state[r] = (m, l, acc[hd]) per row. Keys go
+ * in spans of SB (transposed once, ~64 KB at head size 64: L2), rows in blocks of RBLK whose states stay
+ * in L1 while they walk the span's tiles (a prefill chunk's 3k rows of state would not fit L2). */
+static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
     const int64_t hd = it->hd, g = it->g, rows = it->n_q * g, first_pos = it->kv_len - it->n_q;
-    const int64_t stride = hd + 2, kv_stride = it->hkv * hd;
-    float kt[256 * TK] __attribute__((aligned(32))); /* [hd][TK] */
+    const int64_t stride = hd + 2;
+    float *kts = aligned_alloc(32, sizeof(float) * SB * hd); /* [SB / TK][hd][TK] */
+    const float *vrows[SB];
     float p[RB][TK] __attribute__((aligned(32)));
     float scratch[RB][258]; /* the state of padding rows of a short last block */
-    const float *vrow[TK];
     const __m256 sc2 = _mm256_set1_ps(it->scale2);
+    if (!kts) return 2;
     for (int64_t r = 0; r < rows; r++) {
         state[r * stride] = -INFINITY;
         state[r * stride + 1] = 0.0f;
         memset(state + r * stride + 2, 0, sizeof(float) * hd);
     }
-    for (int64_t t0 = a; t0 < b; t0 += TK) {
-        const int64_t nk = b - t0 < TK ? b - t0 : TK;
-        int64_t pg = t0 / it->page_size, off = t0 % it->page_size; /* walk the pages: no division per key */
-        for (int64_t o = 0; o < TK; o++) {
-            if (o >= nk) {
-                for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = 0.0f;
-                vrow[o] = NULL;
-                continue;
-            }
-            const int64_t slot = (int64_t)it->pages[pg] * it->page_size + off;
-            if (++off == it->page_size) pg++, off = 0;
-            const float *key = it->k + slot * kv_stride + it->kvh * hd;
-            for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = key[d];
-            vrow[o] = it->v + slot * kv_stride + it->kvh * hd;
+    for (int64_t s0 = a; s0 < b; s0 += SB) {
+        const int64_t s1 = b - s0 < SB ? b : s0 + SB, ntiles = (s1 - s0 + TK - 1) / TK;
+        for (int64_t t = 0; t < ntiles; t++) {
+            const int64_t t0 = s0 + t * TK;
+            load_tile(it, t0, s1 - t0 < TK ? s1 - t0 : TK, kts + t * hd * TK, vrows + t * TK);
         }
-        /* rows before the tile's first key see none of it (rows ascend in position, g rows per token) */
-        for (int64_t r0 = t0 > first_pos ? (t0 - first_pos) * g : 0; r0 < rows; r0 += RB) {
-            const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
-            const float *qr[RB];
-            float *st[RB], *acc[RB], alpha[RB];
-            int64_t seen = 0; /* keys of the tile any row of the block sees */
-            for (int64_t j = 0; j < RB; j++) {
-                const int64_t r = r0 + (j < nr ? j : 0);
-                qr[j] = it->q + (it->q_start + r / g) * it->hq * hd + (it->kvh * g + r % g) * hd;
-                st[j] = j < nr ? state + r * stride : scratch[j];
-                acc[j] = st[j] + 2;
-            }
-            for (int64_t c0 = 0; c0 < TK; c0 += 16) {
-                __m256 s[2 * RB];
-                scores16(qr, kt, hd, c0, s);
-                for (int j = 0; j < RB; j++) {
-                    _mm256_store_ps(p[j] + c0, _mm256_mul_ps(s[2 * j], sc2));
-                    _mm256_store_ps(p[j] + c0 + 8, _mm256_mul_ps(s[2 * j + 1], sc2));
+        /* rows before a tile's first key see none of it (rows ascend in position, g rows per token) */
+        for (int64_t b0 = s0 > first_pos ? (s0 - first_pos) * g : 0; b0 < rows; b0 += RBLK) {
+            const int64_t b1 = rows - b0 < RBLK ? rows : b0 + RBLK;
+            for (int64_t t = 0; t < ntiles; t++) {
+                const int64_t t0 = s0 + t * TK, nk = s1 - t0 < TK ? s1 - t0 : TK;
+                const float *kt = kts + t * hd * TK, *const *vrow = vrows + t * TK;
+                int64_t r0 = t0 > first_pos ? (t0 - first_pos) * g : 0;
+                for (r0 = r0 > b0 ? r0 : b0; r0 < b1; r0 += RB) {
+                    const int64_t nr = b1 - r0 < RB ? b1 - r0 : RB;
+                    const float *qr[RB];
+                    float *st[RB], *acc[RB], alpha[RB];
+                    int64_t seen = 0; /* keys of the tile any row of the block sees */
+                    for (int64_t j = 0; j < RB; j++) {
+                        const int64_t r = r0 + (j < nr ? j : 0);
+                        qr[j] = it->q + (it->q_start + r / g) * it->hq * hd + (it->kvh * g + r % g) * hd;
+                        st[j] = j < nr ? state + r * stride : scratch[j];
+                        acc[j] = st[j] + 2;
+                    }
+                    for (int64_t c0 = 0; c0 < TK; c0 += 16) {
+                        __m256 s[2 * RB];
+                        scores16(qr, kt, hd, c0, s);
+                        for (int j = 0; j < RB; j++) {
+                            _mm256_store_ps(p[j] + c0, _mm256_mul_ps(s[2 * j], sc2));
+                            _mm256_store_ps(p[j] + c0 + 8, _mm256_mul_ps(s[2 * j + 1], sc2));
+                        }
+                    }
+                    for (int64_t j = 0; j < RB; j++) {
+                        if (j >= nr) { /* padding rows: no weight */
+                            memset(p[j], 0, sizeof(p[j]));
+                            alpha[j] = 0.0f;
+                            continue;
+                        }
+                        const int64_t pos = first_pos + (r0 + j) / g;
+                        const int64_t visible = pos - t0 + 1 < nk ? pos - t0 + 1 : nk; /* keys t0 .. pos */
+                        seen = visible > seen ? visible : seen;
+                        for (int64_t o = visible; o < TK; o++) p[j][o] = -INFINITY;
+                        __m256 top = _mm256_load_ps(p[j]);
+                        for (int64_t o = 8; o < TK; o += 8) top = _mm256_max_ps(top, _mm256_load_ps(p[j] + o));
+                        const float m_old = st[j][0], t = hmax(top), m_new = t > m_old ? t : m_old;
+                        const __m256 mv = _mm256_set1_ps(m_new);
+                        __m256 sum = _mm256_setzero_ps();
+                        for (int64_t o = 0; o < TK; o += 8) {
+                            const __m256 e = exp2_ps(_mm256_sub_ps(_mm256_load_ps(p[j] + o), mv));
+                            _mm256_store_ps(p[j] + o, e);
+                            sum = _mm256_add_ps(sum, e);
+                        }
+                        alpha[j] = m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new);
+                        st[j][0] = m_new;
+                        st[j][1] = st[j][1] * alpha[j] + hsum(sum);
+                    }
+                    int64_t d0 = 0;
+                    for (; d0 + 16 <= hd; d0 += 16) values(acc, alpha, p, vrow, seen, d0, 2);
+                    if (d0 < hd) values(acc, alpha, p, vrow, seen, d0, 1);
                 }
             }
-            for (int64_t j = 0; j < RB; j++) {
-                if (j >= nr) { /* padding rows: no weight */
-                    memset(p[j], 0, sizeof(p[j]));
-                    alpha[j] = 0.0f;
-                    continue;
-                }
-                const int64_t pos = first_pos + (r0 + j) / g;
-                const int64_t visible = pos - t0 + 1 < nk ? pos - t0 + 1 : nk; /* keys t0 .. pos */
-                seen = visible > seen ? visible : seen;
-                for (int64_t o = visible; o < TK; o++) p[j][o] = -INFINITY;
-                __m256 top = _mm256_load_ps(p[j]);
-                for (int64_t o = 8; o < TK; o += 8) top = _mm256_max_ps(top, _mm256_load_ps(p[j] + o));
-                const float m_old = st[j][0], t = hmax(top), m_new = t > m_old ? t : m_old;
-                const __m256 mv = _mm256_set1_ps(m_new);
-                __m256 sum = _mm256_setzero_ps();
-                for (int64_t o = 0; o < TK; o += 8) {
-                    const __m256 e = exp2_ps(_mm256_sub_ps(_mm256_load_ps(p[j] + o), mv));
-                    _mm256_store_ps(p[j] + o, e);
-                    sum = _mm256_add_ps(sum, e);
-                }
-                alpha[j] = m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new);
-                st[j][0] = m_new;
-                st[j][1] = st[j][1] * alpha[j] + hsum(sum);
-            }
-            int64_t d0 = 0;
-            for (; d0 + 16 <= hd; d0 += 16) values(acc, alpha, p, vrow, seen, d0, 2);
-            if (d0 < hd) values(acc, alpha, p, vrow, seen, d0, 1);
         }
     }
+    free(kts);
+    return 0;
 }
 
 /* q [T, hq, hd] -> out [T, hq, hd]; sequence s's queries are rows q_starts[s] .. + q_lens[s] of q.
@@ -210,6 +234,7 @@ int ab_paged_attention(const float *q, int64_t n_seqs, const int64_t *q_starts, 
         free(n_ranges), free(first_item), free(state_at), free(state);
         return 2;
     }
+    int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (int64_t i = 0; i < n_items; i++) {
         int64_t s = 0;
@@ -222,7 +247,11 @@ int ab_paged_attention(const float *q, int64_t n_seqs, const int64_t *q_starts, 
         a = a < b ? a : b;
         const item_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd, g,
                            q_starts[s], q_lens[s], kv_lens[s], kvh, scale * LOG2E};
-        run_item(&it, a, b, state + state_at[i]);
+        if (run_item(&it, a, b, state + state_at[i])) failed = 1;
+    }
+    if (failed) {
+        free(n_ranges), free(first_item), free(state_at), free(state);
+        return 2;
     }
     /* merge each row's ranges: m = max m_r, l = sum l_r 2^(m_r - m), acc likewise; out = acc / l */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
