@@ -12,17 +12,9 @@ from collections.abc import Iterator
 import anthropic
 import openai
 import pytest
+from glm_template import SPECIAL, TEMPLATE
 from scripted_model import serving_scripted, write_scripted_model
 
-TEMPLATE = (
-    "[gMASK]<sop>{%- if tools -%}<|system|>\n# Tools\n\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n"
-    "{% endfor %}</tools>\n\nFor each function call, output the function name and arguments within the following "
-    "XML format:\n<tool_call>{function-name}<arg_key>{arg-key-1}</arg_key><arg_value>{arg-value-1}</arg_value>"
-    "...</tool_call>{%- endif -%}"
-    "{%- for m in messages -%}<|{{ m.role }}|>{{ m.content if m.content is string else '' }}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|assistant|><think>{%- endif -%}"
-)
-SPECIAL = ["<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
 SCRIPT = "</think><tool_call>list_files</tool_call><tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 NOTHING = {"type": "object", "properties": {}}

@@ -50,8 +50,8 @@ def tokenizers() -> dict:
     harmony.add_special_tokens({"additional_special_tokens": HARMONY_SPECIAL})
     harmony.chat_template = HARMONY
     out = {"smollm2": base, "qwen3": qwen, "harmony": harmony}
-    from tests.test_api_glm import SPECIAL as GLM_SPECIAL
-    from tests.test_api_glm import TEMPLATE as GLM
+    from tests.glm_template import SPECIAL as GLM_SPECIAL
+    from tests.glm_template import TEMPLATE as GLM
     for name, (template, special) in {**TEMPLATES, "glm4_7": (GLM, GLM_SPECIAL)}.items():
         tok = copy.deepcopy(base)
         if special:
