@@ -26,6 +26,7 @@
 #define RBLK 96        /* rows per block (a multiple of RB) */
 #define TK 64          /* keys per tile (a multiple of 16) */
 #define RB 6           /* rows per pass over a tile's keys (12 accumulators of the 16 vector registers) */
+#define ROW_GROUP 192  /* rows per item of a many-row sequence (a multiple of RBLK) */
 #define MIN_RANGE 1024 /* fewest keys worth a range of their own (the merge and the item's setup) */
 #define LOG2E 1.4426950408889634f
 
@@ -64,6 +65,7 @@ typedef struct {
     const int32_t *pages; /* the sequence's row of the page table */
     int64_t page_size, hq, hkv, hd, g;
     int64_t q_start, n_q, kv_len, kvh;
+    int64_t r_lo, r_hi; /* the item's rows: state[0] is row r_lo's */
     float scale2; /* scale * log2 e */
 } item_t;
 
@@ -120,7 +122,7 @@ static void load_tile(const item_t *it, int64_t t0, int64_t nk, float *kt, const
  * in spans of SB (transposed once, ~64 KB at head size 64: L2), rows in blocks of RBLK whose states stay
  * in L1 while they walk the span's tiles (a prefill chunk's 3k rows of state would not fit L2). */
 static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
-    const int64_t hd = it->hd, g = it->g, rows = it->n_q * g, first_pos = it->kv_len - it->n_q;
+    const int64_t hd = it->hd, g = it->g, rows = it->r_hi, first_pos = it->kv_len - it->n_q;
     const int64_t stride = hd + 2;
     float *kts = aligned_alloc(32, sizeof(float) * SB * hd); /* [SB / TK][hd][TK] */
     const float *vrows[SB];
@@ -128,7 +130,7 @@ static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
     float scratch[RB][258]; /* the state of padding rows of a short last block */
     const __m256 sc2 = _mm256_set1_ps(it->scale2);
     if (!kts) return 2;
-    for (int64_t r = 0; r < rows; r++) {
+    for (int64_t r = 0; r < it->r_hi - it->r_lo; r++) {
         state[r * stride] = -INFINITY;
         state[r * stride + 1] = 0.0f;
         memset(state + r * stride + 2, 0, sizeof(float) * hd);
@@ -140,7 +142,8 @@ static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
             load_tile(it, t0, s1 - t0 < TK ? s1 - t0 : TK, kts + t * hd * TK, vrows + t * TK);
         }
         /* rows before a tile's first key see none of it (rows ascend in position, g rows per token) */
-        for (int64_t b0 = s0 > first_pos ? (s0 - first_pos) * g : 0; b0 < rows; b0 += RBLK) {
+        int64_t b0 = s0 > first_pos ? (s0 - first_pos) * g : 0;
+        for (b0 = b0 > it->r_lo ? b0 : it->r_lo; b0 < rows; b0 += RBLK) {
             const int64_t b1 = rows - b0 < RBLK ? rows : b0 + RBLK;
             for (int64_t t = 0; t < ntiles; t++) {
                 const int64_t t0 = s0 + t * TK, nk = s1 - t0 < TK ? s1 - t0 : TK;
@@ -154,7 +157,7 @@ static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
                     for (int64_t j = 0; j < RB; j++) {
                         const int64_t r = r0 + (j < nr ? j : 0);
                         qr[j] = it->q + (it->q_start + r / g) * it->hq * hd + (it->kvh * g + r % g) * hd;
-                        st[j] = j < nr ? state + r * stride : scratch[j];
+                        st[j] = j < nr ? state + (r - it->r_lo) * stride : scratch[j];
                         acc[j] = st[j] + 2;
                     }
                     for (int64_t c0 = 0; c0 < TK; c0 += 16) {
@@ -211,27 +214,32 @@ int ab_paged_attention(const float *q, int64_t n_seqs, const int64_t *q_starts, 
     threads = threads < 1 ? 1 : threads;
     /* ranges per sequence: enough items for the threads, none shorter than MIN_RANGE keys */
     const int64_t want = threads > 1 ? 4 * threads : 1;
-    int64_t *n_ranges = malloc(sizeof(int64_t) * n_seqs), *first_item = malloc(sizeof(int64_t) * (n_seqs + 1));
-    int64_t *state_at = NULL;
+    /* A sequence of many rows (a prefill chunk) is split by rows, into groups of ROW_GROUP: no merge, state for
+     * its rows once. One of few rows (decode, a warm turn) is split by keys, into ranges merged afterwards. */
+    int64_t *n_ranges = malloc(sizeof(int64_t) * n_seqs), *n_groups = malloc(sizeof(int64_t) * n_seqs);
+    int64_t *first_item = malloc(sizeof(int64_t) * (n_seqs + 1)), *state_at = NULL;
     int64_t n_items = 0;
-    for (int64_t s = 0; s < n_seqs; s++) {
+    for (int64_t s = 0; s < n_seqs && n_ranges && n_groups && first_item; s++) {
+        const int64_t rows = q_lens[s] * g;
         int64_t by_len = (kv_lens[s] + MIN_RANGE - 1) / MIN_RANGE, by_threads = (want + n_seqs * hkv - 1) / (n_seqs * hkv);
-        n_ranges[s] = by_len < by_threads ? by_len : by_threads;
-        if (n_ranges[s] < 1) n_ranges[s] = 1;
+        n_ranges[s] = rows > ROW_GROUP || by_len < 1 ? 1 : by_len < by_threads ? by_len : by_threads;
+        n_groups[s] = threads > 1 ? (rows + ROW_GROUP - 1) / ROW_GROUP : 1;
         first_item[s] = n_items;
-        n_items += hkv * n_ranges[s];
+        n_items += hkv * n_ranges[s] * n_groups[s];
     }
-    first_item[n_seqs] = n_items;
+    if (first_item) first_item[n_seqs] = n_items;
     state_at = malloc(sizeof(int64_t) * (n_items + 1));
     int64_t total = 0;
-    for (int64_t s = 0; s < n_seqs; s++)
+    for (int64_t s = 0; s < n_seqs && state_at; s++)
         for (int64_t i = first_item[s]; i < first_item[s + 1]; i++) {
             state_at[i] = total;
-            total += q_lens[s] * g * stride;
+            const int64_t gq = (i - first_item[s]) % n_groups[s], per = (q_lens[s] * g + n_groups[s] - 1) / n_groups[s];
+            const int64_t lo = gq * per, hi = (gq + 1) * per < q_lens[s] * g ? (gq + 1) * per : q_lens[s] * g;
+            total += (hi > lo ? hi - lo : 0) * stride;
         }
     float *state = malloc(sizeof(float) * (total ? total : 1));
-    if (!n_ranges || !first_item || !state_at || !state) {
-        free(n_ranges), free(first_item), free(state_at), free(state);
+    if (!n_ranges || !n_groups || !first_item || !state_at || !state) {
+        free(n_ranges), free(n_groups), free(first_item), free(state_at), free(state);
         return 2;
     }
     int failed = 0;
@@ -239,34 +247,38 @@ int ab_paged_attention(const float *q, int64_t n_seqs, const int64_t *q_starts, 
     for (int64_t i = 0; i < n_items; i++) {
         int64_t s = 0;
         while (first_item[s + 1] <= i) s++;
-        const int64_t local = i - first_item[s], kvh = local / n_ranges[s], rg = local % n_ranges[s];
+        const int64_t local = i - first_item[s], gq = local % n_groups[s];
+        const int64_t kvh = local / n_groups[s] / n_ranges[s], rg = local / n_groups[s] % n_ranges[s];
+        const int64_t rows = q_lens[s] * g, per_g = (rows + n_groups[s] - 1) / n_groups[s];
+        const int64_t r_lo = gq * per_g < rows ? gq * per_g : rows, r_hi = r_lo + per_g < rows ? r_lo + per_g : rows;
         /* ranges in whole tiles so only a sequence's last tile is short */
         const int64_t tiles = (kv_lens[s] + TK - 1) / TK, per = (tiles + n_ranges[s] - 1) / n_ranges[s];
         int64_t a = rg * per * TK, b = (rg + 1) * per * TK;
         b = b < kv_lens[s] ? b : kv_lens[s];
         a = a < b ? a : b;
         const item_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd, g,
-                           q_starts[s], q_lens[s], kv_lens[s], kvh, scale * LOG2E};
+                           q_starts[s], q_lens[s], kv_lens[s], kvh, r_lo, r_hi, scale * LOG2E};
         if (run_item(&it, a, b, state + state_at[i])) failed = 1;
     }
     if (failed) {
-        free(n_ranges), free(first_item), free(state_at), free(state);
+        free(n_ranges), free(n_groups), free(first_item), free(state_at), free(state);
         return 2;
     }
     /* merge each row's ranges: m = max m_r, l = sum l_r 2^(m_r - m), acc likewise; out = acc / l */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t s = 0; s < n_seqs; s++) {
-        const int64_t rows = q_lens[s] * g;
+        const int64_t rows = q_lens[s] * g, per_g = (rows + n_groups[s] - 1) / n_groups[s];
         for (int64_t kvh = 0; kvh < hkv; kvh++)
             for (int64_t r = 0; r < rows; r++) {
                 float m = -INFINITY, l = 0.0f, acc[256];
+                const int64_t gq = r / per_g, at = first_item[s] + kvh * n_ranges[s] * n_groups[s] + gq;
                 for (int64_t rg = 0; rg < n_ranges[s]; rg++) {
-                    const float *st = state + state_at[first_item[s] + kvh * n_ranges[s] + rg] + r * stride;
+                    const float *st = state + state_at[at + rg * n_groups[s]] + (r - gq * per_g) * stride;
                     m = st[0] > m ? st[0] : m;
                 }
                 for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
                 for (int64_t rg = 0; rg < n_ranges[s]; rg++) {
-                    const float *st = state + state_at[first_item[s] + kvh * n_ranges[s] + rg] + r * stride;
+                    const float *st = state + state_at[at + rg * n_groups[s]] + (r - gq * per_g) * stride;
                     if (st[0] == -INFINITY) continue;
                     const float w = exp2f(st[0] - m);
                     l += st[1] * w;
@@ -278,6 +290,6 @@ int ab_paged_attention(const float *q, int64_t n_seqs, const int64_t *q_starts, 
                 for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
             }
     }
-    free(n_ranges), free(first_item), free(state_at), free(state);
+    free(n_ranges), free(n_groups), free(first_item), free(state_at), free(state);
     return 0;
 }

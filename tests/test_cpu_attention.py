@@ -32,7 +32,7 @@ def _case(seed: int, query_lens: list[int], kv_lens: list[int], hq: int, hkv: in
     [
         ([1, 1, 1], [1, 37, 300], 4, 2, 16, 16, 1),  # decode, a one-token sequence, GQA
         ([25], [5000], 2, 1, 16, 16, 2),  # a warm turn: few queries over many keys, ranges merged
-        ([7, 1, 64], [7, 2100, 3000], 9, 3, 64, 16, 2),  # a ragged batch: fresh prompt, decode, an extend
+        ([7, 1, 100], [7, 2100, 3000], 9, 3, 64, 16, 2),  # ragged: fresh prompt, decode, an extend split by rows
         ([33], [1500], 6, 6, 24, 8, 3),  # MHA, head size 24, pages of 8, three threads
     ],
 )
