@@ -49,3 +49,34 @@ def test_refuses_shapes_it_does_not_take() -> None:
     assert not cpu_attention.supports(q, k)
     with pytest.raises(RuntimeError, match="head size a multiple of 8"):
         paged_attention(q, k, v, table, 16, [2], [20], 0.3)
+
+
+def test_torch_backend_takes_the_kernel_and_plans_only_for_a_window() -> None:
+    """A step's plain layers run the kernel with nothing of the gather layout built; a windowed layer of the
+    same step plans it then. Both equal the gather path (the backend with views off)."""
+    from agentbox.layers.backends.base import AttentionMetadata, KVCache
+    from agentbox.layers.backends.torch_backend import TorchAttention
+
+    query_lens, kv_lens, page_size = [1, 9, 4], [40, 9, 70], 4
+    q, k_all, v_all, table = _case(1, query_lens, kv_lens, 6, 2, 16, page_size)
+    pos = [torch.arange(kv - n, kv) for n, kv in zip(query_lens, kv_lens, strict=True)]
+    slots = torch.cat([table[s].long()[p // page_size] * page_size + p % page_size for s, p in enumerate(pos)])
+    meta = AttentionMetadata(query_lens=query_lens, kv_lens=kv_lens, page_table=table, slot_mapping=slots,
+                             page_size=page_size)
+    cache = KVCache.uniform(2, k_all.shape[0] // page_size, page_size, 2, 16, torch.float32, "cpu")
+    for layer in range(2):
+        cache.k[layer].copy_(k_all)
+        cache.v[layer].copy_(v_all)
+    k, v = k_all[slots] * 0.5, v_all[slots] * 0.5  # the new tokens' own keys, stored by the forward
+    outs = []
+    for use_views in (True, False):
+        backend = TorchAttention(cache, 6, 2, 16, 0.25)
+        backend.use_views = use_views
+        backend.begin(meta)
+        plain = backend.forward(0, q, k, v)
+        assert backend.planned != use_views  # the kernel ran without the layout
+        windowed = backend.forward(1, q, k, v, sliding_window=5)
+        assert backend.planned
+        outs.append((plain, windowed))
+    for got, want in zip(*outs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
