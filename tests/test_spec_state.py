@@ -26,12 +26,12 @@ def _near_copy(tokens: list[int]) -> list[int]:
     return [(t + 1) % 256 if i % 7 == 6 else t for i, t in enumerate(tokens)]
 
 
-def _two_turns(path, loaded, spec: Speculative, ref: list[list[int]] | None) -> tuple[list[list[int]], int, int, int]:  # noqa: ANN001
+def _two_turns(path, loaded, spec: Speculative, ref: list[list[int]] | None, **kw: object) -> tuple[list[list[int]], int, int, int]:  # noqa: ANN001
     """Both turns' outputs, drafted and accepted tokens, and the second turn's cached prompt tokens. With `ref`
     (the outputs without drafts), near copies of each turn's answers sit in the recent outputs drafts come from:
     a random model repeats nothing itself."""
     config = EngineConfig(model=str(path), page_size=4, num_pages=400, attention="torch", speculative=spec,
-                          spec_row_cost=0.0, spec_match_factor=2.0, host_cache_gb=0.0)
+                          spec_row_cost=0.0, spec_match_factor=2.0, host_cache_gb=0.0, **kw)  # type: ignore[arg-type]
     base = [(7 * i + 3) % 250 + 1 for i in range(12)]
     prompts = [base * 3, base[:5] * 4 + [9, 8, 7]]
     sessions = ["a", "b"]
@@ -62,3 +62,14 @@ def test_stateful_models_greedy_with_drafts_equals_plain(family: str, tmp_path) 
     assert spec == plain
     assert 0 < accepted < drafted  # some drafts kept, some refused: the state stepped back past refused ones
     assert cached == cached_plain > 0  # the second turns resumed from states the verifies left
+
+
+@pytest.mark.slow
+def test_hybrid_tp2_with_drafts_equals_tp1_plain(tmp_path) -> None:  # noqa: ANN001
+    # Each rank stashes its own heads' inputs; the commit travels in StepInputs.state_commits.
+    save_hybrid(hybrid_configs()["qwen3_5"], tmp_path)
+    loaded = load_model(str(tmp_path), torch.float32, "cpu")
+    plain, _, _, _ = _two_turns(tmp_path, loaded, Speculative.OFF, None)
+    spec, drafted, accepted, _ = _two_turns(tmp_path, None, Speculative.SUFFIX, plain, tensor_parallel_size=2,
+                                            cpu_threads=1)
+    assert spec == plain and 0 < accepted < drafted
