@@ -176,8 +176,8 @@ class GatedDeltaNet(nn.Module):
             state = matrix_cache[slot].zero_() if step.fresh[i] else matrix_cache[slot]
             v, gi, bi = v.float().transpose(0, 1), g[lo:hi].t(), beta[lo:hi].t()
             if step.pending[i]:  # a verify: its slot waits for the positions the sampler keeps (commit)
-                step.keep(self.state_index, i, (mixed[lo:hi].t(), k, v, gi, bi))
-                o, _ = delta_rule.recurrent(q[None], k[None], v[None], gi[None], bi[None], state[None])
+                o, last = delta_rule.recurrent(q[None], k[None], v[None], gi[None], bi[None], state[None])
+                step.keep(self.state_index, i, (mixed[lo:hi].t(), k, v, gi, bi, last[0], conv_next))
                 out[lo:hi] = o[0].transpose(0, 1)
                 continue
             conv_cache[slot] = conv_next

@@ -61,9 +61,13 @@ class LinearStateSpec:
         )
 
     def commit(self, tensors: tuple[torch.Tensor, ...], slot: int, stash: tuple, lo: int, hi: int) -> None:
-        """stash: the verify's conv inputs x [C, n] and prepared k [H, n, Dk], v [H, n, Dv], g, beta [H, n]."""
+        """stash: the verify's conv inputs x [C, n], prepared k [H, n, Dk], v [H, n, Dv], g, beta [H, n], and its
+        final matrix and conv state (a draft kept whole: no recompute)."""
         conv, matrix = tensors
-        x, k, v, g, beta = stash
+        x, k, v, g, beta, last, conv_last = stash
+        if lo == 0 and hi == x.shape[-1]:
+            conv[slot], matrix[slot] = conv_last, last
+            return
         conv[slot] = torch.cat([conv[slot].to(x.dtype), x[:, lo:hi]], dim=-1)[:, -self.conv_len :]
         sel = slice(lo, hi)
         _, matrix[slot] = delta_rule.recurrent(  # q is unused for the state: k stands in
