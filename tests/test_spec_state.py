@@ -14,6 +14,7 @@ from hybrid_models import configs as hybrid_configs
 from hybrid_models import save_hybrid
 
 from agentbox.config import EngineConfig, Speculative
+from agentbox.engine.exec.step_inputs import StepInputs
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 from agentbox.models.loader import load_model
@@ -73,3 +74,14 @@ def test_hybrid_tp2_with_drafts_equals_tp1_plain(tmp_path) -> None:  # noqa: ANN
     spec, drafted, accepted, _ = _two_turns(tmp_path, None, Speculative.SUFFIX, plain, tensor_parallel_size=2,
                                             cpu_threads=1)
     assert spec == plain and 0 < accepted < drafted
+
+
+def test_step_inputs_carry_state_commits_and_verifies() -> None:
+    # What tensor-parallel ranks receive: which sequences verify, and the last step's commits.
+    step = StepInputs(torch.tensor([5, 6, 7]), torch.tensor([0, 8, 9]), torch.tensor([16, 40, 41]), [1, 2], [1, 10],
+                      torch.tensor([3, 0]), torch.tensor([[3, 0, 1]]), torch.tensor([0, 1, 2]), 1,
+                      state_commits=torch.tensor([[0, 3, 2], [3, 0, 0]]), state_verifies=torch.tensor([1]))
+    back = StepInputs.unpack(step.pack())
+    assert torch.equal(back.state_commits, step.state_commits) and back.state_commits.shape == (2, 3)
+    assert back.state_verifies.tolist() == [1] and back.sample_rows.tolist() == [0, 1, 2]
+    assert StepInputs.unpack(StepInputs(*list(vars(step).values())[:9]).pack()).state_commits.shape == (0, 3)

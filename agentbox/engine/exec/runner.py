@@ -182,7 +182,7 @@ class ModelRunner:
         query_lens: list[int] = []
         kv_lens: list[int] = []
         sample_rows: list[int] = []
-        commits = self.verifies.commits() if self.verifies is not None else None  # before rows move
+        commits = self.verifies.commits() if self.verifies is not None else None  # before rows move: verify_state.py
         rows, updates = self.rows.assign([s.request for s in out.seqs])
         copies = list(out.state_copies)  # snapshots saved at turns' ends first: a seed below may read one
         for s, row in zip(out.seqs, rows, strict=True):
@@ -218,8 +218,8 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
             num_table_cols=-(-max(kv_lens) // ps),
             state_copies=torch.tensor(copies, dtype=torch.int64).reshape(-1, 2),
-            **({} if commits is None else dict(state_commits=commits, state_verifies=torch.tensor(
-                [i for i, s in enumerate(out.seqs) if s.draft], dtype=torch.int64))),
+            state_commits=torch.empty(0, 3, dtype=torch.int64) if commits is None else commits,
+            state_verifies=torch.tensor([i for i, s in enumerate(out.seqs) if s.draft], dtype=torch.int64),
         )
 
     # ---- every rank: StepInputs -> logits ----
@@ -283,8 +283,6 @@ class ModelRunner:
             return [], [], {}
         sampled = [s for s in out.seqs if s.sample]
         tokens, lps, failed = sample_verified(logits, [s.request for s in sampled], [s.draft for s in sampled])
-        if self.verifies is not None:  # stateful verifies: how far each slot's state goes (verify_state.py)
-            done = [i for i, s in enumerate(sampled) if s.draft]  # a failed one keeps nothing
-            self.verifies.sampled([sampled[i].request for i in done], [sampled[i].request.table_row for i in done],
-                                  [[] if i in failed else tokens[i] for i in done])
+        if self.verifies is not None:  # stateful verifies: how far each slot's state goes
+            self.verifies.sampled(sampled, tokens, failed)
         return tokens, lps, failed

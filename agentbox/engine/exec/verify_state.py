@@ -22,6 +22,7 @@ import torch
 
 if TYPE_CHECKING:  # the core's types, for hints only: exec must not import the core at run time
     from agentbox.engine.request import Request
+    from agentbox.engine.scheduler import ScheduledSeq
 
 
 @dataclass
@@ -45,13 +46,16 @@ class PendingVerifies:
         b = (start + kept) // self.page_size * self.page_size
         return b if b > start else 0
 
-    def sampled(self, reqs: list[Request], rows: list[int], tokens: list[list[int]]) -> None:
-        """After sampling: each verified request's state will be at its kept tokens (the sampled run, one
-        position per token: the last real one and the accepted drafts)."""
-        for req, row, toks in zip(reqs, rows, tokens, strict=True):
+    def sampled(self, seqs: list[ScheduledSeq], tokens: list[list[int]], failed: dict[int, str]) -> None:
+        """After sampling the step's sampled seqs: each verified request's state will be at its kept tokens (the
+        sampled run, one position per token: the last real one and the accepted drafts; none if it failed)."""
+        for i, s in enumerate(seqs):
+            req = s.request
+            if not s.draft or req.table_row is None:
+                continue
             start = req.num_computed_tokens
-            told = self._boundary(start, len(toks))
-            self.pending.append(_Verify(req, row, start, req.state_aligned_at, told))
+            told = 0 if i in failed else self._boundary(start, len(tokens[i]))
+            self.pending.append(_Verify(req, req.table_row, start, req.state_aligned_at, told))
             if told:
                 req.state_aligned_at = told
 
