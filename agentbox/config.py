@@ -19,7 +19,7 @@ class CachePolicy(str, Enum):
 class Speculative(str, Enum):
     """Draft-free speculative decoding (engine/draft.py; the CLI's --speculative choices are these values)."""
 
-    AUTO = "auto"  # suffix where the engine can verify drafts (not yet for hybrid models' recurrent state)
+    AUTO = "auto"  # suffix (every model family, hybrid and sliding-window ones included)
     SUFFIX = "suffix"  # longest match in the request's own tokens, then in recent outputs of every session
     NGRAM = "ngram"  # a fixed-length n-gram match in the request's own tokens only (llama.cpp's kind)
     OFF = "off"

@@ -53,6 +53,8 @@ def test_summary_numbers() -> None:
     assert s.ttft_p90_s == pytest.approx(3.0 + 0.3 * (4.0 - 3.0))  # rank 6.3
     assert s.ttft_p99_s == pytest.approx(3.0 + 0.93 * (4.0 - 3.0))  # rank 6.93
     assert s.ttft_by_turn_s == [pytest.approx(2.0), pytest.approx(0.85), pytest.approx(0.5)]
+    # latencies (ttft + 1) of the good turns after each session's first: 1.2 1.3 2.5 5.0 1.5 -> median 1.5
+    assert s.later_latency_p50_s == pytest.approx(1.5)
     assert s.extra == {"cache_policy": "lru"}
     assert s.to_json()["recomputed_share"] == pytest.approx(500 / 1110)
 
@@ -85,3 +87,13 @@ def test_turns_without_usage_keep_their_timings_but_no_history() -> None:
     s = summarize("no-usage", records, wall_s=2.0)
     assert s.errors == 0 and s.turns_without_usage == 2 and s.ttft_p50_s == pytest.approx(0.6)
     assert s.history_tokens == 0 and s.recomputed_share is None
+
+
+def test_compare_spec_adds_a_speculation_off_twin_of_each_spawned_agentbox() -> None:
+    from agentbox.bench.spawn import Target, agentbox_target, with_speculation_off
+
+    spawned = agentbox_target("m.gguf", "session", ["--num-pages", "9"])
+    out = with_speculation_off([spawned, Target(name="server", url="http://127.0.0.1:9")])
+    assert [t.name for t in out] == ["agentbox-session", "agentbox-session-spec-off", "server"]
+    assert out[1].command == [*(spawned.command or []), "--speculative", "off"]
+    assert out[1].meta == {"cache_policy": "session", "speculative": "off"}

@@ -7,6 +7,7 @@ is stopped (SIGTERM, then SIGKILL) when its replay ends, whatever happened.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import signal
@@ -60,6 +61,18 @@ def agentbox_target(model: str, policy: str, serve_args: list[str]) -> Target:
         meta={"cache_policy": policy},
         stats_path="/v1/stats",
     )
+
+
+def with_speculation_off(targets: list[Target]) -> list[Target]:
+    """Each agentbox server the run starts, then the same server with `--speculative off` (`NAME-spec-off`):
+    speculative decoding on (the default) and off over the same trace, in one run."""
+    out: list[Target] = []
+    for t in targets:
+        out.append(t)
+        if t.command is not None and t.command[1:3] == ["-m", "agentbox.cli.main"]:
+            out.append(dataclasses.replace(t, name=f"{t.name}-spec-off", command=[*t.command, "--speculative", "off"],
+                                           meta={**t.meta, "speculative": "off"}))
+    return out
 
 
 def llamacpp_target(gguf: str, n_ctx: int) -> Target:

@@ -59,6 +59,9 @@ class RunStats:
     output_tok_per_s: float
     prompt_tok_per_s: float
     extra: dict[str, Any] = field(default_factory=dict)
+    # median latency (sent to stream finished) of each session's turns after its first: the warm turns whose
+    # decode speculative decoding shortens (bench replay --compare-spec)
+    later_latency_p50_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,4 +133,5 @@ def summarize(name: str, records: list[TurnRecord], wall_s: float, **extra: Any)
         output_tok_per_s=output / wall_s if wall_s > 0 else 0.0,
         prompt_tok_per_s=prompt / wall_s if wall_s > 0 else 0.0,
         extra=dict(extra),
+        later_latency_p50_s=percentile([r.latency_s for r in ok if r.turn > 0], 50),
     )

@@ -237,6 +237,7 @@ def bench_replay(
     flatten_tools: bool = typer.Option(False, help="Send tools and tool turns as plain text, for every engine."),
     force_length: bool = typer.Option(True, help="Send ignore_eos/min_tokens so answers have the recorded length."),
     max_concurrency: int = typer.Option(None, help="Cap on sessions in flight (default: all at once)."),
+    compare_spec: bool = typer.Option(False, help="--spawn/--tiny: also each with --speculative off."),
     save_trace: str = typer.Option(None, help="Also write the replayed trace to this JSONL file."),
     out: str = typer.Option(None, help="Output folder (default: bench/results/replay-<time>)."),
 ) -> None:
@@ -299,6 +300,8 @@ def bench_replay(
             targets += tiny_targets(models_dir, _policies(policies), _spawn_args(num_pages, serve_arg))
         except RuntimeError as e:
             fail(str(e))
+    if compare_spec:
+        targets = spawning.with_speculation_off(targets)
     if llamacpp:
         targets.append(spawning.llamacpp_target(llamacpp, llamacpp_ctx))
     if not targets:

@@ -92,11 +92,6 @@ class EngineCore:
     def _drafter(self, config: EngineConfig) -> Drafter | None:
         if config.speculative is Speculative.OFF:
             return None
-        if self.runner.state_cache is not None:
-            # A verify advances the recurrent state past every draft token, rejected ones included; resuming
-            # at the accepted position needs per-position states, which the delta-net layers do not keep yet.
-            log.info("speculative decoding is off for this model: its recurrent state cannot step back yet")
-            return None
         return Drafter(config)
 
     def _note_death(self, death: RankDeath) -> None:

@@ -170,13 +170,18 @@ class GatedDeltaNet(nn.Module):
                 continue
             lo, hi = starts[i], starts[i + 1]
             conv_state = conv_cache[slot].zero_() if step.fresh[i] else conv_cache[slot]
-            x, conv_cache[slot] = delta_rule.causal_conv(mixed[lo:hi].t(), conv_w, conv_state)
+            x, conv_next = delta_rule.causal_conv(mixed[lo:hi].t(), conv_w, conv_state)
             q, k, v = self._heads(x.t())  # [L, Hv, D]
             q, k = delta_rule.prepare_qk(q.transpose(0, 1), k.transpose(0, 1))
             state = matrix_cache[slot].zero_() if step.fresh[i] else matrix_cache[slot]
-            o, matrix_cache[slot] = delta_rule.chunked(
-                q, k, v.float().transpose(0, 1), g[lo:hi].t(), beta[lo:hi].t(), state
-            )
+            v, gi, bi = v.float().transpose(0, 1), g[lo:hi].t(), beta[lo:hi].t()
+            if step.pending[i]:  # a verify: its slot waits for the positions the sampler keeps (commit)
+                o, last = delta_rule.recurrent(q[None], k[None], v[None], gi[None], bi[None], state[None])
+                step.keep(self.state_index, i, (mixed[lo:hi].t(), k, v, gi, bi, last[0], conv_next))
+                out[lo:hi] = o[0].transpose(0, 1)
+                continue
+            conv_cache[slot] = conv_next
+            o, matrix_cache[slot] = delta_rule.chunked(q, k, v, gi, bi, state)
             out[lo:hi] = o.transpose(0, 1)
         normed = self.norm(out.to(hidden.dtype), z)
         return self.out_proj(normed.reshape(hidden.shape[0], self.hv * self.dv))

@@ -9,6 +9,13 @@ A state describes exactly one position: the tokens a sequence has computed. It c
 any other position, so a sequence whose first token is in the step (`fresh`) starts from zeros, and one
 resumed elsewhere needs a snapshot taken at that exact position (`copy`: slot to slot, the same on every
 tensor-parallel rank).
+
+A speculative verify (engine/exec/verify.py) scores a sequence's next token and k draft tokens in one step, and
+only after sampling is it known how many of them the sequence keeps. So a verified (`pending`) sequence's layers
+read their slot but leave it as it was, and keep what each of the step's positions would add (`stash`: a linear
+layer's conv inputs, k, v, g and beta; a window layer's k and v); the next step's `commit` adds the kept
+positions' part to the slot. The recompute is the state's own update only (a rank-one update per token and
+head, no projection), measured against keeping every position's state in docs/speculative.md.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from typing import Protocol
 
 import torch
 
+from agentbox.layers import delta_rule
+
 
 class StateSpec(Protocol):
     """One layer's per-slot state: the tensors it allocates for every slot (slot is dim 0 of each)."""
@@ -25,6 +34,10 @@ class StateSpec(Protocol):
     def bytes(self, dtype: torch.dtype) -> int: ...
 
     def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, ...]: ...
+
+    def commit(self, tensors: tuple[torch.Tensor, ...], slot: int, stash: tuple, lo: int, hi: int) -> None:
+        """Adds positions [lo, hi) of a verify's stash (relative to its first new token) to the slot."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,20 @@ class LinearStateSpec:
             torch.zeros(num_slots, self.num_heads, self.key_dim, self.value_dim, dtype=torch.float32, device=device),
         )
 
+    def commit(self, tensors: tuple[torch.Tensor, ...], slot: int, stash: tuple, lo: int, hi: int) -> None:
+        """stash: the verify's conv inputs x [C, n], prepared k [H, n, Dk], v [H, n, Dv], g, beta [H, n], and its
+        final matrix and conv state (a draft kept whole: no recompute)."""
+        conv, matrix = tensors
+        x, k, v, g, beta, last, conv_last = stash
+        if lo == 0 and hi == x.shape[-1]:
+            conv[slot], matrix[slot] = conv_last, last
+            return
+        conv[slot] = torch.cat([conv[slot].to(x.dtype), x[:, lo:hi]], dim=-1)[:, -self.conv_len :]
+        sel = slice(lo, hi)
+        _, matrix[slot] = delta_rule.recurrent(  # q is unused for the state: k stands in
+            k[None, :, sel], k[None, :, sel], v[None, :, sel], g[None, :, sel], beta[None, :, sel], matrix[slot][None]
+        )
+
 
 class StateCache:
     """Every state layer's tensors for every slot. `layers[i]` are layer i's tensors (a linear layer's conv and
@@ -58,6 +85,8 @@ class StateCache:
         self.layers = [s.allocate(num_slots, dtype, device) for s in specs]
         self.conv = [t[0] for t in self.layers]
         self.matrix = [t[1] for t in self.layers]
+        # (layer, slot) -> a pending verify's per-position inputs, until the next step's `commit`
+        self.stash: dict[tuple[int, int], tuple] = {}
 
     @staticmethod
     def bytes_per_slot(specs: list[StateSpec], dtype: torch.dtype) -> int:
@@ -76,18 +105,41 @@ class StateCache:
                     t[d] = t[s]
 
 
+    def commit(self, commits: list[tuple[int, int, int]], aligned_offset: int) -> None:
+        """Each (slot, kept, aligned) of the last step's verifies: its first `kept` positions into the slot; when
+        `aligned` > 0 the state after that many of them (a page boundary) is first copied to the slot's
+        page-aligned copy, `aligned_offset` further. kept = 0 drops the stash (the sequence has ended)."""
+        for slot, kept, aligned in commits:
+            parts = [(0, aligned), (aligned, kept)] if 0 < aligned < kept else [(0, kept)]
+            for lo, hi in parts:
+                for i, spec in enumerate(self.specs):
+                    if hi > lo:
+                        spec.commit(self.layers[i], slot, self.stash[i, slot], lo, hi)
+                if aligned and hi == aligned:
+                    self.copy([slot], [slot + aligned_offset])
+            for i in range(len(self.specs)):
+                self.stash.pop((i, slot), None)
+
+
 @dataclass
 class StateStep:
-    """A step's view of the state: each sequence's slot, new tokens, whether it starts at position 0, and the
-    position of its first new token."""
+    """A step's view of the state: each sequence's slot, new tokens, whether it starts at position 0, the
+    position of its first new token, and whether it is a verify whose slot waits for the next step's commit."""
 
     cache: StateCache
     slots: list[int]
     query_lens: list[int]
     fresh: list[bool]
     starts: list[int]
+    pending: list[bool]
 
     @staticmethod
-    def of(cache: StateCache, slots: list[int], query_lens: list[int], kv_lens: list[int]) -> StateStep:
+    def of(cache: StateCache, slots: list[int], query_lens: list[int], kv_lens: list[int],
+           verifies: frozenset[int] = frozenset()) -> StateStep:
         starts = [k - q for q, k in zip(query_lens, kv_lens, strict=True)]
-        return StateStep(cache, slots, query_lens, [s == 0 for s in starts], starts)
+        return StateStep(cache, slots, query_lens, [s == 0 for s in starts], starts,
+                         [i in verifies for i in range(len(slots))])
+
+    def keep(self, layer: int, i: int, stash: tuple) -> None:
+        """Sequence i is a verify: layer's per-position inputs wait for the commit."""
+        self.cache.stash[layer, self.slots[i]] = stash

@@ -37,6 +37,14 @@ class WindowKVSpec:
         shape = (num_slots, self.window, self.num_kv_heads, self.head_dim)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
+    def commit(self, tensors: tuple[torch.Tensor, ...], slot: int, stash: tuple, lo: int, hi: int) -> None:
+        """stash: a verify's k, v [n, Hkv, D] and its first position; positions [lo, hi) of them into the ring."""
+        k_ring, v_ring = tensors
+        k, v, start = stash
+        kept = torch.arange(max(lo, hi - self.window), hi, device=k.device)  # the last W win: no index twice
+        k_ring[slot, (start + kept) % self.window] = k[kept].to(k_ring.dtype)
+        v_ring[slot, (start + kept) % self.window] = v[kept].to(v_ring.dtype)
+
 
 class WindowAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int,
@@ -68,6 +76,10 @@ class WindowAttention(nn.Module):
                 attn_mask=mask, scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
             )
             outs.append(out[0].transpose(0, 1).reshape(n, -1))
+            if step.pending[len(outs) - 1]:  # a verify: the positions the sampler keeps go in at the commit
+                step.keep(self.state_index, len(outs) - 1, (k[lo:hi], v[lo:hi], start))
+                lo = hi
+                continue
             # After the read: the step's last (up to W) positions go into the ring for the next step.
             new = torch.arange(max(start, start + n - w), start + n, device=q.device)
             k_ring[slot, new % w] = k[new - start + lo].to(k_ring.dtype)

@@ -19,6 +19,7 @@ from agentbox.engine.exec.logprob import TokenLogprob
 from agentbox.engine.exec.page_table import PageTable, RowAssigner
 from agentbox.engine.exec.step_inputs import StepInputs
 from agentbox.engine.exec.verify import sample_verified
+from agentbox.engine.exec.verify_state import PendingVerifies
 from agentbox.layers.backends import select_backend
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
@@ -76,6 +77,7 @@ class ModelRunner:
         self.num_rows = config.max_num_seqs + 1  # one page-table row per running request, one for LLM.logits
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
         self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
+        self.verifies = PendingVerifies(self.page_size) if self.state_cache is not None else None
         page_bytes = self._make_pool()
         self._make_execution()
         log.info(
@@ -180,6 +182,7 @@ class ModelRunner:
         query_lens: list[int] = []
         kv_lens: list[int] = []
         sample_rows: list[int] = []
+        commits = self.verifies.commits() if self.verifies is not None else None  # before rows move: verify_state.py
         rows, updates = self.rows.assign([s.request for s in out.seqs])
         copies = list(out.state_copies)  # snapshots saved at turns' ends first: a seed below may read one
         for s, row in zip(out.seqs, rows, strict=True):
@@ -189,7 +192,7 @@ class ModelRunner:
                 if r.state_seed is not None:
                     copies.append((r.state_seed, row))
                     r.state_seed = None
-                if end % ps == 0:  # execute copies the state at this page boundary (see below)
+                if end % ps == 0 and not s.draft:  # execute copies the state at this page boundary (see below)
                     r.state_aligned_at = end
             ids += r.token_ids[start:end]  # a draft's positions are past the list's end: the slice stops there
             ids += s.draft
@@ -215,6 +218,8 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
             num_table_cols=-(-max(kv_lens) // ps),
             state_copies=torch.tensor(copies, dtype=torch.int64).reshape(-1, 2),
+            state_commits=torch.empty(0, 3, dtype=torch.int64) if commits is None else commits,
+            state_verifies=torch.tensor([i for i, s in enumerate(out.seqs) if s.draft], dtype=torch.int64),
         )
 
     # ---- every rank: StepInputs -> logits ----
@@ -240,16 +245,20 @@ class ModelRunner:
         )
         state = None
         if self.state_cache is not None:
+            if step.state_commits.numel():  # the last step's verifies: before a copy reads their slots
+                self.state_cache.commit(step.state_commits.tolist(), self.num_rows)
             if step.state_copies.numel():
                 self.state_cache.copy(step.state_copies[:, 0].tolist(), step.state_copies[:, 1].tolist())
-            state = StateStep.of(self.state_cache, step.table_rows.tolist(), step.query_lens, step.kv_lens)
+            state = StateStep.of(self.state_cache, step.table_rows.tolist(), step.query_lens, step.kv_lens,
+                                 frozenset(step.state_verifies.tolist()))
         with forward_context(self.backend, meta, state=state):
             if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.kv_cache):
                 hidden = self.cpu_decode.run(step.input_ids.to(dev), step.positions.to(dev))
             else:
                 hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
         if state is not None:  # every sequence that ended on a page boundary: its state there, kept aside
-            ended = [row for row, kv in zip(state.slots, step.kv_lens, strict=True) if kv % self.page_size == 0]
+            ended = [row for row, kv, verify in zip(state.slots, step.kv_lens, state.pending, strict=True)
+                     if kv % self.page_size == 0 and not verify]  # a verify's copy is taken at its commit
             if ended:
                 self.state_cache.copy(ended, [row + self.num_rows for row in ended])
         if not step.sample_rows.numel():
@@ -273,4 +282,7 @@ class ModelRunner:
         if logits is None:
             return [], [], {}
         sampled = [s for s in out.seqs if s.sample]
-        return sample_verified(logits, [s.request for s in sampled], [s.draft for s in sampled])
+        tokens, lps, failed = sample_verified(logits, [s.request for s in sampled], [s.draft for s in sampled])
+        if self.verifies is not None:  # stateful verifies: how far each slot's state goes
+            self.verifies.sampled(sampled, tokens, failed)
+        return tokens, lps, failed
