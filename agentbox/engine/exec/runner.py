@@ -24,6 +24,7 @@ from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.layers.recurrent_state import StateCache, StateStep
+from agentbox.layers.window_kv import page_slack
 from agentbox.models.loader import LoadedModel, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 
@@ -73,8 +74,12 @@ class ModelRunner:
         self.weight_bytes = resident_weight_bytes(loaded.model)
         self.weight_bytes_per_rank = control_all_gather(self.weight_bytes)
         self.page_size = config.page_size
-        self.num_rows = config.max_num_seqs + 1  # one page-table row per running request, one for LLM.logits
+        # One page-table row per running request, and one for LLM.logits unless a row carries state (a ring of
+        # Gemma 4 31B is 800 MiB: LLM.logits waits for a free row instead).
+        stateful = getattr(loaded.model, "state_specs", None) is not None
+        self.num_rows = config.max_num_seqs + (0 if stateful else 1)
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
+        self.state_in_place = False  # sliding rings: the live slot is its own page-aligned copy (_state_cache)
         self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
         page_bytes = self._make_pool()
         self._make_execution()
@@ -137,19 +142,21 @@ class ModelRunner:
         """Hybrid models (and Gemma 4's sliding-window rings): each running sequence's state lives in the slot
         of its page-table row, its state at its last page boundary in the slot `num_rows` further, then the
         sessions' snapshots."""
-        specs = getattr(self.loaded.model, "state_specs", None)
-        if specs is None:
+        specs_of = getattr(self.loaded.model, "state_specs", None)
+        if specs_of is None:
             return None
-        # Live rows, their page-aligned copies, then the snapshots (the layout engine/cache/state_snapshots.py keeps).
-        slots = 2 * self.num_rows + self.num_snapshots
-        per_slot = StateCache.bytes_per_slot(specs(), self.dtype)
+        rings = page_slack(specs_of(), self.page_size)
+        self.state_in_place = rings is not None
+        specs = rings or specs_of()
+        # Live rows, their page-aligned copies (not for rings), then the snapshots (engine/cache/state_snapshots.py).
+        slots = (1 if self.state_in_place else 2) * self.num_rows + self.num_snapshots
+        per_slot = StateCache.bytes_per_slot(specs, self.dtype)
         if self.device.type == "cuda" and slots * per_slot > torch.cuda.mem_get_info(self.device)[0]:
-            # Gemma 4 31B's sliding rings are 800 MiB a sequence: the default 32 rows want 99 slots.
             raise ValueError(
-                f"per-sequence state takes {per_slot / 2**20:.0f} MiB x {slots} slots (live, page-aligned copy and "
-                f"snapshot per row), more than this GPU has free; lower it, e.g. --max-num-seqs 4 --state-snapshots 4"
+                f"per-sequence state takes {per_slot / 2**20:.0f} MiB x {slots} slots (per running request and "
+                f"snapshot), more than this GPU has free; lower it, e.g. --max-num-seqs 2 --state-snapshots 2"
             )
-        cache = StateCache(specs(), slots, self.dtype, self.device)
+        cache = StateCache(specs, slots, self.dtype, self.device)
         log.info("per-sequence state: %d layers, %.2f MiB per sequence, %d session snapshots "
                  "(%.1f MiB in all)", len(cache.specs), per_slot / 2**20, self.num_snapshots, slots * per_slot / 2**20)
         return cache
@@ -189,7 +196,9 @@ class ModelRunner:
                 if r.state_seed is not None:
                     copies.append((r.state_seed, row))
                     r.state_seed = None
-                if end % ps == 0:  # execute copies the state at this page boundary (see below)
+                if self.state_in_place:  # a ring resumes at its last page boundary itself (layers/window_kv.py)
+                    r.state_aligned_at = end // ps * ps
+                elif end % ps == 0:  # execute copies the state at this page boundary (see below)
                     r.state_aligned_at = end
             ids += r.token_ids[start:end]  # a draft's positions are past the list's end: the slice stops there
             ids += s.draft
@@ -248,7 +257,7 @@ class ModelRunner:
                 hidden = self.cpu_decode.run(step.input_ids.to(dev), step.positions.to(dev))
             else:
                 hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
-        if state is not None:  # every sequence that ended on a page boundary: its state there, kept aside
+        if state is not None and not self.state_in_place:  # each sequence ending on a page boundary: its state kept aside
             ended = [row for row, kv in zip(state.slots, step.kv_lens, strict=True) if kv % self.page_size == 0]
             if ended:
                 self.state_cache.copy(ended, [row + self.num_rows for row in ended])
