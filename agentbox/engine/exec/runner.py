@@ -37,6 +37,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Share of free GPU memory the KV pool takes when no size is given: most of it (weights are already loaded).
 # On CPU the pool holds what the plan counted (_auto_num_pages).
 GPU_KV_SHARE = 0.85
+# Share of free GPU memory (after the weights) that per-sequence state (hybrid states, Gemma 4's rings) may take
+# before the running requests and snapshots shrink to fit: the KV pool gets most of the rest.
+GPU_STATE_SHARE = 0.5
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -80,6 +83,7 @@ class ModelRunner:
         self.num_rows = config.max_num_seqs + (0 if stateful else 1)
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
         self.state_in_place = False  # sliding rings: the live slot is its own page-aligned copy (_state_cache)
+        self.max_num_seqs = config.max_num_seqs  # fewer when per-sequence state does not fit (_fit_state_slots)
         self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
         page_bytes = self._make_pool()
         self._make_execution()
@@ -151,6 +155,8 @@ class ModelRunner:
         # Live rows, their page-aligned copies (not for rings), then the snapshots (engine/cache/state_snapshots.py).
         slots = (1 if self.state_in_place else 2) * self.num_rows + self.num_snapshots
         per_slot = StateCache.bytes_per_slot(specs, self.dtype)
+        if self.device.type == "cuda":
+            slots = self._fit_state_slots(slots, per_slot)
         if self.device.type == "cuda" and slots * per_slot > torch.cuda.mem_get_info(self.device)[0]:
             raise ValueError(
                 f"per-sequence state takes {per_slot / 2**20:.0f} MiB x {slots} slots (per running request and "
@@ -160,6 +166,25 @@ class ModelRunner:
         log.info("per-sequence state: %d layers, %.2f MiB per sequence, %d session snapshots "
                  "(%.1f MiB in all)", len(cache.specs), per_slot / 2**20, self.num_snapshots, slots * per_slot / 2**20)
         return cache
+
+    def _fit_state_slots(self, slots: int, per_slot: int) -> int:
+        """Running requests and snapshots cut evenly (at least one each) until their state takes at most
+        GPU_STATE_SHARE of the smallest rank's free memory: a Gemma 4 31B ring is 800 MiB, the default 32 rows
+        and 32 snapshots would want 50 GiB. Returns the slots."""
+        budget = min(control_all_gather(int(torch.cuda.mem_get_info(self.device)[0] * GPU_STATE_SHARE)))
+        per_row = 1 if self.state_in_place else 2
+        rows, snaps = self.num_rows, self.num_snapshots
+        while (per_row * rows + snaps) * per_slot > budget and (rows > 1 or snaps > 1):
+            if rows >= snaps and rows > 1:
+                rows -= 1
+            else:
+                snaps -= 1
+        if (rows, snaps) != (self.num_rows, self.num_snapshots):
+            log.warning("per-sequence state of %.0f MiB: %d running requests and %d snapshots fit in %.1f GiB "
+                        "(set --max-num-seqs and --state-snapshots to choose)", per_slot / 2**20, rows, snaps,
+                        budget / 2**30)
+            self.num_rows, self.num_snapshots, self.max_num_seqs = rows, snaps, min(self.max_num_seqs, rows)
+        return per_row * rows + snaps
 
     def _auto_num_pages(self, page_bytes: int) -> int:
         if self.config.kv_cache_gb is not None:
