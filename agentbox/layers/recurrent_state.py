@@ -50,14 +50,22 @@ class LinearStateSpec:
 
 class StateCache:
     """Every state layer's tensors for every slot. `layers[i]` are layer i's tensors (a linear layer's conv and
-    matrix, `conv[i]` and `matrix[i]`; a sliding-window layer's key and value rings, layers/window_kv.py)."""
+    matrix, `conv[i]` and `matrix[i]`; a sliding-window layer's key and value rings, layers/window_kv.py).
 
-    def __init__(self, specs: list[StateSpec], num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    `held_slots` more slots (numbered from num_slots on) may live in host memory: snapshots that do not fit on
+    a small card (a Gemma 4 31B ring is 812 MiB). Only `copy` reaches them; the layers read device slots."""
+
+    def __init__(self, specs: list[StateSpec], num_slots: int, dtype: torch.dtype, device: torch.device | str,
+                 held_slots: int = 0) -> None:
         self.specs = specs
         self.num_slots = num_slots
         self.layers = [s.allocate(num_slots, dtype, device) for s in specs]
         self.conv = [t[0] for t in self.layers]
         self.matrix = [t[1] for t in self.layers]
+        pin = torch.device(device).type == "cuda"  # pinned: copies to and from the card run on its stream
+        self.held = [tuple(t.pin_memory() if pin else t for t in s.allocate(held_slots, dtype, "cpu"))
+                     for s in specs] if held_slots else []
+        self.held_slots = held_slots
 
     @staticmethod
     def bytes_per_slot(specs: list[StateSpec], dtype: torch.dtype) -> int:
@@ -71,9 +79,13 @@ class StateCache:
         """State of slot src[i] into slot dst[i], every layer, in order: a later copy may read what an
         earlier one wrote (a snapshot saved, then a request seeded from it), so they are never batched."""
         for s, d in zip(src, dst, strict=True):
-            for tensors in self.layers:
-                for t in tensors:
-                    t[d] = t[s]
+            (src_layers, s), (dst_layers, d) = self._where(s), self._where(d)
+            for src_tensors, dst_tensors in zip(src_layers, dst_layers, strict=True):
+                for a, b in zip(src_tensors, dst_tensors, strict=True):
+                    b[d].copy_(a[s], non_blocking=True)  # stream-ordered; the host never reads held slots
+
+    def _where(self, slot: int) -> tuple[list[tuple[torch.Tensor, ...]], int]:
+        return (self.layers, slot) if slot < self.num_slots else (self.held, slot - self.num_slots)
 
 
 @dataclass

@@ -40,6 +40,7 @@ GPU_KV_SHARE = 0.85
 # Share of free GPU memory (after the weights) that per-sequence state (hybrid states, Gemma 4's rings) may take
 # before the running requests and snapshots shrink to fit: the KV pool gets most of the rest.
 GPU_STATE_SHARE = 0.5
+HOST_STATE_SHARE = 0.25  # of available RAM: state snapshots that do not fit on the card (_fit_state_slots)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -153,38 +154,43 @@ class ModelRunner:
         self.state_in_place = rings is not None
         specs = rings or specs_of()
         # Live rows, their page-aligned copies (not for rings), then the snapshots (engine/cache/state_snapshots.py).
-        slots = (1 if self.state_in_place else 2) * self.num_rows + self.num_snapshots
-        per_slot = StateCache.bytes_per_slot(specs, self.dtype)
-        if self.device.type == "cuda":
-            slots = self._fit_state_slots(slots, per_slot)
+        per_row, per_slot = 1 if self.state_in_place else 2, StateCache.bytes_per_slot(specs, self.dtype)
+        held = self._fit_state_slots(per_row, per_slot)
+        slots = per_row * self.num_rows + self.num_snapshots - held
         if self.device.type == "cuda" and slots * per_slot > torch.cuda.mem_get_info(self.device)[0]:
             raise ValueError(
                 f"per-sequence state takes {per_slot / 2**20:.0f} MiB x {slots} slots (per running request and "
-                f"snapshot), more than this GPU has free; lower it, e.g. --max-num-seqs 2 --state-snapshots 2"
+                f"snapshot), more than this GPU has free; lower it, e.g. --max-num-seqs 1 --state-snapshots 1"
             )
-        cache = StateCache(specs, slots, self.dtype, self.device)
-        log.info("per-sequence state: %d layers, %.2f MiB per sequence, %d session snapshots "
-                 "(%.1f MiB in all)", len(cache.specs), per_slot / 2**20, self.num_snapshots, slots * per_slot / 2**20)
+        cache = StateCache(specs, slots, self.dtype, self.device, held)
+        log.info("per-sequence state: %d layers, %.2f MiB per sequence, %d session snapshots (%d in host memory), "
+                 "%.1f MiB on the device", len(cache.specs), per_slot / 2**20, self.num_snapshots, held,
+                 slots * per_slot / 2**20)
         return cache
 
-    def _fit_state_slots(self, slots: int, per_slot: int) -> int:
-        """Running requests and snapshots cut evenly (at least one each) until their state takes at most
-        GPU_STATE_SHARE of the smallest rank's free memory: a Gemma 4 31B ring is 800 MiB, the default 32 rows
-        and 32 snapshots would want 50 GiB. Returns the slots."""
+    def _fit_state_slots(self, per_row: int, per_slot: int) -> int:
+        """On a small card: running requests cut until their state takes at most GPU_STATE_SHARE of the smallest
+        rank's free memory (a Gemma 4 31B ring is 812 MiB; the default 32 rows would want 26 GiB), snapshots
+        (one per running request unless set) on the device while they fit there, the rest in host memory (at most
+        HOST_STATE_SHARE of what is available): a copy there at a turn's end and back at its next turn. Returns
+        how many snapshots are in host memory (none on CPU)."""
+        import psutil
+
+        if self.device.type != "cuda":
+            return 0
+
         budget = min(control_all_gather(int(torch.cuda.mem_get_info(self.device)[0] * GPU_STATE_SHARE)))
-        per_row = 1 if self.state_in_place else 2
-        rows, snaps = self.num_rows, self.num_snapshots
-        while (per_row * rows + snaps) * per_slot > budget and (rows > 1 or snaps > 1):
-            if rows >= snaps and rows > 1:
-                rows -= 1
-            else:
-                snaps -= 1
-        if (rows, snaps) != (self.num_rows, self.num_snapshots):
-            log.warning("per-sequence state of %.0f MiB: %d running requests and %d snapshots fit in %.1f GiB "
-                        "(set --max-num-seqs and --state-snapshots to choose)", per_slot / 2**20, rows, snaps,
-                        budget / 2**30)
+        host = min(control_all_gather(int(psutil.virtual_memory().available * HOST_STATE_SHARE / self.tp)))
+        rows = max(1, min(self.num_rows, budget // (per_row * per_slot)))
+        snaps = rows if self.config.state_snapshots is None else self.num_snapshots
+        on_device = max(0, min(snaps, (budget - per_row * rows * per_slot) // per_slot))
+        snaps = on_device + min(snaps - on_device, host // per_slot)
+        if (rows, snaps) != (self.num_rows, self.num_snapshots) or snaps > on_device:
+            log.warning("per-sequence state of %.0f MiB: %d running requests, %d snapshots on the GPU and %d in host "
+                        "memory (--max-num-seqs and --state-snapshots choose)", per_slot / 2**20, rows, on_device,
+                        snaps - on_device)
             self.num_rows, self.num_snapshots, self.max_num_seqs = rows, snaps, min(self.max_num_seqs, rows)
-        return per_row * rows + snaps
+        return snaps - on_device
 
     def _auto_num_pages(self, page_bytes: int) -> int:
         if self.config.kv_cache_gb is not None:
