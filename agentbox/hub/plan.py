@@ -247,7 +247,7 @@ def _candidate(
         lean = (profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * context + profile.live_state_bytes()) * sessions
         if not cand.fits and lean < kv and (held := _best_tp(profile, probe, variant, weights, lean, config)).fits:
             cand = held  # the runner keeps snapshots in host memory when the card has no room for them
-            notes.append(f"state snapshots in host memory ({_gb((kv - lean))}): the card has room for the "
+            notes.append(f"state snapshots in host memory ({_gb(kv - lean)}): the card has room for the "
                          "running sessions' state only")
     if not cand.fits:
         where = f"per GPU at tp={cand.tp}" if device == "cuda" else "of RAM"
