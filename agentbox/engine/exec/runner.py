@@ -170,16 +170,22 @@ class ModelRunner:
 
     def _fit_state_slots(self, per_row: int, per_slot: int) -> int:
         """On a small card: running requests cut until their state takes at most GPU_STATE_SHARE of the smallest
-        rank's free memory (a Gemma 4 31B ring is 812 MiB; the default 32 rows would want 26 GiB), snapshots
-        (one per running request unless set) on the device while they fit there, the rest in host memory (at most
+        rank's free memory and leaves the KV pool the plan's context (PLAN_CONTEXT x PLAN_SESSIONS, or
+        --kv-cache-gb); a Gemma 4 31B ring is 812 MiB, the default 32 rows would want 26 GiB. Snapshots (one per
+        running request unless set) stay on the device while they fit there, the rest go to host memory (at most
         HOST_STATE_SHARE of what is available): a copy there at a turn's end and back at its next turn. Returns
         how many snapshots are in host memory (none on CPU)."""
         import psutil
 
         if self.device.type != "cuda":
             return 0
-
-        budget = min(control_all_gather(int(torch.cuda.mem_get_info(self.device)[0] * GPU_STATE_SHARE)))
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if self.config.kv_cache_gb is not None:
+            kv = int(self.config.kv_cache_gb * 2**30)
+        else:
+            tokens = min(self.config.max_model_len or self.loaded.max_model_len, PLAN_CONTEXT) * PLAN_SESSIONS
+            kv = int(tokens * KVCache.bytes_per_page(self.loaded.kv_specs, 1, self.dtype) / GPU_KV_SHARE)
+        budget = min(control_all_gather(int(min(free * GPU_STATE_SHARE, free - kv))))
         host = min(control_all_gather(int(psutil.virtual_memory().available * HOST_STATE_SHARE / self.tp)))
         rows = max(1, min(self.num_rows, budget // (per_row * per_slot)))
         snaps = rows if self.config.state_snapshots is None else self.num_snapshots
