@@ -23,10 +23,11 @@ for some request (page-aligned, as pages are); the first session to reach a dive
 once, later ones do not. It does not cover a prefix only ever sent once (no request found it in the tree).
 
 Slots: [0, rows) live state of running sequences, [rows, 2 rows) their page-aligned copies, then the
-snapshots. Sliding-window rings (layers/window_kv.py) keep a page of slack and are their own page-aligned
-copies (`in_place`): [0, rows) live rings, then the snapshots. A full store drops the least recently used session's snapshot (idle sessions before the ones
-that just ran), shared-prefix snapshots first; the session then recomputes its history once, never resumes
-from a wrong position.
+snapshots (on a small card the last of them in host memory, layers/recurrent_state.py). Sliding-window rings
+(layers/window_kv.py) keep a page of slack and are their own page-aligned copies (`in_place`): [0, rows) live
+rings, then the snapshots. A full store drops the least recently used session's snapshot (idle sessions
+before the ones that just ran), shared-prefix snapshots first; the session then recomputes its history once,
+never resumes from a wrong position.
 """
 
 from __future__ import annotations

@@ -145,8 +145,8 @@ class ModelRunner:
 
     def _state_cache(self) -> StateCache | None:
         """Hybrid models (and Gemma 4's sliding-window rings): each running sequence's state lives in the slot
-        of its page-table row, its state at its last page boundary in the slot `num_rows` further, then the
-        sessions' snapshots."""
+        of its page-table row, its state at its last page boundary in the slot `num_rows` further (not for
+        rings: the live ring is that too), then the sessions' snapshots."""
         specs_of = getattr(self.loaded.model, "state_specs", None)
         if specs_of is None:
             return None
@@ -294,7 +294,7 @@ class ModelRunner:
                 hidden = self.cpu_decode.run(step.input_ids.to(dev), step.positions.to(dev))
             else:
                 hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
-        if state is not None and not self.state_in_place:  # each sequence ending on a page boundary: its state kept aside
+        if state is not None and not self.state_in_place:  # sequences ending on a page boundary: state kept aside
             ended = [row for row, kv in zip(state.slots, step.kv_lens, strict=True) if kv % self.page_size == 0]
             if ended:
                 self.state_cache.copy(ended, [row + self.num_rows for row in ended])
