@@ -70,3 +70,20 @@ def test_w4k_reads_q4_k_scales_exactly(m: int, dtype: torch.dtype) -> None:
     dev = [t.to(DEVICE) for t in (x, layer.qweight_t, layer.sc_t, layer.mn_t, layer.dd_t)]
     tol = 1e-4 if dtype is torch.float32 else 2e-2
     torch.testing.assert_close(w4k_matmul(*dev).cpu().float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@torch.inference_mode()
+def test_w4k_bf16_at_a_real_shape() -> None:
+    """bf16 (the interpreter's bf16 tl.dot is wrong, so CUDA only) at Gemma 4 31B's hidden size, decode and a
+    prefill chunk, against the twin's fp32 products."""
+    k, n = 5376, 4096
+    qweight = pack_rows_int32(torch.randint(0, 16, (k, n), dtype=torch.uint8)).cuda()
+    sc, mn = (torch.randint(0, 64, (k // 32, n), dtype=torch.uint8, device="cuda") for _ in range(2))
+    dd = (torch.rand(k // 256, n, 2, device="cuda") * 1e-3).half()
+    for m in (1, 64):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = w4k_matmul_ref(x.float(), qweight, sc, mn, dd)
+        got = w4k_matmul(x, qweight, sc, mn, dd).float()
+        torch.testing.assert_close(got, ref, atol=0.05 * float(ref.abs().max()), rtol=2e-2)
