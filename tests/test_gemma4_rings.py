@@ -101,19 +101,3 @@ def test_small_card_keeps_snapshots_in_host_memory(tmp_path: Path, monkeypatch: 
         outs = [llm.generate([p], SP, session_ids=[f"agent{i}"])[0] for i, p in enumerate(prompts)]
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]  # transformers on the CPU
     assert [o.num_cached_tokens for o in outs] == [0, 0, 96]
-
-
-def test_a_small_store_keeps_each_sessions_last_turn() -> None:
-    """Two snapshot slots, two sessions taking turns: a prompt's snapshot takes a free slot or another
-    prompt's, never a turn's, so each session keeps its last turn's (with a plain LRU each turn's prompt
-    snapshot and turn snapshot dropped the other session's both)."""
-    from agentbox.engine.cache.state_snapshots import SnapshotPoint, SnapshotStore
-
-    store = SnapshotStore(num_rows=1, num_snapshots=2, slot_bytes=100, in_place=True)
-    history = {"a": [1] * 32, "b": [2] * 32}
-    for turn in range(3):
-        for name, tokens in history.items():
-            store.save(name, SnapshotPoint.PROMPT, tokens + [turn] * 16)
-            history[name] = tokens + [turn] * 32
-            store.save(name, SnapshotPoint.TURN, history[name])
-    assert all(store.find(n, t, len(t)).num_tokens == len(t) for n, t in history.items())  # type: ignore[union-attr]

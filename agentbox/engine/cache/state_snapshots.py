@@ -149,7 +149,9 @@ class SnapshotStore:
             slot = old.slot
         elif self._free:
             slot = self._free.pop()
-        elif (key := self._victim(point)) is not None:
+        elif self._by_key:
+            # a shared prefix's snapshot goes before any session's: a session's is what its lease protects
+            key = next((k for k in self._by_key if k[1] is SnapshotPoint.SHARED), next(iter(self._by_key)))
             slot = self._by_key.pop(key).slot
             self.dropped += 1
         else:
@@ -157,14 +159,6 @@ class SnapshotStore:
         self._by_key[(session, point)] = Snapshot(slot, len(tokens), _digest(tokens))
         self.saved += 1
         return slot
-
-    def _victim(self, point: SnapshotPoint) -> tuple[str, SnapshotPoint] | None:
-        """The least recently used snapshot a full store gives up for one at `point`: shared prefixes first, then
-        prompts' (a fallback), then turns' (what a session's lease protects), and only a turn's snapshot takes
-        another turn's: in a small store (a Gemma 4 31B ring is 812 MiB) two alternating sessions would
-        otherwise drop each other's every turn; this way each keeps its last turn."""
-        order = [SnapshotPoint.SHARED, SnapshotPoint.PROMPT, *([SnapshotPoint.TURN] if point is SnapshotPoint.TURN else [])]
-        return next((k for p in order for k in self._by_key if k[1] is p), None)
 
     def drop(self, session: str) -> None:
         for p in _OWN:
