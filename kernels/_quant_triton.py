@@ -43,6 +43,7 @@ class WeightFormat(IntEnum):
     FP8 = 2  # e4m3 bytes, decoded in arithmetic; one scale per (N_GROUP x K_GROUP) block
     FP8_NATIVE = 3  # e4m3 bytes bitcast to Triton's fp8e4nv (sm_89+)
     MXFP4 = 4  # bytes of two FP4 E2M1 codes along K (low nibble first); a power-of-two scale per 32
+    INT4_K = 5  # INT4's codes; Q4_K's 6-bit scale and min per 32 rows (uint8), fp16 d and dmin per 256 (`h`)
 
 
 def check_runnable(*tensors: torch.Tensor) -> None:
@@ -69,6 +70,7 @@ if HAS_TRITON:
     _INT4: tl.constexpr = tl.constexpr(WeightFormat.INT4.value)
     _FP8: tl.constexpr = tl.constexpr(WeightFormat.FP8.value)
     _FP8_NATIVE: tl.constexpr = tl.constexpr(WeightFormat.FP8_NATIVE.value)
+    _INT4_K: tl.constexpr = tl.constexpr(WeightFormat.INT4_K.value)
 
     @triton.jit
     def e4m3_to_f32(b):
@@ -143,6 +145,21 @@ if HAS_TRITON:
         return w
 
 
+    @triton.jit
+    def load_int4k_tile(q_ptr, d_ptr, sc_ptr, mn_ptr, k0, rk, rn, kmask, nmask, sqk, sqn, sdk, sdn, ssk, ssn):
+        """W^T[rk, rn] in fp32 from Q4_K's own scales (kernels/dequant.py dequant_int4k): a 6-bit scale and min
+        per 32 rows times d and dmin per 256, multiplied here as gguf does, so the weights are exactly gguf's.
+        BLOCK_K 32: a tile is inside one group of 32 and so inside one block of 256."""
+        mask = kmask[:, None] & nmask[None, :]
+        words = tl.load(q_ptr + (rk // 8)[:, None] * sqk + rn[None, :] * sqn, mask=mask, other=0)
+        q = (words >> ((rk % 8) * 4)[:, None]) & 0xF
+        sc = tl.load(sc_ptr + (k0 // 32) * ssk + rn * ssn, mask=nmask, other=0).to(tl.float32)
+        mn = tl.load(mn_ptr + (k0 // 32) * ssk + rn * ssn, mask=nmask, other=0).to(tl.float32)
+        d = tl.load(d_ptr + (k0 // 256) * sdk + rn * sdn, mask=nmask, other=0.0).to(tl.float32)
+        dmin = tl.load(d_ptr + (k0 // 256) * sdk + rn * sdn + 1, mask=nmask, other=0.0).to(tl.float32)
+        return q.to(tl.float32) * (d * sc)[None, :] - (dmin * mn)[None, :]
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -167,6 +184,9 @@ if HAS_TRITON:
             if BITS > 4:
                 w = load_bits_tile(w_ptr, h_ptr, s_ptr, o_ptr, k0, rk, rn, kmask, rn < N,
                                    swk, swn, shk, shn, ssk, ssn, sok, son, K_GROUP, BITS, HAS_OFFSET)
+            elif FORMAT == _INT4_K:
+                w = load_int4k_tile(w_ptr, h_ptr, s_ptr, o_ptr, k0, rk, rn, kmask, rn < N,
+                                    swk, swn, shk, shn, ssk, ssn)
             else:
                 w = load_weight_tile(w_ptr, s_ptr, o_ptr, k0, rk, rn, kmask, rn < N,
                                      swk, swn, ssk, ssn, sok, son, K_GROUP, N_GROUP, FORMAT)

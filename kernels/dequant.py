@@ -4,6 +4,9 @@ Plain torch (no Triton), so layers can import the definitions without decorating
 flag is read at decoration). Each function takes any leading dims (experts) and returns fp32:
 - int4, canonical (layers/quant/int4.py, transposed for the kernels): `qweight` int32 [..., K/8, N], row k
   of K at bits 4 * (k % 8); `scale`, `offset` [..., K/group, N]; w[k, n] = q * scale + offset. -> [..., K, N]
+- int4 with Q4_K's two-level scales (GGUF Q4_K at its file's bytes): `qweight` as int4's; `sc`, `mn` uint8
+  [..., K/32, N] (6-bit scale and min per 32 rows), `dd` fp16 [..., K/256, N, 2] (d and dmin per 256 rows):
+  w = q * (d * sc) - dmin * mn, in fp32 as gguf computes it. -> [..., K, N]
 - FP8 block: `weight` e4m3 [..., N, K], `scale_inv` [..., ceil(N/bo), ceil(K/bi)] float32. -> [..., N, K]
 - MXFP4 (OCP microscaling, gpt-oss): `blocks` uint8 [..., N, K/32, 16] (two FP4 E2M1 codes a byte, low
   nibble first), `scales` uint8 [..., N, K/32] (a power-of-two exponent biased by 127). -> [..., N, K]
@@ -27,6 +30,11 @@ def dequant_int4(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tenso
     q = (qweight.unsqueeze(-2) >> shifts.view(8, 1)) & 0xF  # [..., K/8, 8, N]
     q = q.flatten(-3, -2).float()
     return q * scale.float().repeat_interleave(group, -2) + offset.float().repeat_interleave(group, -2)
+
+
+def dequant_int4k(qweight: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, dd: torch.Tensor) -> torch.Tensor:
+    d, dmin = (dd[..., i].float().repeat_interleave(8, -2) for i in range(2))  # per 256 rows -> per 32
+    return dequant_int4(qweight, d * sc.float(), -(dmin * mn.float()), 32)
 
 
 def dequant_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -75,6 +75,7 @@ run timeout 70 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernels
 run timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/quant_kernels/test_kernels_fused_moe_quant.py \
     tests/quant_kernels/test_kernels_fused_moe_bits.py \
     tests/quant_kernels/test_kernels_w4a16.py::test_w4a16_matches_its_twin \
+    tests/quant_kernels/test_kernels_w4a16.py::test_w4k_reads_q4_k_scales_exactly \
     tests/quant_kernels/test_kernels_wbits.py::test_wbits_matches_its_twin \
     tests/quant_kernels/test_kernels_w8a16.py::test_w8a16_matches_its_twin tests/quant_kernels/test_kernels_w8a8.py
 

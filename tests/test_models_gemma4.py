@@ -58,7 +58,7 @@ def test_pool_holds_global_layers_rings_hold_sliding(tiny) -> None:  # noqa: ANN
     window's 8 positions x 2 KV heads x 16 per sequence, outside the pool."""
     kind, _, _, ours = tiny
     assert ours.num_layers == 2 and ours.kv_specs == [KVLayerSpec(1 if kind == "dense" else 2, 32)] * 2
-    assert ours.model.state_specs() == [WindowKVSpec(2, 16, WINDOW)] * 2
+    assert ours.model.state_specs() == [WindowKVSpec(2, 16, WINDOW)] * 2  # the runner adds a page of slack
 
 
 def test_towers_skipped_and_named(tmp_path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
@@ -103,8 +103,6 @@ def test_session_turns_past_window_reuse_and_pool_bytes(tiny) -> None:  # noqa: 
 def test_tp2_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001
     """Two gloo ranks: sliding layers split their 2 KV heads, global ones replicate their 1 KV head (dense)."""
     kind, path, hf, _ = tiny
-    if kind != "dense":
-        pytest.skip("one tp 2 run covers the split (the MoE split is tested by the other MoE models)")
     config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_pages=64, page_size=4,
                           tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=16)
     with LLM(config) as llm:  # 30 tokens in 16-token chunks, then decodes past the window

@@ -75,11 +75,14 @@ class EngineCore:
         self.pool = PagePool(self.runner.num_pages, config.page_size)
         # Pages alone cannot resume a recurrent-state model: its disk tier waits for persisted snapshots.
         self.cache = kv_manager(config, self.pool, self.runner.kv_cache, disk=self.runner.state_cache is None)
-        self.scheduler = Scheduler(config, self.cache, self.runner.max_model_len)
+        # The runner may run fewer requests than asked where per-sequence state is large (a small card).
+        self.scheduler = Scheduler(replace(config, max_num_seqs=self.runner.max_num_seqs), self.cache,
+                                   self.runner.max_model_len)
         self.scheduler.recurrent_state = self.runner.state_cache is not None
         if self.runner.state_cache is not None and self.runner.num_snapshots > 0:
             self.scheduler.snapshots = SnapshotStore(
-                self.runner.num_rows, self.runner.num_snapshots, self.runner.state_cache.slot_bytes()
+                self.runner.num_rows, self.runner.num_snapshots, self.runner.state_cache.slot_bytes(),
+                self.runner.state_in_place,
             )
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
         self.drafter = self._drafter(config)

@@ -244,6 +244,11 @@ def _candidate(
         )
     else:
         cand = _best_tp(profile, probe, variant, weights, kv, config)
+        lean = (profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * context + profile.live_state_bytes()) * sessions
+        if not cand.fits and lean < kv and (held := _best_tp(profile, probe, variant, weights, lean, config)).fits:
+            cand = held  # the runner keeps snapshots in host memory when the card has no room for them
+            notes.append(f"state snapshots in host memory ({_gb(kv - lean)}): the card has room for the "
+                         "running sessions' state only")
     if not cand.fits:
         where = f"per GPU at tp={cand.tp}" if device == "cuda" else "of RAM"
         what = "free" if device == "cuda" else "in all"
@@ -311,7 +316,7 @@ def fitting_context(cand: Candidate, profile: Profile, probe: Probe, sessions: i
     """The longest context (a multiple of 1024 tokens) at which this candidate fits at its tp; 0 if none."""
     per_token = profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * sessions
     room = (cand.available_bytes - cand.reserve_bytes - cand.weights_bytes // cand.tp) * (1 if cand.kv_replicated else cand.tp)
-    room -= profile.state_bytes_per_session() * sessions
+    room -= profile.live_state_bytes() * sessions  # the snapshots in host memory (engine/exec/runner.py)
     return max(0, room // per_token // 1024 * 1024)
 
 

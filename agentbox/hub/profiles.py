@@ -77,6 +77,10 @@ class Profile:
     # fixed recurrent state of `state_bytes` per sequence (conv + fp32 matrices, engine/layers/recurrent_state.py).
     kv_layers_: int | None = None
     state_bytes: int = 0
+    # Slots of `state_bytes` one session holds on the device (see state_bytes_per_session), and of those the
+    # running request's own (live_state_bytes): snapshots go to host memory on a card without room for them.
+    state_slots: int = 4
+    live_state_slots: int = 2
     # Multi-head latent attention (GLM-4.7-Flash, DeepSeek): the cache keeps one latent of kv_lora_rank and one
     # rope key per token and layer, and every tensor-parallel rank keeps all of it (tp splits the heads of the
     # up-projections, not the latent). 0: ordinary K and V heads.
@@ -107,10 +111,17 @@ class Profile:
         return 2 * layers * self.kv_heads * self.head_dim * dtype_bytes
 
     def state_bytes_per_session(self) -> int:
-        """A hybrid model's recurrent state a session holds: while it runs, its live state and its copy at the
-        last page boundary; between turns, its two snapshots (end of prompt, end of turn; engine/cache/
-        state_snapshots.py). 0 for attention-only models."""
-        return 4 * self.state_bytes
+        """A hybrid model's recurrent state a session holds (state_slots 4): while it runs, its live state and
+        its copy at the last page boundary; between turns, its two snapshots (end of prompt, end of turn;
+        engine/cache/state_snapshots.py). Gemma 4's sliding rings (state_slots 2): the live ring (a page of
+        slack makes it its own page-aligned copy, layers/window_kv.py) and one snapshot, what the runner
+        allocates per running request by default. 0 for attention-only models."""
+        return self.state_slots * self.state_bytes
+
+    def live_state_bytes(self) -> int:
+        """The state of a running session alone (hybrids: live and page-aligned copy; rings: the live ring),
+        what stays on a card whose snapshots are in host memory (engine/exec/runner.py _fit_state_slots)."""
+        return self.live_state_slots * self.state_bytes
 
 
 def profile_dirs() -> list[Path]:
@@ -183,6 +194,8 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         expert_params=int(data.get("expert_params", 0)),
         kv_layers_=int(data["kv_layers"]) if "kv_layers" in data else None,
         state_bytes=int(data.get("state_bytes", 0)),
+        state_slots=int(data.get("state_slots", 4)),
+        live_state_slots=int(data.get("live_state_slots", 2)),
         kv_lora_rank=int(data.get("kv_lora_rank", 0)),
         qk_rope_head_dim=int(data.get("qk_rope_head_dim", 0)),
     )

@@ -42,8 +42,9 @@ def render_plan(p: Plan, width: int | None = None) -> Group:
     lines += _wrapped(
         f"context {p.context:,} tokens x {p.sessions} session(s); KV {kv_tok / 1024:.0f} KiB/token = "
         + _kv_formula(prof, 2 if p.probe.gpus else 4)
-        + (f"; recurrent state {prof.state_bytes_per_session() / 2**20:.0f} MiB per session (live, page-aligned "
-           f"copy, 2 snapshots)" if prof.state_bytes else ""), width, 0)
+        + (f"; recurrent state {prof.state_bytes_per_session() / 2**20:.0f} MiB per session ("
+           + ("live, page-aligned copy, 2 snapshots)" if prof.state_slots == 4 else "live ring, 1 snapshot)")
+           if prof.state_bytes else ""), width, 0)
     chosen = p.chosen
     name_w = max((len(c.variant.name) for c in p.candidates), default=4)
     for c in p.candidates:

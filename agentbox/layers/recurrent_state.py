@@ -77,9 +77,13 @@ class LinearStateSpec:
 
 class StateCache:
     """Every state layer's tensors for every slot. `layers[i]` are layer i's tensors (a linear layer's conv and
-    matrix, `conv[i]` and `matrix[i]`; a sliding-window layer's key and value rings, layers/window_kv.py)."""
+    matrix, `conv[i]` and `matrix[i]`; a sliding-window layer's key and value rings, layers/window_kv.py).
 
-    def __init__(self, specs: list[StateSpec], num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    `held_slots` more slots (numbered from num_slots on) may live in host memory: snapshots that do not fit on
+    a small card (a Gemma 4 31B ring is 812 MiB). Only `copy` reaches them; the layers read device slots."""
+
+    def __init__(self, specs: list[StateSpec], num_slots: int, dtype: torch.dtype, device: torch.device | str,
+                 held_slots: int = 0) -> None:
         self.specs = specs
         self.num_slots = num_slots
         self.layers = [s.allocate(num_slots, dtype, device) for s in specs]
@@ -87,6 +91,10 @@ class StateCache:
         self.matrix = [t[1] for t in self.layers]
         # (layer, slot) -> a pending verify's per-position inputs, until the next step's `commit`
         self.stash: dict[tuple[int, int], tuple] = {}
+        pin = torch.device(device).type == "cuda"  # pinned: copies to and from the card run on its stream
+        self.held = [tuple(t.pin_memory() if pin else t for t in s.allocate(held_slots, dtype, "cpu"))
+                     for s in specs] if held_slots else []
+        self.held_slots = held_slots
 
     @staticmethod
     def bytes_per_slot(specs: list[StateSpec], dtype: torch.dtype) -> int:
@@ -100,23 +108,28 @@ class StateCache:
         """State of slot src[i] into slot dst[i], every layer, in order: a later copy may read what an
         earlier one wrote (a snapshot saved, then a request seeded from it), so they are never batched."""
         for s, d in zip(src, dst, strict=True):
-            for tensors in self.layers:
-                for t in tensors:
-                    t[d] = t[s]
+            (src_layers, s), (dst_layers, d) = self._where(s), self._where(d)
+            for src_tensors, dst_tensors in zip(src_layers, dst_layers, strict=True):
+                for a, b in zip(src_tensors, dst_tensors, strict=True):
+                    b[d].copy_(a[s], non_blocking=True)  # stream-ordered; the host never reads held slots
 
+    def _where(self, slot: int) -> tuple[list[tuple[torch.Tensor, ...]], int]:
+        return (self.layers, slot) if slot < self.num_slots else (self.held, slot - self.num_slots)
 
-    def commit(self, commits: list[tuple[int, int, int]], aligned_offset: int) -> None:
+    def commit(self, commits: list[tuple[int, int, int]], aligned_offset: int | None) -> None:
         """Each (slot, kept, aligned) of the last step's verifies: its first `kept` positions into the slot; when
         `aligned` > 0 the state after that many of them (a page boundary) is first copied to the slot's
-        page-aligned copy, `aligned_offset` further. kept = 0 drops the stash (the sequence has ended)."""
+        page-aligned copy, `aligned_offset` further (None: the slot is its own page-aligned copy, a ring with a
+        page of slack). kept = 0 drops the stash (the sequence has ended)."""
         for slot, kept, aligned in commits:
+            aligned = 0 if aligned_offset is None else aligned
             parts = [(0, aligned), (aligned, kept)] if 0 < aligned < kept else [(0, kept)]
             for lo, hi in parts:
                 for i, spec in enumerate(self.specs):
                     if hi > lo:
                         spec.commit(self.layers[i], slot, self.stash[i, slot], lo, hi)
                 if aligned and hi == aligned:
-                    self.copy([slot], [slot + aligned_offset])
+                    self.copy([slot], [slot + (aligned_offset or 0)])
             for i in range(len(self.specs)):
                 self.stash.pop((i, slot), None)
 

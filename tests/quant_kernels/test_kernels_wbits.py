@@ -80,8 +80,9 @@ def test_a_gguf_layer_runs_the_kernels(types: tuple[Q, Q]) -> None:
     layer.bias.data.copy_(torch.randn(96))
     dense = torch.cat([b.dequantize() for b in blocks])
     process_weights_after_loading(layer)
-    if types[0] is Q.Q4_K:
+    if types[0] is Q.Q4_K:  # the Q4_K run at the file's bytes (w4k), the Q6_K run in the k-bit form
         assert layer.quant_method.kernel is None and len(layer.segments) == 2
+        assert layer.segments[0].int4_kernel is int4.Int4Kernel.TRITON_K
     else:
         assert layer.quant_method.kernel is bits.BitsKernel.TRITON
         assert (layer.offset_t is None) == all(t in (Q.Q5_0, Q.Q8_0, Q.Q6_K) for t in types)
@@ -148,6 +149,9 @@ ptrs = dict(x_ptr="*bf16", w_ptr="*i32", h_ptr="*i32", s_ptr="*bf16", o_ptr="*bf
 for bits, has_offset, group in ((5, True, 32), (6, False, 16), (8, False, 32)):
     consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=group, FORMAT=1, BITS=bits, HAS_OFFSET=has_offset)
     print(f"wbits {bits}-bit sm_80: {compile_for(dequant_gemm_kernel, ptrs, consts, 80)} B of cubin")
+q4k = dict(ptrs, h_ptr="*fp16", s_ptr="*u8", o_ptr="*u8")  # w4k: Q4_K's own scales (FORMAT 5, INT4_K)
+consts = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, FORMAT=5, BITS=0, HAS_OFFSET=True)
+print(f"w4k sm_80: {compile_for(dequant_gemm_kernel, q4k, consts, 80)} B of cubin")
 """
 
 
@@ -162,7 +166,7 @@ def test_wbits_compiles_to_cubin_without_a_gpu() -> None:
     done = subprocess.run([sys.executable, "-c", WBITS_CUBIN, str(Path(__file__).parent)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("B of cubin") == 3, done.stdout
+    assert done.stdout.count("B of cubin") == 4, done.stdout
 
 
 @pytest.mark.gpu

@@ -23,9 +23,11 @@ for some request (page-aligned, as pages are); the first session to reach a dive
 once, later ones do not. It does not cover a prefix only ever sent once (no request found it in the tree).
 
 Slots: [0, rows) live state of running sequences, [rows, 2 rows) their page-aligned copies, then the
-snapshots. A full store drops the least recently used session's snapshot (idle sessions before the ones
-that just ran), shared-prefix snapshots first; the session then recomputes its history once, never resumes
-from a wrong position.
+snapshots (on a small card the last of them in host memory, layers/recurrent_state.py). Sliding-window rings
+(layers/window_kv.py) keep a page of slack and are their own page-aligned copies (`in_place`): [0, rows) live
+rings, then the snapshots. A full store drops the least recently used session's snapshot (idle sessions
+before the ones that just ran), shared-prefix snapshots first; the session then recomputes its history once,
+never resumes from a wrong position.
 """
 
 from __future__ import annotations
@@ -82,11 +84,13 @@ def _longest(found: list[Snapshot], tokens: Sequence[int], limit: int) -> Snapsh
 
 
 class SnapshotStore:
-    def __init__(self, num_rows: int, num_snapshots: int, slot_bytes: int = 0) -> None:
+    def __init__(self, num_rows: int, num_snapshots: int, slot_bytes: int = 0, in_place: bool = False) -> None:
         self.num_rows = num_rows
         self.capacity = num_snapshots
         self.slot_bytes = slot_bytes  # one slot of the state cache (StateCache.slot_bytes)
-        self._free = list(range(2 * num_rows + num_snapshots - 1, 2 * num_rows - 1, -1))
+        self.in_place = in_place
+        first = self.num_slots(num_rows, 0, in_place)
+        self._free = list(range(first + num_snapshots - 1, first - 1, -1))
         # (session id, TURN | PROMPT) or (the prefix's digest in hex, SHARED); least recently used first
         self._by_key: OrderedDict[tuple[str, SnapshotPoint], Snapshot] = OrderedDict()
         self.hits = 0
@@ -94,11 +98,11 @@ class SnapshotStore:
         self.dropped = 0
 
     @staticmethod
-    def num_slots(num_rows: int, num_snapshots: int) -> int:
-        return 2 * num_rows + num_snapshots
+    def num_slots(num_rows: int, num_snapshots: int, in_place: bool = False) -> int:
+        return (1 if in_place else 2) * num_rows + num_snapshots
 
     def aligned_slot(self, row: int) -> int:
-        return self.num_rows + row
+        return row if self.in_place else self.num_rows + row
 
     def __len__(self) -> int:
         return len(self._by_key)

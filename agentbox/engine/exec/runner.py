@@ -25,6 +25,7 @@ from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import forward_context
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.layers.recurrent_state import StateCache, StateStep
+from agentbox.layers.window_kv import page_slack
 from agentbox.models.loader import LoadedModel, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 
@@ -37,6 +38,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Share of free GPU memory the KV pool takes when no size is given: most of it (weights are already loaded).
 # On CPU the pool holds what the plan counted (_auto_num_pages).
 GPU_KV_SHARE = 0.85
+# Share of free GPU memory (after the weights) that per-sequence state (hybrid states, Gemma 4's rings) may take
+# before the running requests and snapshots shrink to fit: the KV pool gets most of the rest.
+GPU_STATE_SHARE = 0.5
+HOST_STATE_SHARE = 0.25  # of available RAM: state snapshots that do not fit on the card (_fit_state_slots)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -74,8 +79,13 @@ class ModelRunner:
         self.weight_bytes = resident_weight_bytes(loaded.model)
         self.weight_bytes_per_rank = control_all_gather(self.weight_bytes)
         self.page_size = config.page_size
-        self.num_rows = config.max_num_seqs + 1  # one page-table row per running request, one for LLM.logits
+        # One page-table row per running request, and one for LLM.logits unless a row carries state (a ring of
+        # Gemma 4 31B is 800 MiB: LLM.logits waits for a free row instead).
+        stateful = getattr(loaded.model, "state_specs", None) is not None
+        self.num_rows = config.max_num_seqs + (0 if stateful else 1)
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
+        self.state_in_place = False  # sliding rings: the live slot is its own page-aligned copy (_state_cache)
+        self.max_num_seqs = config.max_num_seqs  # fewer when per-sequence state does not fit (_fit_state_slots)
         self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
         self.verifies = PendingVerifies(self.page_size) if self.state_cache is not None else None
         page_bytes = self._make_pool()
@@ -137,24 +147,58 @@ class ModelRunner:
 
     def _state_cache(self) -> StateCache | None:
         """Hybrid models (and Gemma 4's sliding-window rings): each running sequence's state lives in the slot
-        of its page-table row, its state at its last page boundary in the slot `num_rows` further, then the
-        sessions' snapshots."""
-        specs = getattr(self.loaded.model, "state_specs", None)
-        if specs is None:
+        of its page-table row, its state at its last page boundary in the slot `num_rows` further (not for
+        rings: the live ring is that too), then the sessions' snapshots."""
+        specs_of = getattr(self.loaded.model, "state_specs", None)
+        if specs_of is None:
             return None
-        # Live rows, their page-aligned copies, then the snapshots (the layout engine/cache/state_snapshots.py keeps).
-        slots = 2 * self.num_rows + self.num_snapshots
-        per_slot = StateCache.bytes_per_slot(specs(), self.dtype)
+        rings = page_slack(specs_of(), self.page_size)
+        self.state_in_place = rings is not None
+        specs = rings or specs_of()
+        # Live rows, their page-aligned copies (not for rings), then the snapshots (engine/cache/state_snapshots.py).
+        per_row, per_slot = 1 if self.state_in_place else 2, StateCache.bytes_per_slot(specs, self.dtype)
+        held = self._fit_state_slots(per_row, per_slot)
+        slots = per_row * self.num_rows + self.num_snapshots - held
         if self.device.type == "cuda" and slots * per_slot > torch.cuda.mem_get_info(self.device)[0]:
-            # Gemma 4 31B's sliding rings are 800 MiB a sequence: the default 32 rows want 99 slots.
             raise ValueError(
-                f"per-sequence state takes {per_slot / 2**20:.0f} MiB x {slots} slots (live, page-aligned copy and "
-                f"snapshot per row), more than this GPU has free; lower it, e.g. --max-num-seqs 4 --state-snapshots 4"
+                f"per-sequence state takes {per_slot / 2**20:.0f} MiB x {slots} slots (per running request and "
+                f"snapshot), more than this GPU has free; lower it, e.g. --max-num-seqs 1 --state-snapshots 1"
             )
-        cache = StateCache(specs(), slots, self.dtype, self.device)
-        log.info("per-sequence state: %d layers, %.2f MiB per sequence, %d session snapshots "
-                 "(%.1f MiB in all)", len(cache.specs), per_slot / 2**20, self.num_snapshots, slots * per_slot / 2**20)
+        cache = StateCache(specs, slots, self.dtype, self.device, held)
+        log.info("per-sequence state: %d layers, %.2f MiB per sequence, %d session snapshots (%d in host memory), "
+                 "%.1f MiB on the device", len(cache.specs), per_slot / 2**20, self.num_snapshots, held,
+                 slots * per_slot / 2**20)
         return cache
+
+    def _fit_state_slots(self, per_row: int, per_slot: int) -> int:
+        """On a small card: running requests cut until their state takes at most GPU_STATE_SHARE of the smallest
+        rank's free memory and leaves the KV pool the plan's context (PLAN_CONTEXT x PLAN_SESSIONS, or
+        --kv-cache-gb); a Gemma 4 31B ring is 812 MiB, the default 32 rows would want 26 GiB. Snapshots (one per
+        running request unless set) stay on the device while they fit there, the rest go to host memory (at most
+        HOST_STATE_SHARE of what is available): a copy there at a turn's end and back at its next turn. Returns
+        how many snapshots are in host memory (none on CPU)."""
+        import psutil
+
+        if self.device.type != "cuda":
+            return 0
+        free = torch.cuda.mem_get_info(self.device)[0]
+        if self.config.kv_cache_gb is not None:
+            kv = int(self.config.kv_cache_gb * 2**30)
+        else:
+            tokens = min(self.config.max_model_len or self.loaded.max_model_len, PLAN_CONTEXT) * PLAN_SESSIONS
+            kv = int(tokens * KVCache.bytes_per_page(self.loaded.kv_specs, 1, self.dtype) / GPU_KV_SHARE)
+        budget = min(control_all_gather(int(min(free * GPU_STATE_SHARE, free - kv))))
+        host = min(control_all_gather(int(psutil.virtual_memory().available * HOST_STATE_SHARE / self.tp)))
+        rows = max(1, min(self.num_rows, budget // (per_row * per_slot)))
+        snaps = rows if self.config.state_snapshots is None else self.num_snapshots
+        on_device = max(0, min(snaps, (budget - per_row * rows * per_slot) // per_slot))
+        snaps = on_device + min(snaps - on_device, host // per_slot)
+        if (rows, snaps) != (self.num_rows, self.num_snapshots) or snaps > on_device:
+            log.warning("per-sequence state of %.0f MiB: %d running requests, %d snapshots on the GPU and %d in host "
+                        "memory (--max-num-seqs and --state-snapshots choose)", per_slot / 2**20, rows, on_device,
+                        snaps - on_device)
+            self.num_rows, self.num_snapshots, self.max_num_seqs = rows, snaps, min(self.max_num_seqs, rows)
+        return snaps - on_device
 
     def _auto_num_pages(self, page_bytes: int) -> int:
         if self.config.kv_cache_gb is not None:
@@ -192,8 +236,9 @@ class ModelRunner:
                 if r.state_seed is not None:
                     copies.append((r.state_seed, row))
                     r.state_seed = None
-                if end % ps == 0 and not s.draft:  # execute copies the state at this page boundary (see below)
-                    r.state_aligned_at = end
+                if not s.draft and (self.state_in_place or end % ps == 0):  # a verify's is set at sampling
+                    # rings resume at their last page boundary themselves; others at the copy execute takes there
+                    r.state_aligned_at = end // ps * ps
             ids += r.token_ids[start:end]  # a draft's positions are past the list's end: the slice stops there
             ids += s.draft
             pages = r.pages
@@ -246,7 +291,7 @@ class ModelRunner:
         state = None
         if self.state_cache is not None:
             if step.state_commits.numel():  # the last step's verifies: before a copy reads their slots
-                self.state_cache.commit(step.state_commits.tolist(), self.num_rows)
+                self.state_cache.commit(step.state_commits.tolist(), None if self.state_in_place else self.num_rows)
             if step.state_copies.numel():
                 self.state_cache.copy(step.state_copies[:, 0].tolist(), step.state_copies[:, 1].tolist())
             state = StateStep.of(self.state_cache, step.table_rows.tolist(), step.query_lens, step.kv_lens,
@@ -256,7 +301,7 @@ class ModelRunner:
                 hidden = self.cpu_decode.run(step.input_ids.to(dev), step.positions.to(dev))
             else:
                 hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
-        if state is not None:  # every sequence that ended on a page boundary: its state there, kept aside
+        if state is not None and not self.state_in_place:  # sequences ending on a page boundary: state kept aside
             ended = [row for row, kv, verify in zip(state.slots, step.kv_lens, state.pending, strict=True)
                      if kv % self.page_size == 0 and not verify]  # a verify's copy is taken at its commit
             if ended:

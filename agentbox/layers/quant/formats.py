@@ -99,6 +99,10 @@ GGUF_TYPE_BYTES: dict[str, tuple[float, float]] = {
     "q6_k": (210 / 256, 6 / 8 + 2 / 16),
     "q8_0": (34 / 32, 1 + 2 / 32),
 }
+# Dense linears of a GGUF type held in a form of their own on GPU: Q4_K keeps its 6-bit scale and min per 32 and
+# fp16 d and dmin per 256 (int4.install_k, kernels/w4a16.py w4k_matmul). MoE experts and vocabulary tables keep
+# GGUF_TYPE_BYTES' form (the tables are planned at the linears' ratio all the same).
+GGUF_LINEAR_GPU_BYTES: dict[str, float] = {"q4_k": 0.5 + 2 / 32 + 4 / 256}
 # On CPU, where kernels/cpu_gemv builds: the 4-bit kernel's tiles (Q4_0 / Q4_1 keep their fp16 scale and
 # offset, Q4_K's products of two scales need fp32) and kernels/cpu_bits' rows (fp16 scales for Q5_0 / Q5_1 /
 # Q8_0: the file's bytes; an fp32 per 256 times int8 sub-scales for Q5_K 5.75 bits, Q6_K 6.625).
@@ -134,7 +138,7 @@ def gguf_resident_ratio(mix: str, device: str = "cuda") -> float:
     shares = GGUF_MIXES[mix]
     file = sum(s * GGUF_TYPE_BYTES[t][0] for t, s in shares)
     if device == "cuda":
-        return sum(s * GGUF_TYPE_BYTES[t][1] for t, s in shares) / file
+        return sum(s * GGUF_LINEAR_GPU_BYTES.get(t, GGUF_TYPE_BYTES[t][1]) for t, s in shares) / file
     return sum(s * GGUF_CPU_BYTES[t] for t, s in shares) / file
 
 

@@ -97,6 +97,24 @@ def int4_groups(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     )
 
 
+def q4k_scales(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K tensor in its own terms: (codes [N, K] uint8, 6-bit scales and mins [N, K/32] uint8, d and dmin
+    [N, K/256, 2] fp16), what int4.install_k keeps (w = q * d * sc - dmin * mn; int4_groups multiplies them)."""
+    n, k = b.shape
+    bs, ts = b.block
+    raw = np.ascontiguousarray(b.data).reshape(n, k // bs, ts)
+    sc, mn = gguf.quants.Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12))
+    qs = raw[..., 16:].reshape(n, k // bs, 4, 32)  # as int4_groups reads them
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3)
+    dd = raw[..., 0:4].copy().view(np.float16).reshape(n, k // bs, 2)
+    return (
+        torch.from_numpy(np.ascontiguousarray(q).reshape(n, k).astype(np.uint8)),
+        torch.from_numpy(np.ascontiguousarray(sc, dtype=np.uint8).reshape(n, k // 32)),
+        torch.from_numpy(np.ascontiguousarray(mn, dtype=np.uint8).reshape(n, k // 32)),
+        torch.from_numpy(np.ascontiguousarray(dd)),
+    )
+
+
 BITS_OF = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.Q5_K: 5, Q.Q6_K: 6}  # the k-bit form's width of each type
 BITS_TYPES = frozenset(BITS_OF)
 
@@ -284,6 +302,12 @@ def _install(
     device: torch.device,
 ) -> int4.Int4Kernel | bits.BitsKernel:
     """Hold `parts` (stacked rows) on `module` in `form`; returns the kernel that runs them."""
+    if form is _Form.INT4 and int4_kernel is int4.Int4Kernel.TRITON and all(
+        p.qtype is Q.Q4_K for p in parts  # type: ignore[union-attr]
+    ):  # Q4_K at its file's bytes: its own scales, not a bf16 scale and offset per 32 (11 % more)
+        q, sc, mn, dd = (torch.cat(t) for t in zip(*(q4k_scales(p) for p in parts), strict=True))  # type: ignore[arg-type]
+        int4.install_k(module, q, sc, mn, dd, device)
+        return module.int4_kernel
     if form is _Form.INT4:
         groups = [int4_groups(p) for p in parts]  # type: ignore[arg-type]
         q, scale, offset = (torch.cat([g[i] for g in groups]) for i in range(3))

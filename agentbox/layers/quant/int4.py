@@ -26,6 +26,7 @@ class Int4Kernel(Enum):
     DENSE = "dense"  # dequantised once at load to the compute dtype
     INT4_CPU = "int4-cpu"  # torch's tinygemm CPU kernel: packed nibbles + bf16 scale/zero per group
     TRITON = "triton"  # kernels/w4a16.py: codes packed along K in int32, scale/offset in the compute dtype
+    TRITON_K = "triton-k"  # kernels/w4a16.py w4k_matmul: the same codes under GGUF Q4_K's own two-level scales
     CPU_SIMD = "cpu-simd"  # kernels/cpu_gemv.c: 16 bytes of nibbles + a scale and offset per 32 columns, rows tiled by 4
 
 
@@ -147,6 +148,22 @@ def install(
     layer.int4_kernel = kernel
 
 
+def install_k(
+    layer: torch.nn.Module, q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, dd: torch.Tensor, device: torch.device
+) -> None:
+    """GGUF Q4_K at its file's bytes for the Triton kernel: q [N, K] codes, sc / mn [N, K/32] its 6-bit scales and
+    mins, dd [N, K/256, 2] fp16 its d and dmin (w = q * d * sc - dmin * mn)."""
+    from agentbox.layers.quant.base import Sharding, quant_param
+
+    none = Sharding(None, None)
+    layer.int4_group = 32
+    layer.qweight_t = quant_param(pack_rows_int32(q.t().contiguous()).to(device), none)
+    layer.sc_t = quant_param(sc.t().contiguous().to(device), none)
+    layer.mn_t = quant_param(mn.t().contiguous().to(device), none)
+    layer.dd_t = quant_param(dd.transpose(0, 1).contiguous().to(device), none)
+    layer.int4_kernel = Int4Kernel.TRITON_K
+
+
 def apply(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     kernel: Int4Kernel = layer.int4_kernel
     if kernel is Int4Kernel.DENSE:
@@ -164,6 +181,12 @@ def apply(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) ->
         out = out.reshape(*shape[:-1], -1)
     elif kernel is Int4Kernel.INT4_CPU:
         out = int4_cpu_mm(x, layer.weight, layer.int4_group, layer.scales_zeros)
+    elif kernel is Int4Kernel.TRITON_K:
+        from agentbox.kernels.w4a16 import w4k_matmul
+
+        shape = x.shape
+        out = w4k_matmul(x.reshape(-1, shape[-1]), layer.qweight_t, layer.sc_t, layer.mn_t, layer.dd_t)
+        out = out.reshape(*shape[:-1], -1)
     else:
         from agentbox.kernels.w4a16 import w4a16_matmul
 
