@@ -79,8 +79,10 @@ class EngineCore:
         self.scheduler.recurrent_state = self.runner.state_cache is not None
         if self.runner.state_cache is not None and self.runner.num_snapshots > 0:
             self.scheduler.snapshots = SnapshotStore(
-                self.runner.num_rows, self.runner.num_snapshots, self.runner.state_cache.slot_bytes()
+                self.runner.num_rows, self.runner.num_snapshots, self.runner.state_cache.slot_bytes(),
+                self.runner.num_host_snapshots,
             )
+            self.cache.keep_states(self.scheduler.snapshots)
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
         self.drafter = self._drafter(config)
         self.scheduler.drafter = self.drafter

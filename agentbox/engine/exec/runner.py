@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from agentbox.config import PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
+from agentbox.config import HOST_STATE_GB, PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
 from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.exec.logprob import TokenLogprob
@@ -75,6 +75,7 @@ class ModelRunner:
         self.page_size = config.page_size
         self.num_rows = config.max_num_seqs + 1  # one page-table row per running request, one for LLM.logits
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
+        self.num_host_snapshots = 0  # set with the state cache
         self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
         page_bytes = self._make_pool()
         self._make_execution()
@@ -149,9 +150,12 @@ class ModelRunner:
                 f"per-sequence state takes {per_slot / 2**20:.0f} MiB x {slots} slots (live, page-aligned copy and "
                 f"snapshot per row), more than this GPU has free; lower it, e.g. --max-num-seqs 4 --state-snapshots 4"
             )
-        cache = StateCache(specs(), slots, self.dtype, self.device)
-        log.info("per-sequence state: %d layers, %.2f MiB per sequence, %d session snapshots "
-                 "(%.1f MiB in all)", len(cache.specs), per_slot / 2**20, self.num_snapshots, slots * per_slot / 2**20)
+        host = self.config.host_state_snapshots
+        self.num_host_snapshots = min(self.num_snapshots, int(HOST_STATE_GB * 2**30 // per_slot)) if host is None else host
+        cache = StateCache(specs(), slots, self.dtype, self.device, self.num_host_snapshots)
+        log.info("per-sequence state: %d layers, %.2f MiB per sequence, %d session snapshots (%.1f MiB in all), "
+                 "%d more in host RAM", len(cache.specs), per_slot / 2**20, self.num_snapshots,
+                 slots * per_slot / 2**20, self.num_host_snapshots)
         return cache
 
     def _auto_num_pages(self, page_bytes: int) -> int:
