@@ -4,7 +4,7 @@ snapshot store demotes to host RAM instead of dropping (state_snapshots.py).
 The cache-level tests drive a radix cache with a snapshot store the way the scheduler does (a turn's pages
 inserted, then its snapshot saved) and evict one unit at a time in LRU order. The engine test runs a tiny
 random Qwen3.5 with two device snapshot slots: sessions' snapshots go to host, and a later turn that resumes
-from one answers as transformers' cold run does."""
+from one (its pages demoted to the host tier too) answers as transformers' cold run does."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from radix_harness import make_cache, run_turn
 
 from agentbox.config import CachePolicy, EngineConfig
 from agentbox.engine.cache.radix_cache import RadixCache
+from agentbox.engine.cache.radix_node import Tier
 from agentbox.engine.cache.state_snapshots import SnapshotPoint, SnapshotStore
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
@@ -83,6 +84,21 @@ def test_a_dead_tail_goes_alone() -> None:
     cache.check_integrity(Counter())
 
 
+def test_host_pages_keep_their_snapshot_until_dropped() -> None:
+    cache, _ = make_cache(num_pages=24, page_size=2, host_pages=8, policy=CachePolicy.LRU)
+    store = SnapshotStore(num_rows=1, num_snapshots=4)
+    cache.keep_states(store)
+    toks = P + [40, 41]
+    run_turn(cache, toks, "d")
+    store.save("d", SnapshotPoint.TURN, toks, src=0)
+    cache.evict(3)  # demoted: the pages still resume at 6, from host
+    assert cache.host_pages == 3 and _positions(store, "d", toks) == 6
+    assert cache.match(toks + [9]).num_host_tokens == 6
+    cache.evict_host(1)  # dropped: the snapshot goes with them
+    assert cache.host_pages == 0 and store.stats().evicted == 1 and _positions(store, "d", toks) == 0
+    cache.check_integrity(Counter())
+
+
 def test_a_full_store_demotes_to_host_then_drops() -> None:
     store = SnapshotStore(num_rows=1, num_snapshots=1, num_host=1)
     first = 2  # device snapshot slot (after the live row and its aligned copy); host slot 3
@@ -101,18 +117,23 @@ def test_a_full_store_demotes_to_host_then_drops() -> None:
 
 def test_host_snapshots_resume_exactly(tmp_path: Path) -> None:
     hf = save_hybrid(configs()["qwen3_5"], tmp_path)
-    config = EngineConfig(model=str(tmp_path), page_size=16, attention="torch", num_pages=64, host_cache_gb=0.0,
+    # a pool of 10 pages: the third session's turn pushes the first's pages to the host tier
+    config = EngineConfig(model=str(tmp_path), page_size=16, attention="torch", num_pages=10, host_cache_gb=0.002,
                           state_snapshots=2, host_state_snapshots=4, max_num_seqs=2)
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     prompts = {f"s{i}": [(i * 29 + k * 7 + 1) % 256 for k in range(40)] for i in range(3)}
     with LLM(config) as llm:
         first = {sid: llm.generate([p], sp, session_ids=[sid])[0] for sid, p in prompts.items()}
-        # each turn kept 2 snapshots (prompt at 32, turn at 48): s0's were demoted to host by s1's and s2's
-        second = prompts["s0"] + first["s0"].token_ids + [5, 6, 7]
-        out = llm.generate([second], sp, session_ids=["s0"])[0]
+        # each turn kept 2 snapshots (prompt at 32, turn at 48): s0's and s1's were demoted to host by s2's;
+        # the session whose pages the evictor demoted comes back
+        sid = next(s for s in ("s0", "s1") if llm.core.cache.session_pages(s)[Tier.HOST])
+        second = prompts[sid] + first[sid].token_ids + [5, 6, 7]
+        out = llm.generate([second], sp, session_ids=[sid])[0]
         assert out.token_ids == hf_greedy(hf, second, 12)  # a snapshot from host never changes an answer
         assert out.num_cached_tokens == 48
-        snaps = to_json(llm.core.stats())["snapshots"]
+        stats = to_json(llm.core.stats())
+        assert stats["cache"]["promotions"] > 0 and stats["counters"]["host_cached_tokens"] > 0  # pages from host
+        snaps = stats["snapshots"]
         assert snaps["promoted"] == 1 and snaps["demoted"] >= 2 and snaps["host_count"] >= 1
         assert snaps["host_capacity"] == 4
         llm.core.check_integrity()

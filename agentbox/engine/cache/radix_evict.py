@@ -30,7 +30,7 @@ from agentbox.engine.cache.host_tier import HostTier, copy_pages
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.radix_node import Node, Tier
 from agentbox.engine.cache.session_index import SessionIndex
-from agentbox.engine.cache.state_units import StatePoints, evict_unit
+from agentbox.engine.cache.state_units import StatePoints, drop_host_unit, evict_unit
 from agentbox.layers.backends.base import KVCache
 
 HeapEntry = tuple[tuple[int, float], int, int, Node]  # (key, push order, node version at push, node)
@@ -154,6 +154,9 @@ class Evictor:
                 continue
             if self.tree.locked(n):
                 held.append(n)
+                continue
+            if self.states is not None:
+                freed += drop_host_unit(self, n, self.states)
                 continue
             parent = n.parent
             assert parent is not None

@@ -79,8 +79,8 @@ def _locked_below(ev: Evictor, n: Node) -> bool:
     return ev.tree.locked(n) or any(_locked_below(ev, c) for c in n.children.values())
 
 
-def _gpu_pages_below(n: Node) -> int:
-    return (len(n.pages) if n.tier is Tier.GPU else 0) + sum(_gpu_pages_below(c) for c in n.children.values())
+def _pages_below(n: Node, tier: Tier) -> int:
+    return (len(n.pages) if n.tier is tier else 0) + sum(_pages_below(c, tier) for c in n.children.values())
 
 
 def evict_unit(ev: Evictor, n: Node, points: StatePoints) -> int:
@@ -97,21 +97,36 @@ def evict_unit(ev: Evictor, n: Node, points: StatePoints) -> int:
         return freed
     for s in snaps:
         points.discard(s)
-    return freed + _drop_dead_ancestors(ev, n.parent, points)
+    return freed + _drop_dead_ancestors(ev, n.parent, points)[0]
 
 
-def _drop_dead_ancestors(ev: Evictor, p: Node | None, points: StatePoints) -> int:
-    """Drop the highest ancestor of an evicted node whose subtree no snapshot needs (with that subtree)."""
+def drop_host_unit(ev: Evictor, n: Node, points: StatePoints) -> int:
+    """Drop the unlocked host leaf n, the snapshots it held and every ancestor left holding none. Returns host
+    pages freed."""
+    snaps = needed(n, points)
+    parent = n.parent
+    assert parent is not None
+    ev.host_evictions += len(n.pages)
+    ev.drop_subtree(n)
+    ev.push_candidate(parent)
+    for s in snaps:
+        points.discard(s)
+    return len(n.pages) + _drop_dead_ancestors(ev, parent, points)[1]
+
+
+def _drop_dead_ancestors(ev: Evictor, p: Node | None, points: StatePoints) -> tuple[int, int]:
+    """Drop the highest ancestor of an evicted node whose subtree no snapshot needs (with that subtree).
+    Returns the (GPU, host) pages freed."""
     top = None
-    while p is not None and p is not ev.tree.root and p.tier is Tier.GPU and not _locked_below(ev, p) \
-            and not needed(p, points):
+    while p is not None and p is not ev.tree.root and not _locked_below(ev, p) and not needed(p, points):
         top, p = p, p.parent
     if top is None:
-        return 0
+        return 0, 0
     parent = top.parent
     assert parent is not None
-    k = _gpu_pages_below(top)
-    ev.drop_subtree(top)
-    ev.evictions += k
+    gpu, host = _pages_below(top, Tier.GPU), _pages_below(top, Tier.HOST)
+    ev.drop_subtree(top)  # counts the host pages below top
+    ev.evictions += gpu
+    ev.host_evictions += len(top.pages) if top.tier is Tier.HOST else 0
     ev.push_candidate(parent)
-    return k
+    return gpu, host
