@@ -24,6 +24,7 @@ from torch import nn
 
 from agentbox.layers import delta_rule
 from agentbox.layers.context import get_forward_context
+from agentbox.layers.delta_rule_backends import delta_rule_for
 from agentbox.layers.linear import ColumnParallelLinear, RowParallelLinear
 from agentbox.layers.quant.lazy import materialize
 from agentbox.layers.recurrent_state import LinearStateSpec
@@ -147,6 +148,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         conv_w = self.conv1d.weight.squeeze(1)
+        rule = delta_rule_for(hidden.device)  # flash-linear-attention on CUDA where it imports, else torch
         conv_cache, matrix_cache = step.cache.conv[self.state_index], step.cache.matrix[self.state_index]
         out = torch.empty(hidden.shape[0], self.hv, self.dv, dtype=torch.float32, device=hidden.device)
         starts = [0]
@@ -159,7 +161,7 @@ class GatedDeltaNet(nn.Module):
             x, conv_cache[slots] = delta_rule.causal_conv_step(mixed[rows], conv_w, conv_cache[slots])
             q, k, v = self._heads(x)  # [B, Hv, D]
             q, k = delta_rule.prepare_qk(q, k)
-            o, matrix_cache[slots] = delta_rule.recurrent(
+            o, matrix_cache[slots] = rule.recurrent(
                 q.unsqueeze(2), k.unsqueeze(2), v.float().unsqueeze(2), g[rows].unsqueeze(-1),
                 beta[rows].unsqueeze(-1), matrix_cache[slots],
             )
@@ -174,7 +176,7 @@ class GatedDeltaNet(nn.Module):
             q, k, v = self._heads(x.t())  # [L, Hv, D]
             q, k = delta_rule.prepare_qk(q.transpose(0, 1), k.transpose(0, 1))
             state = matrix_cache[slot].zero_() if step.fresh[i] else matrix_cache[slot]
-            o, matrix_cache[slot] = delta_rule.chunked(
+            o, matrix_cache[slot] = rule.chunked(
                 q, k, v.float().transpose(0, 1), g[lo:hi].t(), beta[lo:hi].t(), state
             )
             out[lo:hi] = o.transpose(0, 1)
