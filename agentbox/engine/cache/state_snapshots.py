@@ -153,8 +153,8 @@ class SnapshotStore:
         return [s for s in self._by_key.values() if s.num_tokens > position]
 
     def session_bytes(self, session: str) -> int:
-        """Bytes of the session's snapshots held right now (either tier)."""
-        return self.slot_bytes * len(self._own(session))
+        """Bytes of the session's snapshots held on the device right now (what `used_bytes` counts)."""
+        return self.slot_bytes * sum(self._by_key[k].tier is Tier.GPU for k in self._own(session))
 
     def stats(self) -> SnapshotStats:
         on_host = sum(s.tier is Tier.HOST for s in self._by_key.values())
