@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hybrid_models import configs, hf_greedy, save_hybrid
 from radix_harness import make_cache, run_turn
+from rich.console import Console
 
 from agentbox.config import CachePolicy, EngineConfig
 from agentbox.engine.cache.radix_cache import RadixCache
@@ -21,6 +22,7 @@ from agentbox.engine.cache.state_snapshots import SnapshotPoint, SnapshotStore
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.stats import to_json
+from agentbox.tui.panels import pool_panel
 
 P = [1, 2, 3, 4]  # the shared system prompt: 2 pages of 2 tokens
 
@@ -136,4 +138,7 @@ def test_host_snapshots_resume_exactly(tmp_path: Path) -> None:
         snaps = stats["snapshots"]
         assert snaps["promoted"] == 1 and snaps["demoted"] >= 2 and snaps["host_count"] >= 1
         assert snaps["host_capacity"] == 4
+        console = Console(width=200, record=True)  # `agentbox top` shows the host store beside the device one
+        console.print(pool_panel({"stats": stats, "sessions": []}))
+        assert f"host {snaps['host_count']} of 4, demoted {snaps['demoted']}" in console.export_text()
         llm.core.check_integrity()
