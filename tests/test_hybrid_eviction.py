@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
+import torch
 from hybrid_models import configs, hf_greedy, save_hybrid
 from radix_harness import make_cache, run_turn
 from rich.console import Console
@@ -142,3 +143,21 @@ def test_host_snapshots_resume_exactly(tmp_path: Path) -> None:
         console.print(pool_panel({"stats": stats, "sessions": []}))
         assert f"host {snaps['host_count']} of 4, demoted {snaps['demoted']}" in console.export_text()
         llm.core.check_integrity()
+
+
+def test_state_slots_move_between_device_and_host_and_out_as_records() -> None:
+    from agentbox.layers.recurrent_state import LinearStateSpec, StateCache, StateRecord
+
+    cache = StateCache([LinearStateSpec(6, 3, 2, 4, 4)] * 2, num_slots=3, dtype=torch.float32, device="cpu",
+                       num_host=2)
+    for tensors in cache.layers:
+        for t in tensors:
+            t[0] = torch.randn_like(t[0])
+    cache.copy([0, 4], [4, 2])  # device slot 0 -> host slot 1 (index 4) -> device slot 2, in order
+    record = cache.read(2, num_tokens=32, digest=b"d" * 16)
+    assert isinstance(record, StateRecord) and len(record.tensors) == 4
+    for got, want in zip(record.tensors, (t[0] for tensors in cache.layers for t in tensors), strict=True):
+        assert torch.equal(got, want)
+    cache.write(3, record)  # back into host slot 0
+    assert all(torch.equal(host[0], t[0]) for hl, dl in zip(cache.host_layers, cache.layers, strict=True)
+               for host, t in zip(hl, dl, strict=True))
