@@ -38,6 +38,7 @@ STATE_ENV = "AGENTBOX_HOME"
 DISK_CACHE_SHARE = 0.1  # of the free disk under the state directory, by default
 DISK_CACHE_MAX_GB = 64.0
 SERVE_DISK_CACHE_GB: float | None = None  # the server's default: a share of free disk
+HOST_STATE_GB = 4.0  # hybrid models: host RAM the demoted state snapshots take at most, by default
 
 
 def state_dir() -> Path:
@@ -82,6 +83,9 @@ class EngineConfig:
     # Hybrid models (Gated DeltaNet): recurrent-state snapshots kept, two per session (engine/cache/
     # state_snapshots.py). None: one per running request; 0: none (a session recomputes its whole history).
     state_snapshots: int | None = None
+    # Snapshots a full device store demotes to host RAM instead of dropping them. None: as many as the
+    # device store keeps, within HOST_STATE_GB; 0: none (a full store drops).
+    host_state_snapshots: int | None = None
     lease_default_ttl_s: float = 10.0  # TTL of a session lease before its gaps are measured
     lease_max_ttl_s: float = 120.0
     lease_max_share: float = 0.8  # leased pages may hold at most this share of the pool

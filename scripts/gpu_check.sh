@@ -11,7 +11,8 @@
 #      same run, and the share of the memory-bandwidth ceiling reached at batch 1.
 #      Other checks append their own `block NAME SECONDS COMMAND...` line (see "blocks" below).
 # A small pure-Python package the tree needs and the machine lacks (gguf, pytest and its helpers; psutil,
-# abi3 x86_64) is unpacked from scripts/wheels/ into a temporary folder, never into the machine's Python.
+# abi3 x86_64; fla-core and einops: flash-linear-attention's Gated DeltaNet kernels, the `gpu` extra's, checked
+# by tests/test_gpu_fla.py) is unpacked from scripts/wheels/ into a temporary folder, never into the machine's Python.
 # Usage: scripts/gpu_check.sh            (PYTHON=... to pick the interpreter; the JSON report also lands
 #        in $OUT/gpu_check.json when OUT is set)
 set -euo pipefail
@@ -40,7 +41,7 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers
       f"{torch.cuda.get_device_name(0)}")'
 
 # module to import : wheel file prefix in scripts/wheels
-for pair in gguf:gguf psutil:psutil pytest:pytest pluggy:pluggy iniconfig:iniconfig; do
+for pair in gguf:gguf psutil:psutil pytest:pytest pluggy:pluggy iniconfig:iniconfig einops:einops fla:fla_core; do
     mod="${pair%%:*}"
     whl_prefix="${pair##*:}"
     if ! "$PY" -c "import $mod" 2>/dev/null; then

@@ -71,17 +71,18 @@ def quantise_int4(
 
 
 def quantise_int4_state(
-    state: dict[str, torch.Tensor], method: str, sym: bool, act_order: bool, group: int
+    state: dict[str, torch.Tensor], method: str, sym: bool, act_order: bool, group: int,
+    suffixes: tuple[str, ...] = LINEAR_WEIGHTS,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(the checkpoint's tensors in AWQ (AutoAWQ GEMM), GPTQ (v1) or compressed-tensors W4A16 (pack-quantized,
     bf16 scales) layout, the dequantised twin's tensors), both named as released: every `*_proj.weight`
-    quantised (MoE experts included), the rest fp16."""
+    (or name ending in one of `suffixes`) quantised (MoE experts included), the rest fp16."""
     out: dict[str, torch.Tensor] = {}
     twin: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(1)
     perms: dict[tuple[str, int], torch.Tensor] = {}
     for name, p in state.items():
-        if not name.endswith(LINEAR_WEIGHTS):
+        if not name.endswith(suffixes):
             out[name] = p.half()
             twin[name] = out[name].float()
             continue

@@ -86,12 +86,12 @@ def test_a_full_store_drops_shared_prefixes_before_sessions() -> None:
 
     store = SnapshotStore(num_rows=2, num_snapshots=3, slot_bytes=100)
     a, shared, b = [1] * 32, [2] * 32, [3] * 32
-    store.save("a", SnapshotPoint.TURN, a)
-    store.save_shared(shared)
-    store.save("b", SnapshotPoint.TURN, b)
+    store.save("a", SnapshotPoint.TURN, a, 0)
+    store.save_shared(shared, 0)
+    store.save("b", SnapshotPoint.TURN, b, 0)
     assert store.find_shared(shared + [9], 64) is not None and store.find_shared([2] * 16, 64) is None
-    store.save("c", SnapshotPoint.TURN, [4] * 32)  # full: the shared prefix goes, not the older session "a"
+    store.save("c", SnapshotPoint.TURN, [4] * 32, 0)  # full: the shared prefix goes, not the older session "a"
     assert store.find_shared(shared, 64) is None
     assert store.find("a", a, 64) is not None and store.session_bytes("a") == 100
-    store.save("d", SnapshotPoint.TURN, [5] * 32)  # then the least recently used session's
+    store.save("d", SnapshotPoint.TURN, [5] * 32, 0)  # then the least recently used session's
     assert store.find("a", a, 64) is None and store.stats().dropped == 2

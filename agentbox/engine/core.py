@@ -82,8 +82,9 @@ class EngineCore:
         if self.runner.state_cache is not None and self.runner.num_snapshots > 0:
             self.scheduler.snapshots = SnapshotStore(
                 self.runner.num_rows, self.runner.num_snapshots, self.runner.state_cache.slot_bytes(),
-                self.runner.state_in_place,
+                self.runner.state_in_place, self.runner.num_host_snapshots,
             )
+            self.cache.keep_states(self.scheduler.snapshots)
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
         self.drafter = self._drafter(config)
         self.scheduler.drafter = self.drafter

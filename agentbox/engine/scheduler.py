@@ -73,7 +73,6 @@ class Scheduler:
         # there, a cached prefix cannot be resumed, so such requests recompute from the start.
         self.recurrent_state = False
         self.snapshots: SnapshotStore | None = None  # set with recurrent_state when snapshots are kept
-        self._state_copies: list[tuple[int, int]] = []
         self.drafter: Drafter | None = None  # set by the core when speculative decoding is on
 
     # ---- lifecycle ----
@@ -141,7 +140,7 @@ class Scheduler:
             return
         if not tokens or req.state_aligned_at != len(tokens):
             return
-        self._copy_out(req, store.save(req.session_id, SnapshotPoint.TURN, tokens))
+        store.save(req.session_id, SnapshotPoint.TURN, tokens, store.aligned_slot(req.table_row))
 
     def _save_prompt_states(self) -> None:
         """Running requests whose last step ended on their prompt's last page boundary: that state becomes
@@ -154,23 +153,19 @@ class Scheduler:
             at = req.state_share_at
             if at and req.state_aligned_at == at and req.table_row is not None:
                 req.state_share_at = 0
-                self._copy_out(req, store.save_shared(req.all_token_ids[:at]))
+                store.save_shared(req.all_token_ids[:at], store.aligned_slot(req.table_row))
             boundary = req.num_prompt_tokens // self.page_size * self.page_size
             if req.state_prompt_saved or boundary == 0 or req.state_aligned_at != boundary:
                 continue
             req.state_prompt_saved = True
-            if req.session_id is not None:
-                self._copy_out(req, store.save(req.session_id, SnapshotPoint.PROMPT, req.all_token_ids[:boundary]))
-
-    def _copy_out(self, req: Request, slot: int | None) -> None:
-        """The request's page-aligned state into a snapshot slot, before the next step."""
-        if slot is not None and req.table_row is not None and self.snapshots is not None:
-            self._state_copies.append((self.snapshots.aligned_slot(req.table_row), slot))
+            if req.session_id is not None and req.table_row is not None:
+                store.save(req.session_id, SnapshotPoint.PROMPT, req.all_token_ids[:boundary],
+                           store.aligned_slot(req.table_row))
 
     def _resume_point(self, req: Request, m: Match) -> Match:
         """For a hybrid model: m cut to the longest prefix a snapshot resumes (the session's own, or a shared
         prefix's), or to nothing. When m is longer, the request keeps its state at m's end as a shared snapshot.
-        Host-tier parts are not resumed: a partial promotion would move the lock's end."""
+        Host-tier pages come back with the lock (`_lock` drops the seed when they cannot)."""
         store = self.snapshots
         cut = Match((), 0, 0, m.session, m.epoch)
         req.state_share_at = 0
@@ -185,11 +180,20 @@ class Scheduler:
         if snap is None:
             return cut
         path = tuple(n for n in m.path if n.start < snap.num_tokens)
-        if any(n.tier is Tier.HOST for n in path):
-            return cut
+        host = sum(min(n.start + len(n.key), snap.num_tokens) - n.start for n in path if n.tier is Tier.HOST)
         store.used(snap)
         req.state_seed = snap.slot
-        return Match(path, snap.num_tokens, 0, m.session, m.epoch)
+        return Match(path, snap.num_tokens, host, m.session, m.epoch)
+
+    def _lock(self, req: Request, m: Match) -> Lock:
+        """Lock m; for a hybrid model, all of it or nothing: a lock cut short (host pages that found no room)
+        ends where no snapshot describes the state."""
+        lock = self.cache.lock(m)
+        if self.recurrent_state and lock.num_tokens < m.num_tokens:
+            self.cache.release(lock.pages)
+            req.state_seed = None
+            return Lock([], 0, 0, lock.session)
+        return lock
 
     def _state_chunk(self, req: Request, n: int) -> int:
         """A hybrid model's prefill chunk ends on a page boundary when it can, and the prompt's last page
@@ -362,10 +366,9 @@ class Scheduler:
                     break  # nothing was taken: it looks again next step
                 queue.popleft()
                 shown = self.cache.visible_tokens(m, req.namespace) if req.namespace else m.num_tokens
-                n = self._admit(req, self.cache.lock(m), budget, shown)
+                n = self._admit(req, self._lock(req, m), budget, shown)
                 req.status = Status.RUNNING
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
                 budget -= n
-        copies, self._state_copies = self._state_copies, []
-        return SchedulerOutput(seqs, failed, copies)
+        return SchedulerOutput(seqs, failed, self.snapshots.take_copies() if self.snapshots is not None else [])

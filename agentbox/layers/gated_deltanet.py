@@ -24,6 +24,7 @@ from torch import nn
 
 from agentbox.layers import delta_rule
 from agentbox.layers.context import get_forward_context
+from agentbox.layers.delta_rule_backends import delta_rule_for
 from agentbox.layers.linear import ColumnParallelLinear, RowParallelLinear
 from agentbox.layers.quant.lazy import materialize
 from agentbox.layers.recurrent_state import LinearStateSpec
@@ -147,6 +148,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         conv_w = self.conv1d.weight.squeeze(1)
+        rule = delta_rule_for(hidden.device)  # flash-linear-attention on CUDA where it imports, else torch
         conv_cache, matrix_cache = step.cache.conv[self.state_index], step.cache.matrix[self.state_index]
         out = torch.empty(hidden.shape[0], self.hv, self.dv, dtype=torch.float32, device=hidden.device)
         starts = [0]
@@ -159,7 +161,7 @@ class GatedDeltaNet(nn.Module):
             x, conv_cache[slots] = delta_rule.causal_conv_step(mixed[rows], conv_w, conv_cache[slots])
             q, k, v = self._heads(x)  # [B, Hv, D]
             q, k = delta_rule.prepare_qk(q, k)
-            o, matrix_cache[slots] = delta_rule.recurrent(
+            o, matrix_cache[slots] = rule.recurrent(
                 q.unsqueeze(2), k.unsqueeze(2), v.float().unsqueeze(2), g[rows].unsqueeze(-1),
                 beta[rows].unsqueeze(-1), matrix_cache[slots],
             )
@@ -176,12 +178,12 @@ class GatedDeltaNet(nn.Module):
             state = matrix_cache[slot].zero_() if step.fresh[i] else matrix_cache[slot]
             v, gi, bi = v.float().transpose(0, 1), g[lo:hi].t(), beta[lo:hi].t()
             if step.pending[i]:  # a verify: its slot waits for the positions the sampler keeps (commit)
-                o, last = delta_rule.recurrent(q[None], k[None], v[None], gi[None], bi[None], state[None])
+                o, last = rule.recurrent(q[None], k[None], v[None], gi[None], bi[None], state[None])
                 step.keep(self.state_index, i, (mixed[lo:hi].t(), k, v, gi, bi, last[0], conv_next))
                 out[lo:hi] = o[0].transpose(0, 1)
                 continue
             conv_cache[slot] = conv_next
-            o, matrix_cache[slot] = delta_rule.chunked(q, k, v, gi, bi, state)
+            o, matrix_cache[slot] = rule.chunked(q, k, v, gi, bi, state)
             out[lo:hi] = o.transpose(0, 1)
         normed = self.norm(out.to(hidden.dtype), z)
         return self.out_proj(normed.reshape(hidden.shape[0], self.hv * self.dv))

@@ -75,26 +75,37 @@ class LinearStateSpec:
         )
 
 
+@dataclass(frozen=True)
+class StateRecord:
+    """One snapshot off the slots, as a host or disk tier keeps it: the state at position `num_tokens` of the
+    tokens whose digest is `digest` (engine/cache/state_snapshots.digest), and its tensors, every state layer's
+    in `StateCache.layers` order (a linear layer's conv, then its matrix), on any device."""
+
+    num_tokens: int
+    digest: bytes
+    tensors: tuple[torch.Tensor, ...]
+
+
 class StateCache:
     """Every state layer's tensors for every slot. `layers[i]` are layer i's tensors (a linear layer's conv and
     matrix, `conv[i]` and `matrix[i]`; a sliding-window layer's key and value rings, layers/window_kv.py).
-
-    `held_slots` more slots (numbered from num_slots on) may live in host memory: snapshots that do not fit on
-    a small card (a Gemma 4 31B ring is 812 MiB). Only `copy` reaches them; the layers read device slots."""
+    Slots [0, num_slots) are on the device; `num_host` more follow them in host RAM (pinned beside a GPU): the
+    snapshots that do not fit on a small card (a Gemma 4 31B ring is 812 MiB) and those demoted there. A copy
+    between the two is one slot index to another (`copy`); the layers read device slots only."""
 
     def __init__(self, specs: list[StateSpec], num_slots: int, dtype: torch.dtype, device: torch.device | str,
-                 held_slots: int = 0) -> None:
+                 num_host: int = 0) -> None:
         self.specs = specs
         self.num_slots = num_slots
+        self.num_host = num_host
         self.layers = [s.allocate(num_slots, dtype, device) for s in specs]
         self.conv = [t[0] for t in self.layers]
         self.matrix = [t[1] for t in self.layers]
         # (layer, slot) -> a pending verify's per-position inputs, until the next step's `commit`
         self.stash: dict[tuple[int, int], tuple] = {}
-        pin = torch.device(device).type == "cuda"  # pinned: copies to and from the card run on its stream
-        self.held = [tuple(t.pin_memory() if pin else t for t in s.allocate(held_slots, dtype, "cpu"))
-                     for s in specs] if held_slots else []
-        self.held_slots = held_slots
+        pin = torch.device(device).type == "cuda"
+        self.host_layers = [tuple(t.pin_memory() if pin else t for t in s.allocate(num_host, dtype, "cpu"))
+                            for s in specs] if num_host else []
 
     @staticmethod
     def bytes_per_slot(specs: list[StateSpec], dtype: torch.dtype) -> int:
@@ -104,17 +115,30 @@ class StateCache:
         """Bytes one slot holds, from the tensors themselves."""
         return sum(t[0].numel() * t.element_size() for t in (*self.conv, *self.matrix))
 
+    def _at(self, slot: int) -> list[tuple[tuple[torch.Tensor, ...], int]]:
+        if slot < self.num_slots:
+            return [(tensors, slot) for tensors in self.layers]
+        return [(tensors, slot - self.num_slots) for tensors in self.host_layers]
+
     def copy(self, src: list[int], dst: list[int]) -> None:
         """State of slot src[i] into slot dst[i], every layer, in order: a later copy may read what an
         earlier one wrote (a snapshot saved, then a request seeded from it), so they are never batched."""
         for s, d in zip(src, dst, strict=True):
-            (src_layers, s), (dst_layers, d) = self._where(s), self._where(d)
-            for src_tensors, dst_tensors in zip(src_layers, dst_layers, strict=True):
-                for a, b in zip(src_tensors, dst_tensors, strict=True):
-                    b[d].copy_(a[s], non_blocking=True)  # stream-ordered; the host never reads held slots
+            for (ts, i), (td, j) in zip(self._at(s), self._at(d), strict=True):
+                for a, b in zip(ts, td, strict=True):
+                    b[j].copy_(a[i], non_blocking=False)
 
-    def _where(self, slot: int) -> tuple[list[tuple[torch.Tensor, ...]], int]:
-        return (self.layers, slot) if slot < self.num_slots else (self.held, slot - self.num_slots)
+    def read(self, slot: int, num_tokens: int, digest: bytes) -> StateRecord:
+        """Slot `slot` as a record (copies, on the slot's device)."""
+        return StateRecord(num_tokens, digest, tuple(t[i].clone() for ts, i in self._at(slot) for t in ts))
+
+    def write(self, slot: int, record: StateRecord) -> None:
+        """A record back into slot `slot` (its tensors in `layers` order, as `read` made them)."""
+        dst = [t[i] for ts, i in self._at(slot) for t in ts]
+        if len(dst) != len(record.tensors):
+            raise ValueError(f"a state record of {len(record.tensors)} tensors for a cache of {len(dst)}")
+        for d, t in zip(dst, record.tensors, strict=True):
+            d.copy_(t)
 
     def commit(self, commits: list[tuple[int, int, int]], aligned_offset: int | None) -> None:
         """Each (slot, kept, aligned) of the last step's verifies: its first `kept` positions into the slot; when

@@ -294,6 +294,9 @@ def pool_panel(snap: Mapping[str, Any], width: int = 40) -> Group:
     held = Text(f"state snapshots {snaps.get('count', DASH)} of {snaps.get('capacity', DASH)}, "
                 f"{fmt_bytes(snaps.get('used_bytes'))} of {fmt_bytes(snaps.get('capacity_bytes'))}  "
                 f"hits {fmt_tokens(snaps.get('hits'))}  dropped {fmt_tokens(snaps.get('dropped'))}")
+    if snaps.get("host_capacity"):  # a full device store demotes to host RAM (engine/cache/state_snapshots.py)
+        held.append(f"  host {snaps.get('host_count', 0)} of {snaps['host_capacity']}, "
+                    f"demoted {fmt_tokens(snaps.get('demoted'))}  promoted {fmt_tokens(snaps.get('promoted'))}")
     return Group(title, gpu, host_title, host_g, moves, held)
 
 

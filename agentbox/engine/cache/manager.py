@@ -42,7 +42,7 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from agentbox.config import CachePolicy
 from agentbox.engine.cache.kv_pool import PagePool
@@ -51,6 +51,9 @@ from agentbox.engine.cache.session_ids import SessionIds
 from agentbox.engine.cache.sessions import SessionTable, TurnRecord
 from agentbox.engine.cache.stats import CacheStats
 from agentbox.engine.cache.turns import Turns
+
+if TYPE_CHECKING:
+    from agentbox.engine.cache.state_units import StatePoints
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,11 @@ class KVManager(ABC):
         if self.pool.num_free < num_pages:
             return None
         return self.pool.alloc(num_pages)
+
+    @abstractmethod
+    def keep_states(self, points: StatePoints) -> None:
+        """A hybrid model's snapshot store: eviction takes snapshots and the pages they resume on together
+        (state_units.py). Without one, pages are evicted alone."""
 
     def release(self, pages: list[int]) -> None:
         """Drop the caller's references on pages it will not insert (an abort, a partial last page)."""

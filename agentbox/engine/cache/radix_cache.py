@@ -59,6 +59,7 @@ from agentbox.engine.cache.radix_evict import Evictor, HeapEntry
 from agentbox.engine.cache.radix_node import Lock, Match, Node, Tier
 from agentbox.engine.cache.session_index import SessionIndex
 from agentbox.engine.cache.sessions import Session, SessionTable
+from agentbox.engine.cache.state_units import StatePoints
 from agentbox.engine.cache.stats import CacheStats
 from agentbox.engine.cache.turns import Turns
 from agentbox.layers.backends.base import KVCache
@@ -211,7 +212,7 @@ class RadixCache(DiskTree, KVManager):
         mem = m.num_tokens - m.num_disk_tokens
         last = path[-1] if path else self.root
         if last.start + len(last.key) > mem:
-            path[-1] = self._split(last, mem - last.start)
+            path[-1] = self.split(last, mem - last.start)
         n_gpu = next((j for j, n in enumerate(path) if n.tier is Tier.HOST), len(path))
         pages = [p for n in path[:n_gpu] for p in n.pages]
         self.pool.incref(pages)
@@ -277,7 +278,7 @@ class RadixCache(DiskTree, KVManager):
                 break
             m = self._common(child.key, toks, i)
             if m < len(child.key):
-                child = self._split(child, m)
+                child = self.split(child, m)
             mine = pages[pi : pi + m // self.ps]
             if child.tier is Tier.GPU:
                 self.pool.decref(mine)  # the tree has these tokens: drop the caller's (duplicate) reference
@@ -300,6 +301,9 @@ class RadixCache(DiskTree, KVManager):
         self._enforce_cap()
 
     # ---- eviction, demotion, promotion (radix_evict.py) ----
+
+    def keep_states(self, points: StatePoints) -> None:
+        self.evictor.states = points
 
     def evict(self, num_pages: int) -> int:
         """Free at least num_pages GPU pages if possible (demoting to host where it has room). Returns the
@@ -345,7 +349,7 @@ class RadixCache(DiskTree, KVManager):
         j = next(j for j in range(n) if key[j] != toks[i + j])
         return j // self.ps * self.ps
 
-    def _split(self, n: Node, m: int) -> Node:
+    def split(self, n: Node, m: int) -> Node:
         """Cut n after m tokens (page-aligned, 0 < m < len); returns the new prefix node (n keeps the rest)."""
         k = m // self.ps
         parent = n.parent

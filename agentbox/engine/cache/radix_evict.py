@@ -30,6 +30,7 @@ from agentbox.engine.cache.host_tier import HostTier, copy_pages
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.radix_node import Node, Tier
 from agentbox.engine.cache.session_index import SessionIndex
+from agentbox.engine.cache.state_units import StatePoints, drop_host_unit, evict_unit
 from agentbox.layers.backends.base import KVCache
 
 HeapEntry = tuple[tuple[int, float], int, int, Node]  # (key, push order, node version at push, node)
@@ -59,6 +60,8 @@ class Tree(Protocol):
 
     def spill(self, n: Node) -> None: ...
 
+    def split(self, n: Node, m: int) -> Node: ...
+
 
 def _valid(n: Node, version: int, tier: Tier) -> bool:
     return n.alive and n.version == version and n.tier is tier
@@ -76,6 +79,8 @@ class Evictor:
         self.demotions = 0  # GPU pages copied to host
         self.promotions = 0  # host pages copied back to GPU
         self.host_evictions = 0  # host pages dropped
+        # Hybrid models: the recurrent-state snapshots that pages resume (state_units.py); None: pages alone.
+        self.states: StatePoints | None = None
 
     def evict(self, num_pages: int) -> int:
         """Free at least num_pages GPU pages if possible (demoting to host where it has room). Returns the
@@ -99,12 +104,12 @@ class Evictor:
             if cur > key and self.gpu_heap and cur > self.gpu_heap[0][0]:
                 self._push(n, self.gpu_heap, cur)
                 continue
-            freed += self._evict_gpu_node(n)
+            freed += self.evict_node(n) if self.states is None else evict_unit(self, n, self.states)
         for n in held:
             self.push_candidate(n)
         return freed
 
-    def _evict_gpu_node(self, n: Node) -> int:
+    def evict_node(self, n: Node) -> int:
         t = self.tree
         k = len(n.pages)
         parent = n.parent
@@ -118,14 +123,14 @@ class Evictor:
             self.demotions += k
             self.push_candidate(n)
         else:
-            self._drop_subtree(n)
+            self.drop_subtree(n)
             self.evictions += k
         self.push_candidate(parent)
         return k
 
-    def _drop_subtree(self, n: Node) -> None:
+    def drop_subtree(self, n: Node) -> None:
         for child in list(n.children.values()):
-            self._drop_subtree(child)
+            self.drop_subtree(child)
             self.host_evictions += len(child.pages) if child.tier is Tier.HOST else 0
         self.tree.spill(n)
         self.tree.remove(n)
@@ -149,6 +154,9 @@ class Evictor:
                 continue
             if self.tree.locked(n):
                 held.append(n)
+                continue
+            if self.states is not None:
+                freed += drop_host_unit(self, n, self.states)
                 continue
             parent = n.parent
             assert parent is not None

@@ -1,5 +1,5 @@
-"""Recurrent-state snapshots of hybrid models, two per session: the state at the end of its last turn and
-at the end of that turn's prompt.
+"""Recurrent-state snapshots of hybrid models: per session the state at the end of its last turn, at the end of
+that turn's prompt, and earlier such points of the same conversation while slots are free.
 
 A Gated DeltaNet layer's state resumes only at the exact position it was saved, so a cached prefix is
 usable only up to a position some snapshot describes. An agent turn is append-only (turn N+1 starts with
@@ -14,6 +14,11 @@ a session id is a claim, the tokens are the proof). The prompt's snapshot is the
 turn does not reproduce the answer's tokens exactly (a chat template that re-renders the answer, a client
 that edits it): the history up to the last prompt is still resumed.
 
+History: a session's replaced TURN or PROMPT snapshot stays as a HISTORY point when it describes a prefix of
+the new one (the same conversation, earlier). It is what eviction leaves the session when its newest pages go
+(state_units.py cuts a session back to its deepest snapshot left, the way a dense model keeps the pages left):
+measured in bench/results/hybrid-replay. History points are the first to go when slots run out.
+
 Shared prefixes: a new session's first turn usually repeats a prefix another session sent (the agent's system
 prompt and tool definitions). When the radix cache knows a longer prefix than any snapshot can resume (`match`
 found pages up to position L, the divergence point with the sessions it knows), the request ends a chunk at L
@@ -22,12 +27,16 @@ next session that sends the same L tokens resumes there. What it covers: positio
 for some request (page-aligned, as pages are); the first session to reach a divergence point pays for it
 once, later ones do not. It does not cover a prefix only ever sent once (no request found it in the tree).
 
-Slots: [0, rows) live state of running sequences, [rows, 2 rows) their page-aligned copies, then the
-snapshots (on a small card the last of them in host memory, layers/recurrent_state.py). Sliding-window rings
-(layers/window_kv.py) keep a page of slack and are their own page-aligned copies (`in_place`): [0, rows) live
-rings, then the snapshots. A full store drops the least recently used session's snapshot (idle sessions
-before the ones that just ran), shared-prefix snapshots first; the session then recomputes its history once,
-never resumes from a wrong position.
+Slots (layers/recurrent_state.py's StateCache): [0, rows) live state of running sequences, [rows, 2 rows) their
+page-aligned copies, then the device snapshots (on a small card the last of them in host memory), then the host
+snapshots (host RAM, `host_state_snapshots`). Sliding-window rings (layers/window_kv.py) keep a page of slack and
+are their own page-aligned copies (`in_place`): [0, rows) live rings, then the snapshots.
+The store decides, the runner copies: every move is a (src, dst) slot pair, taken with `take_copies` into the
+next step, in order. A full device store demotes its first victim to host (history points, then shared
+prefixes, then the least recently used session's); a full host store drops its own first victim. A match that
+lands on a host snapshot seeds the request's row from host memory (the copy a promotion makes; the session's
+next snapshots are taken on the device). A snapshot whose pages are evicted goes with them (`discard`). What
+was dropped is recomputed once, never resumed from a wrong position.
 """
 
 from __future__ import annotations
@@ -35,13 +44,16 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
 
+from agentbox.engine.cache.radix_node import Tier
 
-def _digest(tokens: Sequence[int]) -> bytes:
+
+def digest(tokens: Sequence[int]) -> bytes:
+    """A snapshot's prefix hash: blake2b-128 of the tokens as int64 (state_units.py hashes the same bytes)."""
     return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
@@ -49,12 +61,14 @@ class SnapshotPoint(Enum):
     TURN = "turn"  # the end of a turn: prompt and answer
     PROMPT = "prompt"  # the end of its prompt
     SHARED = "shared"  # a prefix several sessions sent (keyed by its tokens' digest, not by a session)
+    HISTORY = "history"  # an earlier TURN or PROMPT point of the same conversation
 
 
 @dataclass(frozen=True)
 class SnapshotStats:
     """What the store holds (/v1/stats `snapshots`). Bytes are this rank's: slots x the real size of one slot
-    of the state cache's tensors (at tensor parallel size N each rank holds 1/N of the heads)."""
+    of the state cache's tensors (at tensor parallel size N each rank holds 1/N of the heads). Counts and
+    bytes are the device store's; `host_*` the host store's."""
 
     count: int
     capacity: int
@@ -62,43 +76,53 @@ class SnapshotStats:
     used_bytes: int
     capacity_bytes: int
     saved: int
-    hits: int
-    dropped: int
+    hits: int  # resumed from (either tier)
+    dropped: int  # no slot left on any tier: the first victim went
+    evicted: int = 0  # their pages were evicted: they went with them
+    host_count: int = 0
+    host_capacity: int = 0
+    demoted: int = 0  # copied to host to free a device slot
+    promoted: int = 0  # of the hits, resumed from host
 
 
 @dataclass(frozen=True)
 class Snapshot:
-    slot: int
+    slot: int  # in the state cache's slot space (device slots, then host slots)
     num_tokens: int  # the position the state describes (page-aligned)
     digest: bytes  # of the tokens [0, num_tokens)
+    tier: Tier = Tier.GPU
 
 
-_OWN = (SnapshotPoint.TURN, SnapshotPoint.PROMPT)  # the points a session's own snapshots are kept at
+Key = tuple[str, SnapshotPoint, int]  # (session, point, 0) | (session, HISTORY, position) | (digest hex, SHARED, 0)
+_OWN = (SnapshotPoint.TURN, SnapshotPoint.PROMPT, SnapshotPoint.HISTORY)  # a session's own points
+_VICTIMS = (SnapshotPoint.HISTORY, SnapshotPoint.SHARED, None)  # the order a full tier gives up; None: any
 
 
 def _longest(found: list[Snapshot], tokens: Sequence[int], limit: int) -> Snapshot | None:
     for snap in sorted(found, key=lambda s: -s.num_tokens):
-        if 0 < snap.num_tokens <= limit and _digest(tokens[: snap.num_tokens]) == snap.digest:
+        if 0 < snap.num_tokens <= limit and digest(tokens[: snap.num_tokens]) == snap.digest:
             return snap
     return None
 
 
 class SnapshotStore:
-    def __init__(self, num_rows: int, num_snapshots: int, slot_bytes: int = 0, in_place: bool = False) -> None:
+    def __init__(self, num_rows: int, num_snapshots: int, slot_bytes: int = 0, in_place: bool = False,
+                 num_host: int = 0) -> None:
         self.num_rows = num_rows
         self.capacity = num_snapshots
+        self.host_capacity = num_host
         self.slot_bytes = slot_bytes  # one slot of the state cache (StateCache.slot_bytes)
         self.in_place = in_place
         first = self.num_slots(num_rows, 0, in_place)
-        self._free = list(range(first + num_snapshots - 1, first - 1, -1))
-        # (session id, TURN | PROMPT) or (the prefix's digest in hex, SHARED); least recently used first
-        self._by_key: OrderedDict[tuple[str, SnapshotPoint], Snapshot] = OrderedDict()
-        self.hits = 0
-        self.saved = 0
-        self.dropped = 0
+        self._free = {Tier.GPU: list(range(first + num_snapshots - 1, first - 1, -1)),
+                      Tier.HOST: list(range(first + num_snapshots + num_host - 1, first + num_snapshots - 1, -1))}
+        self._by_key: OrderedDict[Key, Snapshot] = OrderedDict()  # least recently used first
+        self._copies: list[tuple[int, int]] = []
+        self.hits = self.saved = self.dropped = self.evicted = self.demoted = self.promoted = 0
 
     @staticmethod
     def num_slots(num_rows: int, num_snapshots: int, in_place: bool = False) -> int:
+        """Device slots of the state cache (the host ones come after them)."""
         return (1 if in_place else 2) * num_rows + num_snapshots
 
     def aligned_slot(self, row: int) -> int:
@@ -107,61 +131,118 @@ class SnapshotStore:
     def __len__(self) -> int:
         return len(self._by_key)
 
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) slot copies decided since the last call, in order: the runner makes them before the
+        next step (before its seeds, which may read them)."""
+        out, self._copies = self._copies, []
+        return out
+
+    # ---- lookups (pure) ----
+
+    def _own(self, session: str) -> list[Key]:
+        return [k for k in self._by_key if k[0] == session and k[1] in _OWN]
+
     def find(self, session: str | None, tokens: Sequence[int], limit: int) -> Snapshot | None:
         """The session's longest snapshot that describes a prefix of `tokens` no longer than `limit`. Pure."""
         if session is None:
             return None
-        found = [s for p in _OWN if (s := self._by_key.get((session, p))) is not None]
-        return _longest(found, tokens, limit)
+        return _longest([self._by_key[k] for k in self._own(session)], tokens, limit)
 
     def find_shared(self, tokens: Sequence[int], limit: int) -> Snapshot | None:
         """The longest shared-prefix snapshot that describes a prefix of `tokens` no longer than `limit`. Pure."""
-        return _longest([s for (_, p), s in self._by_key.items() if p is SnapshotPoint.SHARED], tokens, limit)
+        return _longest([s for k, s in self._by_key.items() if k[1] is SnapshotPoint.SHARED], tokens, limit)
+
+    def after(self, position: int) -> list[Snapshot]:
+        """Every snapshot held at a position past `position` (state_units.py: which ones a node's pages resume)."""
+        return [s for s in self._by_key.values() if s.num_tokens > position]
 
     def session_bytes(self, session: str) -> int:
-        """Bytes of the session's snapshots held right now."""
-        return self.slot_bytes * sum((session, p) in self._by_key for p in _OWN)
+        """Bytes of the session's snapshots held on the device right now (what `used_bytes` counts)."""
+        return self.slot_bytes * sum(self._by_key[k].tier is Tier.GPU for k in self._own(session))
 
     def stats(self) -> SnapshotStats:
-        n = len(self._by_key)
+        on_host = sum(s.tier is Tier.HOST for s in self._by_key.values())
+        n = len(self._by_key) - on_host
         return SnapshotStats(n, self.capacity, self.slot_bytes, n * self.slot_bytes, self.capacity * self.slot_bytes,
-                             self.saved, self.hits, self.dropped)
+                             self.saved, self.hits, self.dropped, self.evicted, on_host, self.host_capacity,
+                             self.demoted, self.promoted)
+
+    # ---- changes ----
 
     def used(self, snap: Snapshot) -> None:
-        """`snap` (found by `find` or `find_shared`) is resumed from: it, and its session's other snapshot,
+        """`snap` (found by `find` or `find_shared`) is resumed from: it, and its session's other snapshots,
         become the most recently used."""
         owner = next(k for k, s in self._by_key.items() if s is snap)
-        keys = [owner] if owner[1] is SnapshotPoint.SHARED else [(owner[0], p) for p in _OWN]
-        for key in keys:
-            if key in self._by_key:
-                self._by_key.move_to_end(key)
+        for key in [owner] if owner[1] is SnapshotPoint.SHARED else self._own(owner[0]):
+            self._by_key.move_to_end(key)
         self.hits += 1
+        self.promoted += snap.tier is Tier.HOST
 
-    def save_shared(self, tokens: Sequence[int]) -> int | None:
-        """A slot for a snapshot of the shared prefix `tokens` (as `save`)."""
-        return self.save(_digest(tokens).hex(), SnapshotPoint.SHARED, tokens)
+    def save_shared(self, tokens: Sequence[int], src: int) -> bool:
+        """Keep the state in slot `src` as the snapshot of the shared prefix `tokens` (as `save`)."""
+        return self.save(digest(tokens).hex(), SnapshotPoint.SHARED, tokens, src)
 
-    def save(self, session: str, point: SnapshotPoint, tokens: Sequence[int]) -> int | None:
-        """A slot for the session's new snapshot of `tokens` at `point` (its old one's, else a free one, else
-        the least recently used one's); the caller copies the state there before anything else runs."""
-        old = self._by_key.pop((session, point), None)
-        if old is not None:
-            slot = old.slot
-        elif self._free:
-            slot = self._free.pop()
-        elif self._by_key:
-            # a shared prefix's snapshot goes before any session's: a session's is what its lease protects
-            key = next((k for k in self._by_key if k[1] is SnapshotPoint.SHARED), next(iter(self._by_key)))
-            slot = self._by_key.pop(key).slot
-            self.dropped += 1
-        else:
-            return None
-        self._by_key[(session, point)] = Snapshot(slot, len(tokens), _digest(tokens))
+    def save(self, owner: str, point: SnapshotPoint, tokens: Sequence[int], src: int) -> bool:
+        """Keep the state in slot `src` (the caller's page-aligned copy) as the session's snapshot of `tokens`
+        at `point`, in a device slot: its old one's, a free one, or its first victim's (demoted to host where
+        it has room). The copy is queued for the next step. False when no slot could be had."""
+        d = digest(tokens)
+        old = self._by_key.pop((owner, point, 0), None)
+        if old is not None and point is not SnapshotPoint.SHARED and _prefix_of(old, tokens):
+            hist = (owner, SnapshotPoint.HISTORY, old.num_tokens)
+            if hist in self._by_key:
+                self._release(self._by_key.pop(hist))
+            self._by_key[hist] = old  # an earlier point of the same conversation
+        elif old is not None:
+            self._release(old)
+        slot = self._slot(Tier.GPU)
+        if slot is None:
+            return False
+        self._by_key[(owner, point, 0)] = Snapshot(slot, len(tokens), d)
+        self._copies.append((src, slot))
         self.saved += 1
-        return slot
+        return True
+
+    def discard(self, snap: Snapshot) -> None:
+        """The pages `snap` resumes on were evicted: it goes with them (counted in `evicted`)."""
+        key = next((k for k, s in self._by_key.items() if s is snap), None)
+        if key is not None:
+            self._release(self._by_key.pop(key))
+            self.evicted += 1
 
     def drop(self, session: str) -> None:
-        for p in _OWN:
-            snap = self._by_key.pop((session, p), None)
-            if snap is not None:
-                self._free.append(snap.slot)
+        for key in self._own(session):
+            self._release(self._by_key.pop(key))
+
+    def _release(self, snap: Snapshot) -> None:
+        self._free[snap.tier].append(snap.slot)
+
+    def _victim(self, tier: Tier) -> Key | None:
+        for point in _VICTIMS:
+            key = next((k for k, s in self._by_key.items() if s.tier is tier and point in (None, k[1])), None)
+            if key is not None:
+                return key
+        return None
+
+    def _slot(self, tier: Tier) -> int | None:
+        """A free slot of `tier`, else its first victim's: a device victim moves to host when it can."""
+        if self._free[tier]:
+            return self._free[tier].pop()
+        key = self._victim(tier)
+        if key is None:
+            return None
+        snap = self._by_key.pop(key)
+        host = self._slot(Tier.HOST) if tier is Tier.GPU and self.host_capacity else None
+        if host is None:
+            self.dropped += 1
+            return snap.slot
+        self._copies.append((snap.slot, host))
+        self._by_key[key] = replace(snap, slot=host, tier=Tier.HOST)
+        self._by_key.move_to_end(key, last=False)  # it keeps its place in the order: it was a victim
+        self.demoted += 1
+        return snap.slot
+
+
+def _prefix_of(old: Snapshot, tokens: Sequence[int]) -> bool:
+    """old describes a proper prefix of tokens."""
+    return old.num_tokens < len(tokens) and digest(tokens[: old.num_tokens]) == old.digest

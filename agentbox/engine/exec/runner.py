@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from agentbox.config import PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
+from agentbox.config import HOST_STATE_GB, PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
 from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.exec.logprob import TokenLogprob
@@ -86,6 +86,7 @@ class ModelRunner:
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
         self.state_in_place = False  # sliding rings: the live slot is its own page-aligned copy (_state_cache)
         self.max_num_seqs = config.max_num_seqs  # fewer when per-sequence state does not fit (_fit_state_slots)
+        self.num_host_snapshots = 0  # snapshots demoted to host RAM; set with the state cache
         self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
         self.verifies = PendingVerifies(self.page_size) if self.state_cache is not None else None
         page_bytes = self._make_pool()
@@ -164,10 +165,13 @@ class ModelRunner:
                 f"per-sequence state takes {per_slot / 2**20:.0f} MiB x {slots} slots (per running request and "
                 f"snapshot), more than this GPU has free; lower it, e.g. --max-num-seqs 1 --state-snapshots 1"
             )
-        cache = StateCache(specs, slots, self.dtype, self.device, held)
+        host = self.config.host_state_snapshots
+        self.num_host_snapshots = min(self.num_snapshots, int(HOST_STATE_GB * 2**30 // per_slot)) if host is None else host
+        # Host slots: the snapshots a small card cannot hold (`held`, numbered as snapshots), then the demoted ones.
+        cache = StateCache(specs, slots, self.dtype, self.device, held + self.num_host_snapshots)
         log.info("per-sequence state: %d layers, %.2f MiB per sequence, %d session snapshots (%d in host memory), "
-                 "%.1f MiB on the device", len(cache.specs), per_slot / 2**20, self.num_snapshots, held,
-                 slots * per_slot / 2**20)
+                 "%.1f MiB on the device, %d more in host RAM for demoted snapshots", len(cache.specs),
+                 per_slot / 2**20, self.num_snapshots, held, slots * per_slot / 2**20, self.num_host_snapshots)
         return cache
 
     def _fit_state_slots(self, per_row: int, per_slot: int) -> int:
