@@ -32,6 +32,7 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLM, torch
     path: Path = tmp_path_factory.mktemp("gemma4-rings")
     hf = save_gemma4(configs()["dense"], path)
     config = EngineConfig(model=str(path), page_size=PAGE, attention="torch", num_pages=128, host_cache_gb=0.0,
+                          host_state_snapshots=0,
                           max_num_seqs=ROWS, state_snapshots=SNAPSHOTS)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ModelRunner, "_fit_state_slots", lambda self, per_row, per_slot: self.num_snapshots)
@@ -47,9 +48,9 @@ def test_one_ring_per_running_request_and_per_snapshot(gemma: tuple[LLM, torch.n
     state = llm.core.runner.state_cache
     assert state is not None
     ring = 2 * 2 * (WINDOW + PAGE) * 2 * 16 * 4
-    assert state.slot_bytes() == ring and (state.num_slots, state.held_slots) == (ROWS, SNAPSHOTS)
+    assert state.slot_bytes() == ring and (state.num_slots, state.num_host) == (ROWS, SNAPSHOTS)
     assert sum(t.nbytes for layer in state.layers for t in layer) == ROWS * ring
-    assert sum(t.nbytes for layer in state.held for t in layer) == SNAPSHOTS * ring
+    assert sum(t.nbytes for layer in state.host_layers for t in layer) == SNAPSHOTS * ring
 
 
 def test_new_session_resumes_at_the_shared_prefix(gemma: tuple[LLM, torch.nn.Module]) -> None:
@@ -70,8 +71,8 @@ def test_new_session_resumes_at_the_shared_prefix(gemma: tuple[LLM, torch.nn.Mod
 def test_held_snapshot_slots_copy_through_host_memory() -> None:
     """Slots past the device's are held in host memory: a ring saved there and seeded back is the same ring."""
     spec = WindowKVSpec(2, 16, WINDOW, slack=PAGE)
-    state = StateCache([spec, spec], 2, torch.float32, "cpu", held_slots=2)
-    assert all(t.shape[0] == 2 for layer in state.held for t in layer)
+    state = StateCache([spec, spec], 2, torch.float32, "cpu", num_host=2)
+    assert all(t.shape[0] == 2 for layer in state.host_layers for t in layer)
     for layer in state.layers:
         for t in layer:
             t.normal_()
@@ -92,11 +93,12 @@ def test_small_card_keeps_snapshots_in_host_memory(tmp_path: Path, monkeypatch: 
     free = torch.cuda.mem_get_info()[0]
     monkeypatch.setattr(runner, "GPU_STATE_SHARE", 2.5 * ring / free)  # two rings' room: the rows, no snapshot
     config = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", page_size=PAGE, attention="torch",
-                          num_pages=128, host_cache_gb=0.0, max_num_seqs=2, state_snapshots=8)
+                          num_pages=128, host_cache_gb=0.0, max_num_seqs=2, state_snapshots=8,
+                          host_state_snapshots=0)
     with LLM(config) as llm:
         state = llm.core.runner.state_cache
-        assert state is not None and state.num_slots == 2 and state.held_slots == 8
-        assert state.held[0][0].is_pinned()
+        assert state is not None and state.num_slots == 2 and state.num_host == 8
+        assert state.host_layers[0][0].is_pinned()
         prompts = [PREFIX + [(seed * 37 + k * 11) % 256 for k in range(20)] for seed in range(3)]
         outs = [llm.generate([p], SP, session_ids=[f"agent{i}"])[0] for i, p in enumerate(prompts)]
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]  # transformers on the CPU
