@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from agentbox.config import EngineConfig, Speculative
 from agentbox.engine.cache.cache_policies import kv_manager
+from agentbox.engine.cache.disk_states import disk_states
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.sessions import TurnRecord
 from agentbox.engine.cache.state_snapshots import SnapshotStore
@@ -73,14 +74,15 @@ class EngineCore:
         if self.workers is not None:
             self.workers.watch(on_rank_death or self._note_death)
         self.pool = PagePool(self.runner.num_pages, config.page_size)
-        # Pages alone cannot resume a recurrent-state model: its disk tier waits for persisted snapshots.
-        self.cache = kv_manager(config, self.pool, self.runner.kv_cache, disk=self.runner.state_cache is None)
+        self.cache = kv_manager(config, self.pool, self.runner.kv_cache, state=self.runner.state_cache)
         self.scheduler = Scheduler(config, self.cache, self.runner.max_model_len)
         self.scheduler.recurrent_state = self.runner.state_cache is not None
         if self.runner.state_cache is not None and self.runner.num_snapshots > 0:
             self.scheduler.snapshots = SnapshotStore(
                 self.runner.num_rows, self.runner.num_snapshots, self.runner.state_cache.slot_bytes()
             )
+        self.scheduler.disk_states = disk_states(self.cache, self.runner.state_cache, self.scheduler.snapshots,
+                                                 self.scheduler.pending_state_slots)
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
         self.drafter = self._drafter(config)
         self.scheduler.drafter = self.drafter
@@ -108,9 +110,15 @@ class EngineCore:
         config.disk_flush_s (engine/cache/radix_disk.py)."""
         t0 = time.monotonic()
         written, left = self.cache.persist(self.config.disk_flush_s)
-        if written or left:
-            log.info("saved %d KV pages of %d sessions to disk in %.1f s%s", written, len(self.cache.sessions),
-                     time.monotonic() - t0, f"; {left} pages left unsaved (--disk-flush-s)" if left else "")
+        states, disk = 0, self.scheduler.disk_states
+        if disk is not None:  # the turns that just ended: their snapshots' copies run now (no next step)
+            copies = self.scheduler.take_state_copies()
+            disk.state.copy([s for s, _ in copies], [d for _, d in copies])
+            states = disk.persist()
+        if written or left or states:
+            log.info("saved %d KV pages of %d sessions (%d state snapshots) to disk in %.1f s%s", written,
+                     len(self.cache.sessions), states, time.monotonic() - t0,
+                     f"; {left} pages left unsaved (--disk-flush-s)" if left else "")
 
     def close(self) -> None:
         """Stops the tensor-parallel workers and leaves the group (nothing to do at tp 1)."""

@@ -25,6 +25,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from agentbox.config import EngineConfig
+from agentbox.engine.cache.disk_states import DiskStates
 from agentbox.engine.cache.manager import KVManager
 from agentbox.engine.cache.radix_node import Lock, Match, Tier
 from agentbox.engine.cache.state_snapshots import SnapshotPoint, SnapshotStore
@@ -74,6 +75,7 @@ class Scheduler:
         self.recurrent_state = False
         self.snapshots: SnapshotStore | None = None  # set with recurrent_state when snapshots are kept
         self._state_copies: list[tuple[int, int]] = []
+        self.disk_states: DiskStates | None = None  # set by the core: snapshots on the disk tier
         self.drafter: Drafter | None = None  # set by the core when speculative decoding is on
 
     # ---- lifecycle ----
@@ -179,6 +181,9 @@ class Scheduler:
         found = [s for s in (store.find(m.session, req.all_token_ids, m.num_tokens),
                              store.find_shared(req.all_token_ids, m.num_tokens)) if s is not None]
         snap = max(found, key=lambda s: s.num_tokens, default=None)
+        if self.disk_states is not None:  # a longer snapshot on disk (from before a restart) is read back
+            seeds = {r.state_seed for r in self.running if r.state_seed is not None}
+            snap = self.disk_states.resume(snap, req.all_token_ids, m.num_tokens, seeds, self._cancel_copies)
         share_at = m.num_tokens // self.page_size * self.page_size
         if share_at > (snap.num_tokens if snap else 0):
             req.state_share_at = share_at
@@ -189,7 +194,21 @@ class Scheduler:
             return cut
         store.used(snap)
         req.state_seed = snap.slot
-        return Match(path, snap.num_tokens, 0, m.session, m.epoch)
+        k = max(0, snap.num_tokens - (m.num_tokens - m.num_disk_tokens)) // self.page_size  # disk pages kept
+        return Match(path, snap.num_tokens, k * self.page_size, m.session, m.epoch, m.disk[:k],
+                     m.disk_tokens[: k * self.page_size])
+
+    def pending_state_slots(self) -> set[int]:
+        """Snapshot slots a queued copy fills at the next step (what they hold now is not their snapshot)."""
+        return {dst for _, dst in self._state_copies}
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The queued copies, for a caller that runs them itself (a graceful stop: no next step)."""
+        copies, self._state_copies = self._state_copies, []
+        return copies
+
+    def _cancel_copies(self, slot: int) -> None:
+        self._state_copies = [c for c in self._state_copies if c[1] != slot]
 
     def _state_chunk(self, req: Request, n: int) -> int:
         """A hybrid model's prefill chunk ends on a page boundary when it can, and the prompt's last page
@@ -362,7 +381,12 @@ class Scheduler:
                     break  # nothing was taken: it looks again next step
                 queue.popleft()
                 shown = self.cache.visible_tokens(m, req.namespace) if req.namespace else m.num_tokens
-                n = self._admit(req, self.cache.lock(m), budget, shown)
+                lock = self.cache.lock(m)
+                if req.state_seed is not None and lock.num_tokens != m.num_tokens:
+                    # the disk gave back fewer pages than the snapshot's position: compute from the start
+                    self.cache.release(lock.pages)
+                    req.state_seed, lock = None, Lock([], 0, 0, lock.session)
+                n = self._admit(req, lock, budget, shown)
                 req.status = Status.RUNNING
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))

@@ -12,6 +12,8 @@ model, dtypes, KV layout, page size, tp), holding `index.json` and `chunks/<hash
 - The index is rewritten whole and atomically (temporary file, fsync, rename) after the chunk files it names
   are written and fsynced, so a crash at any instant leaves a consistent tier: at worst the chunks written
   since the last index are missing (they are orphans on the next start, deleted and counted).
+- A model with per-sequence state (hybrid, Gemma 4) also keeps state snapshots here: one chunk per snapshot,
+  named by the chained hash of the page its position ends on (`state`), checksummed and indexed like pages.
 - Bounded: past `budget_bytes` (all namespaces together) other namespaces go first, then this one's least
   recently used chunks. A full disk is a logged warning, never a failed request.
 
@@ -59,6 +61,7 @@ class Chunk:
     nbytes: int
     created: float
     used: float
+    state: str = ""  # a state snapshot's chunk: the hash (hex) of the page its position ends on
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ class DiskTier:
         self.budget = budget_bytes
         self.chunks: OrderedDict[str, Chunk] = OrderedDict()  # least recently used first
         self.pages: dict[str, PageRef] = {}
+        self.states: dict[str, str] = {}  # page hash (hex) -> the chunk of the state snapshot at that page's end
         self.memo = HashMemo()
         self.torn = 0  # chunks dropped: unindexed leftovers of a crash, or bytes that fail their checksum
         self.written = 0  # pages written
@@ -137,6 +141,8 @@ class DiskTier:
         self.chunks[c.name] = c
         for i, h in enumerate(c.pages):
             self.pages[h] = PageRef(c.name, i)
+        if c.state:
+            self.states[c.state] = c.name
 
     # ---- lookups (pure) ----
 
@@ -216,12 +222,35 @@ class DiskTier:
     def write(self, hashes: Sequence[bytes], data: bytes) -> bool:
         """Write one chunk: pages named by `hashes`, `data` their bytes page-major. False when skipped
         (over the budget alone, or the disk is full)."""
-        n = len(data)
-        if n != len(hashes) * self.page_bytes:
-            raise ValueError(f"{len(hashes)} pages but {n} bytes")
-        if not hashes or n > self.budget or not self._make_room(n):
+        if len(data) != len(hashes) * self.page_bytes:
+            raise ValueError(f"{len(hashes)} pages but {len(data)} bytes")
+        if not hashes or not self._write(hashes[-1].hex(), data, [h.hex() for h in hashes]):
             return False
-        name = hashes[-1].hex()
+        self.written += len(hashes)
+        return True
+
+    def write_state(self, h: bytes, data: bytes) -> bool:
+        """Write the state snapshot at the end of the page whose hash is h. False when skipped."""
+        return self._write("s" + h.hex(), data, [], h.hex())
+
+    def has_state(self, h: bytes) -> bool:
+        return h.hex() in self.states
+
+    def read_state(self, h: bytes) -> bytes | None:
+        """The state snapshot at the end of page h, or None (none, or its chunk is torn: dropped, counted)."""
+        name = self.states.get(h.hex())
+        data = self._read_chunk(name) if name is not None else None
+        if data is None:
+            return None
+        self.chunks[name].used = time.time()
+        self.chunks.move_to_end(name)
+        self._dirty = True
+        return bytes(data)
+
+    def _write(self, name: str, data: bytes, pages: list[str], state: str = "") -> bool:
+        n = len(data)
+        if n > self.budget or not self._make_room(n):
+            return False
         path = self.chunks_dir / f"{name}.kv"
         tmp = path.with_suffix(".tmp")
         try:
@@ -242,8 +271,7 @@ class DiskTier:
         old = self.chunks.get(name)
         if old is not None:
             self._drop(old, unlink=False)
-        self._add(Chunk(name, [h.hex() for h in hashes], checksum(data), n, now, now))
-        self.written += len(hashes)
+        self._add(Chunk(name, pages, checksum(data), n, now, now, state))
         self._dirty = True
         if now - self._last_index >= INDEX_EVERY_S:
             self.save_index()
@@ -270,6 +298,8 @@ class DiskTier:
         for i, h in enumerate(c.pages):
             if self.pages.get(h) == PageRef(c.name, i):
                 del self.pages[h]
+        if c.state and self.states.get(c.state) == c.name:
+            del self.states[c.state]
         if unlink:
             (self.chunks_dir / f"{c.name}.kv").unlink(missing_ok=True)
         self._dirty = True

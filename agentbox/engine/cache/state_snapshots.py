@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 import numpy as np
 
@@ -71,6 +72,15 @@ class Snapshot:
     digest: bytes  # of the tokens [0, num_tokens)
 
 
+class SnapshotListener(Protocol):
+    """Told when a slot gets a new snapshot and when one is about to leave memory (the disk tier's hook:
+    disk_states.py)."""
+
+    def saved(self, slot: int, tokens: Sequence[int]) -> None: ...
+
+    def dropping(self, slot: int) -> None: ...
+
+
 _OWN = (SnapshotPoint.TURN, SnapshotPoint.PROMPT)  # the points a session's own snapshots are kept at
 
 
@@ -92,6 +102,7 @@ class SnapshotStore:
         self.hits = 0
         self.saved = 0
         self.dropped = 0
+        self.listener: SnapshotListener | None = None
 
     @staticmethod
     def num_slots(num_rows: int, num_snapshots: int) -> int:
@@ -102,6 +113,10 @@ class SnapshotStore:
 
     def __len__(self) -> int:
         return len(self._by_key)
+
+    def snapshots(self) -> list[Snapshot]:
+        """Every snapshot held, least recently used first."""
+        return list(self._by_key.values())
 
     def find(self, session: str | None, tokens: Sequence[int], limit: int) -> Snapshot | None:
         """The session's longest snapshot that describes a prefix of `tokens` no longer than `limit`. Pure."""
@@ -150,10 +165,14 @@ class SnapshotStore:
             key = next((k for k in self._by_key if k[1] is SnapshotPoint.SHARED), next(iter(self._by_key)))
             slot = self._by_key.pop(key).slot
             self.dropped += 1
+            if self.listener is not None:
+                self.listener.dropping(slot)
         else:
             return None
         self._by_key[(session, point)] = Snapshot(slot, len(tokens), _digest(tokens))
         self.saved += 1
+        if self.listener is not None:
+            self.listener.saved(slot, tokens)
         return slot
 
     def drop(self, session: str) -> None:
