@@ -198,6 +198,15 @@ class Scheduler:
         return Match(path, snap.num_tokens, k * self.page_size, m.session, m.epoch, m.disk[:k],
                      m.disk_tokens[: k * self.page_size])
 
+    def _lock(self, req: Request, m: Match) -> Lock:
+        """Lock m; for a request seeded from a snapshot, all of it or nothing: a disk read that came back short
+        (a torn chunk, no room) leaves the lock before the snapshot's position, so it computes from the start."""
+        lock = self.cache.lock(m)
+        if req.state_seed is not None and lock.num_tokens != m.num_tokens:
+            self.cache.release(lock.pages)
+            req.state_seed, lock = None, Lock([], 0, 0, lock.session)
+        return lock
+
     def pending_state_slots(self) -> set[int]:
         """Snapshot slots a queued copy fills at the next step (what they hold now is not their snapshot)."""
         return {dst for _, dst in self._state_copies}
@@ -381,12 +390,7 @@ class Scheduler:
                     break  # nothing was taken: it looks again next step
                 queue.popleft()
                 shown = self.cache.visible_tokens(m, req.namespace) if req.namespace else m.num_tokens
-                lock = self.cache.lock(m)
-                if req.state_seed is not None and lock.num_tokens != m.num_tokens:
-                    # the disk gave back fewer pages than the snapshot's position: compute from the start
-                    self.cache.release(lock.pages)
-                    req.state_seed, lock = None, Lock([], 0, 0, lock.session)
-                n = self._admit(req, lock, budget, shown)
+                n = self._admit(req, self._lock(req, m), budget, shown)
                 req.status = Status.RUNNING
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
