@@ -88,7 +88,7 @@ def kv_manager(config: EngineConfig, pool: PagePool, kv: KVCache,
     `state`: a model's per-sequence state (its snapshots go to the same disk tier: disk_states.py)."""
     session = config.cache_policy is CachePolicy.SESSION
     host = HostTier.sized(kv, config.host_cache_gb) if session else None
-    link = disk_link(config, kv, state) if session and config.tensor_parallel_size == 1 else None
+    link = disk_link(config, kv, state) if session else None
     cache = cache_for(config.cache_policy, pool, kv, SessionTable.from_config(config, clock), host, link)
     if link is not None and config.disk_restore:
         cache.restore_sessions()

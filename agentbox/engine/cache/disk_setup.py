@@ -29,6 +29,11 @@ def disk_budget_bytes(root: Path, disk_cache_gb: float | None) -> int:
 def disk_link(config: EngineConfig, kv: KVCache, state: StateCache | None = None) -> DiskLink | None:
     if config.disk_cache_gb == 0:
         return None
+    if config.tensor_parallel_size > 1:
+        # Each rank's pool holds its heads' share of every page: a spill or a restore would have to run on
+        # every rank in step, and rank 0 learn that every rank's shard verified (docs/tensor-parallel.md).
+        log.info("tensor parallel %d: the disk KV tier is off", config.tensor_parallel_size)
+        return None
     try:
         root = disk_root()
         budget = disk_budget_bytes(root, config.disk_cache_gb)

@@ -7,7 +7,7 @@ model, dtypes, KV layout, page size, tp), holding `index.json` and `chunks/<hash
   page's hash and this page's tokens), so a page can only ever be found by a sequence that starts with the
   very tokens it was computed for.
 - A chunk is a run of pages written together (one radix node's pages), page-major, named by its last
-  page's hash; its blake2b checksum is kept in the index. A chunk whose bytes do not match is dropped and
+  page's hash; its checksum (CRC-32) is kept in the index. A chunk whose bytes do not match is dropped and
   counted (`torn`), never served: the caller recomputes those tokens.
 - The index is rewritten whole and atomically (temporary file, fsync, rename) after the chunk files it names
   are written and fsynced, so a crash at any instant leaves a consistent tier: at worst the chunks written
@@ -29,12 +29,13 @@ import os
 import shutil
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from agentbox.engine.cache.disk_reader import ChunkReader, checksum, load
 from agentbox.prefix import common_prefix
 
 log = logging.getLogger(__name__)
@@ -43,14 +44,11 @@ INDEX = "index.json"
 SESSIONS = "sessions.json"
 HASH_BYTES = 16
 INDEX_EVERY_S = 0.5  # the index is rewritten at most this often while spilling (and at every flush)
+READ_AHEAD = 2  # chunks read on the worker thread ahead of the one a restore copies in
 
 
 def chain(prev: bytes, page: Sequence[int]) -> bytes:
     return hashlib.blake2b(prev + np.asarray(page, dtype=np.int64).tobytes(), digest_size=HASH_BYTES).digest()
-
-
-def checksum(data: bytes | memoryview) -> str:
-    return hashlib.blake2b(data, digest_size=HASH_BYTES).hexdigest()
 
 
 @dataclass
@@ -104,6 +102,7 @@ class DiskTier:
         self.pages: dict[str, PageRef] = {}
         self.states: dict[str, str] = {}  # page hash (hex) -> the chunk of the state snapshot at that page's end
         self.memo = HashMemo()
+        self.reader = ChunkReader()
         self.torn = 0  # chunks dropped: unindexed leftovers of a crash, or bytes that fail their checksum
         self.written = 0  # pages written
         self.read = 0  # pages read back
@@ -180,42 +179,54 @@ class DiskTier:
 
     # ---- read ----
 
-    def read_pages(self, refs: Sequence[PageRef]) -> list[bytes]:
-        """The bytes of refs' pages, in order, stopping at the first chunk that is missing or fails its
-        checksum (that chunk is dropped and counted)."""
-        out: list[bytes] = []
-        loaded: dict[str, memoryview] = {}
-        now = time.time()
+    def read_runs(self, refs: Sequence[PageRef]) -> Iterator[tuple[bytearray, list[int]]]:
+        """refs' pages, in order: one (chunk bytes, the pages' places in it) per run of refs in one chunk. The
+        next chunks are read on the worker thread while the caller copies this one in (disk_reader.py). Stops
+        at the first chunk that is missing or fails its checksum (that chunk is dropped and counted)."""
+        runs: list[tuple[str, list[int]]] = []
         for ref in refs:
-            data = loaded.get(ref.chunk)
+            if runs and runs[-1][0] == ref.chunk:
+                runs[-1][1].append(ref.index)
+            else:
+                runs.append((ref.chunk, [ref.index]))
+        now = time.time()
+        for i, (name, idx) in enumerate(runs):
+            for ahead, _ in runs[i + 1 : i + 1 + READ_AHEAD]:
+                self._ask(ahead)
+            data = self._read_chunk(name)
             if data is None:
-                data = self._read_chunk(ref.chunk)
-                if data is None:
-                    break
-                loaded[ref.chunk] = data
-                c = self.chunks[ref.chunk]
-                c.used = now
-                self.chunks.move_to_end(c.name)
-            out.append(bytes(data[ref.index * self.page_bytes : (ref.index + 1) * self.page_bytes]))
-        self.read += len(out)
-        self._dirty = self._dirty or bool(out)
-        return out
+                return
+            c = self.chunks[name]
+            c.used = now
+            self.chunks.move_to_end(name)
+            self.read += len(idx)
+            self._dirty = True
+            yield data, idx
 
-    def _read_chunk(self, name: str) -> memoryview | None:
+    def prefetch(self, refs: Sequence[PageRef]) -> None:
+        """Start reading refs' first chunks on the worker threads (a request that will restore them arrived),
+        as many as the read-ahead bound takes."""
+        for name in dict.fromkeys(r.chunk for r in refs):
+            if not self._ask(name, make_room=False):
+                break
+
+    def _ask(self, name: str, make_room: bool = True) -> bool:
+        c = self.chunks.get(name)
+        return c is not None and self.reader.ask(name, self.chunks_dir / f"{name}.kv", c.nbytes, c.sum, make_room)
+
+    def _read_chunk(self, name: str) -> bytearray | None:
         c = self.chunks.get(name)
         if c is None:
             return None
-        try:
-            data = (self.chunks_dir / f"{name}.kv").read_bytes()
-        except OSError:
-            data = b""
-        if len(data) != c.nbytes or checksum(data) != c.sum:
+        asked, data = self.reader.take(name, c.sum)
+        if not asked:
+            data = load(self.chunks_dir / f"{name}.kv", c.nbytes, c.sum)
+        if data is None:
             log.warning("disk KV tier: chunk %s is torn or corrupt; dropped (its tokens are recomputed)", name)
             self._drop(c)
             self.torn += 1
             self.save_index()
-            return None
-        return memoryview(data)
+        return data
 
     # ---- write ----
 
@@ -298,6 +309,7 @@ class DiskTier:
         for i, h in enumerate(c.pages):
             if self.pages.get(h) == PageRef(c.name, i):
                 del self.pages[h]
+        self.reader.forget(c.name)
         if c.state and self.states.get(c.state) == c.name:
             del self.states[c.state]
         if unlink:
