@@ -1,14 +1,17 @@
-"""A hybrid model's session survives a restart (issue 26): its state snapshots go to the disk tier beside its
-pages. Two sessions on the tiny Qwen3.5 (Gated DeltaNet + gated attention) in a store of two snapshots: the
+"""A session of a model with per-sequence state survives a restart (issue 26): its state snapshots go to the
+disk tier beside its pages. Hybrid: two sessions on the tiny Qwen3.5 (Gated DeltaNet + gated attention) in a store of two snapshots: the
 second session's snapshots push the first's out of memory (written to disk as they leave), a graceful stop
 writes the rest; a new engine over the same state directory resumes both sessions' next turns from disk
-(>= 90 % cached), and each answer equals transformers' cold greedy run."""
+(>= 90 % cached), and each answer equals transformers' cold greedy run. Gemma 4 (sliding-window rings as
+its state): one session, the same after a graceful stop."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from gemma4_models import configs as gemma4_configs
+from gemma4_models import save_gemma4
 from hybrid_models import configs, hf_greedy, save_hybrid
 
 from agentbox.config import EngineConfig
@@ -40,3 +43,22 @@ def test_a_hybrid_session_survives_a_restart(tmp_path: Path, monkeypatch: pytest
         disk = llm.core.scheduler.disk_states
         assert disk is not None and disk.restored == 2
         assert llm.core.cache.stats().disk_restored > 0
+
+
+def test_a_gemma4_session_survives_a_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path / "home"))
+    name, gemma = next(iter(gemma4_configs().items()))
+    hf = save_gemma4(gemma, tmp_path / name)
+    config = EngineConfig(model=str(tmp_path / name), page_size=4, attention="torch", num_pages=64, max_num_seqs=2,
+                          host_cache_gb=0.0, disk_cache_gb=0.05, cpu_threads=1)
+    sp = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True)
+    history = [(i * 37 + 11) % 256 for i in range(40)]  # far past the 8-token window
+    with LLM(config) as llm:
+        history += llm.generate([history], sp, session_ids=["s"])[0].token_ids + [7, 8, 9]
+        llm.core.persist()
+    with LLM(config) as llm:
+        out = llm.generate([history], sp, session_ids=["s"])[0]
+        disk = llm.core.scheduler.disk_states
+    assert out.num_cached_tokens >= 0.9 * len(history), (out.num_cached_tokens, len(history))
+    assert out.token_ids == hf_greedy(hf, history, ANSWER)
+    assert disk is not None and disk.restored == 1
