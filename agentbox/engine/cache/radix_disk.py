@@ -113,7 +113,7 @@ class DiskLink:
         t = self.tier
         return {"disk_pages": t.num_pages, "disk_bytes": t.bytes_used, "disk_budget_bytes": t.budget,
                 "disk_written": self.spilled, "disk_restored": self.restored, "disk_torn": t.torn,
-                "disk_sessions": sessions_on_disk}
+                "disk_sessions": sessions_on_disk, "disk_states": len(t.states)}
 
 
 class DiskTree:
