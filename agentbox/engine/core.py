@@ -110,11 +110,8 @@ class EngineCore:
         config.disk_flush_s (engine/cache/radix_disk.py)."""
         t0 = time.monotonic()
         written, left = self.cache.persist(self.config.disk_flush_s)
-        states, disk = 0, self.scheduler.disk_states
-        if disk is not None:  # the turns that just ended: their snapshots' copies run now (no next step)
-            copies = self.scheduler.take_state_copies()
-            disk.state.copy([s for s, _ in copies], [d for _, d in copies])
-            states = disk.persist()
+        disk = self.scheduler.disk_states
+        states = disk.persist(self.scheduler.take_state_copies()) if disk is not None else 0
         if written or left or states:
             log.info("saved %d KV pages of %d sessions (%d state snapshots) to disk in %.1f s%s", written,
                      len(self.cache.sessions), states, time.monotonic() - t0,

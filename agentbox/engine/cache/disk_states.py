@@ -84,8 +84,10 @@ class DiskStates:
         self.written += ok
         return ok
 
-    def persist(self) -> int:
-        """A graceful stop: every snapshot held (the caller has run the queued copies). Returns those written."""
+    def persist(self, copies: list[tuple[int, int]]) -> int:
+        """A graceful stop: every snapshot held, after the queued `copies` (src, dst) that fill the slots of the
+        turns that just ended (there is no next step to run them). Returns the snapshots written."""
+        self.state.copy([s for s, _ in copies], [d for _, d in copies])
         n = 0
         for snap in self.store.snapshots():
             toks = self._tokens.get(snap.slot)
