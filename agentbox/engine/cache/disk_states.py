@@ -109,10 +109,15 @@ class DiskStates:
         toks = tuple(tokens[: limit // self.ps * self.ps])
         hs = self.tier.hashes(toks, self.ps, len(toks) // self.ps)
         k = next((k for k in range(len(hs), have // self.ps, -1) if self.tier.has_state(hs[k - 1])), 0)
-        data = self.tier.read_state(hs[k - 1]) if k else None
-        if data is None:
+        if not k:
             return snap
         key = "disk:" + hs[k - 1].hex()
+        held = self.store.find(key, toks, limit)  # read back already (an admission that then had to wait)
+        if held is not None:
+            return held
+        data = self.tier.read_state(hs[k - 1])
+        if data is None:
+            return snap
         slot = self.store.save(key, SnapshotPoint.TURN, toks[: k * self.ps])
         if slot is None:
             return snap
