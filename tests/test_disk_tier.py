@@ -110,6 +110,23 @@ def test_corrupt_and_torn_chunks_are_dropped_counted_never_served(tmp_path: Path
     again.check_integrity()
 
 
+def test_a_chunk_read_ahead_is_taken_only_while_it_is_what_the_index_names(tmp_path: Path) -> None:
+    """Reads ahead (on arrival, and the next chunks of a restore) run on worker threads; a chunk rewritten
+    after its read was asked is read again, a torn one is dropped and counted, as without reading ahead."""
+    tier = DiskTier(tmp_path, "ns", {}, page_bytes=8, budget_bytes=1 << 20)
+    hs = [bytes([i]) * 16 for i in range(1, 4)]
+    assert tier.write(hs[:2], b"A" * 16) and tier.write(hs[2:], b"B" * 8)
+    refs = [tier.pages[h.hex()] for h in hs]
+    tier.prefetch(refs)
+    assert tier.reader.asked(refs[0].chunk) and tier.reader.asked(refs[2].chunk)
+    assert tier.write(hs[:2], b"C" * 16)  # the same chunk name, other bytes: the read ahead is stale
+    assert [(bytes(d), i) for d, i in tier.read_runs(refs)] == [(b"C" * 16, [0, 1]), (b"B" * 8, [0])]
+    (tier.chunks_dir / f"{refs[2].chunk}.kv").write_bytes(b"torn!!!!")  # same size, other bytes
+    tier.prefetch(refs)
+    assert [bytes(d) for d, _ in tier.read_runs(refs)] == [b"C" * 16]  # the torn one is dropped, counted
+    assert tier.torn == 1 and refs[2].chunk not in tier.chunks and tier.read == 5
+
+
 def test_bounded_by_budget_other_namespaces_first(tmp_path: Path) -> None:
     kv = _kv()
     per_page = kv.page_bytes

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from agentbox.config import EngineConfig, Speculative
 from agentbox.engine.cache.cache_policies import kv_manager
+from agentbox.engine.cache.disk_states import disk_states
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.sessions import TurnRecord
 from agentbox.engine.cache.state_snapshots import SnapshotStore
@@ -73,8 +74,7 @@ class EngineCore:
         if self.workers is not None:
             self.workers.watch(on_rank_death or self._note_death)
         self.pool = PagePool(self.runner.num_pages, config.page_size)
-        # Pages alone cannot resume a recurrent-state model: its disk tier waits for persisted snapshots.
-        self.cache = kv_manager(config, self.pool, self.runner.kv_cache, disk=self.runner.state_cache is None)
+        self.cache = kv_manager(config, self.pool, self.runner.kv_cache, state=self.runner.state_cache)
         # The runner may run fewer requests than asked where per-sequence state is large (a small card).
         self.scheduler = Scheduler(replace(config, max_num_seqs=self.runner.max_num_seqs), self.cache,
                                    self.runner.max_model_len)
@@ -85,6 +85,8 @@ class EngineCore:
                 self.runner.state_in_place, self.runner.num_host_snapshots,
             )
             self.cache.keep_states(self.scheduler.snapshots)
+        self.scheduler.disk_states = disk_states(self.cache, self.runner.state_cache, self.scheduler.snapshots,
+                                                 self.scheduler.pending_state_slots)
         self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
         self.drafter = self._drafter(config)
         self.scheduler.drafter = self.drafter
@@ -107,9 +109,12 @@ class EngineCore:
         config.disk_flush_s (engine/cache/radix_disk.py)."""
         t0 = time.monotonic()
         written, left = self.cache.persist(self.config.disk_flush_s)
-        if written or left:
-            log.info("saved %d KV pages of %d sessions to disk in %.1f s%s", written, len(self.cache.sessions),
-                     time.monotonic() - t0, f"; {left} pages left unsaved (--disk-flush-s)" if left else "")
+        disk = self.scheduler.disk_states
+        states = disk.persist(self.scheduler.take_state_copies()) if disk is not None else 0
+        if written or left or states:
+            log.info("saved %d KV pages of %d sessions (%d state snapshots) to disk in %.1f s%s", written,
+                     len(self.cache.sessions), states, time.monotonic() - t0,
+                     f"; {left} pages left unsaved (--disk-flush-s)" if left else "")
 
     def close(self) -> None:
         """Stops the tensor-parallel workers and leaves the group (nothing to do at tp 1)."""
@@ -179,7 +184,9 @@ class EngineCore:
                                  error_code="bad_grammar")
         self.prune_sessions(room=1)  # the new request may start a session
         code = self.scheduler.add(req)
-        if code is not None:
+        if code is None:  # what its prefix has on disk is read while it waits
+            self.cache.prefetch(req.all_token_ids[: n - 1], req.session_id, req.namespace)
+        else:
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error_code=code,
                                  error="the server's admission queue is full; retry shortly")
         self.counters.requests += 1

@@ -25,6 +25,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from agentbox.config import EngineConfig
+from agentbox.engine.cache.disk_states import DiskStates
 from agentbox.engine.cache.manager import KVManager
 from agentbox.engine.cache.radix_node import Lock, Match, Tier
 from agentbox.engine.cache.state_snapshots import SnapshotPoint, SnapshotStore
@@ -73,6 +74,7 @@ class Scheduler:
         # there, a cached prefix cannot be resumed, so such requests recompute from the start.
         self.recurrent_state = False
         self.snapshots: SnapshotStore | None = None  # set with recurrent_state when snapshots are kept
+        self.disk_states: DiskStates | None = None  # set by the core: snapshots on the disk tier
         self.drafter: Drafter | None = None  # set by the core when speculative decoding is on
 
     # ---- lifecycle ----
@@ -174,6 +176,9 @@ class Scheduler:
         found = [s for s in (store.find(m.session, req.all_token_ids, m.num_tokens),
                              store.find_shared(req.all_token_ids, m.num_tokens)) if s is not None]
         snap = max(found, key=lambda s: s.num_tokens, default=None)
+        if self.disk_states is not None:  # a longer snapshot on disk (from before a restart) is read back
+            seeds = {r.state_seed for r in self.running if r.state_seed is not None}
+            snap = self.disk_states.resume(snap, req.all_token_ids, m.num_tokens, seeds)
         share_at = m.num_tokens // self.page_size * self.page_size
         if share_at > (snap.num_tokens if snap else 0):
             req.state_share_at = share_at
@@ -183,17 +188,27 @@ class Scheduler:
         host = sum(min(n.start + len(n.key), snap.num_tokens) - n.start for n in path if n.tier is Tier.HOST)
         store.used(snap)
         req.state_seed = snap.slot
-        return Match(path, snap.num_tokens, host, m.session, m.epoch)
+        k = max(0, snap.num_tokens - (m.num_tokens - m.num_disk_tokens)) // self.page_size  # disk pages kept
+        return Match(path, snap.num_tokens, host + k * self.page_size, m.session, m.epoch, m.disk[:k],
+                     m.disk_tokens[: k * self.page_size])
 
     def _lock(self, req: Request, m: Match) -> Lock:
-        """Lock m; for a hybrid model, all of it or nothing: a lock cut short (host pages that found no room)
-        ends where no snapshot describes the state."""
+        """Lock m; for a hybrid model, all of it or nothing: a lock cut short (host pages that found no room, a
+        disk read that came back short: a torn chunk, no room) ends where no snapshot describes the state, so
+        the request computes from the start."""
         lock = self.cache.lock(m)
-        if self.recurrent_state and lock.num_tokens < m.num_tokens:
+        if self.recurrent_state and lock.num_tokens != m.num_tokens:
             self.cache.release(lock.pages)
-            req.state_seed = None
-            return Lock([], 0, 0, lock.session)
+            req.state_seed, lock = None, Lock([], 0, 0, lock.session)
         return lock
+
+    def pending_state_slots(self) -> set[int]:
+        """Snapshot slots a queued copy fills at the next step (what they hold now is not their snapshot)."""
+        return self.snapshots.pending_slots() if self.snapshots is not None else set()
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The queued copies, for a caller that runs them itself (a graceful stop: no next step)."""
+        return self.snapshots.take_copies() if self.snapshots is not None else []
 
     def _state_chunk(self, req: Request, n: int) -> int:
         """A hybrid model's prefill chunk ends on a page boundary when it can, and the prompt's last page

@@ -23,6 +23,7 @@ from agentbox.engine.cache.radix_disk import DiskLink
 from agentbox.engine.cache.radix_node import Match, Node
 from agentbox.engine.cache.sessions import Session, SessionTable
 from agentbox.layers.backends.base import KVCache
+from agentbox.layers.recurrent_state import StateCache
 
 
 class SessionCache(RadixCache):
@@ -82,12 +83,12 @@ def cache_for(policy: CachePolicy | str, pool: PagePool, kv: KVCache | None = No
 
 
 def kv_manager(config: EngineConfig, pool: PagePool, kv: KVCache,
-               clock: Callable[[], float] = time.monotonic, disk: bool = True) -> RadixCache:
+               clock: Callable[[], float] = time.monotonic, state: StateCache | None = None) -> RadixCache:
     """The engine's cache. The host and disk tiers belong to the session policy; lru mirrors general engines.
-    `disk`: False where pages alone cannot resume a sequence (recurrent-state models)."""
+    `state`: a model's per-sequence state (its snapshots go to the same disk tier: disk_states.py)."""
     session = config.cache_policy is CachePolicy.SESSION
     host = HostTier.sized(kv, config.host_cache_gb) if session else None
-    link = disk_link(config, kv) if session and disk and config.tensor_parallel_size == 1 else None
+    link = disk_link(config, kv, state) if session else None
     cache = cache_for(config.cache_policy, pool, kv, SessionTable.from_config(config, clock), host, link)
     if link is not None and config.disk_restore:
         cache.restore_sessions()

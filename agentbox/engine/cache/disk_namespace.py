@@ -19,9 +19,10 @@ from pathlib import Path
 import agentbox
 from agentbox.config import EngineConfig
 from agentbox.layers.backends.base import KVCache
+from agentbox.layers.recurrent_state import StateCache
 
 # Bumped when the chunk format or what a page holds changes: old namespaces then stop matching.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC-32 checksums, state snapshots
 
 
 def _files(model: Path) -> list[tuple[str, int, int]]:
@@ -46,7 +47,8 @@ class Namespace:
     meta: dict[str, object]  # what the key covers, written beside it for `agentbox cache`
 
 
-def namespace_for(config: EngineConfig, kv: KVCache, tp: int = 1) -> Namespace:
+def namespace_for(config: EngineConfig, kv: KVCache, tp: int = 1, state: StateCache | None = None) -> Namespace:
+    """`state`: a model's per-sequence state (hybrid, Gemma 4): its snapshots' layout is part of the key."""
     model = Path(config.model).expanduser()
     t = kv.k[0]
     meta: dict[str, object] = {
@@ -62,5 +64,7 @@ def namespace_for(config: EngineConfig, kv: KVCache, tp: int = 1) -> Namespace:
         "exact_cpu": config.exact_cpu,
         "device": t.device.type,
     }
+    if state is not None:  # only then: the namespaces of models without state stay what they were
+        meta["state_layout"] = [[list(x.shape[1:]), str(x.dtype)] for layer in state.layers for x in layer]
     blob = json.dumps(meta, sort_keys=True).encode()
     return Namespace(hashlib.blake2b(blob, digest_size=12).hexdigest(), meta)

@@ -3,7 +3,6 @@ of a chunk can be read alone), in the pool's own dtype (bit-exact: a page read b
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from agentbox.layers.backends.base import KVCache
@@ -26,12 +25,24 @@ def pages_to_bytes(kv: KVCache, pages: list[int]) -> bytes:
 
 def bytes_to_pages(kv: KVCache, pages: list[int], blobs: list[bytes]) -> None:
     """Write blobs (one per page, as pages_to_bytes made them) into `pages` of kv."""
-    if not pages:
-        return
+    if pages:
+        _scatter(kv, pages, torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).view(len(pages), -1))
+
+
+def chunk_to_pages(kv: KVCache, pages: list[int], chunk: bytearray, places: list[int]) -> None:
+    """Write the pages at `places` of a chunk (its bytes as pages_to_bytes made them, read as they are: no
+    copy before the one into the pool) into `pages` of kv."""
+    rows = torch.frombuffer(chunk, dtype=torch.uint8).view(-1, kv.page_bytes)
+    if places != list(range(rows.shape[0])):
+        rows = rows[torch.tensor(places, dtype=torch.int64)]
+    _scatter(kv, pages, rows)
+
+
+def _scatter(kv: KVCache, pages: list[int], rows: torch.Tensor) -> None:
+    """rows: uint8 [len(pages), page bytes], page-major as pages_to_bytes made them."""
     tensors = kv.tensors()
     device = tensors[0].device
-    raw = torch.from_numpy(np.frombuffer(b"".join(blobs), dtype=np.uint8).copy())
-    staged = raw.view(kv.dtype).view(len(pages), -1).to(device)
+    staged = rows.view(kv.dtype).to(device)
     widths = [kv.page_size * t[0].numel() for t in tensors]
     idx = _slots(pages, kv.page_size, device)
     for t, part in zip(tensors, staged.split(widths, dim=1), strict=True):

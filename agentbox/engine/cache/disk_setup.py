@@ -14,6 +14,7 @@ from agentbox.engine.cache.disk_namespace import namespace_for
 from agentbox.engine.cache.disk_tier import DiskTier
 from agentbox.engine.cache.radix_disk import DiskLink
 from agentbox.layers.backends.base import KVCache
+from agentbox.layers.recurrent_state import StateCache
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +26,18 @@ def disk_budget_bytes(root: Path, disk_cache_gb: float | None) -> int:
     return int(min(shutil.disk_usage(root).free * DISK_CACHE_SHARE, DISK_CACHE_MAX_GB * 1024**3))
 
 
-def disk_link(config: EngineConfig, kv: KVCache) -> DiskLink | None:
+def disk_link(config: EngineConfig, kv: KVCache, state: StateCache | None = None) -> DiskLink | None:
     if config.disk_cache_gb == 0:
+        return None
+    if config.tensor_parallel_size > 1:
+        # Each rank's pool holds its heads' share of every page: a spill or a restore would have to run on
+        # every rank in step, and rank 0 learn that every rank's shard verified (docs/tensor-parallel.md).
+        log.info("tensor parallel %d: the disk KV tier is off", config.tensor_parallel_size)
         return None
     try:
         root = disk_root()
         budget = disk_budget_bytes(root, config.disk_cache_gb)
-        ns = namespace_for(config, kv, config.tensor_parallel_size)
+        ns = namespace_for(config, kv, config.tensor_parallel_size, state)
         tier = DiskTier(root, ns.key, ns.meta, kv.page_bytes, budget, restore=config.disk_restore)
     except OSError as e:
         log.warning("the disk KV tier is off: %s (%s). Fix the directory or pass --disk-cache-gb 0",

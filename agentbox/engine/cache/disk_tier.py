@@ -7,11 +7,13 @@ model, dtypes, KV layout, page size, tp), holding `index.json` and `chunks/<hash
   page's hash and this page's tokens), so a page can only ever be found by a sequence that starts with the
   very tokens it was computed for.
 - A chunk is a run of pages written together (one radix node's pages), page-major, named by its last
-  page's hash; its blake2b checksum is kept in the index. A chunk whose bytes do not match is dropped and
+  page's hash; its checksum (CRC-32) is kept in the index. A chunk whose bytes do not match is dropped and
   counted (`torn`), never served: the caller recomputes those tokens.
 - The index is rewritten whole and atomically (temporary file, fsync, rename) after the chunk files it names
   are written and fsynced, so a crash at any instant leaves a consistent tier: at worst the chunks written
   since the last index are missing (they are orphans on the next start, deleted and counted).
+- A model with per-sequence state (hybrid, Gemma 4) also keeps state snapshots here: one chunk per snapshot,
+  named by the chained hash of the page its position ends on (`state`), checksummed and indexed like pages.
 - Bounded: past `budget_bytes` (all namespaces together) other namespaces go first, then this one's least
   recently used chunks. A full disk is a logged warning, never a failed request.
 
@@ -27,12 +29,13 @@ import os
 import shutil
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from agentbox.engine.cache.disk_reader import ChunkReader, checksum, load
 from agentbox.prefix import common_prefix
 
 log = logging.getLogger(__name__)
@@ -41,14 +44,11 @@ INDEX = "index.json"
 SESSIONS = "sessions.json"
 HASH_BYTES = 16
 INDEX_EVERY_S = 0.5  # the index is rewritten at most this often while spilling (and at every flush)
+READ_AHEAD = 2  # chunks read on the worker thread ahead of the one a restore copies in
 
 
 def chain(prev: bytes, page: Sequence[int]) -> bytes:
     return hashlib.blake2b(prev + np.asarray(page, dtype=np.int64).tobytes(), digest_size=HASH_BYTES).digest()
-
-
-def checksum(data: bytes | memoryview) -> str:
-    return hashlib.blake2b(data, digest_size=HASH_BYTES).hexdigest()
 
 
 @dataclass
@@ -59,6 +59,7 @@ class Chunk:
     nbytes: int
     created: float
     used: float
+    state: str = ""  # a state snapshot's chunk: the hash (hex) of the page its position ends on
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,9 @@ class DiskTier:
         self.budget = budget_bytes
         self.chunks: OrderedDict[str, Chunk] = OrderedDict()  # least recently used first
         self.pages: dict[str, PageRef] = {}
+        self.states: dict[str, str] = {}  # page hash (hex) -> the chunk of the state snapshot at that page's end
         self.memo = HashMemo()
+        self.reader = ChunkReader()
         self.torn = 0  # chunks dropped: unindexed leftovers of a crash, or bytes that fail their checksum
         self.written = 0  # pages written
         self.read = 0  # pages read back
@@ -137,6 +140,8 @@ class DiskTier:
         self.chunks[c.name] = c
         for i, h in enumerate(c.pages):
             self.pages[h] = PageRef(c.name, i)
+        if c.state:
+            self.states[c.state] = c.name
 
     # ---- lookups (pure) ----
 
@@ -174,54 +179,89 @@ class DiskTier:
 
     # ---- read ----
 
-    def read_pages(self, refs: Sequence[PageRef]) -> list[bytes]:
-        """The bytes of refs' pages, in order, stopping at the first chunk that is missing or fails its
-        checksum (that chunk is dropped and counted)."""
-        out: list[bytes] = []
-        loaded: dict[str, memoryview] = {}
-        now = time.time()
+    def read_runs(self, refs: Sequence[PageRef]) -> Iterator[tuple[bytearray, list[int]]]:
+        """refs' pages, in order: one (chunk bytes, the pages' places in it) per run of refs in one chunk. The
+        next chunks are read on the worker thread while the caller copies this one in (disk_reader.py). Stops
+        at the first chunk that is missing or fails its checksum (that chunk is dropped and counted)."""
+        runs: list[tuple[str, list[int]]] = []
         for ref in refs:
-            data = loaded.get(ref.chunk)
+            if runs and runs[-1][0] == ref.chunk:
+                runs[-1][1].append(ref.index)
+            else:
+                runs.append((ref.chunk, [ref.index]))
+        now = time.time()
+        for i, (name, idx) in enumerate(runs):
+            for ahead, _ in runs[i + 1 : i + 1 + READ_AHEAD]:
+                self._ask(ahead)
+            data = self._read_chunk(name)
             if data is None:
-                data = self._read_chunk(ref.chunk)
-                if data is None:
-                    break
-                loaded[ref.chunk] = data
-                c = self.chunks[ref.chunk]
-                c.used = now
-                self.chunks.move_to_end(c.name)
-            out.append(bytes(data[ref.index * self.page_bytes : (ref.index + 1) * self.page_bytes]))
-        self.read += len(out)
-        self._dirty = self._dirty or bool(out)
-        return out
+                return
+            c = self.chunks[name]
+            c.used = now
+            self.chunks.move_to_end(name)
+            self.read += len(idx)
+            self._dirty = True
+            yield data, idx
 
-    def _read_chunk(self, name: str) -> memoryview | None:
+    def prefetch(self, refs: Sequence[PageRef]) -> None:
+        """Start reading refs' first chunks on the worker threads (a request that will restore them arrived),
+        as many as the read-ahead bound takes."""
+        for name in dict.fromkeys(r.chunk for r in refs):
+            if not self._ask(name, make_room=False):
+                break
+
+    def _ask(self, name: str, make_room: bool = True) -> bool:
+        c = self.chunks.get(name)
+        return c is not None and self.reader.ask(name, self.chunks_dir / f"{name}.kv", c.nbytes, c.sum, make_room)
+
+    def _read_chunk(self, name: str) -> bytearray | None:
         c = self.chunks.get(name)
         if c is None:
             return None
-        try:
-            data = (self.chunks_dir / f"{name}.kv").read_bytes()
-        except OSError:
-            data = b""
-        if len(data) != c.nbytes or checksum(data) != c.sum:
+        asked, data = self.reader.take(name, c.sum)
+        if not asked:
+            data = load(self.chunks_dir / f"{name}.kv", c.nbytes, c.sum)
+        if data is None:
             log.warning("disk KV tier: chunk %s is torn or corrupt; dropped (its tokens are recomputed)", name)
             self._drop(c)
             self.torn += 1
             self.save_index()
-            return None
-        return memoryview(data)
+        return data
 
     # ---- write ----
 
     def write(self, hashes: Sequence[bytes], data: bytes) -> bool:
         """Write one chunk: pages named by `hashes`, `data` their bytes page-major. False when skipped
         (over the budget alone, or the disk is full)."""
-        n = len(data)
-        if n != len(hashes) * self.page_bytes:
-            raise ValueError(f"{len(hashes)} pages but {n} bytes")
-        if not hashes or n > self.budget or not self._make_room(n):
+        if len(data) != len(hashes) * self.page_bytes:
+            raise ValueError(f"{len(hashes)} pages but {len(data)} bytes")
+        if not hashes or not self._write(hashes[-1].hex(), data, [h.hex() for h in hashes]):
             return False
-        name = hashes[-1].hex()
+        self.written += len(hashes)
+        return True
+
+    def write_state(self, h: bytes, data: bytes) -> bool:
+        """Write the state snapshot at the end of the page whose hash is h. False when skipped."""
+        return self._write("s" + h.hex(), data, [], h.hex())
+
+    def has_state(self, h: bytes) -> bool:
+        return h.hex() in self.states
+
+    def read_state(self, h: bytes) -> bytes | None:
+        """The state snapshot at the end of page h, or None (none, or its chunk is torn: dropped, counted)."""
+        name = self.states.get(h.hex())
+        data = self._read_chunk(name) if name is not None else None
+        if data is None:
+            return None
+        self.chunks[name].used = time.time()
+        self.chunks.move_to_end(name)
+        self._dirty = True
+        return bytes(data)
+
+    def _write(self, name: str, data: bytes, pages: list[str], state: str = "") -> bool:
+        n = len(data)
+        if n > self.budget or not self._make_room(n):
+            return False
         path = self.chunks_dir / f"{name}.kv"
         tmp = path.with_suffix(".tmp")
         try:
@@ -242,8 +282,7 @@ class DiskTier:
         old = self.chunks.get(name)
         if old is not None:
             self._drop(old, unlink=False)
-        self._add(Chunk(name, [h.hex() for h in hashes], checksum(data), n, now, now))
-        self.written += len(hashes)
+        self._add(Chunk(name, pages, checksum(data), n, now, now, state))
         self._dirty = True
         if now - self._last_index >= INDEX_EVERY_S:
             self.save_index()
@@ -270,6 +309,9 @@ class DiskTier:
         for i, h in enumerate(c.pages):
             if self.pages.get(h) == PageRef(c.name, i):
                 del self.pages[h]
+        self.reader.forget(c.name)
+        if c.state and self.states.get(c.state) == c.name:
+            del self.states[c.state]
         if unlink:
             (self.chunks_dir / f"{c.name}.kv").unlink(missing_ok=True)
         self._dirty = True

@@ -90,6 +90,11 @@ class KVManager(ABC):
     @abstractmethod
     def match(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> Match: ...
 
+    def prefetch(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> None:
+        """A request for tokens arrived: start bringing up what a slower tier holds of its prefix (in the
+        background: nothing in the cache changes). A no-op without such a tier."""
+        return
+
     @abstractmethod
     def visible_tokens(self, m: Match, namespace: str) -> int:
         """Of m's tokens, those a request of `namespace` may be told are cached. Pure."""

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from agentbox.engine.cache.disk_pages import bytes_to_pages, pages_to_bytes
+from agentbox.engine.cache.disk_pages import chunk_to_pages, pages_to_bytes
 from agentbox.engine.cache.disk_sessions import load_sessions, save_sessions
 from agentbox.engine.cache.disk_tier import SESSIONS, DiskTier, PageRef
 from agentbox.engine.cache.host_tier import HostTier
@@ -113,7 +113,7 @@ class DiskLink:
         t = self.tier
         return {"disk_pages": t.num_pages, "disk_bytes": t.bytes_used, "disk_budget_bytes": t.budget,
                 "disk_written": self.spilled, "disk_restored": self.restored, "disk_torn": t.torn,
-                "disk_sessions": sessions_on_disk}
+                "disk_sessions": sessions_on_disk, "disk_states": len(t.states)}
 
 
 class DiskTree:
@@ -130,6 +130,7 @@ class DiskTree:
     index: SessionIndex
     gpu_pages: int
     _epoch: int
+    match: Callable[..., Match]
     sessions: SessionTable  # KVManager's property: annotations only here, so nothing shadows the tree's own
     evict: Callable[[int], int]
 
@@ -139,19 +140,32 @@ class DiskTree:
         ends = {h: sid for sid, (h, _) in self.on_disk.items() if sid.startswith(namespace)}
         return next((ends[h] for h in reversed(hashes) if h in ends), None)
 
+    def prefetch(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> None:
+        """A request arrived: the disk part of its match is read on the worker thread while it waits for
+        admission (its restore then takes the bytes). Changes nothing in the tree."""
+        if self.disk is not None and self.disk.tier.pages:
+            m = self.match(tokens, session, namespace)
+            if m.disk:
+                self.disk.tier.prefetch(m.disk)
+
     def _restore(self, parent: Node, m: Match) -> Node | None:
         """Read m's disk pages (as many as GPU room and intact chunks allow) into fresh GPU pages, attached
-        under parent as one new node."""
+        under parent as one new node. A chunk is copied in while the next ones are read (disk_reader.py)."""
         assert self.disk is not None and self.kv is not None
         k = len(m.disk)
         if self.pool.num_free < k:
             self.evict(k - self.pool.num_free)
-        blobs = self.disk.tier.read_pages(m.disk[: min(k, self.pool.num_free)])
-        if not blobs:
+        k = min(k, self.pool.num_free)
+        pages = self.pool.alloc(k)
+        done = 0
+        for chunk, places in self.disk.tier.read_runs(m.disk[:k]):
+            chunk_to_pages(self.kv, pages[done : done + len(places)], chunk, places)
+            done += len(places)
+        self.pool.decref(pages[done:])  # past a torn chunk: back to the free list
+        if not done:
             return None
-        pages = self.pool.alloc(len(blobs))
-        bytes_to_pages(self.kv, pages, blobs)
-        toks = m.disk_tokens[: len(blobs) * self.ps]
+        pages = pages[:done]
+        toks = m.disk_tokens[: done * self.ps]
         node = Node(toks, pages, Tier.GPU, parent, parent.start + len(parent.key))
         parent.children[toks[: self.ps]] = node
         self.gpu_pages += len(pages)

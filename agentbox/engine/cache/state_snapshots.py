@@ -46,6 +46,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Protocol
 
 import numpy as np
 
@@ -93,6 +94,17 @@ class Snapshot:
     tier: Tier = Tier.GPU
 
 
+class SnapshotListener(Protocol):
+    """Told when a slot gets a snapshot, when one moves to another slot (demoted to host), and when one is about
+    to leave memory for good (the disk tier's hook: disk_states.py)."""
+
+    def saved(self, slot: int, tokens: Sequence[int]) -> None: ...
+
+    def moved(self, src: int, dst: int) -> None: ...
+
+    def dropping(self, slot: int) -> None: ...
+
+
 Key = tuple[str, SnapshotPoint, int]  # (session, point, 0) | (session, HISTORY, position) | (digest hex, SHARED, 0)
 _OWN = (SnapshotPoint.TURN, SnapshotPoint.PROMPT, SnapshotPoint.HISTORY)  # a session's own points
 _VICTIMS = (SnapshotPoint.HISTORY, SnapshotPoint.SHARED, None)  # the order a full tier gives up; None: any
@@ -119,6 +131,7 @@ class SnapshotStore:
         self._by_key: OrderedDict[Key, Snapshot] = OrderedDict()  # least recently used first
         self._copies: list[tuple[int, int]] = []
         self.hits = self.saved = self.dropped = self.evicted = self.demoted = self.promoted = 0
+        self.listener: SnapshotListener | None = None
 
     @staticmethod
     def num_slots(num_rows: int, num_snapshots: int, in_place: bool = False) -> int:
@@ -136,6 +149,18 @@ class SnapshotStore:
         next step (before its seeds, which may read them)."""
         out, self._copies = self._copies, []
         return out
+
+    def pending_slots(self) -> set[int]:
+        """Slots a queued copy fills at the next step (what they hold now is not their snapshot yet)."""
+        return {dst for _, dst in self._copies}
+
+    def cancel_copies(self, slot: int) -> None:
+        """Drop the queued copies into `slot` (the caller filled it itself)."""
+        self._copies = [c for c in self._copies if c[1] != slot]
+
+    def snapshots(self) -> list[Snapshot]:
+        """Every snapshot held, least recently used first."""
+        return list(self._by_key.values())
 
     # ---- lookups (pure) ----
 
@@ -201,12 +226,28 @@ class SnapshotStore:
         self._by_key[(owner, point, 0)] = Snapshot(slot, len(tokens), d)
         self._copies.append((src, slot))
         self.saved += 1
+        if self.listener is not None:
+            self.listener.saved(slot, tokens)
         return True
+
+    def adopt(self, owner: str, tokens: Sequence[int]) -> int | None:
+        """A device slot for a snapshot of `tokens` the caller writes into it now (read back from disk), under
+        `owner`'s TURN point; every queued copy runs first (`take_copies`: the caller makes them), since a
+        victim's demotion reads the slot. None when no slot could be had."""
+        slot = self._slot(Tier.GPU)
+        if slot is None:
+            return None
+        self._by_key[(owner, SnapshotPoint.TURN, 0)] = Snapshot(slot, len(tokens), digest(tokens))
+        if self.listener is not None:
+            self.listener.saved(slot, tokens)
+        return slot
 
     def discard(self, snap: Snapshot) -> None:
         """The pages `snap` resumes on were evicted: it goes with them (counted in `evicted`)."""
         key = next((k for k, s in self._by_key.items() if s is snap), None)
         if key is not None:
+            if self.listener is not None:
+                self.listener.dropping(snap.slot)
             self._release(self._by_key.pop(key))
             self.evicted += 1
 
@@ -235,8 +276,12 @@ class SnapshotStore:
         host = self._slot(Tier.HOST) if tier is Tier.GPU and self.host_capacity else None
         if host is None:
             self.dropped += 1
+            if self.listener is not None:
+                self.listener.dropping(snap.slot)
             return snap.slot
         self._copies.append((snap.slot, host))
+        if self.listener is not None:
+            self.listener.moved(snap.slot, host)
         self._by_key[key] = replace(snap, slot=host, tier=Tier.HOST)
         self._by_key.move_to_end(key, last=False)  # it keeps its place in the order: it was a victim
         self.demoted += 1

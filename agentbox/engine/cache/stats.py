@@ -32,6 +32,7 @@ class CacheStats:
     disk_restored: int = 0  # pages read back instead of recomputed
     disk_torn: int = 0  # chunks dropped: left torn by a crash or failing their checksum
     disk_sessions: int = 0  # sessions restored at start that have not returned yet ("on disk")
+    disk_states: int = 0  # state snapshots on disk (models with per-sequence state: disk_states.py)
 
 
 class SessionState(Enum):

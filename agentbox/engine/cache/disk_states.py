@@ -1,0 +1,142 @@
+"""State snapshots on the disk tier: a hybrid (Gated DeltaNet) or Gemma 4 session survives a restart.
+
+Pages alone cannot resume such a model: its per-sequence state resumes only at the exact position it was
+saved (state_snapshots.py). So its snapshots go to the same disk tier as its pages, the same way:
+- Named by the chained hash of the page their position ends on (the position is page-aligned), so a
+  snapshot is only ever found by a sequence that starts with the very tokens it describes; checksummed and
+  indexed like pages (disk_tier.py); the namespace covers the state's layout (disk_namespace.py).
+- Written when they leave memory: a snapshot the store drops for room (`dropping`, before its slot is
+  reused), and every held snapshot at a graceful stop (`persist`). A slot whose copy is still queued for
+  the next step does not hold its snapshot yet: it is not written (recomputed later, never served wrong).
+- Restored on a match (`resume`): when the disk holds a snapshot further into the prompt than any in
+  memory, it is read into a store slot (under its own key, `disk:<hash>`) and the request seeds from it; the
+  scheduler keeps the match's disk pages up to that position, and falls back to computing from the start
+  when the pages come back short (a torn chunk, no room), since the state would then be at the wrong place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from agentbox.engine.cache.disk_tier import DiskTier
+from agentbox.engine.cache.radix_cache import RadixCache
+from agentbox.engine.cache.state_snapshots import Snapshot, SnapshotStore
+from agentbox.layers.recurrent_state import StateCache, StateRecord
+
+
+def slot_bytes(state: StateCache, slot: int) -> bytes:
+    """Every state tensor's slot (device or host), in `state.layers` order, bit-exact."""
+    return b"".join(t.reshape(-1).cpu().view(torch.uint8).numpy().tobytes() for t in state.read(slot, 0, b"").tensors)
+
+
+def bytes_to_slot(state: StateCache, slot: int, data: bytes) -> bool:
+    """Write data (as slot_bytes made it) into `slot`; False (nothing written) when its size does not fit."""
+    like = state.read(slot, 0, b"").tensors
+    sizes = [t.numel() * t.element_size() for t in like]
+    if sum(sizes) != len(data):
+        return False
+    parts, off = [], 0
+    for t, n in zip(like, sizes, strict=True):
+        parts.append(torch.frombuffer(bytearray(data[off : off + n]), dtype=torch.uint8).view(t.dtype).view(t.shape))
+        off += n
+    state.write(slot, StateRecord(0, b"", tuple(parts)))
+    return True
+
+
+class DiskStates:
+    """The snapshot store's disk side (its `listener`)."""
+
+    def __init__(self, tier: DiskTier, state: StateCache, store: SnapshotStore, page_size: int,
+                 pending: Callable[[], set[int]]) -> None:
+        self.tier = tier
+        self.state = state
+        self.store = store
+        self.ps = page_size
+        self.pending = pending  # slots a queued copy will fill at the next step (their content is not theirs yet)
+        self._tokens: dict[int, Sequence[int]] = {}  # slot -> the tokens its snapshot describes
+        self.written = 0
+        self.restored = 0
+        store.listener = self
+
+    # ---- the store's hooks ----
+
+    def saved(self, slot: int, tokens: Sequence[int]) -> None:
+        self._tokens[slot] = tokens
+
+    def moved(self, src: int, dst: int) -> None:
+        toks = self._tokens.pop(src, None)
+        if toks is not None:
+            self._tokens[dst] = toks
+
+    def dropping(self, slot: int) -> None:
+        if slot not in self.pending():
+            self._write(slot)
+        self._tokens.pop(slot, None)
+
+    # ---- write ----
+
+    def _write(self, slot: int) -> bool:
+        toks = self._tokens.get(slot)
+        if not toks or len(toks) % self.ps:
+            return False
+        h = self.tier.hashes(tuple(toks), self.ps, len(toks) // self.ps)[-1]
+        if self.tier.has_state(h):
+            return False
+        ok = self.tier.write_state(h, slot_bytes(self.state, slot))
+        self.written += ok
+        return ok
+
+    def persist(self, copies: list[tuple[int, int]]) -> int:
+        """A graceful stop: every snapshot held, after the queued `copies` (src, dst) that fill the slots of the
+        turns that just ended (there is no next step to run them). Returns the snapshots written."""
+        self.state.copy([s for s, _ in copies], [d for _, d in copies])
+        n = 0
+        for snap in self.store.snapshots():
+            toks = self._tokens.get(snap.slot)
+            if toks is not None and len(toks) == snap.num_tokens:
+                n += self._write(snap.slot)
+        self.tier.save_index()
+        return n
+
+    # ---- restore ----
+
+    def resume(self, snap: Snapshot | None, tokens: Sequence[int], limit: int, seeds: set[int]) -> Snapshot | None:
+        """`snap` (the best snapshot in memory for tokens, up to `limit`), or a longer one read from disk into
+        the store. `seeds`: slots requests admitted this step seed from (never overwritten). The store's queued
+        copies run here first (between steps, on the one rank a disk tier runs on): taking a slot may demote
+        its victim, a copy that reads the slot before the disk's bytes land in it."""
+        have = snap.num_tokens if snap is not None else 0
+        if not self.tier.states or limit < have + self.ps:
+            return snap
+        toks = tuple(tokens[: limit // self.ps * self.ps])
+        hs = self.tier.hashes(toks, self.ps, len(toks) // self.ps)
+        k = next((k for k in range(len(hs), have // self.ps, -1) if self.tier.has_state(hs[k - 1])), 0)
+        if not k:
+            return snap
+        key = "disk:" + hs[k - 1].hex()
+        held = self.store.find(key, toks, limit)  # read back already (an admission that then had to wait)
+        if held is not None:
+            return held
+        data = self.tier.read_state(hs[k - 1])
+        if data is None:
+            return snap
+        slot = self.store.adopt(key, toks[: k * self.ps])
+        if slot is None:
+            return snap
+        copies = self.store.take_copies()
+        self.state.copy([s for s, _ in copies], [d for _, d in copies])
+        if slot in seeds or not bytes_to_slot(self.state, slot, data):
+            self.store.drop(key)
+            return snap
+        self.restored += 1
+        return self.store.find(key, toks, limit)
+
+
+def disk_states(cache: RadixCache, state: StateCache | None, store: SnapshotStore | None,
+                pending: Callable[[], set[int]]) -> DiskStates | None:
+    """The engine's snapshots on its disk tier, or None (no disk tier, no state, no snapshots kept)."""
+    if cache.disk is None or state is None or store is None:
+        return None
+    return DiskStates(cache.disk.tier, state, store, cache.ps, pending)
