@@ -30,7 +30,7 @@ from agentbox.models.loader import LoadedModel, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 
 if TYPE_CHECKING:  # the core's types, for hints only: exec must not import the core at run time
-    from agentbox.engine.scheduler import SchedulerOutput
+    from agentbox.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -237,12 +237,7 @@ class ModelRunner:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             if self.state_cache is not None:
-                if r.state_seed is not None:
-                    copies.append((r.state_seed, row))
-                    r.state_seed = None
-                if not s.draft and (self.state_in_place or end % ps == 0):  # a verify's is set at sampling
-                    # rings resume at their last page boundary themselves; others at the copy execute takes there
-                    r.state_aligned_at = end // ps * ps
+                self._state_of(s, row, end, copies)
             ids += r.token_ids[start:end]  # a draft's positions are past the list's end: the slice stops there
             ids += s.draft
             pages = r.pages
@@ -270,6 +265,16 @@ class ModelRunner:
             state_commits=torch.empty(0, 3, dtype=torch.int64) if commits is None else commits,
             state_verifies=torch.tensor([i for i, s in enumerate(out.seqs) if s.draft], dtype=torch.int64),
         )
+
+    def _state_of(self, s: ScheduledSeq, row: int, end: int, copies: list[tuple[int, int]]) -> None:
+        """A stateful sequence's seed copy into its row, and where its state will be page-aligned."""
+        r = s.request
+        if r.state_seed is not None:
+            copies.append((r.state_seed, row))
+            r.state_seed = None
+        if not s.draft and (self.state_in_place or end % self.page_size == 0):  # a verify's is set at sampling
+            # rings resume at their last page boundary themselves; others at the copy execute takes there
+            r.state_aligned_at = end // self.page_size * self.page_size
 
     # ---- every rank: StepInputs -> logits ----
 
