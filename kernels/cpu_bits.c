@@ -20,7 +20,9 @@
  *   byte-bound. Bits per weight: Q5_0 / Q5_1 / Q8_0 their file's (5.5 / 6 / 8.5; a row ending in a short
  *   record adds at most 12 bytes of plane: K 576 Q5_0 5.61), Q5_K 5.75 (file 5.5), Q6_K 6.625 (6.5625).
  * Offsets stay out of the block loop (see `record`); the next tile's rows are prefetched while this one
- * computes, and rows past N % 4 rerun the last row (one code path).
+ * computes, and rows past N % 4 rerun the last row (one code path). Up to 8 activation rows share a pass over a
+ * tile: a block's codes of the four rows are unpacked and transposed once (transpose4) so that each activation
+ * row's products sum vertically (tile_dot), with no horizontal add per row.
  *
  * Activations are rounded to int8 per 32 exactly as cpu_gemv.c does (round_activations), so the kernel and
  * a many-row caller's dequantise + sgemm on the rounded x compute the same numbers.
@@ -76,7 +78,8 @@ static inline int64_t row_bytes(const shape_t *s) {
 typedef struct {
     int8_t *q;   /* [K/32][M][4][32]: block b of row i, operand t at ((b M + i) 4 + t) 32 */
     float *d;    /* [K/32][M] */
-    float *gs;   /* [M][records][GM]: d * (sum of the rounded x) per scale group, zero past the record's */
+    float *gs;   /* [M][records][GM][4]: d * (sum of the rounded x) per scale group, 4 copies (the offsets' term
+                  * takes two groups a 256-bit FMA); zero past the record's */
     int64_t m;
 } act_t;
 
@@ -84,9 +87,10 @@ static int quantize(const float *x, int64_t m, const shape_t *s, act_t *a) {
     const int64_t k = s->k, nb = k / QB, recs = nrecords(s), per = QB / s->group;
     a->q = (int8_t *)aligned_alloc(32, (size_t)(m * k * 4));
     a->d = (float *)malloc(sizeof(float) * (size_t)(m * nb));
-    a->gs = (float *)calloc((size_t)(m * recs * GM), sizeof(float));
+    a->gs = (float *)aligned_alloc(32, sizeof(float) * (size_t)(m * recs * GM * 4));
     a->m = m;
     if (!a->q || !a->d || !a->gs) return -1;
+    memset(a->gs, 0, sizeof(float) * (size_t)(m * recs * GM * 4));
     for (int64_t r = 0; r < m * nb; r++) {
         int sq[2];
         int8_t q[QB];
@@ -99,12 +103,11 @@ static int quantize(const float *x, int64_t m, const shape_t *s, act_t *a) {
         _mm256_store_si256(spread + 2, _mm256_shuffle_epi32(xv, 0xAA));
         _mm256_store_si256(spread + 3, _mm256_shuffle_epi32(xv, 0xFF));
         a->d[b * m + row] = d;
-        float *gs = a->gs + (row * recs + b / PB) * GM + (b % PB) * per;
-        if (per == 1)
-            gs[0] = d * (float)(sq[0] + sq[1]);
-        else {
-            gs[0] = d * (float)sq[0];
-            gs[1] = d * (float)sq[1];
+        float *gs = a->gs + ((row * recs + b / PB) * GM + (b % PB) * per) * 4;
+        const float g0 = per == 1 ? d * (float)(sq[0] + sq[1]) : d * (float)sq[0], g1 = d * (float)sq[1];
+        for (int j = 0; j < 4; j++) {
+            gs[j] = g0;
+            if (per == 2) gs[4 + j] = g1;
         }
     }
     return 0;
@@ -216,7 +219,8 @@ static inline __attribute__((always_inline)) void transpose4(const __m256i *c, _
  * rows 0 1 2 3 | 0 1 2 3. Unsigned 5- and 6-bit codes: u8 x s8 products (AVX2: pairs to int16, then at most 8
  * products of 31 x 127 summed in int16 for 5 bits, 4 of 63 x 127 for 6). 8-bit codes are signed: |w| (av) against
  * x with w's sign moved on, and pairs of 128 x 127 leave no room in int16 for more. VNNI: vpdpbusd, the same
- * lanes. Integer sums are exact, so this equals u8_rows_dot / q8_dot's result lane for lane. */
+ * lanes. Integer sums are exact, so this is lane for lane the sums the previous kernel's horizontal adds (three
+ * per block and activation row) gave. */
 static inline __attribute__((always_inline)) __m256i tile_dot(const __m256i *v, const __m256i *av, const __m256i *x,
                                                             const int bits) {
     __m256i xs[4];
@@ -246,7 +250,7 @@ static inline __attribute__((always_inline)) __m256i tile_dot(const __m256i *v, 
  * centre 2^(bits-1) without offsets), so the record adds sum_g (o_g + k0 s_g) * (sum of x in group g). */
 static inline __attribute__((always_inline)) void record(const act_t *a, int64_t m0, const int mr, const shape_t *s,
                                                          const uint8_t *const *h, int64_t rec, const int p,
-                                                         const int g, __m256 *acc, __m128 *eacc, const int bits,
+                                                         const int g, __m256 *acc, __m256 *eacc, const int bits,
                                                          const int group) {
     const int64_t hb = header_bytes(s, p, group), pairs = plane_bytes(bits, p), recs = nrecords(s);
     const int sym8 = bits == 8 && !s->off; /* k0 = 0 and no offsets: nothing to add */
@@ -263,14 +267,16 @@ static inline __attribute__((always_inline)) void record(const act_t *a, int64_t
         if (!sym8) transpose4x8(of, c, et);
     }
     if (!sym8)
-        for (int i = 0; i < mr; i++) { /* two chains (even, odd groups): a record's g FMAs are not one latency chain */
-            const float *gs = a->gs + ((m0 + i) * recs + rec) * GM;
-            for (int c = 0; c < g; c++)
-                eacc[2 * i + (c & 1)] = _mm_fmadd_ps(_mm_loadu_ps(et[c]), _mm_broadcast_ss(gs + c), eacc[2 * i + (c & 1)]);
+        for (int i = 0; i < mr; i++) { /* two chains (halves: even, odd groups), not one of g latencies; past g zeros */
+            const float *gs = a->gs + ((m0 + i) * recs + rec) * GM * 4;
+            for (int c = 0; c < g; c += 2)
+                eacc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(et[c]), _mm256_load_ps(gs + 4 * c), eacc[i]);
         }
     const int64_t m = a->m;
     const int8_t *xq = a->q + ((rec * PB) * m + m0) * 4 * QB; /* block b, row i: xq + (b m + i) 4 QB */
     const float *xd = a->d + rec * PB * m + m0;
+    __m256 sum[MR]; /* the record's own accumulators: through `acc` GCC stored each one back every block */
+    for (int i = 0; i < mr; i++) sum[i] = acc[i];
 #pragma GCC unroll 1 /* the record is inlined 48 times (bits x group x rows chunk x full / last) */
     for (int b = 0; b < p; b++) {
         __m256i q[NR], v[NR], av[NR];
@@ -282,9 +288,10 @@ static inline __attribute__((always_inline)) void record(const act_t *a, int64_t
 #pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
             const __m256i prod = tile_dot(v, av, (const __m256i *)(xq + (b * m + i) * 4 * QB), bits);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_mul_ps(sv, _mm256_broadcast_ss(xd + b * m + i)), acc[i]);
+            sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_mul_ps(sv, _mm256_broadcast_ss(xd + b * m + i)), sum[i]);
         }
     }
+    for (int i = 0; i < mr; i++) acc[i] = sum[i];
 }
 
 /* Activation rows m0 .. m0 + mr against the NR consecutive weight rows at w. */
@@ -294,10 +301,10 @@ static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m
     /* past the last row (N % 4), the last row again: one code path, results dropped */
     const int64_t nb = s->k / QB, rb = row_bytes(s), full = record_bytes(s, PB, group), tail = nb % PB;
     __m256 acc[MR];
-    __m128 eacc[2 * MR];
+    __m256 eacc[MR];
     for (int i = 0; i < mr; i++) {
         acc[i] = _mm256_setzero_ps();
-        eacc[2 * i] = eacc[2 * i + 1] = _mm_setzero_ps();
+        eacc[i] = _mm256_setzero_ps();
     }
     const uint8_t *h[NR];
     /* The next tile's rows, fetched a slice per record while this tile computes: the four streams of a tile
@@ -305,7 +312,7 @@ static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m
     const uint8_t *next = w + NR * rb;
     const int64_t slice = (NR * rb / (nb / PB + 1) + 63) / 64 * 64;
     int64_t rec = 0;
-    for (; rec < nb / PB; rec++) { /* full records: p and g constants, the block loop unrolled */
+    for (; rec < nb / PB; rec++) { /* full records: p and g constants */
         if (m0 == 0)
             for (int64_t o = rec * slice; o < (rec + 1) * slice; o += 64) _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
         for (int r = 0; r < NR; r++) h[r] = w + (r < valid ? r : valid - 1) * rb + rec * full;
@@ -317,7 +324,7 @@ static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m
     if (tail) /* the last, shorter record (K 576 = 2 x 8 + 2 blocks): p a run-time value, one more copy, not four */
         record(a, m0, mr, s, h, rec, (int)tail, (int)tail * QB / group, acc, eacc, bits, group);
     for (int i = 0; i < mr; i++) {
-        const __m128 e = _mm_add_ps(eacc[2 * i], eacc[2 * i + 1]);
+        const __m128 e = _mm_add_ps(_mm256_castps256_ps128(eacc[i]), _mm256_extractf128_ps(eacc[i], 1));
         float o[NR];
         _mm_storeu_ps(o, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)), e));
         for (int r = 0; r < valid; r++) out[(m0 + i) * s->n + r] = o[r];
