@@ -20,7 +20,9 @@
  *   byte-bound. Bits per weight: Q5_0 / Q5_1 / Q8_0 their file's (5.5 / 6 / 8.5; a row ending in a short
  *   record adds at most 12 bytes of plane: K 576 Q5_0 5.61), Q5_K 5.75 (file 5.5), Q6_K 6.625 (6.5625).
  * Offsets stay out of the block loop (see `record`); the next tile's rows are prefetched while this one
- * computes, and rows past N % 4 rerun the last row (one code path).
+ * computes, and rows past N % 4 rerun the last row (one code path). Up to 8 activation rows share a pass over a
+ * tile: a block's codes of the four rows are unpacked and transposed once (transpose4) so that each activation
+ * row's products sum vertically (tile_dot), with no horizontal add per row.
  *
  * Activations are rounded to int8 per 32 exactly as cpu_gemv.c does (round_activations), so the kernel and
  * a many-row caller's dequantise + sgemm on the rounded x compute the same numbers.
@@ -35,7 +37,7 @@
 
 #define QB 32   /* elements per block */
 #define NR 4    /* weight rows one pass over an activation row serves */
-#define MR 4    /* activation rows one pass over a tile serves */
+#define MR 8    /* activation rows one pass over a tile serves */
 #define PB 8    /* blocks per record (256 columns: a GGUF K-quant super-block); a row's last may have fewer */
 #define GM 16   /* most groups in a record (8 blocks of two groups of 16) */
 
@@ -70,29 +72,42 @@ static inline int64_t row_bytes(const shape_t *s) {
     return nb / PB * record_bytes(s, PB, s->group) + (tail ? record_bytes(s, (int)tail, s->group) : 0);
 }
 
+/* Activations with a block's rows side by side, so the kernel's loop over rows reads at constant offsets from one
+ * pointer, and each block as the four operands of transpose4's vectors (x's 32-bit lane t of each half in all four
+ * lanes of that half), so a product's operand is a memory operand, not a shuffle per activation row. */
 typedef struct {
-    int8_t *q;   /* [M][K] */
-    float *d;    /* [M][K/32] */
-    float *gs;   /* [M][records][GM]: d * (sum of the rounded x) per scale group, zero past the record's */
+    int8_t *q;   /* [K/32][M][4][32]: block b of row i, operand t at ((b M + i) 4 + t) 32 */
+    float *d;    /* [K/32][M] */
+    float *gs;   /* [M][records][GM][4]: d * (sum of the rounded x) per scale group, 4 copies (the offsets' term
+                  * takes two groups a 256-bit FMA); zero past the record's */
+    int64_t m;
 } act_t;
 
 static int quantize(const float *x, int64_t m, const shape_t *s, act_t *a) {
     const int64_t k = s->k, nb = k / QB, recs = nrecords(s), per = QB / s->group;
-    a->q = (int8_t *)aligned_alloc(32, (size_t)((m * k + 31) / 32 * 32));
+    a->q = (int8_t *)aligned_alloc(32, (size_t)(m * k * 4));
     a->d = (float *)malloc(sizeof(float) * (size_t)(m * nb));
-    a->gs = (float *)calloc((size_t)(m * recs * GM), sizeof(float));
+    a->gs = (float *)aligned_alloc(32, sizeof(float) * (size_t)(m * recs * GM * 4));
+    a->m = m;
     if (!a->q || !a->d || !a->gs) return -1;
+    memset(a->gs, 0, sizeof(float) * (size_t)(m * recs * GM * 4));
     for (int64_t r = 0; r < m * nb; r++) {
         int sq[2];
-        const float d = ab_round_block(x + r * QB, a->q + r * QB, sq);
-        a->d[r] = d;
+        int8_t q[QB];
+        const float d = ab_round_block(x + r * QB, q, sq);
         const int64_t row = r / nb, b = r % nb;
-        float *gs = a->gs + (row * recs + b / PB) * GM + (b % PB) * per;
-        if (per == 1)
-            gs[0] = d * (float)(sq[0] + sq[1]);
-        else {
-            gs[0] = d * (float)sq[0];
-            gs[1] = d * (float)sq[1];
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)q);
+        __m256i *spread = (__m256i *)(a->q + (b * m + row) * 4 * QB);
+        _mm256_store_si256(spread, _mm256_shuffle_epi32(xv, 0x00));
+        _mm256_store_si256(spread + 1, _mm256_shuffle_epi32(xv, 0x55));
+        _mm256_store_si256(spread + 2, _mm256_shuffle_epi32(xv, 0xAA));
+        _mm256_store_si256(spread + 3, _mm256_shuffle_epi32(xv, 0xFF));
+        a->d[b * m + row] = d;
+        float *gs = a->gs + ((row * recs + b / PB) * GM + (b % PB) * per) * 4;
+        const float g0 = per == 1 ? d * (float)(sq[0] + sq[1]) : d * (float)sq[0], g1 = d * (float)sq[1];
+        for (int j = 0; j < 4; j++) {
+            gs[j] = g0;
+            if (per == 2) gs[4 + j] = g1;
         }
     }
     return 0;
@@ -186,17 +201,58 @@ static inline __attribute__((always_inline)) void transpose4x8(const float (*v)[
     _mm256_storeu_ps(t[c + 6], _mm256_permute2f128_ps(u2, u3, 0x31));
 }
 
+/* A tile's four rows of a block's codes c[r] (lane e = element e) as v[t]: int32 lane j of v[t] holds four codes
+ * of row j % 4, elements 16 (j / 4) + 4t .. + 3 (a 4 x 4 transpose of 32-bit lanes in each half: 8 in-lane
+ * shuffles per tile and block, not per activation row). Against x[t] (x's 32-bit lane t of each half in all
+ * four lanes of that half: `spread`) a row's products then sum vertically into one vector of the tile's sums,
+ * rows 0 1 2 3 | 0 1 2 3 of elements 0..15 | 16..31, with no horizontal add per activation row. */
+static inline __attribute__((always_inline)) void transpose4(const __m256i *c, __m256i *v) {
+    const __m256i t0 = _mm256_unpacklo_epi32(c[0], c[1]), t1 = _mm256_unpackhi_epi32(c[0], c[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(c[2], c[3]), t3 = _mm256_unpackhi_epi32(c[2], c[3]);
+    v[0] = _mm256_unpacklo_epi64(t0, t2);
+    v[1] = _mm256_unpackhi_epi64(t0, t2);
+    v[2] = _mm256_unpacklo_epi64(t1, t3);
+    v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* The tile's sums of one activation block (x: its four operands, see act_t) against v[t] (transpose4), int32
+ * rows 0 1 2 3 | 0 1 2 3. Unsigned 5- and 6-bit codes: u8 x s8 products (AVX2: pairs to int16, then at most 8
+ * products of 31 x 127 summed in int16 for 5 bits, 4 of 63 x 127 for 6). 8-bit codes are signed: |w| (av) against
+ * x with w's sign moved on, and pairs of 128 x 127 leave no room in int16 for more. VNNI: vpdpbusd, the same
+ * lanes. Integer sums are exact, so this is lane for lane the sums the previous kernel's horizontal adds (three
+ * per block and activation row) gave. */
+static inline __attribute__((always_inline)) __m256i tile_dot(const __m256i *v, const __m256i *av, const __m256i *x,
+                                                            const int bits) {
+    __m256i xs[4];
+    for (int t = 0; t < 4; t++) xs[t] = bits == 8 ? _mm256_sign_epi8(_mm256_load_si256(x + t), v[t]) : _mm256_load_si256(x + t);
+    const __m256i *u = bits == 8 ? av : v;
+#ifdef AB_DPBUSD
+    const __m256i z = _mm256_setzero_si256();
+    return _mm256_add_epi32(AB_DPBUSD(AB_DPBUSD(z, u[0], xs[0]), u[1], xs[1]), AB_DPBUSD(AB_DPBUSD(z, u[2], xs[2]), u[3], xs[3]));
+#else
+    const __m256i one = _mm256_set1_epi16(1);
+    const __m256i p0 = _mm256_maddubs_epi16(u[0], xs[0]), p1 = _mm256_maddubs_epi16(u[1], xs[1]);
+    const __m256i p2 = _mm256_maddubs_epi16(u[2], xs[2]), p3 = _mm256_maddubs_epi16(u[3], xs[3]);
+    if (bits == 5)
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p0, p1), _mm256_add_epi16(p2, p3)), one);
+    if (bits == 6)
+        return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p0, p1), one), _mm256_madd_epi16(_mm256_add_epi16(p2, p3), one));
+    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(p0, one), _mm256_madd_epi16(p1, one)),
+                            _mm256_add_epi32(_mm256_madd_epi16(p2, one), _mm256_madd_epi16(p3, one)));
+#endif
+}
+
 /* One record (p blocks, g groups) of a tile's NR weight rows against activation rows m0 .. m0 + mr. The rows'
- * headers are decoded and their codes unpacked once for all mr activation rows; a block's product of the four
- * rows is one vector of int32 sums (rows 0 1 2 3 | 0 1 2 3: elements 0..15 | 16..31, so a group of 16 is a
- * half), so one conversion and FMA per block and activation row. Offsets stay out of the block loop:
- * w = u s + o + k0 s for stored codes u (k0 = 128 for 8-bit codes, which are stored signed, minus the centre
- * 2^(bits-1) without offsets), so the record adds sum_g (o_g + k0 s_g) * (sum of x in group g). */
+ * headers are decoded and their codes unpacked (and transposed, transpose4) once for all mr activation rows; a
+ * block's product of the four rows is one vector of int32 sums (rows 0 1 2 3 | 0 1 2 3: elements 0..15 | 16..31,
+ * so a group of 16 is a half), so one conversion and FMA per block and activation row. Offsets stay out of the
+ * block loop: w = u s + o + k0 s for stored codes u (k0 = 128 for 8-bit codes, which are stored signed, minus the
+ * centre 2^(bits-1) without offsets), so the record adds sum_g (o_g + k0 s_g) * (sum of x in group g). */
 static inline __attribute__((always_inline)) void record(const act_t *a, int64_t m0, const int mr, const shape_t *s,
                                                          const uint8_t *const *h, int64_t rec, const int p,
-                                                         const int g, __m256 *acc, __m128 *eacc, const int bits,
+                                                         const int g, __m256 *acc, __m256 *eacc, const int bits,
                                                          const int group) {
-    const int64_t nb = s->k / QB, hb = header_bytes(s, p, group), pairs = plane_bytes(bits, p), recs = nrecords(s);
+    const int64_t hb = header_bytes(s, p, group), pairs = plane_bytes(bits, p), recs = nrecords(s);
     const int sym8 = bits == 8 && !s->off; /* k0 = 0 and no offsets: nothing to add */
     const float k0 = (bits == 8 ? 128.0f : 0.0f) - (s->off ? 0.0f : (float)(1 << (bits - 1)));
     float sc[NR][GM], of[NR][GM], st[GM][NR], et[GM][NR];
@@ -211,26 +267,31 @@ static inline __attribute__((always_inline)) void record(const act_t *a, int64_t
         if (!sym8) transpose4x8(of, c, et);
     }
     if (!sym8)
-        for (int i = 0; i < mr; i++) { /* two chains (even, odd groups): a record's g FMAs are not one latency chain */
-            const float *gs = a->gs + ((m0 + i) * recs + rec) * GM;
-            for (int c = 0; c < g; c++)
-                eacc[2 * i + (c & 1)] = _mm_fmadd_ps(_mm_loadu_ps(et[c]), _mm_broadcast_ss(gs + c), eacc[2 * i + (c & 1)]);
+        for (int i = 0; i < mr; i++) { /* two chains (halves: even, odd groups), not one of g latencies; past g zeros */
+            const float *gs = a->gs + ((m0 + i) * recs + rec) * GM * 4;
+            for (int c = 0; c < g; c += 2)
+                eacc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(et[c]), _mm256_load_ps(gs + 4 * c), eacc[i]);
         }
-#pragma GCC unroll 2 /* not 8: the record is inlined 36 times (bits x group x rows chunk x full / last) */
+    const int64_t m = a->m;
+    const int8_t *xq = a->q + ((rec * PB) * m + m0) * 4 * QB; /* block b, row i: xq + (b m + i) 4 QB */
+    const float *xd = a->d + rec * PB * m + m0;
+    __m256 sum[MR]; /* the record's own accumulators: through `acc` GCC stored each one back every block */
+    for (int i = 0; i < mr; i++) sum[i] = acc[i];
+#pragma GCC unroll 1 /* the record is inlined 48 times (bits x group x rows chunk x full / last) */
     for (int b = 0; b < p; b++) {
-        __m256i q[NR], aq[NR];
-        for (int r = 0; r < NR; r++) {
-            q[r] = codes(h[r] + hb, b, pairs, p, bits);
-            if (bits == 8) aq[r] = _mm256_sign_epi8(q[r], q[r]);
-        }
+        __m256i q[NR], v[NR], av[NR];
+        for (int r = 0; r < NR; r++) q[r] = codes(h[r] + hb, b, pairs, p, bits);
+        transpose4(q, v);
+        if (bits == 8)
+            for (int t = 0; t < NR; t++) av[t] = _mm256_sign_epi8(v[t], v[t]);
         const __m256 sv = group == 32 ? _mm256_broadcast_ps((const __m128 *)st[b]) : _mm256_loadu_ps(st[2 * b]);
+#pragma GCC unroll 8
         for (int i = 0; i < mr; i++) {
-            const __m256i xv = _mm256_load_si256((const __m256i *)(a->q + ((m0 + i) * nb + rec * PB + b) * QB));
-            const __m256i prod = bits == 8 ? q8_dot(aq, q, xv) : u8_rows_dot(q, xv);
-            const __m256 d = _mm256_broadcast_ss(a->d + (m0 + i) * nb + rec * PB + b);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_mul_ps(sv, d), acc[i]);
+            const __m256i prod = tile_dot(v, av, (const __m256i *)(xq + (b * m + i) * 4 * QB), bits);
+            sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(prod), _mm256_mul_ps(sv, _mm256_broadcast_ss(xd + b * m + i)), sum[i]);
         }
     }
+    for (int i = 0; i < mr; i++) acc[i] = sum[i];
 }
 
 /* Activation rows m0 .. m0 + mr against the NR consecutive weight rows at w. */
@@ -240,10 +301,10 @@ static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m
     /* past the last row (N % 4), the last row again: one code path, results dropped */
     const int64_t nb = s->k / QB, rb = row_bytes(s), full = record_bytes(s, PB, group), tail = nb % PB;
     __m256 acc[MR];
-    __m128 eacc[2 * MR];
+    __m256 eacc[MR];
     for (int i = 0; i < mr; i++) {
         acc[i] = _mm256_setzero_ps();
-        eacc[2 * i] = eacc[2 * i + 1] = _mm_setzero_ps();
+        eacc[i] = _mm256_setzero_ps();
     }
     const uint8_t *h[NR];
     /* The next tile's rows, fetched a slice per record while this tile computes: the four streams of a tile
@@ -251,7 +312,7 @@ static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m
     const uint8_t *next = w + NR * rb;
     const int64_t slice = (NR * rb / (nb / PB + 1) + 63) / 64 * 64;
     int64_t rec = 0;
-    for (; rec < nb / PB; rec++) { /* full records: p and g constants, the block loop unrolled */
+    for (; rec < nb / PB; rec++) { /* full records: p and g constants */
         if (m0 == 0)
             for (int64_t o = rec * slice; o < (rec + 1) * slice; o += 64) _mm_prefetch((const char *)(next + o), _MM_HINT_T0);
         for (int r = 0; r < NR; r++) h[r] = w + (r < valid ? r : valid - 1) * rb + rec * full;
@@ -263,7 +324,7 @@ static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m
     if (tail) /* the last, shorter record (K 576 = 2 x 8 + 2 blocks): p a run-time value, one more copy, not four */
         record(a, m0, mr, s, h, rec, (int)tail, (int)tail * QB / group, acc, eacc, bits, group);
     for (int i = 0; i < mr; i++) {
-        const __m128 e = _mm_add_ps(eacc[2 * i], eacc[2 * i + 1]);
+        const __m128 e = _mm_add_ps(_mm256_castps256_ps128(eacc[i]), _mm256_extractf128_ps(eacc[i], 1));
         float o[NR];
         _mm_storeu_ps(o, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)), e));
         for (int r = 0; r < valid; r++) out[(m0 + i) * s->n + r] = o[r];
@@ -276,8 +337,12 @@ static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m
                                                        float *out, int64_t j, const int bits, const int group) {
     const int64_t n = s->n, rb = row_bytes(s);
     const int valid = n - j < NR ? (int)(n - j) : NR;
-    int64_t i = 0; /* chunks of 4, then 2, then 1: three copies of the record code, not four */
+    int64_t i = 0; /* chunks of 8, then 4, 2, 1: four copies of the record code, not eight */
     for (; i + MR <= m; i += MR) rows(a, i, MR, s, w + j * rb, out + j, valid, bits, group);
+    if (i + 4 <= m) {
+        rows(a, i, 4, s, w + j * rb, out + j, valid, bits, group);
+        i += 4;
+    }
     if (i + 2 <= m) {
         rows(a, i, 2, s, w + j * rb, out + j, valid, bits, group);
         i += 2;

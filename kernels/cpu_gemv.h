@@ -45,12 +45,6 @@ static inline __attribute__((always_inline)) __m256i u8_dot(__m256i u, __m256i x
 #endif
 }
 
-/* Four rows of unsigned codes u[r] against x, as rows 0 1 2 3 | 0 1 2 3 (elements 0..15 | 16..31). */
-static inline __attribute__((always_inline)) __m256i u8_rows_dot(const __m256i *u, __m256i x) {
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(u8_dot(u[0], x), u8_dot(u[1], x)),
-                             _mm256_hadd_epi32(u8_dot(u[2], x), u8_dot(u[3], x)));
-}
-
 /* Four rows of 32 int8 codes w[r] (aw[r] = |w[r]|) against x, as rows 0 1 2 3 | 0 1 2 3 (elements 0..15 |
  * 16..31): |w| unsigned and w's sign moved onto x, since u8 x s8 is the only byte product. */
 static inline __attribute__((always_inline)) __m256i q8_dot(const __m256i *aw, const __m256i *w, __m256i x) {

@@ -163,10 +163,16 @@ def use_isa(isa: Isa) -> Iterator[None]:
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    isa = pick_isa(cpu_flags())
-    if isa is None:
+    """The best variant this CPU runs that builds (a compiler too old for -mavxvnni keeps the AVX2 one)."""
+    runnable = [i for i in Isa if i.cpu_flags <= cpu_flags()]
+    if not runnable:
         return None, f"this CPU lacks {', '.join(sorted(Isa.AVX2.cpu_flags - cpu_flags()))}"
-    return load(isa)
+    why = ""
+    for variant in runnable:
+        lib, why = load(variant)
+        if lib is not None:
+            return lib, ""
+    return None, why  # the AVX2 build's reason: the others need what it needs
 
 
 def isa() -> Isa | None:
@@ -177,12 +183,28 @@ def isa() -> Isa | None:
     return None if lib is None else Isa(lib.ab_isa().decode())
 
 
+def passed_over() -> list[tuple[Isa, str]]:
+    """The variants better than the one picked, each with why it was not: the CPU lacks its flags, or it did
+    not build here (a build is only tried where the CPU has the flags)."""
+    picked, out = isa(), []
+    for variant in Isa:
+        if variant is picked:
+            break
+        missing = variant.cpu_flags - cpu_flags()
+        out.append((variant, f"the CPU lacks {' '.join(sorted(missing))}" if missing
+                    else f"{load(variant)[1]} (a newer C compiler builds it)"))
+    return out
+
+
 def describe() -> str:
-    """One line for `agentbox doctor` and the serve log."""
+    """One line for `agentbox doctor` and the serve log: the variant, the CPU, its flags that matter, and why
+    each better variant was not picked."""
     picked = isa()
+    flags = " ".join(f for f in ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni") if f in cpu_flags())
+    why_not = "".join(f"; not {variant.value}: {why}" for variant, why in passed_over())
     if picked is None:
-        return f"unavailable ({unavailable_reason()}): quantised layers are dequantised"
-    return f"{picked.value} (picked from this CPU's flags: {cpu_model()})"
+        return f"unavailable ({unavailable_reason()}): quantised layers are dequantised ({cpu_model()}; {flags or 'no AVX2'})"
+    return f"{picked.value} ({cpu_model()}; {flags}{why_not})"
 
 
 def available() -> bool:

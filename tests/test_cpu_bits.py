@@ -54,7 +54,7 @@ def test_matmul_and_dequant_equal_their_twins(bits: int, group: int, offset: boo
     assert (back[2] is None) if off is None else torch.equal(back[2], off)
     dense = cb.bits_dequant(w)
     assert torch.equal(dense, cb.bits_dequant_ref(w))  # the same roundings, bit for bit
-    for m in (1, 3):
+    for m in (1, 3, 13):  # chunks of 2 + 1 and 8 + 4 + 1 activation rows
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
         got = cb.bits_matmul(x, w)
         scale_of = cb.bits_matmul_ref(x, w).abs().max()

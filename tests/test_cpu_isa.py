@@ -10,6 +10,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,19 +102,47 @@ def test_every_variant_this_cpu_runs_gives_the_avx2_bits(isa: cg.Isa) -> None:
             assert torch.equal(mm(x), reference[kind]), kind
 
 
-@pytest.mark.slow
-def test_variants_this_cpu_cannot_run_still_compile() -> None:
+def test_variants_this_cpu_cannot_run_still_compile(tmp_path: Path) -> None:
+    """Every variant's sources compile with its flags (at -O0: seconds, where the -O3 library takes a minute), so
+    an error in a VNNI / AVX-512 path cannot hide on an AVX2 machine; its dot products are VNNI's, none AVX2's."""
     missing = [isa for isa in cg.Isa if isa not in _runnable()]
     if not missing:
-        pytest.skip("this CPU runs every variant")
+        pytest.skip("this CPU runs every variant (their bits are compared above)")
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None  # the kernels are available, so a compiler is here
     for isa in missing:
         with pytest.raises(ValueError, match="this CPU lacks"):
             with cg.use_isa(isa):
                 pass
-        path, why = cg.build(isa)
-        assert path is not None, why
-        assert f"{isa.value}\0".encode() in path.read_bytes()  # the name the library reports (AB_ISA)
-        objdump = shutil.which("objdump")
-        if objdump:  # every dot product is VNNI's, none AVX2's pairs
-            asm = subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True, check=True).stdout
-            assert "vpdpbusd" in asm and "vpmaddubsw" not in asm
+        out = tmp_path / isa.value
+        out.mkdir()
+        flags = [f for f in cg.FLAGS if f not in ("-O3", "-shared")]
+        built = subprocess.run([cc, "-O0", "-S", *flags, *isa.cc_flags, *map(str, cg.SOURCES)], cwd=out,
+                               capture_output=True, text=True)
+        assert built.returncode == 0, built.stderr[-2000:]
+        asm = "".join(p.read_text() for p in out.glob("*.s"))
+        assert f'"{isa.value}"' in asm  # the name the library reports (AB_ISA)
+        assert "vpdpbusd" in asm and "vpmaddubsw" not in asm
+
+
+def test_a_better_variant_that_does_not_build_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU with AVX-VNNI and a compiler without -mavxvnni keeps the AVX2 build, and the line doctor and the
+    serve log print says why; on this CPU the line names it and its flags."""
+    real_flags, real_load = cg.cpu_flags(), cg.load
+    here = cg.describe()
+    assert here.startswith(f"{cg.isa().value} ({cg.cpu_model()}; avx2 fma f16c")
+    for isa, why in cg.passed_over():
+        assert f"not {isa.value}: the CPU lacks" in here and why.startswith("the CPU lacks")
+    failed = "building cpu_gemv.c (avx-vnni) failed: cc: error: unrecognized command-line option '-mavxvnni'"
+    monkeypatch.setattr(cg, "cpu_flags", lambda: real_flags | cg.Isa.AVX_VNNI.cpu_flags)
+    monkeypatch.setattr(cg, "load", lambda isa: (None, failed) if isa is cg.Isa.AVX_VNNI else real_load(isa))
+    cg._library.cache_clear()
+    try:
+        assert cg.available() and cg.isa() is cg.Isa.AVX2
+        line = cg.describe()
+        assert f"not avx-vnni: {failed} (a newer C compiler builds it)" in line
+        x = torch.randn(3, 320, generator=torch.Generator().manual_seed(6))
+        for kind, mm in _gguf_types().items():  # the fallback computes
+            assert torch.isfinite(mm(x)).all(), kind
+    finally:
+        cg._library.cache_clear()

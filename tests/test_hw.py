@@ -141,7 +141,7 @@ def test_doctor_in_cpu_mode(home: Path, here: Probe) -> None:
     assert ("CPU 4-bit kernels are unavailable" in whats) is not cpu_gemv.available()
     if cpu_gemv.available():  # the variant picked from this CPU's flags is named
         assert here.software.cpu_kernels_isa == cpu_gemv.pick_isa(cpu_gemv.cpu_flags()).value
-        assert f"CPU kernels: the {here.software.cpu_kernels_isa} build" in whats
+        assert f"CPU kernels: {here.software.cpu_kernels_isa} ({cpu_gemv.cpu_model()}; avx2 fma f16c" in whats
     no_cc = Probe.from_dict({**here.to_dict(), "software": {"cpu_kernels_ok": False,
                                                             "cpu_kernels_error": "no C compiler (cc / gcc) on PATH"}})
     warned = [p for p in software_problems(no_cc) if "CPU 4-bit kernels" in p.what]

@@ -144,8 +144,7 @@ def software_problems(probe: Probe) -> list[Problem]:
             )
         )
         if sw.cpu_kernels_isa:
-            out.append(Problem("info", f"CPU kernels: the {sw.cpu_kernels_isa} build (picked from this CPU's flags)",
-                               "nothing to do"))
+            out.append(Problem("info", f"CPU kernels: {sw.cpu_kernels_line}", "nothing to do"))
         if sw.cpu_kernels_ok is False:
             out.append(
                 Problem(

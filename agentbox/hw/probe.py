@@ -73,6 +73,7 @@ class SoftwareInfo:
     cpu_kernels_ok: bool | None = None  # the AVX2 4-bit kernels (kernels/cpu_gemv) built; None: not tried
     cpu_kernels_error: str | None = None
     cpu_kernels_isa: str | None = None  # the variant picked from the CPU's flags (cpu_gemv.Isa value)
+    cpu_kernels_line: str | None = None  # the variant, the CPU, its flags, why no better variant (cpu_gemv.describe)
 
 
 @dataclass
@@ -238,6 +239,7 @@ def _torch_probe(software: SoftwareInfo, gpus: list[GpuInfo], try_kernels: bool)
         software.cpu_kernels_ok = cpu_gemv.available()
         software.cpu_kernels_error = None if software.cpu_kernels_ok else cpu_gemv.unavailable_reason()
         software.cpu_kernels_isa = isa.value if (isa := cpu_gemv.isa()) else None
+        software.cpu_kernels_line = cpu_gemv.describe()
         return
     try:  # "no kernel image is available" shows up here, on the first real launch, not at import
         x = torch.arange(8, device="cuda", dtype=torch.float32)
