@@ -141,31 +141,32 @@ static inline void add_values64(float *out, const float *p, const float *const *
     for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + c0 + 8 * c, acc[c]);
 }
 
-/* one group's rows t0 .. t0 + rows - 1 for kv head kvh; scores: [rows * heads per kv head][stride] scratch */
-static void attend_group(const layer_t *L, const dims_t *d, const float *qkv, int64_t t0, int64_t rows, int64_t kvh,
-                         const int32_t *pages, int64_t page_size, const int64_t *kv_lens, float *scores,
+/* queries i0 .. i1 - 1 of kv head kvh for a group's rows from t0 (query i: row t0 + i / group, its head i % group
+ * of the kv head's); scores: [queries][stride] scratch */
+static void attend_group(const layer_t *L, const dims_t *d, const float *qkv, int64_t t0, int64_t i0, int64_t i1,
+                         int64_t kvh, const int32_t *pages, int64_t page_size, const int64_t *kv_lens, float *scores,
                          int64_t stride, float *attn) {
-    const int64_t hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, group = hq / hkv, nq = rows * group;
+    const int64_t hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, group = hq / hkv;
     const int64_t qkv_n = (hq + 2 * hkv) * hd;
     const __m256 scale = _mm256_set1_ps(d->scale);
     int64_t n_max = 0;
-    for (int64_t r = 0; r < rows; r++) n_max = kv_lens[t0 + r] > n_max ? kv_lens[t0 + r] : n_max;
+    for (int64_t i = i0; i < i1; i++) n_max = kv_lens[t0 + i / group] > n_max ? kv_lens[t0 + i / group] : n_max;
     const float *rows_of[V_BLOCK];
     for (int64_t j0 = 0; j0 < n_max; j0 += 8) { /* past n_max a block repeats its first key: scores never read */
         const int64_t cnt = n_max - j0 < 8 ? n_max - j0 : 8;
         kv_rows(L->k_cache, pages, page_size, j0, cnt, hkv, kvh, hd, rows_of);
         for (int64_t c = cnt; c < 8; c++) rows_of[c] = rows_of[0];
-        for (int64_t i = 0; i < nq; i++) {
+        for (int64_t i = i0; i < i1; i++) {
             const int64_t t = t0 + i / group;
             if (kv_lens[t] <= j0) continue; /* causal: this row's keys end before the block */
             const float *q = qkv + t * qkv_n + (kvh * group + i % group) * hd;
             _mm256_storeu_ps(scores + i * stride + j0, _mm256_mul_ps(dot8(q, rows_of, hd), scale));
         }
     }
-    for (int64_t i = 0; i < nq; i++) softmax(scores + i * stride, kv_lens[t0 + i / group]);
+    for (int64_t i = i0; i < i1; i++) softmax(scores + i * stride, kv_lens[t0 + i / group]);
     for (int64_t j0 = 0; j0 < n_max; j0 += V_BLOCK) {
         kv_rows(L->v_cache, pages, page_size, j0, n_max - j0 < V_BLOCK ? n_max - j0 : V_BLOCK, hkv, kvh, hd, rows_of);
-        for (int64_t i = 0; i < nq; i++) {
+        for (int64_t i = i0; i < i1; i++) {
             const int64_t t = t0 + i / group, n = kv_lens[t];
             if (n <= j0) continue;
             const int64_t len = n - j0 < V_BLOCK ? n - j0 : V_BLOCK;
@@ -214,12 +215,16 @@ static int attention(const layer_t *L, const dims_t *d, const float *qkv, int64_
         free(starts);
         return -1;
     }
+    /* fewer (group, kv head) units than threads (one sequence's decode): split a unit's queries among threads */
+    const int64_t units = ng * hkv, split = threads > units ? (threads + units - 1) / units : 1;
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)
-    for (int64_t u = 0; u < ng * hkv; u++) {
-        const int64_t g = u / hkv, t0 = starts[g];
+    for (int64_t u = 0; u < units * split; u++) {
+        const int64_t g = u / split / hkv, kvh = u / split % hkv, part = u % split, t0 = starts[g];
+        const int64_t nq = (starts[g + 1] - t0) * group, i0 = nq * part / split, i1 = nq * (part + 1) / split;
         float *scores = scratch + (threads > 1 ? omp_get_thread_num() : 0) * per;
-        attend_group(L, d, qkv, t0, starts[g + 1] - t0, u % hkv, page_table + t0 * pt_stride, page_size, kv_lens,
-                     scores, stride, attn);
+        if (i0 < i1)
+            attend_group(L, d, qkv, t0, i0, i1, kvh, page_table + t0 * pt_stride, page_size, kv_lens, scores, stride,
+                         attn);
     }
     free(starts);
     free(scratch);
