@@ -5,8 +5,8 @@
  * more time than its 4-bit matmuls take. This is the same layer as models/llama.py's (and the same matmul
  * kernel, ab_q4_matmul, with its int8-rounded activations) with the small ops in plain C: the residual add,
  * RMSNorm, rotary embedding, the paged KV store, attention over the sequence's pages, SiLU-and-mul.
- * One query token per sequence (token m is sequence m); k/v go to the cache before attention, so a token
- * sees itself. The runner checks that a model fits (models/cpu_decode.py) and otherwise runs the torch path.
+ * A row is a query token; a sequence's rows (a verify) share a page-table row and each attends up to its own
+ * position; k/v go to the cache before attention, so a token sees itself and the rows before it. The runner checks that a model fits (models/cpu_decode.py) and otherwise runs the torch path.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -49,31 +49,6 @@ static void rmsnorm(const float *x, const float *w, int64_t h, float eps, float 
     for (int64_t i = 0; i < h; i++) out[i] = w[i] * (x[i] * r);
 }
 
-/* q . k over a head (8 lanes, two accumulators: a head of 64 is 8 FMAs instead of a 64-long scalar chain). */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    __m256 s = _mm256_add_ps(s0, s1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    float r = _mm_cvtss_f32(h);
-    for (; i < n; i++) r += a[i] * b[i];
-    return r;
-}
-
-/* out += p * v over a head */
-static inline void axpy(float *out, float p, const float *v, int64_t n) {
-    __m256 pv = _mm256_set1_ps(p);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + i), _mm256_loadu_ps(out + i)));
-    for (; i < n; i++) out[i] += p * v[i];
-}
-
 /* e^x in 8 lanes: Cephes' expf (reduction by ln 2 in two parts, degree-5 polynomial, ~1 ulp), inputs clamped to
  * [-87.3, 88.3]. libm's scalar expf was a tenth of a decode step on SmolLM2 (softmax over each head's keys and the
  * SiLU over 1536 channels, per row and layer), and each verified row pays it again. */
@@ -103,19 +78,169 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
     }
 }
 
+/* Attention, grouped: the rows of one sequence (a verify's 1 + k, a decode's one) and the query heads of a GQA group
+ * read the same keys, so each block of keys is loaded once for all of them (one pass over a kv head's keys per
+ * sequence, not one per row and head). A row's numbers do not depend on its group: every query's scores, softmax
+ * and weighted sum run in the same order over its own keys (up to its own position) whatever else shares the
+ * pass, so a verified row is bit for bit a one-row decode at that position. */
+#define GROUP_ROWS 32 /* rows of one group at most (the wrapper's MAX_QUERY): bounds the scores scratch */
+#define V_BLOCK 32    /* keys whose V rows stay in L1 while every query of the group adds them (8 KiB at 64) */
+
+/* pointers to cnt consecutive keys' rows of kv head kvh, from key j0 (one division per call, not per key) */
+static inline void kv_rows(const float *cache, const int32_t *pages, int64_t page_size, int64_t j0, int64_t cnt,
+                           int64_t hkv, int64_t kvh, int64_t hd, const float **out) {
+    int64_t pg = j0 / page_size, off = j0 % page_size;
+    for (int64_t c = 0; c < cnt; c++) {
+        out[c] = cache + (((int64_t)pages[pg] * page_size + off) * hkv + kvh) * hd;
+        if (++off == page_size) off = 0, pg++;
+    }
+}
+
+/* q . k for 8 keys at once: one accumulator per key, one horizontal reduction for all eight */
+static inline __m256 dot8(const float *q, const float *const *k, int64_t hd) {
+    const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5], *k6 = k[6], *k7 = k[7];
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t i = 0; i < hd; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + i), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + i), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + i), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + i), a7);
+    }
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* [0 1 2 3 | 0 1 2 3] */
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7)); /* [4 5 6 7 | 4 5 6 7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* softmax over a query's n scores, in place, times the 1/sum: its weights */
+static void softmax(float *s, int64_t n) {
+    float top = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) /* blocks from key 0: a row's numbers depend on its own n only */
+        _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top))));
+    for (; j < n; j++) s[j] = expf(s[j] - top);
+    for (j = 0; j < n; j++) sum += s[j];
+    const float inv = 1.0f / sum;
+    for (j = 0; j < n; j++) s[j] *= inv;
+}
+
+/* out (+)= sum over len keys of p[j] v[j], 64 channels from c0 in registers; fresh: out starts at zero */
+static inline void add_values64(float *out, const float *p, const float *const *v, int64_t len, int64_t c0, int fresh) {
+    __m256 acc[8];
+    for (int c = 0; c < 8; c++) acc[c] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(out + c0 + 8 * c);
+    for (int64_t j = 0; j < len; j++) {
+        const __m256 pj = _mm256_set1_ps(p[j]);
+        const float *vj = v[j] + c0;
+        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + c0 + 8 * c, acc[c]);
+}
+
+/* queries i0 .. i1 - 1 of kv head kvh for a group's rows from t0 (query i: row t0 + i / group, its head i % group
+ * of the kv head's); scores: [queries][stride] scratch */
+static void attend_group(const layer_t *L, const dims_t *d, const float *qkv, int64_t t0, int64_t i0, int64_t i1,
+                         int64_t kvh, const int32_t *pages, int64_t page_size, const int64_t *kv_lens, float *scores,
+                         int64_t stride, float *attn) {
+    const int64_t hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, group = hq / hkv;
+    const int64_t qkv_n = (hq + 2 * hkv) * hd;
+    const __m256 scale = _mm256_set1_ps(d->scale);
+    int64_t n_max = 0;
+    for (int64_t i = i0; i < i1; i++) n_max = kv_lens[t0 + i / group] > n_max ? kv_lens[t0 + i / group] : n_max;
+    const float *rows_of[V_BLOCK];
+    for (int64_t j0 = 0; j0 < n_max; j0 += 8) { /* past n_max a block repeats its first key: scores never read */
+        const int64_t cnt = n_max - j0 < 8 ? n_max - j0 : 8;
+        kv_rows(L->k_cache, pages, page_size, j0, cnt, hkv, kvh, hd, rows_of);
+        for (int64_t c = cnt; c < 8; c++) rows_of[c] = rows_of[0];
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t t = t0 + i / group;
+            if (kv_lens[t] <= j0) continue; /* causal: this row's keys end before the block */
+            const float *q = qkv + t * qkv_n + (kvh * group + i % group) * hd;
+            _mm256_storeu_ps(scores + i * stride + j0, _mm256_mul_ps(dot8(q, rows_of, hd), scale));
+        }
+    }
+    for (int64_t i = i0; i < i1; i++) softmax(scores + i * stride, kv_lens[t0 + i / group]);
+    for (int64_t j0 = 0; j0 < n_max; j0 += V_BLOCK) {
+        kv_rows(L->v_cache, pages, page_size, j0, n_max - j0 < V_BLOCK ? n_max - j0 : V_BLOCK, hkv, kvh, hd, rows_of);
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t t = t0 + i / group, n = kv_lens[t];
+            if (n <= j0) continue;
+            const int64_t len = n - j0 < V_BLOCK ? n - j0 : V_BLOCK;
+            float *out = attn + t * hq * hd + (kvh * group + i % group) * hd;
+            const float *p = scores + i * stride + j0;
+            int64_t c0 = 0;
+            for (; c0 + 64 <= hd; c0 += 64) add_values64(out, p, rows_of, len, c0, j0 == 0);
+            for (; c0 < hd; c0 += 8) { /* a head that is not a multiple of 64 (80, 96): 8 channels at a time */
+                __m256 acc = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + c0);
+                for (int64_t j = 0; j < len; j++)
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows_of[j] + c0), acc);
+                _mm256_storeu_ps(out + c0, acc);
+            }
+        }
+    }
+}
+
+/* the rows from t that read the same pages (a sequence's rows: the wrapper repeats its page-table row) */
+static int64_t group_end(const int32_t *pt, int64_t stride, int64_t page_size, const int64_t *kv_lens, int64_t m,
+                         int64_t t) {
+    int64_t e = t + 1;
+    for (; e < m && e - t < GROUP_ROWS; e++) {
+        const int64_t n = kv_lens[e] > kv_lens[t] ? kv_lens[e] : kv_lens[t], used = (n + page_size - 1) / page_size;
+        if (used > stride || memcmp(pt + e * stride, pt + t * stride, sizeof(int32_t) * used)) break;
+    }
+    return e;
+}
+
+static int attention(const layer_t *L, const dims_t *d, const float *qkv, int64_t m, const int32_t *page_table,
+                     int64_t pt_stride, int64_t page_size, const int64_t *kv_lens, float *attn, int threads) {
+    const int64_t hkv = d->kv_heads, group = d->heads / d->kv_heads;
+    if (d->head_dim % 8) return -3; /* the wrapper's eligible() keeps such models on the torch layers */
+    int64_t *starts = malloc(sizeof(int64_t) * (m + 1)), ng = 0, max_rows = 1, stride = 8;
+    if (!starts) return -1;
+    for (int64_t t = 0; t < m; ng++) {
+        const int64_t e = group_end(page_table, pt_stride, page_size, kv_lens, m, t);
+        max_rows = e - t > max_rows ? e - t : max_rows;
+        starts[ng] = t, t = e;
+    }
+    starts[ng] = m;
+    for (int64_t t = 0; t < m; t++) stride = kv_lens[t] > stride ? kv_lens[t] : stride;
+    stride = (stride + 7) / 8 * 8;
+    const int64_t per = max_rows * group * stride, nth = threads > 1 ? threads : 1;
+    float *scratch = malloc(sizeof(float) * per * nth);
+    if (!scratch) {
+        free(starts);
+        return -1;
+    }
+    /* fewer (group, kv head) units than threads (one sequence's decode): split a unit's queries among threads */
+    const int64_t units = ng * hkv, split = threads > units ? (threads + units - 1) / units : 1;
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)
+    for (int64_t u = 0; u < units * split; u++) {
+        const int64_t g = u / split / hkv, kvh = u / split % hkv, part = u % split, t0 = starts[g];
+        const int64_t nq = (starts[g + 1] - t0) * group, i0 = nq * part / split, i1 = nq * (part + 1) / split;
+        float *scores = scratch + (threads > 1 ? omp_get_thread_num() : 0) * per;
+        if (i0 < i1)
+            attend_group(L, d, qkv, t0, i0, i1, kvh, page_table + t0 * pt_stride, page_size, kv_lens, scores, stride,
+                         attn);
+    }
+    free(starts);
+    free(scratch);
+    return 0;
+}
+
 int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *residual, int first, int64_t m,
                     const int64_t *positions, const int64_t *slots, const int32_t *page_table, int64_t pt_stride,
                     int64_t page_size, const int64_t *kv_lens, int threads) {
     const int64_t h = d->hidden, hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, in = d->inter;
-    const int64_t qkv_n = (hq + 2 * hkv) * hd, group = hq / hkv;
-    int64_t max_kv = 1;
-    for (int64_t t = 0; t < m; t++) max_kv = kv_lens[t] > max_kv ? kv_lens[t] : max_kv;
+    const int64_t qkv_n = (hq + 2 * hkv) * hd;
     float *normed = malloc(sizeof(float) * m * h), *qkv = malloc(sizeof(float) * m * qkv_n);
     float *attn = malloc(sizeof(float) * m * hq * hd), *gu = malloc(sizeof(float) * m * 2 * in);
     float *act = malloc(sizeof(float) * m * in), *o = malloc(sizeof(float) * m * h);
-    float *scores_all = malloc(sizeof(float) * (threads > 1 ? threads : 1) * max_kv); /* one row per thread */
     int rc = -1;
-    if (!normed || !qkv || !attn || !gu || !act || !o || !scores_all) goto done;
+    if (!normed || !qkv || !attn || !gu || !act || !o) goto done;
 
     for (int64_t t = 0; t < m; t++) {
         float *res = residual + t * h, *hid = hidden + t * h;
@@ -137,37 +262,7 @@ int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *res
             memcpy(L->v_cache + slots[t] * hkv * hd, row + (hq + hkv) * hd, sizeof(float) * hkv * hd);
         }
     }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t th = 0; th < m * hq; th++) {
-        const int64_t t = th / hq, head = th % hq, kvh = head / group, n = kv_lens[t];
-        const float *q = qkv + t * qkv_n + head * hd;
-        float *scores = scores_all + (threads > 1 ? omp_get_thread_num() : 0) * max_kv;
-        float *out = attn + t * hq * hd + head * hd;
-        const int32_t *pages = page_table + t * pt_stride;
-        float top = -INFINITY;
-        /* page by page: a key's slot is its page's base plus its offset, no division per key */
-        for (int64_t j0 = 0, pg = 0; j0 < n; j0 += page_size, pg++) {
-            const int64_t base = (int64_t)pages[pg] * page_size, len = n - j0 < page_size ? n - j0 : page_size;
-            for (int64_t o = 0; o < len; o++) {
-                float sc = dot(q, L->k_cache + ((base + o) * hkv + kvh) * hd, hd) * d->scale;
-                scores[j0 + o] = sc;
-                top = sc > top ? sc : top;
-            }
-        }
-        float sum = 0.0f;
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) /* a row's numbers depend on its own n only: a verify stays bit-exact */
-            _mm256_storeu_ps(scores + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), _mm256_set1_ps(top))));
-        for (; j < n; j++) scores[j] = expf(scores[j] - top);
-        for (j = 0; j < n; j++) sum += scores[j];
-        const float inv = 1.0f / sum;
-        for (int64_t i = 0; i < hd; i++) out[i] = 0.0f;
-        for (int64_t j0 = 0, pg = 0; j0 < n; j0 += page_size, pg++) {
-            const int64_t base = (int64_t)pages[pg] * page_size, len = n - j0 < page_size ? n - j0 : page_size;
-            for (int64_t o = 0; o < len; o++)
-                axpy(out, scores[j0 + o] * inv, L->v_cache + ((base + o) * hkv + kvh) * hd, hd);
-        }
-    }
+    if ((rc = attention(L, d, qkv, m, page_table, pt_stride, page_size, kv_lens, attn, threads))) goto done;
     if ((rc = mm(&L->o, attn, m, o, threads))) goto done;
     for (int64_t t = 0; t < m; t++) {
         float *res = residual + t * h;
@@ -194,6 +289,5 @@ done:
     free(gu);
     free(act);
     free(o);
-    free(scores_all);
     return rc;
 }

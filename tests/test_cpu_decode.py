@@ -84,6 +84,31 @@ def test_fused_decode_covers_qkv_bias_and_qk_norm(family: str, tmp_path: Path) -
             assert (f[s] - e[s]).abs().max() < 0.03 * e[s].abs().max()
 
 
+def test_verify_rows_are_one_row_decodes_bit_for_bit(tmp_path: Path) -> None:
+    """Two sequences' several rows in one step (a verify each; the C attention reads each block of keys once
+    for a sequence's rows and a GQA group's heads, rows ending at their own positions, one across a page
+    boundary) leave exactly the hidden states of decoding the same tokens one step at a time."""
+    _qwen3(tmp_path)
+    loaded = load_model(str(tmp_path), torch.float32, "cpu")
+    assert cpu_decode.eligible(loaded.model.model)
+    seen: list[torch.Tensor] = []  # the C layers' last hidden state and residual (the LM head's sgemm
+    # rounds by its row count, so the logits are no test of the layers' bits)
+    loaded.model.model.norm.register_forward_pre_hook(lambda _, args: seen.append(torch.cat(args[:2], 1).clone()))
+    prompts = {0: PROMPT * 2, 1: PROMPT[:5]}
+    drafts = {0: [7 + i for i in range(10)], 1: [90, 91, 92, 93]}  # sequence 0: positions 24-33 (pages of 16)
+    together = PagedRunner(loaded, num_pages=16, page_size=16)
+    together.step(prompts)
+    together.step(drafts)
+    got = seen[-1]
+    alone = PagedRunner(loaded, num_pages=16, page_size=16)
+    alone.step(prompts)
+    for i in range(10):
+        alone.step({s: [d[i]] for s, d in drafts.items() if i < len(d)})
+    steps = seen[-10:]
+    assert torch.equal(got[:10], torch.stack([steps[i][0] for i in range(10)]))
+    assert torch.equal(got[10:], torch.stack([steps[i][1] for i in range(4)]))
+
+
 def _runner_step(runner: ModelRunner, tokens: list[int], start: int, pages: list[int]) -> torch.Tensor:
     """One step of one sequence (row 0 of the page table) through the engine's runner: its new tokens from
     position `start`, its pages written first. Returns the logits of its last token."""

@@ -13,8 +13,9 @@ extend). Anything else runs the torch layers, which define the numbers this path
 A sequence's several tokens run as that many rows, each attending to the sequence's pages up to its own
 position: the C layer stores every row's k/v before any row attends, so a row sees the rows before it, and
 its numbers are those of a one-token decode at that position (the 4-bit kernel's rows do not depend on the
-step's size). A verify of k drafts is thus one pass over the weights for k + 1 rows, and its accepted tokens
-are bit for bit what decoding them one by one gives.
+step's size, and the attention reads each block of keys once for all the rows and GQA heads of a sequence, in
+each query's own order). A verify of k drafts is thus one pass over the weights and one over the keys for
+k + 1 rows, and its accepted tokens are bit for bit what decoding them one by one gives.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def eligible(model: nn.Module) -> bool:
         attn = layer.self_attn
         if attn.sinks is not None or attn.attn.sliding_window is not None or attn.qkv_proj.tp_size != 1:
             return False
+        if attn.head_dim % 8:
+            return False  # the C attention reads a head in 8-lane vectors
         for lin in _linears(layer):
             if getattr(lin, "int4_kernel", None) is not Int4Kernel.CPU_SIMD:
                 return False
