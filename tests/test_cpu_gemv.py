@@ -71,6 +71,20 @@ def test_q8_matmul_rows_and_dequant_equal_their_twins(half: bool) -> None:
     torch.testing.assert_close(cg.q4_dequant(*q4), cg.q4_dequant_ref(*q4), atol=1e-6, rtol=1e-6)
 
 
+def test_the_kernels_round_activations_as_their_twin_bit_for_bit() -> None:
+    """An identity weight (code 1, scale 1, offset 0) returns each activation as the kernel rounded it: ties go
+    to even, zeros and -0.0 give 0, and the rounding (vectorised in cpu_gemv.h) is `round_activations`'."""
+    k = 64
+    x = torch.randn(5, k) * 3
+    x[0, :32] = torch.tensor([127.0, -0.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5] + [3.5] * 22)  # d = 1
+    x[1, :32] = 0.0
+    x[2, 32:] = -0.0
+    eye = torch.eye(k, dtype=torch.uint8)
+    w = (*cg.pack_q4(eye, torch.ones(k, 1).half(), torch.zeros(k, 1).half()), k)
+    expect = cg.round_activations(x)
+    assert torch.equal(cg.q4_matmul(x, *w), expect) and torch.equal(cg.q4_matmul(x[:1], *w), expect[:1])
+
+
 def test_two_threads_give_the_same_bits() -> None:
     w = _q4(129, 128, 32, seed=5)
     x = torch.randn(2, 128)
