@@ -17,44 +17,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from agentbox.kernels.cpu_gemv import Isa, cpu_flags, threads
+from agentbox.kernels.cpu_gemv import Isa, compile_cached, cpu_flags, threads
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", *Isa.AVX2.cc_flags)
 _c_i64, _c_ptr, _c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "agentbox" / "kernels"
-
-
 def _build() -> tuple[Path | None, str]:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None, "no C compiler (cc / gcc) on PATH"
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_attention-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # beside the target, then renamed: tensor-parallel workers may build at the same moment
-        with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-            partial = Path(tmp.name)
-        result = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"], capture_output=True, text=True)
-        if result.returncode != 0:
-            partial.unlink(missing_ok=True)
-            return None, f"building {SOURCE.name} failed: {result.stderr.strip()[:300]}"
-        partial.replace(target)
-    return target, ""
+    return compile_cached("cpu_attention", (SOURCE,), FLAGS)
 
 
 @functools.cache

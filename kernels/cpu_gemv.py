@@ -29,7 +29,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -99,22 +99,30 @@ def cpu_model() -> str:
 
 def build(isa: Isa) -> tuple[Path | None, str]:
     """(the variant's shared library, "") or (None, why): compiled once per variant and source digest."""
+    return compile_cached(f"cpu_gemv-{isa.value}", SOURCES, (*FLAGS, *isa.cc_flags),
+                          hashed=(SOURCE.with_name("cpu_gemv.h"),), label=f"{SOURCE.name} ({isa.value})")
+
+
+def compile_cached(name: str, sources: Sequence[Path], flags: Sequence[str],
+                   hashed: Sequence[Path] = (), label: str = "") -> tuple[Path | None, str]:
+    """(a shared library of `sources`, "") or (None, why): built once per digest of the sources, `hashed` (headers)
+    and flags, under the user's cache directory. Shared by every kernels/cpu_*.c."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None, "no C compiler (cc / gcc) on PATH"
-    source = b"".join(p.read_bytes() for p in (*SOURCES, SOURCE.with_name("cpu_gemv.h")))
-    flags = (*FLAGS, *isa.cc_flags)
+    source = b"".join(p.read_bytes() for p in (*sources, *hashed))
     digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_gemv-{isa.value}-{digest}.so"
+    target = _cache_dir() / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename: tensor-parallel workers may build at the same moment.
         with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
             partial = Path(tmp.name)
-        result = subprocess.run([cc, *flags, *map(str, SOURCES), "-o", str(partial), "-lm"], capture_output=True, text=True)
+        result = subprocess.run([cc, *flags, *map(str, sources), "-o", str(partial), "-lm"], capture_output=True,
+                                text=True)
         if result.returncode != 0:
             partial.unlink(missing_ok=True)
-            return None, f"building {SOURCE.name} ({isa.value}) failed: {result.stderr.strip()[:300]}"
+            return None, f"building {label or sources[0].name} failed: {result.stderr.strip()[:300]}"
         partial.replace(target)
     return target, ""
 
