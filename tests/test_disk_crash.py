@@ -23,6 +23,7 @@ from agentbox.bench.spawn import agentbox_command, spawned
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
+from tests.word_tokenizer import save_word_tokenizer
 
 pytestmark = pytest.mark.slow
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -43,16 +44,10 @@ def prompts() -> list[list[int]]:
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with a word-level tokenizer: token i is the word `w<i>`, so an answer's text names
     its token ids."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     path = tmp_path_factory.mktemp("tiny-disk")
-    vocab = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, TINY["vocab_size"])}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
-    fast.chat_template = "{% for m in messages %}w2 {{ m['content'] }} {% endfor %}w3"
-    fast.save_pretrained(path)
+    save_word_tokenizer(path, TINY["vocab_size"])
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])).save_pretrained(path)
     return path
