@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import tempfile
-import time
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, Glm4MoeLiteConfig
 
-from agentbox.bench.throughput import engine_rates, random_model, random_prompts
+from agentbox.bench.throughput import cuda_time, engine_rates, random_model, random_prompts
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
@@ -42,16 +41,6 @@ def tiny_config() -> Glm4MoeLiteConfig:
     )
 
 
-def _time(fn: Any, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
-
-
 def decode_kernel_check(batch: int, kv_len: int = 2000, heads: int = 20, rank: int = 512, rope: int = 64) -> dict[str, Any]:
     from agentbox.kernels.mla_attention import mla_attention_ref, mla_decode
 
@@ -66,8 +55,8 @@ def decode_kernel_check(batch: int, kv_len: int = 2000, heads: int = 20, rank: i
     scale = 256**-0.5
     got = mla_decode(q, cache, table, kv_lens, rank=rank, page_size=page, scale=scale, block_n=64)
     ref = mla_attention_ref(q, cache, table, starts, kv_lens, rank=rank, page_size=page, scale=scale)
-    kernel_s = _time(lambda: mla_decode(q, cache, table, kv_lens, rank=rank, page_size=page, scale=scale, block_n=64))
-    ref_s = _time(lambda: mla_attention_ref(q, cache, table, starts, kv_lens, rank=rank, page_size=page, scale=scale), 3)
+    kernel_s = cuda_time(lambda: mla_decode(q, cache, table, kv_lens, rank=rank, page_size=page, scale=scale, block_n=64))
+    ref_s = cuda_time(lambda: mla_attention_ref(q, cache, table, starts, kv_lens, rank=rank, page_size=page, scale=scale), 3)
     return {"batch": batch, "kv_len": kv_len, "max_abs_diff": (got.float() - ref.float()).abs().max().item(),
             "max_abs_ref": ref.float().abs().max().item(), "kernel_us": kernel_s * 1e6, "torch_twin_us": ref_s * 1e6}
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import GptOssConfig, PretrainedConfig, Qwen3MoeConfig
 
-from agentbox.bench.throughput import engine_rates, logits_check, random_model, random_prompts
+from agentbox.bench.throughput import cuda_time, engine_rates, logits_check, random_model, random_prompts
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
 
@@ -48,16 +48,6 @@ def tiny_configs() -> dict[str, PretrainedConfig]:
     }
 
 
-def _time(fn: Any, iters: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
-
-
 def fused_moe_check(tokens: int, device: str = "cuda") -> dict[str, Any]:
     from agentbox.kernels.fused_moe import fused_moe, fused_moe_ref
 
@@ -69,8 +59,8 @@ def fused_moe_check(tokens: int, device: str = "cuda") -> dict[str, Any]:
     weights, ids = torch.topk(torch.softmax(torch.randn(tokens, e, device=device, generator=g), -1), k, dim=-1)
     got = fused_moe(x, w13, w2, weights, ids)
     ref = fused_moe_ref(x, w13, w2, weights, ids)
-    kernel_s = _time(lambda: fused_moe(x, w13, w2, weights, ids))
-    ref_s = _time(lambda: fused_moe_ref(x, w13, w2, weights, ids))
+    kernel_s = cuda_time(lambda: fused_moe(x, w13, w2, weights, ids))
+    ref_s = cuda_time(lambda: fused_moe_ref(x, w13, w2, weights, ids))
     return {
         "tokens": tokens,
         "max_abs_diff": (got.float() - ref.float()).abs().max().item(),

@@ -59,6 +59,17 @@ class Rates:
         return {**asdict(self), "prefill_tok_s": self.prefill_tok_s, "decode_tok_s": self.decode_tok_s}
 
 
+def cuda_time(fn: Any, iters: int = 20) -> float:
+    """Seconds per call of fn on the GPU (one warm-up call, synchronised around the timed loop)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters
+
+
 def random_prompts(batch: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     # Skip the low ids, where special tokens (bos, eos, chat markers) usually sit.
     rng = random.Random(seed)
