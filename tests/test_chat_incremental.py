@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,18 @@ def conversation(draw: st.DrawFn) -> tuple[list[dict], bool, int | None]:
     return msgs, draw(st.booleans()), edit
 
 
+def turns(msgs: list[dict], edit: int | None) -> Iterator[tuple[int, list[dict]]]:
+    """Every prefix ending before an assistant message is a turn an agent sends, in order, to one session; the
+    last one has message `edit` (if any) changed, as a client that rewrites history does."""
+    ends = [i for i, m in enumerate(msgs) if m["role"] == "assistant"] + [len(msgs)]
+    for turn, end in enumerate(ends):
+        sent = msgs[:end]
+        if edit is not None and turn == len(ends) - 1 and edit < end:
+            key = "reasoning_content" if "reasoning_content" in sent[edit] else "content"
+            sent = [*sent[:edit], {**sent[edit], key: "edited " + str(sent[edit][key])}, *sent[edit + 1:]]
+        yield turn, sent
+
+
 @pytest.mark.parametrize("template", ["smollm2", "qwen3", "harmony", "qwen3_6", "gemma4", "glm4_7"])
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=conversation())
@@ -108,16 +121,10 @@ def test_incremental_ids_equal_full_tokenization(tokenizers: dict, template: str
     inc = IncrementalTokenizer(tok, 8)
     assert inc.enabled, "the probe refused this tokenizer: every turn would be tokenized in full"
     tools = TOOLS if with_tools else None
-    # Every prefix ending before an assistant message is a turn an agent sends, in order, to one session.
-    ends = [i for i, m in enumerate(msgs) if m["role"] == "assistant"] + [len(msgs)]
-    for turn, end in enumerate(ends):
-        sent = msgs[:end]
-        if edit is not None and turn == len(ends) - 1 and edit < end:
-            key = "reasoning_content" if "reasoning_content" in sent[edit] else "content"
-            sent = [*sent[:edit], {**sent[edit], key: "edited " + str(sent[edit][key])}, *sent[edit + 1:]]
+    for turn, sent in (sent_turns := list(turns(msgs, edit))):
         prompt = render_prompt(tok, sent, tools)
         assert inc.encode(prompt) == tok.encode(prompt, add_special_tokens=False), (template, turn)
-    assert inc.reused_tokens > 0 or len(ends) == 1
+    assert inc.reused_tokens > 0 or len(sent_turns) == 1
 
 
 def test_second_turn_tokenizes_only_its_tail(tokenizers: dict) -> None:

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 
 from agentbox.chat.incremental_render import IncrementalRenderer, probe_conversations
 from agentbox.chat.render import render_prompt
-from tests.test_chat_incremental import TOOLS, conversation, tokenizers  # noqa: F401 - the fixture
+from tests.test_chat_incremental import TOOLS, conversation, tokenizers, turns  # noqa: F401 - the fixture
 
 
 @pytest.mark.parametrize("template", ["smollm2", "qwen3", "harmony"])
@@ -21,12 +21,7 @@ def test_incremental_text_equals_full_render(tokenizers: dict, template: str,  #
     msgs, with_tools, edit = case
     r = IncrementalRenderer(tok, 4)
     tools = TOOLS if with_tools else None
-    ends = [i for i, m in enumerate(msgs) if m["role"] == "assistant"] + [len(msgs)]
-    for turn, end in enumerate(ends):
-        sent = msgs[:end]
-        if edit is not None and turn == len(ends) - 1 and edit < end:
-            key = "reasoning_content" if "reasoning_content" in sent[edit] else "content"
-            sent = [*sent[:edit], {**sent[edit], key: "edited " + str(sent[edit][key])}, *sent[edit + 1:]]
+    for turn, sent in turns(msgs, edit):
         assert r.render(sent, tools) == render_prompt(tok, sent, tools), (template, turn)
 
 
