@@ -202,6 +202,81 @@ static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_
     }
 }
 
+#ifdef AB_DPBUSD
+/* Q8 with VNNI, for several rows: q8_tile's products for an activation row are four sign flips, four vpdpbusd
+ * and three horizontal adds (six shuffles), all per row, so an extra row cost 0.4 of a row alone at 8 rows. Here
+ * the per-row work is four vpdpbusd, and what needs shuffles is done once per block for all the rows: the
+ * tile's four weight rows are transposed (8 unpacks) so vector q holds, at int32 lane 4 h + r, row r's dword
+ * 4 h + q (its elements 16 h + 4 q .. + 3); against the row's block expanded once per call (q8_expand: dword q
+ * of each half, in lanes 0..3 and 4..7) four vpdpbusd sum each half-row in its own lane, the lanes q8_dot
+ * gives (rows 0 1 2 3 | 0 1 2 3). vpdpbusd multiplies u8 by s8, so the activations are stored + 128 (x ^ 0x80)
+ * and the sums start from -128 x the weights' sums (once per block): integer sums, exact, so the same int32 as
+ * q8_dot and the same fp32 work after it, the AVX2 bits. AVX2's maddubs would saturate on x + 128: it keeps
+ * q8_tile. */
+#define MR8 8 /* activation rows one pass over a Q8 tile serves here (AVX-512VL: 32 vector registers) */
+
+/* A block's codes q[32] as four 32-byte operands out[4][32]: dwords (q q q q 4+q 4+q 4+q 4+q), each byte + 128. */
+static inline void q8_expand(const int8_t *q, int8_t *out) {
+    const __m256i x = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), _mm256_set1_epi8((char)0x80));
+    for (int j = 0; j < 4; j++)
+        _mm256_store_si256((__m256i *)(out + 32 * j), _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(j, j, j, j, 4 + j, 4 + j, 4 + j, 4 + j)));
+}
+
+static inline __attribute__((always_inline)) void q8v_tile(const int8_t *xe, const float *xd, int64_t m0, const int mr,
+                                                           int64_t k, const int8_t *codes, const void *scale, float *out,
+                                                           int64_t n, const int nr, const int half) {
+    const int64_t nb = k / QB;
+    const __m256i bias = _mm256_set1_epi8((char)0x80); /* 128 as u8: dpbusd(0, bias, w) = 128 x the sums */
+    __m256 acc[MR8];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m128 s4 = ld4(scale, b * NR, half);
+        const __m256 s8 = _mm256_set_m128(s4, s4);
+        _mm_prefetch((const char *)(codes + NR * k + b * NR * QB), _MM_HINT_T0); /* the next tile's block */
+        _mm_prefetch((const char *)(codes + NR * k + b * NR * QB + 64), _MM_HINT_T0);
+        const int8_t *c = codes + b * NR * QB;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)c), w1 = _mm256_loadu_si256((const __m256i *)(c + 32));
+        const __m256i w2 = _mm256_loadu_si256((const __m256i *)(c + 64)), w3 = _mm256_loadu_si256((const __m256i *)(c + 96));
+        const __m256i t0 = _mm256_unpacklo_epi32(w0, w1), t1 = _mm256_unpackhi_epi32(w0, w1);
+        const __m256i t2 = _mm256_unpacklo_epi32(w2, w3), t3 = _mm256_unpackhi_epi32(w2, w3);
+        const __m256i v[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                              _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+        const __m256i z = _mm256_setzero_si256();
+        const __m256i base = _mm256_sub_epi32(z, AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(z, bias, v[0]), bias, v[1]), bias, v[2]), bias, v[3]));
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++) {
+            const __m256i *x = (const __m256i *)(xe + ((m0 + i) * nb + b) * 4 * QB);
+            const __m256i p = AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(base, _mm256_load_si256(x), v[0]), _mm256_load_si256(x + 1), v[1]),
+                                                  _mm256_load_si256(x + 2), v[2]), _mm256_load_si256(x + 3), v[3]);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s8, _mm256_broadcast_ss(xd + (m0 + i) * nb + b)), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) /* each row's two half sums, as q8_tile */
+        store4(out + (m0 + i) * n, _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)), nr);
+}
+
+static inline __attribute__((always_inline)) void q8v_tile_rows(const int8_t *xe, const float *xd, int64_t m, int64_t k,
+                                                                const int8_t *codes, const char *scale, int64_t n,
+                                                                float *out, int64_t t, const int half) {
+    const int64_t j = t * NR, tile_scale = k / QB * NR * (half ? 2 : 4);
+    const int nr = n - j < NR ? (int)(n - j) : NR;
+    const int8_t *c = codes + t * NR * k;
+    const char *s = scale + t * tile_scale;
+    for (int64_t i = 0; i < m;) { /* chunks of 8, then 4, 3, 2, 1 */
+        const int64_t left = m - i;
+        const int mr = left >= MR8 ? MR8 : left >= 4 ? 4 : (int)left;
+        switch (mr) {
+            case 1: q8v_tile(xe, xd, i, 1, k, c, s, out + j, n, nr, half); break;
+            case 2: q8v_tile(xe, xd, i, 2, k, c, s, out + j, n, nr, half); break;
+            case 3: q8v_tile(xe, xd, i, 3, k, c, s, out + j, n, nr, half); break;
+            case 4: q8v_tile(xe, xd, i, 4, k, c, s, out + j, n, nr, half); break;
+            default: q8v_tile(xe, xd, i, MR8, k, c, s, out + j, n, nr, half);
+        }
+        i += mr;
+    }
+}
+#endif
+
 /* One tile of the output (columns j .. j + 4 of every row of x), the rows in chunks of MR: a literal per
  * chunk size, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void q4_tile_rows(const act_t *a, int64_t i, int64_t m, int64_t k,
@@ -282,6 +357,27 @@ int ab_q8_matmul(const float *x, int64_t m, int64_t k, const int8_t *codes, cons
     if (quantize_activations(x, m, k, QB, 0, &a)) return -1;
     const int64_t tiles = (n + NR - 1) / NR;
     const char *s = (const char *)scale;
+#ifdef AB_DPBUSD
+    if (m > 1) { /* several rows: q8v_tile (one row keeps q8_tile: no expansion, nothing to share) */
+        const int64_t nb = k / QB;
+        int8_t *xe = (int8_t *)aligned_alloc(32, (size_t)(m * nb * 4 * QB));
+        if (!xe) {
+            free_activations(&a);
+            return -1;
+        }
+        for (int64_t r = 0; r < m * nb; r++) q8_expand(a.q + r * QB, xe + r * 4 * QB);
+        if (half) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+            for (int64_t t = 0; t < tiles; t++) q8v_tile_rows(xe, a.d, m, k, codes, s, n, out, t, 1);
+        } else {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+            for (int64_t t = 0; t < tiles; t++) q8v_tile_rows(xe, a.d, m, k, codes, s, n, out, t, 0);
+        }
+        free(xe);
+        free_activations(&a);
+        return 0;
+    }
+#endif
     if (half) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
         for (int64_t t = 0; t < tiles; t++) q8_tile_rows(&a, m, k, codes, s, n, out, t, 1);
