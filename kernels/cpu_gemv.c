@@ -215,11 +215,12 @@ static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_
  * q8_tile. */
 #define MR8 8 /* activation rows one pass over a Q8 tile serves here (AVX-512VL: 32 vector registers) */
 
-/* A block's codes q[32] as four 32-byte operands out[4][32]: dwords (q q q q 4+q 4+q 4+q 4+q), each byte + 128. */
-static inline void q8_expand(const int8_t *q, int8_t *out) {
+/* A block's codes q[32] as four 32-byte operands out[j * step], j = 0..3: dwords (j j j j 4+j 4+j 4+j 4+j), each
+ * byte + 128. */
+static inline void q8_expand(const int8_t *q, int8_t *out, int64_t step) {
     const __m256i x = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), _mm256_set1_epi8((char)0x80));
     for (int j = 0; j < 4; j++)
-        _mm256_store_si256((__m256i *)(out + 32 * j), _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(j, j, j, j, 4 + j, 4 + j, 4 + j, 4 + j)));
+        _mm256_store_si256((__m256i *)(out + step * j), _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(j, j, j, j, 4 + j, 4 + j, 4 + j, 4 + j)));
 }
 
 static inline __attribute__((always_inline)) void q8v_tile(const int8_t *xe, const float *xd, int64_t m0, const int mr,
@@ -254,6 +255,75 @@ static inline __attribute__((always_inline)) void q8v_tile(const int8_t *xe, con
     for (int i = 0; i < mr; i++) /* each row's two half sums, as q8_tile */
         store4(out + (m0 + i) * n, _mm_add_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1)), nr);
 }
+
+#ifdef __AVX512VNNI__
+/* AVX-512: two activation rows per 512-bit vector (the tile's transposed block in both halves), so a pair of rows
+ * is four vpdpbusd, one conversion, one multiply and one FMA. Each lane's arithmetic is q8v_tile's. The rows'
+ * expanded blocks are stored in pairs ([pair][block][q][2][32], a zero row after an odd last one) and their
+ * scales as [pair][block][2][8]. */
+#define MP 8 /* row pairs one pass serves */
+static inline __attribute__((always_inline)) void q8z_tile(const int8_t *xe, const float *xd, int64_t p0, const int mp,
+                                                           int64_t m, int64_t k, const int8_t *codes, const void *scale,
+                                                           float *out, int64_t n, const int nr, const int half) {
+    const int64_t nb = k / QB;
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    __m512 acc[MP];
+    for (int i = 0; i < mp; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m128 s4 = ld4(scale, b * NR, half);
+        const __m512 s16 = _mm512_broadcast_f32x4(s4);
+        _mm_prefetch((const char *)(codes + NR * k + b * NR * QB), _MM_HINT_T0);
+        _mm_prefetch((const char *)(codes + NR * k + b * NR * QB + 64), _MM_HINT_T0);
+        const int8_t *c = codes + b * NR * QB;
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)c), w1 = _mm256_loadu_si256((const __m256i *)(c + 32));
+        const __m256i w2 = _mm256_loadu_si256((const __m256i *)(c + 64)), w3 = _mm256_loadu_si256((const __m256i *)(c + 96));
+        const __m256i t0 = _mm256_unpacklo_epi32(w0, w1), t1 = _mm256_unpackhi_epi32(w0, w1);
+        const __m256i t2 = _mm256_unpacklo_epi32(w2, w3), t3 = _mm256_unpackhi_epi32(w2, w3);
+        const __m256i v0 = _mm256_unpacklo_epi64(t0, t2), v1 = _mm256_unpackhi_epi64(t0, t2);
+        const __m256i v2 = _mm256_unpacklo_epi64(t1, t3), v3 = _mm256_unpackhi_epi64(t1, t3);
+        const __m256i z = _mm256_setzero_si256();
+        const __m256i base = _mm256_sub_epi32(z, AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(z, bias, v0), bias, v1), bias, v2), bias, v3));
+        const __m512i v[4] = {_mm512_inserti64x4(_mm512_castsi256_si512(v0), v0, 1), _mm512_inserti64x4(_mm512_castsi256_si512(v1), v1, 1),
+                              _mm512_inserti64x4(_mm512_castsi256_si512(v2), v2, 1), _mm512_inserti64x4(_mm512_castsi256_si512(v3), v3, 1)};
+        const __m512i base2 = _mm512_inserti64x4(_mm512_castsi256_si512(base), base, 1);
+#pragma GCC unroll 8
+        for (int i = 0; i < mp; i++) {
+            const __m512i *x = (const __m512i *)(xe + ((p0 + i) * nb + b) * 8 * QB);
+            const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(
+                base2, _mm512_load_si512(x), v[0]), _mm512_load_si512(x + 1), v[1]), _mm512_load_si512(x + 2), v[2]),
+                _mm512_load_si512(x + 3), v[3]);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s16, _mm512_load_ps(xd + ((p0 + i) * nb + b) * 16)), acc[i]);
+        }
+    }
+    for (int i = 0; i < mp; i++) {
+        const int64_t r = 2 * (p0 + i);
+        const __m256 a0 = _mm512_castps512_ps256(acc[i]), a1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1));
+        store4(out + r * n, _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1)), nr);
+        if (r + 1 < m) store4(out + (r + 1) * n, _mm_add_ps(_mm256_castps256_ps128(a1), _mm256_extractf128_ps(a1, 1)), nr);
+    }
+}
+
+static inline __attribute__((always_inline)) void q8z_tile_rows(const int8_t *xe, const float *xd, int64_t m, int64_t k,
+                                                                const int8_t *codes, const char *scale, int64_t n,
+                                                                float *out, int64_t t, const int half) {
+    const int64_t j = t * NR, tile_scale = k / QB * NR * (half ? 2 : 4), pairs = (m + 1) / 2;
+    const int nr = n - j < NR ? (int)(n - j) : NR;
+    const int8_t *c = codes + t * NR * k;
+    const char *s = scale + t * tile_scale;
+    for (int64_t i = 0; i < pairs;) { /* chunks of 8 pairs, then 4, 3, 2, 1 */
+        const int64_t left = pairs - i;
+        const int mp = left >= MP ? MP : left >= 4 ? 4 : (int)left;
+        switch (mp) {
+            case 1: q8z_tile(xe, xd, i, 1, m, k, c, s, out + j, n, nr, half); break;
+            case 2: q8z_tile(xe, xd, i, 2, m, k, c, s, out + j, n, nr, half); break;
+            case 3: q8z_tile(xe, xd, i, 3, m, k, c, s, out + j, n, nr, half); break;
+            case 4: q8z_tile(xe, xd, i, 4, m, k, c, s, out + j, n, nr, half); break;
+            default: q8z_tile(xe, xd, i, MP, m, k, c, s, out + j, n, nr, half);
+        }
+        i += mp;
+    }
+}
+#endif
 
 static inline __attribute__((always_inline)) void q8v_tile_rows(const int8_t *xe, const float *xd, int64_t m, int64_t k,
                                                                 const int8_t *codes, const char *scale, int64_t n,
@@ -360,12 +430,40 @@ int ab_q8_matmul(const float *x, int64_t m, int64_t k, const int8_t *codes, cons
 #ifdef AB_DPBUSD
     if (m > 1) { /* several rows: q8v_tile (one row keeps q8_tile: no expansion, nothing to share) */
         const int64_t nb = k / QB;
+#ifdef __AVX512VNNI__
+        const int64_t pairs = (m + 1) / 2;
+        int8_t *xe = (int8_t *)aligned_alloc(64, (size_t)(pairs * nb * 8 * QB));
+        float *xd = (float *)aligned_alloc(64, sizeof(float) * (size_t)(pairs * nb * 16));
+        if (!xe || !xd) {
+            free(xe);
+            free(xd);
+            free_activations(&a);
+            return -1;
+        }
+        if (m % 2) { /* the odd last row's partner: zero codes (+ 128) and scale 0, never stored */
+            memset(xe + (pairs - 1) * nb * 8 * QB, 0x80, (size_t)(nb * 8 * QB));
+            memset(xd + (pairs - 1) * nb * 16, 0, sizeof(float) * (size_t)(nb * 16));
+        }
+        for (int64_t r = 0; r < m * nb; r++) {
+            const int64_t row = r / nb, b = r % nb, at = (row / 2 * nb + b) * 8 * QB + row % 2 * QB;
+            q8_expand(a.q + r * QB, xe + at, 2 * QB);
+            for (int l = 0; l < 8; l++) xd[(row / 2 * nb + b) * 16 + row % 2 * 8 + l] = a.d[r];
+        }
+        if (half) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+            for (int64_t t = 0; t < tiles; t++) q8z_tile_rows(xe, xd, m, k, codes, s, n, out, t, 1);
+        } else {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+            for (int64_t t = 0; t < tiles; t++) q8z_tile_rows(xe, xd, m, k, codes, s, n, out, t, 0);
+        }
+        free(xd);
+#else
         int8_t *xe = (int8_t *)aligned_alloc(32, (size_t)(m * nb * 4 * QB));
         if (!xe) {
             free_activations(&a);
             return -1;
         }
-        for (int64_t r = 0; r < m * nb; r++) q8_expand(a.q + r * QB, xe + r * 4 * QB);
+        for (int64_t r = 0; r < m * nb; r++) q8_expand(a.q + r * QB, xe + r * 4 * QB, QB);
         if (half) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
             for (int64_t t = 0; t < tiles; t++) q8v_tile_rows(xe, a.d, m, k, codes, s, n, out, t, 1);
@@ -373,6 +471,7 @@ int ab_q8_matmul(const float *x, int64_t m, int64_t k, const int8_t *codes, cons
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
             for (int64_t t = 0; t < tiles; t++) q8v_tile_rows(xe, a.d, m, k, codes, s, n, out, t, 0);
         }
+#endif
         free(xe);
         free_activations(&a);
         return 0;
