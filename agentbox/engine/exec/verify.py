@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from agentbox.engine.exec.logprob import TokenLogprob
-from agentbox.engine.exec.sampler import filter_logits, sample_isolated
+from agentbox.engine.exec.sampler import filter_logits, greedy_ids, sample_isolated
 
 if TYPE_CHECKING:  # the core's types, for hints only: exec must not import the core at run time
     from agentbox.engine.request import Request
@@ -45,7 +45,7 @@ def grammar_prefix(logits: torch.Tensor, req: Request, draft: list[int]) -> list
             row = logits[j : j + 1].clone()
             gs.fill_bitmask(bitmask, 0)
             apply_bitmask(row, bitmask)
-            out.append(int(row.argmax()))
+            out.append(greedy_ids(row)[0])
             if j == len(draft) or out[-1] != draft[j] or not gs.advance(out[-1]):
                 break
             ahead += 1
@@ -97,8 +97,11 @@ def sample_verified(
     drafted = [i for i, d in enumerate(drafts) if d]
     greedy = [i for i in drafted if reqs[i].sampling.greedy and reqs[i].grammar_state is None]
     if greedy:  # one argmax and one host sync for every greedy draft of the step
-        rows = torch.cat([torch.arange(starts[i], starts[i] + 1 + len(drafts[i])) for i in greedy])
-        best = logits.index_select(0, rows.to(logits.device)).argmax(dim=-1).tolist()
+        if len(greedy) == len(reqs):  # every row is a greedy draft's (one sequence's verify): no gather
+            best = greedy_ids(logits)
+        else:
+            rows = torch.cat([torch.arange(starts[i], starts[i] + 1 + len(drafts[i])) for i in greedy])
+            best = greedy_ids(logits.index_select(0, rows.to(logits.device)))
         at = 0
         for i in greedy:
             n = 1 + len(drafts[i])
