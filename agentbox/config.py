@@ -115,7 +115,7 @@ class EngineConfig:
     spec_max_draft: int = 16
     spec_min_match: int = 3
     spec_row_cost: float | None = None
-    spec_match_factor: float = 0.5  # a draft is at most this many tokens per matched token (vLLM's suffix rule)
+    spec_match_factor: float | None = None  # a draft is at most this many tokens per matched token (None: draft.py)
     spec_global_tokens: int = 65536  # recent outputs of every session searched when a request's own miss
 
     def __post_init__(self) -> None:

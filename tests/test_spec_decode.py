@@ -8,11 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from agentbox.kernels import cpu_gemv
 from moe_harness import save_random
 from transformers import LlamaConfig, Qwen3MoeConfig
 
 from agentbox.config import EngineConfig, Speculative
-from agentbox.engine.draft import longest_match
+from agentbox.engine.draft import Drafter, longest_match
 from agentbox.engine.exec.verify import sampled_prefix
 from agentbox.engine.llm import LLM
 from agentbox.engine.request import Request
@@ -55,6 +56,27 @@ def copy_prompts(smollm2_tokenizer) -> list[list[int]]:  # noqa: ANN001
     # The file twice, then its first line again: the model goes on copying (mostly), drafts follow the copies.
     ask = "# math.py\n" + TEXT + "\n\n# math_copy.py\n" + TEXT + "\n\n# math_copy2.py\ndef add(a, b):\n"
     return [smollm2_tokenizer.encode(ask), smollm2_tokenizer.encode("The three primary colors are")]
+
+
+def test_the_cpu_drafting_policy_follows_the_kernel_variant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU's row cost and match factor are its kernel variant's measured ones (AVX-512 VNNI: cheaper rows, drafts
+    as long as the match), else the EPYC's; the config's own numbers win; a GPU keeps its own."""
+    cfg = EngineConfig(model="unused", device="cpu")
+
+    def drafter(isa: cpu_gemv.Isa | None, **kw: float) -> Drafter:
+        monkeypatch.setattr(cpu_gemv, "available", lambda: isa is not None)
+        monkeypatch.setattr(cpu_gemv, "isa", lambda: isa)
+        return Drafter(EngineConfig(model="unused", device=kw.pop("device", "cpu"), **kw))  # type: ignore[arg-type]
+
+    assert cfg.spec_row_cost is None and cfg.spec_match_factor is None
+    for isa, want in ((cpu_gemv.Isa.AVX512_VNNI, (0.2, 1.0)), (cpu_gemv.Isa.AVX_VNNI, (0.3, 0.5)),
+                      (cpu_gemv.Isa.AVX2, (0.3, 0.5)), (None, (0.3, 0.5))):
+        d = drafter(isa)
+        assert (d.row_cost, d.match_factor) == want, isa
+    d = drafter(cpu_gemv.Isa.AVX512_VNNI, spec_row_cost=0.25, spec_match_factor=0.5)
+    assert (d.row_cost, d.match_factor) == (0.25, 0.5)
+    d = drafter(cpu_gemv.Isa.AVX512_VNNI, device="cuda")
+    assert (d.row_cost, d.match_factor) == (0.02, 0.5)
 
 
 def test_smollm2_exact_greedy_equals_plain(smollm2_loaded, smollm2_path, copy_prompts) -> None:  # noqa: ANN001

@@ -8,7 +8,7 @@ bf16 with CUDA graphs on, and what a verify step costs against a decode step.
   so that greedy choices are not near-ties that any change of summation order flips.
 - Cost: one sequence scoring its next token plus k drafts (k = 4, 8, 16) after a 512-token context, against a
   decode step as a graph replay and as an eager step, on Qwen3-8B's shape cut to 8 of its 36 layers. The
-  drafter prices a verify at 1 + spec_row_cost * k decode steps (engine/draft.py ROW_COST["cuda"] = 0.02):
+  drafter prices a verify at 1 + spec_row_cost * k decode steps (engine/draft.py POLICY["cuda"]: 0.02):
   `row_cost_vs_graph_decode` is that number as measured here.
 
 Why a verify runs eagerly: graph_runner.py captures decode shapes only (one token per sequence; the triton

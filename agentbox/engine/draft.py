@@ -35,16 +35,32 @@ if TYPE_CHECKING:
 
 # The longest match looked for: past this, a longer match predicts no better (and the scan stops early).
 MAX_MATCH = 32
-# What a verified row costs over a decode step, when the config names none: CPU from `agentbox bench spec`'s
-# verify_cost on SmolLM2 (4 rows 1.5x a decode, 8 rows 2.5x, 16 rows 5.2x, on a shared 2-core EPYC); GPU decode is
-# memory-bound, so rows up to 16 cost about as much as one.
-ROW_COST = {"cpu": 0.3, "cuda": 0.02}
+# The drafting policy's defaults, when the config names none: (what a verified row costs over a decode step, the
+# longest draft per matched token). CPU from `agentbox bench spec`'s verify_cost on SmolLM2 per kernel variant: the
+# AVX2 build on a shared 2-core EPYC, 4 rows 1.5x a decode, 8 rows 2.5x, 16 rows 5.2x (0.3 a row); the AVX-512 VNNI
+# build on a Xeon, 8 rows 1.5-1.8x, 16 rows 2.7-3.0x (0.1-0.2 a row: its Q8 LM head's rows share a pass). At 0.2
+# a draft as long as its match (1.0) pays: the edit workload's answer in 77 steps and 195 verified rows against
+# 87 and 193 at (0.3, 0.5), the tool call's in 17 against 24 (bench/results/spec/README.md). Variants not
+# measured keep the EPYC's numbers. GPU decode is memory-bound, so rows up to 16 cost about as much as one.
+CPU_POLICY = {"avx512-vnni": (0.2, 1.0)}
+POLICY = {"cpu": (0.3, 0.5), "cuda": (0.02, 0.5)}
 # The per-token acceptance a new request starts from, and its weight in verified tokens; each verify's counts
 # decay by DECAY, so a is the recent acceptance.
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT, DECAY = 0.7, 2.0, 0.8
 PAUSE_STEPS = 16
 MAX_PAUSE_STEPS = 512
 MAX_SESSIONS = 4096  # per-session counts kept for /v1/sessions (the session table holds at most 1024 by default)
+
+
+def default_policy(device: str) -> tuple[float, float]:
+    """(row cost, match factor) for a device: on CPU, the kernel variant's measured numbers where there are some."""
+    if device == "cpu":
+        from agentbox.kernels import cpu_gemv
+
+        isa = cpu_gemv.isa() if cpu_gemv.available() else None
+        if isa is not None and isa.value in CPU_POLICY:
+            return CPU_POLICY[isa.value]
+    return POLICY[device]
 
 
 def best_k(acceptance: float, row_cost: float, max_k: int) -> int:
@@ -146,9 +162,9 @@ class Drafter:
         self.mode = Speculative.SUFFIX if config.speculative is Speculative.AUTO else config.speculative
         self.max_draft = config.spec_max_draft
         self.min_match = config.spec_min_match
-        self.match_factor = config.spec_match_factor
-        device = "cuda" if config.resolved_device.startswith("cuda") else "cpu"
-        self.row_cost = ROW_COST[device] if config.spec_row_cost is None else config.spec_row_cost
+        row_cost, match_factor = default_policy("cuda" if config.resolved_device.startswith("cuda") else "cpu")
+        self.row_cost = row_cost if config.spec_row_cost is None else config.spec_row_cost
+        self.match_factor = match_factor if config.spec_match_factor is None else config.spec_match_factor
         self.recent = GlobalHistory(config.spec_global_tokens if self.mode is Speculative.SUFFIX else 0)
         self.by_session: dict[str, list[int]] = {}  # session -> [drafted, accepted], the newest MAX_SESSIONS
 
