@@ -202,6 +202,47 @@ static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_
     }
 }
 
+/* One tile of the output (columns j .. j + 4 of every row of x), the rows in chunks of MR: a literal per
+ * chunk size, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void q4_tile_rows(const act_t *a, int64_t i, int64_t m, int64_t k,
+                                                               const uint8_t *codes, const char *so, int64_t n,
+                                                               int64_t group, float *out, int64_t t, const int half,
+                                                               const int g32) {
+    const int64_t j = t * NR, tile_codes = NR * k / 2, tile_so = k / group * 2 * NR * (half ? 2 : 4);
+    const int nr = n - j < NR ? (int)(n - j) : NR;
+    const uint8_t *c = codes + t * tile_codes;
+    const char *s = so + t * tile_so;
+    while (i < m) { /* rows i .. m in chunks of 8, then 4, 3, 2, 1: five copies of the loop, not eight */
+        const int64_t left = m - i;
+        const int mr = left >= MR4 ? MR4 : left >= 4 ? 4 : (int)left;
+        switch (mr) {
+            case 1: q4_tile(a, i, 1, k, c, s, group, out + j, n, nr, half, g32); break;
+            case 2: q4_tile(a, i, 2, k, c, s, group, out + j, n, nr, half, g32); break;
+            case 3: q4_tile(a, i, 3, k, c, s, group, out + j, n, nr, half, g32); break;
+            case 4: q4_tile(a, i, 4, k, c, s, group, out + j, n, nr, half, g32); break;
+            default: q4_tile(a, i, MR4, k, c, s, group, out + j, n, nr, half, g32);
+        }
+        i += mr;
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_tile_rows(const act_t *a, int64_t m, int64_t k, const int8_t *codes,
+                                                               const char *scale, int64_t n, float *out, int64_t t,
+                                                               const int half) {
+    const int64_t j = t * NR, tile_scale = k / QB * NR * (half ? 2 : 4);
+    const int nr = n - j < NR ? (int)(n - j) : NR;
+    const int8_t *c = codes + t * NR * k;
+    const char *s = scale + t * tile_scale;
+    for (int64_t i = 0; i < m; i += MR) {
+        switch (m - i < MR ? m - i : MR) {
+            case 1: q8_tile(a, i, 1, k, c, s, out + j, n, nr, half); break;
+            case 2: q8_tile(a, i, 2, k, c, s, out + j, n, nr, half); break;
+            case 3: q8_tile(a, i, 3, k, c, s, out + j, n, nr, half); break;
+            default: q8_tile(a, i, MR, k, c, s, out + j, n, nr, half);
+        }
+    }
+}
+
 #ifdef AB_DPBUSD
 /* Q8 with VNNI, for several rows: q8_tile's products for an activation row are four sign flips, four vpdpbusd
  * and three horizontal adds (six shuffles), all per row, so an extra row cost 0.4 of a row alone at 8 rows. Here
@@ -346,47 +387,6 @@ static inline __attribute__((always_inline)) void q8v_tile_rows(const int8_t *xe
     }
 }
 #endif
-
-/* One tile of the output (columns j .. j + 4 of every row of x), the rows in chunks of MR: a literal per
- * chunk size, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void q4_tile_rows(const act_t *a, int64_t i, int64_t m, int64_t k,
-                                                               const uint8_t *codes, const char *so, int64_t n,
-                                                               int64_t group, float *out, int64_t t, const int half,
-                                                               const int g32) {
-    const int64_t j = t * NR, tile_codes = NR * k / 2, tile_so = k / group * 2 * NR * (half ? 2 : 4);
-    const int nr = n - j < NR ? (int)(n - j) : NR;
-    const uint8_t *c = codes + t * tile_codes;
-    const char *s = so + t * tile_so;
-    while (i < m) { /* rows i .. m in chunks of 8, then 4, 3, 2, 1: five copies of the loop, not eight */
-        const int64_t left = m - i;
-        const int mr = left >= MR4 ? MR4 : left >= 4 ? 4 : (int)left;
-        switch (mr) {
-            case 1: q4_tile(a, i, 1, k, c, s, group, out + j, n, nr, half, g32); break;
-            case 2: q4_tile(a, i, 2, k, c, s, group, out + j, n, nr, half, g32); break;
-            case 3: q4_tile(a, i, 3, k, c, s, group, out + j, n, nr, half, g32); break;
-            case 4: q4_tile(a, i, 4, k, c, s, group, out + j, n, nr, half, g32); break;
-            default: q4_tile(a, i, MR4, k, c, s, group, out + j, n, nr, half, g32);
-        }
-        i += mr;
-    }
-}
-
-static inline __attribute__((always_inline)) void q8_tile_rows(const act_t *a, int64_t m, int64_t k, const int8_t *codes,
-                                                               const char *scale, int64_t n, float *out, int64_t t,
-                                                               const int half) {
-    const int64_t j = t * NR, tile_scale = k / QB * NR * (half ? 2 : 4);
-    const int nr = n - j < NR ? (int)(n - j) : NR;
-    const int8_t *c = codes + t * NR * k;
-    const char *s = scale + t * tile_scale;
-    for (int64_t i = 0; i < m; i += MR) {
-        switch (m - i < MR ? m - i : MR) {
-            case 1: q8_tile(a, i, 1, k, c, s, out + j, n, nr, half); break;
-            case 2: q8_tile(a, i, 2, k, c, s, out + j, n, nr, half); break;
-            case 3: q8_tile(a, i, 3, k, c, s, out + j, n, nr, half); break;
-            default: q8_tile(a, i, MR, k, c, s, out + j, n, nr, half);
-        }
-    }
-}
 
 const char *ab_isa(void) { return AB_ISA; }
 
