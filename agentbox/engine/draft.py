@@ -13,8 +13,8 @@ token backwards while any still match. It needs no index to build or keep in ste
 history is an int32 array that only grows), and costs tens of microseconds at 30k tokens against a decode
 step's milliseconds. `arctic-inference` (SuffixDecoding's own tree) was not used: see docs/speculative.md.
 
-A rejected draft still costs its rows: on a CPU each verified row adds about a quarter of a decode step (the
-4-bit kernels share a weight's pass among 8 rows; measured by `agentbox bench spec`), on a GPU almost nothing.
+A rejected draft still costs its rows: on a CPU each verified row adds 0.1-0.3 of a decode step (the kernels
+share a weight's pass among 8 rows; measured by `agentbox bench spec` per kernel variant), on a GPU almost nothing.
 So k is chosen per step to maximise the expected tokens per unit of step cost, (1 + a + a^2 + ... + a^k) /
 (1 + c k), from the request's recent per-token acceptance a and the row cost c. When no k pays (a too low for
 c), the request stops drafting for a while (a pause that doubles each time), so prose that repeats nothing
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from agentbox.config import EngineConfig, Speculative
+from agentbox.kernels import cpu_gemv
 
 if TYPE_CHECKING:
     from agentbox.engine.request import Request
@@ -42,7 +43,7 @@ MAX_MATCH = 32
 # a draft as long as its match (1.0) pays: the edit workload's answer in 77 steps and 195 verified rows against
 # 87 and 193 at (0.3, 0.5), the tool call's in 17 against 24 (bench/results/spec/README.md). Variants not
 # measured keep the EPYC's numbers. GPU decode is memory-bound, so rows up to 16 cost about as much as one.
-CPU_POLICY = {"avx512-vnni": (0.2, 1.0)}
+CPU_POLICY = {cpu_gemv.Isa.AVX512_VNNI: (0.2, 1.0)}
 POLICY = {"cpu": (0.3, 0.5), "cuda": (0.02, 0.5)}
 # The per-token acceptance a new request starts from, and its weight in verified tokens; each verify's counts
 # decay by DECAY, so a is the recent acceptance.
@@ -55,11 +56,9 @@ MAX_SESSIONS = 4096  # per-session counts kept for /v1/sessions (the session tab
 def default_policy(device: str) -> tuple[float, float]:
     """(row cost, match factor) for a device: on CPU, the kernel variant's measured numbers where there are some."""
     if device == "cpu":
-        from agentbox.kernels import cpu_gemv
-
         isa = cpu_gemv.isa() if cpu_gemv.available() else None
-        if isa is not None and isa.value in CPU_POLICY:
-            return CPU_POLICY[isa.value]
+        if isa in CPU_POLICY:
+            return CPU_POLICY[isa]
     return POLICY[device]
 
 
