@@ -9,8 +9,7 @@
  * does, so one block's dot product is integer arithmetic (u8 x s8 products summed to int32: vpdpbusd, or
  * AVX2's pairs to int16, then int32) and one FMA. Offsets (asymmetric 4-bit) multiply the block sums of the
  * rounded x. Several rows of x (2-16: a batch, a speculative verify, a chunk's tail) share each tile's pass:
- * its codes are read and unpacked once for up to MR = 4 rows, so a row's extra cost is its dot products (Q8 on
- * the VNNI builds: q8v_tile / q8z_tile, 8 or 16 rows a pass, the tile transposed once for them all).
+ * its codes are read and unpacked once for up to MR = 4 rows, so a row's extra cost is its dot products.
  *
  * Rows come in tiles of NR = 4 (the last one padded with zero rows), each tile stored block by block:
  * Q4: codes [N/4][K/32][2][4][8] bytes: half h, row r, byte i holds elements e = 16 h + (i < 4 ? i : i + 4)
