@@ -97,11 +97,14 @@ def body_of(messages: list[dict[str, Any]], model: str, stream: bool = True) -> 
 
 
 def ttft(client: httpx.Client, body: dict[str, Any], session: str) -> tuple[float, int, int]:
-    """Seconds from sending to the first streamed chunk (it follows the first token), cached and prompt tokens."""
-    body = {**body, "stream_options": {"include_usage": True}}
+    """Seconds from sending to the first streamed chunk (it follows the first token), cached and prompt tokens.
+    The body is encoded before the clock starts: encoding 0.6 MB of JSON is the client's work (httpx took ~4 ms
+    of each 128k turn), not the server's."""
+    raw = json.dumps({**body, "stream_options": {"include_usage": True}}).encode()
+    headers = {"X-Session-Id": session, "Content-Type": "application/json"}
     t0 = time.perf_counter()
     first, cached, prompt = None, 0, 0
-    with client.stream("POST", "/v1/chat/completions", json=body, headers={"X-Session-Id": session}) as r:
+    with client.stream("POST", "/v1/chat/completions", content=raw, headers=headers) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
