@@ -1,4 +1,4 @@
-/* Causal attention over a paged KV cache for AVX2 + FMA CPUs: extends (a prefill chunk, a warm turn's new
+/* Causal attention over a paged KV cache for AVX2 + FMA (or AVX-512) CPUs: extends (a prefill chunk, a warm turn's new
  * tokens over a long cached prefix) and decode, every sequence of a step in one call (built and loaded by
  * cpu_attention.py; its torch twin is there too).
  *
@@ -30,7 +30,59 @@
 #define MIN_RANGE 1024 /* fewest keys worth a range of their own (the merge and the item's setup) */
 #define LOG2E 1.4426950408889634f
 
-static inline __m256 exp2_ps(__m256 x) {
+/* One source, two widths: built with -mavx512f the vectors are __m512 (16 lanes: a tile's scores and a head of
+ * 16 in one register, half the instructions of the AVX2 build on a warm turn); otherwise __m256. */
+#if defined(__AVX512F__)
+#define VL 16
+typedef __m512 vf;
+#define V_ZERO() _mm512_setzero_ps()
+#define V_SET1(x) _mm512_set1_ps(x)
+#define V_LOAD(p) _mm512_load_ps(p)
+#define V_STORE(p, v) _mm512_store_ps(p, v)
+#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_MUL(a, b) _mm512_mul_ps(a, b)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
+#define V_SUB(a, b) _mm512_sub_ps(a, b)
+#define V_MAX(a, b) _mm512_max_ps(a, b)
+#define V_BCAST(p) _mm512_set1_ps(*(p))
+/* n of the vector's floats (a head of 8 or 24 ends on half a vector): masked, nothing read past a row */
+#define V_LOADN(p, n) _mm512_maskz_loadu_ps((__mmask16)((1u << (n)) - 1), p)
+#define V_STOREN(p, n, v) _mm512_mask_storeu_ps(p, (__mmask16)((1u << (n)) - 1), v)
+
+static inline vf exp2_v(vf x) {
+    /* as the AVX2 one below, lane for lane */
+    const vf lo = V_SET1(-126.0f);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+    x = V_MAX(x, lo);
+    const vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf f = V_SUB(x, n);
+    static const float c[8] = {1.0f, 0.69314718056f, 0.24022650695f, 0.05550410866f,
+                               0.00961812911f, 0.00133335581f, 0.00015403530f, 0.00001525273f};
+    vf p = V_SET1(c[7]);
+    for (int i = 6; i >= 0; i--) p = V_FMA(p, f, V_SET1(c[i]));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+}
+
+static inline float hmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+#else
+#define VL 8
+typedef __m256 vf;
+#define V_ZERO() _mm256_setzero_ps()
+#define V_SET1(x) _mm256_set1_ps(x)
+#define V_LOAD(p) _mm256_load_ps(p)
+#define V_STORE(p, v) _mm256_store_ps(p, v)
+#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_MUL(a, b) _mm256_mul_ps(a, b)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
+#define V_SUB(a, b) _mm256_sub_ps(a, b)
+#define V_MAX(a, b) _mm256_max_ps(a, b)
+#define V_BCAST(p) _mm256_broadcast_ss(p)
+#define V_LOADN(p, n) _mm256_loadu_ps(p) /* n is always 8: head sizes are multiples of 8 */
+#define V_STOREN(p, n, v) _mm256_storeu_ps(p, v)
+
+static inline vf exp2_v(vf x) {
     /* 2^x = 2^n * 2^f, n = round(x), |f| <= 0.5; 2^f by its Taylor series to degree 7 (error < 1e-8). Keys
      * masked with -inf (x < -126) give exactly 0. */
     const __m256 lo = _mm256_set1_ps(-126.0f);
@@ -46,19 +98,21 @@ static inline __m256 exp2_ps(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
 }
 
-static inline float hmax(__m256 v) {
+static inline float hmax(vf v) {
     __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_max_ps(a, _mm_movehl_ps(a, a));
     a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
     return _mm_cvtss_f32(a);
 }
 
-static inline float hsum(__m256 v) {
+static inline float hsum(vf v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
     a = _mm_add_ss(a, _mm_shuffle_ps(a, a, 1));
     return _mm_cvtss_f32(a);
 }
+#endif
+#define SC (2 * VL) /* keys per scores() call: two vectors a row */
 
 typedef struct {
     const float *q, *k, *v;
@@ -69,52 +123,71 @@ typedef struct {
     float scale2; /* scale * log2 e */
 } item_t;
 
-/* Scores of RB rows over a tile's 16 keys kt16 ([hd][TK] from column c0): 8 independent FMA chains. */
-static inline void scores16(const float *const *qr, const float *kt, int64_t hd, int64_t c0, __m256 *s) {
-    for (int j = 0; j < 2 * RB; j++) s[j] = _mm256_setzero_ps();
+/* Scores of RB rows over SC keys of a tile ([hd][TK] from column c0): 2 RB independent FMA chains. */
+static inline void scores(const float *const *qr, const float *kt, int64_t hd, int64_t c0, vf *s) {
+    for (int j = 0; j < 2 * RB; j++) s[j] = V_ZERO();
     for (int64_t d = 0; d < hd; d++) {
-        const __m256 k0 = _mm256_load_ps(kt + d * TK + c0), k1 = _mm256_load_ps(kt + d * TK + c0 + 8);
+        const vf k0 = V_LOAD(kt + d * TK + c0), k1 = V_LOAD(kt + d * TK + c0 + VL);
         for (int j = 0; j < RB; j++) {
-            const __m256 qd = _mm256_broadcast_ss(qr[j] + d);
-            s[2 * j] = _mm256_fmadd_ps(qd, k0, s[2 * j]);
-            s[2 * j + 1] = _mm256_fmadd_ps(qd, k1, s[2 * j + 1]);
+            const vf qd = V_BCAST(qr[j] + d);
+            s[2 * j] = V_FMA(qd, k0, s[2 * j]);
+            s[2 * j + 1] = V_FMA(qd, k1, s[2 * j + 1]);
         }
     }
 }
 
-/* acc[j][d0 .. d0 + 8 w) = acc * alpha[j] + sum over keys o < nk of p[j][o] v[o]: RB x w independent chains */
+/* acc[j][d0 .. d0 + VL (w - 1) + n) = acc * alpha[j] + sum over keys o < nk of p[j][o] v[o]: RB x w chains;
+ * n (<= VL) floats of the last vector. */
 static inline void values(float *const *acc, const float *alpha, float p[RB][TK], const float *const *vrow,
-                          int64_t nk, int64_t d0, int w) {
-    __m256 a[RB][2];
-    for (int j = 0; j < RB; j++)
-        for (int u = 0; u < w; u++) a[j][u] = _mm256_mul_ps(_mm256_loadu_ps(acc[j] + d0 + 8 * u), _mm256_set1_ps(alpha[j]));
+                          int64_t nk, int64_t d0, int w, int n) {
+    vf a[RB][2];
+    const int n0 = w > 1 ? VL : n;
+    for (int j = 0; j < RB; j++) {
+        a[j][0] = V_MUL(V_LOADN(acc[j] + d0, n0), V_SET1(alpha[j]));
+        if (w > 1) a[j][1] = V_MUL(V_LOADN(acc[j] + d0 + VL, n), V_SET1(alpha[j]));
+    }
     for (int64_t o = 0; o < nk; o++) {
-        const __m256 v0 = _mm256_loadu_ps(vrow[o] + d0), v1 = w > 1 ? _mm256_loadu_ps(vrow[o] + d0 + 8) : v0;
+        const vf v0 = V_LOADN(vrow[o] + d0, n0), v1 = w > 1 ? V_LOADN(vrow[o] + d0 + VL, n) : v0;
         for (int j = 0; j < RB; j++) {
-            const __m256 pj = _mm256_broadcast_ss(&p[j][o]);
-            a[j][0] = _mm256_fmadd_ps(pj, v0, a[j][0]);
-            if (w > 1) a[j][1] = _mm256_fmadd_ps(pj, v1, a[j][1]);
+            const vf pj = V_BCAST(&p[j][o]);
+            a[j][0] = V_FMA(pj, v0, a[j][0]);
+            if (w > 1) a[j][1] = V_FMA(pj, v1, a[j][1]);
         }
     }
-    for (int j = 0; j < RB; j++)
-        for (int u = 0; u < w; u++) _mm256_storeu_ps(acc[j] + d0 + 8 * u, a[j][u]);
+    for (int j = 0; j < RB; j++) {
+        V_STOREN(acc[j] + d0, n0, a[j][0]);
+        if (w > 1) V_STOREN(acc[j] + d0 + VL, n, a[j][1]);
+    }
 }
 
-/* Tile t0 .. t0 + nk of the item's keys: transposed into kt [hd][TK] (zeros past nk), values' rows in vrow. */
-static void load_tile(const item_t *it, int64_t t0, int64_t nk, float *kt, const float **vrow) {
-    const int64_t hd = it->hd, kv_stride = it->hkv * hd;
-    int64_t pg = t0 / it->page_size, off = t0 % it->page_size; /* walk the pages: no division per key */
+/* Tile t0 .. t0 + nk of the item's keys: transposed into kt [hd][TK] (zeros past nk), values' rows in vrow.
+ * The keys and values SB positions further on (up to `end`) are prefetched: a sequence's pages lie anywhere
+ * in the pool, so the hardware prefetcher loses the stream at every page; a warm 128k turn's step waited on
+ * those misses for ~a fifth of its time. */
+static void load_tile(const item_t *it, int64_t t0, int64_t nk, int64_t end, float *kt, const float **vrow) {
+    const int64_t hd = it->hd, kv_stride = it->hkv * hd, head = it->kvh * hd, ps = it->page_size;
+    int64_t pg = t0 / ps, off = t0 % ps; /* walk the pages: no division per key */
+    const int64_t ahead = t0 + SB, n_ahead = end - ahead < TK ? end - ahead : TK;
+    int64_t apg = ahead / ps, aoff = ahead % ps;
+    for (int64_t o = 0; o < n_ahead; o++) {
+        const int64_t slot = (int64_t)it->pages[apg] * ps + aoff;
+        if (++aoff == ps) apg++, aoff = 0;
+        for (int64_t d = 0; d < hd; d += 16) { /* a 64-byte line per 16 floats */
+            _mm_prefetch((const char *)(it->k + slot * kv_stride + head + d), _MM_HINT_T0);
+            _mm_prefetch((const char *)(it->v + slot * kv_stride + head + d), _MM_HINT_T0);
+        }
+    }
     for (int64_t o = 0; o < TK; o++) {
         if (o >= nk) {
             for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = 0.0f;
             vrow[o] = NULL;
             continue;
         }
-        const int64_t slot = (int64_t)it->pages[pg] * it->page_size + off;
-        if (++off == it->page_size) pg++, off = 0;
-        const float *key = it->k + slot * kv_stride + it->kvh * hd;
+        const int64_t slot = (int64_t)it->pages[pg] * ps + off;
+        if (++off == ps) pg++, off = 0;
+        const float *key = it->k + slot * kv_stride + head;
         for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = key[d];
-        vrow[o] = it->v + slot * kv_stride + it->kvh * hd;
+        vrow[o] = it->v + slot * kv_stride + head;
     }
 }
 
@@ -124,11 +197,11 @@ static void load_tile(const item_t *it, int64_t t0, int64_t nk, float *kt, const
 static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
     const int64_t hd = it->hd, g = it->g, rows = it->r_hi, first_pos = it->kv_len - it->n_q;
     const int64_t stride = hd + 2;
-    float *kts = aligned_alloc(32, sizeof(float) * SB * hd); /* [SB / TK][hd][TK] */
+    float *kts = aligned_alloc(64, sizeof(float) * SB * hd); /* [SB / TK][hd][TK] */
     const float *vrows[SB];
-    float p[RB][TK] __attribute__((aligned(32)));
+    float p[RB][TK] __attribute__((aligned(64)));
     float scratch[RB][258]; /* the state of padding rows of a short last block */
-    const __m256 sc2 = _mm256_set1_ps(it->scale2);
+    const vf sc2 = V_SET1(it->scale2);
     if (!kts) return 2;
     for (int64_t r = 0; r < it->r_hi - it->r_lo; r++) {
         state[r * stride] = -INFINITY;
@@ -139,7 +212,7 @@ static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
         const int64_t s1 = b - s0 < SB ? b : s0 + SB, ntiles = (s1 - s0 + TK - 1) / TK;
         for (int64_t t = 0; t < ntiles; t++) {
             const int64_t t0 = s0 + t * TK;
-            load_tile(it, t0, s1 - t0 < TK ? s1 - t0 : TK, kts + t * hd * TK, vrows + t * TK);
+            load_tile(it, t0, s1 - t0 < TK ? s1 - t0 : TK, b, kts + t * hd * TK, vrows + t * TK);
         }
         /* rows before a tile's first key see none of it (rows ascend in position, g rows per token) */
         int64_t b0 = s0 > first_pos ? (s0 - first_pos) * g : 0;
@@ -160,12 +233,12 @@ static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
                         st[j] = j < nr ? state + (r - it->r_lo) * stride : scratch[j];
                         acc[j] = st[j] + 2;
                     }
-                    for (int64_t c0 = 0; c0 < TK; c0 += 16) {
-                        __m256 s[2 * RB];
-                        scores16(qr, kt, hd, c0, s);
+                    for (int64_t c0 = 0; c0 < TK; c0 += SC) {
+                        vf s[2 * RB];
+                        scores(qr, kt, hd, c0, s);
                         for (int j = 0; j < RB; j++) {
-                            _mm256_store_ps(p[j] + c0, _mm256_mul_ps(s[2 * j], sc2));
-                            _mm256_store_ps(p[j] + c0 + 8, _mm256_mul_ps(s[2 * j + 1], sc2));
+                            V_STORE(p[j] + c0, V_MUL(s[2 * j], sc2));
+                            V_STORE(p[j] + c0 + VL, V_MUL(s[2 * j + 1], sc2));
                         }
                     }
                     for (int64_t j = 0; j < RB; j++) {
@@ -178,23 +251,24 @@ static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
                         const int64_t visible = pos - t0 + 1 < nk ? pos - t0 + 1 : nk; /* keys t0 .. pos */
                         seen = visible > seen ? visible : seen;
                         for (int64_t o = visible; o < TK; o++) p[j][o] = -INFINITY;
-                        __m256 top = _mm256_load_ps(p[j]);
-                        for (int64_t o = 8; o < TK; o += 8) top = _mm256_max_ps(top, _mm256_load_ps(p[j] + o));
+                        vf top = V_LOAD(p[j]);
+                        for (int64_t o = VL; o < TK; o += VL) top = V_MAX(top, V_LOAD(p[j] + o));
                         const float m_old = st[j][0], t = hmax(top), m_new = t > m_old ? t : m_old;
-                        const __m256 mv = _mm256_set1_ps(m_new);
-                        __m256 sum = _mm256_setzero_ps();
-                        for (int64_t o = 0; o < TK; o += 8) {
-                            const __m256 e = exp2_ps(_mm256_sub_ps(_mm256_load_ps(p[j] + o), mv));
-                            _mm256_store_ps(p[j] + o, e);
-                            sum = _mm256_add_ps(sum, e);
+                        const vf mv = V_SET1(m_new);
+                        vf sum = V_ZERO();
+                        for (int64_t o = 0; o < TK; o += VL) {
+                            const vf e = exp2_v(V_SUB(V_LOAD(p[j] + o), mv));
+                            V_STORE(p[j] + o, e);
+                            sum = V_ADD(sum, e);
                         }
                         alpha[j] = m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new);
                         st[j][0] = m_new;
                         st[j][1] = st[j][1] * alpha[j] + hsum(sum);
                     }
                     int64_t d0 = 0;
-                    for (; d0 + 16 <= hd; d0 += 16) values(acc, alpha, p, vrow, seen, d0, 2);
-                    if (d0 < hd) values(acc, alpha, p, vrow, seen, d0, 1);
+                    for (; d0 + 2 * VL <= hd; d0 += 2 * VL) values(acc, alpha, p, vrow, seen, d0, 2, VL);
+                    if (hd - d0 > VL) values(acc, alpha, p, vrow, seen, d0, 2, (int)(hd - d0 - VL));
+                    else if (d0 < hd) values(acc, alpha, p, vrow, seen, d0, 1, (int)(hd - d0));
                 }
             }
         }

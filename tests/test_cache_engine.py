@@ -140,3 +140,18 @@ def test_cached_tokens_count_the_admission_that_ran(smollm2_loaded, smollm2_path
     s = core.cache.sessions.get("B")
     assert s is not None and s.recomputed_tokens == 0
     core.check_integrity()
+
+
+def test_flush_step_runs_only_when_the_last_token_completes_a_page(smollm2_loaded, smollm2_path) -> None:  # noqa: ANN001
+    # A finished answer's last token has no KV; computing it (one more step over the whole history) caches one
+    # more page only when that token completes a page. Otherwise the request finishes without the step, and
+    # the next turn finds the same pages cached either way.
+    for prompt_len, flush in ((40, False), (47, True)):  # 40 + 1 token: mid-page; 47 + 1 = 48: a page's end
+        llm = make(smollm2_loaded, smollm2_path, host_cache_gb=0)
+        ids = [100 + i for i in range(prompt_len)]
+        out = llm.generate([ids], SamplingParams(max_tokens=1, temperature=0), ["s"])[0]
+        assert llm.core.stats().counters.steps == 1 + flush
+        history = ids + out.token_ids
+        nxt = llm.generate([history + [7, 8, 9]], SamplingParams(max_tokens=1, temperature=0), ["s"])[0]
+        assert nxt.num_cached_tokens == len(history) // PS * PS
+        llm.core.check_integrity()

@@ -143,6 +143,23 @@ def test_second_turn_tokenizes_only_its_tail(tokenizers: dict) -> None:
     assert inc.encode(other) == tok.encode(other, add_special_tokens=False)
 
 
+def test_two_conversations_taking_turns_each_reuse_their_own_ids(tokenizers: dict) -> None:
+    """Two sessions that share a head (the system part) take turns: each turn still tokenizes only its tail.
+    A text sharing only a head with a kept one must not take its place (it did: every turn was tokenized whole)."""
+    tok = tokenizers["smollm2"]
+    convs = [[{"role": "system", "content": "You are an agent."}, {"role": "user", "content": f"task {c} " * 500}]
+             for c in "ab"]
+    inc = IncrementalTokenizer(tok, 8)
+    for turn in range(3):
+        for c in range(2):
+            if turn:
+                convs[c] = [*convs[c], {"role": "assistant", "content": f"done {turn}"}, {"role": "user", "content": "next"}]
+            prompt = render_prompt(tok, convs[c])
+            before = inc.tokenized_tokens
+            assert inc.encode(prompt) == tok.encode(prompt, add_special_tokens=False)
+            assert turn == 0 or inc.tokenized_tokens - before < 30, (turn, c)
+
+
 def test_a_tokenizer_whose_pieces_do_not_compose_is_tokenized_whole(tokenizers: dict) -> None:
     """SentencePiece-style: a '▁' prepended to the text's first section only (Metaspace, prepend_scheme
     "first") makes a piece tokenized alone differ from the same piece inside the text; the probe finds it

@@ -34,12 +34,15 @@ def _case(seed: int, query_lens: list[int], kv_lens: list[int], hq: int, hkv: in
         ([25], [5000], 2, 1, 16, 16, 2),  # a warm turn: few queries over many keys, ranges merged
         ([7, 1, 100], [7, 2100, 3000], 9, 3, 64, 16, 2),  # ragged: fresh prompt, decode, an extend split by rows
         ([33], [1500], 6, 6, 24, 8, 3),  # MHA, head size 24, pages of 8, three threads
+        ([3, 40], [900, 40], 4, 1, 8, 16, 1),  # head size 8: half an AVX-512 vector (masked loads)
     ],
 )
-def test_kernel_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, threads) -> None:
+@pytest.mark.parametrize("avx512", [False, pytest.param(True, marks=pytest.mark.skipif(
+    "avx512f" not in cpu_attention.cpu_flags(), reason="no AVX-512F"))])
+def test_kernel_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, threads, avx512) -> None:
     q, k, v, table = _case(len(kv_lens) * 7 + hd, query_lens, kv_lens, hq, hkv, hd, page_size)
     scale = hd ** -0.5
-    got = paged_attention(q, k, v, table, page_size, query_lens, kv_lens, scale, n_threads=threads)
+    got = paged_attention(q, k, v, table, page_size, query_lens, kv_lens, scale, n_threads=threads, avx512=avx512)
     want = paged_attention_ref(q, k, v, table, page_size, query_lens, kv_lens, scale)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 

@@ -91,3 +91,29 @@ def test_a_sessions_next_request_writes_only_its_new_page_columns() -> None:
     rows._sweep(set())
     r, written = run("c", [3, *history])  # a new session takes a free row: rewritten from the first difference
     assert written == 41
+
+
+def test_a_sessions_row_comes_back_while_other_rows_are_free() -> None:
+    """Rows are swept only when none is free: a session's next request still takes its own row back (its
+    last request is done) and writes only its new column, not the whole history into a fresh row."""
+    import torch
+
+    from agentbox.engine.exec.page_table import PageTable, RowAssigner
+    from agentbox.engine.request import Request, Status
+    from agentbox.engine.sampling import SamplingParams
+
+    rows, table = RowAssigner(8), PageTable(8, 64, torch.device("cpu"))
+    history, held = list(range(10, 50)), []
+    for turn, pages in enumerate((history, [*history, 60], [*history, 60, 61])):
+        r = Request(f"a{turn}", [1], SamplingParams(), "a")
+        r.pages, r.status = list(pages), Status.RUNNING
+        got, updates = rows.assign([r])
+        table.apply(torch.tensor(updates, dtype=torch.int64).reshape(-1, 3))
+        assert table.table[got[0], : len(pages)].tolist() == pages
+        assert len(updates) // 3 == (40 if turn == 0 else 1)
+        held.append(got[0])
+        r.status = Status.FINISHED
+    assert len(set(held)) == 1
+    other = Request("b", [1], SamplingParams(), "b")  # a running request's row is never taken
+    other.pages, other.status = [7], Status.RUNNING
+    assert rows.assign([other])[0][0] != held[0] or rows.owners[held[0]] is other

@@ -87,8 +87,11 @@ class IncrementalTokenizer:
             return self._full(text)
         base, shared = self._best(text)
         cut, before = base.boundary_at_most(shared) if base is not None else (0, 0)
-        if base is not None:
+        if base is not None and shared == len(base.text):
             self.kept.pop(id(base), None)  # the new text continues this one: it takes its place
+        # Otherwise base stays: a text that only shares a head with it (another conversation: every chat starts
+        # with the same added token, often the same system part) took its place, and two sessions taking turns
+        # then tokenized their whole text every turn (~330 ms at 128k tokens).
         new = self._extend(base, cut, before, text)
         self.kept[id(new)] = new
         while len(self.kept) > self.max_texts:

@@ -364,7 +364,8 @@ class EngineCore:
             out_.finished, out_.finish_reason = True, reason
             if self.cache.caches_completions:
                 # The answer is complete for the client now; one more step computes the last token's KV
-                # (batched with the others) so the next turn finds prompt + completion cached.
+                # (batched with the others) so the next turn finds prompt + completion cached, when that
+                # token completes a page (the scheduler finishes it without the step otherwise).
                 req.flushing, req.finish_reason = True, reason
             else:
                 self.scheduler.finish(req, reason)

@@ -46,7 +46,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the cache at admission (all tiers)
     num_host_cached_tokens: int = 0  # of those, copied back from the host tier
     num_recomputed_tokens: int = 0  # history of its session it had to recompute (cache had dropped it)
-    # Done generating, but its last token's KV is computed one more step so the cache holds the whole turn.
+    # Done generating, but its last token's KV is computed one more step so the cache holds the whole turn
+    # (when that token completes a page; otherwise it finishes at the next schedule: Scheduler._flush_caches_a_page).
     flushing: bool = False
     num_preemptions: int = 0  # > 0: it was admitted before (its turn began, its counters are set)
     first_token_time: float | None = None

@@ -50,17 +50,25 @@ class RowAssigner:
 
     def _sweep(self, keep: set[int]) -> None:
         """Frees rows of requests that are no longer running (finished, preempted, a one-off logits call)."""
-        for row, owner in enumerate(self.owners):
-            if owner is not None and id(owner) not in keep and not owner.is_running:
-                owner.table_row, owner.pages_in_table = None, 0
-                self.owners[row] = None
-                self._free.append(row)
+        for row in range(len(self.owners)):
+            self._free_if_done(row, keep)
 
-    def _take_row(self, r: Request) -> int:
-        """A free row for r: its session's last row when free (its pages are mostly there), else the next."""
+    def _free_if_done(self, row: int, keep: set[int]) -> None:
+        owner = self.owners[row]
+        if owner is not None and id(owner) not in keep and not owner.is_running:
+            owner.table_row, owner.pages_in_table = None, 0
+            self.owners[row] = None
+            self._free.append(row)
+
+    def _take_row(self, r: Request, keep: set[int]) -> int:
+        """A free row for r: its session's last row when free (its pages are mostly there), else the next.
+        The session's row is freed here when its last request is done: rows are swept only when none is free,
+        so without this a session's next turn took a new row and wrote all of its ~7.6k columns at 128k."""
+        row = self._session_rows.get(r.session_id) if r.session_id is not None else None
+        if row is not None:
+            self._free_if_done(row, keep)
         if not self._free:
             raise RuntimeError(f"page table full: {len(self.owners)} rows, all running")
-        row = self._session_rows.get(r.session_id) if r.session_id is not None else None
         if row is not None and row in self._free:
             self._free.remove(row)
         else:
@@ -76,13 +84,14 @@ class RowAssigner:
     def assign(self, reqs: list[Request]) -> tuple[list[int], list[int]]:
         """Rows for the step's requests, and the flat (row, column, page) triples to write first."""
         fresh = [r for r in reqs if r.table_row is None or self.owners[r.table_row] is not r]
+        keep = {id(r) for r in reqs} if fresh else set()
         if len(fresh) > len(self._free):
-            self._sweep({id(r) for r in reqs})
+            self._sweep(keep)
         rows: list[int] = []
         updates: list[int] = []
         for r in reqs:
             if r.table_row is None or self.owners[r.table_row] is not r:
-                r.table_row = self._take_row(r)
+                r.table_row = self._take_row(r, keep)
                 r.pages_in_table = common_prefix(self.contents[r.table_row], r.pages)  # already in the row
             row, have, pages = r.table_row, r.pages_in_table, r.pages
             held = self.contents[row]

@@ -8,6 +8,7 @@ waits on the pipe until the next lease expiry or admission timeout. It never sle
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -51,6 +52,7 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
         return
     proc.core = core
     proc.send(core.ready_message())
+    gc.freeze()  # the loaded model and its imports out of the collector's full passes (server/app.py says why)
     try:
         proc.loop(core)
         core.persist()  # Shutdown: a graceful stop writes the cache to disk first
