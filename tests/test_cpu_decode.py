@@ -141,3 +141,32 @@ def test_the_engine_runner_picks_the_fused_decode(smollm2_path: Path, smollm2_fa
     scale = eager.abs().max()
     assert (fused - eager).abs().max() > 1e-4 * scale  # the two paths differ in their last bits (int8 rounding)
     assert (got - fused).abs().max() < 1e-5 * scale  # the same C layers on the same cache contents
+
+
+@pytest.mark.parametrize("isa", list(cpu_gemv.Isa), ids=lambda i: i.value)
+def test_every_variant_this_cpu_runs_gives_the_avx2_decode_bits(isa: cpu_gemv.Isa, tmp_path: Path) -> None:
+    """The whole fused layer (norms, rotary, paged attention, SiLU and the 4-bit products), not only the products:
+    each variant's build leaves the AVX2 build's hidden states bit for bit, for a decode and a verify's rows."""
+    if not isa.cpu_flags <= cpu_gemv.cpu_flags():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(isa.cpu_flags - cpu_gemv.cpu_flags()))}")
+    _qwen3(tmp_path)
+    loaded = load_model(str(tmp_path), torch.float32, "cpu")
+    assert cpu_decode.eligible(loaded.model.model)
+    seen: list[torch.Tensor] = []
+    loaded.model.model.norm.register_forward_pre_hook(lambda _, args: seen.append(torch.cat(args[:2], 1).clone()))
+
+    def run() -> list[torch.Tensor]:
+        seen.clear()
+        runner = PagedRunner(loaded, num_pages=16, page_size=16)
+        runner.step({0: PROMPT * 2, 1: PROMPT[:5]})
+        runner.step({0: [7], 1: [90]})  # a decode
+        runner.step({0: [8 + i for i in range(9)], 1: [91, 92, 93]})  # a verify's rows, across a page boundary
+        return seen[1:]
+
+    with cpu_gemv.use_isa(cpu_gemv.Isa.AVX2):
+        reference = run()
+    with cpu_gemv.use_isa(isa):
+        got = run()
+    assert len(got) == 2
+    for g, r in zip(got, reference, strict=True):
+        assert torch.equal(g, r)
