@@ -42,16 +42,14 @@
 
 #ifdef __AVX512F__
 #define Q4_UNIT 2 /* tiles a Q4 pass serves (q4_pair) */
-#define XS 8      /* copies of a row's group sum: two rows' copies are one 16-lane operand of q4_pair's offsets */
 #else
 #define Q4_UNIT 1
-#define XS 1
 #endif
 
 typedef struct {
     int8_t *q;     /* [M][K], or for Q4 per slice [K/32][rows][4][16]: a block as q4_dot's operands (q4_expand) */
     float *d;      /* [M][K/32] (Q4: per slice [K/32][rows]) */
-    float *gsum;   /* [M][K/group] (Q4: per slice [K/group][rows][XS]): sums of the rounded x per scale group */
+    float *gsum;   /* [M][K/group] (Q4: per slice [K/group][rows]): sums of the rounded x per scale group */
     int64_t m;     /* Q4: the slice's rows */
 } act_t;
 /* Q4 keeps a block's rows side by side, so the kernel's loop over rows reads at constant offsets from one
@@ -76,10 +74,9 @@ static int quantize_activations(const float *x, int64_t m, int64_t k, int64_t gr
     const int64_t nb = k / QB, per = group / QB, gk = k / group;
     a->q = (int8_t *)aligned_alloc(32, (size_t)((m * k * (q4 ? 2 : 1) + 31) / 32 * 32));
     a->d = (float *)malloc(sizeof(float) * (size_t)(m * nb));
-    a->gsum = (float *)malloc(sizeof(float) * (size_t)(m * gk * (q4 ? XS : 1)));
+    a->gsum = (float *)malloc(sizeof(float) * (size_t)(m * gk));
     if (!a->q || !a->d || !a->gsum) return -1;
-    /* by row and scale group: a group's sum is complete before its XS copies are stored (and there is no int64
-     * division a block, as in one loop over the m * nb blocks) */
+    /* by row and scale group: no int64 division a block, as in one loop over the m * nb blocks */
     for (int64_t row = 0; row < m; row++) {
         const int64_t i0 = row / MC * MC, mc = m - i0 < MC ? m - i0 : MC, ri = row - i0;
         for (int64_t g = 0, b = 0; g < gk; g++) {
@@ -96,10 +93,7 @@ static int quantize_activations(const float *x, int64_t m, int64_t k, int64_t gr
                  * caller can dequantise the weight and multiply the same rounded x (numbers independent of M). */
                 gs += d * (float)sq;
             }
-            if (q4)
-                for (int c = 0; c < XS; c++) a->gsum[(i0 * gk + g * mc + ri) * XS + c] = gs;
-            else
-                a->gsum[row * gk + g] = gs;
+            a->gsum[q4 ? i0 * gk + g * mc + ri : row * gk + g] = gs;
         }
     }
     return 0;
@@ -147,7 +141,7 @@ static inline __attribute__((always_inline)) void q4_tile(const act_t *a, int64_
     const __m256i dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3); /* q4_dot's lanes: rows 0 0 1 1 2 2 3 3 */
     const int64_t m = a->m;
     const int8_t *xq = a->q + m0 * 2 * QB; /* block b, row i: xq + (b m + i) 2 QB */
-    const float *xd = a->d + m0, *xs = a->gsum + m0 * XS; /* block b, row i: xs[(g m + i) XS] */
+    const float *xd = a->d + m0, *xs = a->gsum + m0;
     __m256 acc[MR4];
     __m128 oacc[MR4];
     for (int i = 0; i < mr; i++) {
@@ -162,7 +156,7 @@ static inline __attribute__((always_inline)) void q4_tile(const act_t *a, int64_
              * a few rows here, not after the blocks, where one row waited on one chain of gk dependent FMAs */
             if (mr < 4) {
                 const __m128 o4 = ld4(so, g * 2 * NR + NR, half);
-                for (int i = 0; i < mr; i++) oacc[i] = _mm_fmadd_ps(o4, _mm_set1_ps(xs[(g * m + i) * XS]), oacc[i]);
+                for (int i = 0; i < mr; i++) oacc[i] = _mm_fmadd_ps(o4, _mm_set1_ps(xs[g * m + i]), oacc[i]);
             }
             left = g32 ? 1 : per;
             g++;
@@ -186,7 +180,7 @@ static inline __attribute__((always_inline)) void q4_tile(const act_t *a, int64_
     if (mr >= 4) /* many rows: their chains side by side here, where the registers are free again */
         for (int64_t g = 0; g < gk; g++) {
             const __m128 o4 = ld4(so, g * 2 * NR + NR, half);
-            for (int i = 0; i < mr; i++) oacc[i] = _mm_fmadd_ps(o4, _mm_set1_ps(xs[(g * m + i) * XS]), oacc[i]);
+            for (int i = 0; i < mr; i++) oacc[i] = _mm_fmadd_ps(o4, _mm_set1_ps(xs[g * m + i]), oacc[i]);
         }
     for (int i = 0; i < mr; i++) { /* each row's two half sums, then its offsets' term */
         const __m128 r = _mm_hadd_ps(_mm256_castps256_ps128(acc[i]), _mm256_extractf128_ps(acc[i], 1));
@@ -226,14 +220,12 @@ static inline __attribute__((always_inline)) void q4_pair(const act_t *a, int64_
     const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const int64_t m = a->m;
     const int8_t *xq = a->q + m0 * 2 * QB;
-    const float *xd = a->d + m0, *xs = a->gsum + m0 * XS;
+    const float *xd = a->d + m0, *xs = a->gsum + m0;
     __m512 acc[MR4];
-    __m256 oacc[MR4]; /* a few rows: row i's offsets' term of both tiles */
-    __m512 pacc[MR4 / 2]; /* many: rows 2p and 2p + 1 side by side (XS copies of each row's sums: one operand) */
+    __m256 oacc[MR4]; /* row i's offsets' term of both tiles */
     for (int i = 0; i < mr; i++) {
         acc[i] = _mm512_setzero_ps();
         oacc[i] = _mm256_setzero_ps();
-        pacc[i / 2] = _mm512_setzero_ps();
     }
     __m512 s16 = _mm512_setzero_ps();
     for (int64_t b = 0, g = 0, left = 0; b < nb; b++) {
@@ -243,16 +235,10 @@ static inline __attribute__((always_inline)) void q4_pair(const act_t *a, int64_
             _mm_prefetch(sg + 2 * tile_so, _MM_HINT_T0);
             _mm_prefetch(sg + 3 * tile_so, _MM_HINT_T0);
             s16 = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(ld8(so, tile_so, g * 2 * NR, half)));
-            /* the offsets' term here for any rows (32 registers hold them): after the blocks, gk dependent FMAs
-             * a chain were an eighth of an 8-row pass */
+            /* the offsets' term here for any rows (32 registers hold them; measured 2-13 % faster at 8 rows than
+             * after the blocks, or than two rows an FMA on sums stored 8 times, 12 KB more of L1 at K 1536) */
             const __m256 o8 = ld8(so, tile_so, g * 2 * NR + NR, half);
-            if (mr < 4) {
-                for (int i = 0; i < mr; i++) oacc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(xs[(g * m + i) * XS]), oacc[i]);
-            } else { /* two rows an FMA: lanes (row, tile, weight row), the offsets {t, t + 1, t, t + 1} */
-                const __m512 o16 = _mm512_shuffle_f32x4(_mm512_castps256_ps512(o8), _mm512_castps256_ps512(o8), 0x44);
-                for (int i = 0; i < mr; i += 2)
-                    pacc[i / 2] = _mm512_fmadd_ps(o16, _mm512_loadu_ps(xs + (g * m + i) * XS), pacc[i / 2]);
-            }
+            for (int i = 0; i < mr; i++) oacc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(xs[g * m + i]), oacc[i]);
             left = g32 ? 1 : per;
             g++;
         }
@@ -279,10 +265,8 @@ static inline __attribute__((always_inline)) void q4_pair(const act_t *a, int64_
         const __m256 lo = _mm512_castps512_ps256(acc[i]), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1));
         const __m128 r0 = _mm_hadd_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1));
         const __m128 r1 = _mm_hadd_ps(_mm256_castps256_ps128(hi), _mm256_extractf128_ps(hi, 1));
-        const __m256 o = mr < 4 ? oacc[i] : i % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(pacc[i / 2]), 1))
-                                                  : _mm512_castps512_ps256(pacc[i / 2]);
-        store4(out + (m0 + i) * n, _mm_add_ps(r0, _mm256_castps256_ps128(o)), NR);
-        store4(out + (m0 + i) * n + NR, _mm_add_ps(r1, _mm256_extractf128_ps(o, 1)), nr);
+        store4(out + (m0 + i) * n, _mm_add_ps(r0, _mm256_castps256_ps128(oacc[i])), NR);
+        store4(out + (m0 + i) * n + NR, _mm_add_ps(r1, _mm256_extractf128_ps(oacc[i], 1)), nr);
     }
 }
 #endif
@@ -385,7 +369,7 @@ const char *ab_isa(void) { return AB_ISA; }
 #define Q4_REGION(HALF, G32)                                                                                   \
     for (int64_t i0 = 0; i0 < m; i0 += MC) {                                                                  \
         const int64_t mc = m - i0 < MC ? m - i0 : MC;                                                          \
-        const act_t v = {a.q + i0 * k * 2, a.d + i0 * (k / QB), a.gsum + i0 * (k / group) * XS, mc};               \
+        const act_t v = {a.q + i0 * k * 2, a.d + i0 * (k / QB), a.gsum + i0 * (k / group), mc};               \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                   \
         for (int64_t u = 0; u < units; u++) q4_tile_rows(&v, 0, mc, k, codes, s, n, group, out + i0 * n, u, HALF, G32); \
     }
