@@ -1,6 +1,6 @@
 /* Weight-only quantised matmuls for x86-64 CPUs with AVX2 + FMA, or AVX-VNNI / AVX-512 VNNI (one build per
- * variant, at first use, by cpu_gemv.py; cpu_gemv.h holds the dot products that differ between them, and the
- * AVX-512 build's Q4 passes take two tiles at a time in 512-bit vectors: q4_pair).
+ * variant, at first use, by cpu_gemv.py; cpu_gemv.h holds the dot products that differ between them, and some
+ * passes have a form of their own here: the AVX-512 build's Q4 passes take two tiles at a time, q4_pair).
  *
  * Decode reads every weight once per token, so on a CPU its speed is memory bandwidth over bytes per
  * weight. torch's int4/int8 weight-only kernels are compute-bound on AVX2 (no AVX512-BF16), so they buy
