@@ -1,5 +1,6 @@
 /* Weight-only quantised matmuls for x86-64 CPUs with AVX2 + FMA, or AVX-VNNI / AVX-512 VNNI (one build per
- * variant, at first use, by cpu_gemv.py; cpu_gemv.h holds the only code that differs between them).
+ * variant, at first use, by cpu_gemv.py; cpu_gemv.h holds the dot products that differ between them, and some
+ * passes have a form of their own here: the AVX-512 build's Q4 passes take two tiles at a time, q4_pair).
  *
  * Decode reads every weight once per token, so on a CPU its speed is memory bandwidth over bytes per
  * weight. torch's int4/int8 weight-only kernels are compute-bound on AVX2 (no AVX512-BF16), so they buy
@@ -9,7 +10,8 @@
  * does, so one block's dot product is integer arithmetic (u8 x s8 products summed to int32: vpdpbusd, or
  * AVX2's pairs to int16, then int32) and one FMA. Offsets (asymmetric 4-bit) multiply the block sums of the
  * rounded x. Several rows of x (2-16: a batch, a speculative verify, a chunk's tail) share each tile's pass:
- * its codes are read and unpacked once for up to MR = 4 rows, so a row's extra cost is its dot products.
+ * its codes are read and unpacked once for up to MR4 = 8 rows (Q8: MR = 4), so a row's extra cost is its dot
+ * products.
  *
  * Rows come in tiles of NR = 4 (the last one padded with zero rows), each tile stored block by block:
  * Q4: codes [N/4][K/32][2][4][8] bytes: half h, row r, byte i holds elements e = 16 h + (i < 4 ? i : i + 4)
@@ -38,6 +40,12 @@
 
 #define MC 64   /* Q4: rows a slice of the activations holds (see ab_q4_matmul) */
 
+#ifdef __AVX512F__
+#define Q4_UNIT 2 /* tiles a Q4 pass serves (q4_pair) */
+#else
+#define Q4_UNIT 1
+#endif
+
 typedef struct {
     int8_t *q;     /* [M][K], or for Q4 per slice [K/32][rows][4][16]: a block as q4_dot's operands (q4_expand) */
     float *d;      /* [M][K/32] (Q4: per slice [K/32][rows]) */
@@ -63,23 +71,30 @@ static inline void q4_expand(const int8_t *q, int8_t *out) {
 }
 
 static int quantize_activations(const float *x, int64_t m, int64_t k, int64_t group, const int q4, act_t *a) {
-    int64_t nb = k / QB, per = group / QB;
+    const int64_t nb = k / QB, per = group / QB, gk = k / group;
     a->q = (int8_t *)aligned_alloc(32, (size_t)((m * k * (q4 ? 2 : 1) + 31) / 32 * 32));
     a->d = (float *)malloc(sizeof(float) * (size_t)(m * nb));
-    a->gsum = (float *)calloc((size_t)(m * (k / group)), sizeof(float));
+    a->gsum = (float *)malloc(sizeof(float) * (size_t)(m * gk));
     if (!a->q || !a->d || !a->gsum) return -1;
-    for (int64_t r = 0; r < m * nb; r++) {
-        int sums[2];
-        int8_t q[QB];
-        const int64_t row = r / nb, b = r % nb, i0 = row / MC * MC, mc = m - i0 < MC ? m - i0 : MC, ri = row - i0;
-        const float d = ab_round_block(x + r * QB, q4 ? q : a->q + r * QB, sums);
-        if (q4) q4_expand(q, a->q + (i0 * nb + b * mc + ri) * 2 * QB);
-        const int sq = sums[0] + sums[1];
-        a->d[q4 ? i0 * nb + b * mc + ri : r] = d;
-        /* The sum of the quantised block, so the result is exactly that of x rounded to d * q: a many-row
-         * caller can dequantise the weight and multiply the same rounded x (numbers independent of M).
-         * r / per = row * (K / group) + group index, since K / 32 = per * K / group. */
-        a->gsum[q4 ? i0 * (k / group) + b / per * mc + ri : r / per] += d * (float)sq;
+    /* by row and scale group: no int64 division a block, as in one loop over the m * nb blocks */
+    for (int64_t row = 0; row < m; row++) {
+        const int64_t i0 = row / MC * MC, mc = m - i0 < MC ? m - i0 : MC, ri = row - i0;
+        for (int64_t g = 0, b = 0; g < gk; g++) {
+            float gs = 0.0f;
+            for (int64_t j = 0; j < per; j++, b++) {
+                int sums[2];
+                int8_t q[QB];
+                const int64_t r = row * nb + b;
+                const float d = ab_round_block(x + r * QB, q4 ? q : a->q + r * QB, sums);
+                if (q4) q4_expand(q, a->q + (i0 * nb + b * mc + ri) * 2 * QB);
+                const int sq = sums[0] + sums[1];
+                a->d[q4 ? i0 * nb + b * mc + ri : r] = d;
+                /* The sum of the quantised block, so the result is exactly that of x rounded to d * q: a many-row
+                 * caller can dequantise the weight and multiply the same rounded x (numbers independent of M). */
+                gs += d * (float)sq;
+            }
+            a->gsum[q4 ? i0 * gk + g * mc + ri : row * gk + g] = gs;
+        }
     }
     return 0;
 }
@@ -173,6 +188,89 @@ static inline __attribute__((always_inline)) void q4_tile(const act_t *a, int64_
     }
 }
 
+#if Q4_UNIT == 2
+/* The avx512-vnni build: two tiles (8 weight rows) side by side in 512-bit vectors, tile t in the low half and
+ * t + 1 in the high one, each half exactly q4_tile's vector. A block's codes of both tiles are unpacked once
+ * for all MR4 rows, and a row's 16-byte activation operands are broadcast to all four 128-bit lanes, so one
+ * vpdpbusd / conversion / multiply / FMA serves 8 weight rows where q4_tile's serve 4: the 8-row pass is
+ * half the instructions (at K 1536 the loop, not memory, set its time). Each lane sees the same integer sums
+ * and the same fp32 operations in the same order as in q4_tile, so the bits are the AVX2 build's. */
+static inline __attribute__((always_inline)) __m512i q4_dot512(const __m512i *v, const __m512i *x) {
+    /* one chain (exact integer sums in any order): no add and one zero register fewer than q4_dot's two */
+    const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], x[0]), v[1], x[1]);
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(p, v[2], x[2]), v[3], x[3]);
+}
+
+/* Two tiles' four scales (or offsets): tile t's, then t + 1's (`next`: bytes to it); fp16 in one conversion. */
+static inline __attribute__((always_inline)) __m256 ld8(const char *p, int64_t next, int64_t i, const int half) {
+    if (half) {
+        const __m128d t = _mm_castsi128_pd(_mm_loadl_epi64((const __m128i *)((const uint16_t *)p + i)));
+        return _mm256_cvtph_ps(_mm_castpd_si128(_mm_loadh_pd(t, (const double *)((const uint16_t *)(p + next) + i))));
+    }
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps((const float *)p + i)),
+                                _mm_loadu_ps((const float *)(p + next) + i), 1);
+}
+
+static inline __attribute__((always_inline)) void q4_pair(const act_t *a, int64_t m0, const int mr, int64_t k,
+                                                          const uint8_t *codes, const char *so, int64_t tile_so,
+                                                          int64_t group, float *out, int64_t n, const int nr,
+                                                          const int half, const int g32) {
+    const int64_t nb = k / QB, per = group / QB, tile_codes = NR * k / 2;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const int64_t m = a->m;
+    const int8_t *xq = a->q + m0 * 2 * QB;
+    const float *xd = a->d + m0, *xs = a->gsum + m0;
+    __m512 acc[MR4];
+    __m256 oacc[MR4]; /* row i's offsets' term of both tiles */
+    for (int i = 0; i < mr; i++) {
+        acc[i] = _mm512_setzero_ps();
+        oacc[i] = _mm256_setzero_ps();
+    }
+    __m512 s16 = _mm512_setzero_ps();
+    for (int64_t b = 0, g = 0, left = 0; b < nb; b++) {
+        if (left == 0) {
+            /* the next pair's scales and offsets of this group (at 8 rows a cold weight's pass ran 1.2x its warm time) */
+            const char *sg = so + g * 2 * NR * (half ? 2 : 4);
+            _mm_prefetch(sg + 2 * tile_so, _MM_HINT_T0);
+            _mm_prefetch(sg + 3 * tile_so, _MM_HINT_T0);
+            s16 = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(ld8(so, tile_so, g * 2 * NR, half)));
+            /* the offsets' term here for any rows (32 registers hold them; measured 2-13 % faster at 8 rows than
+             * after the blocks, or than two rows an FMA on sums stored 8 times, 12 KB more of L1 at K 1536) */
+            const __m256 o8 = ld8(so, tile_so, g * 2 * NR + NR, half);
+            for (int i = 0; i < mr; i++) oacc[i] = _mm256_fmadd_ps(o8, _mm256_set1_ps(xs[g * m + i]), oacc[i]);
+            left = g32 ? 1 : per;
+            g++;
+        }
+        left--;
+        const uint8_t *c = codes + b * NR * 16;
+        _mm_prefetch((const char *)(c + 2 * tile_codes), _MM_HINT_T0); /* the next pair's lines for this block */
+        _mm_prefetch((const char *)(c + 3 * tile_codes), _MM_HINT_T0);
+        const __m512i c0 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)c)),
+                                              _mm256_loadu_si256((const __m256i *)(c + tile_codes)), 1);
+        const __m512i c1 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(c + 32))),
+                                              _mm256_loadu_si256((const __m256i *)(c + tile_codes + 32)), 1);
+        const __m512i v[4] = {_mm512_and_si512(c0, low), _mm512_and_si512(_mm512_srli_epi16(c0, 4), low),
+                              _mm512_and_si512(c1, low), _mm512_and_si512(_mm512_srli_epi16(c1, 4), low)};
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++) {
+            const __m128i *xb = (const __m128i *)(xq + (b * m + i) * 2 * QB);
+            const __m512i x[4] = {_mm512_broadcast_i32x4(_mm_load_si128(xb)), _mm512_broadcast_i32x4(_mm_load_si128(xb + 1)),
+                                  _mm512_broadcast_i32x4(_mm_load_si128(xb + 2)), _mm512_broadcast_i32x4(_mm_load_si128(xb + 3))};
+            const __m512i p = q4_dot512(v, x);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s16, _mm512_set1_ps(xd[b * m + i])), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        const __m256 lo = _mm512_castps512_ps256(acc[i]), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1));
+        const __m128 r0 = _mm_hadd_ps(_mm256_castps256_ps128(lo), _mm256_extractf128_ps(lo, 1));
+        const __m128 r1 = _mm_hadd_ps(_mm256_castps256_ps128(hi), _mm256_extractf128_ps(hi, 1));
+        store4(out + (m0 + i) * n, _mm_add_ps(r0, _mm256_castps256_ps128(oacc[i])), NR);
+        store4(out + (m0 + i) * n + NR, _mm_add_ps(r1, _mm256_extractf128_ps(oacc[i], 1)), nr);
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_t m0, const int mr, int64_t k,
                                                           const int8_t *codes, const void *scale, float *out,
                                                           int64_t n, const int nr, const int half) {
@@ -202,16 +300,34 @@ static inline __attribute__((always_inline)) void q8_tile(const act_t *a, int64_
     }
 }
 
-/* One tile of the output (columns j .. j + 4 of every row of x), the rows in chunks of MR: a literal per
- * chunk size, so the accumulators stay in registers. */
+/* One unit of the output (Q4_UNIT tiles: columns j .. j + 4 or j + 8 of every row of x), the rows in chunks of
+ * MR4: a literal per chunk size, so the accumulators stay in registers. A lone last tile takes q4_tile. */
 static inline __attribute__((always_inline)) void q4_tile_rows(const act_t *a, int64_t i, int64_t m, int64_t k,
                                                                const uint8_t *codes, const char *so, int64_t n,
-                                                               int64_t group, float *out, int64_t t, const int half,
+                                                               int64_t group, float *out, int64_t u, const int half,
                                                                const int g32) {
-    const int64_t j = t * NR, tile_codes = NR * k / 2, tile_so = k / group * 2 * NR * (half ? 2 : 4);
+    const int64_t j = u * Q4_UNIT * NR, tile_codes = NR * k / 2, tile_so = k / group * 2 * NR * (half ? 2 : 4);
     const int nr = n - j < NR ? (int)(n - j) : NR;
-    const uint8_t *c = codes + t * tile_codes;
-    const char *s = so + t * tile_so;
+    const uint8_t *c = codes + u * Q4_UNIT * tile_codes;
+    const char *s = so + u * Q4_UNIT * tile_so;
+#if Q4_UNIT == 2
+    if (n - j > NR) { /* a pair of tiles; the second holds nr2 rows */
+        const int nr2 = n - j - NR < NR ? (int)(n - j - NR) : NR;
+        while (i < m) {
+            const int64_t left = m - i;
+            const int mr = left >= MR4 ? MR4 : left >= 4 ? 4 : (int)left;
+            switch (mr) {
+                case 1: q4_pair(a, i, 1, k, c, s, tile_so, group, out + j, n, nr2, half, g32); break;
+                case 2: q4_pair(a, i, 2, k, c, s, tile_so, group, out + j, n, nr2, half, g32); break;
+                case 3: q4_pair(a, i, 3, k, c, s, tile_so, group, out + j, n, nr2, half, g32); break;
+                case 4: q4_pair(a, i, 4, k, c, s, tile_so, group, out + j, n, nr2, half, g32); break;
+                default: q4_pair(a, i, MR4, k, c, s, tile_so, group, out + j, n, nr2, half, g32);
+            }
+            i += mr;
+        }
+        return;
+    }
+#endif
     while (i < m) { /* rows i .. m in chunks of 8, then 4, 3, 2, 1: five copies of the loop, not eight */
         const int64_t left = m - i;
         const int mr = left >= MR4 ? MR4 : left >= 4 ? 4 : (int)left;
@@ -400,7 +516,7 @@ const char *ab_isa(void) { return AB_ISA; }
         const int64_t mc = m - i0 < MC ? m - i0 : MC;                                                          \
         const act_t v = {a.q + i0 * k * 2, a.d + i0 * (k / QB), a.gsum + i0 * (k / group), mc};               \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                   \
-        for (int64_t t = 0; t < tiles; t++) q4_tile_rows(&v, 0, mc, k, codes, s, n, group, out + i0 * n, t, HALF, G32); \
+        for (int64_t u = 0; u < units; u++) q4_tile_rows(&v, 0, mc, k, codes, s, n, group, out + i0 * n, u, HALF, G32); \
     }
 
 int ab_q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *so, int64_t n,
@@ -408,7 +524,7 @@ int ab_q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, con
     if (k % QB || group % QB || k % group) return -2;
     act_t a;
     if (quantize_activations(x, m, k, group, 1, &a)) return -1;
-    const int64_t tiles = (n + NR - 1) / NR;
+    const int64_t units = (n + Q4_UNIT * NR - 1) / (Q4_UNIT * NR);
     const char *s = (const char *)so;
     if (group == QB) { /* GGUF's Q4_0 / Q4_1: a scale per block */
         if (half) { Q4_REGION(1, 1) } else { Q4_REGION(0, 1) }

@@ -9,7 +9,8 @@
  * The variants differ only in how a block's int8 dot product is summed to int32: vpdpbusd (VNNI: u8 x s8
  * products, four to an int32 lane, accumulated) or AVX2's vpmaddubsw + vpmaddwd (pairs to int16, then to
  * int32). Both sum the same elements into the same lanes, and integer sums are exact, so every variant
- * gives the same bits; the fp32 work around them is the same instructions in the same order. */
+ * gives the same bits; the fp32 work around them is the same operations in the same order (the avx512-vnni
+ * build's Q4 kernel does each lane's in 512-bit vectors of two tiles: q4_pair in cpu_gemv.c). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define AB_ISA "avx512-vnni"
 #define AB_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)

@@ -92,14 +92,21 @@ def _runnable() -> list[cg.Isa]:
 def test_every_variant_this_cpu_runs_gives_the_avx2_bits(isa: cg.Isa) -> None:
     if isa not in _runnable():
         pytest.skip(f"this CPU lacks {', '.join(sorted(isa.cpu_flags - cg.cpu_flags()))}: compiled, not run")
-    x = torch.randn(9, 320, generator=torch.Generator().manual_seed(4))
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 320, generator=g)
     kinds = _gguf_types()
+    # five tiles of 4 rows, the last one short: avx512-vnni's Q4 passes take two tiles at a time, then a lone one
+    q, s = torch.randint(0, 16, (18, 320), generator=g), (torch.rand(18, 10, generator=g) / 16).half().float()
+    w = cg.pack_q4(q, s, -s * 3)
+    kinds["Q4_1, 5 tiles"] = lambda x: cg.q4_matmul(x, *w, 18)
+    rows = (9, 7, 6)  # Q4 passes of 8 + 1, 4 + 3 and 4 + 2 rows
     with cg.use_isa(cg.Isa.AVX2):
-        reference = {kind: mm(x) for kind, mm in kinds.items()}
+        reference = {kind: [mm(x[:m]) for m in rows] for kind, mm in kinds.items()}
     with cg.use_isa(isa):
         assert cg.isa() is isa
         for kind, mm in kinds.items():
-            assert torch.equal(mm(x), reference[kind]), kind
+            for m, expect in zip(rows, reference[kind], strict=True):
+                assert torch.equal(mm(x[:m]), expect), (kind, m)
 
 
 def test_variants_this_cpu_cannot_run_still_compile(tmp_path: Path) -> None:
@@ -126,21 +133,25 @@ def test_variants_this_cpu_cannot_run_still_compile(tmp_path: Path) -> None:
 
 
 def test_a_better_variant_that_does_not_build_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU with AVX-VNNI and a compiler without -mavxvnni keeps the AVX2 build, and the line doctor and the
-    serve log print says why; on this CPU the line names it and its flags."""
+    """A CPU with AVX-VNNI (no AVX-512) and a compiler without -mavxvnni keeps the AVX2 build, and the line doctor
+    and the serve log print says why; on this CPU the line names it and its flags."""
     real_flags, real_load = cg.cpu_flags(), cg.load
     here = cg.describe()
     assert here.startswith(f"{cg.isa().value} ({cg.cpu_model()}; avx2 fma f16c")
     for isa, why in cg.passed_over():
         assert f"not {isa.value}: the CPU lacks" in here and why.startswith("the CPU lacks")
     failed = "building cpu_gemv.c (avx-vnni) failed: cc: error: unrecognized command-line option '-mavxvnni'"
-    monkeypatch.setattr(cg, "cpu_flags", lambda: real_flags | cg.Isa.AVX_VNNI.cpu_flags)
+    # this CPU's flags as an AVX2 + AVX-VNNI one's (an AVX-512 CPU would otherwise pick avx512-vnni)
+    laptop = (real_flags - (cg.Isa.AVX512_VNNI.cpu_flags - cg.Isa.AVX2.cpu_flags)) | cg.Isa.AVX_VNNI.cpu_flags
+    assert cg.pick_isa(laptop) is cg.Isa.AVX_VNNI
+    monkeypatch.setattr(cg, "cpu_flags", lambda: laptop)
     monkeypatch.setattr(cg, "load", lambda isa: (None, failed) if isa is cg.Isa.AVX_VNNI else real_load(isa))
     cg._library.cache_clear()
     try:
         assert cg.available() and cg.isa() is cg.Isa.AVX2
         line = cg.describe()
         assert f"not avx-vnni: {failed} (a newer C compiler builds it)" in line
+        assert "not avx512-vnni: the CPU lacks avx512_vnni avx512bw avx512f avx512vl" in line
         x = torch.randn(3, 320, generator=torch.Generator().manual_seed(6))
         for kind, mm in _gguf_types().items():  # the fallback computes
             assert torch.isfinite(mm(x)).all(), kind

@@ -170,13 +170,21 @@ def bench_spec(
 def bench_cpu_rows(
     threads: int = typer.Option(1, "--threads", min=1, help="CPU threads"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+    isa: str | None = typer.Option(None, "--isa", help="kernel variant to run (avx512-vnni, avx-vnni, avx2; default: the picked one)"),  # noqa: UP007
 ) -> None:
     """Per-row cost of the CPU kernels at 1 to 16 rows.
 
     Per GGUF type, weights cold, at 1, 2, 4, 8 and 16 rows, with the CPU and the kernel variant named."""
     from agentbox.bench.cpu_rows import report
+    from agentbox.kernels.cpu_gemv import Isa, cpu_flags
 
-    _print_json(report(threads=threads), json_out)
+    variants = ", ".join(i.value for i in Isa)
+    variant = next((i for i in Isa if i.value == isa), None)
+    if isa is not None and variant is None:
+        fail(f"--isa {isa}: pick one of {variants}")
+    if variant is not None and not variant.cpu_flags <= cpu_flags():
+        fail(f"--isa {isa}: this CPU lacks {', '.join(sorted(variant.cpu_flags - cpu_flags()))}")
+    _print_json(report(threads=threads, isa=variant), json_out)
 
 
 @bench_app.command("cache")
