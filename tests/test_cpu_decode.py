@@ -39,13 +39,15 @@ def test_fused_decode_matches_the_torch_layers(smollm2_fast: LoadedModel) -> Non
     for f, e in zip(fused, eager, strict=True):
         for s in (0, 1):
             # The same matmul kernel; RMSNorm / softmax summation order differ, and int8 rounding of the
-            # activations can turn a last-bit difference into one step of a code.
-            assert (f[s] - e[s]).abs().max() < 0.1 * e[s].abs().max()  # measured 1-5 %: a wrong rope or mask is ~100 %
+            # activations can turn a last-bit difference into one step of a code. Measured 1-5 % against the
+            # AVX2 attention build, up to 12 % at one position against the AVX-512 one (its 16-lane sums alone
+            # move the torch layers' logits by up to 9.6 % there); a wrong rope or mask is ~100 %.
+            assert (f[s] - e[s]).abs().max() < 0.15 * e[s].abs().max()
     got = torch.stack([f[s] for f in fused for s in (0, 1)])
     expected = torch.stack([e[s] for e in eager for s in (0, 1)])
     # Random prompt tokens: many near-ties (measured: 8 of 24 positions decided); where the top two are
     # further apart than the difference, the top token is the same.
-    assert_top_tokens_agree(got, expected, max_err=0.1 * expected.abs().max().item(), min_decided=0.15)
+    assert_top_tokens_agree(got, expected, max_err=0.15 * expected.abs().max().item(), min_decided=0.15)
 
 
 def _qwen3(path: Path) -> None:
