@@ -47,7 +47,7 @@ class Request:
     num_host_cached_tokens: int = 0  # of those, copied back from the host tier
     num_recomputed_tokens: int = 0  # history of its session it had to recompute (cache had dropped it)
     # Done generating, but its last token's KV is computed one more step so the cache holds the whole turn
-    # (when that token completes a page; otherwise it finishes at the next schedule: Scheduler._flush_caches_a_page).
+    # (when that token completes a page; otherwise it finishes at the next schedule: Scheduler._finish_needless_flushes).
     flushing: bool = False
     num_preemptions: int = 0  # > 0: it was admitted before (its turn began, its counters are set)
     first_token_time: float | None = None
