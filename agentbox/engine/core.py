@@ -185,7 +185,7 @@ class EngineCore:
         self.prune_sessions(room=1)  # the new request may start a session
         code = self.scheduler.add(req)
         if code is None:  # what its prefix has on disk is read while it waits
-            self.cache.prefetch(req.all_token_ids[: n - 1], req.session_id, req.namespace)
+            self.cache.prefetch(req.all_token_ids, req.session_id, req.namespace, end=n - 1)
         else:
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error_code=code,
                                  error="the server's admission queue is full; retry shortly")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -161,7 +162,7 @@ class PreparedChat:
 
     conv: Conversation
     prompt_text: str
-    prompt_ids: list[int]
+    prompt_ids: Sequence[int]  # an int32 array from the incremental tokenizer: it crosses to the engine as is
     tools: list[dict] | None  # normalised to {"type": "function", "function": {...}}
     tool_parser: str | None  # None: tool calls are not parsed (no tools, or tool_choice none)
     reasoning_style: str  # qwen3 | harmony | none
@@ -258,7 +259,7 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
     if check_length:
         state.check_prompt_chars(text, param)  # before tokenizing: a 5 MB prompt is refused at once
     # Only what this turn appended is tokenized: the ids equal full tokenization (chat/incremental.py).
-    ids = incremental_for(tok, state.config.tokenize_cache_texts).encode(text)
+    ids = incremental_for(tok, state.config.tokenize_cache_texts).encode_ids(text)
     if check_length:
         state.check_prompt(len(ids), param)
     return PreparedChat(conv, text, ids, tools, parser, style,

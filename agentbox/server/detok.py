@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -9,12 +10,12 @@ class Detokenizer:
     """Emits text as tokens arrive, holding back an incomplete UTF-8 sequence (shown as U+FFFD) until the
     next token completes it. Decodes a short window, not the whole output, so cost stays per token."""
 
-    def __init__(self, tokenizer: Any, prompt_tail: list[int] | None = None, skip_special_tokens: bool = True,
+    def __init__(self, tokenizer: Any, prompt_tail: Sequence[int] | None = None, skip_special_tokens: bool = True,
                  hidden_ids: frozenset[int] | None = None) -> None:
         self.tok = tokenizer
         self.skip = skip_special_tokens  # False for harmony (gpt-oss): its channel markup is special tokens
         self.hidden = hidden_ids or frozenset()  # never shown (Gemma 4: the special tokens its parsers do not read)
-        self.ids: list[int] = list(prompt_tail or [])[-4:]
+        self.ids: list[int] = list(prompt_tail[-4:]) if prompt_tail else []  # the tail only: not a copy of 121k ids
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
 

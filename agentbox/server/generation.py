@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from agentbox.chat.harmony import hidden_special_ids, keeps_special_tokens
@@ -70,7 +70,7 @@ def new_id(prefix: str) -> str:
 
 
 async def generate(
-    state: ServerState, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None,
+    state: ServerState, prompt_ids: Sequence[int], sampling: SamplingParams, session_id: str | None,
     request_id: str | None = None, record: tuple[list[dict], list[dict] | None] | None = None,
 ) -> AsyncIterator[GenEvent]:
     """Yields text deltas; the last event has finished=True. Abandoning the iterator aborts the request.

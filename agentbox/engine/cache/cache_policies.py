@@ -56,7 +56,8 @@ class NoCache(RadixCache):
                  host: HostTier | None = None, disk: DiskLink | None = None) -> None:
         super().__init__(pool, kv, sessions, None, None)  # nothing to demote into
 
-    def match(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> Match:
+    def match(self, tokens: Sequence[int], session: str | None = None, namespace: str = "",
+              end: int | None = None) -> Match:
         return Match((), 0, 0, session, self._epoch)
 
     def insert(self, tokens: Sequence[int], pages: list[int], session: str | None = None) -> None:

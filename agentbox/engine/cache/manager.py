@@ -88,10 +88,12 @@ class KVManager(ABC):
     # ---- look, then take ----
 
     @abstractmethod
-    def match(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> Match: ...
+    def match(self, tokens: Sequence[int], session: str | None = None, namespace: str = "",
+              end: int | None = None) -> Match: ...
 
-    def prefetch(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> None:
-        """A request for tokens arrived: start bringing up what a slower tier holds of its prefix (in the
+    def prefetch(self, tokens: Sequence[int], session: str | None = None, namespace: str = "",
+                 end: int | None = None) -> None:
+        """A request for tokens[:end] arrived: start bringing up what a slower tier holds of its prefix (in the
         background: nothing in the cache changes). A no-op without such a tier."""
         return
 

@@ -140,11 +140,12 @@ class DiskTree:
         ends = {h: sid for sid, (h, _) in self.on_disk.items() if sid.startswith(namespace)}
         return next((ends[h] for h in reversed(hashes) if h in ends), None)
 
-    def prefetch(self, tokens: Sequence[int], session: str | None = None, namespace: str = "") -> None:
+    def prefetch(self, tokens: Sequence[int], session: str | None = None, namespace: str = "",
+                 end: int | None = None) -> None:
         """A request arrived: the disk part of its match is read on the worker thread while it waits for
         admission (its restore then takes the bytes). Changes nothing in the tree."""
         if self.disk is not None and self.disk.tier.pages:
-            m = self.match(tokens, session, namespace)
+            m = self.match(tokens, session, namespace, end)
             if m.disk:
                 self.disk.tier.prefetch(m.disk)
 

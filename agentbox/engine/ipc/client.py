@@ -23,7 +23,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
@@ -233,7 +233,7 @@ class EngineClient:
             self._conn.send(msg)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, session_id: str | None = None,
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, session_id: str | None = None,
         namespace: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes. Closing the iterator early aborts the request,

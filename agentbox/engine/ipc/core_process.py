@@ -148,7 +148,7 @@ class _EngineProcess:
             self.send(StepOutputs([RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
                                                  error="the engine lacks this prompt's base", error_code=RESEND)]))
             return
-        if msg.shared_tokens:
+        if ids is not msg.prompt_token_ids:  # rebuilt from a delta, or the API's array as a list
             msg = replace(msg, prompt_token_ids=ids, shared_tokens=0)
         try:
             err = core.add(msg)

@@ -6,6 +6,7 @@ the cache's and the sessions' views in engine/cache/stats.py) and crosses the pi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -18,7 +19,9 @@ from agentbox.engine.stats import EngineStats
 @dataclass
 class AddRequest:
     request_id: str
-    prompt_token_ids: list[int]
+    # A list, or from the API process an int32 array (it pickles as its bytes: a list of 121k ids took ~20 ms
+    # to pickle and unpickle); the engine process turns it into the request's list (core_process.py).
+    prompt_token_ids: Sequence[int]
     sampling: SamplingParams
     session_id: str | None = None
     # The API key's namespace ("" without several keys): sessions are inferred only among its own, and the

@@ -7,12 +7,17 @@ A request then carries only its ids past the prefix it shares with that prompt, 
 a check: the hash of the ids just before the cut. The engine rebuilds the prompt from its own copy; when it
 has no copy of that version or the check differs (it restarted, or dropped the key), it answers `resend` and
 the API process sends the full ids. Both ends keep the same bounded number of keys, most recent first.
+
+The API side holds ids as int32 arrays (what the incremental tokenizer returns): the common prefix of two
+121k-id arrays is a memcmp (~0.05 ms), of two lists ~1.6 ms. The engine side holds lists, the request's type.
 """
 
 from __future__ import annotations
 
 import itertools
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from agentbox.prefix import common_prefix
 
@@ -22,7 +27,7 @@ CHECK_IDS = 64  # ids before the cut that the check hashes
 RESEND = "resend_prompt"  # the engine's error code: the base is unknown, send the full ids
 
 
-def boundary_check(ids: list[int], n: int) -> int:
+def boundary_check(ids: Sequence[int], n: int) -> int:
     """The check of a cut after n ids (a hash of ints is the same in every process: no hash seed)."""
     return hash(tuple(ids[max(0, n - CHECK_IDS) : n]))
 
@@ -32,14 +37,16 @@ class PromptSender:
 
     def __init__(self, max_keys: int = MAX_KEYS) -> None:
         self.max_keys = max_keys
-        self._last: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
+        self._last: OrderedDict[str, tuple[int, array]] = OrderedDict()
         self._versions = itertools.count(1)
 
-    def encode(self, key: str | None, ids: list[int]) -> tuple[list[int], int, int, int, int]:
+    def encode(self, key: str | None, ids: Sequence[int]) -> tuple[Sequence[int], int, int, int, int]:
         """(ids to send, version of this prompt, base version, shared ids, check); shared 0: the full ids.
         Call in send order: the engine must see the versions in the order they were assigned."""
         if key is None:
             return ids, 0, 0, 0, 0
+        if not isinstance(ids, array) or ids.typecode != "i":
+            ids = array("i", ids)  # a prompt not from the chat tokenizer (/v1/completions' own ids)
         version = next(self._versions)
         last = self._last.pop(key, None)
         self._last[key] = (version, ids)
@@ -68,7 +75,7 @@ class PromptStore:
         self.max_keys = max_keys
         self._last: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
 
-    def rebuild(self, key: str | None, version: int, ids: list[int], base_version: int, shared: int,
+    def rebuild(self, key: str | None, version: int, ids: Sequence[int], base_version: int, shared: int,
                 check: int) -> list[int] | None:
         """The full prompt (kept under key when given), or None when the base is not the one the sender meant."""
         if shared:
@@ -77,10 +84,13 @@ class PromptStore:
                 return None
             if boundary_check(last[1], shared) != check:
                 return None
-            ids = last[1][:shared] + list(ids)
+            prompt = last[1][:shared]  # one copy of the history (its ints shared), then the delta appended
+            prompt.extend(ids)
+        else:  # the full ids: the API process's array, or a list
+            prompt = ids.tolist() if isinstance(ids, array) else ids if isinstance(ids, list) else list(ids)
         if key is not None and version:
             self._last.pop(key, None)
-            self._last[key] = (version, ids)
+            self._last[key] = (version, prompt)
             while len(self._last) > self.max_keys:
                 self._last.popitem(last=False)
-        return ids
+        return prompt
