@@ -71,7 +71,9 @@ class EngineConfig:
     exact_cpu: bool = False
     tensor_parallel_size: int = 1
     seed: int = 0
-    cpu_threads: int | None = None  # None: all cores but one (the API process and the OS keep one)
+    # None: all cores but one (the API process and the OS keep one), and every core for the attention of a step
+    # that only extends prompts over long contexts (engine/exec/runner.py `_attention_threads`)
+    cpu_threads: int | None = None
     cache_policy: CachePolicy = CachePolicy.SESSION
     host_cache_gb: float | None = None  # None: a share of free RAM
     # The disk tier under the in-memory ones (engine/cache/disk_tier.py), under state_dir()/kvcache.

@@ -83,3 +83,33 @@ def test_torch_backend_takes_the_kernel_and_plans_only_for_a_window() -> None:
         outs.append((plain, windowed))
     for got, want in zip(*outs, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_that_only_extends_long_prompts_gives_attention_every_core(smollm2_loaded, smollm2_path) -> None:  # noqa: ANN001
+    """The API process's core joins the attention only when nothing streams (no sequence decodes or verifies)
+    and the step's query x key pairs are many; an explicit cpu_threads is kept."""
+    import os
+
+    from agentbox.config import EngineConfig
+    from agentbox.engine.exec.runner import LONG_ATTENTION
+    from agentbox.engine.exec.step_inputs import StepInputs
+    from agentbox.engine.llm import LLM
+
+    def step(query_lens: list[int], kv_lens: list[int], samples: int) -> StepInputs:
+        t, none = sum(query_lens), torch.zeros(0, dtype=torch.int64)
+        ids = torch.zeros(t, dtype=torch.int64)
+        return StepInputs(ids, ids, ids, query_lens, kv_lens, torch.arange(len(query_lens)), none.reshape(0, 3),
+                          torch.arange(samples), 1)
+
+    long_kv = LONG_ATTENTION // 30 + 1
+    for threads in (None, 1):
+        llm = LLM(EngineConfig(model=str(smollm2_path), num_pages=64, cpu_threads=threads), loaded=smollm2_loaded)
+        try:
+            runner, cores = llm.core.runner, os.cpu_count() or 1
+            every = cores if threads is None and cores > torch.get_num_threads() else None
+            assert runner._attention_threads(step([30], [long_kv], 1)) == every  # a warm turn at long context
+            assert runner._attention_threads(step([30, 1], [long_kv, long_kv], 2)) is None  # one decodes
+            assert runner._attention_threads(step([5], [long_kv * 6], 5)) is None  # a verify samples every row
+            assert runner._attention_threads(step([30], [long_kv // 2], 1)) is None  # short: one thread is quicker
+        finally:
+            llm.close()

@@ -29,6 +29,10 @@ from agentbox.layers.window_kv import page_slack
 from agentbox.models.loader import LoadedModel, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 
+# Query x key pairs from which a prompt-extending step's CPU attention takes every core (~1 ms of one core's
+# kernel at head size 16): below it, waking a second thread costs more than it saves.
+LONG_ATTENTION = 1 << 20
+
 if TYPE_CHECKING:  # the core's types, for hints only: exec must not import the core at run time
     from agentbox.engine.scheduler import ScheduledSeq, SchedulerOutput
 
@@ -100,6 +104,18 @@ class ModelRunner:
             from agentbox.kernels import cpu_gemv
 
             log.info("CPU kernels: %s", cpu_gemv.describe())
+
+    def _attention_threads(self, step: StepInputs) -> int | None:
+        """Every core for the attention of a step that only extends prompts over long contexts (a warm agent
+        turn's ~30 tokens over 121k keys: 8 ms of one core, 60 % of that turn's time to first token). The core
+        left to the API process is idle then: it streams nothing (no sequence decodes or verifies) and waits
+        for this step's token. An explicit `cpu_threads` is kept, and tensor-parallel ranks keep their share."""
+        if self.device.type != "cpu" or self.config.cpu_threads is not None or self.tp > 1:
+            return None
+        extends_only = min(step.query_lens) > 1 and int(step.sample_rows.numel()) <= len(step.query_lens)
+        work = sum(q * kv for q, kv in zip(step.query_lens, step.kv_lens, strict=True))
+        cores = os.cpu_count() or 1
+        return cores if extends_only and work >= LONG_ATTENTION and cores > torch.get_num_threads() else None
 
     def _set_threads(self) -> None:
         if self.device.type == "cpu":
@@ -296,6 +312,7 @@ class ModelRunner:
             page_table=self.page_table.rows(step.table_rows, step.num_table_cols),
             slot_mapping=step.slot_mapping.to(dev),
             page_size=self.page_size,
+            cpu_threads=self._attention_threads(step),
         )
         state = None
         if self.state_cache is not None:

@@ -37,6 +37,7 @@ class AttentionMetadata:
     page_size: int
     query_start_loc: torch.Tensor | None = None
     kv_lens_tensor: torch.Tensor | None = None
+    cpu_threads: int | None = None  # threads of a CPU attention kernel in this step (None: torch's)
 
     @property
     def num_seqs(self) -> int:

@@ -220,7 +220,7 @@ class TorchAttention(AttentionBackend):
         v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         if self.paged and sliding_window is None and sinks is None and cpu_attention.supports(q, k_cache):
             return cpu_attention.paged_attention(q, k_cache, v_cache, meta.page_table, meta.page_size,
-                                                 meta.query_lens, meta.kv_lens, scale)
+                                                 meta.query_lens, meta.kv_lens, scale, meta.cpu_threads)
         if not self.planned:
             self._plan(meta)
             lay = self.layout
