@@ -205,8 +205,10 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
         t_render, text = _timed(lambda r=renderer, m=msgs2: r.copy().render(m, TOOLS))
         assert text == full_text, "incremental rendering differs from the full render"
         t_full, full_ids = _timed(tok.encode, text, add_special_tokens=False, repeats=1)
-        # the incremental tokenizer is timed on a fresh copy of the session's state each repeat
-        t_inc, ids = _timed(lambda inc=incremental, t=text: inc.copy().encode(t))
+        # the incremental tokenizer is timed on a fresh copy of the session's state each repeat; the server takes
+        # its int32 array (what crosses to the engine), the engine a list
+        t_inc, id_array = _timed(lambda inc=incremental, t=text: inc.copy().encode_ids(t))
+        ids = id_array.tolist()
         assert ids == full_ids, "incremental tokenization differs from full tokenization"
         pages = -(-(len(ids) + 64) // 16) * 2 + 64
         config = EngineConfig(model="random", device="cpu", dtype="float32", num_pages=pages,
