@@ -87,6 +87,19 @@ def test_amx_takes_only_sequences_of_many_rows() -> None:
     assert torch.equal(mixed[1:], tiles[1:]) and not torch.equal(mixed[1:], fp32[1:])
 
 
+def test_without_amx_every_sequence_stays_on_the_fp32_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without AMX (or an OS that refused the tiles), and head sizes the tiles do not take, run the fp32
+    kernel bit for bit; forcing the tiles there is an error, not a silent fallback."""
+    query_lens, kv_lens = [100], [400]
+    for hd, amx_here in ((16, True), (64, False)):
+        monkeypatch.setattr(cpu_attention, "amx_available", lambda amx_here=amx_here: amx_here)
+        q, k, v, table = _case(9, query_lens, kv_lens, 6, 2, hd, 16)
+        args = (q, k, v, table, 16, query_lens, kv_lens, hd ** -0.5)
+        assert torch.equal(paged_attention(*args), paged_attention(*args, amx=False))
+        with pytest.raises(RuntimeError, match="AMX attention kernel"):
+            paged_attention(*args, amx=True)
+
+
 def test_refuses_shapes_it_does_not_take() -> None:
     q, k, v, table = _case(0, [2], [20], 2, 1, 12, 16)
     assert not cpu_attention.supports(q, k)
