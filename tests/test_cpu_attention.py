@@ -59,7 +59,7 @@ needs_amx = pytest.mark.skipif(not cpu_attention.amx_available(),
     [
         ([100], [3000], 9, 3, 64, 16, 1),  # a chunk at an offset over cached keys, GQA 3:1, 300 rows
         ([70, 200, 33], [70, 1000, 533], 9, 3, 64, 16, 2),  # ragged: a fresh prompt, rows split in groups, keys
-        # not a multiple of the 32-key tile or the 256-key span
+        # not a multiple of the 32-key tile or the 512-key span
         ([64], [300], 4, 2, 128, 8, 1),  # head size 128 (four 32-dim tiles), pages of 8
         ([1, 5], [40, 9], 6, 2, 32, 16, 1),  # a decode row and a short prompt forced through: padding rows
     ],
