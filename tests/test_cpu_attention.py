@@ -1,5 +1,6 @@
 """cpu_attention.c against its torch twin: decode and extends over shuffled pages, GQA, ragged batches, a
-sequence split across threads, and the torch backend's CPU path through the kernel."""
+sequence split across threads, and the torch backend's CPU path through the kernel. cpu_attention_amx.c (AMX
+tiles, split-bf16 products) against the same twin, and which calls take it."""
 
 from __future__ import annotations
 
@@ -42,9 +43,61 @@ def _case(seed: int, query_lens: list[int], kv_lens: list[int], hq: int, hkv: in
 def test_kernel_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, threads, avx512) -> None:
     q, k, v, table = _case(len(kv_lens) * 7 + hd, query_lens, kv_lens, hq, hkv, hd, page_size)
     scale = hd ** -0.5
-    got = paged_attention(q, k, v, table, page_size, query_lens, kv_lens, scale, n_threads=threads, avx512=avx512)
+    got = paged_attention(q, k, v, table, page_size, query_lens, kv_lens, scale, n_threads=threads, avx512=avx512,
+                          amx=False)
     want = paged_attention_ref(q, k, v, table, page_size, query_lens, kv_lens, scale)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+needs_amx = pytest.mark.skipif(not cpu_attention.amx_available(),
+                               reason=f"no AMX attention here: {cpu_attention.amx_unavailable_reason()}")
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("query_lens", "kv_lens", "hq", "hkv", "hd", "page_size", "threads"),
+    [
+        ([100], [3000], 9, 3, 64, 16, 1),  # a chunk at an offset over cached keys, GQA 3:1, 300 rows
+        ([70, 200, 33], [70, 1000, 533], 9, 3, 64, 16, 2),  # ragged: a fresh prompt, rows split in groups, keys
+        # not a multiple of the 32-key tile or the 512-key span
+        ([64], [300], 4, 2, 128, 8, 1),  # head size 128 (four 32-dim tiles), pages of 8
+        ([1, 5], [40, 9], 6, 2, 32, 16, 1),  # a decode row and a short prompt forced through: padding rows
+    ],
+)
+def test_amx_kernel_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, threads) -> None:
+    """Split-bf16 products keep ~16 bits: measured ~1e-5 of the output's largest value off the fp64 twin (the
+    fp32 kernel ~2e-6). The bound, 1e-4 of it, leaves 10x room and is 50x under what rounding q, k, v to
+    plain bf16 gives on these cases (5e-3 to 7e-3): a kernel that dropped the lo parts fails it."""
+    q, k, v, table = _case(len(kv_lens) * 5 + hd, query_lens, kv_lens, hq, hkv, hd, page_size)
+    scale = hd ** -0.5
+    got = paged_attention(q, k, v, table, page_size, query_lens, kv_lens, scale, n_threads=threads, amx=True)
+    want = paged_attention_ref(q, k, v, table, page_size, query_lens, kv_lens, scale)
+    torch.testing.assert_close(got, want, rtol=0.0, atol=1e-4 * want.abs().max().item())
+
+
+@needs_amx
+def test_amx_takes_only_sequences_of_many_rows() -> None:
+    """By default a step's chunk (rows >= AMX_MIN_ROWS a kv head) goes to the tiles and its decode rows stay on the
+    fp32 kernel, bit for bit; amx=False keeps both there."""
+    query_lens, kv_lens = [1, 40], [500, 800]  # 3 rows and 120 rows a kv head
+    q, k, v, table = _case(5, query_lens, kv_lens, 9, 3, 64, 16)
+    args = (q, k, v, table, 16, query_lens, kv_lens, 0.125)
+    mixed, tiles, fp32 = (paged_attention(*args, amx=a) for a in (None, True, False))
+    assert torch.equal(mixed[:1], fp32[:1]) and not torch.equal(mixed[:1], tiles[:1])
+    assert torch.equal(mixed[1:], tiles[1:]) and not torch.equal(mixed[1:], fp32[1:])
+
+
+def test_without_amx_every_sequence_stays_on_the_fp32_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without AMX (or an OS that refused the tiles), and head sizes the tiles do not take, run the fp32
+    kernel bit for bit; forcing the tiles there is an error, not a silent fallback."""
+    query_lens, kv_lens = [100], [400]
+    for hd, amx_here in ((16, True), (64, False)):
+        monkeypatch.setattr(cpu_attention, "amx_available", lambda amx_here=amx_here: amx_here)
+        q, k, v, table = _case(9, query_lens, kv_lens, 6, 2, hd, 16)
+        args = (q, k, v, table, 16, query_lens, kv_lens, hd ** -0.5)
+        assert torch.equal(paged_attention(*args), paged_attention(*args, amx=False))
+        with pytest.raises(RuntimeError, match="AMX attention kernel"):
+            paged_attention(*args, amx=True)
 
 
 def test_refuses_shapes_it_does_not_take() -> None:
@@ -113,3 +166,26 @@ def test_a_step_that_only_extends_long_prompts_gives_attention_every_core(smollm
             assert runner._attention_threads(step([30], [long_kv // 2], 1)) is None  # short: one thread is quicker
         finally:
             llm.close()
+
+
+@needs_amx
+def test_exact_cpu_keeps_prefill_chunks_off_the_tiles() -> None:
+    """The backend's default sends a chunk to the AMX kernel; with exact_cpu (--exact-cpu) it runs the fp32 one."""
+    from agentbox.layers.backends.base import AttentionMetadata, KVCache
+    from agentbox.layers.backends.torch_backend import TorchAttention
+
+    query_lens, kv_lens, page_size = [64], [200], 16
+    q, k_all, v_all, table = _case(2, query_lens, kv_lens, 6, 2, 32, page_size)
+    pos = torch.arange(kv_lens[0] - query_lens[0], kv_lens[0])
+    slots = table[0].long()[pos // page_size] * page_size + pos % page_size
+    meta = AttentionMetadata(query_lens=query_lens, kv_lens=kv_lens, page_table=table, slot_mapping=slots,
+                             page_size=page_size)
+    cache = KVCache.uniform(1, k_all.shape[0] // page_size, page_size, 2, 32, torch.float32, "cpu")
+    cache.k[0].copy_(k_all)
+    cache.v[0].copy_(v_all)
+    args = (q, k_all, v_all, table, page_size, query_lens, kv_lens, 0.25)
+    for exact, want in ((False, paged_attention(*args, amx=True)), (True, paged_attention(*args, amx=False))):
+        backend = TorchAttention(cache, 6, 2, 32, 0.25)
+        backend.exact_cpu = exact
+        backend.begin(meta)
+        assert torch.equal(backend.forward(0, q, k_all[slots], v_all[slots]), want)

@@ -6,9 +6,15 @@ for every chunk and layer (the torch backend's gather path) adds context x conte
 
 The arithmetic bound, stated so the ratio can be read: per token and layer, SmolLM2's linear layers are
 ~7.1 MFLOP, its attention 4 x heads x head_dim x position FLOP (2 x 9 x 64 x 2 = 2304 per position), so a
-32k prefill (mean position 16k) needs ~4.7x the work per token of a 2k one (mean 1k): tokens/s at 32k can
-be at most ~21 % of 2k's. `flop_rate_ratio` compares the FLOP/s actually reached, which is what the
-backend decides.
+32k prefill (mean position 16k) needs ~4.7x the work per token of a 2k one (mean 1k): at equal FLOP rates
+tokens/s at 32k can be at most ~21 % of 2k's. `flop_rate_ratio` compares the FLOP/s actually reached, which
+is what the backend decides.
+
+The rates are not equal on CPUs with AMX (amx_tile + amx_bf16): prefill chunks' attention runs on the tiles
+(kernels/cpu_attention_amx.c, split-bf16 products) at ~320 GFLOP/s of one core on a 1024-token chunk over
+32k keys, 2.7x the fp32 kernel's ~120, while the linear layers stay fp32 (~120-160 GFLOP/s). On the Xeon of
+bench/results/warm/README.md that took the ratio from ~0.21 to 0.37-0.47; 0.5 needs the attention ~1.5x
+faster again. Elsewhere, and with --exact-cpu, the fp32 kernel and the ~21 % bound stand.
 """
 
 from __future__ import annotations

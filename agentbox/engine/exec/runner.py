@@ -148,6 +148,7 @@ class ModelRunner:
         self.backend = backend_cls(
             self.kv_cache, lm.num_heads, lm.num_kv_heads, lm.head_dim, lm.head_dim**-0.5
         )
+        self.backend.exact_cpu = config.exact_cpu
         self.page_table = PageTable(self.num_rows, -(-self.max_model_len // self.page_size) + 1, self.device)
         self.rows = RowAssigner(self.num_rows) if self.rank == 0 else None
         self.graphs = build_decode_graphs(

@@ -152,6 +152,8 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     supports_cuda_graphs: ClassVar[bool] = False
+    # --exact-cpu: CPU attention in fp32 products only (the torch backend's AMX tiles for prefill chunks are off).
+    exact_cpu: bool = False
 
     def __init__(self, kv_cache: KVCache, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.kv_cache = kv_cache

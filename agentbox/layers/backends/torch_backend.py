@@ -25,7 +25,9 @@ at 128 tokens 3.6 vs 4.2, at 256 tokens 3.6 vs 15.3). Both give the same numbers
 On an AVX2 CPU with an fp32 cache, layers without a window or sinks skip all of that: kernels/cpu_attention.c
 takes the whole step in one call, reading keys in place through the page table (any page order), the key
 range of a long sequence split across the threads (a warm turn's ~25 tokens over 121k keys: 38-53 ms in
-torch's fused kernel on one thread, ~12 ms of CPU in the kernel, split over the engine's threads).
+torch's fused kernel on one thread, ~12 ms of CPU in the kernel, split over the engine's threads). On CPUs
+with AMX it sends a step's prefill chunks to cpu_attention_amx.c (split-bf16 tile products, ~2.7x at 32k
+context); `exact_cpu` (--exact-cpu) keeps them on the fp32 kernel.
 """
 
 from __future__ import annotations
@@ -220,7 +222,8 @@ class TorchAttention(AttentionBackend):
         v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
         if self.paged and sliding_window is None and sinks is None and cpu_attention.supports(q, k_cache):
             return cpu_attention.paged_attention(q, k_cache, v_cache, meta.page_table, meta.page_size,
-                                                 meta.query_lens, meta.kv_lens, scale, meta.cpu_threads)
+                                                 meta.query_lens, meta.kv_lens, scale, meta.cpu_threads,
+                                                 amx=False if self.exact_cpu else None)
         if not self.planned:
             self._plan(meta)
             lay = self.layout
