@@ -4,7 +4,6 @@ own modules. This process never runs the model."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import hashlib
 import hmac
 import logging
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import agentbox
+from agentbox import collector
 from agentbox.config import ServerConfig
 from agentbox.engine.ipc.client import EngineClient, EngineDead, QueryError
 from agentbox.engine.stats import to_json
@@ -115,10 +115,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             log.info("recording traffic as a replayable trace to %s", config.record_trace)
         log.info("serving %s on http://%s:%d (engine pid %s); it also answers to %s", served_name(config),
                  config.host, config.port, engine.pid, ", ".join(app.state.agentbox.names[1:]))
-        # What startup made (torch, transformers, the tokenizer) lives as long as the server: out of the cyclic
-        # collector's sight. Every full collection walked it again: 150-190 ms, landing on a turn (measured
-        # at 128k: one turn in ~15 took 223 ms instead of ~40).
-        gc.freeze()
+        collector.after_startup()  # collections run when the server is idle (agentbox/collector.py)
         try:
             yield
         finally:

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
+from agentbox import collector
 from agentbox.config import EngineConfig
 from agentbox.engine.cache.stats import SessionDetail, SessionDropped, SessionList
 from agentbox.engine.ipc.messages import (
@@ -256,6 +257,8 @@ class EngineClient:
                     return
         finally:
             self._queues.pop(request_id, None)
+            if not self._queues and self._loop is not None:  # the last request in flight: the server is idle
+                self._loop.call_soon(collector.collect_idle)
             if not finished and not self.dead:
                 self._send(AbortRequest(request_id))
 

@@ -8,7 +8,6 @@ waits on the pipe until the next lease expiry or admission timeout. It never sle
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -16,6 +15,7 @@ import threading
 from dataclasses import replace
 from multiprocessing.connection import Connection
 
+from agentbox import collector
 from agentbox.config import EngineConfig
 from agentbox.engine.core import EngineCore
 from agentbox.engine.exec.worker import RankDeath
@@ -52,7 +52,7 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
         return
     proc.core = core
     proc.send(core.ready_message())
-    gc.freeze()  # the loaded model and its imports out of the collector's full passes (server/app.py says why)
+    collector.after_startup()  # collections run when the engine is idle (agentbox/collector.py)
     try:
         proc.loop(core)
         core.persist()  # Shutdown: a graceful stop writes the cache to disk first
@@ -97,6 +97,8 @@ class _EngineProcess:
         conn = self.conn
         while True:
             if not core.has_work():
+                if not conn.poll():
+                    collector.collect_idle()  # what the last turn left, before blocking
                 if not self.handle(conn.recv()):  # blocks: idle costs nothing
                     return
             elif not core.progress_possible():

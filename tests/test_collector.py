@@ -1,0 +1,37 @@
+"""The cyclic collector waits for idle moments in the server's processes (agentbox/collector.py)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+from agentbox import collector
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_busy_stretch_leaves_cycles_to_the_idle_collection() -> None:
+    old = gc.get_threshold()
+    gc.collect()
+    try:
+        collector.after_startup()
+        cycle = _Cycle()
+        gone = weakref.ref(cycle)
+        del cycle
+        keep = [[i] for i in range(collector.IDLE_ALLOCATIONS * 3)]  # a turn's young containers, past 700
+        assert gone() is not None  # no automatic collection inside the "turn"
+        collector.collect_idle()
+        assert gone() is None and gc.get_count()[0] < collector.IDLE_ALLOCATIONS
+        del keep
+        cycle = _Cycle()
+        gone = weakref.ref(cycle)
+        del cycle
+        collector.collect_idle()  # too few allocations since: nothing worth a pass
+        assert gone() is not None
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*old)
+        gc.collect()
