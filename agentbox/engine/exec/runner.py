@@ -112,10 +112,11 @@ class ModelRunner:
         for this step's token. An explicit `cpu_threads` is kept, and tensor-parallel ranks keep their share."""
         if self.device.type != "cpu" or self.config.cpu_threads is not None or self.tp > 1:
             return None
-        extends_only = min(step.query_lens) > 1 and int(step.sample_rows.numel()) <= len(step.query_lens)
+        if min(step.query_lens) == 1 or int(step.sample_rows.numel()) > len(step.query_lens):
+            return None  # a decode (or a verify, which samples every row): the API process streams its tokens
         work = sum(q * kv for q, kv in zip(step.query_lens, step.kv_lens, strict=True))
         cores = os.cpu_count() or 1
-        return cores if extends_only and work >= LONG_ATTENTION and cores > torch.get_num_threads() else None
+        return cores if work >= LONG_ATTENTION and cores > torch.get_num_threads() else None
 
     def _set_threads(self) -> None:
         if self.device.type == "cpu":
