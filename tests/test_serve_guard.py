@@ -29,6 +29,10 @@ def test_json_types_and_loopback() -> None:
 def test_check_json_depth_and_surrogates() -> None:
     check_json(b'{"a": [[[{"b": "caf\\u00e9"}]]]}')
     check_json(b"not json")  # left to the route, which names the parse error in its API's shape
+    # the bound is exact on the fast path (orjson's decode, a type test per value) as on the full walk
+    assert check_json(b'{"a": ' + b"[" * 63 + b"]" * 63 + b"}") is not None
+    with pytest.raises(BadInput, match="nested"):
+        check_json(b'{"a": ' + b"[" * 64 + b"]" * 64 + b"}")
     with pytest.raises(BadInput, match="nested"):
         check_json(b"[" * 100 + b"]" * 100)
     with pytest.raises(BadInput, match="nested"):
