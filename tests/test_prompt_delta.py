@@ -15,7 +15,8 @@ from agentbox.engine.ipc.prompt_delta import MIN_SHARED, PromptSender, PromptSto
 
 def _through_pipe(sender: PromptSender, store: PromptStore, key: str | None, ids: list[int]) -> list[int] | None:
     sent, version, base, shared, check = pickle.loads(pickle.dumps(sender.encode(key, ids)))
-    return store.rebuild(key, version, sent, base, shared, check)
+    got = store.rebuild(key, version, sent, base, shared, check)
+    return None if got is None else got.ids
 
 
 def test_rebuilt_prompts_equal_the_sent_ones() -> None:
@@ -28,8 +29,12 @@ def test_rebuilt_prompts_equal_the_sent_ones() -> None:
         prompts[key] = prompts[key][:cut] + [rng.randrange(50_000) for _ in range(rng.randrange(1, 40))]
         # the server sends the incremental tokenizer's int32 arrays; other callers lists
         sent = pickle.loads(pickle.dumps(sender.encode(key, array("i", prompts[key]) if turn % 2 else prompts[key])))
-        store_ids = store.rebuild(key, sent[1], sent[0], *sent[2:])
-        assert isinstance(store_ids, list) and store_ids == prompts[key], turn  # the engine's requests take lists
+        got = store.rebuild(key, sent[1], sent[0], *sent[2:])
+        assert got is not None and isinstance(got.ids, list) and got.ids == prompts[key], turn  # requests take lists
+        # the array the cache compares: the same ids, whenever the history came as arrays
+        assert got.array is None or (got.array.typecode == "i" and got.array.tolist() == prompts[key]), turn
+        if sent[3] == 0:
+            assert (got.array is not None) == isinstance(sent[0], array), turn
         if sent[3]:
             assert len(sent[0]) < 50  # only the new ids crossed
     assert _through_pipe(sender, store, None, [1, 2, 3]) == [1, 2, 3]

@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,7 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
     from agentbox.config import EngineConfig
     from agentbox.engine.core import EngineCore
     from agentbox.engine.ipc.messages import AddRequest
+    from agentbox.engine.ipc.prompt_delta import Rebuilt
     from agentbox.engine.sampling import SamplingParams
     from agentbox.models.loader import load_tokenizer, resolve_model
     from agentbox.server.guard import check_json
@@ -219,11 +221,12 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
         core.add(AddRequest("w", warmup, SamplingParams(max_tokens=1, temperature=0.0), "w"))
         while not any(o.finished for o in core.step()):
             pass
-        core.cache.insert(ids_before[:cached], core.pool.alloc(cached // 16), "s")
-        t_lookup, m = _timed(core.cache.match, ids, "s")  # resumes at the session's node
-        t_walk, walk = _timed(core.cache.match, ids, None)  # keyless: the walk from the root
+        # as the server: the history inserted and the prompt looked up as the int32 arrays the API process sends
+        core.cache.insert(array("i", ids_before[:cached]), core.pool.alloc(cached // 16), "s")
+        t_lookup, m = _timed(core.cache.match, id_array, "s")  # resumes at the session's node
+        t_walk, walk = _timed(core.cache.match, id_array, None)  # keyless: the walk from the root
         assert m.num_tokens == walk.num_tokens == cached
-        core.add(AddRequest("r", ids, SamplingParams(max_tokens=1, temperature=0.0), "s"))
+        core.add(AddRequest("r", ids, SamplingParams(max_tokens=1, temperature=0.0), "s"), Rebuilt(ids, id_array))
         t0 = time.perf_counter()
         step = core.scheduler.schedule()
         t1 = time.perf_counter()

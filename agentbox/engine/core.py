@@ -29,6 +29,7 @@ from agentbox.engine.ipc.messages import (
     RequestOutput,
     TokenLogprob,
 )
+from agentbox.engine.ipc.prompt_delta import Rebuilt
 from agentbox.engine.loop_guard import LoopGuard
 from agentbox.engine.reports import answer_query, engine_stats
 from agentbox.engine.request import Request, Status
@@ -163,8 +164,9 @@ class EngineCore:
             )
         return self._grammar_compiler.state(spec)
 
-    def add(self, msg: AddRequest) -> RequestOutput | None:
-        """Queues a request; returns an immediate error output when it can never run or cannot queue."""
+    def add(self, msg: AddRequest, rebuilt: Rebuilt | None = None) -> RequestOutput | None:
+        """Queues a request; returns an immediate error output when it can never run or cannot queue.
+        `rebuilt`: the engine process's own copy of msg's ids (core_process.py), taken as they are."""
         n = len(msg.prompt_token_ids)
         if n == 0 or n >= self.max_model_len:
             why = "the prompt is empty" if n == 0 else (
@@ -172,8 +174,9 @@ class EngineCore:
             )
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=why,
                                  error_code="prompt_too_long")
-        req = Request(msg.request_id, list(msg.prompt_token_ids), msg.sampling, msg.session_id,
-                      namespace=msg.namespace)
+        req = Request(msg.request_id, list(msg.prompt_token_ids) if rebuilt is None else rebuilt.ids, msg.sampling,
+                      msg.session_id, namespace=msg.namespace)
+        req.prompt_ids = None if rebuilt is None else rebuilt.array
         try:
             req.grammar_state = self._grammar_state(req)
             # ignore_eos asks for exactly max_tokens tokens (benchmarks): no guard cuts those short

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -66,6 +67,9 @@ class Request:
     state_aligned_at: int = field(default=0, repr=False)
     state_prompt_saved: bool = field(default=False, repr=False)
     state_share_at: int = field(default=0, repr=False)  # > 0: keep the state there as a shared-prefix snapshot
+    # The prompt as the int32 array the API process sent (rebuilt from its delta, engine/ipc/prompt_delta.py),
+    # when it came as one: the cache compares it with the history's keys at C speed (token_array).
+    prompt_ids: array | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -101,6 +105,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def token_array(self, n: int) -> array | None:
+        """The first n tokens (prompt, then output) as an int32 array, when the prompt came as one; else None.
+        Never mutated by the request: the cache may keep it."""
+        p = self.prompt_ids
+        if p is None:
+            return None
+        if n <= len(p):
+            return p if n == len(p) else p[:n]
+        return p + array("i", self.token_ids[len(p) : n])
 
     def append_output(self, token: int) -> None:
         self.token_ids.append(token)

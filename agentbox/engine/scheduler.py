@@ -125,7 +125,10 @@ class Scheduler:
     def _release_pages(self, req: Request) -> None:
         # The last sampled token has no KV yet, so only computed tokens are cached, whole pages only.
         full = req.num_computed_tokens // self.page_size
-        tokens = req.all_token_ids[: full * self.page_size]
+        # The int32 array where there is one (the cache compares it at C speed), except for a hybrid model's
+        # state snapshots, which digest a list.
+        arr = req.token_array(full * self.page_size) if self.snapshots is None else None
+        tokens = req.all_token_ids[: full * self.page_size] if arr is None else arr
         # The partial tail first: the free list is a stack, so pages freed after it come back before it and
         # the next request gets an ascending run (the torch backend's no-copy view path needs one).
         if len(req.pages) > full:
@@ -135,7 +138,7 @@ class Scheduler:
         req.pages = []
         req.num_computed_tokens = 0
 
-    def _save_state(self, req: Request, tokens: list[int]) -> None:
+    def _save_state(self, req: Request, tokens: Sequence[int]) -> None:
         """The session's snapshot of its state at the end of the pages just cached, when the runner's
         page-aligned copy is at exactly that position (it always is at a turn's end, see _state_chunk)."""
         store = self.snapshots
@@ -297,8 +300,10 @@ class Scheduler:
     def _admit_first(self, req: Request, budget: int) -> int | None:
         """Admit a waiting request on its cached prefix when the pool has room for its first chunk; returns the
         chunk's size, or None (nothing taken). One tuple of its tokens serves the match and the turn's
-        accounting: a 121k-token prompt's slice and tuple copies cost ~0.3 ms each."""
-        toks = tuple(req.all_token_ids)
+        accounting: a 121k-token prompt's slice and tuple copies cost ~0.3 ms each. The prompt's int32 array, when
+        the API process sent one, serves instead (the cache's compares are then C loops over 4-byte ints)."""
+        arr = req.token_array(req.num_tokens)
+        toks = tuple(req.all_token_ids) if arr is None else arr
         # Match at most num_tokens - 1 tokens: the last one must be computed to get logits to sample from.
         m = self.cache.match(toks, req.session_id, req.namespace, end=req.num_tokens - 1)
         if self.recurrent_state:

@@ -5,6 +5,7 @@ eviction in radix_evict.py."""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -31,10 +32,12 @@ class Node:
         "last_access",
         "version",
         "alive",
+        "_key_ids",
     )
 
     def __init__(
-        self, key: tuple[int, ...], pages: list[int], tier: Tier, parent: Node | None, start: int
+        self, key: tuple[int, ...], pages: list[int], tier: Tier, parent: Node | None, start: int,
+        ids: array | None = None,
     ) -> None:
         self.key = key
         self.pages = pages
@@ -46,6 +49,22 @@ class Node:
         self.last_access = 0.0
         self.version = 0
         self.alive = True
+        self._key_ids = ids  # the key as an int32 array when the caller had one
+
+    def key_ids(self) -> array:
+        """The key as an int32 array, made on first use and kept while the key is (a split resets it): a warm
+        turn compares its prompt's array with the keys of its session's path, a C loop over 4-byte ints, where
+        the tuples' element-by-element object compare cost ~0.5 ms per 121k tokens on this Xeon."""
+        if self._key_ids is None:
+            self._key_ids = array("i", self.key)
+        return self._key_ids
+
+    def split_at(self, m: int) -> tuple[tuple[int, ...], array | None]:
+        """Keep the key's tokens from m on; returns the first m (and their array, when this node had one)."""
+        head, ids = self.key[:m], self._key_ids
+        self.key = self.key[m:]
+        self._key_ids = None if ids is None else ids[m:]
+        return head, None if ids is None else ids[:m]
 
     def is_gpu_leaf(self) -> bool:
         """A GPU node without GPU children: the GPU tier's eviction candidates."""

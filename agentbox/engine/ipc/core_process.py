@@ -144,16 +144,15 @@ class _EngineProcess:
         return True
 
     def _add(self, core: EngineCore, msg: AddRequest) -> None:
-        ids = self.prompts.rebuild(msg.session_id, msg.prompt_version, msg.prompt_token_ids, msg.base_version,
-                                   msg.shared_tokens, msg.prompt_check)
-        if ids is None:  # not the prompt the API process built on: it sends the full ids
+        prompt = self.prompts.rebuild(msg.session_id, msg.prompt_version, msg.prompt_token_ids, msg.base_version,
+                                      msg.shared_tokens, msg.prompt_check)
+        if prompt is None:  # not the prompt the API process built on: it sends the full ids
             self.send(StepOutputs([RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
                                                  error="the engine lacks this prompt's base", error_code=RESEND)]))
             return
-        if ids is not msg.prompt_token_ids:  # rebuilt from a delta, or the API's array as a list
-            msg = replace(msg, prompt_token_ids=ids, shared_tokens=0)
+        msg = replace(msg, prompt_token_ids=prompt.ids, shared_tokens=0)
         try:
-            err = core.add(msg)
+            err = core.add(msg, prompt)
         except Exception as e:  # a request that cannot even be queued fails alone
             log.exception("request %s could not be added", msg.request_id)
             err = RequestOutput(msg.request_id, [], finished=True, finish_reason="error",
