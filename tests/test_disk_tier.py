@@ -5,6 +5,7 @@ the tier stays within its budget; a model change never reuses a namespace."""
 from __future__ import annotations
 
 import os
+from array import array
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,8 @@ def test_evicted_pages_come_back_from_disk_exact_and_after_a_restart(tmp_path: P
     # The same prefix plus a new part: the match goes on on disk, the lock reads it back.
     m = cache.match([*toks, 1, 2, 3, 4, 5], "s")
     assert m.num_tokens == 8 * PS and m.num_disk_tokens == 8 * PS and m.num_gpu_tokens == 0
+    # the API process's int32 array finds the same pages (the disk's hashes do not depend on the type)
+    assert cache.match(array("i", [*toks, 1, 2, 3, 4, 5]), "s") == m
     lock = cache.lock(m)
     assert lock.num_tokens == 8 * PS and lock.num_disk_tokens == 8 * PS
     got = _pages_of(kv, lock.pages)
@@ -75,6 +78,7 @@ def test_evicted_pages_come_back_from_disk_exact_and_after_a_restart(tmp_path: P
     cache.persist(5.0)
     kv2 = _kv()
     again = _cache(tmp_path, kv2)
+    assert again.match(array("i", toks[: 6 * PS + 2])).num_disk_tokens == 6 * PS  # a lookup's array, then a tuple
     m2 = again.match(toks[: 6 * PS + 2])
     assert m2.num_tokens == 6 * PS and m2.num_disk_tokens == 6 * PS
     got2 = _pages_of(kv2, again.lock(m2).pages)

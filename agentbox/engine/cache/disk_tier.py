@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import time
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -73,12 +74,14 @@ class HashMemo:
 
     def __init__(self, keep: int = 8) -> None:
         self.keep = keep
-        self._seqs: list[tuple[tuple[int, ...], list[bytes]]] = []
+        self._seqs: list[tuple[tuple[int, ...] | array, list[bytes]]] = []
 
-    def hashes(self, toks: tuple[int, ...], page_size: int, upto: int) -> list[bytes]:
-        """The hashes of pages [0, upto) of toks."""
+    def hashes(self, toks: tuple[int, ...] | array, page_size: int, upto: int) -> list[bytes]:
+        """The hashes of pages [0, upto) of toks (a tuple, or a prompt's int32 array: the same hashes)."""
         best, out = 0, []
         for seq, hs in self._seqs:
+            if type(seq) is not type(toks):  # a lookup's array after a node's tuple, or the other way
+                seq = tuple(seq) if isinstance(toks, tuple) else array("i", seq)
             k = min(common_prefix(seq, toks) // page_size, len(hs), upto)
             if k > best:
                 best, out = k, hs
@@ -145,10 +148,10 @@ class DiskTier:
 
     # ---- lookups (pure) ----
 
-    def hashes(self, toks: tuple[int, ...], page_size: int, upto: int) -> list[bytes]:
+    def hashes(self, toks: tuple[int, ...] | array, page_size: int, upto: int) -> list[bytes]:
         return self.memo.hashes(toks, page_size, upto)
 
-    def find(self, toks: tuple[int, ...], page_size: int, first: int) -> list[tuple[str, PageRef]]:
+    def find(self, toks: tuple[int, ...] | array, page_size: int, first: int) -> list[tuple[str, PageRef]]:
         """The pages on disk continuing toks from page `first` (all of [first, k) for the largest k), with
         their hashes."""
         n = len(toks) // page_size

@@ -158,7 +158,7 @@ class RadixCache(DiskTree, KVManager):
         sid = self.ids.lookup(session, path[-1] if path else None, i, namespace)
         if self.disk is None or i >= stop:
             return Match(tuple(path), i, host, sid, self._epoch)
-        refs, dtoks, hashes = self.disk.find(_ids(toks, 0, stop), i)  # the walk goes on on disk
+        refs, dtoks, hashes = self.disk.find(toks[:stop], i)  # the walk goes on on disk (a tuple or an array)
         if sid is None and self.on_disk:
             sid = self._restored_session(hashes, namespace)
         d = len(dtoks)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from array import array
 from collections.abc import Callable, Sequence
 
 from agentbox.engine.cache.disk_pages import chunk_to_pages, pages_to_bytes
@@ -50,10 +51,10 @@ class DiskLink:
         self.spilled = 0  # pages written (spills and flushes)
         self.restored = 0  # pages read back into the tree
 
-    def find(self, toks: tuple[int, ...], start: int) -> tuple[tuple[PageRef, ...], tuple[int, ...], list[str]]:
+    def find(self, toks: tuple[int, ...] | array, start: int) -> tuple[tuple[PageRef, ...], tuple[int, ...], list[str]]:
         """The disk pages continuing toks from token `start` (page-aligned), their tokens and hashes. Pure."""
         found = self.tier.find(toks, self.ps, start // self.ps)
-        return tuple(r for _, r in found), toks[start : start + len(found) * self.ps], [h for h, _ in found]
+        return tuple(r for _, r in found), tuple(toks[start : start + len(found) * self.ps]), [h for h, _ in found]
 
     def end_hash(self, n: Node) -> bytes:
         toks = prefix_tokens(n)
