@@ -149,14 +149,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _tiled(query_lens: list[int], group: int, head_dim: int, amx: bool | None) -> list[bool]:
-    """Which sequences the AMX kernel takes (head sizes a multiple of 32)."""
+    """Which sequences the AMX kernel takes (head sizes a multiple of 16; it pads one of 16, 48, 80 ... to 32s)."""
     if amx is False:
         return [False] * len(query_lens)
     if amx and not amx_available():
         raise RuntimeError(f"the AMX attention kernel is unavailable: {amx_unavailable_reason()}")
-    if head_dim % 32 or not amx_available():
+    if head_dim % 16 or not amx_available():
         if amx:
-            raise RuntimeError(f"the AMX attention kernel takes head sizes a multiple of 32, not {head_dim}")
+            raise RuntimeError(f"the AMX attention kernel takes head sizes a multiple of 16, not {head_dim}")
         return [False] * len(query_lens)
     return [bool(amx) or n * group >= AMX_MIN_ROWS for n in query_lens]
 

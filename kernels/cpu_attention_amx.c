@@ -70,10 +70,17 @@ static inline __m512i pair(__m512 a, __m512 b) {
     return _mm512_or_si512(_mm512_castps_si512(b), _mm512_srli_epi32(_mm512_castps_si512(a), 16));
 }
 
+/* The first `left` of 16 lanes (none when left <= 0, all when >= 16). */
+static inline __mmask16 first_lanes(int64_t left) {
+    const int64_t n = left < 0 ? 0 : left > 16 ? 16 : left;
+    return (__mmask16)((1u << n) - 1);
+}
+
 typedef struct {
     const float *q, *k, *v;
     const int32_t *pages;
-    int64_t page_size, hq, hkv, hd, g, q_start, n_q, kv_len, kvh, r_lo, r_hi;
+    /* hd: the cache's head size (its strides); hp: hd padded to the tiles' 32 dims, the size of every buffer here */
+    int64_t page_size, hq, hkv, hd, hp, g, q_start, n_q, kv_len, kvh, r_lo, r_hi;
     float scale2;
 } aitem_t;
 
@@ -96,7 +103,7 @@ static void prefetch_span(const aitem_t *it, int64_t t0, int64_t n) {
  * K as B operands of Q K^T: tile (key block kb of 16, dim block dh of 32) row p = the 16 keys' dims 2p, 2p+1;
  * V as B operands of P V: tile (key block of 32, dim block of 16) row p = keys 2p, 2p + 1 at the 16 dims. */
 static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint32_t *kl, uint32_t *vh, uint32_t *vl) {
-    const int64_t hd = it->hd, ndh = hd / 32, nd16 = hd / 16, kv_stride = it->hkv * hd, head = it->kvh * hd;
+    const int64_t hd = it->hd, hp = it->hp, ndh = hp / 32, nd16 = hp / 16, kv_stride = it->hkv * hd, head = it->kvh * hd;
     const int64_t ps = it->page_size;
     const float *rows_k[ASB], *rows_v[ASB];
     int64_t pg = t0 / ps, off = t0 % ps;
@@ -111,6 +118,7 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
         rows_v[o] = it->v + slot * kv_stride + head;
     }
     float kt[256][16] __attribute__((aligned(64))); /* a key block transposed: [dim][key] */
+    memset(kt[hd], 0, sizeof(float) * 16 * (hp - hd)); /* the padding dims: zero in every product */
     for (int64_t kb = 0; kb < ASB / 16; kb++) {
         for (int64_t j = 0; j < 16; j++) {
             const float *key = rows_k[kb * 16 + j];
@@ -131,8 +139,9 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
             uint32_t *th = vh + (kb * nd16 + db) * 256, *tl = vl + (kb * nd16 + db) * 256;
             for (int64_t p = 0; p < 16; p++) {
                 const float *ra = rows_v[kb * 32 + 2 * p], *rb = rows_v[kb * 32 + 2 * p + 1];
-                const __m512 a = ra ? _mm512_loadu_ps(ra + db * 16) : _mm512_setzero_ps();
-                const __m512 b = rb ? _mm512_loadu_ps(rb + db * 16) : _mm512_setzero_ps();
+                const __mmask16 in = first_lanes(hd - db * 16); /* dims past hd: zero (nothing read there) */
+                const __m512 a = ra ? _mm512_maskz_loadu_ps(in, ra + db * 16) : _mm512_setzero_ps();
+                const __m512 b = rb ? _mm512_maskz_loadu_ps(in, rb + db * 16) : _mm512_setzero_ps();
                 const __m512 ah = bf16_round(a), bh = bf16_round(b);
                 _mm512_store_si512(th + p * 16, pair(ah, bh));
                 _mm512_store_si512(tl + p * 16, pair(bf16_round(_mm512_sub_ps(a, ah)), bf16_round(_mm512_sub_ps(b, bh))));
@@ -201,12 +210,6 @@ static inline void pv_unit(const float *p, int64_t hd, const uint32_t *vh, const
         _tile_stored(0, ob + d0, os); _tile_stored(1, ob + d0 + 16, os);
         _tile_stored(2, ob + 16 * hd + d0, os); _tile_stored(3, ob + 16 * hd + d0 + 16, os);
     }
-}
-
-/* The first `left` of 16 lanes (none when left <= 0, all when >= 16). */
-static inline __mmask16 first_lanes(int64_t left) {
-    const int64_t n = left < 0 ? 0 : left > 16 ? 16 : left;
-    return (__mmask16)((1u << n) - 1);
 }
 
 /* 2^x for x <= 0 on the `keep` lanes, exactly 0 on the others: x = n + f, |f| <= 1/2, 2^f by a degree-5 minimax
@@ -290,12 +293,12 @@ static inline void update(float *acc, const float *alpha, const float *ob, int64
 
 /* One item: every key of its sequence for rows r_lo .. r_hi, written to out. */
 static int run_item(const aitem_t *it, float *out) {
-    const int64_t hd = it->hd, g = it->g, nr = it->r_hi - it->r_lo, nrp = (nr + AR - 1) / AR * AR;
+    const int64_t hd = it->hd, hp = it->hp, g = it->g, nr = it->r_hi - it->r_lo, nrp = (nr + AR - 1) / AR * AR;
     const int64_t first_pos = it->kv_len - it->n_q;
-    uint16_t *qh = aligned_alloc(64, sizeof(uint16_t) * nrp * hd), *ql = aligned_alloc(64, sizeof(uint16_t) * nrp * hd);
-    float *acc = aligned_alloc(64, sizeof(float) * nrp * hd), *ml = malloc(sizeof(float) * nrp * 2);
-    uint32_t *kv = aligned_alloc(64, sizeof(uint32_t) * ASB * hd * 2); /* K hi, K lo, V hi, V lo: ASB x hd / 2 each */
-    float *s = aligned_alloc(64, sizeof(float) * AR * ASB * 3), *ob = aligned_alloc(64, sizeof(float) * AR * hd);
+    uint16_t *qh = aligned_alloc(64, sizeof(uint16_t) * nrp * hp), *ql = aligned_alloc(64, sizeof(uint16_t) * nrp * hp);
+    float *acc = aligned_alloc(64, sizeof(float) * nrp * hp), *ml = malloc(sizeof(float) * nrp * 2);
+    uint32_t *kv = aligned_alloc(64, sizeof(uint32_t) * ASB * hp * 2); /* K hi, K lo, V hi, V lo: ASB x hp / 2 each */
+    float *s = aligned_alloc(64, sizeof(float) * AR * ASB * 3), *ob = aligned_alloc(64, sizeof(float) * AR * hp);
     int rc = 0;
     if (!qh || !ql || !acc || !ml || !kv || !s || !ob) {
         rc = 2;
@@ -306,20 +309,22 @@ static int run_item(const aitem_t *it, float *out) {
     for (int64_t r = 0; r < nrp; r++) {
         const int64_t rr = it->r_lo + r;
         const float *qr = it->q + (it->q_start + rr / g) * it->hq * hd + (it->kvh * g + rr % g) * hd;
-        for (int64_t d = 0; d < hd; d += 32) {
+        for (int64_t d = 0; d < hp; d += 32) {
             __m512 x[2], hi[2];
             for (int h = 0; h < 2; h++) {
-                x[h] = r < nr ? _mm512_mul_ps(_mm512_loadu_ps(qr + d + 16 * h), sc) : _mm512_setzero_ps();
+                /* dims past hd (a head of 16, 48, 80 ...): zero, so the K padding's zeros add nothing */
+                const __mmask16 in = r < nr ? first_lanes(hd - d - 16 * h) : 0;
+                x[h] = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, qr + d + 16 * h), sc);
                 hi[h] = bf16_round(x[h]);
             }
-            _mm512_storeu_si512(qh + r * hd + d, (__m512i)_mm512_cvtne2ps_pbh(hi[1], hi[0]));
-            _mm512_storeu_si512(ql + r * hd + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x[1], hi[1]), _mm512_sub_ps(x[0], hi[0])));
+            _mm512_storeu_si512(qh + r * hp + d, (__m512i)_mm512_cvtne2ps_pbh(hi[1], hi[0]));
+            _mm512_storeu_si512(ql + r * hp + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x[1], hi[1]), _mm512_sub_ps(x[0], hi[0])));
         }
         ml[2 * r] = -INFINITY, ml[2 * r + 1] = 0.0f;
     }
-    memset(acc, 0, sizeof(float) * nrp * hd);
+    memset(acc, 0, sizeof(float) * nrp * hp);
     float *sbuf[3] = {s, s + AR * ASB, s + 2 * AR * ASB};
-    uint32_t *kh = kv, *kl = kv + ASB * hd / 2, *vh = kv + ASB * hd, *vl = kv + ASB * hd * 3 / 2;
+    uint32_t *kh = kv, *kl = kv + ASB * hp / 2, *vh = kv + ASB * hp, *vl = kv + ASB * hp * 3 / 2;
     tiles_on();
     for (int64_t s0 = 0; s0 < it->kv_len; s0 += ASB) {
         const int64_t n = it->kv_len - s0 < ASB ? it->kv_len - s0 : ASB;
@@ -337,11 +342,11 @@ static int run_item(const aitem_t *it, float *out) {
         const int64_t nb = (nr - b0 + AR - 1) / AR;
         blk_t prev = {0, 0, NULL}, cur = block(it, b0, s0, n, sbuf[0]), next = {0, 0, NULL};
         for (int64_t u = 0; u < cur.nk / 16; u++)
-            qk_unit(qh + cur.b0 * hd, ql + cur.b0 * hd, hd, kh, kl, u, u + 1 == cur.nk / 16, cur.s);
+            qk_unit(qh + cur.b0 * hp, ql + cur.b0 * hp, hp, kh, kl, u, u + 1 == cur.nk / 16, cur.s);
         float alpha[2][AR];
         for (int64_t i = 0; i < nb; i++) {
             if (i + 1 < nb) next = block(it, cur.b0 + AR, s0, n, sbuf[(i + 1) % 3]);
-            const int64_t n_pv = i > 0 ? hd / 32 * (prev.nk / 32) : 0, n_qk = i + 1 < nb ? next.nk / 16 : 0;
+            const int64_t n_pv = i > 0 ? hp / 32 * (prev.nk / 32) : 0, n_qk = i + 1 < nb ? next.nk / 16 : 0;
             const int64_t total = n_pv + n_qk;
             int64_t done = 0;
             for (int64_t j = 0; j < AR; j++) {
@@ -351,38 +356,39 @@ static int run_item(const aitem_t *it, float *out) {
                 for (const int64_t to = (j + 1) * total / AR; done < to; done++) {
                     if (done < n_pv) {
                         const int64_t per = prev.nk / 32;
-                        pv_unit(prev.s, hd, vh, vl, done / per * 32, done % per * 32, prev.nk, ob);
+                        pv_unit(prev.s, hp, vh, vl, done / per * 32, done % per * 32, prev.nk, ob);
                     } else {
-                        qk_unit(qh + next.b0 * hd, ql + next.b0 * hd, hd, kh, kl, done - n_pv, done + 1 == total, next.s);
+                        qk_unit(qh + next.b0 * hp, ql + next.b0 * hp, hp, kh, kl, done - n_pv, done + 1 == total, next.s);
                     }
                 }
             }
-            if (i > 0) update(acc + prev.b0 * hd, alpha[(i - 1) % 2], ob, hd);
+            if (i > 0) update(acc + prev.b0 * hp, alpha[(i - 1) % 2], ob, hp);
             prev = cur, cur = next;
         }
-        for (int64_t d0 = 0; d0 < hd; d0 += 32)
-            for (int64_t c = 0; c < prev.nk; c += 32) pv_unit(prev.s, hd, vh, vl, d0, c, prev.nk, ob);
-        update(acc + prev.b0 * hd, alpha[(nb - 1) % 2], ob, hd);
+        for (int64_t d0 = 0; d0 < hp; d0 += 32)
+            for (int64_t c = 0; c < prev.nk; c += 32) pv_unit(prev.s, hp, vh, vl, d0, c, prev.nk, ob);
+        update(acc + prev.b0 * hp, alpha[(nb - 1) % 2], ob, hp);
     }
     _tile_release();
     for (int64_t r = 0; r < nr; r++) {
         const int64_t rr = it->r_lo + r;
         float *o = out + (it->q_start + rr / g) * it->hq * hd + (it->kvh * g + rr % g) * hd;
         const float l = ml[2 * r + 1], inv = l > 0.0f ? 1.0f / l : 0.0f;
-        for (int64_t d = 0; d < hd; d++) o[d] = acc[r * hd + d] * inv;
+        for (int64_t d = 0; d < hd; d++) o[d] = acc[r * hp + d] * inv; /* the head's own dims only */
     }
 done:
     free(qh), free(ql), free(acc), free(ml), free(kv), free(s), free(ob);
     return rc;
 }
 
-/* As ab_paged_attention, for head sizes a multiple of 32 up to 256. Returns 0, 1 for shapes it does not take,
+/* As ab_paged_attention, for head sizes a multiple of 16 up to 256 (one not a multiple of 32 is padded to one
+ * inside: zero dims in the queries' and keys' splits and the values' tiles; only hd dims are written out). Returns 0, 1 for shapes it does not take,
  * 2 when out of memory. ab_amx_init must have returned 0 in this process. */
 int ab_paged_attention_amx(const float *q, int64_t n_seqs, const int64_t *q_starts, const int64_t *q_lens,
                            const int64_t *kv_lens, const int32_t *page_table, int64_t pt_stride, int64_t page_size,
                            const float *k_cache, const float *v_cache, int64_t hq, int64_t hkv, int64_t hd, float scale,
                            float *out, int threads) {
-    if (hd % 32 || hd > 256 || hkv < 1 || hq % hkv || page_size < 1) return 1;
+    if (hd % 16 || hd < 16 || hd > 256 || hkv < 1 || hq % hkv || page_size < 1) return 1;
     const int64_t g = hq / hkv;
     threads = threads < 1 ? 1 : threads;
     int64_t *first = malloc(sizeof(int64_t) * (n_seqs + 1)), *groups = malloc(sizeof(int64_t) * (n_seqs + 1));
@@ -408,7 +414,7 @@ int ab_paged_attention_amx(const float *q, int64_t n_seqs, const int64_t *q_star
         const int64_t per = (rows + groups[s] * AR - 1) / (groups[s] * AR) * AR, gq = local % groups[s];
         const int64_t r_lo = gq * per < rows ? gq * per : rows, r_hi = r_lo + per < rows ? r_lo + per : rows;
         if (r_lo >= r_hi) continue;
-        const aitem_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd, g,
+        const aitem_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd, (hd + 31) / 32 * 32, g,
                             q_starts[s], q_lens[s], kv_lens[s], local / groups[s], r_lo, r_hi, scale * LOG2E_A};
         if (run_item(&it, out)) failed = 1;
     }

@@ -62,6 +62,12 @@ needs_amx = pytest.mark.skipif(not cpu_attention.amx_available(),
         # not a multiple of the 32-key tile or the 512-key span
         ([64], [300], 4, 2, 128, 8, 1),  # head size 128 (four 32-dim tiles), pages of 8
         ([1, 5], [40, 9], 6, 2, 32, 16, 1),  # a decode row and a short prompt forced through: padding rows
+        # head sizes padded to 32 inside the kernel (zero dims in the splits and the value tiles)
+        ([30], [5000], 2, 1, 16, 16, 1),  # the bench model's warm turn: 60 rows of head 16 over cached keys
+        ([7, 1, 45], [7, 900, 1300], 2, 1, 16, 8, 2),  # ragged, pages of 8: 14, 2 and 90 rows
+        ([200], [2000], 4, 2, 16, 16, 2),  # 400 rows a kv head: rows split in groups across threads
+        ([50, 21], [50, 700], 9, 3, 48, 16, 2),  # head 48: a fresh prompt and 63 rows at an offset
+        ([40], [1100], 4, 2, 80, 8, 1),  # head 80, pages of 8: 80 rows
     ],
 )
 def test_amx_kernel_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, threads) -> None:
@@ -91,7 +97,7 @@ def test_without_amx_every_sequence_stays_on_the_fp32_kernel(monkeypatch: pytest
     """A CPU without AMX (or an OS that refused the tiles), and head sizes the tiles do not take, run the fp32
     kernel bit for bit; forcing the tiles there is an error, not a silent fallback."""
     query_lens, kv_lens = [100], [400]
-    for hd, amx_here in ((16, True), (64, False)):
+    for hd, amx_here in ((24, True), (64, False)):
         monkeypatch.setattr(cpu_attention, "amx_available", lambda amx_here=amx_here: amx_here)
         q, k, v, table = _case(9, query_lens, kv_lens, 6, 2, hd, 16)
         args = (q, k, v, table, 16, query_lens, kv_lens, hd ** -0.5)
