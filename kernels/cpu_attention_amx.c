@@ -121,7 +121,7 @@ static void prefetch_span(const aitem_t *it, int64_t t0, int64_t n) {
  * K as B operands of Q K^T: tile (key block kb of 16, dim block dh of 32) row p = the 16 keys' dims 2p, 2p+1;
  * V as B operands of P V: tile (key block of 32, dim block of 16) row p = keys 2p, 2p + 1 at the 16 dims. */
 static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint32_t *kl, uint32_t *vh, uint32_t *vl) {
-    const int64_t hd = it->hd, hp = it->hp, ndh = hp / 32, nd16 = hp / 16, kv_stride = it->hkv * hd, head = it->kvh * hd;
+    const int64_t hd = it->hd, hp = it->hp, ndh = hp / 32, nd16 = hd / 16, kv_stride = it->hkv * hd, head = it->kvh * hd;
     const int64_t ps = it->page_size;
     const float *rows_k[ASB], *rows_v[ASB];
     int64_t pg = t0 / ps, off = t0 % ps;
@@ -160,9 +160,8 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
             uint32_t *th = vh + (kb * nd16 + db) * 256, *tl = vl + (kb * nd16 + db) * 256;
             for (int64_t p = 0; p < 16; p++) {
                 const float *ra = rows_v[kb * 32 + 2 * p], *rb = rows_v[kb * 32 + 2 * p + 1];
-                const __mmask16 in = first_lanes(hd - db * 16); /* dims past hd: zero (nothing read there) */
-                const __m512 a = ra ? _mm512_maskz_loadu_ps(in, ra + db * 16) : _mm512_setzero_ps();
-                const __m512 b = rb ? _mm512_maskz_loadu_ps(in, rb + db * 16) : _mm512_setzero_ps();
+                const __m512 a = ra ? _mm512_loadu_ps(ra + db * 16) : _mm512_setzero_ps();
+                const __m512 b = rb ? _mm512_loadu_ps(rb + db * 16) : _mm512_setzero_ps();
                 const __m512 ah = bf16_round(a), bh = bf16_round(b);
                 _mm512_store_si512(th + p * 16, pair(ah, bh));
                 _mm512_store_si512(tl + p * 16, pair(bf16_round(_mm512_sub_ps(a, ah)), bf16_round(_mm512_sub_ps(b, bh))));
@@ -207,18 +206,34 @@ static inline void qk_unit(const uint16_t *qh, const uint16_t *ql, int64_t hd, c
     }
 }
 
-/* Keys c .. c + 31 of ob [AR][hd] = P V at dims d0 .. d0 + 31 (12 tile products): tiles 0-3 = (rows 0-15 | 16-31)
+/* Keys c .. c + 31 of ob [AR][hp] = P V at dims d0 .. d0 + 31 (12 tile products): tiles 0-3 = (rows 0-15 | 16-31)
  * x (dims +0 | +16), zeroed at the first keys and stored at the last (nk, a multiple of 32); 4-5 the
- * probabilities' row tiles (hi and lo of 32 keys side by side where the scores were), 6-7 the values'. */
-static inline void pv_unit(const float *p, int64_t hd, const uint32_t *vh, const uint32_t *vl, int64_t d0, int64_t c,
-                           int64_t nk, float *ob) {
-    const int64_t nd16 = hd / 16, os = hd * 4;
+ * probabilities' row tiles (hi and lo of 32 keys side by side where the scores were), 6-7 the values'. The
+ * values' tiles are laid out by hd / 16 blocks of 16 dims: a head of 16, 48, 80 ... ends on a half unit (dims
+ * d0 .. d0 + 15 only, 6 products), not on 16 padding dims of zeros. */
+static inline void pv_unit(const float *p, int64_t hd, int64_t hp, const uint32_t *vh, const uint32_t *vl, int64_t d0,
+                           int64_t c, int64_t nk, float *ob) {
+    const int64_t nd16 = hd / 16, os = hp * 4;
     if (c == 0) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     }
     const uint32_t *v0 = vh + ((c / 32) * nd16 + d0 / 16) * 256, *v1 = v0 + 256;
     const uint32_t *u0 = vl + ((c / 32) * nd16 + d0 / 16) * 256, *u1 = u0 + 256;
     const float *h0 = p + c, *h1 = p + 16 * ASB + c, *w0 = h0 + 16, *w1 = h1 + 16;
+    if (d0 + 16 >= hd) {
+        _tile_loadd(6, v0, 64);
+        _tile_loadd(4, h0, ASB * 4); _tile_loadd(5, h1, ASB * 4);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(4, w0, ASB * 4); _tile_loadd(5, w1, ASB * 4);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(7, u0, 64);
+        _tile_loadd(4, h0, ASB * 4); _tile_loadd(5, h1, ASB * 4);
+        _tile_dpbf16ps(0, 4, 7); _tile_dpbf16ps(2, 5, 7);
+        if (c + 32 == nk) {
+            _tile_stored(0, ob + d0, os); _tile_stored(2, ob + 16 * hp + d0, os);
+        }
+        return;
+    }
     _tile_loadd(6, v0, 64); _tile_loadd(7, v1, 64);
     _tile_loadd(4, h0, ASB * 4); _tile_loadd(5, h1, ASB * 4);
     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
@@ -229,7 +244,7 @@ static inline void pv_unit(const float *p, int64_t hd, const uint32_t *vh, const
     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
     if (c + 32 == nk) {
         _tile_stored(0, ob + d0, os); _tile_stored(1, ob + d0 + 16, os);
-        _tile_stored(2, ob + 16 * hd + d0, os); _tile_stored(3, ob + 16 * hd + d0 + 16, os);
+        _tile_stored(2, ob + 16 * hp + d0, os); _tile_stored(3, ob + 16 * hp + d0 + 16, os);
     }
 }
 
@@ -303,12 +318,12 @@ static inline blk_t block(const aitem_t *it, int64_t b0, int64_t s0, int64_t n, 
     return (blk_t){b0, (seen + 31) / 32 * 32, s};
 }
 
-/* acc = acc * alpha + ob, row by row of a block */
-static inline void update(float *acc, const float *alpha, const float *ob, int64_t hd) {
+/* acc = acc * alpha + ob, row by row of a block: the head's hd dims of rows hp apart (ob's padding dims unset) */
+static inline void update(float *acc, const float *alpha, const float *ob, int64_t hd, int64_t hp) {
     for (int64_t j = 0; j < AR; j++) {
         const __m512 al = _mm512_set1_ps(alpha[j]);
         for (int64_t d = 0; d < hd; d += 16)
-            _mm512_store_ps(acc + j * hd + d, _mm512_fmadd_ps(_mm512_load_ps(acc + j * hd + d), al, _mm512_load_ps(ob + j * hd + d)));
+            _mm512_store_ps(acc + j * hp + d, _mm512_fmadd_ps(_mm512_load_ps(acc + j * hp + d), al, _mm512_load_ps(ob + j * hp + d)));
     }
 }
 
@@ -377,18 +392,18 @@ static int run_item(const aitem_t *it, float *out) {
                 for (const int64_t to = (j + 1) * total / AR; done < to; done++) {
                     if (done < n_pv) {
                         const int64_t per = prev.nk / 32;
-                        pv_unit(prev.s, hp, vh, vl, done / per * 32, done % per * 32, prev.nk, ob);
+                        pv_unit(prev.s, hd, hp, vh, vl, done / per * 32, done % per * 32, prev.nk, ob);
                     } else {
                         qk_unit(qh + next.b0 * hp, ql + next.b0 * hp, hp, kh, kl, done - n_pv, done + 1 == total, next.s);
                     }
                 }
             }
-            if (i > 0) update(acc + prev.b0 * hp, alpha[(i - 1) % 2], ob, hp);
+            if (i > 0) update(acc + prev.b0 * hp, alpha[(i - 1) % 2], ob, hd, hp);
             prev = cur, cur = next;
         }
         for (int64_t d0 = 0; d0 < hp; d0 += 32)
-            for (int64_t c = 0; c < prev.nk; c += 32) pv_unit(prev.s, hp, vh, vl, d0, c, prev.nk, ob);
-        update(acc + prev.b0 * hp, alpha[(nb - 1) % 2], ob, hp);
+            for (int64_t c = 0; c < prev.nk; c += 32) pv_unit(prev.s, hd, hp, vh, vl, d0, c, prev.nk, ob);
+        update(acc + prev.b0 * hp, alpha[(nb - 1) % 2], ob, hd, hp);
     }
     _tile_release();
     for (int64_t r = 0; r < nr; r++) {
