@@ -36,6 +36,7 @@
 #define ASB 512        /* keys per span (a multiple of 32; 512 measured 4 % faster than 256, 1024 and 128 slower) */
 #define AR 32          /* rows per block: two tiles of 16 */
 #define AROW_GROUP 384 /* rows per item when threads share a sequence (a multiple of AR) */
+#define AMX_MIN_RANGE 8192 /* fewest keys a range of a sequence split by keys (its queries' split, buffers, merge) */
 #define LOG2E_A 1.4426950408889634f
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -327,8 +328,9 @@ static inline void update(float *acc, const float *alpha, const float *ob, int64
     }
 }
 
-/* One item: every key of its sequence for rows r_lo .. r_hi, written to out. */
-static int run_item(const aitem_t *it, float *out) {
+/* One item: keys a .. b of its sequence for rows r_lo .. r_hi, normalised into out; or, when state is set (one
+ * range of a sequence split by keys), each row's (m, l, acc[hd]) at state + row * (2 + hd) for the merge. */
+static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *state) {
     const int64_t hd = it->hd, hp = it->hp, g = it->g, nr = it->r_hi - it->r_lo, nrp = (nr + AR - 1) / AR * AR;
     const int64_t first_pos = it->kv_len - it->n_q;
     uint16_t *qh = aligned_alloc(64, sizeof(uint16_t) * nrp * hp), *ql = aligned_alloc(64, sizeof(uint16_t) * nrp * hp);
@@ -362,15 +364,14 @@ static int run_item(const aitem_t *it, float *out) {
     float *sbuf[3] = {s, s + AR * ASB, s + 2 * AR * ASB};
     uint32_t *kh = kv, *kl = kv + ASB * hp / 2, *vh = kv + ASB * hp, *vl = kv + ASB * hp * 3 / 2;
     tiles_on();
-    for (int64_t s0 = 0; s0 < it->kv_len; s0 += ASB) {
-        const int64_t n = it->kv_len - s0 < ASB ? it->kv_len - s0 : ASB;
+    for (int64_t s0 = a; s0 < b; s0 += ASB) {
+        const int64_t n = b - s0 < ASB ? b - s0 : ASB;
         /* rows before the span's first key see none of it (rows ascend in position, g rows a token) */
         int64_t b0 = s0 > first_pos ? (s0 - first_pos) * g - it->r_lo : 0;
         b0 = b0 < 0 ? 0 : b0 / AR * AR;
         if (b0 >= nr) continue;
         repack(it, s0, n, kh, kl, vh, vl);
-        if (s0 + ASB < it->kv_len)
-            prefetch_span(it, s0 + ASB, it->kv_len - s0 - ASB < ASB ? it->kv_len - s0 - ASB : ASB);
+        if (s0 + ASB < b) prefetch_span(it, s0 + ASB, b - s0 - ASB < ASB ? b - s0 - ASB : ASB);
         /* Blocks of AR rows in a pipeline: while block i's softmax runs on the vector units, the tile unit does
          * block i - 1's P V and block i + 1's Q K^T, a few tile products after each row (the three share no
          * buffer: S / P rotate through three), so neither unit waits for the other's phase (1024 rows over 32k
@@ -406,7 +407,12 @@ static int run_item(const aitem_t *it, float *out) {
         update(acc + prev.b0 * hp, alpha[(nb - 1) % 2], ob, hd, hp);
     }
     _tile_release();
-    for (int64_t r = 0; r < nr; r++) {
+    for (int64_t r = 0; r < nr && state; r++) {
+        float *st = state + r * (2 + hd);
+        st[0] = ml[2 * r], st[1] = ml[2 * r + 1];
+        memcpy(st + 2, acc + r * hp, sizeof(float) * hd);
+    }
+    for (int64_t r = 0; r < nr && !state; r++) {
         const int64_t rr = it->r_lo + r;
         float *o = out + (it->q_start + rr / g) * it->hq * hd + (it->kvh * g + rr % g) * hd;
         const float l = ml[2 * r + 1], inv = l > 0.0f ? 1.0f / l : 0.0f;
@@ -428,32 +434,80 @@ int ab_paged_attention_amx(const float *q, int64_t n_seqs, const int64_t *q_star
     const int64_t g = hq / hkv;
     threads = threads < 1 ? 1 : threads;
     int64_t *first = malloc(sizeof(int64_t) * (n_seqs + 1)), *groups = malloc(sizeof(int64_t) * (n_seqs + 1));
-    if (!first || !groups) {
-        free(first), free(groups);
+    int64_t *ranges = malloc(sizeof(int64_t) * (n_seqs + 1)), *state_at = malloc(sizeof(int64_t) * (n_seqs + 1));
+    if (!first || !groups || !ranges || !state_at) {
+        free(first), free(groups), free(ranges), free(state_at);
         return 2;
     }
-    int64_t n_items = 0;
+    /* One item per kv head on one thread (each key repacked once). When threads share: a sequence of many rows
+     * (a prefill chunk) splits by rows, into groups of AROW_GROUP; one of few (a warm turn: one block of rows on
+     * one kv head, else one thread) splits by keys, into ranges of whole spans merged afterwards as
+     * cpu_attention.c's are (two ranges a thread: kv heads that do not divide among the threads still balance). */
+    int64_t n_items = 0, n_state = 0;
     for (int64_t s = 0; s < n_seqs; s++) {
-        /* one item per kv head on one thread (each key repacked once); groups of rows when threads share */
-        groups[s] = threads > 1 ? (q_lens[s] * g + AROW_GROUP - 1) / AROW_GROUP : 1;
+        const int64_t rows = q_lens[s] * g;
+        groups[s] = threads > 1 ? (rows + AROW_GROUP - 1) / AROW_GROUP : 1;
         groups[s] = groups[s] < 1 ? 1 : groups[s];
-        first[s] = n_items;
-        n_items += hkv * groups[s];
+        const int64_t by_len = kv_lens[s] / AMX_MIN_RANGE, by_threads = (2 * threads + n_seqs * hkv - 1) / (n_seqs * hkv);
+        ranges[s] = threads > 1 && groups[s] == 1 ? by_len < by_threads ? by_len : by_threads : 1;
+        ranges[s] = ranges[s] < 1 ? 1 : ranges[s];
+        first[s] = n_items, state_at[s] = n_state;
+        n_items += hkv * groups[s] * ranges[s];
+        n_state += ranges[s] > 1 ? hkv * ranges[s] * rows * (2 + hd) : 0;
     }
     first[n_seqs] = n_items;
+    float *state = n_state ? malloc(sizeof(float) * n_state) : NULL;
+    if (n_state && !state) {
+        free(first), free(groups), free(ranges), free(state_at);
+        return 2;
+    }
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (int64_t i = 0; i < n_items; i++) {
         int64_t s = 0;
         while (first[s + 1] <= i) s++;
-        const int64_t local = i - first[s], rows = q_lens[s] * g;
-        const int64_t per = (rows + groups[s] * AR - 1) / (groups[s] * AR) * AR, gq = local % groups[s];
+        const int64_t local = i - first[s], rows = q_lens[s] * g, kvh = local / (groups[s] * ranges[s]);
+        const int64_t gq = local % groups[s], rg = local / groups[s] % ranges[s];
+        const int64_t per = (rows + groups[s] * AR - 1) / (groups[s] * AR) * AR;
         const int64_t r_lo = gq * per < rows ? gq * per : rows, r_hi = r_lo + per < rows ? r_lo + per : rows;
         if (r_lo >= r_hi) continue;
+        /* ranges in whole spans, so only a sequence's last span is short */
+        const int64_t spans = (kv_lens[s] + ASB - 1) / ASB, per_rg = (spans + ranges[s] - 1) / ranges[s];
+        const int64_t b = (rg + 1) * per_rg * ASB < kv_lens[s] ? (rg + 1) * per_rg * ASB : kv_lens[s];
+        const int64_t a = rg * per_rg * ASB < b ? rg * per_rg * ASB : b;
+        float *st = ranges[s] > 1 ? state + state_at[s] + (kvh * ranges[s] + rg) * rows * (2 + hd) : NULL;
         const aitem_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd, (hd + 31) / 32 * 32, g,
-                            q_starts[s], q_lens[s], kv_lens[s], local / groups[s], r_lo, r_hi, scale * LOG2E_A};
-        if (run_item(&it, out)) failed = 1;
+                            q_starts[s], q_lens[s], kv_lens[s], kvh, r_lo, r_hi, scale * LOG2E_A};
+        if (st && a == b) { /* a range past the keys (rounding): no weight */
+            for (int64_t r = 0; r < rows; r++) st[r * (2 + hd)] = -INFINITY;
+            continue;
+        }
+        if (run_item(&it, a, b, out, st)) failed = 1;
     }
-    free(first), free(groups);
+    /* each split row: m = max m_r, l = sum l_r 2^(m_r - m), acc likewise; out = acc / l */
+    for (int64_t s = 0; s < n_seqs && !failed; s++) {
+        if (ranges[s] < 2) continue;
+        const int64_t rows = q_lens[s] * g;
+        for (int64_t kvh = 0; kvh < hkv; kvh++)
+            for (int64_t r = 0; r < rows; r++) {
+                const float *st0 = state + state_at[s] + kvh * ranges[s] * rows * (2 + hd) + r * (2 + hd);
+                float m = -INFINITY, l = 0.0f, acc[256] = {0};
+                for (int64_t rg = 0; rg < ranges[s]; rg++) {
+                    const float mr = st0[rg * rows * (2 + hd)];
+                    m = mr > m ? mr : m;
+                }
+                for (int64_t rg = 0; rg < ranges[s]; rg++) {
+                    const float *st = st0 + rg * rows * (2 + hd);
+                    if (st[0] == -INFINITY) continue;
+                    const float w = exp2f(st[0] - m);
+                    l += st[1] * w;
+                    for (int64_t d = 0; d < hd; d++) acc[d] += st[2 + d] * w;
+                }
+                float *o = out + (q_starts[s] + r / g) * hq * hd + (kvh * g + r % g) * hd;
+                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
+            }
+    }
+    free(first), free(groups), free(ranges), free(state_at), free(state);
     return failed ? 2 : 0;
 }

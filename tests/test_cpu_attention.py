@@ -68,6 +68,9 @@ needs_amx = pytest.mark.skipif(not cpu_attention.amx_available(),
         ([200], [2000], 4, 2, 16, 16, 2),  # 400 rows a kv head: rows split in groups across threads
         ([50, 21], [50, 700], 9, 3, 48, 16, 2),  # head 48: a fresh prompt and 63 rows at an offset
         ([40], [1100], 4, 2, 80, 8, 1),  # head 80, pages of 8: 80 rows
+        # few rows on two threads: the keys split into ranges of whole spans, merged by their maxima
+        ([30, 2], [20000, 17000], 2, 1, 16, 8, 2),  # a warm turn and a decode row, pages of 8
+        ([21], [40000], 9, 3, 64, 16, 2),  # SmolLM2's heads: 63 rows on each of 3 kv heads, 2 ranges each
     ],
 )
 def test_amx_kernel_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, threads) -> None:
