@@ -142,18 +142,31 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
     for (int64_t kb = 0; kb < ASB / 16; kb++)
         for (int64_t dh = 0; dh < ndh; dh++) {
             const int64_t d = dh * 32;
-            const __mmask16 in0 = first_lanes(hd - d), in1 = first_lanes(hd - d - 16); /* dims past hd: zero */
+            uint32_t *th = kh + (kb * ndh + dh) * 256, *tl = kl + (kb * ndh + dh) * 256;
+            if (d + 16 >= hd) {
+                /* 16 dims (a head of 16, 48, 80 ...: its padding block): a key's 8 hi pairs and 8 lo pairs share
+                 * one vector, so one transpose gives both tiles' rows 0-7; their rows 8-15 stay the zeros
+                 * run_item wrote */
+                __m512i x[16];
+                for (int64_t j = 0; j < 16; j++) {
+                    const float *key = rows_k[kb * 16 + j];
+                    const __m512 a = key ? _mm512_loadu_ps(key + d) : _mm512_setzero_ps(), ah = bf16_round(a);
+                    x[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(a, ah), ah);
+                }
+                transpose16(x);
+                for (int64_t p = 0; p < 8; p++) _mm512_store_si512(th + p * 16, x[p]), _mm512_store_si512(tl + p * 16, x[p + 8]);
+                continue;
+            }
             __m512i h[16], l[16];
             for (int64_t j = 0; j < 16; j++) {
                 const float *key = rows_k[kb * 16 + j];
-                const __m512 a = key ? _mm512_maskz_loadu_ps(in0, key + d) : _mm512_setzero_ps();
-                const __m512 b = key ? _mm512_maskz_loadu_ps(in1, key + d + 16) : _mm512_setzero_ps();
+                const __m512 a = key ? _mm512_loadu_ps(key + d) : _mm512_setzero_ps();
+                const __m512 b = key ? _mm512_loadu_ps(key + d + 16) : _mm512_setzero_ps();
                 const __m512 ah = bf16_round(a), bh = bf16_round(b);
                 h[j] = (__m512i)_mm512_cvtne2ps_pbh(bh, ah);
                 l[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));
             }
             transpose16(h), transpose16(l);
-            uint32_t *th = kh + (kb * ndh + dh) * 256, *tl = kl + (kb * ndh + dh) * 256;
             for (int64_t p = 0; p < 16; p++) _mm512_store_si512(th + p * 16, h[p]), _mm512_store_si512(tl + p * 16, l[p]);
         }
     for (int64_t kb = 0; kb < ASB / 32; kb++)
@@ -363,6 +376,7 @@ static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *
     memset(acc, 0, sizeof(float) * nrp * hp);
     float *sbuf[3] = {s, s + AR * ASB, s + 2 * AR * ASB};
     uint32_t *kh = kv, *kl = kv + ASB * hp / 2, *vh = kv + ASB * hp, *vl = kv + ASB * hp * 3 / 2;
+    memset(kv, 0, sizeof(uint32_t) * ASB * hp); /* K's tiles: the rows of padding dims repack leaves */
     tiles_on();
     for (int64_t s0 = a; s0 < b; s0 += ASB) {
         const int64_t n = b - s0 < ASB ? b - s0 : ASB;
