@@ -145,8 +145,9 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
             uint32_t *th = kh + (kb * ndh + dh) * 256, *tl = kl + (kb * ndh + dh) * 256;
             if (d + 16 >= hd) {
                 /* 16 dims (a head of 16, 48, 80 ...: its padding block): a key's 8 hi pairs and 8 lo pairs share
-                 * one vector, so one transpose gives both tiles' rows 0-7; their rows 8-15 stay the zeros
-                 * run_item wrote */
+                 * one vector, so one transpose gives both tiles' rows 0-7. The hi tile repeats its rows as 8-15 and
+                 * the lo tile's stay the zeros run_item wrote: against queries split as [Qh | Ql] and [Qh | 0]
+                 * (run_item) the block takes 2 products a row tile (Qh Kh + Ql Kh, Qh Kl), not 3 over zero dims. */
                 __m512i x[16];
                 for (int64_t j = 0; j < 16; j++) {
                     const float *key = rows_k[kb * 16 + j];
@@ -154,7 +155,10 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
                     x[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(a, ah), ah);
                 }
                 transpose16(x);
-                for (int64_t p = 0; p < 8; p++) _mm512_store_si512(th + p * 16, x[p]), _mm512_store_si512(tl + p * 16, x[p + 8]);
+                for (int64_t p = 0; p < 8; p++) {
+                    _mm512_store_si512(th + p * 16, x[p]), _mm512_store_si512(th + (p + 8) * 16, x[p]);
+                    _mm512_store_si512(tl + p * 16, x[p + 8]);
+                }
                 continue;
             }
             __m512i h[16], l[16];
@@ -189,6 +193,15 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
 #define QK_SET(c0, c1)                                                                                              \
     _tile_zero(c0); _tile_zero(c1);                                                                                 \
     for (int64_t dh = 0; dh < ndh; dh++) {                                                                          \
+        if (half && dh + 1 == ndh) { /* [Qh | Ql] . [Kh ; Kh] + [Qh | 0] . [Kl ; 0]: 4 products (see repack) */      \
+            _tile_loadd(6, kh + (u * ndh + dh) * 256, 64);                                                           \
+            _tile_loadd(4, h + dh * 64, qs); _tile_dpbf16ps(c0, 4, 6);                                              \
+            _tile_loadd(5, h + 16 * qs + dh * 64, qs); _tile_dpbf16ps(c1, 5, 6);                                    \
+            _tile_loadd(7, kl + (u * ndh + dh) * 256, 64);                                                           \
+            _tile_loadd(4, w + dh * 64, qs); _tile_dpbf16ps(c0, 4, 7);                                              \
+            _tile_loadd(5, w + 16 * qs + dh * 64, qs); _tile_dpbf16ps(c1, 5, 7);                                    \
+            break;                                                                                                  \
+        }                                                                                                           \
         _tile_loadd(6, kh + (u * ndh + dh) * 256, 64);                                                               \
         _tile_loadd(4, h + dh * 64, qs); _tile_dpbf16ps(c0, 4, 6);                                                  \
         _tile_loadd(5, h + 16 * qs + dh * 64, qs); _tile_dpbf16ps(c1, 5, 6);                                        \
@@ -199,8 +212,8 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
         _tile_loadd(5, h + 16 * qs + dh * 64, qs); _tile_dpbf16ps(c1, 5, 7);                                        \
     }
 
-static inline void qk_unit(const uint16_t *qh, const uint16_t *ql, int64_t hd, const uint32_t *kh, const uint32_t *kl,
-                           int64_t u, int last, float *s) {
+static inline void qk_unit(const uint16_t *qh, const uint16_t *ql, int64_t hd, int half, const uint32_t *kh,
+                           const uint32_t *kl, int64_t u, int last, float *s) {
     const int64_t ndh = hd / 32, qs = hd * 2;
     const char *h = (const char *)qh, *w = (const char *)ql;
     if (u % 2 == 0) {
@@ -361,11 +374,15 @@ static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *
         const int64_t rr = it->r_lo + r;
         const float *qr = it->q + (it->q_start + rr / g) * it->hq * hd + (it->kvh * g + rr % g) * hd;
         for (int64_t d = 0; d < hp; d += 32) {
+            if (d + 16 >= hd) { /* a 16-dim block: [Qh | Ql] and [Qh | 0] (repack says why) */
+                const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(r < nr ? 0xffff : 0, qr + d), sc), hi = bf16_round(x);
+                _mm512_storeu_si512(qh + r * hp + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x, hi), hi));
+                _mm512_storeu_si512(ql + r * hp + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), hi));
+                continue;
+            }
             __m512 x[2], hi[2];
             for (int h = 0; h < 2; h++) {
-                /* dims past hd (a head of 16, 48, 80 ...): zero, so the K padding's zeros add nothing */
-                const __mmask16 in = r < nr ? first_lanes(hd - d - 16 * h) : 0;
-                x[h] = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, qr + d + 16 * h), sc);
+                x[h] = _mm512_mul_ps(_mm512_maskz_loadu_ps(r < nr ? 0xffff : 0, qr + d + 16 * h), sc);
                 hi[h] = bf16_round(x[h]);
             }
             _mm512_storeu_si512(qh + r * hp + d, (__m512i)_mm512_cvtne2ps_pbh(hi[1], hi[0]));
@@ -398,7 +415,7 @@ static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *
         const int64_t pf_end = b < s0 + 2 * ASB ? b : s0 + 2 * ASB, pf_step = (ASB + nb * AR - 1) / (nb * AR);
         blk_t prev = {0, 0, NULL}, cur = block(it, b0, s0, n, sbuf[0]), next = {0, 0, NULL};
         for (int64_t u = 0; u < cur.nk / 16; u++)
-            qk_unit(qh + cur.b0 * hp, ql + cur.b0 * hp, hp, kh, kl, u, u + 1 == cur.nk / 16, cur.s);
+            qk_unit(qh + cur.b0 * hp, ql + cur.b0 * hp, hp, hd != hp, kh, kl, u, u + 1 == cur.nk / 16, cur.s);
         float alpha[2][AR];
         for (int64_t i = 0; i < nb; i++) {
             if (i + 1 < nb) next = block(it, cur.b0 + AR, s0, n, sbuf[(i + 1) % 3]);
@@ -418,7 +435,7 @@ static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *
                         const int64_t per = prev.nk / 32;
                         pv_unit(prev.s, hd, hp, vh, vl, done / per * 32, done % per * 32, prev.nk, ob);
                     } else {
-                        qk_unit(qh + next.b0 * hp, ql + next.b0 * hp, hp, kh, kl, done - n_pv, done + 1 == total, next.s);
+                        qk_unit(qh + next.b0 * hp, ql + next.b0 * hp, hp, hd != hp, kh, kl, done - n_pv, done + 1 == total, next.s);
                     }
                 }
             }
