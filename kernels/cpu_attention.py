@@ -12,11 +12,12 @@ source's digest), its own small library so it builds and loads apart from the we
 is False without a compiler, AVX2 + FMA or a successful build (callers keep the torch path); `supports`
 says which layers it takes (fp32 cache, head size a multiple of 8 up to 256, no window, no sinks).
 
-On CPUs with AMX (amx_tile + amx_bf16) whose OS grants the tile state, the sequences of a call with many query
-rows (prefill chunks: at least AMX_MIN_ROWS a kv head) go to cpu_attention_amx.c instead: the same attention
-with split-bf16 ("bf16x3") tile products, ~16 significant bits a product, 2.4x / 2.7x the fp32 kernel on a
-1024-token chunk at 2k / 32k context on one Xeon core. Decode, warm turns and spec verify (few rows) stay on
-the fp32 kernel, and so does every call with `amx=False` (the engine's --exact-cpu).
+On CPUs with AMX (amx_tile + amx_bf16) whose OS grants the tile state, the sequences of a call with at least
+AMX_MIN_ROWS query rows a kv head (prefill chunks, and warm turns of 24 tokens or more on 2 query heads a kv
+head) and a head size a multiple of 16 go to cpu_attention_amx.c instead: the same attention with split-bf16
+("bf16x3") tile products, ~16 significant bits a product, 2.4x / 2.7x the fp32 kernel on a 1024-token chunk at
+2k / 32k context on one Xeon core, 1.2x on a 30-token warm turn at 121k. Decode and spec verify (few rows) stay
+on the fp32 kernel, and so does every call with `amx=False` (the engine's --exact-cpu).
 """
 
 from __future__ import annotations
@@ -37,9 +38,18 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", *Isa.AVX2.cc_flags)
 AVX512_FLAGS = (*FLAGS, "-mavx512f")
 AMX_FLAGS = (*AVX512_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
 AMX_CPU_FLAGS = frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
-# Fewest query rows of one kv head (tokens x its query heads) worth the tiles: a chunk's rows share every key
-# repacked into the tiles' layout; a decode row or a warm turn's few would pay that repack for little.
-AMX_MIN_ROWS = 64
+# Fewest query rows of one kv head (tokens x its query heads) worth the tiles: the rows share every key repacked
+# into the tiles' layout, and the tiles take rows in blocks of 32 (33 rows cost 64's). ms, min of 7, AMX kernel /
+# fp32 kernel on 1 thread | on 2 (this 2-core Xeon, quiet):
+#   rows a kv head           16           32           40           48           60           96
+#   head 16, g 2, 121k  8.7/7.3|4.6/4.2  9.3/10|4.6/5.9  13/12|7.1/7.2  15/15|7.7/8.1  15/18|8.2/10  16/21|10/13
+#   head 16, g 2, 8k    .53/.66|.39/.44  .63/.84|.46/.59 .90/.90|.64/.67 .83/.94|.66/.65 .93/1.2|.71/.84 1.4/1.7|1.0/1.2
+#   head 64, g 3, 121k  86/82|47/44      101/91|48/55    124/118|64/61 131/127|66/68  133/141|65/81  116/164|84/106
+#   head 64, g 3, 8k    6.3/5.7|3.4/3.3  8.3/7.7|4.6/4.6 8.4/8.6|4.5/5.0 8.5/9.2|4.5/4.8 8.6/11|4.6/5.4 11/15|6.0/8.6
+# (head 64: 15, 33, 39, 63 rows, whole tokens of 3 heads.) From 48 rows the tiles tie or win at both head sizes,
+# thread counts and lengths, from 60 by 6-25 %; under 48 the fp32 kernel wins or ties but for a lone full block
+# (32 rows of head 16), too narrow a case for its own rule. No head-size rule: the crossover is the same at 16 and 64.
+AMX_MIN_ROWS = 48
 _c_i64, _c_ptr, _c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # (q, seqs, q_starts, q_lens, kv_lens, page_table, its stride, page size, k, v, hq, hkv, hd, scale, out, threads)
 _ARGS = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64,

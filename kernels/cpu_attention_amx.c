@@ -1,7 +1,8 @@
-/* Causal attention over the paged KV cache with AMX tiles (amx_tile + amx_bf16) for prefill chunks: the sequences
- * of a step with many query rows. Same arguments and result as cpu_attention.c's ab_paged_attention (its header
- * says how sequences, rows and pages are laid out); cpu_attention.py sends here only sequences of many rows on
- * CPUs whose OS granted the tile state, everything else stays on that kernel.
+/* Causal attention over the paged KV cache with AMX tiles (amx_tile + amx_bf16) for prefill chunks and warm turns:
+ * the sequences of a step with many query rows. Same arguments and result as cpu_attention.c's ab_paged_attention
+ * (its header says how sequences, rows and pages are laid out); cpu_attention.py sends here only sequences of
+ * AMX_MIN_ROWS rows a kv head or more on CPUs whose OS granted the tile state, everything else stays on that
+ * kernel (its AMX_MIN_ROWS says where the two cross).
  *
  * Why: a 1024-token chunk at 32k context is ~75 GFLOP of attention per SmolLM2 layer; the fp32 FMA kernel
  * reaches ~110-130 GFLOP/s on one core of this Xeon, which held cold prefill at 32k to ~0.2 of 2k's tok/s.
@@ -14,8 +15,13 @@
  * are split the same way for P V. Against an fp64 twin: ~1.5e-5 of the output's largest value (the fp32
  * kernel: ~2e-6).
  *
- * Work: an item is (sequence, kv head, a group of rows); rows are as there (row r: token r / g, query head
- * kvh * g + r % g). The item splits its rows' queries (times scale * log2 e) into hi and lo once, then walks
+ * Head sizes: a multiple of 16 up to 256. The tiles take dims in 32s; a head of 16, 48, 80 ... is padded to the
+ * next 32 inside (zero query and key dims, accumulators of the padded size, only hd dims written out), and its
+ * last 16 dims take 2 products a row tile instead of 3 (repack says how) and a half P V unit.
+ *
+ * Work: an item is (sequence, kv head, a group of rows, a range of keys); rows are as there (row r: token r / g,
+ * query head kvh * g + r % g). When threads share a call, a chunk's rows split into groups; a warm turn's few rows
+ * (one group) split its keys into ranges instead, merged afterwards by their maxima as cpu_attention.c's are. The item splits its rows' queries (times scale * log2 e) into hi and lo once, then walks
  * the keys in spans of ASB: a span's keys and values are read in place from the pages and repacked into the
  * tiles' pair-interleaved ("VNNI") bf16 layout in a scratch buffer (the only copy: each key once per item),
  * then each block of 32 rows that sees the span computes S = Q K^T, its online softmax step (running max m,

@@ -96,6 +96,23 @@ def test_amx_takes_only_sequences_of_many_rows() -> None:
     assert torch.equal(mixed[1:], tiles[1:]) and not torch.equal(mixed[1:], fp32[1:])
 
 
+@needs_amx
+def test_amx_takes_a_warm_turn_from_amx_min_rows() -> None:
+    """The threshold in rows a kv head (tokens x query heads a kv head), for heads padded inside the kernel too:
+    the bench model's warm turn (head 16, 2 query heads a kv head) takes the tiles from 24 tokens, and a call
+    holding one turn on each side of it splits between the kernels, each part bit for bit its kernel's."""
+    assert cpu_attention.AMX_MIN_ROWS == 48
+    assert cpu_attention._tiled([23, 24, 30, 1], 2, 16, None) == [False, True, True, False]
+    assert cpu_attention._tiled([15, 16], 3, 48, None) == [False, True]  # head 48: 45 and 48 rows
+    assert cpu_attention._tiled([30], 2, 24, None) == [False]  # a head the tiles do not take
+    query_lens, kv_lens = [23, 24], [3000, 2500]
+    q, k, v, table = _case(11, query_lens, kv_lens, 2, 1, 16, 16)
+    args = (q, k, v, table, 16, query_lens, kv_lens, 0.25)
+    mixed, tiles, fp32 = (paged_attention(*args, amx=a) for a in (None, True, False))
+    assert torch.equal(mixed[:23], fp32[:23]) and not torch.equal(mixed[:23], tiles[:23])
+    assert torch.equal(mixed[23:], tiles[23:]) and not torch.equal(mixed[23:], fp32[23:])
+
+
 def test_without_amx_every_sequence_stays_on_the_fp32_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU without AMX (or an OS that refused the tiles), and head sizes the tiles do not take, run the fp32
     kernel bit for bit; forcing the tiles there is an error, not a silent fallback."""
