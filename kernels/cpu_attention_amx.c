@@ -411,17 +411,12 @@ static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *
         b0 = b0 < 0 ? 0 : b0 / AR * AR;
         if (b0 >= nr) continue;
         repack(it, s0, n, kh, kl, vh, vl);
+        if (s0 + ASB < b) prefetch_span(it, s0 + ASB, b - s0 - ASB < ASB ? b - s0 - ASB : ASB);
         /* Blocks of AR rows in a pipeline: while block i's softmax runs on the vector units, the tile unit does
          * block i - 1's P V and block i + 1's Q K^T, a few tile products after each row (the three share no
          * buffer: S / P rotate through three), so neither unit waits for the other's phase (1024 rows over 32k
          * keys, one thread: 0.28 s in phases, 0.22 s so). */
         const int64_t nb = (nr - b0 + AR - 1) / AR;
-        /* The next span's keys are prefetched a few after each row's softmax, not all at once after the repack:
-         * a burst of 1024 prefetches (a span of head 16) stalls on the line fill buffers, and a warm turn's
-         * few rows leave little compute to hide it (60 rows of head 16 over 121k keys: the repack took 52 ns a
-         * key against 20 ns with the keys in L2). */
-        int64_t pf = s0 + ASB;
-        const int64_t pf_end = b < s0 + 2 * ASB ? b : s0 + 2 * ASB, pf_step = (ASB + nb * AR - 1) / (nb * AR);
         blk_t prev = {0, 0, NULL}, cur = block(it, b0, s0, n, sbuf[0]), next = {0, 0, NULL};
         for (int64_t u = 0; u < cur.nk / 16; u++)
             qk_unit(qh + cur.b0 * hp, ql + cur.b0 * hp, hp, hd != hp, kh, kl, u, u + 1 == cur.nk / 16, cur.s);
@@ -435,10 +430,6 @@ static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *
                 const int64_t r = cur.b0 + j, pos = first_pos + (it->r_lo + r) / g;
                 const int64_t vis = r >= nr ? 0 : pos - s0 + 1 < n ? pos - s0 + 1 : n;
                 alpha[i % 2][j] = softmax_row(cur.s + j * ASB, vis, cur.nk, ml + 2 * r, ml + 2 * r + 1);
-                if (pf < pf_end) {
-                    prefetch_span(it, pf, pf_end - pf < pf_step ? pf_end - pf : pf_step);
-                    pf += pf_step;
-                }
                 for (const int64_t to = (j + 1) * total / AR; done < to; done++) {
                     if (done < n_pv) {
                         const int64_t per = prev.nk / 32;
