@@ -41,6 +41,10 @@
 
 #define ASB 512        /* keys per span (a multiple of 32; 512 measured 4 % faster than 256, 1024 and 128 slower) */
 #define AR 32          /* rows per block: two tiles of 16 */
+/* Floats a row of a block's scores: not ASB, whose 2 KB put a tile's 16 rows in 2 of L1's 64 sets (and the three
+ * score buffers' rows in the same 2), so the tiles' stores and loads of scores missed L1; one line more spreads
+ * them. */
+#define SST (ASB + 16)
 #define AROW_GROUP 384 /* rows per item when threads share a sequence (a multiple of AR) */
 /* Fewest keys a range of a sequence split by keys (its queries' split, buffers and merge): 64 rows of head 16 on 2
  * threads took 0.88 / 0.86 / 0.51 ms over 8k keys with 8192 / 4096 / 2048 here (fp32 kernel: 0.58), 1.70 / 1.08 /
@@ -196,7 +200,7 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
         }
 }
 
-/* Keys 16 u .. 16 u + 15 of S [AR][ASB] = Q K^T (12 tile products) into tile set u % 2 (tiles 0-1 or 2-3: rows 0-15
+/* Keys 16 u .. 16 u + 15 of S [AR][SST] = Q K^T (12 tile products) into tile set u % 2 (tiles 0-1 or 2-3: rows 0-15
  * and 16-31), 4-5 the queries' row tiles, 6-7 the keys'. A set is stored one unit late, after the next unit's
  * products are issued: storing a tile waits for its chain of products, and that wait then overlaps them. */
 #define QK_SET(c0, c1)                                                                                              \
@@ -228,16 +232,16 @@ static inline void qk_unit(const uint16_t *qh, const uint16_t *ql, int64_t hd, i
     if (u % 2 == 0) {
         QK_SET(0, 1);
         if (u > 0) {
-            _tile_stored(2, s + (u - 1) * 16, ASB * 4); _tile_stored(3, s + 16 * ASB + (u - 1) * 16, ASB * 4);
+            _tile_stored(2, s + (u - 1) * 16, SST * 4); _tile_stored(3, s + 16 * SST + (u - 1) * 16, SST * 4);
         }
         if (last) {
-            _tile_stored(0, s + u * 16, ASB * 4); _tile_stored(1, s + 16 * ASB + u * 16, ASB * 4);
+            _tile_stored(0, s + u * 16, SST * 4); _tile_stored(1, s + 16 * SST + u * 16, SST * 4);
         }
     } else {
         QK_SET(2, 3);
-        _tile_stored(0, s + (u - 1) * 16, ASB * 4); _tile_stored(1, s + 16 * ASB + (u - 1) * 16, ASB * 4);
+        _tile_stored(0, s + (u - 1) * 16, SST * 4); _tile_stored(1, s + 16 * SST + (u - 1) * 16, SST * 4);
         if (last) {
-            _tile_stored(2, s + u * 16, ASB * 4); _tile_stored(3, s + 16 * ASB + u * 16, ASB * 4);
+            _tile_stored(2, s + u * 16, SST * 4); _tile_stored(3, s + 16 * SST + u * 16, SST * 4);
         }
     }
 }
@@ -255,15 +259,15 @@ static inline void pv_unit(const float *p, int64_t hd, int64_t hp, const uint32_
     }
     const uint32_t *v0 = vh + ((c / 32) * nd16 + d0 / 16) * 256, *v1 = v0 + 256;
     const uint32_t *u0 = vl + ((c / 32) * nd16 + d0 / 16) * 256, *u1 = u0 + 256;
-    const float *h0 = p + c, *h1 = p + 16 * ASB + c, *w0 = h0 + 16, *w1 = h1 + 16;
+    const float *h0 = p + c, *h1 = p + 16 * SST + c, *w0 = h0 + 16, *w1 = h1 + 16;
     if (d0 + 16 >= hd) {
         _tile_loadd(6, v0, 64);
-        _tile_loadd(4, h0, ASB * 4); _tile_loadd(5, h1, ASB * 4);
+        _tile_loadd(4, h0, SST * 4); _tile_loadd(5, h1, SST * 4);
         _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
-        _tile_loadd(4, w0, ASB * 4); _tile_loadd(5, w1, ASB * 4);
+        _tile_loadd(4, w0, SST * 4); _tile_loadd(5, w1, SST * 4);
         _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
         _tile_loadd(7, u0, 64);
-        _tile_loadd(4, h0, ASB * 4); _tile_loadd(5, h1, ASB * 4);
+        _tile_loadd(4, h0, SST * 4); _tile_loadd(5, h1, SST * 4);
         _tile_dpbf16ps(0, 4, 7); _tile_dpbf16ps(2, 5, 7);
         if (c + 32 == nk) {
             _tile_stored(0, ob + d0, os); _tile_stored(2, ob + 16 * hp + d0, os);
@@ -271,12 +275,12 @@ static inline void pv_unit(const float *p, int64_t hd, int64_t hp, const uint32_
         return;
     }
     _tile_loadd(6, v0, 64); _tile_loadd(7, v1, 64);
-    _tile_loadd(4, h0, ASB * 4); _tile_loadd(5, h1, ASB * 4);
+    _tile_loadd(4, h0, SST * 4); _tile_loadd(5, h1, SST * 4);
     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(4, w0, ASB * 4); _tile_loadd(5, w1, ASB * 4);
+    _tile_loadd(4, w0, SST * 4); _tile_loadd(5, w1, SST * 4);
     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
     _tile_loadd(6, u0, 64); _tile_loadd(7, u1, 64);
-    _tile_loadd(4, h0, ASB * 4); _tile_loadd(5, h1, ASB * 4);
+    _tile_loadd(4, h0, SST * 4); _tile_loadd(5, h1, SST * 4);
     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
     if (c + 32 == nk) {
         _tile_stored(0, ob + d0, os); _tile_stored(1, ob + d0 + 16, os);
@@ -371,7 +375,7 @@ static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *
     uint16_t *qh = aligned_alloc(64, sizeof(uint16_t) * nrp * hp), *ql = aligned_alloc(64, sizeof(uint16_t) * nrp * hp);
     float *acc = aligned_alloc(64, sizeof(float) * nrp * hp), *ml = malloc(sizeof(float) * nrp * 2);
     uint32_t *kv = aligned_alloc(64, sizeof(uint32_t) * ASB * hp * 2); /* K hi, K lo, V hi, V lo: ASB x hp / 2 each */
-    float *s = aligned_alloc(64, sizeof(float) * AR * ASB * 3), *ob = aligned_alloc(64, sizeof(float) * AR * hp);
+    float *s = aligned_alloc(64, sizeof(float) * AR * SST * 3), *ob = aligned_alloc(64, sizeof(float) * AR * hp);
     int rc = 0;
     if (!qh || !ql || !acc || !ml || !kv || !s || !ob) {
         rc = 2;
@@ -400,7 +404,7 @@ static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *
         ml[2 * r] = -INFINITY, ml[2 * r + 1] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * nrp * hp);
-    float *sbuf[3] = {s, s + AR * ASB, s + 2 * AR * ASB};
+    float *sbuf[3] = {s, s + AR * SST, s + 2 * AR * SST};
     uint32_t *kh = kv, *kl = kv + ASB * hp / 2, *vh = kv + ASB * hp, *vl = kv + ASB * hp * 3 / 2;
     memset(kv, 0, sizeof(uint32_t) * ASB * hp); /* K's tiles: the rows of padding dims repack leaves */
     tiles_on();
@@ -429,7 +433,7 @@ static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *
             for (int64_t j = 0; j < AR; j++) {
                 const int64_t r = cur.b0 + j, pos = first_pos + (it->r_lo + r) / g;
                 const int64_t vis = r >= nr ? 0 : pos - s0 + 1 < n ? pos - s0 + 1 : n;
-                alpha[i % 2][j] = softmax_row(cur.s + j * ASB, vis, cur.nk, ml + 2 * r, ml + 2 * r + 1);
+                alpha[i % 2][j] = softmax_row(cur.s + j * SST, vis, cur.nk, ml + 2 * r, ml + 2 * r + 1);
                 for (const int64_t to = (j + 1) * total / AR; done < to; done++) {
                     if (done < n_pv) {
                         const int64_t per = prev.nk / 32;
