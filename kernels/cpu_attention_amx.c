@@ -116,6 +116,10 @@ typedef struct {
     float scale2;
 } aitem_t;
 
+/* A line into L2. Not _mm_prefetch: GCC takes a function whose only effect is __builtin_prefetch for one without
+ * effects and drops its calls (prefetch_span's never ran: no prefetcht1 in the build). */
+static inline void prefetch_l2(const float *p) { __asm__ __volatile__("prefetcht1 %0" : : "m"(*(const char *)p)); }
+
 /* Keys t0 .. t0 + n of the item into L2 while the span before them runs: a sequence's pages lie anywhere in the
  * pool, so the hardware prefetcher loses the stream at every page (cpu_attention.c's load_tile does the same). */
 static void prefetch_span(const aitem_t *it, int64_t t0, int64_t n) {
@@ -125,8 +129,8 @@ static void prefetch_span(const aitem_t *it, int64_t t0, int64_t n) {
         const int64_t slot = (int64_t)it->pages[pg] * ps + off;
         if (++off == ps) pg++, off = 0;
         for (int64_t d = 0; d < hd; d += 16) {
-            _mm_prefetch((const char *)(it->k + slot * kv_stride + head + d), _MM_HINT_T1);
-            _mm_prefetch((const char *)(it->v + slot * kv_stride + head + d), _MM_HINT_T1);
+            prefetch_l2(it->k + slot * kv_stride + head + d);
+            prefetch_l2(it->v + slot * kv_stride + head + d);
         }
     }
 }
