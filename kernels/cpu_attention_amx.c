@@ -21,8 +21,9 @@
  *
  * Work: an item is (sequence, kv head, a group of rows, a range of keys); rows are as there (row r: token r / g,
  * query head kvh * g + r % g). When threads share a call, a chunk's rows split into groups; a warm turn's few rows
- * (one group) split its keys into ranges instead, merged afterwards by their maxima as cpu_attention.c's are. The item splits its rows' queries (times scale * log2 e) into hi and lo once, then walks
- * the keys in spans of ASB: a span's keys and values are read in place from the pages and repacked into the
+ * (one group) split its keys into ranges instead, merged afterwards by their maxima as cpu_attention.c's are.
+ * The item splits its rows' queries (times scale * log2 e) into hi and lo once, then walks the keys in spans of
+ * ASB: a span's keys and values are read in place from the pages and repacked into the
  * tiles' pair-interleaved ("VNNI") bf16 layout in a scratch buffer (the only copy: each key once per item),
  * then each block of 32 rows that sees the span computes S = Q K^T, its online softmax step (running max m,
  * sum l per row) and P V into fp32 tiles added to its accumulator. The blocks run as a pipeline so the tile
@@ -139,7 +140,8 @@ static void prefetch_span(const aitem_t *it, int64_t t0, int64_t n) {
  * K as B operands of Q K^T: tile (key block kb of 16, dim block dh of 32) row p = the 16 keys' dims 2p, 2p+1;
  * V as B operands of P V: tile (key block of 32, dim block of 16) row p = keys 2p, 2p + 1 at the 16 dims. */
 static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint32_t *kl, uint32_t *vh, uint32_t *vl) {
-    const int64_t hd = it->hd, hp = it->hp, ndh = hp / 32, nd16 = hd / 16, kv_stride = it->hkv * hd, head = it->kvh * hd;
+    const int64_t hd = it->hd, hp = it->hp, ndh = hp / 32, nd16 = hd / 16;
+    const int64_t kv_stride = it->hkv * hd, head = it->kvh * hd;
     const int64_t ps = it->page_size;
     const float *rows_k[ASB], *rows_v[ASB];
     int64_t pg = t0 / ps, off = t0 % ps;
@@ -188,7 +190,8 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
                 l[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));
             }
             transpose16(h), transpose16(l);
-            for (int64_t p = 0; p < 16; p++) _mm512_store_si512(th + p * 16, h[p]), _mm512_store_si512(tl + p * 16, l[p]);
+            for (int64_t p = 0; p < 16; p++)
+                _mm512_store_si512(th + p * 16, h[p]), _mm512_store_si512(tl + p * 16, l[p]);
         }
     for (int64_t kb = 0; kb < ASB / 32; kb++)
         for (int64_t db = 0; db < nd16; db++) {
@@ -392,7 +395,8 @@ static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *
         const float *qr = it->q + (it->q_start + rr / g) * it->hq * hd + (it->kvh * g + rr % g) * hd;
         for (int64_t d = 0; d < hp; d += 32) {
             if (d + 16 >= hd) { /* a 16-dim block: [Qh | Ql] and [Qh | 0] (repack says why) */
-                const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(r < nr ? 0xffff : 0, qr + d), sc), hi = bf16_round(x);
+                const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(r < nr ? 0xffff : 0, qr + d), sc);
+                const __m512 hi = bf16_round(x);
                 _mm512_storeu_si512(qh + r * hp + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x, hi), hi));
                 _mm512_storeu_si512(ql + r * hp + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), hi));
                 continue;
@@ -443,7 +447,8 @@ static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *
                         const int64_t per = prev.nk / 32;
                         pv_unit(prev.s, hd, hp, vh, vl, done / per * 32, done % per * 32, prev.nk, ob);
                     } else {
-                        qk_unit(qh + next.b0 * hp, ql + next.b0 * hp, hp, hd != hp, kh, kl, done - n_pv, done + 1 == total, next.s);
+                        qk_unit(qh + next.b0 * hp, ql + next.b0 * hp, hp, hd != hp, kh, kl, done - n_pv,
+                                done + 1 == total, next.s);
                     }
                 }
             }
@@ -472,8 +477,8 @@ done:
 }
 
 /* As ab_paged_attention, for head sizes a multiple of 16 up to 256 (one not a multiple of 32 is padded to one
- * inside: zero dims in the queries' and keys' splits and the values' tiles; only hd dims are written out). Returns 0, 1 for shapes it does not take,
- * 2 when out of memory. ab_amx_init must have returned 0 in this process. */
+ * inside: zero dims in the queries' and keys' splits and the values' tiles; only hd dims are written out).
+ * Returns 0, 1 for shapes it does not take, 2 when out of memory. ab_amx_init must have returned 0 in this process. */
 int ab_paged_attention_amx(const float *q, int64_t n_seqs, const int64_t *q_starts, const int64_t *q_lens,
                            const int64_t *kv_lens, const int32_t *page_table, int64_t pt_stride, int64_t page_size,
                            const float *k_cache, const float *v_cache, int64_t hq, int64_t hkv, int64_t hd, float scale,
@@ -496,7 +501,8 @@ int ab_paged_attention_amx(const float *q, int64_t n_seqs, const int64_t *q_star
         const int64_t rows = q_lens[s] * g;
         groups[s] = threads > 1 ? (rows + AROW_GROUP - 1) / AROW_GROUP : 1;
         groups[s] = groups[s] < 1 ? 1 : groups[s];
-        const int64_t by_len = kv_lens[s] / AMX_MIN_RANGE, by_threads = (2 * threads + n_seqs * hkv - 1) / (n_seqs * hkv);
+        const int64_t by_len = kv_lens[s] / AMX_MIN_RANGE;
+        const int64_t by_threads = (2 * threads + n_seqs * hkv - 1) / (n_seqs * hkv);
         ranges[s] = threads > 1 && groups[s] == 1 ? by_len < by_threads ? by_len : by_threads : 1;
         ranges[s] = ranges[s] < 1 ? 1 : ranges[s];
         first[s] = n_items, state_at[s] = n_state;
@@ -524,8 +530,9 @@ int ab_paged_attention_amx(const float *q, int64_t n_seqs, const int64_t *q_star
         const int64_t b = (rg + 1) * per_rg * ASB < kv_lens[s] ? (rg + 1) * per_rg * ASB : kv_lens[s];
         const int64_t a = rg * per_rg * ASB < b ? rg * per_rg * ASB : b;
         float *st = ranges[s] > 1 ? state + state_at[s] + (kvh * ranges[s] + rg) * rows * (2 + hd) : NULL;
-        const aitem_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd, (hd + 31) / 32 * 32, g,
-                            q_starts[s], q_lens[s], kv_lens[s], kvh, r_lo, r_hi, scale * LOG2E_A};
+        const aitem_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd,
+                            (hd + 31) / 32 * 32, g, q_starts[s], q_lens[s], kv_lens[s], kvh, r_lo, r_hi,
+                            scale * LOG2E_A};
         if (st && a == b) { /* a range past the keys (rounding): no weight */
             for (int64_t r = 0; r < rows; r++) st[r * (2 + hd)] = -INFINITY;
             continue;

@@ -86,8 +86,8 @@ def test_amx_kernel_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, th
 
 @needs_amx
 def test_amx_takes_only_sequences_of_many_rows() -> None:
-    """By default a step's chunk (rows >= AMX_MIN_ROWS a kv head) goes to the tiles and its decode rows stay on the
-    fp32 kernel, bit for bit; amx=False keeps both there."""
+    """By default a step's chunk (AMX_MIN_TOKENS tokens and AMX_MIN_ROWS rows a kv head or more) goes to the tiles
+    and its decode rows stay on the fp32 kernel, bit for bit; amx=False keeps both there."""
     query_lens, kv_lens = [1, 40], [500, 800]  # 3 rows and 120 rows a kv head
     q, k, v, table = _case(5, query_lens, kv_lens, 9, 3, 64, 16)
     args = (q, k, v, table, 16, query_lens, kv_lens, 0.125)
@@ -97,20 +97,21 @@ def test_amx_takes_only_sequences_of_many_rows() -> None:
 
 
 @needs_amx
-def test_amx_takes_a_warm_turn_from_amx_min_rows() -> None:
-    """The threshold in rows a kv head (tokens x query heads a kv head), for heads padded inside the kernel too:
-    the bench model's warm turn (head 16, 2 query heads a kv head) takes the tiles from 24 tokens, and a call
-    holding one turn on each side of it splits between the kernels, each part bit for bit its kernel's."""
-    assert cpu_attention.AMX_MIN_ROWS == 48
-    assert cpu_attention._tiled([23, 24, 30, 1], 2, 16, None) == [False, True, True, False]
-    assert cpu_attention._tiled([15, 16], 3, 48, None) == [False, True]  # head 48: 45 and 48 rows
+def test_amx_takes_a_warm_turn_but_not_a_verify() -> None:
+    """The thresholds (rows a kv head: tokens x query heads a kv head; tokens), for heads padded inside the kernel
+    too: the bench model's warm turn (head 16, 2 query heads a kv head, 20-34 tokens) takes the tiles, a verify of
+    a 16-token draft (17 tokens) and a decode do not, and a call holding one of each side splits between the
+    kernels, each part bit for bit its kernel's."""
+    assert (cpu_attention.AMX_MIN_ROWS, cpu_attention.AMX_MIN_TOKENS) == (16, 18)
+    assert cpu_attention._tiled([17, 18, 30, 1], 2, 16, None) == [False, True, True, False]
+    assert cpu_attention._tiled([17, 18], 3, 48, None) == [False, True]  # head 48: 51 and 54 rows
     assert cpu_attention._tiled([30], 2, 24, None) == [False]  # a head the tiles do not take
-    query_lens, kv_lens = [23, 24], [3000, 2500]
+    query_lens, kv_lens = [17, 18], [3000, 2500]
     q, k, v, table = _case(11, query_lens, kv_lens, 2, 1, 16, 16)
     args = (q, k, v, table, 16, query_lens, kv_lens, 0.25)
     mixed, tiles, fp32 = (paged_attention(*args, amx=a) for a in (None, True, False))
-    assert torch.equal(mixed[:23], fp32[:23]) and not torch.equal(mixed[:23], tiles[:23])
-    assert torch.equal(mixed[23:], tiles[23:]) and not torch.equal(mixed[23:], fp32[23:])
+    assert torch.equal(mixed[:17], fp32[:17]) and not torch.equal(mixed[:17], tiles[:17])
+    assert torch.equal(mixed[17:], tiles[17:]) and not torch.equal(mixed[17:], fp32[17:])
 
 
 def test_without_amx_every_sequence_stays_on_the_fp32_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
