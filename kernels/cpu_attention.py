@@ -12,11 +12,12 @@ source's digest), its own small library so it builds and loads apart from the we
 is False without a compiler, AVX2 + FMA or a successful build (callers keep the torch path); `supports`
 says which layers it takes (fp32 cache, head size a multiple of 8 up to 256, no window, no sinks).
 
-On CPUs with AMX (amx_tile + amx_bf16) whose OS grants the tile state, the sequences of a call with many query
-rows (prefill chunks: at least AMX_MIN_ROWS a kv head) go to cpu_attention_amx.c instead: the same attention
-with split-bf16 ("bf16x3") tile products, ~16 significant bits a product, 2.4x / 2.7x the fp32 kernel on a
-1024-token chunk at 2k / 32k context on one Xeon core. Decode, warm turns and spec verify (few rows) stay on
-the fp32 kernel, and so does every call with `amx=False` (the engine's --exact-cpu).
+On CPUs with AMX (amx_tile + amx_bf16) whose OS grants the tile state, the sequences of a call with at least
+AMX_MIN_TOKENS new tokens and AMX_MIN_ROWS query rows a kv head (prefill chunks and warm turns) and a head size a
+multiple of 16 go to cpu_attention_amx.c instead: the same attention with split-bf16 ("bf16x3") tile products,
+~16 significant bits a product, 2.4x / 2.7x the fp32 kernel on a 1024-token chunk at 2k / 32k context on one
+Xeon core, 1.3x on a 30-token warm turn at 121k. Decode and spec verify (few tokens) stay on the fp32 kernel, and
+so does every call with `amx=False` (the engine's --exact-cpu).
 """
 
 from __future__ import annotations
@@ -37,9 +38,22 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", *Isa.AVX2.cc_flags)
 AVX512_FLAGS = (*FLAGS, "-mavx512f")
 AMX_FLAGS = (*AVX512_FLAGS, "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
 AMX_CPU_FLAGS = frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
-# Fewest query rows of one kv head (tokens x its query heads) worth the tiles: a chunk's rows share every key
-# repacked into the tiles' layout; a decode row or a warm turn's few would pay that repack for little.
-AMX_MIN_ROWS = 64
+# Fewest query rows of one kv head (tokens x its query heads) worth the tiles: the rows share every key repacked
+# into the tiles' layout, and the tiles take rows in blocks of 32. ms, min of 7, AMX kernel / fp32 kernel on
+# 1 thread | on 2 (this 2-core Xeon, quiet; head 64 at 3, 9, 15, 33 rows: whole tokens of 3 heads):
+#   rows a kv head  2-3              8-9             15-16            32-33           48             60
+#   hd 16 g 2 121k  7.1/6.3|3.9/3.5  7.3/7.4|3.9/4.2  7.2/8.3|3.7/4.5  6.7/9.3|3.5/5.4  8.4/11|5.9/7.6  13/16|6.8/9.1
+#   hd 16 g 2 8k    .42/.37|.31/.26  .46/.46|.36/.30  .44/.49|.32/.34  .52/.73|.36/.47  .57/.71|.46/.51 .54/.95|.38/.55
+#   hd 64 g 3 121k  75/65|38/37      75/73|37/36      58/73|35/41      106/113|54/56    66/100|41/57    75/121|39/70
+#   hd 64 g 3 8k    4.9/4.3|2.7/2.6  4.8/4.7|2.7/2.8  3.3/4.5|2.5/2.7  4.2/5.8|3.0/3.6  7.4/8.6|3.8/4.6 7.3/9.8|4.1/5.8
+# From 16 rows the tiles win or tie at both head sizes, thread counts and lengths (96 rows: 1.4-1.8x); a decode's
+# few rows lose 10-20 %, 8-12 tie. No head-size rule: the crossover is the same at 16 and 64.
+AMX_MIN_ROWS = 16
+# Fewest new tokens of a sequence for the tiles, whatever its rows (with these values the binding floor): a
+# speculative verify (at most spec_max_draft + 1 = 17 tokens by default) stays on the fp32 kernel with the decode
+# steps, so on the torch layers greedy output with drafts keeps plain decoding's numbers (tests/test_spec_decode.py)
+# rather than the tiles' ~1e-5 of difference at a verify.
+AMX_MIN_TOKENS = 18
 _c_i64, _c_ptr, _c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # (q, seqs, q_starts, q_lens, kv_lens, page_table, its stride, page size, k, v, hq, hkv, hd, scale, out, threads)
 _ARGS = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64,
@@ -115,7 +129,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q [T, H, D] fp32 (each sequence's new tokens in order: the last query_lens[s] of its kv_lens[s]
     positions), k/v cache [slots, Hkv, D] fp32 holding every position already, page_table [B, P] (its
     pages) -> [T, H, D]: causal attention. `avx512` picks a build (tests); None: this CPU's best. `amx`:
-    None sends sequences of AMX_MIN_ROWS rows or more to the AMX kernel where it runs, False none, True all
+    None sends sequences of AMX_MIN_TOKENS tokens and AMX_MIN_ROWS rows or more to the AMX kernel where it runs,
+    False none, True all
     (tests; it must run)."""
     lib, why = _library(avx512)
     if lib is None:
@@ -149,16 +164,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _tiled(query_lens: list[int], group: int, head_dim: int, amx: bool | None) -> list[bool]:
-    """Which sequences the AMX kernel takes (head sizes a multiple of 32)."""
+    """Which sequences the AMX kernel takes (head sizes a multiple of 16; it pads one of 16, 48, 80 ... to 32s)."""
     if amx is False:
         return [False] * len(query_lens)
     if amx and not amx_available():
         raise RuntimeError(f"the AMX attention kernel is unavailable: {amx_unavailable_reason()}")
-    if head_dim % 32 or not amx_available():
+    if head_dim % 16 or not amx_available():
         if amx:
-            raise RuntimeError(f"the AMX attention kernel takes head sizes a multiple of 32, not {head_dim}")
+            raise RuntimeError(f"the AMX attention kernel takes head sizes a multiple of 16, not {head_dim}")
         return [False] * len(query_lens)
-    return [bool(amx) or n * group >= AMX_MIN_ROWS for n in query_lens]
+    return [bool(amx) or (n >= AMX_MIN_TOKENS and n * group >= AMX_MIN_ROWS) for n in query_lens]
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,

@@ -1,7 +1,8 @@
-/* Causal attention over the paged KV cache with AMX tiles (amx_tile + amx_bf16) for prefill chunks: the sequences
- * of a step with many query rows. Same arguments and result as cpu_attention.c's ab_paged_attention (its header
- * says how sequences, rows and pages are laid out); cpu_attention.py sends here only sequences of many rows on
- * CPUs whose OS granted the tile state, everything else stays on that kernel.
+/* Causal attention over the paged KV cache with AMX tiles (amx_tile + amx_bf16) for prefill chunks and warm turns:
+ * the sequences of a step with many query rows. Same arguments and result as cpu_attention.c's ab_paged_attention
+ * (its header says how sequences, rows and pages are laid out); cpu_attention.py sends here only sequences of
+ * AMX_MIN_ROWS rows a kv head or more on CPUs whose OS granted the tile state, everything else stays on that
+ * kernel (its AMX_MIN_ROWS says where the two cross).
  *
  * Why: a 1024-token chunk at 32k context is ~75 GFLOP of attention per SmolLM2 layer; the fp32 FMA kernel
  * reaches ~110-130 GFLOP/s on one core of this Xeon, which held cold prefill at 32k to ~0.2 of 2k's tok/s.
@@ -14,9 +15,15 @@
  * are split the same way for P V. Against an fp64 twin: ~1.5e-5 of the output's largest value (the fp32
  * kernel: ~2e-6).
  *
- * Work: an item is (sequence, kv head, a group of rows); rows are as there (row r: token r / g, query head
- * kvh * g + r % g). The item splits its rows' queries (times scale * log2 e) into hi and lo once, then walks
- * the keys in spans of ASB: a span's keys and values are read in place from the pages and repacked into the
+ * Head sizes: a multiple of 16 up to 256. The tiles take dims in 32s; a head of 16, 48, 80 ... is padded to the
+ * next 32 inside (zero query and key dims, accumulators of the padded size, only hd dims written out), and its
+ * last 16 dims take 2 products a row tile instead of 3 (repack says how) and a half P V unit.
+ *
+ * Work: an item is (sequence, kv head, a group of rows, a range of keys); rows are as there (row r: token r / g,
+ * query head kvh * g + r % g). When threads share a call, a chunk's rows split into groups; a warm turn's few rows
+ * (one group) split its keys into ranges instead, merged afterwards by their maxima as cpu_attention.c's are.
+ * The item splits its rows' queries (times scale * log2 e) into hi and lo once, then walks the keys in spans of
+ * ASB: a span's keys and values are read in place from the pages and repacked into the
  * tiles' pair-interleaved ("VNNI") bf16 layout in a scratch buffer (the only copy: each key once per item),
  * then each block of 32 rows that sees the span computes S = Q K^T, its online softmax step (running max m,
  * sum l per row) and P V into fp32 tiles added to its accumulator. The blocks run as a pipeline so the tile
@@ -35,7 +42,15 @@
 
 #define ASB 512        /* keys per span (a multiple of 32; 512 measured 4 % faster than 256, 1024 and 128 slower) */
 #define AR 32          /* rows per block: two tiles of 16 */
+/* Floats a row of a block's scores: not ASB, whose 2 KB put a tile's 16 rows in 2 of L1's 64 sets (and the three
+ * score buffers' rows in the same 2), so the tiles' stores and loads of scores missed L1; one line more spreads
+ * them. */
+#define SST (ASB + 16)
 #define AROW_GROUP 384 /* rows per item when threads share a sequence (a multiple of AR) */
+/* Fewest keys a range of a sequence split by keys (its queries' split, buffers and merge): 64 rows of head 16 on 2
+ * threads took 0.88 / 0.86 / 0.51 ms over 8k keys with 8192 / 4096 / 2048 here (fp32 kernel: 0.58), 1.70 / 1.08 /
+ * 0.84 ms over 16k (fp32: 1.13). */
+#define AMX_MIN_RANGE 2048
 #define LOG2E_A 1.4426950408889634f
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -70,12 +85,41 @@ static inline __m512i pair(__m512 a, __m512 b) {
     return _mm512_or_si512(_mm512_castps_si512(b), _mm512_srli_epi32(_mm512_castps_si512(a), 16));
 }
 
+/* The first `left` of 16 lanes (none when left <= 0, all when >= 16). */
+static inline __mmask16 first_lanes(int64_t left) {
+    const int64_t n = left < 0 ? 0 : left > 16 ? 16 : left;
+    return (__mmask16)((1u << n) - 1);
+}
+
+/* r[i] lane j -> r[j] lane i: a 16 x 16 transpose of 32-bit lanes in four rounds of 16 shuffles. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+}
+
 typedef struct {
     const float *q, *k, *v;
     const int32_t *pages;
-    int64_t page_size, hq, hkv, hd, g, q_start, n_q, kv_len, kvh, r_lo, r_hi;
+    /* hd: the cache's head size (its strides); hp: hd padded to the tiles' 32 dims, the size of every buffer here */
+    int64_t page_size, hq, hkv, hd, hp, g, q_start, n_q, kv_len, kvh, r_lo, r_hi;
     float scale2;
 } aitem_t;
+
+/* A line into L2. Not _mm_prefetch: GCC takes a function whose only effect is __builtin_prefetch for one without
+ * effects and drops its calls (prefetch_span's never ran: no prefetcht1 in the build). */
+static inline void prefetch_l2(const float *p) { __asm__ __volatile__("prefetcht1 %0" : : "m"(*(const char *)p)); }
 
 /* Keys t0 .. t0 + n of the item into L2 while the span before them runs: a sequence's pages lie anywhere in the
  * pool, so the hardware prefetcher loses the stream at every page (cpu_attention.c's load_tile does the same). */
@@ -86,8 +130,8 @@ static void prefetch_span(const aitem_t *it, int64_t t0, int64_t n) {
         const int64_t slot = (int64_t)it->pages[pg] * ps + off;
         if (++off == ps) pg++, off = 0;
         for (int64_t d = 0; d < hd; d += 16) {
-            _mm_prefetch((const char *)(it->k + slot * kv_stride + head + d), _MM_HINT_T1);
-            _mm_prefetch((const char *)(it->v + slot * kv_stride + head + d), _MM_HINT_T1);
+            prefetch_l2(it->k + slot * kv_stride + head + d);
+            prefetch_l2(it->v + slot * kv_stride + head + d);
         }
     }
 }
@@ -96,7 +140,8 @@ static void prefetch_span(const aitem_t *it, int64_t t0, int64_t n) {
  * K as B operands of Q K^T: tile (key block kb of 16, dim block dh of 32) row p = the 16 keys' dims 2p, 2p+1;
  * V as B operands of P V: tile (key block of 32, dim block of 16) row p = keys 2p, 2p + 1 at the 16 dims. */
 static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint32_t *kl, uint32_t *vh, uint32_t *vl) {
-    const int64_t hd = it->hd, ndh = hd / 32, nd16 = hd / 16, kv_stride = it->hkv * hd, head = it->kvh * hd;
+    const int64_t hd = it->hd, hp = it->hp, ndh = hp / 32, nd16 = hd / 16;
+    const int64_t kv_stride = it->hkv * hd, head = it->kvh * hd;
     const int64_t ps = it->page_size;
     const float *rows_k[ASB], *rows_v[ASB];
     int64_t pg = t0 / ps, off = t0 % ps;
@@ -110,22 +155,44 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
         rows_k[o] = it->k + slot * kv_stride + head;
         rows_v[o] = it->v + slot * kv_stride + head;
     }
-    float kt[256][16] __attribute__((aligned(64))); /* a key block transposed: [dim][key] */
-    for (int64_t kb = 0; kb < ASB / 16; kb++) {
-        for (int64_t j = 0; j < 16; j++) {
-            const float *key = rows_k[kb * 16 + j];
-            for (int64_t d = 0; d < hd; d++) kt[d][j] = key ? key[d] : 0.0f;
-        }
+    /* Per 16 keys and 32 dims: each key's dims split into 16 (hi, lo) bf16 pairs in one vector apiece, then the
+     * 16 x 16 pairs transposed in registers into the tile's rows. The transpose was a scalar loop through a
+     * [dim][key] buffer before: 40 % of a warm turn's time in the tiles (60 rows of head 16 over 121k keys). */
+    for (int64_t kb = 0; kb < ASB / 16; kb++)
         for (int64_t dh = 0; dh < ndh; dh++) {
+            const int64_t d = dh * 32;
             uint32_t *th = kh + (kb * ndh + dh) * 256, *tl = kl + (kb * ndh + dh) * 256;
-            for (int64_t p = 0; p < 16; p++) {
-                const __m512 a = _mm512_load_ps(kt[dh * 32 + 2 * p]), b = _mm512_load_ps(kt[dh * 32 + 2 * p + 1]);
-                const __m512 ah = bf16_round(a), bh = bf16_round(b);
-                _mm512_store_si512(th + p * 16, pair(ah, bh));
-                _mm512_store_si512(tl + p * 16, pair(bf16_round(_mm512_sub_ps(a, ah)), bf16_round(_mm512_sub_ps(b, bh))));
+            if (d + 16 >= hd) {
+                /* 16 dims (a head of 16, 48, 80 ...: its padding block): a key's 8 hi pairs and 8 lo pairs share
+                 * one vector, so one transpose gives both tiles' rows 0-7. The hi tile repeats its rows as 8-15 and
+                 * the lo tile's stay the zeros run_item wrote: against queries split as [Qh | Ql] and [Qh | 0]
+                 * (run_item) the block takes 2 products a row tile (Qh Kh + Ql Kh, Qh Kl), not 3 over zero dims. */
+                __m512i x[16];
+                for (int64_t j = 0; j < 16; j++) {
+                    const float *key = rows_k[kb * 16 + j];
+                    const __m512 a = key ? _mm512_loadu_ps(key + d) : _mm512_setzero_ps(), ah = bf16_round(a);
+                    x[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(a, ah), ah);
+                }
+                transpose16(x);
+                for (int64_t p = 0; p < 8; p++) {
+                    _mm512_store_si512(th + p * 16, x[p]), _mm512_store_si512(th + (p + 8) * 16, x[p]);
+                    _mm512_store_si512(tl + p * 16, x[p + 8]);
+                }
+                continue;
             }
+            __m512i h[16], l[16];
+            for (int64_t j = 0; j < 16; j++) {
+                const float *key = rows_k[kb * 16 + j];
+                const __m512 a = key ? _mm512_loadu_ps(key + d) : _mm512_setzero_ps();
+                const __m512 b = key ? _mm512_loadu_ps(key + d + 16) : _mm512_setzero_ps();
+                const __m512 ah = bf16_round(a), bh = bf16_round(b);
+                h[j] = (__m512i)_mm512_cvtne2ps_pbh(bh, ah);
+                l[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));
+            }
+            transpose16(h), transpose16(l);
+            for (int64_t p = 0; p < 16; p++)
+                _mm512_store_si512(th + p * 16, h[p]), _mm512_store_si512(tl + p * 16, l[p]);
         }
-    }
     for (int64_t kb = 0; kb < ASB / 32; kb++)
         for (int64_t db = 0; db < nd16; db++) {
             uint32_t *th = vh + (kb * nd16 + db) * 256, *tl = vl + (kb * nd16 + db) * 256;
@@ -140,12 +207,21 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
         }
 }
 
-/* Keys 16 u .. 16 u + 15 of S [AR][ASB] = Q K^T (12 tile products) into tile set u % 2 (tiles 0-1 or 2-3: rows 0-15
+/* Keys 16 u .. 16 u + 15 of S [AR][SST] = Q K^T (12 tile products) into tile set u % 2 (tiles 0-1 or 2-3: rows 0-15
  * and 16-31), 4-5 the queries' row tiles, 6-7 the keys'. A set is stored one unit late, after the next unit's
  * products are issued: storing a tile waits for its chain of products, and that wait then overlaps them. */
 #define QK_SET(c0, c1)                                                                                              \
     _tile_zero(c0); _tile_zero(c1);                                                                                 \
     for (int64_t dh = 0; dh < ndh; dh++) {                                                                          \
+        if (half && dh + 1 == ndh) { /* [Qh | Ql] . [Kh ; Kh] + [Qh | 0] . [Kl ; 0]: 4 products (see repack) */      \
+            _tile_loadd(6, kh + (u * ndh + dh) * 256, 64);                                                           \
+            _tile_loadd(4, h + dh * 64, qs); _tile_dpbf16ps(c0, 4, 6);                                              \
+            _tile_loadd(5, h + 16 * qs + dh * 64, qs); _tile_dpbf16ps(c1, 5, 6);                                    \
+            _tile_loadd(7, kl + (u * ndh + dh) * 256, 64);                                                           \
+            _tile_loadd(4, w + dh * 64, qs); _tile_dpbf16ps(c0, 4, 7);                                              \
+            _tile_loadd(5, w + 16 * qs + dh * 64, qs); _tile_dpbf16ps(c1, 5, 7);                                    \
+            break;                                                                                                  \
+        }                                                                                                           \
         _tile_loadd(6, kh + (u * ndh + dh) * 256, 64);                                                               \
         _tile_loadd(4, h + dh * 64, qs); _tile_dpbf16ps(c0, 4, 6);                                                  \
         _tile_loadd(5, h + 16 * qs + dh * 64, qs); _tile_dpbf16ps(c1, 5, 6);                                        \
@@ -156,57 +232,67 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
         _tile_loadd(5, h + 16 * qs + dh * 64, qs); _tile_dpbf16ps(c1, 5, 7);                                        \
     }
 
-static inline void qk_unit(const uint16_t *qh, const uint16_t *ql, int64_t hd, const uint32_t *kh, const uint32_t *kl,
-                           int64_t u, int last, float *s) {
+static inline void qk_unit(const uint16_t *qh, const uint16_t *ql, int64_t hd, int half, const uint32_t *kh,
+                           const uint32_t *kl, int64_t u, int last, float *s) {
     const int64_t ndh = hd / 32, qs = hd * 2;
     const char *h = (const char *)qh, *w = (const char *)ql;
     if (u % 2 == 0) {
         QK_SET(0, 1);
         if (u > 0) {
-            _tile_stored(2, s + (u - 1) * 16, ASB * 4); _tile_stored(3, s + 16 * ASB + (u - 1) * 16, ASB * 4);
+            _tile_stored(2, s + (u - 1) * 16, SST * 4); _tile_stored(3, s + 16 * SST + (u - 1) * 16, SST * 4);
         }
         if (last) {
-            _tile_stored(0, s + u * 16, ASB * 4); _tile_stored(1, s + 16 * ASB + u * 16, ASB * 4);
+            _tile_stored(0, s + u * 16, SST * 4); _tile_stored(1, s + 16 * SST + u * 16, SST * 4);
         }
     } else {
         QK_SET(2, 3);
-        _tile_stored(0, s + (u - 1) * 16, ASB * 4); _tile_stored(1, s + 16 * ASB + (u - 1) * 16, ASB * 4);
+        _tile_stored(0, s + (u - 1) * 16, SST * 4); _tile_stored(1, s + 16 * SST + (u - 1) * 16, SST * 4);
         if (last) {
-            _tile_stored(2, s + u * 16, ASB * 4); _tile_stored(3, s + 16 * ASB + u * 16, ASB * 4);
+            _tile_stored(2, s + u * 16, SST * 4); _tile_stored(3, s + 16 * SST + u * 16, SST * 4);
         }
     }
 }
 
-/* Keys c .. c + 31 of ob [AR][hd] = P V at dims d0 .. d0 + 31 (12 tile products): tiles 0-3 = (rows 0-15 | 16-31)
+/* Keys c .. c + 31 of ob [AR][hp] = P V at dims d0 .. d0 + 31 (12 tile products): tiles 0-3 = (rows 0-15 | 16-31)
  * x (dims +0 | +16), zeroed at the first keys and stored at the last (nk, a multiple of 32); 4-5 the
- * probabilities' row tiles (hi and lo of 32 keys side by side where the scores were), 6-7 the values'. */
-static inline void pv_unit(const float *p, int64_t hd, const uint32_t *vh, const uint32_t *vl, int64_t d0, int64_t c,
-                           int64_t nk, float *ob) {
-    const int64_t nd16 = hd / 16, os = hd * 4;
+ * probabilities' row tiles (hi and lo of 32 keys side by side where the scores were), 6-7 the values'. The
+ * values' tiles are laid out by hd / 16 blocks of 16 dims: a head of 16, 48, 80 ... ends on a half unit (dims
+ * d0 .. d0 + 15 only, 6 products), not on 16 padding dims of zeros. */
+static inline void pv_unit(const float *p, int64_t hd, int64_t hp, const uint32_t *vh, const uint32_t *vl, int64_t d0,
+                           int64_t c, int64_t nk, float *ob) {
+    const int64_t nd16 = hd / 16, os = hp * 4;
     if (c == 0) {
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     }
     const uint32_t *v0 = vh + ((c / 32) * nd16 + d0 / 16) * 256, *v1 = v0 + 256;
     const uint32_t *u0 = vl + ((c / 32) * nd16 + d0 / 16) * 256, *u1 = u0 + 256;
-    const float *h0 = p + c, *h1 = p + 16 * ASB + c, *w0 = h0 + 16, *w1 = h1 + 16;
+    const float *h0 = p + c, *h1 = p + 16 * SST + c, *w0 = h0 + 16, *w1 = h1 + 16;
+    if (d0 + 16 >= hd) {
+        _tile_loadd(6, v0, 64);
+        _tile_loadd(4, h0, SST * 4); _tile_loadd(5, h1, SST * 4);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(4, w0, SST * 4); _tile_loadd(5, w1, SST * 4);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(2, 5, 6);
+        _tile_loadd(7, u0, 64);
+        _tile_loadd(4, h0, SST * 4); _tile_loadd(5, h1, SST * 4);
+        _tile_dpbf16ps(0, 4, 7); _tile_dpbf16ps(2, 5, 7);
+        if (c + 32 == nk) {
+            _tile_stored(0, ob + d0, os); _tile_stored(2, ob + 16 * hp + d0, os);
+        }
+        return;
+    }
     _tile_loadd(6, v0, 64); _tile_loadd(7, v1, 64);
-    _tile_loadd(4, h0, ASB * 4); _tile_loadd(5, h1, ASB * 4);
+    _tile_loadd(4, h0, SST * 4); _tile_loadd(5, h1, SST * 4);
     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
-    _tile_loadd(4, w0, ASB * 4); _tile_loadd(5, w1, ASB * 4);
+    _tile_loadd(4, w0, SST * 4); _tile_loadd(5, w1, SST * 4);
     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
     _tile_loadd(6, u0, 64); _tile_loadd(7, u1, 64);
-    _tile_loadd(4, h0, ASB * 4); _tile_loadd(5, h1, ASB * 4);
+    _tile_loadd(4, h0, SST * 4); _tile_loadd(5, h1, SST * 4);
     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
     if (c + 32 == nk) {
         _tile_stored(0, ob + d0, os); _tile_stored(1, ob + d0 + 16, os);
-        _tile_stored(2, ob + 16 * hd + d0, os); _tile_stored(3, ob + 16 * hd + d0 + 16, os);
+        _tile_stored(2, ob + 16 * hp + d0, os); _tile_stored(3, ob + 16 * hp + d0 + 16, os);
     }
-}
-
-/* The first `left` of 16 lanes (none when left <= 0, all when >= 16). */
-static inline __mmask16 first_lanes(int64_t left) {
-    const int64_t n = left < 0 ? 0 : left > 16 ? 16 : left;
-    return (__mmask16)((1u << n) - 1);
 }
 
 /* 2^x for x <= 0 on the `keep` lanes, exactly 0 on the others: x = n + f, |f| <= 1/2, 2^f by a degree-5 minimax
@@ -279,23 +365,24 @@ static inline blk_t block(const aitem_t *it, int64_t b0, int64_t s0, int64_t n, 
     return (blk_t){b0, (seen + 31) / 32 * 32, s};
 }
 
-/* acc = acc * alpha + ob, row by row of a block */
-static inline void update(float *acc, const float *alpha, const float *ob, int64_t hd) {
+/* acc = acc * alpha + ob, row by row of a block: the head's hd dims of rows hp apart (ob's padding dims unset) */
+static inline void update(float *acc, const float *alpha, const float *ob, int64_t hd, int64_t hp) {
     for (int64_t j = 0; j < AR; j++) {
         const __m512 al = _mm512_set1_ps(alpha[j]);
         for (int64_t d = 0; d < hd; d += 16)
-            _mm512_store_ps(acc + j * hd + d, _mm512_fmadd_ps(_mm512_load_ps(acc + j * hd + d), al, _mm512_load_ps(ob + j * hd + d)));
+            _mm512_store_ps(acc + j * hp + d, _mm512_fmadd_ps(_mm512_load_ps(acc + j * hp + d), al, _mm512_load_ps(ob + j * hp + d)));
     }
 }
 
-/* One item: every key of its sequence for rows r_lo .. r_hi, written to out. */
-static int run_item(const aitem_t *it, float *out) {
-    const int64_t hd = it->hd, g = it->g, nr = it->r_hi - it->r_lo, nrp = (nr + AR - 1) / AR * AR;
+/* One item: keys a .. b of its sequence for rows r_lo .. r_hi, normalised into out; or, when state is set (one
+ * range of a sequence split by keys), each row's (m, l, acc[hd]) at state + row * (2 + hd) for the merge. */
+static int run_item(const aitem_t *it, int64_t a, int64_t b, float *out, float *state) {
+    const int64_t hd = it->hd, hp = it->hp, g = it->g, nr = it->r_hi - it->r_lo, nrp = (nr + AR - 1) / AR * AR;
     const int64_t first_pos = it->kv_len - it->n_q;
-    uint16_t *qh = aligned_alloc(64, sizeof(uint16_t) * nrp * hd), *ql = aligned_alloc(64, sizeof(uint16_t) * nrp * hd);
-    float *acc = aligned_alloc(64, sizeof(float) * nrp * hd), *ml = malloc(sizeof(float) * nrp * 2);
-    uint32_t *kv = aligned_alloc(64, sizeof(uint32_t) * ASB * hd * 2); /* K hi, K lo, V hi, V lo: ASB x hd / 2 each */
-    float *s = aligned_alloc(64, sizeof(float) * AR * ASB * 3), *ob = aligned_alloc(64, sizeof(float) * AR * hd);
+    uint16_t *qh = aligned_alloc(64, sizeof(uint16_t) * nrp * hp), *ql = aligned_alloc(64, sizeof(uint16_t) * nrp * hp);
+    float *acc = aligned_alloc(64, sizeof(float) * nrp * hp), *ml = malloc(sizeof(float) * nrp * 2);
+    uint32_t *kv = aligned_alloc(64, sizeof(uint32_t) * ASB * hp * 2); /* K hi, K lo, V hi, V lo: ASB x hp / 2 each */
+    float *s = aligned_alloc(64, sizeof(float) * AR * SST * 3), *ob = aligned_alloc(64, sizeof(float) * AR * hp);
     int rc = 0;
     if (!qh || !ql || !acc || !ml || !kv || !s || !ob) {
         rc = 2;
@@ -306,30 +393,37 @@ static int run_item(const aitem_t *it, float *out) {
     for (int64_t r = 0; r < nrp; r++) {
         const int64_t rr = it->r_lo + r;
         const float *qr = it->q + (it->q_start + rr / g) * it->hq * hd + (it->kvh * g + rr % g) * hd;
-        for (int64_t d = 0; d < hd; d += 32) {
+        for (int64_t d = 0; d < hp; d += 32) {
+            if (d + 16 >= hd) { /* a 16-dim block: [Qh | Ql] and [Qh | 0] (repack says why) */
+                const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(r < nr ? 0xffff : 0, qr + d), sc);
+                const __m512 hi = bf16_round(x);
+                _mm512_storeu_si512(qh + r * hp + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x, hi), hi));
+                _mm512_storeu_si512(ql + r * hp + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_setzero_ps(), hi));
+                continue;
+            }
             __m512 x[2], hi[2];
             for (int h = 0; h < 2; h++) {
-                x[h] = r < nr ? _mm512_mul_ps(_mm512_loadu_ps(qr + d + 16 * h), sc) : _mm512_setzero_ps();
+                x[h] = _mm512_mul_ps(_mm512_maskz_loadu_ps(r < nr ? 0xffff : 0, qr + d + 16 * h), sc);
                 hi[h] = bf16_round(x[h]);
             }
-            _mm512_storeu_si512(qh + r * hd + d, (__m512i)_mm512_cvtne2ps_pbh(hi[1], hi[0]));
-            _mm512_storeu_si512(ql + r * hd + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x[1], hi[1]), _mm512_sub_ps(x[0], hi[0])));
+            _mm512_storeu_si512(qh + r * hp + d, (__m512i)_mm512_cvtne2ps_pbh(hi[1], hi[0]));
+            _mm512_storeu_si512(ql + r * hp + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x[1], hi[1]), _mm512_sub_ps(x[0], hi[0])));
         }
         ml[2 * r] = -INFINITY, ml[2 * r + 1] = 0.0f;
     }
-    memset(acc, 0, sizeof(float) * nrp * hd);
-    float *sbuf[3] = {s, s + AR * ASB, s + 2 * AR * ASB};
-    uint32_t *kh = kv, *kl = kv + ASB * hd / 2, *vh = kv + ASB * hd, *vl = kv + ASB * hd * 3 / 2;
+    memset(acc, 0, sizeof(float) * nrp * hp);
+    float *sbuf[3] = {s, s + AR * SST, s + 2 * AR * SST};
+    uint32_t *kh = kv, *kl = kv + ASB * hp / 2, *vh = kv + ASB * hp, *vl = kv + ASB * hp * 3 / 2;
+    memset(kv, 0, sizeof(uint32_t) * ASB * hp); /* K's tiles: the rows of padding dims repack leaves */
     tiles_on();
-    for (int64_t s0 = 0; s0 < it->kv_len; s0 += ASB) {
-        const int64_t n = it->kv_len - s0 < ASB ? it->kv_len - s0 : ASB;
+    for (int64_t s0 = a; s0 < b; s0 += ASB) {
+        const int64_t n = b - s0 < ASB ? b - s0 : ASB;
         /* rows before the span's first key see none of it (rows ascend in position, g rows a token) */
         int64_t b0 = s0 > first_pos ? (s0 - first_pos) * g - it->r_lo : 0;
         b0 = b0 < 0 ? 0 : b0 / AR * AR;
         if (b0 >= nr) continue;
         repack(it, s0, n, kh, kl, vh, vl);
-        if (s0 + ASB < it->kv_len)
-            prefetch_span(it, s0 + ASB, it->kv_len - s0 - ASB < ASB ? it->kv_len - s0 - ASB : ASB);
+        if (s0 + ASB < b) prefetch_span(it, s0 + ASB, b - s0 - ASB < ASB ? b - s0 - ASB : ASB);
         /* Blocks of AR rows in a pipeline: while block i's softmax runs on the vector units, the tile unit does
          * block i - 1's P V and block i + 1's Q K^T, a few tile products after each row (the three share no
          * buffer: S / P rotate through three), so neither unit waits for the other's phase (1024 rows over 32k
@@ -337,81 +431,138 @@ static int run_item(const aitem_t *it, float *out) {
         const int64_t nb = (nr - b0 + AR - 1) / AR;
         blk_t prev = {0, 0, NULL}, cur = block(it, b0, s0, n, sbuf[0]), next = {0, 0, NULL};
         for (int64_t u = 0; u < cur.nk / 16; u++)
-            qk_unit(qh + cur.b0 * hd, ql + cur.b0 * hd, hd, kh, kl, u, u + 1 == cur.nk / 16, cur.s);
+            qk_unit(qh + cur.b0 * hp, ql + cur.b0 * hp, hp, hd != hp, kh, kl, u, u + 1 == cur.nk / 16, cur.s);
         float alpha[2][AR];
         for (int64_t i = 0; i < nb; i++) {
             if (i + 1 < nb) next = block(it, cur.b0 + AR, s0, n, sbuf[(i + 1) % 3]);
-            const int64_t n_pv = i > 0 ? hd / 32 * (prev.nk / 32) : 0, n_qk = i + 1 < nb ? next.nk / 16 : 0;
+            const int64_t n_pv = i > 0 ? hp / 32 * (prev.nk / 32) : 0, n_qk = i + 1 < nb ? next.nk / 16 : 0;
             const int64_t total = n_pv + n_qk;
             int64_t done = 0;
             for (int64_t j = 0; j < AR; j++) {
                 const int64_t r = cur.b0 + j, pos = first_pos + (it->r_lo + r) / g;
                 const int64_t vis = r >= nr ? 0 : pos - s0 + 1 < n ? pos - s0 + 1 : n;
-                alpha[i % 2][j] = softmax_row(cur.s + j * ASB, vis, cur.nk, ml + 2 * r, ml + 2 * r + 1);
+                alpha[i % 2][j] = softmax_row(cur.s + j * SST, vis, cur.nk, ml + 2 * r, ml + 2 * r + 1);
                 for (const int64_t to = (j + 1) * total / AR; done < to; done++) {
                     if (done < n_pv) {
                         const int64_t per = prev.nk / 32;
-                        pv_unit(prev.s, hd, vh, vl, done / per * 32, done % per * 32, prev.nk, ob);
+                        pv_unit(prev.s, hd, hp, vh, vl, done / per * 32, done % per * 32, prev.nk, ob);
                     } else {
-                        qk_unit(qh + next.b0 * hd, ql + next.b0 * hd, hd, kh, kl, done - n_pv, done + 1 == total, next.s);
+                        qk_unit(qh + next.b0 * hp, ql + next.b0 * hp, hp, hd != hp, kh, kl, done - n_pv,
+                                done + 1 == total, next.s);
                     }
                 }
             }
-            if (i > 0) update(acc + prev.b0 * hd, alpha[(i - 1) % 2], ob, hd);
+            if (i > 0) update(acc + prev.b0 * hp, alpha[(i - 1) % 2], ob, hd, hp);
             prev = cur, cur = next;
         }
-        for (int64_t d0 = 0; d0 < hd; d0 += 32)
-            for (int64_t c = 0; c < prev.nk; c += 32) pv_unit(prev.s, hd, vh, vl, d0, c, prev.nk, ob);
-        update(acc + prev.b0 * hd, alpha[(nb - 1) % 2], ob, hd);
+        for (int64_t d0 = 0; d0 < hp; d0 += 32)
+            for (int64_t c = 0; c < prev.nk; c += 32) pv_unit(prev.s, hd, hp, vh, vl, d0, c, prev.nk, ob);
+        update(acc + prev.b0 * hp, alpha[(nb - 1) % 2], ob, hd, hp);
     }
     _tile_release();
-    for (int64_t r = 0; r < nr; r++) {
+    for (int64_t r = 0; r < nr && state; r++) {
+        float *st = state + r * (2 + hd);
+        st[0] = ml[2 * r], st[1] = ml[2 * r + 1];
+        memcpy(st + 2, acc + r * hp, sizeof(float) * hd);
+    }
+    for (int64_t r = 0; r < nr && !state; r++) {
         const int64_t rr = it->r_lo + r;
         float *o = out + (it->q_start + rr / g) * it->hq * hd + (it->kvh * g + rr % g) * hd;
         const float l = ml[2 * r + 1], inv = l > 0.0f ? 1.0f / l : 0.0f;
-        for (int64_t d = 0; d < hd; d++) o[d] = acc[r * hd + d] * inv;
+        for (int64_t d = 0; d < hd; d++) o[d] = acc[r * hp + d] * inv; /* the head's own dims only */
     }
 done:
     free(qh), free(ql), free(acc), free(ml), free(kv), free(s), free(ob);
     return rc;
 }
 
-/* As ab_paged_attention, for head sizes a multiple of 32 up to 256. Returns 0, 1 for shapes it does not take,
- * 2 when out of memory. ab_amx_init must have returned 0 in this process. */
+/* As ab_paged_attention, for head sizes a multiple of 16 up to 256 (one not a multiple of 32 is padded to one
+ * inside: zero dims in the queries' and keys' splits and the values' tiles; only hd dims are written out).
+ * Returns 0, 1 for shapes it does not take, 2 when out of memory. ab_amx_init must have returned 0 in this process. */
 int ab_paged_attention_amx(const float *q, int64_t n_seqs, const int64_t *q_starts, const int64_t *q_lens,
                            const int64_t *kv_lens, const int32_t *page_table, int64_t pt_stride, int64_t page_size,
                            const float *k_cache, const float *v_cache, int64_t hq, int64_t hkv, int64_t hd, float scale,
                            float *out, int threads) {
-    if (hd % 32 || hd > 256 || hkv < 1 || hq % hkv || page_size < 1) return 1;
+    if (hd % 16 || hd < 16 || hd > 256 || hkv < 1 || hq % hkv || page_size < 1) return 1;
     const int64_t g = hq / hkv;
     threads = threads < 1 ? 1 : threads;
     int64_t *first = malloc(sizeof(int64_t) * (n_seqs + 1)), *groups = malloc(sizeof(int64_t) * (n_seqs + 1));
-    if (!first || !groups) {
-        free(first), free(groups);
+    int64_t *ranges = malloc(sizeof(int64_t) * (n_seqs + 1)), *state_at = malloc(sizeof(int64_t) * (n_seqs + 1));
+    if (!first || !groups || !ranges || !state_at) {
+        free(first), free(groups), free(ranges), free(state_at);
         return 2;
     }
-    int64_t n_items = 0;
+    /* One item per kv head on one thread (each key repacked once). When threads share: a sequence of many rows
+     * (a prefill chunk) splits by rows, into groups of AROW_GROUP; one of few (a warm turn: one block of rows on
+     * one kv head, else one thread) splits by keys, into ranges of whole spans merged afterwards as
+     * cpu_attention.c's are (two ranges a thread: kv heads that do not divide among the threads still balance). */
+    int64_t n_items = 0, n_state = 0;
     for (int64_t s = 0; s < n_seqs; s++) {
-        /* one item per kv head on one thread (each key repacked once); groups of rows when threads share */
-        groups[s] = threads > 1 ? (q_lens[s] * g + AROW_GROUP - 1) / AROW_GROUP : 1;
+        const int64_t rows = q_lens[s] * g;
+        groups[s] = threads > 1 ? (rows + AROW_GROUP - 1) / AROW_GROUP : 1;
         groups[s] = groups[s] < 1 ? 1 : groups[s];
-        first[s] = n_items;
-        n_items += hkv * groups[s];
+        const int64_t by_len = kv_lens[s] / AMX_MIN_RANGE;
+        const int64_t by_threads = (2 * threads + n_seqs * hkv - 1) / (n_seqs * hkv);
+        ranges[s] = threads > 1 && groups[s] == 1 ? by_len < by_threads ? by_len : by_threads : 1;
+        ranges[s] = ranges[s] < 1 ? 1 : ranges[s];
+        first[s] = n_items, state_at[s] = n_state;
+        n_items += hkv * groups[s] * ranges[s];
+        n_state += ranges[s] > 1 ? hkv * ranges[s] * rows * (2 + hd) : 0;
     }
     first[n_seqs] = n_items;
+    float *state = n_state ? malloc(sizeof(float) * n_state) : NULL;
+    if (n_state && !state) {
+        free(first), free(groups), free(ranges), free(state_at);
+        return 2;
+    }
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (int64_t i = 0; i < n_items; i++) {
         int64_t s = 0;
         while (first[s + 1] <= i) s++;
-        const int64_t local = i - first[s], rows = q_lens[s] * g;
-        const int64_t per = (rows + groups[s] * AR - 1) / (groups[s] * AR) * AR, gq = local % groups[s];
+        const int64_t local = i - first[s], rows = q_lens[s] * g, kvh = local / (groups[s] * ranges[s]);
+        const int64_t gq = local % groups[s], rg = local / groups[s] % ranges[s];
+        const int64_t per = (rows + groups[s] * AR - 1) / (groups[s] * AR) * AR;
         const int64_t r_lo = gq * per < rows ? gq * per : rows, r_hi = r_lo + per < rows ? r_lo + per : rows;
         if (r_lo >= r_hi) continue;
-        const aitem_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd, g,
-                            q_starts[s], q_lens[s], kv_lens[s], local / groups[s], r_lo, r_hi, scale * LOG2E_A};
-        if (run_item(&it, out)) failed = 1;
+        /* ranges in whole spans, so only a sequence's last span is short */
+        const int64_t spans = (kv_lens[s] + ASB - 1) / ASB, per_rg = (spans + ranges[s] - 1) / ranges[s];
+        const int64_t b = (rg + 1) * per_rg * ASB < kv_lens[s] ? (rg + 1) * per_rg * ASB : kv_lens[s];
+        const int64_t a = rg * per_rg * ASB < b ? rg * per_rg * ASB : b;
+        float *st = ranges[s] > 1 ? state + state_at[s] + (kvh * ranges[s] + rg) * rows * (2 + hd) : NULL;
+        const aitem_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd,
+                            (hd + 31) / 32 * 32, g, q_starts[s], q_lens[s], kv_lens[s], kvh, r_lo, r_hi,
+                            scale * LOG2E_A};
+        if (st && a == b) { /* a range past the keys (rounding): no weight */
+            for (int64_t r = 0; r < rows; r++) st[r * (2 + hd)] = -INFINITY;
+            continue;
+        }
+        if (run_item(&it, a, b, out, st)) failed = 1;
     }
-    free(first), free(groups);
+    /* each split row: m = max m_r, l = sum l_r 2^(m_r - m), acc likewise; out = acc / l */
+    for (int64_t s = 0; s < n_seqs && !failed; s++) {
+        if (ranges[s] < 2) continue;
+        const int64_t rows = q_lens[s] * g;
+        for (int64_t kvh = 0; kvh < hkv; kvh++)
+            for (int64_t r = 0; r < rows; r++) {
+                const float *st0 = state + state_at[s] + kvh * ranges[s] * rows * (2 + hd) + r * (2 + hd);
+                float m = -INFINITY, l = 0.0f, acc[256] = {0};
+                for (int64_t rg = 0; rg < ranges[s]; rg++) {
+                    const float mr = st0[rg * rows * (2 + hd)];
+                    m = mr > m ? mr : m;
+                }
+                for (int64_t rg = 0; rg < ranges[s]; rg++) {
+                    const float *st = st0 + rg * rows * (2 + hd);
+                    if (st[0] == -INFINITY) continue;
+                    const float w = exp2f(st[0] - m);
+                    l += st[1] * w;
+                    for (int64_t d = 0; d < hd; d++) acc[d] += st[2 + d] * w;
+                }
+                float *o = out + (q_starts[s] + r / g) * hq * hd + (kvh * g + r % g) * hd;
+                const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+                for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
+            }
+    }
+    free(first), free(groups), free(ranges), free(state_at), free(state);
     return failed ? 2 : 0;
 }

@@ -62,6 +62,15 @@ needs_amx = pytest.mark.skipif(not cpu_attention.amx_available(),
         # not a multiple of the 32-key tile or the 512-key span
         ([64], [300], 4, 2, 128, 8, 1),  # head size 128 (four 32-dim tiles), pages of 8
         ([1, 5], [40, 9], 6, 2, 32, 16, 1),  # a decode row and a short prompt forced through: padding rows
+        # head sizes padded to 32 inside the kernel (zero dims in the splits and the value tiles)
+        ([30], [5000], 2, 1, 16, 16, 1),  # the bench model's warm turn: 60 rows of head 16 over cached keys
+        ([7, 1, 45], [7, 900, 1300], 2, 1, 16, 8, 2),  # ragged, pages of 8: 14, 2 and 90 rows
+        ([200], [2000], 4, 2, 16, 16, 2),  # 400 rows a kv head: rows split in groups across threads
+        ([50, 21], [50, 700], 9, 3, 48, 16, 2),  # head 48: a fresh prompt and 63 rows at an offset
+        ([40], [1100], 4, 2, 80, 8, 1),  # head 80, pages of 8: 80 rows
+        # few rows on two threads: the keys split into ranges of whole spans, merged by their maxima
+        ([30, 2], [20000, 17000], 2, 1, 16, 8, 2),  # a warm turn and a decode row, pages of 8
+        ([21], [40000], 9, 3, 64, 16, 2),  # SmolLM2's heads: 63 rows on each of 3 kv heads, 2 ranges each
     ],
 )
 def test_amx_kernel_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, threads) -> None:
@@ -77,8 +86,8 @@ def test_amx_kernel_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, th
 
 @needs_amx
 def test_amx_takes_only_sequences_of_many_rows() -> None:
-    """By default a step's chunk (rows >= AMX_MIN_ROWS a kv head) goes to the tiles and its decode rows stay on the
-    fp32 kernel, bit for bit; amx=False keeps both there."""
+    """By default a step's chunk (AMX_MIN_TOKENS tokens and AMX_MIN_ROWS rows a kv head or more) goes to the tiles
+    and its decode rows stay on the fp32 kernel, bit for bit; amx=False keeps both there."""
     query_lens, kv_lens = [1, 40], [500, 800]  # 3 rows and 120 rows a kv head
     q, k, v, table = _case(5, query_lens, kv_lens, 9, 3, 64, 16)
     args = (q, k, v, table, 16, query_lens, kv_lens, 0.125)
@@ -87,11 +96,29 @@ def test_amx_takes_only_sequences_of_many_rows() -> None:
     assert torch.equal(mixed[1:], tiles[1:]) and not torch.equal(mixed[1:], fp32[1:])
 
 
+@needs_amx
+def test_amx_takes_a_warm_turn_but_not_a_verify() -> None:
+    """The thresholds (rows a kv head: tokens x query heads a kv head; tokens), for heads padded inside the kernel
+    too: the bench model's warm turn (head 16, 2 query heads a kv head, 20-34 tokens) takes the tiles, a verify of
+    a 16-token draft (17 tokens) and a decode do not, and a call holding one of each side splits between the
+    kernels, each part bit for bit its kernel's."""
+    assert (cpu_attention.AMX_MIN_ROWS, cpu_attention.AMX_MIN_TOKENS) == (16, 18)
+    assert cpu_attention._tiled([17, 18, 30, 1], 2, 16, None) == [False, True, True, False]
+    assert cpu_attention._tiled([17, 18], 3, 48, None) == [False, True]  # head 48: 51 and 54 rows
+    assert cpu_attention._tiled([30], 2, 24, None) == [False]  # a head the tiles do not take
+    query_lens, kv_lens = [17, 18], [3000, 2500]
+    q, k, v, table = _case(11, query_lens, kv_lens, 2, 1, 16, 16)
+    args = (q, k, v, table, 16, query_lens, kv_lens, 0.25)
+    mixed, tiles, fp32 = (paged_attention(*args, amx=a) for a in (None, True, False))
+    assert torch.equal(mixed[:17], fp32[:17]) and not torch.equal(mixed[:17], tiles[:17])
+    assert torch.equal(mixed[17:], tiles[17:]) and not torch.equal(mixed[17:], fp32[17:])
+
+
 def test_without_amx_every_sequence_stays_on_the_fp32_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CPU without AMX (or an OS that refused the tiles), and head sizes the tiles do not take, run the fp32
     kernel bit for bit; forcing the tiles there is an error, not a silent fallback."""
     query_lens, kv_lens = [100], [400]
-    for hd, amx_here in ((16, True), (64, False)):
+    for hd, amx_here in ((24, True), (64, False)):
         monkeypatch.setattr(cpu_attention, "amx_available", lambda amx_here=amx_here: amx_here)
         q, k, v, table = _case(9, query_lens, kv_lens, 6, 2, hd, 16)
         args = (q, k, v, table, 16, query_lens, kv_lens, hd ** -0.5)

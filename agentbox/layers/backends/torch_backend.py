@@ -26,8 +26,8 @@ On an AVX2 CPU with an fp32 cache, layers without a window or sinks skip all of 
 takes the whole step in one call, reading keys in place through the page table (any page order), the key
 range of a long sequence split across the threads (a warm turn's ~25 tokens over 121k keys: 38-53 ms in
 torch's fused kernel on one thread, ~12 ms of CPU in the kernel, split over the engine's threads). On CPUs
-with AMX it sends a step's prefill chunks to cpu_attention_amx.c (split-bf16 tile products, ~2.7x at 32k
-context); `exact_cpu` (--exact-cpu) keeps them on the fp32 kernel.
+with AMX it sends a step's prefill chunks and longer warm turns to cpu_attention_amx.c (split-bf16 tile products,
+~2.7x at 32k context); `exact_cpu` (--exact-cpu) keeps them on the fp32 kernel.
 """
 
 from __future__ import annotations
