@@ -57,14 +57,13 @@ from agentbox.engine.cache.manager import KVManager
 from agentbox.engine.cache.radix_check import check_integrity
 from agentbox.engine.cache.radix_disk import DiskLink, DiskTree
 from agentbox.engine.cache.radix_evict import Evictor, HeapEntry
-from agentbox.engine.cache.radix_node import Lock, Match, Node, Tier
+from agentbox.engine.cache.radix_node import Lock, Match, Node, Tier, as_key
 from agentbox.engine.cache.session_index import SessionIndex
 from agentbox.engine.cache.sessions import Session, SessionTable
 from agentbox.engine.cache.state_units import StatePoints
 from agentbox.engine.cache.stats import CacheStats
 from agentbox.engine.cache.turns import Turns
 from agentbox.layers.backends.base import KVCache
-from agentbox.prefix import common_prefix
 
 
 class RadixCache(DiskTree, KVManager):
@@ -145,10 +144,10 @@ class RadixCache(DiskTree, KVManager):
         i = node.start + len(node.key)
         host = sum(len(n.key) for n in path if n.tier is Tier.HOST)
         while i < stop:
-            child = node.children.get(_ids(toks, i, i + self.ps))
+            child = node.children.get(as_key(toks, i, i + self.ps))
             if child is None:
                 break
-            m = self._common(child, toks, i, stop)  # >= one page: children are keyed by their first page
+            m = child.common_pages(toks, i, stop, self.ps)  # >= one page: children are keyed by their first page
             path.append(child)
             i += m
             host += m if child.tier is Tier.HOST else 0
@@ -168,15 +167,13 @@ class RadixCache(DiskTree, KVManager):
         """The path to the session's deepest node when toks run through all of it, else []: the walk resumes
         there, so an agent's next turn walks only its new part. Every key on the path is compared with toks
         (a C compare per node, no dict walk), so the result is the full walk's: siblings differ in their
-        first page, so a root-to-node chain matching toks is the only one the walk could have taken. An array
-        is compared with the keys' arrays (Node.key_ids)."""
+        first page, so a root-to-node chain matching toks is the only one the walk could have taken."""
         n = self._hints.get(session) if session is not None else None
         if n is None or not n.alive or n.start + len(n.key) > stop:
             return []
         path: list[Node] = []
-        ids = isinstance(toks, array)
         while n is not self.root:
-            if n is None or toks[n.start : n.start + len(n.key)] != (n.key_ids() if ids else n.key):
+            if n is None or toks[n.start : n.start + len(n.key)] != n.key_like(toks):
                 return []
             path.append(n)
             n = n.parent
@@ -223,7 +220,7 @@ class RadixCache(DiskTree, KVManager):
             path[-1] = self.split(last, mem - last.start)
         n_gpu = next((j for j, n in enumerate(path) if n.tier is Tier.HOST), len(path))
         pages: list[int] = []
-        for n in path[:n_gpu]:  # a list's += copies at C speed (a 128k-token path's 7.6k pages: 1 -> 0.05 ms)
+        for n in path[:n_gpu]:  # each node's list joined at C speed (a 128k-token path: 7.6k pages, 1 -> 0.05 ms)
             pages += n.pages
         self.pool.incref(pages)
         host_nodes = path[n_gpu:]
@@ -278,16 +275,16 @@ class RadixCache(DiskTree, KVManager):
         node, i = self.root, 0
         while i < len(toks):
             pi = i // self.ps
-            child = node.children.get(_ids(toks, i, i + self.ps))
+            child = node.children.get(as_key(toks, i, i + self.ps))
             if child is None:
-                child = Node(_ids(toks, i, len(toks)), list(pages[pi:]), Tier.GPU, node, i,
+                child = Node(as_key(toks, i, len(toks)), list(pages[pi:]), Tier.GPU, node, i,
                              toks[i:] if isinstance(toks, array) else None)
                 node.children[child.key[: self.ps]] = child
                 self._epoch += 1
                 self.gpu_pages += len(child.pages)
                 path.append(child)
                 break
-            m = self._common(child, toks, i, len(toks))
+            m = child.common_pages(toks, i, len(toks), self.ps)
             if m < len(child.key):
                 child = self.split(child, m)
             mine = pages[pi : pi + m // self.ps]
@@ -351,14 +348,6 @@ class RadixCache(DiskTree, KVManager):
             self.evictor.repush_session(sid)
 
     # ---- tree mechanics (`remove`, `retier` and `locked` are also the evictor's view: radix_evict.Tree) ----
-
-    def _common(self, node: Node, toks: tuple[int, ...] | array, i: int, stop: int) -> int:
-        """Whole pages (in tokens) on which node's key and toks[i:stop] agree."""
-        key = node.key_ids() if isinstance(toks, array) else node.key
-        n = min(len(key), stop - i)
-        if key[:n] == toks[i : i + n]:
-            return n // self.ps * self.ps
-        return common_prefix(key, toks[i : i + n]) // self.ps * self.ps
 
     def split(self, n: Node, m: int) -> Node:
         """Cut n after m tokens (page-aligned, 0 < m < len); returns the new prefix node (n keeps the rest)."""
@@ -455,8 +444,3 @@ class RadixCache(DiskTree, KVManager):
 
     def check_integrity(self, running_refs: Counter[int] | None = None) -> None:
         check_integrity(self, running_refs)
-
-
-def _ids(toks: tuple[int, ...] | array, a: int, b: int) -> tuple[int, ...]:
-    """toks[a:b] as a tuple (keys and the children's page keys are tuples)."""
-    return toks[a:b] if isinstance(toks, tuple) else tuple(toks[a:b])

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from agentbox.prefix import common_prefix
+
 if TYPE_CHECKING:
     from agentbox.engine.cache.disk_tier import PageRef
 
@@ -59,6 +61,18 @@ class Node:
             self._key_ids = array("i", self.key)
         return self._key_ids
 
+    def key_like(self, toks: tuple[int, ...] | array) -> tuple[int, ...] | array:
+        """The key in the type of toks, so that a compare with a slice of toks runs in C."""
+        return self.key_ids() if isinstance(toks, array) else self.key
+
+    def common_pages(self, toks: tuple[int, ...] | array, i: int, stop: int, page_size: int) -> int:
+        """Whole pages (in tokens) on which the key and toks[i:stop] agree."""
+        key = self.key_like(toks)
+        n = min(len(key), stop - i)
+        if key[:n] == toks[i : i + n]:
+            return n // page_size * page_size
+        return common_prefix(key, toks[i : i + n]) // page_size * page_size
+
     def split_at(self, m: int) -> tuple[tuple[int, ...], array | None]:
         """Keep the key's tokens from m on; returns the first m (and their array, when this node had one)."""
         head, ids = self.key[:m], self._key_ids
@@ -72,6 +86,11 @@ class Node:
 
     def is_host_leaf(self) -> bool:
         return self.tier is Tier.HOST and not self.children
+
+
+def as_key(toks: tuple[int, ...] | array, a: int, b: int) -> tuple[int, ...]:
+    """toks[a:b] as a tuple: keys and the children's page keys are tuples, whatever a lookup was given."""
+    return toks[a:b] if isinstance(toks, tuple) else tuple(toks[a:b])
 
 
 @dataclass(frozen=True)
