@@ -8,11 +8,15 @@ memo (engine/cache/page_hash_memo.py) both use it. A leaf module: it imports not
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:  # type: ignore[type-arg]  # str or tuple alike
-    """Length of the longest common prefix of a and b (same type: two strs, two tuples or two lists)."""
+    """Length of the longest common prefix of a and b: two strs, tuples, lists or int32 arrays. A tuple against
+    an array (a memo's kept sequence against a prompt from the API process) compares a as b's type, one copy."""
+    if type(a) is not type(b) and isinstance(b, tuple | array):
+        a = tuple(a) if isinstance(b, tuple) else array("i", a)
     n = min(len(a), len(b))
     lo, step, hi = 0, 64, 0  # a[:lo] == b[:lo]
     while lo < n:

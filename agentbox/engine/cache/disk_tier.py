@@ -80,8 +80,6 @@ class HashMemo:
         """The hashes of pages [0, upto) of toks (a tuple, or a prompt's int32 array: the same hashes)."""
         best, out = 0, []
         for seq, hs in self._seqs:
-            if type(seq) is not type(toks):  # a lookup's array after a node's tuple, or the other way
-                seq = tuple(seq) if isinstance(toks, tuple) else array("i", seq)
             k = min(common_prefix(seq, toks) // page_size, len(hs), upto)
             if k > best:
                 best, out = k, hs

@@ -30,10 +30,7 @@ class PageHashMemo:
         old = self._last.pop(sid, None)
         keep = 0
         if old is not None:
-            seen = old[0]
-            if type(seen) is not type(toks):  # an array after a sequence made of a list, or the other way
-                seen = tuple(seen) if isinstance(toks, tuple) else array("i", seen)
-            keep = min(common_prefix(seen, toks) // page_size, len(old[1]))
+            keep = min(common_prefix(old[0], toks) // page_size, len(old[1]))
         out = old[1][:keep] if old is not None else []
         h = out[-1] if out else 0
         page = tuple if isinstance(toks, array) else None
