@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check, for a machine with torch, triton, transformers, safetensors and numpy, a CUDA device, and no
-# network: runs from a copy of this working tree (nothing pip-installed; the copy puts kernels/ at
-# agentbox/kernels as the wheel does, and the engine imports without the HTTP stack). Under 8 minutes.
+# network: runs from a copy of this working tree (nothing pip-installed; the engine imports
+# without the HTTP stack). Under 8 minutes.
 #   1. pytest -m gpu tests/test_gpu.py: our logits against transformers in bf16 (torch and triton backends),
 #      the Triton kernels in bf16 against their torch twins, CUDA-graph replay == eager logits, engine greedy
 #      batched == alone, graphs == eager; then tests/kernels' kernel tests, compiled for the GPU.
@@ -21,11 +21,10 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 extra="$(mktemp -d)"
 trap 'rm -rf "$extra"' EXIT
-# The tree as the wheel lays it out (kernels/ is agentbox.kernels), run from there so `python -m` finds it.
+# A copy of the tree, run from there so `python -m` finds it.
 tree="$extra/tree"
 mkdir -p "$tree"
 cp -r "$repo/agentbox" "$repo/tests" "$repo/pyproject.toml" "$tree/"
-cp -r "$repo/kernels" "$tree/agentbox/kernels"
 cd "$tree"
 export PYTHONPATH="$tree:$extra${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

@@ -7,9 +7,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from agentbox.kernels import cpu_gemv
-
 from agentbox.bench.llamacpp import compare_llamacpp
+from agentbox.kernels import cpu_gemv
 
 
 def test_llamacpp_report_shape(smollm2_path: Path) -> None:

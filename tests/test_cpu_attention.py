@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from agentbox.kernels import cpu_attention
 from agentbox.kernels.cpu_attention import paged_attention, paged_attention_ref
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from agentbox.kernels import cpu_bits as cb
-from agentbox.kernels import cpu_gemv as cg
 from gguf import GGMLQuantizationType as T
 
+from agentbox.kernels import cpu_bits as cb
+from agentbox.kernels import cpu_gemv as cg
 from agentbox.layers.quant.gguf import GGUFBlocks, bits_groups
 
 pytestmark = pytest.mark.skipif(not cg.available(), reason=f"CPU kernels unavailable: {cg.unavailable_reason()}")

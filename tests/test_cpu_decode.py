@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from agentbox.kernels import cpu_gemv
 from model_harness import PagedRunner
 from quant_checkpoints import CONFIG, PROMPT, quantise_saved, write_int4
 from top_tokens import assert_top_tokens_agree
@@ -16,6 +15,7 @@ from agentbox.config import EngineConfig
 from agentbox.engine.exec import cpu_decode
 from agentbox.engine.exec.runner import ModelRunner
 from agentbox.engine.exec.step_inputs import StepInputs
+from agentbox.kernels import cpu_gemv
 from agentbox.models.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="CPU kernels unavailable")

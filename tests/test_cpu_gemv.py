@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from agentbox.kernels import cpu_gemv as cg
 
+from agentbox.kernels import cpu_gemv as cg
 from agentbox.layers.quant import int4
 
 pytestmark = pytest.mark.skipif(not cg.available(), reason=f"CPU kernels unavailable: {cg.unavailable_reason()}")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from agentbox.kernels import cpu_bits as cb
 from agentbox.kernels import cpu_gemv as cg
 

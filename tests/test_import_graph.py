@@ -70,12 +70,11 @@ RULES = (
 
 
 def module_files(root: Path) -> dict[str, Path]:
-    """Every module of agentbox/ and kernels/ (as agentbox.kernels) under `root`, by dotted name."""
+    """Every module of agentbox/ under `root`, by dotted name."""
     files: dict[str, Path] = {}
-    for top, prefix in (("agentbox", ()), ("kernels", ("agentbox",))):
-        for path in sorted((root / top).rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
-            files[".".join((*prefix, *(parts[:-1] if parts[-1] == "__init__" else parts)))] = path
+    for path in sorted((root / "agentbox").rglob("*.py")):
+        parts = path.relative_to(root).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return files
 
 
@@ -217,8 +216,8 @@ def test_the_checker_fails_on_a_cycle_and_an_upward_import(tmp_path: Path) -> No
         "agentbox/chat/render.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                    "    from agentbox.chat.harmony import X\n",
         "agentbox/chat/harmony.py": "from . import render\nimport agentbox.chat\n",  # an ancestor: no edge
-        "kernels/__init__.py": "",
-        "kernels/gemv.py": "import importlib\ndef f():\n    importlib.import_module('agentbox.hw.probe')\n",
+        "agentbox/kernels/__init__.py": "",
+        "agentbox/kernels/gemv.py": "import importlib\ndef f():\n    importlib.import_module('agentbox.hw.probe')\n",
     })
     graph = import_graph(tmp_path)
     assert graph["agentbox.chat.harmony"] == {"agentbox.chat.render": "agentbox/chat/harmony.py:1"}
@@ -229,7 +228,7 @@ def test_the_checker_fails_on_a_cycle_and_an_upward_import(tmp_path: Path) -> No
     assert "agentbox/hub/plan.py:1 imports agentbox.hw.probe" in report
     assert upward(graph) == [
         "agentbox/hw/probe.py:2 imports agentbox.hub.plan: " + RULES[2].why,
-        "kernels/gemv.py:3 imports agentbox.hw.probe: " + RULES[-1].why,
+        "agentbox/kernels/gemv.py:3 imports agentbox.hw.probe: " + RULES[-1].why,
     ]
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from agentbox.kernels import cpu_gemv
 from moe_harness import hf_logits, paged_logits
 from test_gguf_moe import LAYER_TYPES, _experts, _file_expert_bytes, twin, write_qwen3moe
 from top_tokens import assert_top_tokens_agree
 
+from agentbox.kernels import cpu_gemv
 from agentbox.layers.experts import cpu as moe_cpu
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import load_model

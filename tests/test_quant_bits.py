@@ -9,10 +9,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from agentbox.kernels.dequant import dequant_bits, pack_bits, unpack_bits
 from gguf import GGMLQuantizationType
 from test_quant_gguf import Q4_K_M, quantise, write_quantised
 
+from agentbox.kernels.dequant import dequant_bits, pack_bits, unpack_bits
 from agentbox.layers.quant import bits, int4, resident_weight_bytes
 from agentbox.layers.quant.gguf import BITS_TYPES, GGUFBlocks, GGUFLinearMethod, bits_groups
 from agentbox.layers.quant.quant_rows import PackedRows
@@ -88,7 +88,6 @@ def test_a_mixed_qkv_splits_per_rank_under_tensor_parallel(monkeypatch: pytest.M
     """Q4_K q/k beside a Q6_K v at tp 2 (in the GPU forms, installed on CPU tensors): each rank holds its
     heads' rows, one Q4_K run (its own scales) then one k-bit run, and together they are exactly the file's weights."""
     from agentbox.kernels.dequant import dequant_bits, dequant_int4k
-
     from agentbox.layers.linear import QKVParallelLinear
     from agentbox.layers.quant import QuantConfig, QuantMethod, process_weights_after_loading, quant_context
     from agentbox.parallel.state import set_tp_state

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from agentbox.kernels import cpu_gemv
 from moe_harness import save_random
 from transformers import LlamaConfig, Qwen3MoeConfig
 
@@ -18,6 +17,7 @@ from agentbox.engine.exec.verify import sampled_prefix
 from agentbox.engine.llm import LLM
 from agentbox.engine.request import Request
 from agentbox.engine.sampling import SamplingParams
+from agentbox.kernels import cpu_gemv
 from agentbox.models.loader import load_model
 
 TEXT = (

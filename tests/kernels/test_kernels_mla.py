@@ -6,11 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from agentbox.kernels.mla_attention import mla_attention_ref, mla_decode, mla_extend
 from conftest import DEVICE
 from glm_models import save_glm, tiny_config
 from hybrid_models import hf_logits
 from model_harness import PagedRunner
+
+from agentbox.kernels.mla_attention import mla_attention_ref, mla_decode, mla_extend
 
 
 def _paged(rank: int, rope: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:

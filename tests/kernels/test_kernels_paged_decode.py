@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agentbox.kernels.paged_decode import paged_decode, paged_decode_ref
 from paged_case import DEVICE, paged_case, tolerance
+
+from agentbox.kernels.paged_decode import paged_decode, paged_decode_ref
 
 KV_LENS = [1, 37, 70]
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agentbox.kernels.prefix_extend import prefix_extend, prefix_extend_ref
 from paged_case import DEVICE, paged_case, tolerance
+
+from agentbox.kernels.prefix_extend import prefix_extend, prefix_extend_ref
 
 Q_LENS = [19, 5, 1]
 KV_LENS = [19, 40, 33]  # a whole prompt, a chunk after 35 cached tokens, a decode at position 32

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agentbox.kernels.store_kv import store_kv, store_kv_ref
 from paged_case import DEVICE
+
+from agentbox.kernels.store_kv import store_kv, store_kv_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -72,7 +72,6 @@ def test_smollm2_triton_greedy_matches_transformers(smollm2_loaded: LoadedModel,
 def test_triton_backend_passes_sinks_and_window() -> None:
     # The backend's forward with gpt-oss's per-layer arguments, prefill then decode, against the torch twin.
     from agentbox.kernels.attention_ref import paged_attention_ref
-
     from agentbox.layers.backends.base import AttentionMetadata, KVCache
 
     h, hkv, d, ps = 8, 2, 16, 4

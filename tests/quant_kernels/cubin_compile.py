@@ -9,10 +9,11 @@ from __future__ import annotations
 import sys
 
 import triton
-from agentbox.kernels import fused_moe
-from agentbox.kernels._quant_triton import WeightFormat, dequant_gemm_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from agentbox.kernels import fused_moe
+from agentbox.kernels._quant_triton import WeightFormat, dequant_gemm_kernel
 
 POINTERS = {  # format: (codes, scales) pointer types
     WeightFormat.INT4: ("*i32", "*bf16"),

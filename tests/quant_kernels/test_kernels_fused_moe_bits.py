@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_kernels_fused_moe_quant import DEVICE, act_for, biases, close, floats, routed, to
+
 from agentbox.kernels.dequant import pack_bits
 from agentbox.kernels.fused_moe import fused_moe_ref
 from agentbox.kernels.fused_moe_quant import BitsWeights, fused_moe_bits, fused_moe_bits_ref
-from test_kernels_fused_moe_quant import DEVICE, act_for, biases, close, floats, routed, to
-
 from agentbox.layers.quant.int4 import pack_rows_int32
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from agentbox.kernels._quant_triton import WeightFormat
 from agentbox.kernels.fused_moe import fused_moe_ref
 from agentbox.kernels.fused_moe_quant import (
@@ -25,7 +26,6 @@ from agentbox.kernels.fused_moe_quant import (
     fused_moe_mxfp4_ref,
 )
 from agentbox.kernels.w8a16 import w8a16_block_matmul, w8a16_block_matmul_ref
-
 from agentbox.layers.experts import MoEActivation, activate, mxfp4
 from agentbox.layers.quant.fp8 import dequantize_block_fp8
 from agentbox.layers.quant.int4 import dequantize, pack_rows_int32

@@ -7,13 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from agentbox.kernels.dequant import dequant_int4k
-from agentbox.kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref, w4k_matmul, w4k_matmul_ref
 from gguf import GGMLQuantizationType as Q
 from model_harness import PagedRunner
 from quant_checkpoints import PROMPT, write_int4
 from test_quant_gguf import quantise
 
+from agentbox.kernels.dequant import dequant_int4k
+from agentbox.kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref, w4k_matmul, w4k_matmul_ref
 from agentbox.layers.quant import int4
 from agentbox.layers.quant.gguf import GGUFBlocks, q4k_scales
 from agentbox.layers.quant.int4 import dequantize, pack_rows_int32

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from agentbox.kernels.w8a16 import w8a16_block_matmul, w8a16_block_matmul_ref
 from model_harness import PagedRunner
 from quant_checkpoints import PROMPT, write_fp8
 
+from agentbox.kernels.w8a16 import w8a16_block_matmul, w8a16_block_matmul_ref
 from agentbox.layers.quant import QuantMethod, resident_weight_bytes
 from agentbox.layers.quant.fp8 import FP8Kernel
 from agentbox.models import loader

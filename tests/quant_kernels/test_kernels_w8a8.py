@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_harness import PagedRunner
+from quant_checkpoints import PROMPT, write_fp8
+
 from agentbox.kernels import w8a8_block
 from agentbox.kernels.w8a8_block import (
     per_token_group_quant_fp8,
@@ -17,9 +20,6 @@ from agentbox.kernels.w8a8_block import (
     w8a8_block_matmul_ref,
 )
 from agentbox.kernels.w8a16 import w8a16_block_matmul_ref
-from model_harness import PagedRunner
-from quant_checkpoints import PROMPT, write_fp8
-
 from agentbox.layers.quant import QuantMethod
 from agentbox.layers.quant.fp8 import FP8Kernel, fp8_kernel_for
 from agentbox.models import loader

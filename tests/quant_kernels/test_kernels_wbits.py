@@ -7,12 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from agentbox.kernels.dequant import dequant_bits, pack_bits
-from agentbox.kernels.wbits import wbits_matmul, wbits_matmul_ref
 from gguf import GGMLQuantizationType as Q
 from model_harness import PagedRunner
 from test_quant_gguf import PROMPT, Q4_K_M, quantise, twin, write_quantised
 
+from agentbox.kernels.dequant import dequant_bits, pack_bits
+from agentbox.kernels.wbits import wbits_matmul, wbits_matmul_ref
 from agentbox.layers.quant import bits, int4
 from agentbox.models.loader import load_model
 

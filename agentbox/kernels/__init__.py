@@ -1,12 +1,9 @@
 """The compute kernels of agentbox: Triton kernels for the GPU and C kernels for x86-64 CPUs, each with its torch
 reference twin beside it and a test comparing the two. Imported as `agentbox.kernels`.
 
-Where this folder lives: at the top of the repository, not under agentbox/, but it ships and imports as the
-package `agentbox.kernels`. setup.py maps it (`package_dir={"agentbox.kernels": "kernels"}`), so both the wheel
-and the editable install (`pip install -e .`, what tests use) resolve `agentbox.kernels.x` to `kernels/x.py`;
-pyproject.toml ships the C sources with it (package-data `*.c`, `*.h`). Inside this folder, import siblings as
-`agentbox.kernels.x`, never `kernels.x`. A tree run without installing copies it to agentbox/kernels (see
-scripts/gpu_check.sh).
+Where this folder lives: under agentbox/. It sat at the top of the repository (mapped here by setup.py) until
+transformers 5.25 began importing the PyPI package `kernels`, which a top-level folder of that name shadows
+whenever the checkout is on `sys.path`. pyproject.toml ships the C sources with it (package-data `*.c`, `*.h`).
 
 - GPU (Triton): paged attention (paged_decode.py, prefix_extend.py, store_kv.py; twin: attention_ref.py),
   dequant-GEMMs (w4a16.py, w8a16.py, w8a8_block.py, wbits.py; formats and twins: dequant.py) and the grouped

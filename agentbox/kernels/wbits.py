@@ -10,6 +10,7 @@ Decode is memory-bound: the tile decode costs a few integer ops per weight again
 from __future__ import annotations
 
 import torch
+
 from agentbox.kernels._quant_triton import check_runnable, dequant_gemm
 from agentbox.kernels.dequant import BITS, dequant_bits
 

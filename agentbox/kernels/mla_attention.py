@@ -16,6 +16,7 @@ tensors only. No split over the KV length yet (flash-decoding): a long decode at
 from __future__ import annotations
 
 import torch
+
 from agentbox.kernels._triton import HAS_TRITON, check_runnable, next_pow2, tl, triton
 
 if HAS_TRITON:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
 from agentbox.kernels.cpu_gemv import Isa, compile_cached, cpu_flags, threads
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")

@@ -14,6 +14,7 @@ Masking and sinks follow kernels/attention_ref.py (sliding window W: keys max(0,
 from __future__ import annotations
 
 import torch
+
 from agentbox.kernels._triton import HAS_TRITON, check_runnable, next_pow2, tl, triton, window_arg
 from agentbox.kernels.attention_ref import paged_attention_ref
 

@@ -14,6 +14,7 @@ per 256): 0.578 bytes a weight against the file's 0.5625, where a bf16 scale and
 from __future__ import annotations
 
 import torch
+
 from agentbox.kernels._quant_triton import WeightFormat, check_runnable, dequant_gemm
 from agentbox.kernels.dequant import dequant_int4, dequant_int4k
 

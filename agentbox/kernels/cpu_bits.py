@@ -22,6 +22,7 @@ import enum
 from dataclasses import dataclass
 
 import torch
+
 from agentbox.kernels import cpu_gemv
 from agentbox.kernels.cpu_gemv import BLOCK, quantize_activations_ref, round_activations
 

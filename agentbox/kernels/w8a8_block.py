@@ -15,6 +15,7 @@ CPU under TRITON_INTERPRET=1 like the other kernels here.
 from __future__ import annotations
 
 import torch
+
 from agentbox.kernels._quant_triton import HAS_TRITON, check_runnable, tl, triton
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
 from agentbox.kernels._quant_triton import WeightFormat, native_fp8
 from agentbox.kernels.dequant import MXFP4_BLOCK, dequant_bits, dequant_fp8_block, dequant_int4, dequant_mxfp4
 from agentbox.kernels.fused_moe import ExpertWeights, fused_moe_experts, fused_moe_ref, silu_and_mul

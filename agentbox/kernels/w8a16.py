@@ -10,6 +10,7 @@ kernels/_quant_triton.py (in arithmetic, or by Triton's own conversion on sm_89+
 from __future__ import annotations
 
 import torch
+
 from agentbox.kernels._quant_triton import WeightFormat, check_runnable, dequant_gemm, native_fp8
 from agentbox.kernels.dequant import dequant_fp8_block
 

@@ -6,6 +6,7 @@ A negative slot writes nowhere: the CUDA-graph runner pads a decode batch up to 
 from __future__ import annotations
 
 import torch
+
 from agentbox.kernels._triton import HAS_TRITON, check_runnable, next_pow2, tl, triton
 
 if HAS_TRITON:

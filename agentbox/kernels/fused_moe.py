@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from agentbox.kernels._quant_triton import (
     HAS_TRITON,
     WeightFormat,
