@@ -63,11 +63,20 @@ def prefill_seconds(tokens: int, layers: int, chunk: int, use_views: bool = True
         core.close()
 
 
-def prefill_report(short: int = 2048, long: int = 32768, layers: int = 1, chunk: int = 1024) -> dict[str, Any]:
-    out: dict[str, Any] = {"what": f"cold chunked prefill, {layers} SmolLM2-shaped layers, chunk {chunk}, 1 thread"}
+def prefill_report(short: int = 2048, long: int = 32768, layers: int = 1, chunk: int = 1024,
+                   repeats: int = 2) -> dict[str, Any]:
+    """Each length's best of `repeats` runs, taken in alternation, after one unmeasured run: the process's first
+    prefill builds and loads the attention kernels (~1.2 s), which counted against the 2k run and put its ratio
+    at 4.5 instead of 0.48 here."""
+    out: dict[str, Any] = {"what": f"cold chunked prefill, {layers} SmolLM2-shaped layers, chunk {chunk}, 1 thread, "
+                                   f"best of {repeats}"}
+    prefill_seconds(short, layers, chunk)
+    best = {short: float("inf"), long: float("inf")}
+    for _ in range(repeats):
+        for n in best:
+            best[n] = min(best[n], prefill_seconds(n, layers, chunk))
     rates = {}
-    for n in (short, long):
-        s = prefill_seconds(n, layers, chunk)
+    for n, s in best.items():
         rates[n] = n / s
         flops = layers * sum(_flop_per_token(p) for p in range(0, n, 64)) * 64
         out[f"ctx_{n}"] = {"seconds": round(s, 3), "tok_s": round(n / s, 1), "gflop_s": round(flops / s / 1e9, 2)}
