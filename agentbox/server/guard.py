@@ -20,6 +20,7 @@ import json
 from typing import Any
 
 from agentbox.config import ServerConfig
+from agentbox.server.body_memo import BodyMemo
 from agentbox.server.errors import error_response
 
 try:
@@ -32,6 +33,7 @@ MAX_JSON_DEPTH = 64  # agent requests nest about 8 deep (a tool schema inside a 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 JSON_FIX = "-H 'Content-Type: application/json'"
 PARSED_BODY = "agentbox.parsed_body"  # the scope key of the body as check_json decoded it (or None)
+BODY_MEMO = BodyMemo()  # recent bodies, so a warm turn decodes only what it appended (body_memo.py)
 
 
 def is_loopback(host: str) -> bool:
@@ -68,9 +70,21 @@ def check_json(raw: bytes) -> Any:
     depth walk over its containers, not a look at every string (the stdlib decode and that walk took 25-28 ms
     of a warm turn at 128k tokens, 0.63 MB). Anything orjson refuses takes the stdlib path below, which
     finds and words the fault as before. Returns orjson's decode when it passed (the route reuses it), else
-    None."""
+    None.
+
+    Faster still: a body that repeats a recent one's messages and appends (an agent's warm turn) reuses that
+    decode and has only its new parts decoded and walked (0.8 ms -> 0.03 ms at 128k tokens, 0.13 ms when the
+    remembered body has left the CPU's caches: comparing 0.6 MB), with the same result as orjson's decode of
+    the whole; anything else about it and the whole body is decoded as before."""
+    memo = BODY_MEMO
+    hit = memo.lookup(raw) if type(raw) is bytes else None
+    if hit is not None and all(_depth_ok(value, depth) for value, depth in hit.fresh):
+        memo.keep(hit.seen, hit.base)
+        return hit.body
     body = _orjson_body(raw)
     if body is not None and _depth_ok(body):
+        if type(raw) is bytes and (seen := memo.index(raw, body)) is not None:
+            memo.keep(seen)
         return body
     try:
         body = json.loads(raw)
@@ -110,13 +124,14 @@ def _orjson_body(raw: bytes) -> Any:
         return None
 
 
-def _depth_ok(body: Any) -> bool:
-    """Whether no container nests deeper than MAX_JSON_DEPTH (strings were checked by the decoder). False
+def _depth_ok(body: Any, depth: int = 1) -> bool:
+    """Whether no container in `body`, itself at `depth` (the request body is 1), nests deeper than
+    MAX_JSON_DEPTH (strings were checked by the decoder). False
     sends the body down the full walk, which names where. orjson's decode holds exact dicts and lists, so an
     exact type test does: `isinstance(v, dict | list)` on each of a 128k-token body's ~10k values cost 1.8 ms
     a warm turn on this Xeon, the type test 0.9 ms."""
     containers = (dict, list)
-    stack: list[tuple[Any, int]] = [(body, 1)] if type(body) in containers else []
+    stack: list[tuple[Any, int]] = [(body, depth)] if type(body) in containers else []
     pop, push = stack.pop, stack.append
     while stack:
         value, depth = pop()
