@@ -217,3 +217,43 @@ def test_exact_cpu_keeps_prefill_chunks_off_the_tiles() -> None:
         backend.exact_cpu = exact
         backend.begin(meta)
         assert torch.equal(backend.forward(0, q, k_all[slots], v_all[slots]), want)
+
+
+SPREAD_PROBE = """
+import os, torch
+from agentbox.kernels.cpu_attention import paged_attention
+q, k, v = torch.randn(30, 2, 16), torch.randn(4096, 1, 16), torch.randn(4096, 1, 16)
+table = torch.arange(256, dtype=torch.int32)[None]
+def cpu():
+    with open("/proc/thread-self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[36])
+def pinned():
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            mask = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
+        out[int(tid)] = mask
+    return out
+before = pinned()
+at = cpu()
+paged_attention(q, k, v, table, 16, [30], [4096], 0.25, n_threads=2, amx=False)
+after, at_end = pinned(), cpu()
+print(at if at == at_end else -1, before[os.getpid()], after[os.getpid()], sorted(m for t, m in after.items() if t not in before))
+"""
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="one CPU: nothing to spread over")
+def test_a_call_on_two_threads_keeps_its_worker_off_the_callers_cpu() -> None:
+    # omp_spread.h: the worker libgomp starts is pinned to a CPU other than the caller's, which stays unpinned.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    r = subprocess.run([sys.executable, "-c", SPREAD_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    at, main_before, main_after, new = r.stdout.split(maxsplit=3)
+    workers = eval(new)  # noqa: S307 - the probe's own printed list
+    assert main_after == main_before  # the caller is never pinned
+    assert len(workers) == 1 and "," not in workers[0] and "-" not in workers[0], workers  # one worker, one CPU
+    assert int(workers[0]) != int(at)  # -1: the caller moved during the call, so its CPU then is not known

@@ -15,6 +15,7 @@
  * so the engine's threads share one sequence (a warm turn: ~25 tokens over 121k keys), and the ranges'
  * (m, l, acc) merge by their maxima afterwards, which is exactly the softmax over the union.
  */
+#include "omp_spread.h"
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -286,6 +287,7 @@ int ab_paged_attention(const float *q, int64_t n_seqs, const int64_t *q_starts, 
     if (hd % 8 || hd > 256 || hkv < 1 || hq % hkv || page_size < 1) return 1;
     const int64_t g = hq / hkv, stride = hd + 2;
     threads = threads < 1 ? 1 : threads;
+    spread_workers(threads); /* omp_spread.h says why */
     /* ranges per sequence: enough items for the threads, none shorter than MIN_RANGE keys */
     const int64_t want = threads > 1 ? 4 * threads : 1;
     /* A sequence of many rows (a prefill chunk) is split by rows, into groups of ROW_GROUP: no merge, state for

@@ -33,6 +33,7 @@ from agentbox.kernels.cpu_gemv import Isa, compile_cached, cpu_flags, threads
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 AMX_SOURCE = Path(__file__).with_name("cpu_attention_amx.c")
+SPREAD = Path(__file__).with_name("omp_spread.h")  # both kernels' placing of their threads
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", *Isa.AVX2.cc_flags)
 # The same source on 16-lane vectors where the CPU has AVX-512F: a warm 128k turn's attention (25 tokens over
 # 121k keys, head 16) took 11.5 ms of one core in the AVX2 build on this Xeon, 5-6 ms in this one.
@@ -63,7 +64,7 @@ _ARGS = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr,
 
 def _build(avx512: bool) -> tuple[Path | None, str]:
     return compile_cached("cpu_attention-avx512" if avx512 else "cpu_attention", (SOURCE,),
-                          AVX512_FLAGS if avx512 else FLAGS)
+                          AVX512_FLAGS if avx512 else FLAGS, hashed=(SPREAD,))
 
 
 @functools.cache
@@ -90,7 +91,7 @@ def _amx_library() -> tuple[ctypes.CDLL | None, str]:
     missing = AMX_CPU_FLAGS - cpu_flags()
     if missing:
         return None, f"this CPU lacks {', '.join(sorted(missing))}"
-    target, why = compile_cached("cpu_attention-amx", (AMX_SOURCE,), AMX_FLAGS)
+    target, why = compile_cached("cpu_attention-amx", (AMX_SOURCE,), AMX_FLAGS, hashed=(SPREAD,))
     if target is None:
         return None, why
     lib = ctypes.CDLL(str(target))

@@ -30,6 +30,7 @@
  * unit and the vector units work at once (see run_item). Keys past a row's position (the chunk's own
  * diagonal) or past the sequence are masked.
  */
+#include "omp_spread.h"
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -489,6 +490,7 @@ int ab_paged_attention_amx(const float *q, int64_t n_seqs, const int64_t *q_star
     if (hd % 16 || hd < 16 || hd > 256 || hkv < 1 || hq % hkv || page_size < 1) return 1;
     const int64_t g = hq / hkv;
     threads = threads < 1 ? 1 : threads;
+    spread_workers(threads); /* omp_spread.h says why */
     int64_t *first = malloc(sizeof(int64_t) * (n_seqs + 1)), *groups = malloc(sizeof(int64_t) * (n_seqs + 1));
     int64_t *ranges = malloc(sizeof(int64_t) * (n_seqs + 1)), *state_at = malloc(sizeof(int64_t) * (n_seqs + 1));
     if (!first || !groups || !ranges || !state_at) {
