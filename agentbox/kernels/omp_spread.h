@@ -9,7 +9,9 @@
  * away from the master 3.1-3.6 ms (p90 3.4-4.0). OMP_PROC_BIND would pin the master as well: every engine on a
  * machine (the test suite runs several) would pin its main thread to the first core. Here the master stays
  * where the OS puts it; worker t goes to the t-th allowed CPU that is not the master's, and moves again only
- * when the master did. Nothing is done where the user set OMP_PROC_BIND, or for more threads than CPUs. */
+ * when the master did. Only for a team of one thread per allowed CPU (the engine's attention on every core):
+ * a smaller team may share the machine with others (tensor-parallel ranks take a share of the cores each),
+ * whose workers would be pinned to the same first CPUs. Nothing is done where the user set OMP_PROC_BIND. */
 #ifndef AB_OMP_SPREAD_H
 #define AB_OMP_SPREAD_H
 
@@ -36,7 +38,7 @@ static void spread_workers(int threads) {
         spread_n = n;
     }
     const int master = sched_getcpu();
-    if (master < 0 || threads > spread_n) return;
+    if (master < 0 || threads != spread_n) return;
     if (master == spread_master && threads <= spread_team) return; /* placed already: the common case */
 #pragma omp parallel num_threads(threads)
     {
