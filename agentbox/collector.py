@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 
 BUSY_ALLOCATIONS = 50_000  # young objects that start an automatic collection (the default: 700)
+HELD_AT_MOST = 8  # objects free_when_idle keeps; past that the oldest goes at once
 IDLE_ALLOCATIONS = 700  # fewer young objects than this: an idle moment collects nothing
 FULL_EVERY = 10  # middle collections between two full ones (the default's ratio)
 
@@ -26,8 +27,21 @@ def after_startup() -> None:
     gc.set_threshold(BUSY_ALLOCATIONS, FULL_EVERY, FULL_EVERY)
 
 
+_held: list[object] = []
+
+
+def free_when_idle(obj: object) -> None:
+    """Keep the last reference to obj until the next collect_idle. Freeing a finished 128k-token request (its
+    121k-id list) took 0.2-0.4 ms, inside the next turn's step where its page-table row was taken over."""
+    _held.append(obj)
+    if len(_held) > HELD_AT_MOST:  # a long busy stretch: no idle moment comes to free them
+        del _held[0]
+
+
 def collect_idle() -> None:
-    """Collect what the last turns left, now that nothing waits on this process; a full pass every FULL_EVERY."""
+    """Free what free_when_idle kept and collect what the last turns left, now that nothing waits on this
+    process; a full pass every FULL_EVERY."""
+    _held.clear()
     young, _, middles = gc.get_count()
     if young >= IDLE_ALLOCATIONS:
         gc.collect(2 if middles >= FULL_EVERY else 1)

@@ -35,3 +35,28 @@ def test_a_busy_stretch_leaves_cycles_to_the_idle_collection() -> None:
         gc.unfreeze()
         gc.set_threshold(*old)
         gc.collect()
+
+
+class _Finished:
+    pass
+
+
+def test_free_when_idle_keeps_the_last_reference_until_the_idle_moment() -> None:
+    collector.collect_idle()  # nothing kept from before
+    first = _Finished()
+    gone = weakref.ref(first)
+    collector.free_when_idle(first)
+    del first
+    assert gone() is not None  # the page-table row let go; the object waits for the idle moment
+    collector.collect_idle()
+    assert gone() is None
+    # a busy stretch with no idle moment: at most HELD_AT_MOST are kept, the oldest goes first
+    refs = []
+    for _ in range(collector.HELD_AT_MOST + 1):
+        obj = _Finished()
+        refs.append(weakref.ref(obj))
+        collector.free_when_idle(obj)
+        del obj
+    assert refs[0]() is None and all(r() is not None for r in refs[1:])
+    collector.collect_idle()
+    assert all(r() is None for r in refs)

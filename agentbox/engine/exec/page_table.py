@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from agentbox import collector
 from agentbox.prefix import common_prefix
 
 if TYPE_CHECKING:  # the core's type, for hints only: exec must not import the core at run time
@@ -57,6 +58,7 @@ class RowAssigner:
         owner = self.owners[row]
         if owner is not None and id(owner) not in keep and not owner.is_running:
             owner.table_row, owner.pages_in_table = None, 0
+            collector.free_when_idle(owner)  # often its last reference: freed when the engine is idle
             self.owners[row] = None
             self._free.append(row)
 
