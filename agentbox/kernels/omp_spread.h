@@ -25,7 +25,7 @@
 
 static int spread_cpus[SPREAD_MAX_CPUS]; /* the CPUs this process may run on (its affinity when first asked) */
 static int spread_n = -1;
-static int spread_master = -1, spread_team = 0; /* the master's CPU and team size the workers were placed for */
+static int spread_master = -1; /* the master's CPU the workers were placed for */
 
 static void spread_workers(int threads) {
     if (threads < 2 || omp_get_proc_bind() != omp_proc_bind_false) return;
@@ -39,7 +39,7 @@ static void spread_workers(int threads) {
     }
     const int master = sched_getcpu();
     if (master < 0 || threads != spread_n) return;
-    if (master == spread_master && threads <= spread_team) return; /* placed already: the common case */
+    if (master == spread_master) return; /* placed already: the common case */
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num();
@@ -52,7 +52,7 @@ static void spread_workers(int threads) {
             break;
         }
     }
-    spread_master = master, spread_team = threads;
+    spread_master = master;
 }
 
 #endif
