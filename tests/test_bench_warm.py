@@ -20,3 +20,19 @@ def test_bench_warm_small_contexts(smollm2_path) -> None:  # noqa: ANN001 - the 
         assert set(stages["ms"]) == set(STAGES) and all(v >= 0 for v in stages["ms"].values())
         assert stages["new_tokens"] < 64 < stages["prompt_tokens"]
     assert report["warm_ratio_longest_over_shortest"] > 0
+
+
+def test_prefill_report_measures_both_thread_settings_and_gives_threads_back() -> None:
+    import torch
+
+    from agentbox.bench.prefill import prefill_report
+
+    before = torch.get_num_threads()
+    report = prefill_report(short=64, long=256, chunk=64, repeats=1)
+    assert torch.get_num_threads() == before  # the engines' thread counts do not outlive them
+    for name in ("engine_threads", "one_thread"):
+        r = report[name]
+        assert r["ctx_64"]["tok_s"] > 0 and r["ctx_256"]["tok_s"] > 0
+        assert r["tok_s_ratio_long_over_short"] == pytest.approx(
+            r["ctx_256"]["tok_s"] / r["ctx_64"]["tok_s"], rel=0.01)
+    assert 0 < report["tok_s_ratio_bound_by_arithmetic"] < 1

@@ -19,6 +19,7 @@ faster again. Elsewhere, and with --exact-cpu, the fp32 kernel and the ~21 % bou
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -31,8 +32,10 @@ def _flop_per_token(position: float) -> float:
     return linear + 4 * HEADS * HEAD_DIM * position
 
 
-def prefill_seconds(tokens: int, layers: int, chunk: int, use_views: bool = True) -> float:
-    """Seconds from adding a `tokens`-long prompt to its first token, in-process engine, one thread."""
+def prefill_seconds(tokens: int, layers: int, chunk: int, use_views: bool = True,
+                    threads: int | None = 1) -> float:
+    """Seconds from adding a `tokens`-long prompt to its first token, in-process engine. `threads`: the engine's
+    cpu_threads (None: its own choice, as `agentbox serve` runs; see ENGINE_THREADS)."""
     import torch
     from transformers import LlamaConfig
 
@@ -47,7 +50,8 @@ def prefill_seconds(tokens: int, layers: int, chunk: int, use_views: bool = True
                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                       max_position_embeddings=tokens + 64, tie_word_embeddings=True)
     config = EngineConfig(model="random", device="cpu", dtype="float32", num_pages=tokens // 16 + 64,
-                          max_num_batched_tokens=chunk, cache_policy="none", cpu_threads=1, attention="torch")
+                          max_num_batched_tokens=chunk, cache_policy="none", cpu_threads=threads, attention="torch")
+    torch_threads = torch.get_num_threads()  # the engine sets the process's; given back after
     core = EngineCore(config, random_model(cfg, torch.float32, "cpu"))
     previous = TorchAttention.use_views
     TorchAttention.use_views = use_views
@@ -61,27 +65,41 @@ def prefill_seconds(tokens: int, layers: int, chunk: int, use_views: bool = True
     finally:
         TorchAttention.use_views = previous
         core.close()
+        torch.set_num_threads(torch_threads)
+
+
+def _rates(best: dict[int, float], layers: int) -> dict[str, Any]:
+    short, long = sorted(best)
+    out: dict[str, Any] = {}
+    for n, s in best.items():
+        flops = layers * sum(_flop_per_token(p) for p in range(0, n, 64)) * 64
+        out[f"ctx_{n}"] = {"seconds": round(s, 3), "tok_s": round(n / s, 1), "gflop_s": round(flops / s / 1e9, 2)}
+    out["tok_s_ratio_long_over_short"] = round(best[short] * long / (best[long] * short), 3)
+    out["flop_rate_ratio_long_over_short"] = round(out[f"ctx_{long}"]["gflop_s"] / out[f"ctx_{short}"]["gflop_s"], 3)
+    return out
 
 
 def prefill_report(short: int = 2048, long: int = 32768, layers: int = 1, chunk: int = 1024,
                    repeats: int = 2) -> dict[str, Any]:
-    """Each length's best of `repeats` runs, taken in alternation, after one unmeasured run: the process's first
-    prefill builds and loads the attention kernels (~1.2 s), which counted against the 2k run and put its ratio
-    at 4.5 instead of 0.48 here."""
-    out: dict[str, Any] = {"what": f"cold chunked prefill, {layers} SmolLM2-shaped layers, chunk {chunk}, 1 thread, "
-                                   f"best of {repeats}"}
-    prefill_seconds(short, layers, chunk)
-    best = {short: float("inf"), long: float("inf")}
+    """Both lengths under two thread settings, each length's best of `repeats` runs taken in alternation, after
+    one unmeasured run of each setting: the process's first prefill builds and loads the attention kernels
+    (~1.2 s), which counted against the 2k run and put its ratio at 4.5 instead of 0.48 here.
+
+    `engine_threads` is the engine as `agentbox serve` runs it (cpu_threads unset): its linear layers on all
+    cores but one (the other is the API process's), the attention of a step with at least LONG_ATTENTION query x
+    key pairs on every core (engine/exec/runner.py `_attention_threads`: the API process only waits then).
+    `one_thread` pins both to one core: the kernels' own rates, the ratio the tiles alone reach."""
+    settings = {"engine_threads": None, "one_thread": 1}
+    out: dict[str, Any] = {"what": f"cold chunked prefill, {layers} SmolLM2-shaped layers, chunk {chunk}, "
+                                   f"best of {repeats}", "cpus": os.cpu_count()}
+    for threads in settings.values():
+        prefill_seconds(short, layers, chunk, threads=threads)
+    best = {name: {short: float("inf"), long: float("inf")} for name in settings}
     for _ in range(repeats):
-        for n in best:
-            best[n] = min(best[n], prefill_seconds(n, layers, chunk))
-    rates = {}
-    for n, s in best.items():
-        rates[n] = n / s
-        flops = layers * sum(_flop_per_token(p) for p in range(0, n, 64)) * 64
-        out[f"ctx_{n}"] = {"seconds": round(s, 3), "tok_s": round(n / s, 1), "gflop_s": round(flops / s / 1e9, 2)}
-    out["tok_s_ratio_long_over_short"] = round(rates[long] / rates[short], 3)
-    out["flop_rate_ratio_long_over_short"] = round(out[f"ctx_{long}"]["gflop_s"] / out[f"ctx_{short}"]["gflop_s"], 3)
-    ideal = (_flop_per_token(short / 2) / _flop_per_token(long / 2))
-    out["tok_s_ratio_bound_by_arithmetic"] = round(ideal, 3)
+        for name, threads in settings.items():
+            for n in (short, long):
+                best[name][n] = min(best[name][n], prefill_seconds(n, layers, chunk, threads=threads))
+    for name in settings:
+        out[name] = _rates(best[name], layers)
+    out["tok_s_ratio_bound_by_arithmetic"] = round(_flop_per_token(short / 2) / _flop_per_token(long / 2), 3)
     return out
