@@ -173,7 +173,7 @@ class RadixCache(DiskTree, KVManager):
             return []
         path: list[Node] = []
         while n is not self.root:
-            if n is None or toks[n.start : n.start + len(n.key)] != n.key_like(toks):
+            if n is None or not n.found_at(toks):
                 return []
             path.append(n)
             n = n.parent
