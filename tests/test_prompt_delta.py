@@ -40,6 +40,39 @@ def test_rebuilt_prompts_equal_the_sent_ones() -> None:
     assert _through_pipe(sender, store, None, [1, 2, 3]) == [1, 2, 3]
 
 
+def test_idle_spare_copies_rebuild_the_same_prompts_and_leave_the_last_requests_lists_alone() -> None:
+    """As the engine runs: each rebuilt list is a request's, which appends its output; while no request runs the
+    store copies the last prompts (prepare_spare), and a later delta cuts and extends those copies in place."""
+    rng = random.Random(1)
+    sender, store = PromptSender(max_keys=3), PromptStore(max_keys=3)
+    prompts = {k: [rng.randrange(50_000) for _ in range(MIN_SHARED + 50)] for k in "abc"}
+    held: list[tuple[list[int], list[int], array | None, list[int]]] = []  # (list, its ids then, array, array's)
+    spared = reused = 0
+    for turn in range(60):
+        key = rng.choice("abc")
+        cut = rng.choice([len(prompts[key]), len(prompts[key]) - 3, MIN_SHARED + 1, MIN_SHARED // 2])
+        prompts[key] = prompts[key][:cut] + [rng.randrange(50_000) for _ in range(rng.randrange(1, 30))]
+        sent = pickle.loads(pickle.dumps(sender.encode(key, array("i", prompts[key]) if turn % 3 else prompts[key])))
+        entry = store._last.get(key)
+        spare = None if entry is None or entry.version != sent[2] else entry.spare_ids
+        got = store.rebuild(key, sent[1], sent[0], *sent[2:])
+        assert got is not None and got.ids == prompts[key], turn
+        assert got.array is None or got.array.tolist() == prompts[key], turn
+        reused += sent[3] > 0 and spare is not None
+        assert got.ids is spare or not sent[3] or spare is None, turn  # a delta on a spare takes it, no copy
+        got.ids.extend(rng.randrange(50_000) for _ in range(rng.randrange(0, 20)))  # the request's output
+        held.append((got.ids, list(got.ids), got.array, [] if got.array is None else got.array.tolist()))
+        if rng.random() < 0.6:  # an idle moment: no request runs
+            while store.prepare_spare():
+                spared += 1
+        for ids, then, arr, arr_then in held:  # no rebuild touched a list or array a request was given
+            assert ids == then and (arr is None or arr.tolist() == arr_then), turn
+    assert spared > 10 and reused > 5
+    while store.prepare_spare():
+        pass
+    assert not store.prepare_spare()  # every kept prompt has its copies
+
+
 def test_an_unknown_base_is_refused() -> None:
     sender, store = PromptSender(), PromptStore()
     ids = list(range(1000))

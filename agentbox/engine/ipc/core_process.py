@@ -99,6 +99,9 @@ class _EngineProcess:
             if not core.has_work():
                 if not conn.poll():
                     collector.collect_idle()  # what the last turn left, before blocking
+                # the next turns' prompt copies, one at a time (~0.4 ms at 128k) while nothing has arrived
+                while not conn.poll() and self.prompts.prepare_spare():
+                    pass
                 if not self.handle(conn.recv()):  # blocks: idle costs nothing
                     return
             elif not core.progress_possible():

@@ -10,8 +10,11 @@ the API process sends the full ids. Both ends keep the same bounded number of ke
 
 The API side holds ids as int32 arrays (what the incremental tokenizer returns): the common prefix of two
 121k-id arrays is a memcmp (~0.05 ms), of two lists ~1.6 ms. The engine side keeps both: the list the request
-takes (built by slicing the last one: 0.6 ms at 121k ids on this Xeon, where an array's `tolist` costs 4.5 ms),
-and the array, which the request hands the cache for its compares (engine/request.py `prompt_ids`).
+takes, and the array, which the request hands the cache for its compares (engine/request.py `prompt_ids`).
+Building them from the last ones copies the history: 0.45 ms a 128k turn on this Xeon (a list slice; an array's
+`tolist` costs 4.5 ms). So the engine makes those copies while it is idle (`prepare_spare`: its requests are
+done then, their lists no longer grow), and a turn truncates the spare copies to the shared part and appends
+its delta: its cost is its new ids and the tail it cuts, not its history.
 """
 
 from __future__ import annotations
@@ -73,12 +76,24 @@ class PromptSender:
 
 @dataclass(frozen=True)
 class Rebuilt:
-    """A prompt as the engine rebuilt it. `ids` is a fresh list the request takes as its own: the store reads
-    only its first len(prompt) ids again, which a request never changes (its list only grows). `array` is the
-    same ids as an int32 array when they came as one (never mutated; None for a list sent whole)."""
+    """A prompt as the engine rebuilt it. `ids` is a list the request takes as its own: the store reads only its
+    first len(prompt) ids again (or copies it whole while no request runs), which a request never changes (its
+    list only grows). `array` is the same ids as an int32 array when they came as one (never mutated; None for
+    a list sent whole)."""
 
     ids: list[int]
     array: array | None
+
+
+@dataclass
+class _Entry:
+    """A key's last prompt, and private copies of its ids made at an idle moment (nothing else holds them: a
+    rebuild may cut and extend them in place)."""
+
+    version: int
+    prompt: Rebuilt
+    spare_ids: list[int] | None = None
+    spare_array: array | None = None
 
 
 class PromptStore:
@@ -86,21 +101,30 @@ class PromptStore:
 
     def __init__(self, max_keys: int = MAX_KEYS) -> None:
         self.max_keys = max_keys
-        self._last: OrderedDict[str, tuple[int, Rebuilt]] = OrderedDict()
+        self._last: OrderedDict[str, _Entry] = OrderedDict()
 
     def rebuild(self, key: str | None, version: int, ids: Sequence[int], base_version: int, shared: int,
                 check: int) -> Rebuilt | None:
         """The full prompt (kept under key when given), or None when the base is not the one the sender meant."""
         if shared:
             last = self._last.get(key) if key is not None else None
-            if last is None or last[0] != base_version or len(last[1].ids) < shared:
+            if last is None or last.version != base_version or len(last.prompt.ids) < shared:
                 return None
-            if boundary_check(last[1].ids, shared) != check:
+            if boundary_check(last.prompt.ids, shared) != check:
                 return None
-            prompt = last[1].ids[:shared]  # one copy of the history (its ints shared), then the delta appended
+            delta = ids if isinstance(ids, array) else array("i", ids)
+            before = last.prompt.array
+            if last.spare_ids is not None:  # this key's idle copies: cut to the shared part, the delta appended
+                prompt, arr = last.spare_ids, last.spare_array
+                last.spare_ids = last.spare_array = None
+                del prompt[shared:]
+                if arr is not None:
+                    del arr[shared:]
+                    arr.extend(delta)
+            else:  # one copy of the history (its ints shared), then the delta appended
+                prompt = last.prompt.ids[:shared]
+                arr = None if before is None else before[:shared] + delta
             prompt.extend(ids)
-            before = last[1].array
-            arr = None if before is None else before[:shared] + (ids if isinstance(ids, array) else array("i", ids))
         elif isinstance(ids, array):  # the full ids: the API process's array, or a list
             prompt, arr = ids.tolist(), ids
         else:
@@ -108,7 +132,18 @@ class PromptStore:
         out = Rebuilt(prompt, arr)
         if key is not None and version:
             self._last.pop(key, None)
-            self._last[key] = (version, out)
+            self._last[key] = _Entry(version, out)
             while len(self._last) > self.max_keys:
                 self._last.popitem(last=False)
         return out
+
+    def prepare_spare(self) -> bool:
+        """Copy the most recent key's prompt that has no spare copies yet; False when none lacks them. Call only
+        while no request runs: a running request's list still grows, and the copy must be of what it will be
+        when the next delta comes (its prompt's ids, then its output's, which the next turn cuts off)."""
+        for entry in reversed(self._last.values()):
+            if entry.spare_ids is None:
+                entry.spare_ids = entry.prompt.ids[:]
+                entry.spare_array = None if entry.prompt.array is None else entry.prompt.array[:]
+                return True
+        return False
