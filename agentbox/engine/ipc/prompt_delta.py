@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from agentbox import collector
 from agentbox.prefix import common_prefix
 
 MAX_KEYS = 16  # sessions whose last prompt each side keeps (~4 MB of ids each at 128k tokens)
@@ -131,10 +132,12 @@ class PromptStore:
             prompt, arr = list(ids), None
         out = Rebuilt(prompt, arr)
         if key is not None and version:
-            self._last.pop(key, None)
+            replaced = self._last.pop(key, None)
+            if replaced is not None:  # often the last holder of a 121k-id list: freeing it took 0.2-0.3 ms of the turn
+                collector.free_when_idle(replaced)
             self._last[key] = _Entry(version, out)
             while len(self._last) > self.max_keys:
-                self._last.popitem(last=False)
+                collector.free_when_idle(self._last.popitem(last=False))
         return out
 
     def prepare_spare(self) -> bool:
