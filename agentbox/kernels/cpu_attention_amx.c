@@ -47,7 +47,7 @@
  * score buffers' rows in the same 2), so the tiles' stores and loads of scores missed L1; one line more spreads
  * them. */
 #define SST (ASB + 16)
-#define AROW_GROUP 384 /* rows per item when threads share a sequence (a multiple of AR) */
+#define AROW_GROUP 384 /* fewest rows per item when threads share a sequence by rows (a multiple of AR) */
 /* Fewest keys a range of a sequence split by keys (its queries' split, buffers and merge): 64 rows of head 16 on 2
  * threads took 0.88 / 0.86 / 0.51 ms over 8k keys with 8192 / 4096 / 2048 here (fp32 kernel: 0.58), 1.70 / 1.08 /
  * 0.84 ms over 16k (fp32: 1.13). */
@@ -504,13 +504,17 @@ int ab_paged_attention_amx(const float *q, int64_t n_seqs, const int64_t *q_star
         return 2;
     }
     /* One item per kv head on one thread (each key repacked once). When threads share: a sequence of many rows
-     * (a prefill chunk) splits by rows, into groups of AROW_GROUP; one of few (a warm turn: one block of rows on
-     * one kv head, else one thread) splits by keys, into ranges of whole spans merged afterwards as
-     * cpu_attention.c's are (two ranges a thread: kv heads that do not divide among the threads still balance). */
+     * (a prefill chunk) splits by rows, into groups of at least AROW_GROUP, as few as give two items a thread
+     * (every group repacks all of its keys: 8 groups of 384 rows a kv head took a 1024-token chunk at 32k context
+     * on 2 threads to 107 ms, 2 groups to 94; 18 % off at head 128 with 8 kv heads); one of few rows (a warm turn:
+     * one block of rows on one kv head, else one thread) splits by keys, into ranges of whole spans merged
+     * afterwards as cpu_attention.c's are (two ranges a thread: kv heads that do not divide among the threads
+     * still balance). */
     int64_t n_items = 0, n_state = 0;
     for (int64_t s = 0; s < n_seqs; s++) {
-        const int64_t rows = q_lens[s] * g;
-        groups[s] = threads > 1 ? (rows + AROW_GROUP - 1) / AROW_GROUP : 1;
+        const int64_t rows = q_lens[s] * g, two_a_thread = (2 * threads + n_seqs * hkv - 1) / (n_seqs * hkv);
+        const int64_t most = (rows + AROW_GROUP - 1) / AROW_GROUP;
+        groups[s] = threads > 1 ? most < two_a_thread ? most : two_a_thread : 1;
         groups[s] = groups[s] < 1 ? 1 : groups[s];
         const int64_t by_len = kv_lens[s] / AMX_MIN_RANGE;
         const int64_t by_threads = (2 * threads + n_seqs * hkv - 1) / (n_seqs * hkv);
