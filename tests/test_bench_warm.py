@@ -10,16 +10,18 @@ from agentbox.bench.warm import STAGES, warm_report
 
 @pytest.mark.slow
 def test_bench_warm_small_contexts(smollm2_path) -> None:  # noqa: ANN001 - the fixture skips without SmolLM2
-    report = warm_report((1024, 3072), warm_turns=2, http=True, prefill=False)
+    report = warm_report((1024, 3072), warm_turns=2, http=True, prefill=False, pause_ms=20)
     for n in (1024, 3072):
         http = report["http"][n]
         assert http["prompt_tokens"] > n // 2
         # a warm turn recomputes only its new tokens (and the last partial page), never the history
-        assert all(0 < u < 64 for u in http["warm_uncached_tokens"]), http
+        assert len(http["warm_uncached_tokens"]) == 4 and all(0 < u < 64 for u in http["warm_uncached_tokens"]), http
+        assert len(http["warm_ttft_ms_all"]) == len(http["warm_ttft_ms_back_to_back_all"]) == 2
         stages = report["host_stages"][n]
         assert set(stages["ms"]) == set(STAGES) and all(v >= 0 for v in stages["ms"].values())
         assert stages["new_tokens"] < 64 < stages["prompt_tokens"]
-    assert report["warm_ratio_longest_over_shortest"] > 0
+    assert report["warm_ratio_longest_over_shortest"] > 0 and report["warm_ratio_back_to_back"] > 0
+    assert report["pause_ms"] == 20
 
 
 def test_prefill_report_measures_both_thread_settings_and_gives_threads_back() -> None:

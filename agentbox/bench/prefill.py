@@ -80,7 +80,7 @@ def _rates(best: dict[int, float], layers: int) -> dict[str, Any]:
 
 
 def prefill_report(short: int = 2048, long: int = 32768, layers: int = 1, chunk: int = 1024,
-                   repeats: int = 2) -> dict[str, Any]:
+                   repeats: int = 3) -> dict[str, Any]:
     """Both lengths under two thread settings, each length's best of `repeats` runs taken in alternation, after
     one unmeasured run of each setting: the process's first prefill builds and loads the attention kernels
     (~1.2 s), which counted against the 2k run and put its ratio at 4.5 instead of 0.48 here.

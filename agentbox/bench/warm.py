@@ -4,7 +4,11 @@ A tiny random long-context Qwen3 (SmolLM2's tokenizer and chat template) makes m
 what remains of a warm turn's time to first token is the server's own work. Two measurements per context:
 - over real HTTP on loopback (`agentbox serve`): the cold turn (the whole conversation, nothing cached) and
   warm turns (each appends a short assistant answer and a user line, ~20-30 tokens) of one session per
-  context, taken round-robin over the contexts;
+  context, taken round-robin over the contexts, in two kinds of rounds: each turn after a pause (PAUSE_MS, as
+  an agent's next turn follows its tool call: the server has gone idle), then turns back to back (the server
+  never idles). On this VM a pause costs every turn a few ms of wake-up (the processes and
+  the CPU's clock; 2k turns: ~5 ms back to back, ~8-10 ms after a 50-200 ms pause) and adds nothing to what
+  history costs, so the two ratios of 128k to 2k differ while the 128k turns' extra milliseconds do not;
 - in this process, the same stages the server runs on the same warm request, each timed with
   `perf_counter` around the real function: parse (the guard's JSON decode and check, the previous turn's body
   in its memo as on the server, + the pydantic request model), render (the session's incremental render, and
@@ -39,6 +43,7 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
     for name in ("read", "edit", "grep", "bash")]
 CONTEXTS = (2048, 8192, 32768, 65536, 131072)
+PAUSE_MS = 100  # before each paused warm turn: a short tool call
 STAGES = ("parse", "render", "tokenize", "lookup", "schedule", "forward")
 
 
@@ -130,13 +135,16 @@ def ttft(client: httpx.Client, body: dict[str, Any], session: str) -> tuple[floa
     return first, cached, prompt
 
 
-def http_turns(base: str, model: str, contexts: tuple[int, ...], warm_turns: int) -> dict[int, dict[str, Any]]:
+def http_turns(base: str, model: str, contexts: tuple[int, ...], warm_turns: int,
+               pause_ms: float = PAUSE_MS) -> dict[int, dict[str, Any]]:
     """Each context's cold turn, then the warm turns round-robin over the contexts (one session each): on a
     shared machine the load moves within minutes, and warm turns taken context after context (the 128k ones
-    ~30 s after the 2k ones, past a cold prefill) compared two different loads."""
+    ~30 s after the 2k ones, past a cold prefill) compared two different loads. First the rounds whose turns each
+    follow a pause of `pause_ms`, then the rounds back to back: alternated, each back-to-back round began on a CPU
+    the pauses had slowed (its 2k turns took ~8 ms instead of ~5)."""
     out: dict[int, dict[str, Any]] = {}
     msgs = {n: conversation(n, seed=n) for n in contexts}
-    warm: dict[int, list[float]] = {n: [] for n in contexts}
+    warm: dict[bool, dict[int, list[float]]] = {p: {n: [] for n in contexts} for p in (True, False)}
     uncached: dict[int, list[int]] = {n: [] for n in contexts}
     with httpx.Client(base_url=base, timeout=3600.0) as client:
         ttft(client, body_of(conversation(300, seed=99), model), "warmup")  # imports, first compile
@@ -144,15 +152,20 @@ def http_turns(base: str, model: str, contexts: tuple[int, ...], warm_turns: int
             cold, _, prompt = ttft(client, body_of(msgs[n], model), f"warm-{n}")
             out[n] = {"prompt_tokens": prompt, "cold_ttft_s": round(cold, 3)}
             print(json.dumps({"context": n, **out[n]}), file=sys.stderr, flush=True)  # progress of a long run
-        for k in range(warm_turns):
-            for n in contexts:
-                msgs[n] = msgs[n] + followup(k)
-                t, c, p = ttft(client, body_of(msgs[n], model), f"warm-{n}")
-                warm[n].append(t)
-                uncached[n].append(p - c)
+        for paused in (True, False):
+            for k in range(warm_turns):
+                for n in contexts:
+                    msgs[n] = msgs[n] + followup(2 * k + paused)
+                    if paused:
+                        time.sleep(pause_ms / 1e3)
+                    t, c, p = ttft(client, body_of(msgs[n], model), f"warm-{n}")
+                    warm[paused][n].append(t)
+                    uncached[n].append(p - c)
     for n in contexts:
-        out[n].update({"warm_ttft_ms": round(1e3 * statistics.median(warm[n]), 2),
-                       "warm_ttft_ms_all": [round(1e3 * t, 2) for t in warm[n]], "warm_uncached_tokens": uncached[n]})
+        for paused, name in ((True, "warm_ttft_ms"), (False, "warm_ttft_ms_back_to_back")):
+            out[n].update({name: round(1e3 * statistics.median(warm[paused][n]), 2),
+                           f"{name}_all": [round(1e3 * t, 2) for t in warm[paused][n]]})
+        out[n]["warm_uncached_tokens"] = uncached[n]
     return out
 
 
@@ -274,7 +287,7 @@ def load_now() -> dict[str, Any]:
 
 
 def warm_report(contexts: tuple[int, ...] = CONTEXTS, warm_turns: int = 5, http: bool = True,
-                prefill: bool = True) -> dict[str, Any]:
+                prefill: bool = True, pause_ms: float = PAUSE_MS) -> dict[str, Any]:
     from agentbox.bench.idle import serve_subprocess
     from agentbox.bench.prefill import prefill_report
     from agentbox.hub.embedded import embedded_model_path
@@ -295,9 +308,15 @@ def warm_report(contexts: tuple[int, ...] = CONTEXTS, warm_turns: int = 5, http:
                     "--max-num-batched-tokens", "2048"]
             with serve_subprocess(str(model_dir), args) as (base, _):
                 name = httpx.get(base + "/health").json()["model"]
-                report["http"] = http_turns(base, name, contexts, warm_turns)
+                report["http"] = http_turns(base, name, contexts, warm_turns, pause_ms)
             lo, hi = report["http"][contexts[0]], report["http"][contexts[-1]]
+            report["pause_ms"] = pause_ms
             report["warm_ratio_longest_over_shortest"] = round(hi["warm_ttft_ms"] / lo["warm_ttft_ms"], 2)
+            report["warm_ratio_back_to_back"] = round(
+                hi["warm_ttft_ms_back_to_back"] / lo["warm_ttft_ms_back_to_back"], 2)
+            report["warm_extra_ms_longest"] = round(hi["warm_ttft_ms"] - lo["warm_ttft_ms"], 2)
+            report["warm_extra_ms_longest_back_to_back"] = round(
+                hi["warm_ttft_ms_back_to_back"] - lo["warm_ttft_ms_back_to_back"], 2)
     if prefill:
         report["prefill"] = prefill_report()
     report["load_after"] = load_now()

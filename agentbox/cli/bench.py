@@ -117,6 +117,7 @@ def bench_warm(
     warm_turns: int = typer.Option(5, "--warm-turns", min=1, help="warm turns per context; the median is kept"),
     http: bool = typer.Option(True, "--http/--no-http", help="also time cold and warm turns over HTTP on a served model"),
     prefill: bool = typer.Option(True, "--prefill/--no-prefill", help="also time cold prefill at 2k and 32k (SmolLM2-shaped)"),
+    pause_ms: float = typer.Option(100.0, "--pause-ms", min=0, help="idle time before each paused warm turn (an agent's tool call); rounds back to back alternate with them"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
     """Warm vs cold time to first token, by context length.
@@ -125,7 +126,7 @@ def bench_warm(
     chunked-prefill tokens/s at 2k and 32k on SmolLM2-shaped layers."""
     from agentbox.bench.warm import warm_report
 
-    _print_json(warm_report(tuple(sorted(set(contexts))), warm_turns, http, prefill), json_out)
+    _print_json(warm_report(tuple(sorted(set(contexts))), warm_turns, http, prefill, pause_ms), json_out)
 
 
 @bench_app.command("llamacpp")
