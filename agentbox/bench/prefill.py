@@ -11,10 +11,11 @@ tokens/s at 32k can be at most ~21 % of 2k's. `flop_rate_ratio` compares the FLO
 is what the backend decides.
 
 The rates are not equal on CPUs with AMX (amx_tile + amx_bf16): prefill chunks' attention runs on the tiles
-(kernels/cpu_attention_amx.c, split-bf16 products) at ~320 GFLOP/s of one core on a 1024-token chunk over
-32k keys, 2.7x the fp32 kernel's ~120, while the linear layers stay fp32 (~120-160 GFLOP/s). On the Xeon of
-bench/results/warm/README.md that took the ratio from ~0.21 to 0.37-0.47; 0.5 needs the attention ~1.5x
-faster again. Elsewhere, and with --exact-cpu, the fp32 kernel and the ~21 % bound stand.
+(kernels/cpu_attention_amx.c, split-bf16 products) at ~320-380 GFLOP/s of one core on a 1024-token chunk over
+32k keys, 2.7x the fp32 kernel's ~120, while the linear layers stay fp32 (~120-170 GFLOP/s). On the Xeon of
+bench/results/warm/README.md that takes the one-thread ratio from ~0.21 to 0.33-0.42. As `agentbox serve` runs
+(`engine_threads`: on that 2-core VM the linear layers on one core, a long step's attention on both), 0.51-0.59.
+Elsewhere, and with --exact-cpu, the fp32 kernel and the ~21 % bound stand.
 """
 
 from __future__ import annotations
