@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-from agentbox.kernels.cpu_gemv import cpu_model  # noqa: E402
 from hybrid_models import configs, save_hybrid  # noqa: E402
 
 from agentbox.config import EngineConfig, Speculative  # noqa: E402
 from agentbox.engine.llm import LLM  # noqa: E402
 from agentbox.engine.sampling import SamplingParams  # noqa: E402
+from agentbox.kernels.cpu_gemv import cpu_model  # noqa: E402
 from agentbox.layers import delta_rule  # noqa: E402
 from agentbox.layers.recurrent_state import StateCache  # noqa: E402
 

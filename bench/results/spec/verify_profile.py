@@ -10,7 +10,6 @@ import os
 import time
 
 import torch
-from agentbox.kernels import cpu_gemv
 
 from agentbox.bench.spec import FILE
 from agentbox.config import EngineConfig, Speculative
@@ -21,6 +20,7 @@ from agentbox.engine.request import Request
 from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.scheduler import ScheduledSeq, SchedulerOutput
 from agentbox.hub.embedded import embedded_model_path
+from agentbox.kernels import cpu_gemv
 from agentbox.models.loader import load_tokenizer, resolve_model
 
 KS = (0, 3, 7, 15)
