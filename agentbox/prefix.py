@@ -5,7 +5,7 @@ Slice compares over blocks that double, then a binary search inside the first di
 O(the common prefix) in C: the API's incremental tokenizer (chat/incremental.py) and the cache's page-hash
 memo (engine/cache/page_hash_memo.py) both use it. Two int32 arrays (prompts as the API process sends them)
 are compared by numpy instead, from NUMPY_FROM ids: the slices above copy, and two 121k-id prompts' common prefix
-took 0.23 ms this way on this Xeon, 0.015 ms in numpy. A leaf module: it imports nothing of agentbox.
+took 0.08 ms this way on this Xeon, 0.016 ms in numpy. A leaf module: it imports nothing of agentbox.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _blocks(a: Sequence, b: Sequence) -> int:  # type: ignore[type-arg]
     return lo
 
 
-def ints(x: array) -> np.ndarray:
+def _ints(x: array) -> np.ndarray:
     """An int32 array's ids as a numpy view, no copy. The array cannot be resized while the view lives: take one
     inside a call, never keep it."""
     return np.frombuffer(x, dtype=np.int32)
@@ -58,7 +58,7 @@ def ids_prefix(a: array, b: array, b_start: int = 0) -> int:
     n = max(0, min(len(a), len(b) - b_start))
     if n < NUMPY_FROM:
         return _blocks(a, b[b_start : b_start + n])
-    differ = ints(a)[:n] != ints(b)[b_start : b_start + n]
+    differ = _ints(a)[:n] != _ints(b)[b_start : b_start + n]
     first = int(differ.argmax())
     return first if differ[first] else n
 
@@ -69,4 +69,4 @@ def ids_equal(a: array, start: int, b: array) -> bool:
         return False
     if len(b) < NUMPY_FROM:
         return a[start : start + len(b)] == b
-    return bool((ints(a)[start : start + len(b)] == ints(b)).all())
+    return bool((_ints(a)[start : start + len(b)] == _ints(b)).all())
