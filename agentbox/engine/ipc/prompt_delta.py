@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from agentbox import collector
 from agentbox.prefix import common_prefix
 
-MAX_KEYS = 16  # sessions whose last prompt each side keeps (~4 MB of ids each at 128k tokens)
+MAX_KEYS = 16  # sessions whose last prompt each side keeps (~4 MB of ids each at 128k tokens, +1.5 MB of idle copies)
 MIN_SHARED = 256  # a shorter shared prefix is not worth the bookkeeping: the full ids go
 CHECK_IDS = 64  # ids before the cut that the check hashes
 RESEND = "resend_prompt"  # the engine's error code: the base is unknown, send the full ids
