@@ -1,0 +1,84 @@
+"""What a model caches, as the model declares it (`CausalLM.cache_layout`, models/base.py) and the engine reads it:
+the engine sizes its pools, its page tables and its snapshots from this, never from the model's class.
+
+- A `PagedGroup` is a set of layers whose cache grows with the context: one entry per `tokens_per_entry` tokens
+  (1 for ordinary and latent attention; 4 or 128 for compressed entries), kept in the paged pool. Every group
+  shares the pool's page ids: page p holds, in each group's own tensors, that group's entries for the
+  page's `page_size` tokens (`entries_per_page`). So one page table and one radix tree serve every group, and a
+  prefix cached for one group is cached for all. A group whose entry spans more than a page keeps one entry
+  slot per page, in the page holding the entry's first token (the price of one table: at page 16 and 128
+  tokens an entry, 7 of 8 such slots stay empty).
+- A `StateGroup` is per-sequence state of fixed size (a Gated DeltaNet layer's conv and matrix, a sliding
+  window's ring): it describes exactly the position it was computed to, so a cached prefix resumes only where a
+  snapshot of it was saved (engine/cache/state_snapshots.py). A ring (`WindowKVSpec`) keeps a page of slack
+  and so resumes anywhere in its last page by itself; any other spec needs the page-aligned copy the runner
+  keeps.
+
+The first paged group's layers come first in the flat layer numbering (`kv_specs`): an attention layer's
+`layer_id` indexes that list, and the attention backend writes the token-granular groups at the step's slot
+mapping; a group of `tokens_per_entry` > 1 gets its own slot mapping per step (layers/paged_entries.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from agentbox.layers.backends.base import KVLayerSpec
+from agentbox.layers.recurrent_state import StateSpec
+
+
+@dataclass(frozen=True)
+class PagedGroup:
+    """Layers that keep one entry per `tokens_per_entry` tokens in the paged pool (their KV shapes on this rank)."""
+
+    layers: tuple[KVLayerSpec, ...]
+    tokens_per_entry: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tokens_per_entry < 1:
+            raise ValueError(f"tokens_per_entry must be at least 1, not {self.tokens_per_entry}")
+
+    def entries_per_page(self, page_size: int) -> int:
+        """Entry slots a page holds for this group: page_size / tokens_per_entry, at least one."""
+        if self.tokens_per_entry <= page_size:
+            if page_size % self.tokens_per_entry:
+                raise ValueError(f"{self.tokens_per_entry} tokens an entry do not divide a page of {page_size}")
+            return page_size // self.tokens_per_entry
+        if self.tokens_per_entry % page_size:
+            raise ValueError(f"an entry of {self.tokens_per_entry} tokens is not a whole number of {page_size}-token pages")
+        return 1
+
+
+@dataclass(frozen=True)
+class StateGroup:
+    """Layers that keep fixed-size per-sequence state (their `state_index` is their place in `specs`)."""
+
+    specs: tuple[StateSpec, ...]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    paged: tuple[PagedGroup, ...]
+    state: StateGroup | None = None
+
+    def __post_init__(self) -> None:
+        if not self.paged or not any(g.layers for g in self.paged):
+            raise ValueError("a cache layout needs at least one paged layer (the radix cache keys on pages)")
+
+    @property
+    def kv_specs(self) -> list[KVLayerSpec]:
+        """Every paged layer, group after group: the flat numbering attention layers' `layer_id` index."""
+        return [s for g in self.paged for s in g.layers]
+
+    @property
+    def has_state(self) -> bool:
+        return self.state is not None and bool(self.state.specs)
+
+    def group_of_layer(self) -> list[int]:
+        """For each layer of `kv_specs`, the index of its group."""
+        return [i for i, g in enumerate(self.paged) for _ in g.layers]
+
+    @staticmethod
+    def uniform(num_layers: int, num_kv_heads: int, head_dim: int) -> CacheLayout:
+        """One paged group of num_layers layers of num_kv_heads x head_dim (most models)."""
+        return CacheLayout((PagedGroup(tuple(KVLayerSpec.uniform(num_layers, num_kv_heads, head_dim))),))
