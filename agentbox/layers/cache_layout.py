@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from agentbox.layers.backends.base import KVLayerSpec
+from agentbox.layers.backends.base import KVLayerSpec, entries_per_page
 from agentbox.layers.recurrent_state import StateSpec
 
 
@@ -40,13 +40,7 @@ class PagedGroup:
 
     def entries_per_page(self, page_size: int) -> int:
         """Entry slots a page holds for this group: page_size / tokens_per_entry, at least one."""
-        if self.tokens_per_entry <= page_size:
-            if page_size % self.tokens_per_entry:
-                raise ValueError(f"{self.tokens_per_entry} tokens an entry do not divide a page of {page_size}")
-            return page_size // self.tokens_per_entry
-        if self.tokens_per_entry % page_size:
-            raise ValueError(f"an entry of {self.tokens_per_entry} tokens is not a whole number of {page_size}-token pages")
-        return 1
+        return entries_per_page(self.tokens_per_entry, page_size)
 
 
 @dataclass(frozen=True)
@@ -74,9 +68,15 @@ class CacheLayout:
     def has_state(self) -> bool:
         return self.state is not None and bool(self.state.specs)
 
-    def group_of_layer(self) -> list[int]:
-        """For each layer of `kv_specs`, the index of its group."""
-        return [i for i, g in enumerate(self.paged) for _ in g.layers]
+    @property
+    def tokens_per_entry(self) -> list[int]:
+        """For each layer of `kv_specs`, its group's tokens per entry (KVCache's `tokens_per_entry`)."""
+        return [g.tokens_per_entry for g in self.paged for _ in g.layers]
+
+    @property
+    def entry_groups(self) -> list[int]:
+        """The distinct tokens-per-entry sizes above 1, ascending: a step carries a slot mapping for each."""
+        return sorted({g.tokens_per_entry for g in self.paged if g.tokens_per_entry > 1})
 
     @staticmethod
     def uniform(num_layers: int, num_kv_heads: int, head_dim: int) -> CacheLayout:

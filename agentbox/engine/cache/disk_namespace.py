@@ -60,6 +60,8 @@ def namespace_for(config: EngineConfig, kv: KVCache, tp: int = 1, state: StateCa
         "kv_dtype": str(t.dtype),
         "kv_layout": [[s.num_kv_heads, s.head_dim, s.v_head_dim or s.head_dim, s.tied] for s in kv.specs],
         "page_size": kv.page_size,
+        # only where a layer keeps compressed entries: the namespaces of other models stay what they were
+        **({"tokens_per_entry": kv.tokens_per_entry} if any(t > 1 for t in kv.tokens_per_entry) else {}),
         "tp": tp,
         "exact_cpu": config.exact_cpu,
         "device": t.device.type,

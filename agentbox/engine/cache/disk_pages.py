@@ -8,17 +8,14 @@ import torch
 from agentbox.layers.backends.base import KVCache
 
 
-def _slots(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:
-    p = torch.tensor(pages, dtype=torch.int64)
-    return (p[:, None] * page_size + torch.arange(page_size, dtype=torch.int64)[None, :]).reshape(-1).to(device)
-
-
 def pages_to_bytes(kv: KVCache, pages: list[int]) -> bytes:
-    """The bytes of `pages`; each page is every stored tensor's page_size slots in `kv.tensors()` order (layers
-    may differ in shape; a tied layer's V is its K, stored once)."""
-    idx = _slots(pages, kv.page_size, kv.k[0].device)
+    """The bytes of `pages`; each page is every stored tensor's slots of that page in `kv.tensors()` order (layers
+    may differ in shape and entry size; a tied layer's V is its K, stored once)."""
+    device = kv.k[0].device
+    per_page = kv.tensor_slots_per_page()
+    idx = {m: kv.page_slots(pages, m, device) for m in set(per_page)}
     n = len(pages)
-    parts = [t.index_select(0, idx).reshape(n, -1) for t in kv.tensors()]  # [pages, one layer's page]
+    parts = [t.index_select(0, idx[m]).reshape(n, -1) for t, m in zip(kv.tensors(), per_page, strict=True)]
     staged = torch.cat(parts, dim=1).contiguous().cpu()  # page-major
     return staged.view(torch.uint8).numpy().tobytes()
 
@@ -42,8 +39,9 @@ def _scatter(kv: KVCache, pages: list[int], rows: torch.Tensor) -> None:
     """rows: uint8 [len(pages), page bytes], page-major as pages_to_bytes made them."""
     tensors = kv.tensors()
     device = tensors[0].device
+    per_page = kv.tensor_slots_per_page()
     staged = rows.view(kv.dtype).to(device)
-    widths = [kv.page_size * t[0].numel() for t in tensors]
-    idx = _slots(pages, kv.page_size, device)
-    for t, part in zip(tensors, staged.split(widths, dim=1), strict=True):
-        t.index_copy_(0, idx, part.reshape(len(pages) * kv.page_size, *t.shape[1:]))
+    widths = [m * t[0].numel() for t, m in zip(tensors, per_page, strict=True)]
+    idx = {m: kv.page_slots(pages, m, device) for m in set(per_page)}
+    for t, m, part in zip(tensors, per_page, staged.split(widths, dim=1), strict=True):
+        t.index_copy_(0, idx[m], part.reshape(len(pages) * m, *t.shape[1:]))

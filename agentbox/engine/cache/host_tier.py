@@ -22,32 +22,27 @@ DEFAULT_HOST_POOL_MULTIPLE = 4
 DEFAULT_HOST_SHARE = 0.25
 
 
-def _slots(pages: list[int], page_size: int, device: torch.device) -> torch.Tensor:
-    p = torch.tensor(pages, dtype=torch.int64)
-    idx = (p[:, None] * page_size + torch.arange(page_size, dtype=torch.int64)[None, :]).reshape(-1)
-    return idx.to(device)
-
-
 def copy_pages(src: KVCache, src_pages: list[int], dst: KVCache, dst_pages: list[int]) -> None:
-    """Copy the k/v of `src_pages` in `src` into `dst_pages` of `dst`, every layer. Pages pair up in order."""
+    """Copy the entries of `src_pages` in `src` into `dst_pages` of `dst`, every layer. Pages pair up in order."""
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"copy of {len(src_pages)} pages into {len(dst_pages)}")
-    if src.page_size != dst.page_size or src.specs != dst.specs:
-        raise ValueError("the two caches differ in page size or layer shapes")
+    if not src.same_layout(dst):
+        raise ValueError("the two caches differ in page size, layer shapes or entry sizes")
     if not src_pages:
         return
     src_dev, dst_dev = src.k[0].device, dst.k[0].device
-    src_idx = _slots(src_pages, src.page_size, src_dev)
-    dst_idx = _slots(dst_pages, dst.page_size, dst_dev)
+    per_page = src.tensor_slots_per_page()
+    src_idx = {n: src.page_slots(src_pages, n, src_dev) for n in set(per_page)}
+    dst_idx = {n: dst.page_slots(dst_pages, n, dst_dev) for n in set(per_page)}
     # One staging tensor for all layers (k and v, flattened: layers may differ in shape): a single transfer
     # between devices. Blocking on purpose: a non-blocking device-to-host copy would be read by index_copy_
     # before it lands.
-    parts = [t.index_select(0, src_idx) for t in src.tensors()]
+    parts = [t.index_select(0, src_idx[n]) for t, n in zip(src.tensors(), per_page, strict=True)]
     staged = torch.cat([p.reshape(-1) for p in parts])
     if staged.device != dst_dev:
         staged = staged.to(dst_dev)
-    for t, chunk in zip(dst.tensors(), staged.split([p.numel() for p in parts]), strict=True):
-        t.index_copy_(0, dst_idx, chunk.view(len(dst_idx), *t.shape[1:]))
+    for t, n, chunk in zip(dst.tensors(), per_page, staged.split([p.numel() for p in parts]), strict=True):
+        t.index_copy_(0, dst_idx[n], chunk.view(len(dst_idx[n]), *t.shape[1:]))
 
 
 class HostTier:
@@ -61,8 +56,7 @@ class HostTier:
     def like(cls, gpu_kv: KVCache, num_pages: int) -> HostTier:
         """A host tier of num_pages pages shaped like gpu_kv (pinned when CUDA is present)."""
         # empty, not zeros: a page is always written before it is read, and untouched memory stays uncommitted.
-        kv = KVCache(gpu_kv.specs, num_pages, gpu_kv.page_size, gpu_kv.dtype, "cpu", zeroed=False,
-                     pin_memory=torch.cuda.is_available())
+        kv = gpu_kv.like(num_pages, "cpu", zeroed=False, pin_memory=torch.cuda.is_available())
         return cls(PagePool(num_pages, gpu_kv.page_size), kv)
 
     @classmethod

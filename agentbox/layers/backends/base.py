@@ -86,8 +86,11 @@ class KVLayerSpec:
 
 class KVCache:
     """Per-layer paged key/value storage: k[layer] is [num_slots, num_kv_heads, head_dim] and v[layer]
-    [num_slots, num_kv_heads, v_head_dim] (the same tensor as k[layer] for a tied layer), where
-    num_slots = num_pages * page_size. Owned by the engine's runner; handed to backends."""
+    [num_slots, num_kv_heads, v_head_dim] (the same tensor as k[layer] for a tied layer), where a layer keeping
+    one entry per token has num_slots = num_pages * page_size. A layer of a group that keeps one entry per
+    `tokens_per_entry` tokens (compressed entries, layers/cache_layout.py) has `entries_per_page` slots a page
+    instead: page p's entries are its slots [p * n, (p + 1) * n). Owned by the engine's runner; handed to
+    backends."""
 
     def __init__(
         self,
@@ -99,21 +102,26 @@ class KVCache:
         *,
         zeroed: bool = True,
         pin_memory: bool = False,
+        tokens_per_entry: Sequence[int] | None = None,
     ) -> None:
         self.specs = list(specs)
         self.num_pages = num_pages
         self.page_size = page_size
-        slots = num_pages * page_size
+        self.tokens_per_entry = list(tokens_per_entry) if tokens_per_entry is not None else [1] * len(self.specs)
+        if len(self.tokens_per_entry) != len(self.specs):
+            raise ValueError(f"{len(self.tokens_per_entry)} entry sizes for {len(self.specs)} layers")
+        # Entry slots a page holds, per layer (page_size for a layer that keeps every token).
+        self.slots_per_page = [entries_per_page(t, page_size) for t in self.tokens_per_entry]
         # zeros by default: padded rows of a batch read stale slots through a mask, and NaN garbage * 0 is NaN.
         # A host tier asks for empty memory: its pages are always written before they are read.
         make = torch.zeros if zeroed else torch.empty
 
-        def alloc(heads: int, dim: int) -> torch.Tensor:
-            return make((slots, heads, dim), dtype=dtype, device=device, pin_memory=pin_memory)
+        def alloc(heads: int, dim: int, per_page: int) -> torch.Tensor:
+            return make((num_pages * per_page, heads, dim), dtype=dtype, device=device, pin_memory=pin_memory)
 
-        self.k = [alloc(s.num_kv_heads, s.head_dim) for s in self.specs]
-        self.v = [k if s.tied else alloc(s.num_kv_heads, s.v_head_dim or s.head_dim)
-                  for s, k in zip(self.specs, self.k, strict=True)]
+        self.k = [alloc(s.num_kv_heads, s.head_dim, n) for s, n in zip(self.specs, self.slots_per_page, strict=True)]
+        self.v = [k if s.tied else alloc(s.num_kv_heads, s.v_head_dim or s.head_dim, n)
+                  for s, k, n in zip(self.specs, self.k, self.slots_per_page, strict=True)]
 
     @classmethod
     def uniform(
@@ -123,6 +131,16 @@ class KVCache:
         """Every layer the same shape (most models)."""
         return cls(KVLayerSpec.uniform(num_layers, num_kv_heads, head_dim), num_pages, page_size, dtype, device)
 
+    def like(self, num_pages: int, device: torch.device | str, *, zeroed: bool = True,
+             pin_memory: bool = False) -> KVCache:
+        """A cache of num_pages pages with this one's layers, entry sizes, page size and dtype (a host tier)."""
+        return KVCache(self.specs, num_pages, self.page_size, self.dtype, device, zeroed=zeroed,
+                       pin_memory=pin_memory, tokens_per_entry=self.tokens_per_entry)
+
+    def same_layout(self, other: KVCache) -> bool:
+        return (self.page_size, self.specs, self.tokens_per_entry) == (other.page_size, other.specs,
+                                                                       other.tokens_per_entry)
+
     @property
     def dtype(self) -> torch.dtype:
         return self.k[0].dtype
@@ -131,14 +149,41 @@ class KVCache:
         """Every tensor that holds data, each once (a tied layer's V is its K)."""
         return [*self.k, *(v for s, v in zip(self.specs, self.v, strict=True) if not s.tied)]
 
+    def tensor_slots_per_page(self) -> list[int]:
+        """Entry slots a page holds in each of `tensors()`, in the same order."""
+        n = self.slots_per_page
+        return [*n, *(m for s, m in zip(self.specs, n, strict=True) if not s.tied)]
+
+    def page_slots(self, pages: Sequence[int], per_page: int, device: torch.device) -> torch.Tensor:
+        """int64 [len(pages) * per_page]: the slots of `pages`, page-major, in a tensor of per_page slots a page."""
+        p = torch.tensor(list(pages), dtype=torch.int64)
+        return (p[:, None] * per_page + torch.arange(per_page, dtype=torch.int64)[None, :]).reshape(-1).to(device)
+
     @property
     def page_bytes(self) -> int:
-        return self.bytes_per_page(self.specs, self.page_size, self.dtype)
+        return self.bytes_per_page(self.specs, self.page_size, self.dtype, self.tokens_per_entry)
 
     @staticmethod
-    def bytes_per_page(specs: Sequence[KVLayerSpec], page_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_page(specs: Sequence[KVLayerSpec], page_size: int, dtype: torch.dtype,
+                       tokens_per_entry: Sequence[int] | None = None) -> int:
         element = torch.tensor([], dtype=dtype).element_size()
-        return page_size * element * sum(s.values_per_token for s in specs)
+        per_entry = tokens_per_entry if tokens_per_entry is not None else [1] * len(specs)
+        return element * sum(entries_per_page(t, page_size) * s.values_per_token
+                             for s, t in zip(specs, per_entry, strict=True))
+
+
+def entries_per_page(tokens_per_entry: int, page_size: int) -> int:
+    """Entry slots a page holds for a layer keeping one entry per tokens_per_entry tokens: page_size /
+    tokens_per_entry, and one for an entry spanning several pages (kept in the page of its first token)."""
+    if tokens_per_entry < 1:
+        raise ValueError(f"tokens_per_entry must be at least 1, not {tokens_per_entry}")
+    if tokens_per_entry <= page_size:
+        if page_size % tokens_per_entry:
+            raise ValueError(f"{tokens_per_entry} tokens an entry do not divide a page of {page_size}")
+        return page_size // tokens_per_entry
+    if tokens_per_entry % page_size:
+        raise ValueError(f"an entry of {tokens_per_entry} tokens is not a whole number of {page_size}-token pages")
+    return 1
 
 
 class AttentionBackend(ABC):
