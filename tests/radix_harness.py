@@ -85,7 +85,7 @@ def start(cache: RadixCache, tokens: list[int], session: str | None = None) -> R
     """Admit a request the way the scheduler does: look up, check the room (pure), and only then lock,
     allocate the rest (evicting) and compute. A request that does not fit leaves the cache as it was."""
     m = cache.match(tokens, session)
-    need = -(-len(tokens) // cache.ps) - m.num_gpu_tokens // cache.ps
+    need = -(-len(tokens) // cache.ps) - m.num_resident_tokens // cache.ps
     if need > cache.reclaimable(m):
         return None
     lock = cache.lock(m)

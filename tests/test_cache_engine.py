@@ -40,8 +40,8 @@ def test_warm_turn_from_gpu_and_host_matches_cold(smollm2_loaded, smollm2_path, 
     torch.testing.assert_close(warm_lp, cold_lp, atol=2e-3, rtol=0)
 
     # Push every cached page to the host tier, then come back: copied in, not recomputed, same logits.
-    cache = llm.core.cache
-    assert cache.demote(llm.core.pool.capacity) > 0 and cache.gpu_pages == 0
+    cache = llm.core.cache.page_cache
+    assert cache.demote(llm.core.cache.capacity) > 0 and cache.gpu_pages == 0
     host_lp, cached2 = next_logprobs(llm, turn2, "s1")
     assert cached2 >= len(history) // PS * PS
     assert cache.promotions > 0
@@ -96,7 +96,7 @@ def test_admission_returning_sessions_first_and_timeout(smollm2_loaded, smollm2_
     assert leased > 0
     # B, a new session whose prompt does not fit beside A's leased working set, waits; A, back from its
     # tool, goes first even though it arrived later.
-    b_len = (core.pool.capacity - leased + 1) * PS
+    b_len = (core.cache.capacity - leased + 1) * PS
     core.add(AddRequest("b", [7] * b_len, SamplingParams(max_tokens=2, temperature=0), "B"))
     core.add(AddRequest("a2", a1 + out.token_ids + tok.encode(" next"), SamplingParams(max_tokens=2, temperature=0), "A"))
     order: list[tuple[str, str | None]] = []
@@ -124,8 +124,8 @@ def test_cached_tokens_count_the_admission_that_ran(smollm2_loaded, smollm2_path
     b1 = tok.encode("Agent B: " + "list the files and run the tests " * 12)[: 8 * PS]
     out = llm.generate([b1], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), ["B"])[0]
     history = b1 + out.token_ids
-    assert core.cache.demote(core.pool.capacity) > 0 and core.cache.gpu_pages == 0
-    a_len = (core.pool.capacity - 4) * PS
+    assert core.cache.page_cache.demote(core.cache.capacity) > 0 and core.cache.stats().gpu_pages == 0
+    a_len = (core.cache.capacity - 4) * PS
     core.add(AddRequest("a", [11] * a_len, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), "A"))
     core.step()  # A prefilled: it now holds all but a few pages
     core.add(AddRequest("b2", history + tok.encode(" next"), SamplingParams(max_tokens=2, temperature=0), "B"))
@@ -135,7 +135,7 @@ def test_cached_tokens_count_the_admission_that_ran(smollm2_loaded, smollm2_path
             if o.finished:
                 done[o.request_id] = o
     assert done["b2"].error_code is None and done["a"].error_code is None
-    assert core.cache.promotions >= len(history) // PS
+    assert core.cache.stats().promotions >= len(history) // PS
     assert done["b2"].num_cached_tokens == len(history) // PS * PS
     s = core.cache.sessions.get("B")
     assert s is not None and s.recomputed_tokens == 0

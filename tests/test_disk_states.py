@@ -33,7 +33,7 @@ def test_a_hybrid_session_survives_a_restart(tmp_path: Path, monkeypatch: pytest
     with LLM(config) as llm:
         for s, h in history.items():  # one after the other: b's snapshots push a's out of the store
             history[s] = h + llm.generate([h], sp, session_ids=[s])[0].token_ids + [7, 8, 9, 10, 11]
-        disk = llm.core.scheduler.disk_states
+        disk = llm.core.cache.state_group.disk
         assert disk is not None and disk.written >= 1  # a's, written as it left memory
         llm.core.persist()  # a graceful stop: b's (and the pages)
         assert disk.written >= 2
@@ -50,7 +50,7 @@ def test_a_hybrid_session_survives_a_restart(tmp_path: Path, monkeypatch: pytest
             else:  # computed from the start, never resumed at the wrong place
                 assert out.num_cached_tokens < 16 * len(b_pages)
             assert out.token_ids == hf_greedy(hf, h, ANSWER), s
-        disk = llm.core.scheduler.disk_states
+        disk = llm.core.cache.state_group.disk
         assert disk is not None and disk.restored == 2
         stats = llm.core.cache.stats()
         assert stats.disk_restored > 0 and stats.disk_states >= 2 and stats.disk_torn == 1
@@ -69,7 +69,7 @@ def test_a_gemma4_session_survives_a_restart(tmp_path: Path, monkeypatch: pytest
         llm.core.persist()
     with LLM(config) as llm:
         out = llm.generate([history], sp, session_ids=["s"])[0]
-        disk = llm.core.scheduler.disk_states
+        disk = llm.core.cache.state_group.disk
     assert out.num_cached_tokens >= 0.9 * len(history), (out.num_cached_tokens, len(history))
     assert out.token_ids == hf_greedy(hf, history, ANSWER)
     assert disk is not None and disk.restored == 1

@@ -18,10 +18,15 @@ from agentbox.engine.cache.disk_pages import bytes_to_pages, pages_to_bytes
 from agentbox.engine.cache.disk_tier import DiskTier
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.radix_disk import DiskLink
-from agentbox.engine.cache.radix_node import Tier
+from agentbox.engine.cache.radix_node import Match, Tier
 from agentbox.layers.backends.base import KVCache, KVLayerSpec
 
 PS = 4
+
+
+def on_disk(m: Match) -> int:
+    """Of m's tokens, those its lock reads back from disk (the match's continuation below memory)."""
+    return m.below.num_tokens if m.below is not None else 0
 
 
 def _kv(num_pages: int = 12) -> KVCache:
@@ -62,11 +67,11 @@ def test_evicted_pages_come_back_from_disk_exact_and_after_a_restart(tmp_path: P
     assert cache.stats().disk_pages == 8 and cache.stats().disk_written == 8
     # The same prefix plus a new part: the match goes on on disk, the lock reads it back.
     m = cache.match([*toks, 1, 2, 3, 4, 5], "s")
-    assert m.num_tokens == 8 * PS and m.num_disk_tokens == 8 * PS and m.num_gpu_tokens == 0
+    assert m.num_tokens == 8 * PS and on_disk(m) == 8 * PS and m.num_resident_tokens == 0
     # the API process's int32 array finds the same pages (the disk's hashes do not depend on the type)
     assert cache.match(array("i", [*toks, 1, 2, 3, 4, 5]), "s") == m
     lock = cache.lock(m)
-    assert lock.num_tokens == 8 * PS and lock.num_disk_tokens == 8 * PS
+    assert lock.num_tokens == 8 * PS and lock.num_copied_tokens == 8 * PS
     got = _pages_of(kv, lock.pages)
     assert all(torch.equal(a, b) for i in range(8) for a, b in zip(data[i], got[i], strict=True))
     cache.check_integrity()
@@ -78,9 +83,9 @@ def test_evicted_pages_come_back_from_disk_exact_and_after_a_restart(tmp_path: P
     cache.persist(5.0)
     kv2 = _kv()
     again = _cache(tmp_path, kv2)
-    assert again.match(array("i", toks[: 6 * PS + 2])).num_disk_tokens == 6 * PS  # a lookup's array, then a tuple
+    assert on_disk(again.match(array("i", toks[: 6 * PS + 2]))) == 6 * PS  # a lookup's array, then a tuple
     m2 = again.match(toks[: 6 * PS + 2])
-    assert m2.num_tokens == 6 * PS and m2.num_disk_tokens == 6 * PS
+    assert m2.num_tokens == 6 * PS and on_disk(m2) == 6 * PS
     got2 = _pages_of(kv2, again.lock(m2).pages)
     assert all(torch.equal(a, b) for i in range(6) for a, b in zip(data[i], got2[i], strict=True))
     again.check_integrity()
@@ -110,7 +115,7 @@ def test_corrupt_and_torn_chunks_are_dropped_counted_never_served(tmp_path: Path
     assert m.num_tokens == 6 * PS  # the index still names both chunks
     lock = again.lock(m)
     assert lock.num_tokens == 3 * PS  # the corrupt chunk is not served: its tokens are recomputed
-    assert again.stats().disk_torn == 2 and again.match([*b, 9]).num_disk_tokens == 0
+    assert again.stats().disk_torn == 2 and on_disk(again.match([*b, 9])) == 0
     again.check_integrity()
 
 
@@ -144,8 +149,8 @@ def test_bounded_by_budget_other_namespaces_first(tmp_path: Path) -> None:
     t = cache.disk.tier  # type: ignore[union-attr]
     assert not stale.exists()  # the other namespace went first
     assert t.bytes_used <= 5 * per_page and t.num_pages == 4  # then the oldest chunks of this one
-    assert cache.match(list(range(3000, 3000 + 2 * PS))).num_disk_tokens == 2 * PS  # the newest is kept
-    assert cache.match(list(range(0, 2 * PS))).num_disk_tokens == 0
+    assert on_disk(cache.match(list(range(3000, 3000 + 2 * PS)))) == 2 * PS  # the newest is kept
+    assert on_disk(cache.match(list(range(0, 2 * PS)))) == 0
 
 
 def test_a_full_disk_is_a_warning_not_a_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -213,7 +218,7 @@ def test_sessions_come_back_under_their_ids_on_disk(tmp_path: Path) -> None:
     assert again.restore_sessions() == 1 and "agent-7" in again.sessions
     assert again.session_pages("agent-7")[Tier.DISK] == 5 and again.stats().disk_sessions == 1
     m = again.match([*toks, 1, 2])  # no id: the request is recognised by its history on disk
-    assert m.session == "agent-7" and m.num_disk_tokens == 5 * PS
+    assert m.session == "agent-7" and on_disk(m) == 5 * PS
     assert again.match(toks[: 3 * PS]).session is None  # a prefix of it is not its next turn
     again.lock(m)
     assert again.session_pages("agent-7") == {Tier.GPU: 5, Tier.HOST: 0, Tier.DISK: 0}  # back: not "on disk"

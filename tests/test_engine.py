@@ -46,7 +46,7 @@ def test_batched_equals_alone(smollm2_loaded, smollm2_path, prompts, alone) -> N
     assert [o.token_ids for o in outs] == alone
     assert all(len(o.token_ids) == 24 and o.finish_reason == "length" for o in outs)
     llm.core.check_integrity()
-    assert llm.core.pool.num_free + llm.core.cache.gpu_pages == llm.core.pool.capacity  # the rest is cache
+    assert llm.core.cache.num_free + llm.core.cache.stats().gpu_pages == llm.core.cache.capacity  # the rest is cache
 
 
 def test_chunked_prefill_equals_unchunked(smollm2_loaded, smollm2_path, prompts, alone) -> None:  # noqa: ANN001
@@ -66,7 +66,7 @@ def test_preemption_by_recompute_when_pages_run_out(smollm2_loaded, smollm2_path
     assert [o.token_ids for o in outs] == alone
     assert llm.core.counters.preemptions > 0
     llm.core.check_integrity()
-    assert llm.core.pool.num_free + llm.core.cache.gpu_pages == llm.core.pool.capacity  # the rest is cache
+    assert llm.core.cache.num_free + llm.core.cache.stats().gpu_pages == llm.core.cache.capacity  # the rest is cache
 
 
 def test_running_cap(smollm2_loaded, smollm2_path, prompts, alone) -> None:  # noqa: ANN001

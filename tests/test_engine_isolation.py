@@ -85,14 +85,14 @@ def test_prefill_is_abortable_between_chunks(tmp_path: Path) -> None:
     AutoModelForCausalLM.from_config(LlamaConfig(**TINY, architectures=["LlamaForCausalLM"])).save_pretrained(tmp_path)
     core = EngineCore(EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_pages=64, cpu_threads=1,
                                    max_num_batched_tokens=16))
-    free = core.pool.num_free
+    free = core.cache.num_free
     assert core.add(AddRequest("long", [(i % 200) + 2 for i in range(100)], GREEDY, None)) is None
     assert core.step() == []  # chunk 1 of 7: nothing sampled
     aborted = core.abort("long")
     assert aborted is not None and aborted.finished and aborted.finish_reason == "abort"
     assert not core.has_work() and core.counters.generated_tokens == 0
     core.check_integrity()
-    assert core.pool.num_free + core.cache.stats().gpu_pages >= free - 1
+    assert core.cache.num_free + core.cache.stats().gpu_pages >= free - 1
 
 
 def test_namespaces_keep_sessions_and_cache_reports_apart(core: EngineCore) -> None:

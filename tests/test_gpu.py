@@ -91,7 +91,7 @@ def test_engine_greedy_batched_equals_alone(tmp_path: Path) -> None:
     assert batched == alone
     assert all(len(t) == 16 for t in alone)
     llm.core.check_integrity()
-    assert llm.core.pool.num_free == llm.core.pool.capacity
+    assert llm.core.cache.num_free == llm.core.cache.capacity
 
 
 # ---- the triton backend and CUDA graphs (issue 15) ----

@@ -96,7 +96,7 @@ def test_host_pages_keep_their_snapshot_until_dropped() -> None:
     store.save("d", SnapshotPoint.TURN, toks, src=0)
     cache.evict(3)  # demoted: the pages still resume at 6, from host
     assert cache.host_pages == 3 and _positions(store, "d", toks) == 6
-    assert cache.match(toks + [9]).num_host_tokens == 6
+    assert cache.match(toks + [9]).num_copied_tokens == 6
     cache.evict_host(1)  # dropped: the snapshot goes with them
     assert cache.host_pages == 0 and store.stats().evicted == 1 and _positions(store, "d", toks) == 0
     cache.check_integrity(Counter())

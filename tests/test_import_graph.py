@@ -1,9 +1,11 @@
 """The package's import graph, computed from the source with `ast`: no cycle between modules of different
-files, and no import from a lower package into a higher one (docs/architecture.md, "Packages and the
-direction of imports").
+files (imports under `if TYPE_CHECKING:` included: a cycle of type hints is a cycle of meaning), no import from
+a lower package into a higher one, and the scheduler and the core reach the cache through engine/cache/manager.py
+alone (docs/architecture.md, "Packages and the direction of imports").
 
-Runtime imports only: an import inside a function counts (it runs when the function is called), and so does
-`importlib.import_module("a.literal.name")`; one under `if TYPE_CHECKING:` does not. The top-level kernels/
+An import inside a function counts (it runs when the function is called), and so does
+`importlib.import_module("a.literal.name")`; for the direction of imports, one under `if TYPE_CHECKING:` does not
+(a lower package may name a higher one's types in hints). The top-level kernels/
 folder counts as `agentbox.kernels` (setup.py maps it).
 Importing an ancestor package is no edge: Python has imported every ancestor before the module itself runs.
 """
@@ -105,7 +107,8 @@ def _imported_names(module: str, is_package: bool, node: ast.AST) -> list[str]:
     return [f"{base}.{alias.name}" for alias in node.names]
 
 
-def import_graph(root: Path = ROOT) -> Graph:
+def import_graph(root: Path = ROOT, type_checking: bool = False) -> Graph:
+    """Runtime imports; with `type_checking`, the ones under `if TYPE_CHECKING:` too."""
     files = module_files(root)
 
     def resolve(name: str) -> str | None:  # the module a dotted name lives in (its longest known prefix)
@@ -116,7 +119,7 @@ def import_graph(root: Path = ROOT) -> Graph:
     graph: Graph = {}
     for module, path in files.items():
         tree = ast.parse(path.read_text(), str(path))
-        skip = _type_checking_only(tree)
+        skip = set() if type_checking else _type_checking_only(tree)
         edges = graph.setdefault(module, {})
         for node in ast.walk(tree):
             if id(node) in skip:
@@ -176,10 +179,42 @@ def graph() -> Graph:
     return import_graph()
 
 
-def test_no_import_cycles_between_files(graph: Graph) -> None:
-    found = cycles(graph)
-    assert not found, ("import cycles; break each by moving what both sides need into a module of its own, "
-                       "or by passing it in:\n" + "\n".join(cycle_report(graph, g) for g in found))
+@pytest.fixture(scope="module")
+def hint_graph() -> Graph:
+    return import_graph(type_checking=True)
+
+
+def test_no_import_cycles_between_files(hint_graph: Graph) -> None:
+    found = cycles(hint_graph)
+    assert not found, ("import cycles (type-checking imports included); break each by moving what both sides need "
+                       "into a module of its own, or by a Protocol of what one side reads of the other:\n"
+                       + "\n".join(cycle_report(hint_graph, g) for g in found))
+
+
+# The scheduler and the core see the cache through one interface (engine/cache/manager.py): Match, Lock and a
+# request's opaque handle. Any other module of engine/cache/ they import is a leak of the cache's insides.
+CACHE_FACADE = "agentbox.engine.cache.manager"
+
+
+def cache_leaks(graph: Graph, modules: tuple[str, ...] = ("agentbox.engine.scheduler", "agentbox.engine.core")) -> list[str]:
+    return [f"{where} imports {b}: the cache is reached through {CACHE_FACADE} only"
+            for a in modules for b, where in sorted(graph.get(a, {}).items())
+            if b.startswith("agentbox.engine.cache") and b != CACHE_FACADE]
+
+
+def test_the_scheduler_and_the_core_reach_the_cache_through_the_manager_only(hint_graph: Graph) -> None:
+    assert CACHE_FACADE in hint_graph["agentbox.engine.scheduler"]  # the check sees the real edge
+    assert CACHE_FACADE in hint_graph["agentbox.engine.core"]
+    found = cache_leaks(hint_graph)
+    assert not found, "\n".join(found)
+
+
+def test_the_facade_check_fails_on_a_leak() -> None:
+    e = "agentbox.engine"
+    graph: Graph = {f"{e}.scheduler": {f"{e}.cache.manager": "s:1", f"{e}.cache.radix_node": "s:2"},
+                    f"{e}.core": {f"{e}.cache.manager": "c:1"}}
+    assert cache_leaks(graph) == ["s:2 imports agentbox.engine.cache.radix_node: the cache is reached through "
+                                  f"{CACHE_FACADE} only"]
 
 
 def test_no_imports_from_a_lower_package_into_a_higher_one(graph: Graph) -> None:
@@ -223,6 +258,8 @@ def test_the_checker_fails_on_a_cycle_and_an_upward_import(tmp_path: Path) -> No
     assert graph["agentbox.chat.harmony"] == {"agentbox.chat.render": "agentbox/chat/harmony.py:1"}
     assert graph["agentbox.chat.render"] == {}
     assert cycles(graph) == [["agentbox.hub.plan", "agentbox.hw.probe"]]
+    hinted = import_graph(tmp_path, type_checking=True)  # the hint-only cycle counts there
+    assert cycles(hinted) == [["agentbox.chat.harmony", "agentbox.chat.render"], ["agentbox.hub.plan", "agentbox.hw.probe"]]
     report = cycle_report(graph, cycles(graph)[0])
     assert "agentbox/hw/probe.py:2 imports agentbox.hub.plan" in report
     assert "agentbox/hub/plan.py:1 imports agentbox.hw.probe" in report

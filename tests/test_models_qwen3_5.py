@@ -170,7 +170,7 @@ def test_snapshot_store_full_drops_lru_and_stays_exact(tiny) -> None:  # noqa: A
               loaded=ours)
     seen = _turns(llm, hf, sessions=3, turns=2)
     assert [turns[1][1] > 0 for turns in seen].count(False) >= 1
-    assert llm.core.scheduler.snapshots.dropped >= 1
+    assert llm.core.cache.snapshot_stats().dropped >= 1
 
 
 @pytest.mark.parametrize("kind", list(configs()))

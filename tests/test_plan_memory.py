@@ -55,4 +55,4 @@ def test_the_cpu_kv_pool_is_what_the_plan_counted(smollm2_path: Path, smollm2_fa
         # Page 0 is the pool's null page; the rest hold the plan's 8,192 tokens x 1 session exactly.
         assert (runner.num_pages - 1) * page_bytes == cand.kv_bytes
         assert runner.max_model_len == 8192
-        assert llm.core.cache.host is None  # on CPU a host tier would copy within the same RAM
+        assert llm.core.cache.page_cache.host is None  # on CPU a host tier would copy within the same RAM

@@ -103,57 +103,58 @@ def test_session_turns_answer_as_the_whole_prompt(live_server: str) -> None:
 
 
 def test_a_sessions_next_request_writes_only_its_new_page_columns() -> None:
-    """engine/exec/page_table.py: the row a session's last request held keeps its pages; the next request of
-    that session takes it and writes only the columns after the first difference, and the table row it reads
-    is its own pages whatever another session did in between."""
+    """engine/cache/rows.py and engine/exec/page_table.py: the row a session's last request held keeps its pages;
+    the next request of that session takes it and writes only the columns after the first difference, and the
+    table row it reads is its own pages whatever another session did in between."""
     import torch
 
-    from agentbox.engine.exec.page_table import PageTable, RowAssigner
-    from agentbox.engine.request import Request, Status
-    from agentbox.engine.sampling import SamplingParams
+    from agentbox.engine.cache.rows import RowPool
+    from agentbox.engine.cache.seq_cache import SeqCache
+    from agentbox.engine.exec.page_table import PageTable, RowWriter
 
-    rows, table = RowAssigner(2), PageTable(2, 64, torch.device("cpu"))
+    pool, writer, table = RowPool(2), RowWriter(2), PageTable(2, 64, torch.device("cpu"))
 
-    def run(sid: str, pages: list[int]) -> tuple[Request, int]:
-        r = Request(sid + str(len(pages)), [1], SamplingParams(), sid)
-        r.pages, r.status = list(pages), Status.RUNNING
-        got, updates = rows.assign([r])
+    def run(sid: str, pages: list[int]) -> int:
+        h = SeqCache(list(pages), pool.take(sid))
+        updates = writer.updates([h])
         table.apply(torch.tensor(updates, dtype=torch.int64).reshape(-1, 3))
-        assert table.table[got[0], : len(pages)].tolist() == pages
-        r.status = Status.FINISHED
-        return r, len(updates) // 3
+        assert table.table[h.row, : len(pages)].tolist() == pages
+        pool.give_back(h.row)  # the request is done
+        return len(updates) // 3
 
     history = list(range(10, 50))
-    assert run("a", history)[1] == 40
-    assert run("b", [7, 8, 9])[1] == 3  # another session, another row
-    assert run("a", [*history[:-1], 90, 91])[1] == 2  # the last page was partial: rewritten, one more
-    assert run("b", [7, 8, 9, 5])[1] == 1
-    rows._sweep(set())
-    r, written = run("c", [3, *history])  # a new session takes a free row: rewritten from the first difference
-    assert written == 41
+    assert run("a", history) == 40
+    assert run("b", [7, 8, 9]) == 3  # another session, another row
+    assert run("a", [*history[:-1], 90, 91]) == 2  # the last page was partial: rewritten, one more
+    assert run("b", [7, 8, 9, 5]) == 1
+    assert run("c", [3, *history]) == 41  # a new session takes a free row: rewritten from the first difference
 
 
 def test_a_sessions_row_comes_back_while_other_rows_are_free() -> None:
-    """Rows are swept only when none is free: a session's next request still takes its own row back (its
-    last request is done) and writes only its new column, not the whole history into a fresh row."""
+    """A session's next request takes its own row back (its last request is done) and writes only its new column,
+    not the whole history into a fresh row; a running request's row is never taken; a cut tail is rewritten."""
     import torch
 
-    from agentbox.engine.exec.page_table import PageTable, RowAssigner
-    from agentbox.engine.request import Request, Status
-    from agentbox.engine.sampling import SamplingParams
+    from agentbox.engine.cache.rows import RowPool
+    from agentbox.engine.cache.seq_cache import SeqCache
+    from agentbox.engine.exec.page_table import PageTable, RowWriter
 
-    rows, table = RowAssigner(8), PageTable(8, 64, torch.device("cpu"))
+    pool, writer, table = RowPool(8), RowWriter(8), PageTable(8, 64, torch.device("cpu"))
     history, held = list(range(10, 50)), []
     for turn, pages in enumerate((history, [*history, 60], [*history, 60, 61])):
-        r = Request(f"a{turn}", [1], SamplingParams(), "a")
-        r.pages, r.status = list(pages), Status.RUNNING
-        got, updates = rows.assign([r])
+        h = SeqCache(list(pages), pool.take("a"))
+        updates = writer.updates([h])
         table.apply(torch.tensor(updates, dtype=torch.int64).reshape(-1, 3))
-        assert table.table[got[0], : len(pages)].tolist() == pages
+        assert table.table[h.row, : len(pages)].tolist() == pages
         assert len(updates) // 3 == (40 if turn == 0 else 1)
-        held.append(got[0])
-        r.status = Status.FINISHED
+        held.append(h.row)
+        if turn < 2:
+            pool.give_back(h.row)
     assert len(set(held)) == 1
-    other = Request("b", [1], SamplingParams(), "b")  # a running request's row is never taken
-    other.pages, other.status = [7], Status.RUNNING
-    assert rows.assign([other])[0][0] != held[0] or rows.owners[held[0]] is other
+    other = SeqCache([7], pool.take("a"))  # the session's row is still running: another one
+    assert other.row != held[0]
+    h.cut(40)  # a rejected draft's tail: the row is rewritten from the cut
+    h.pages.append(77)
+    updates = writer.updates([h])
+    table.apply(torch.tensor(updates, dtype=torch.int64).reshape(-1, 3))
+    assert updates == [h.row, 40, 77] and table.table[h.row, :41].tolist() == [*history, 77]

@@ -36,7 +36,7 @@ def test_match_reuses_page_aligned_prefix_and_splits() -> None:
     run_turn(cache, [1, 2, 3, 4, 5, 6, 7])  # 3 full pages cached, token 7 never
     assert cache.gpu_pages == 3
     m = cache.lock(cache.match([1, 2, 3, 4, 9, 9, 9]))
-    assert m.num_tokens == 4 and len(m.pages) == 2 and m.num_host_tokens == 0
+    assert m.num_tokens == 4 and len(m.pages) == 2 and m.num_copied_tokens == 0
     assert_holds(cache, [1, 2, 3, 4], m.pages, 4)
     assert all(cache.pool.refcount[p] == 2 for p in m.pages)
     cache.check_integrity(Counter(m.pages))
@@ -146,7 +146,7 @@ def test_host_tier_demotes_instead_of_dropping_and_promotes_back() -> None:
     finish(cache, req)
     cache.check_integrity(Counter())
     m = cache.lock(cache.match([1, 2, 3, 4, 5, 6], "a"))
-    assert m.num_tokens == 6 and m.num_host_tokens == 0
+    assert m.num_tokens == 6 and m.num_copied_tokens == 0
     cache.release(m.pages)
     cache.check_integrity(Counter())
 
@@ -157,7 +157,7 @@ def test_promotion_reports_host_tokens() -> None:
     assert cache.demote(2) == 2 and cache.gpu_pages == 0 and cache.host_pages == 2
     assert cache.session_pages("a") == {Tier.GPU: 0, Tier.HOST: 2}
     m = cache.lock(cache.match([1, 1, 2, 2, 3], "a"))
-    assert m.num_tokens == 4 and m.num_host_tokens == 4 and cache.host_pages == 0
+    assert m.num_tokens == 4 and m.num_copied_tokens == 4 and cache.host_pages == 0
     assert cache.session_pages("a") == {Tier.GPU: 2, Tier.HOST: 0}
     assert_holds(cache, [1, 1, 2, 2], m.pages, 4)
     cache.check_integrity(Counter(m.pages))
@@ -198,7 +198,7 @@ def test_session_inference_follows_the_producing_session() -> None:
     for sid, prompt in conversations.items():
         cache.sessions.begin_turn(sid)
         m = cache.lock(cache.match(prompt, sid))
-        cache.sessions.record_prompt(sid, prompt, m.num_tokens, m.num_host_tokens, cache.ps)
+        cache.sessions.record_prompt(sid, prompt, m.num_tokens, m.num_copied_tokens, cache.ps)
         cache.release(m.pages)
         run_turn(cache, prompt + [ord(sid) % 5] * 2, sid)  # prompt + "generated"
     for sid, prompt in conversations.items():
@@ -241,7 +241,7 @@ def test_recomputed_history_is_counted() -> None:
     prompt = [1, 1, 2, 2, 3]
     cache.sessions.begin_turn("s")
     m = cache.lock(cache.match(prompt, "s"))
-    assert cache.sessions.record_prompt("s", prompt, m.num_tokens, m.num_host_tokens, cache.ps) == 0
+    assert cache.sessions.record_prompt("s", prompt, m.num_tokens, m.num_copied_tokens, cache.ps) == 0
     cache.release(m.pages)
     run_turn(cache, prompt + [4, 4, 4], "s")
     cache.evict(100)  # history lost
@@ -249,7 +249,7 @@ def test_recomputed_history_is_counted() -> None:
     cache.sessions.begin_turn("s")
     m = cache.lock(cache.match(nxt, "s"))
     assert m.num_tokens == 0
-    assert cache.sessions.record_prompt("s", nxt, m.num_tokens, m.num_host_tokens, cache.ps) == 8
+    assert cache.sessions.record_prompt("s", nxt, m.num_tokens, m.num_copied_tokens, cache.ps) == 8
     cache.release(m.pages)
     assert cache.sessions.get("s").recomputed_tokens == 8  # type: ignore[union-attr]
 

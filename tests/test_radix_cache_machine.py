@@ -79,7 +79,7 @@ class CacheMachine(RuleBasedStateMachine):
         lock = self.cache.lock(m)
         check_lock(self.cache, tokens, lock)
         self.running.append(Req(tokens[: lock.num_tokens], lock.session, lock.pages))
-        promoted = len(lock.pages) - m.num_gpu_tokens // self.cache.ps
+        promoted = len(lock.pages) - m.num_resident_tokens // self.cache.ps
         self.cache.evict(10**6)
         assert self.cache.pool.num_free == r - promoted
 

@@ -17,7 +17,7 @@ from agentbox.engine.cache.radix_cache import RadixCache
 def full_walk(cache: RadixCache, tokens: list[int]) -> tuple[tuple, int, int]:
     """The keyless lookup never takes a hint: it walks from the root."""
     m = cache.match(tokens, None)
-    return m.path, m.num_tokens, m.num_host_tokens
+    return m.path, m.num_tokens, m.num_copied_tokens
 
 
 ops = st.lists(st.tuples(st.sampled_from(["turn", "edit", "other", "demote", "evict", "drop"]),
@@ -49,7 +49,7 @@ def test_hinted_lookup_equals_the_full_walk(ops: list[tuple[str, list[int]]]) ->
                 walk = full_walk(cache, probe)
                 for given_as in (probe, array("i", probe)):
                     m = cache.match(given_as, s)
-                    assert (m.path, m.num_tokens, m.num_host_tokens) == walk
+                    assert (m.path, m.num_tokens, m.num_copied_tokens) == walk
                     assert snapshot(cache) == before
         if op in ("turn", "other", "edit") and cache.reclaimable(cache.match(seqs[sid], sid)) >= 8:
             run_turn(cache, array("i", seqs[sid]) if k % 2 else seqs[sid], sid)  # type: ignore[arg-type]
@@ -66,4 +66,4 @@ def test_next_turn_resumes_at_the_session_node() -> None:
         tokens = tokens + [turn + 3] * 4
     m = cache.match(tokens, "s")
     assert m.num_tokens == 12 and m.path[-1].start + len(m.path[-1].key) == 12
-    assert (m.path, m.num_tokens, m.num_host_tokens) == full_walk(cache, tokens)
+    assert (m.path, m.num_tokens, m.num_copied_tokens) == full_walk(cache, tokens)

@@ -13,7 +13,9 @@ from hypothesis import HealthCheck, event, given, settings
 from radix_harness import Clock, check_lock, make_cache, run_turn, snapshot
 
 from agentbox.config import EngineConfig
+from agentbox.engine.cache.manager import CacheManager
 from agentbox.engine.cache.radix_cache import RadixCache, Tier
+from agentbox.engine.cache.rows import RowPool
 from agentbox.engine.cache.sessions import LeaseState
 from agentbox.engine.request import Request, Status
 from agentbox.engine.sampling import SamplingParams
@@ -47,7 +49,7 @@ def test_lookup_has_no_side_effects() -> None:
         cache.reclaimable(m)
         assert snapshot(cache) == before
     m = cache.match([7, 7, 2, 2, 2, 2, 5], None)
-    assert (m.num_tokens, m.num_host_tokens, m.session) == (6, 4, "b")
+    assert (m.num_tokens, m.num_copied_tokens, m.session) == (6, 4, "b")
     assert cache.match([7, 7, 1, 1, 9, 9], "a").num_tokens == 4
     assert cache.promotions == 0 and "new" not in cache.sessions
 
@@ -58,7 +60,7 @@ def test_lock_commits_what_the_lookup_found() -> None:
     m = cache.match([7, 7, 2, 2, 2, 2, 5], None)
     lock = cache.lock(m)
     check_lock(cache, [7, 7, 2, 2, 2, 2], lock)
-    assert (lock.num_tokens, lock.num_host_tokens, lock.session) == (6, 4, "b")
+    assert (lock.num_tokens, lock.num_copied_tokens, lock.session) == (6, 4, "b")
     assert cache.promotions == 2 and cache.session_pages("b") == {Tier.GPU: 3, Tier.HOST: 0}
     assert cache.sessions.get("b").lease_expiry > expiry  # type: ignore[union-attr]  # refreshed at t=3
     cache.check_integrity(Counter(lock.pages))
@@ -104,15 +106,22 @@ def test_reclaimable_leaves_out_locked_pages_and_the_match() -> None:
 PS = 2
 
 
-def _scheduler(cache: RadixCache) -> Scheduler:
-    cfg = EngineConfig(page_size=PS, max_num_batched_tokens=64, max_num_seqs=8, cache_policy=cache.policy)
-    return Scheduler(cfg, cache, max_model_len=64)
+def _scheduler(cache: RadixCache, max_num_seqs: int = 8) -> Scheduler:
+    cfg = EngineConfig(page_size=PS, max_num_batched_tokens=64, max_num_seqs=max_num_seqs, cache_policy=cache.policy)
+    return Scheduler(cfg, CacheManager(cache, RowPool(max_num_seqs + 1)), max_model_len=64)
+
+
+def running_refs(sch: Scheduler) -> Counter[int]:
+    """The references the running requests hold, by page."""
+    return Counter(p for h in sch.handles() for p in h.pages)
 
 
 def _running(sch: Scheduler, rid: str, num_tokens: int) -> Request:
     """A request that already runs with all its pages (its prompt is being computed)."""
     req = Request(rid, [100 + i for i in range(num_tokens)], SamplingParams(max_tokens=4), f"sess-{rid}")
-    req.pages = sch.pool.alloc(-(-num_tokens // PS))
+    lock = sch.cache.lock(sch.cache.match([]), req.all_token_ids)  # nothing cached: a row and no pages
+    assert sch.cache.grow(lock.handle, num_tokens)
+    req.cache_handle = lock.handle
     req.status = Status.RUNNING
     sch.running.append(req)
     sch.requests[rid] = req
@@ -133,7 +142,7 @@ def test_a_declined_admission_leaves_the_cache_unchanged_and_counts_the_one_that
     out = sch.schedule()
     # B needs 6 pages (4 to promote its history into, 2 for its question); 1 is free and nothing is
     # reclaimable: it waits, and nothing about the cache moved (no promotion, tag, lease refresh, split).
-    assert [s.request for s in out.seqs] == [a] and b2.status is Status.WAITING and not b2.pages
+    assert [s.request for s in out.seqs] == [a] and b2.status is Status.WAITING and b2.cache_handle is None
     assert snapshot(cache) == before
     assert cache.sessions.get("B").turns == turns  # type: ignore[union-attr]  # its turn has not begun
     sch.finish(a, "stop")
@@ -142,7 +151,7 @@ def test_a_declined_admission_leaves_the_cache_unchanged_and_counts_the_one_that
     # The counters come from the admission that ran: the whole history, copied back from host.
     assert (b2.num_cached_tokens, b2.num_host_cached_tokens, b2.num_recomputed_tokens) == (8, 8, 0)
     assert cache.promotions == 4 and cache.sessions.get("B").turns == turns + 1  # type: ignore[union-attr]
-    cache.check_integrity(sch.running_refs())
+    cache.check_integrity(running_refs(sch))
     # A preemption and a return re-lock the prefix but neither recount nor begin another turn.
     b2.num_computed_tokens = b2.num_tokens
     sch._preempt(b2)
@@ -189,7 +198,7 @@ def test_scheduler_admission_under_random_traffic(data: st.DataObject) -> None:
                        max_num_seqs=data.draw(st.integers(2, 4), "max seqs"), cache_policy=policy,
                        admission_timeout_s=1e9)
     max_len = (gpu - 1) * ps
-    sch = Scheduler(cfg, cache, max_model_len=max_len)
+    sch = Scheduler(cfg, CacheManager(cache, RowPool(cfg.max_num_seqs)), max_model_len=max_len)
     last: dict[str, list[int]] = {}
     arrivals = data.draw(st.lists(st.tuples(st.sampled_from([None, "a", "b", "c"]),
                                             st.lists(st.integers(0, 3), min_size=1, max_size=8)),
@@ -214,7 +223,7 @@ def test_scheduler_admission_under_random_traffic(data: st.DataObject) -> None:
             s.request.num_computed_tokens += s.num_new_tokens
             if s.sample:
                 sch.finish(s.request, "length")
-        cache.check_integrity(sch.running_refs())
+        cache.check_integrity(running_refs(sch))
         clock.t += 0.25
         if not pending and not sch.has_work():
             break

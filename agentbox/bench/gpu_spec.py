@@ -98,11 +98,12 @@ def verify_cost(loaded: LoadedModel, device: str, context: int = 512, repeats: i
                            max_num_seqs=4, speculative=Speculative.OFF), loaded=loaded)
     core, runner = llm.core, llm.core.runner
     prompt = random_prompts(1, context + max(KS) + 1, loaded.vocab_size, 3)[0]
-    req = Request("gpu-spec-verify", prompt[:context], SamplingParams(temperature=0.0))
-    req.pages = core.pool.alloc(-(-len(prompt) // core.pool.page_size))
-    try:
+    with core.cache.scratch(len(prompt)) as handle:
+        req = Request("gpu-spec-verify", prompt[:context], SamplingParams(temperature=0.0), cache_handle=handle)
         runner.forward_logits(SchedulerOutput([ScheduledSeq(req, context, True)], []))
-        req.num_computed_tokens = context - 1  # its last token again, as a decode, then k drafts after it
+        # its last token again, as a decode, then k drafts after it
+        req = Request("gpu-spec-verify", prompt[:context], SamplingParams(temperature=0.0), cache_handle=handle,
+                      num_computed_tokens=context - 1)
         decode = SchedulerOutput([ScheduledSeq(req, 1, True)], [])
         ms = {"decode_graph" if runner.graphs is not None else "decode_eager": _time_step(llm, decode, device, repeats)}
         graphs, runner.graphs = runner.graphs, None
@@ -112,8 +113,6 @@ def verify_cost(loaded: LoadedModel, device: str, context: int = 512, repeats: i
             ms[f"verify_k{k}"] = _time_step(llm, SchedulerOutput([ScheduledSeq(req, 1 + k, True, prompt[context:context + k])], []),
                                             device, repeats)
         runner.graphs = graphs
-    finally:
-        core.pool.decref(req.pages)
     base = ms.get("decode_graph", ms["decode_eager"])
     return {
         "context_tokens": context, "step_ms": {k: round(v * 1e3, 3) for k, v in ms.items()},

@@ -138,11 +138,12 @@ def verify_cost(llm: LLM, prompt: list[int], ks: tuple[int, ...] = (0, 1, 3, 7, 
     """The forward pass of one sequence scoring its next token plus k drafts, against k = 0 (a decode step),
     after `prompt`: the fastest of `repeats` each, in scratch pages (as LLM.logits uses)."""
     core = llm.core
-    req = Request("spec-verify-cost", list(prompt), SamplingParams(temperature=0.0))
-    req.pages = core.pool.alloc(-(-(len(prompt) + max(ks) + 1) // core.pool.page_size))
-    try:
+    with core.cache.scratch(len(prompt) + max(ks) + 1) as handle:
+        req = Request("spec-verify-cost", list(prompt), SamplingParams(temperature=0.0), cache_handle=handle)
         core.runner.forward_logits(SchedulerOutput([ScheduledSeq(req, len(prompt), True)], []))
-        req.num_computed_tokens = len(prompt) - 1  # its last token again, as a decode, then k drafts after it
+        # its last token again, as a decode, then k drafts after it
+        req = Request("spec-verify-cost", list(prompt), SamplingParams(temperature=0.0), cache_handle=handle,
+                      num_computed_tokens=len(prompt) - 1)
         best = {}
         for k in ks:
             step = SchedulerOutput([ScheduledSeq(req, 1 + k, True, prompt[:k])], [])
@@ -152,8 +153,6 @@ def verify_cost(llm: LLM, prompt: list[int], ks: tuple[int, ...] = (0, 1, 3, 7, 
                 core.runner.forward_logits(step)
                 times.append(_clock() - t)
             best[k] = min(times)
-    finally:
-        core.pool.decref(req.pages)
     return {"context_tokens": len(prompt), "decode_step_ms": round(best[0] * 1e3, 2),
             "verify_vs_decode": {str(k): round(best[k] / best[0], 3) for k in ks}}
 

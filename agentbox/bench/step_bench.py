@@ -41,11 +41,17 @@ def legacy_prepare(out: SchedulerOutput, page_size: int) -> torch.Tensor:
         toks = r.prompt_token_ids + r.output_token_ids
         start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
         ids.extend(toks[start:end])
-        slots.extend(r.pages[p // page_size] * page_size + p % page_size for p in range(start, end))
-    table = torch.zeros((len(out.seqs), max(len(s.request.pages) for s in out.seqs)), dtype=torch.int32)
+        pages = _pages(r)
+        slots.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, end))
+    table = torch.zeros((len(out.seqs), max(len(_pages(s.request)) for s in out.seqs)), dtype=torch.int32)
     for i, s in enumerate(out.seqs):
-        table[i, : len(s.request.pages)] = torch.tensor(s.request.pages, dtype=torch.int32)
+        table[i, : len(_pages(s.request))] = torch.tensor(_pages(s.request), dtype=torch.int32)
     return table
+
+
+def _pages(r: Request) -> list[int]:
+    assert r.cache_handle is not None
+    return r.cache_handle.pages
 
 
 def _small(max_len: int) -> LlamaConfig:
@@ -61,7 +67,10 @@ def _decoding(core: EngineCore, batch: int, context: int) -> list[Request]:
     for i in range(batch):
         params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
         r = Request(f"bench-{i}", [(i + j) % 100 + 1 for j in range(context)], params)
-        r.pages = core.pool.alloc(-(-(context + 1) // ps))
+        lock = core.cache.lock(core.cache.match([]), r.all_token_ids)  # nothing cached: a row, no pages yet
+        if not core.cache.grow(lock.handle, -(-(context + 1) // ps) * ps):
+            raise RuntimeError("the bench's pool is too small")
+        r.cache_handle = lock.handle
         r.num_computed_tokens = context - 1
         r.status = Status.RUNNING
         core.scheduler.running.append(r)

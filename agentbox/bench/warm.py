@@ -247,7 +247,8 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
         while not any(o.finished for o in core.step()):
             pass
         # as the server: the history inserted and the prompt looked up as the int32 arrays the API process sends
-        core.cache.insert(array("i", ids_before[:cached]), core.pool.alloc(cached // 16), "s")
+        pages = core.cache.page_cache
+        pages.insert(array("i", ids_before[:cached]), pages.pool.alloc(cached // 16), "s")
         t_lookup, m = _timed(core.cache.match, id_array, "s")  # resumes at the session's node
         t_walk, walk = _timed(core.cache.match, id_array, None)  # keyless: the walk from the root
         assert m.num_tokens == walk.num_tokens == cached

@@ -12,11 +12,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from agentbox.config import EngineConfig, Speculative
-from agentbox.engine.cache.cache_policies import kv_manager
-from agentbox.engine.cache.disk_states import disk_states
-from agentbox.engine.cache.kv_pool import PagePool
-from agentbox.engine.cache.sessions import TurnRecord
-from agentbox.engine.cache.state_snapshots import SnapshotStore
+from agentbox.engine.cache.manager import CacheShape, TurnRecord, build_cache
 from agentbox.engine.draft import Drafter
 from agentbox.engine.exec.runner import ModelRunner
 from agentbox.engine.exec.worker import RankDeath, start_group
@@ -74,23 +70,17 @@ class EngineCore:
             raise RuntimeError(why or str(e)) from e
         if self.workers is not None:
             self.workers.watch(on_rank_death or self._note_death)
-        self.pool = PagePool(self.runner.num_pages, config.page_size)
-        self.cache = kv_manager(config, self.pool, self.runner.kv_cache, state=self.runner.state_cache)
-        # The runner may run fewer requests than asked where per-sequence state is large (a small card).
-        self.scheduler = Scheduler(replace(config, max_num_seqs=self.runner.max_num_seqs), self.cache,
-                                   self.runner.max_model_len)
-        self.scheduler.recurrent_state = self.runner.state_cache is not None
-        if self.runner.state_cache is not None and self.runner.num_snapshots > 0:
-            self.scheduler.snapshots = SnapshotStore(
-                self.runner.num_rows, self.runner.num_snapshots, self.runner.state_cache.slot_bytes(),
-                self.runner.state_in_place, self.runner.num_host_snapshots,
-            )
-            self.cache.keep_states(self.scheduler.snapshots)
-        self.scheduler.disk_states = disk_states(self.cache, self.runner.state_cache, self.scheduler.snapshots,
-                                                 self.scheduler.pending_state_slots)
-        self.eos_token_ids = set(self.runner.loaded.eos_token_ids)
+        r = self.runner
+        self.cache = build_cache(config, CacheShape(
+            kv=r.kv_cache, num_pages=r.num_pages, page_size=config.page_size, num_rows=r.num_rows,
+            state=r.state_cache, num_snapshots=r.num_snapshots, num_host_snapshots=r.num_host_snapshots,
+            state_in_place=r.state_in_place,
+        ))
         self.drafter = self._drafter(config)
-        self.scheduler.drafter = self.drafter
+        # The runner may run fewer requests than asked where per-sequence state is large (a small card).
+        self.scheduler = Scheduler(replace(config, max_num_seqs=r.max_num_seqs), self.cache, r.max_model_len,
+                                   self.drafter)
+        self.eos_token_ids = set(r.loaded.eos_token_ids)
         self.started = time.time()
         self._grammar_compiler = None
         self.counters = EngineCounters()
@@ -109,9 +99,7 @@ class EngineCore:
         """A graceful stop: the cache's unsaved pages and the session table to the disk tier, within
         config.disk_flush_s (engine/cache/radix_disk.py)."""
         t0 = time.monotonic()
-        written, left = self.cache.persist(self.config.disk_flush_s)
-        disk = self.scheduler.disk_states
-        states = disk.persist(self.scheduler.take_state_copies()) if disk is not None else 0
+        written, left, states = self.cache.persist(self.config.disk_flush_s)
         if written or left or states:
             log.info("saved %d KV pages of %d sessions (%d state snapshots) to disk in %.1f s%s", written,
                      len(self.cache.sessions), states, time.monotonic() - t0,
@@ -292,7 +280,10 @@ class EngineCore:
             return results
         if self.rank_death is not None:
             raise RuntimeError(self.rank_death.describe())
-        tokens, lps, failed = self.runner.step(out)
+        result = self.runner.step(out)
+        for h, position in result.aligned:  # before any request below ends: its snapshot reads this
+            self.cache.aligned(h, position)
+        tokens, lps, failed = result.tokens, result.logprobs, result.failed
         c = self.counters
         c.steps += 1
         c.computed_tokens += out.num_tokens
@@ -304,7 +295,7 @@ class EngineCore:
                 c.decode_tokens += s.num_new_tokens
             else:
                 c.prefill_tokens += s.num_new_tokens
-            req.num_computed_tokens += s.num_new_tokens - len(s.draft)  # accepted drafts count in _accept_run
+            self.scheduler.computed(req, s.num_new_tokens - len(s.draft))  # accepted drafts count in _accept_run
             if req.flushing:
                 self.scheduler.finish(req, req.finish_reason or "stop")
                 continue
@@ -338,7 +329,7 @@ class EngineCore:
         for t in tokens[1:]:
             if out.finished or (gs is not None and gs.closing is not None):
                 break  # a grammar that starts closing forces its next tokens: the verified rows did not
-            req.num_computed_tokens += 1
+            self.scheduler.computed(req, 1)
             more = self._accept(req, t, None)
             out.new_token_ids += more.new_token_ids
             out.finished, out.finish_reason = more.finished, more.finish_reason
@@ -369,7 +360,7 @@ class EngineCore:
                 # The answer is complete for the client now; one more step computes the last token's KV
                 # (batched with the others) so the next turn finds prompt + completion cached, when that
                 # token completes a page (the scheduler finishes it without the step otherwise).
-                req.flushing, req.finish_reason = True, reason
+                self.scheduler.start_flush(req, reason)
             else:
                 self.scheduler.finish(req, reason)
         return out_
@@ -389,7 +380,7 @@ class EngineCore:
         return answer_query(self, q)
 
     def check_integrity(self) -> None:
-        self.cache.check_integrity(self.scheduler.running_refs())
+        self.cache.check_integrity(self.scheduler.handles())
 
     def wait_timeout(self) -> float | None:
         """How long the process loop may block on the pipe: None (forever) when idle."""

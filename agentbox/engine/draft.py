@@ -23,12 +23,12 @@ decodes as before.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from agentbox.config import EngineConfig, Speculative
+from agentbox.engine.draft_state import DECAY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, DraftState, TokenHistory
 from agentbox.kernels import cpu_gemv
 
 if TYPE_CHECKING:
@@ -45,10 +45,6 @@ MAX_MATCH = 32
 # measured keep the EPYC's numbers. GPU decode is memory-bound, so rows up to 16 cost about as much as one.
 CPU_POLICY = {cpu_gemv.Isa.AVX512_VNNI: (0.2, 1.0)}
 POLICY = {"cpu": (0.3, 0.5), "cuda": (0.02, 0.5)}
-# The per-token acceptance a new request starts from, and its weight in verified tokens; each verify's counts
-# decay by DECAY, so a is the recent acceptance.
-PRIOR_ACCEPTANCE, PRIOR_WEIGHT, DECAY = 0.7, 2.0, 0.8
-PAUSE_STEPS = 16
 MAX_PAUSE_STEPS = 512
 MAX_SESSIONS = 4096  # per-session counts kept for /v1/sessions (the session table holds at most 1024 by default)
 
@@ -74,31 +70,6 @@ def best_k(acceptance: float, row_cost: float, max_k: int) -> int:
     return best
 
 
-class TokenHistory:
-    """An int32 array that only grows, kept in step with a token list by appending what it lacks."""
-
-    def __init__(self, capacity: int = 1024) -> None:
-        self.buf = np.empty(capacity, dtype=np.int32)
-        self.n = 0
-
-    def extend(self, tokens: list[int] | np.ndarray) -> None:
-        need = self.n + len(tokens)
-        if need > self.buf.size:
-            grown = np.empty(max(need, 2 * self.buf.size), dtype=np.int32)
-            grown[: self.n] = self.buf[: self.n]
-            self.buf = grown
-        self.buf[self.n : need] = tokens
-        self.n = need
-
-    def sync(self, tokens: list[int]) -> None:
-        if len(tokens) > self.n:
-            self.extend(tokens[self.n :])
-
-    @property
-    def view(self) -> np.ndarray:
-        return self.buf[: self.n]
-
-
 def longest_match(hay: np.ndarray, limit: int, pattern: np.ndarray, max_len: int = MAX_MATCH) -> tuple[int, int]:
     """(end, length): the latest position `end < limit` of `hay` where the longest suffix of `pattern` (up to
     max_len tokens) ends, and that suffix's length; (-1, 0) when the last token of pattern is nowhere."""
@@ -114,26 +85,6 @@ def longest_match(hay: np.ndarray, limit: int, pattern: np.ndarray, max_len: int
             break
         cand, length = keep, length + 1
     return int(cand[-1]), length
-
-
-@dataclass
-class DraftState:
-    """One request's drafting: its token history, its recent acceptance, what it drafted and had accepted."""
-
-    history: TokenHistory = field(default_factory=TokenHistory)
-    drafted: int = 0
-    accepted: int = 0
-    # decayed counts of accepted draft tokens and of rejections (one per verify that stopped early)
-    kept: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
-    refused: float = (1 - PRIOR_ACCEPTANCE) * PRIOR_WEIGHT
-    paused_until: int = 0  # a decode-step count
-    pause: int = PAUSE_STEPS
-    steps: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        """The recent chance that a draft token is accepted, given the one before it was."""
-        return self.kept / (self.kept + self.refused)
 
 
 class GlobalHistory:

@@ -82,14 +82,9 @@ class LLM:
     def logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """float32 logits [vocab] for the next token after the prompt, computed cold in scratch pages."""
         core = self.core
-        req = Request(f"llm-logits-{next(self._ids)}", list(prompt_token_ids), SamplingParams())
-        need = -(-len(prompt_token_ids) // core.pool.page_size)
-        if core.pool.num_free < need:
-            core.cache.evict(need - core.pool.num_free)
-        req.pages = core.pool.alloc(need)
-        try:
+        with core.cache.scratch(len(prompt_token_ids)) as handle:
+            req = Request(f"llm-logits-{next(self._ids)}", list(prompt_token_ids), SamplingParams(),
+                          cache_handle=handle)
             out = core.runner.forward_logits(SchedulerOutput([ScheduledSeq(req, len(prompt_token_ids), True)], []))
             assert out is not None
             return out[0]
-        finally:
-            core.pool.decref(req.pages)

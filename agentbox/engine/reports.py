@@ -3,16 +3,20 @@ session queries (list, one session, drop). Apart from core.py, which admits requ
 
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
-from agentbox.engine.cache.session_view import session_detail, session_summary
+from agentbox.engine.cache.manager import CacheManager
 from agentbox.engine.cache.stats import SessionDetail, SessionDropped, SessionList, SessionSummary
+from agentbox.engine.draft import Drafter
+from agentbox.engine.exec.runner import ModelRunner
+from agentbox.engine.exec.worker import TPWorkers
 from agentbox.engine.ipc.messages import Query, QueryFailed, QueryKind, QueryResult
+from agentbox.engine.scheduler import Scheduler
 from agentbox.engine.stats import (
     AdmissionStats,
+    EngineCounters,
     EngineStats,
     ParallelStats,
     PoolStats,
@@ -20,8 +24,22 @@ from agentbox.engine.stats import (
     SpecStats,
 )
 
-if TYPE_CHECKING:
-    from agentbox.engine.core import EngineCore
+
+class EngineCore(Protocol):
+    """What the reports read of the engine core (engine/core.py), and the two things they ask of it."""
+
+    started: float
+    scheduler: Scheduler
+    cache: CacheManager
+    runner: ModelRunner
+    counters: EngineCounters
+    drafter: Drafter | None
+    workers: TPWorkers | None
+
+    def prune_sessions(self, room: int = 0) -> int: ...
+
+    def busy_sessions(self) -> set[str | None]: ...
+
 
 _Summary = TypeVar("_Summary", SessionSummary, SessionDetail)
 
@@ -33,13 +51,13 @@ def engine_stats(core: EngineCore) -> EngineStats:
         running=len(sch.running),
         waiting=sch.num_waiting(),
         pool=PoolStats(
-            total_pages=core.pool.capacity,
-            free_pages=core.pool.num_free,
-            used_pages=core.pool.num_used,
-            page_size=core.pool.page_size,
-            running_pages=len(sch.running_refs()),
+            total_pages=core.cache.capacity,
+            free_pages=core.cache.num_free,
+            used_pages=core.cache.capacity - core.cache.num_free,
+            page_size=core.cache.page_size,
+            running_pages=core.cache.running_pages(sch.handles()),
             page_bytes=core.runner.kv_cache.page_bytes,
-            kv_bytes_per_token=core.runner.kv_cache.page_bytes // core.pool.page_size,
+            kv_bytes_per_token=core.runner.kv_cache.page_bytes // core.cache.page_size,
         ),
         cache=core.cache.stats(),
         counters=replace(core.counters),
@@ -50,7 +68,7 @@ def engine_stats(core: EngineCore) -> EngineStats:
         ),
         sessions=SessionCounts(count=len(core.cache.sessions), live_leases=len(core.cache.sessions.live())),
         parallel=_parallel_stats(core),
-        snapshots=None if sch.snapshots is None else sch.snapshots.stats(),
+        snapshots=core.cache.snapshot_stats(),
         speculative=_spec_stats(core),
     )
 
@@ -80,25 +98,19 @@ def _parallel_stats(core: EngineCore) -> ParallelStats:
     )
 
 
-def _snapshot_bytes(core: EngineCore, session: str) -> int:
-    store = core.scheduler.snapshots
-    return 0 if store is None else store.session_bytes(session)
-
-
 def answer_query(core: EngineCore, q: Query) -> QueryResult:
     if q.kind is QueryKind.STATS:
         return engine_stats(core)
     if q.kind is QueryKind.SESSIONS:
         core.prune_sessions()
         busy = core.busy_sessions()
-        snap = functools.partial(_snapshot_bytes, core)
-        return SessionList([_spec_counts(core, session_summary(core.cache, s, s.id in busy, snap(s.id)))
+        return SessionList([_spec_counts(core, core.cache.session_summary(s, s.id in busy))
                             for s in core.cache.sessions])
     if q.kind is QueryKind.SESSION:
         s = core.cache.sessions.get(q.arg or "")
         if s is None:
             return None
-        return _spec_counts(core, session_detail(core.cache, s, s.id in core.busy_sessions(), _snapshot_bytes(core, s.id)))
+        return _spec_counts(core, core.cache.session_detail(s, s.id in core.busy_sessions()))
     if q.kind is QueryKind.DROP_SESSION:
         sid = q.arg or ""
         if sid not in core.cache.sessions:

@@ -1,7 +1,13 @@
-"""A request owns its state: tokens, how many of them are computed, its pages, its sampling state, timings.
+"""A request owns its state: tokens, how many of them are computed, its cache handle, its sampling state,
+timings.
 
 There is no prefill or decode phase: each step catches `num_computed_tokens` up to `num_tokens` within the
 step's token budget; when it reaches the end, the step samples one more token.
+
+One writer per field: the scheduler (engine/scheduler.py) writes what scheduling decides (status, computed
+tokens, the cache handle, the cache counters, the finish reason), the core (engine/core.py) what it creates
+and what the client sees (grammar, loop guard, the prompt's array, output tokens, first-token time), the drafter
+its draft state. The runner only reads (tests/test_architecture_claims.py checks this).
 """
 
 from __future__ import annotations
@@ -17,7 +23,8 @@ import torch
 from agentbox.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from agentbox.engine.draft import DraftState
+    from agentbox.engine.cache.seq_cache import SeqCache
+    from agentbox.engine.draft_state import DraftState
     from agentbox.engine.grammar import GrammarState
     from agentbox.engine.loop_guard import LoopGuard
 
@@ -56,34 +63,15 @@ class Request:
     loop_guard: LoopGuard | None = None  # engine/loop_guard.py, unless `serve --no-loop-guard`
     draft_state: DraftState | None = None  # speculative decoding (engine/draft.py), from its first draft
     _generator: torch.Generator | None = None
-    _pages: list[int] = field(default_factory=list, repr=False)
-    # The runner's persistent page-table row for this request and how many of `pages` it holds already
-    # (engine/exec/page_table.py); assigning `pages` anew resets it, `pages.extend` keeps it.
-    table_row: int | None = field(default=None, repr=False)
-    pages_in_table: int = field(default=0, repr=False)
-    # Hybrid models: a snapshot slot to seed the state from before the next step, and the position the
-    # runner last copied this request's state at (a page boundary; engine/cache/state_snapshots.py).
-    state_seed: int | None = field(default=None, repr=False)
-    state_aligned_at: int = field(default=0, repr=False)
-    state_prompt_saved: bool = field(default=False, repr=False)
-    state_share_at: int = field(default=0, repr=False)  # > 0: keep the state there as a shared-prefix snapshot
+    # What the cache gave it while it runs (its pages, its row, its state seed): the cache's own object, opaque
+    # to everyone else (engine/cache/seq_cache.py); None while it waits.
+    cache_handle: SeqCache | None = field(default=None, repr=False)
     # The prompt as the int32 array the API process sent (rebuilt from its delta, engine/ipc/prompt_delta.py),
     # when it came as one: the cache compares it with the history's keys at C speed (token_array).
     prompt_ids: array | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
-
-    @property
-    def pages(self) -> list[int]:
-        """This request's page table, one page per page_size tokens. Grow it with `extend`; assign a new
-        list to replace it (the runner's table row is then rewritten)."""
-        return self._pages
-
-    @pages.setter
-    def pages(self, pages: list[int]) -> None:
-        self._pages = pages
-        self.pages_in_table = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -118,14 +106,6 @@ class Request:
 
     def append_output(self, token: int) -> None:
         self.token_ids.append(token)
-
-    def trim_pages(self, keep: int) -> list[int]:
-        """Drops the pages past the first `keep` (a rejected draft's tail) and returns them; the runner's
-        table row keeps the pages it still holds."""
-        gone = self._pages[keep:]
-        del self._pages[keep:]
-        self.pages_in_table = min(self.pages_in_table, keep)
-        return gone
 
     @property
     def num_drafted(self) -> int:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata
+from agentbox.layers.paged_entries import EntryStep
 from agentbox.layers.recurrent_state import StateStep
 
 
@@ -18,7 +19,9 @@ from agentbox.layers.recurrent_state import StateStep
 class ForwardContext:
     backend: AttentionBackend
     meta: AttentionMetadata
-    state: StateStep | None = None  # hybrid models: each sequence's recurrent-state slot
+    state: StateStep | None = None  # a model with a state group: each sequence's state slot
+    # A model with paged groups of more than one token an entry: each size's slots this step (paged_entries.py)
+    entries: dict[int, EntryStep] = field(default_factory=dict)
 
 
 _current: ForwardContext | None = None
@@ -26,7 +29,8 @@ _current: ForwardContext | None = None
 
 @contextmanager
 def forward_context(
-    backend: AttentionBackend, meta: AttentionMetadata, *, capture: bool = False, state: StateStep | None = None
+    backend: AttentionBackend, meta: AttentionMetadata, *, capture: bool = False, state: StateStep | None = None,
+    entries: dict[int, EntryStep] | None = None,
 ) -> Iterator[ForwardContext]:
     """capture: the step is being captured into a CUDA graph (the backend's begin_capture hook runs)."""
     global _current
@@ -36,7 +40,7 @@ def forward_context(
         backend.begin_capture(meta)
     else:
         backend.begin(meta)
-    _current = ForwardContext(backend, meta, state)
+    _current = ForwardContext(backend, meta, state, entries or {})
     try:
         yield _current
     finally:

@@ -149,7 +149,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         conv_w = self.conv1d.weight.squeeze(1)
         rule = delta_rule_for(hidden.device)  # flash-linear-attention on CUDA where it imports, else torch
-        conv_cache, matrix_cache = step.cache.conv[self.state_index], step.cache.matrix[self.state_index]
+        conv_cache, matrix_cache = step.cache.layers[self.state_index]
         out = torch.empty(hidden.shape[0], self.hv, self.dv, dtype=torch.float32, device=hidden.device)
         starts = [0]
         for n in step.query_lens:

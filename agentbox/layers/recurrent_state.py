@@ -87,8 +87,9 @@ class StateRecord:
 
 
 class StateCache:
-    """Every state layer's tensors for every slot. `layers[i]` are layer i's tensors (a linear layer's conv and
-    matrix, `conv[i]` and `matrix[i]`; a sliding-window layer's key and value rings, layers/window_kv.py).
+    """Every state layer's tensors for every slot. `layers[i]` are layer i's tensors, as many as its spec
+    allocates (a linear layer's conv and matrix, `conv[i]` and `matrix[i]`; a sliding-window layer's key and
+    value rings, layers/window_kv.py).
     Slots [0, num_slots) are on the device; `num_host` more follow them in host RAM (pinned beside a GPU): the
     snapshots that do not fit on a small card (a Gemma 4 31B ring is 812 MiB) and those demoted there. A copy
     between the two is one slot index to another (`copy`); the layers read device slots only."""
@@ -99,8 +100,6 @@ class StateCache:
         self.num_slots = num_slots
         self.num_host = num_host
         self.layers = [s.allocate(num_slots, dtype, device) for s in specs]
-        self.conv = [t[0] for t in self.layers]
-        self.matrix = [t[1] for t in self.layers]
         # (layer, slot) -> a pending verify's per-position inputs, until the next step's `commit`
         self.stash: dict[tuple[int, int], tuple] = {}
         pin = torch.device(device).type == "cuda"
@@ -111,9 +110,20 @@ class StateCache:
     def bytes_per_slot(specs: list[StateSpec], dtype: torch.dtype) -> int:
         return sum(s.bytes(dtype) for s in specs)
 
+    @property
+    def conv(self) -> list[torch.Tensor]:
+        """Each layer's first tensor (a linear layer's conv inputs)."""
+        return [t[0] for t in self.layers]
+
+    @property
+    def matrix(self) -> list[torch.Tensor]:
+        """Each layer's second tensor (a linear layer's state matrix)."""
+        return [t[1] for t in self.layers]
+
     def slot_bytes(self) -> int:
-        """Bytes one slot holds, from the tensors themselves."""
-        return sum(t[0].numel() * t.element_size() for t in (*self.conv, *self.matrix))
+        """Bytes one slot holds, from the tensors themselves (every tensor of every layer: a spec allocates as
+        many as it needs)."""
+        return sum(t[0].numel() * t.element_size() for ts in self.layers for t in ts)
 
     def _at(self, slot: int) -> list[tuple[tuple[torch.Tensor, ...], int]]:
         if slot < self.num_slots:

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from agentbox.config import state_dir
 from agentbox.layers.backends.base import KVLayerSpec
+from agentbox.layers.cache_layout import CacheLayout, PagedGroup, StateGroup
 from agentbox.layers.experts import FusedMoE
 from agentbox.layers.experts import cpu as cpu_experts
 from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
@@ -158,6 +159,17 @@ class LoadedModel:
     eos_token_ids: list[int]
     source: ModelSource
     dtype: torch.dtype  # the compute dtype (a quantised parameter's own dtype says nothing of it)
+
+    @property
+    def layout(self) -> CacheLayout:
+        """The model's cache layout (interim: derived from the model's own lists until the model protocol
+        declares it)."""
+        own = getattr(self.model, "cache_layout", None)
+        if own is not None:
+            return own()
+        specs_of = getattr(self.model, "state_specs", None)
+        state = StateGroup(tuple(specs_of())) if specs_of is not None else None
+        return CacheLayout((PagedGroup(tuple(self.kv_specs)),), state)
 
     @property
     def kv_specs(self) -> list[KVLayerSpec]:

@@ -1,4 +1,4 @@
-"""The cache policies, each a `KVManager` (manager.py) over the radix tree (radix_cache.py), saying only what
+"""The cache policies, each a `PageCache` (page_cache.py) over the radix tree (radix_cache.py), saying only what
 it changes; `kv_manager` picks the engine's from its config.
 
 - `SessionCache` (`--cache-policy session`, the default): sessions hold soft leases on their pages, eviction

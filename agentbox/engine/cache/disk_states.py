@@ -8,22 +8,39 @@ saved (state_snapshots.py). So its snapshots go to the same disk tier as its pag
 - Written when they leave memory: a snapshot the store drops for room (`dropping`, before its slot is
   reused), and every held snapshot at a graceful stop (`persist`). A slot whose copy is still queued for
   the next step does not hold its snapshot yet: it is not written (recomputed later, never served wrong).
-- Restored on a match (`resume`): when the disk holds a snapshot further into the prompt than any in
-  memory, it is read into a store slot (under its own key, `disk:<hash>`) and the request seeds from it; the
-  scheduler keeps the match's disk pages up to that position, and falls back to computing from the start
-  when the pages come back short (a torn chunk, no room), since the state would then be at the wrong place.
+- Restored on a match: when the disk holds a snapshot further into the prompt than any in memory, the lookup
+  names it (`find`, pure) and the lock reads it into a store slot (`load`, under its own key, `disk:<hash>`)
+  for the request to seed from; the cache keeps the match's disk pages up to that position, and falls back
+  to computing from the start when the pages come back short (a torn chunk, no room), since the state would
+  then be at the wrong place (state_group.py, manager.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from agentbox.engine.cache.disk_tier import DiskTier
-from agentbox.engine.cache.radix_cache import RadixCache
 from agentbox.engine.cache.state_snapshots import Snapshot, SnapshotStore
 from agentbox.layers.recurrent_state import StateCache, StateRecord
+
+
+@dataclass(frozen=True)
+class DiskSnapshot:
+    """A snapshot on disk a lookup found (`DiskStates.find`): the state after `tokens`."""
+
+    hash: bytes
+    tokens: tuple[int, ...]
+
+    @property
+    def key(self) -> str:
+        return "disk:" + self.hash.hex()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
 
 
 def slot_bytes(state: StateCache, slot: int) -> bytes:
@@ -102,41 +119,44 @@ class DiskStates:
 
     # ---- restore ----
 
-    def resume(self, snap: Snapshot | None, tokens: Sequence[int], limit: int, seeds: set[int]) -> Snapshot | None:
-        """`snap` (the best snapshot in memory for tokens, up to `limit`), or a longer one read from disk into
-        the store. `seeds`: slots requests admitted this step seed from (never overwritten). The store's queued
-        copies run here first (between steps, on the one rank a disk tier runs on): taking a slot may demote
-        its victim, a copy that reads the slot before the disk's bytes land in it."""
+    def find(self, snap: Snapshot | None, tokens: Sequence[int], limit: int) -> Snapshot | DiskSnapshot | None:
+        """A snapshot further into `tokens` (up to `limit`) than `snap` (the best one in memory): one read back
+        from disk before (an admission that then had to wait), or one still on disk. None when there is none.
+        Pure."""
         have = snap.num_tokens if snap is not None else 0
         if not self.tier.states or limit < have + self.ps:
-            return snap
+            return None
         toks = tuple(tokens[: limit // self.ps * self.ps])
         hs = self.tier.hashes(toks, self.ps, len(toks) // self.ps)
         k = next((k for k in range(len(hs), have // self.ps, -1) if self.tier.has_state(hs[k - 1])), 0)
         if not k:
-            return snap
-        key = "disk:" + hs[k - 1].hex()
-        held = self.store.find(key, toks, limit)  # read back already (an admission that then had to wait)
-        if held is not None:
-            return held
-        data = self.tier.read_state(hs[k - 1])
+            return None
+        found = DiskSnapshot(hs[k - 1], toks[: k * self.ps])
+        return self.store.find(found.key, toks, limit) or found
+
+    def load(self, found: DiskSnapshot, tokens: Sequence[int], seeds: set[int]) -> Snapshot | None:
+        """`found` read into a store slot; None when it cannot be (unreadable, no slot). `seeds`: slots requests
+        admitted this step seed from (never overwritten). The store's queued copies run here first (between
+        steps, on the one rank a disk tier runs on): taking a slot may demote its victim, a copy that reads the
+        slot before the disk's bytes land in it."""
+        data = self.tier.read_state(found.hash)
         if data is None:
-            return snap
-        slot = self.store.adopt(key, toks[: k * self.ps])
+            return None
+        slot = self.store.adopt(found.key, found.tokens)
         if slot is None:
-            return snap
+            return None
         copies = self.store.take_copies()
         self.state.copy([s for s, _ in copies], [d for _, d in copies])
         if slot in seeds or not bytes_to_slot(self.state, slot, data):
-            self.store.drop(key)
-            return snap
+            self.store.drop(found.key)
+            return None
         self.restored += 1
-        return self.store.find(key, toks, limit)
+        return self.store.find(found.key, tokens, found.num_tokens)
 
 
-def disk_states(cache: RadixCache, state: StateCache | None, store: SnapshotStore | None,
-                pending: Callable[[], set[int]]) -> DiskStates | None:
+def disk_states(tier: DiskTier | None, state: StateCache | None, store: SnapshotStore | None,
+                page_size: int) -> DiskStates | None:
     """The engine's snapshots on its disk tier, or None (no disk tier, no state, no snapshots kept)."""
-    if cache.disk is None or state is None or store is None:
+    if tier is None or state is None or store is None:
         return None
-    return DiskStates(cache.disk.tier, state, store, cache.ps, pending)
+    return DiskStates(tier, state, store, page_size, store.pending_slots)

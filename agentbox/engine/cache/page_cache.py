@@ -1,8 +1,8 @@
-"""`KVManager`: the one interface the scheduler and the core use for everything cached. They never read or
-write the cache's fields (its tree, its session index, its host pool, the session table): they ask this.
+"""`PageCache`: the paged half of the cache, the contract every page policy implements (cache_policies.py; the
+radix tree they share: radix_cache.py). The scheduler and the core never see it: they use `CacheManager`
+(manager.py), which composes it with the model's state group and hands out the requests' cache handles.
 
-The contract, for every implementation (the policies: cache_policies.py; the radix tree they share:
-radix_cache.py):
+The contract:
 
 Entries. The cache holds entries keyed by page-aligned token prefixes. An entry is what a prefix's owner
 needs to skip computing it: today its KV pages on one tier. It may carry more: an implementation can attach
@@ -12,11 +12,12 @@ carries a snapshot), not merely the longest one with pages; `insert` is where th
 over with the pages, and the `Lock` is where it gets it back. Dropping or moving an entry takes all it
 carries. Callers read only `Match`/`Lock`, never entries.
 
-Tiers. An entry lives on one tier: the GPU pool (`Tier.GPU`) or a slower one below it (`Tier.HOST`,
-then `Tier.DISK`, radix_disk.py). A matched path is always "GPU prefix, then slower tiers in order"; `lock`
-brings every slower part up into fresh GPU pages (so the caller only ever sees GPU pages) and `evict` moves
-entries down a tier before it drops them. A new tier is an implementation detail of `lock`, `evict`,
-`reclaimable` and `stats`: nothing a caller does changes.
+Tiers. An entry lives on one tier: the device pool (`Tier.GPU`) or a slower one below it (`Tier.HOST`,
+then `Tier.DISK`, radix_disk.py). A matched path is always "device prefix, then slower tiers in order"; `lock`
+brings every slower part up into fresh device pages (so the caller only ever sees device pages; `Match` and
+`Lock` say only how many tokens were copied in, never from where) and `evict` moves entries down a tier before
+it drops them. A new tier is an implementation detail of `match`, `lock`, `evict`, `reclaimable` and `stats`:
+nothing a caller does changes.
 
 Look, then take:
 - `match(tokens, session, namespace)` is pure: the longest usable cached prefix and the session (given, else
@@ -62,11 +63,11 @@ class TurnStart:
 
     session: str
     cached_tokens: int  # reported to the client (under API-key namespaces, only its own key's prefixes)
-    host_cached_tokens: int  # of those, copied back from a slower tier
+    host_cached_tokens: int  # of those, copied back from a slower tier (host RAM or disk)
     recomputed_tokens: int  # the session's history the cache had lost and that is computed again
 
 
-class KVManager(ABC):
+class PageCache(ABC):
     policy: ClassVar[CachePolicy]
     gates_new_sessions: ClassVar[bool] = False  # new sessions wait at the door for room (the session policy)
     caches_completions: ClassVar[bool] = True  # a finished answer's last token is computed to be cached
@@ -152,7 +153,7 @@ class KVManager(ABC):
         be told are cached (under API-key namespaces, only its own key's prefixes)."""
         sid = self.ids.decide(lock.session if given is None else given, namespace)
         cached = lock.num_tokens if shown is None else min(shown, lock.num_tokens)
-        host = min(lock.num_host_tokens, cached)
+        host = min(lock.num_copied_tokens, cached)
         recomputed = self.turns.begin(sid, prompt, cached, host, self.pool.page_size)
         return TurnStart(sid, cached, host, recomputed)
 

@@ -53,9 +53,9 @@ from collections.abc import Sequence
 
 from agentbox.engine.cache.host_tier import HostTier
 from agentbox.engine.cache.kv_pool import PagePool
-from agentbox.engine.cache.manager import KVManager
+from agentbox.engine.cache.page_cache import PageCache
 from agentbox.engine.cache.radix_check import check_integrity
-from agentbox.engine.cache.radix_disk import DiskLink, DiskTree
+from agentbox.engine.cache.radix_disk import DiskLink
 from agentbox.engine.cache.radix_evict import Evictor, HeapEntry
 from agentbox.engine.cache.radix_node import Lock, Match, Node, Tier, as_key
 from agentbox.engine.cache.session_index import SessionIndex
@@ -66,7 +66,7 @@ from agentbox.engine.cache.turns import Turns
 from agentbox.layers.backends.base import KVCache
 
 
-class RadixCache(DiskTree, KVManager):
+class RadixCache(PageCache):
     """The tree and its mechanics; a policy subclass (cache_policies.py) is what an engine runs."""
 
     def __init__(
@@ -84,8 +84,7 @@ class RadixCache(DiskTree, KVManager):
         super().__init__(pool, Turns(sessions if sessions is not None else SessionTable()))
         self.kv = kv
         self.host = host
-        self.disk = disk
-        self.on_disk: dict[str, tuple[str, int]] = {}  # sessions restored at start, not back yet: end hash, tokens
+        self.disk = disk  # the tier below memory (radix_disk.py), an object of its own
         self.ps = pool.page_size
         self.root = Node((), [], Tier.GPU, None, 0)
         self.index = SessionIndex(self.turns)
@@ -157,11 +156,20 @@ class RadixCache(DiskTree, KVManager):
         sid = self.ids.lookup(session, path[-1] if path else None, i, namespace)
         if self.disk is None or i >= stop:
             return Match(tuple(path), i, host, sid, self._epoch)
-        refs, dtoks, hashes = self.disk.find(toks[:stop], i)  # the walk goes on on disk (a tuple or an array)
-        if sid is None and self.on_disk:
-            sid = self._restored_session(hashes, namespace)
-        d = len(dtoks)
-        return Match(tuple(path), i + d, host + d, sid, self._epoch, refs, dtoks)
+        below, sid = self.disk.find(toks[:stop], i, sid, namespace)  # the walk goes on on disk
+        if below is None:
+            return Match(tuple(path), i, host, sid, self._epoch)
+        d = below.num_tokens
+        return Match(tuple(path), i + d, host + d, sid, self._epoch, below)
+
+    def prefetch(self, tokens: Sequence[int], session: str | None = None, namespace: str = "",
+                 end: int | None = None) -> None:
+        """A request arrived: what its match has on disk is read in the background while it waits for
+        admission (its restore then takes the bytes). Changes nothing in the tree."""
+        if self.disk is not None and self.disk.tier.pages:
+            m = self.match(tokens, session, namespace, end)
+            if m.below is not None:
+                self.disk.prefetch(m.below)
 
     def _hinted_path(self, session: str | None, toks: tuple[int, ...] | array, stop: int) -> list[Node]:
         """The path to the session's deepest node when toks run through all of it, else []: the walk resumes
@@ -184,7 +192,8 @@ class RadixCache(DiskTree, KVManager):
         """A path just locked or inserted: tagged to the session (its lease refreshed, its lookup hint moved to
         the path's end), and every node's recency renewed for the evictor."""
         if session is not None:
-            self.on_disk.pop(session, None)
+            if self.disk is not None:
+                self.disk.returned(session)
             self.index.tag(path, session)
             self.index.refreshed(session)
             self._hint(session, path)
@@ -211,10 +220,10 @@ class RadixCache(DiskTree, KVManager):
         the session tagged on the path and its lease refreshed. Host parts that cannot be promoted for lack of
         GPU pages are left out (a shorter lock); `reclaimable` tells the caller beforehand."""
         self._check_fresh(m)
-        if not m.path and not m.disk:
+        if not m.path and m.below is None:
             return Lock([], 0, 0, m.session)
         path = list(m.path)
-        mem = m.num_tokens - m.num_disk_tokens
+        mem = m.num_tokens - (m.below.num_tokens if m.below is not None else 0)
         last = path[-1] if path else self.root
         if last.start + len(last.key) > mem:
             path[-1] = self.split(last, mem - last.start)
@@ -224,7 +233,7 @@ class RadixCache(DiskTree, KVManager):
             pages += n.pages
         self.pool.incref(pages)
         host_nodes = path[n_gpu:]
-        host_tokens = 0
+        copied = 0
         if host_nodes:
             assert self.host is not None
             self.host.pool.incref([p for n in host_nodes for p in n.pages])  # no host eviction under us
@@ -234,19 +243,52 @@ class RadixCache(DiskTree, KVManager):
                     path = path[: n_gpu + j]
                     break
                 pages += n.pages
-                host_tokens += len(n.key)
-        disk_tokens = 0
-        if m.disk and len(pages) * self.ps == mem:
-            node = self._restore(path[-1] if path else self.root, m)
+                copied += len(n.key)
+        if m.below is not None and self.disk is not None and len(pages) * self.ps == mem:
+            node = self.disk.restore(self, path[-1] if path else self.root, m.below)
             if node is not None:
                 path.append(node)
                 self.pool.incref(node.pages)
                 pages += node.pages
-                disk_tokens = len(node.key)
+                copied += len(node.key)
         sid = m.session
         now = self.clock()
         self._touch(path, sid if path else None, now)
-        return Lock(pages, len(pages) * self.ps, host_tokens + disk_tokens, sid, disk_tokens)
+        return Lock(pages, len(pages) * self.ps, copied, sid)
+
+    def attach(self, parent: Node, tokens: tuple[int, ...], pages: list[int]) -> Node:
+        """A new device node under parent holding `tokens` on `pages` (read back from a slower tier: the tree
+        takes the caller's reference on them)."""
+        node = Node(tokens, pages, Tier.GPU, parent, parent.start + len(parent.key))
+        parent.children[tokens[: self.ps]] = node
+        self.gpu_pages += len(pages)
+        self._epoch += 1
+        return node
+
+    # ---- the disk tier (radix_disk.py) ----
+
+    def spill(self, n: Node) -> None:
+        """n's pages are about to leave memory for good: written to the disk tier first (if there is one)."""
+        if self.disk is not None:
+            self.disk.spill(n, self.kv_of(n))
+
+    def persist(self, budget_s: float) -> tuple[int, int]:
+        return self.disk.persist(self, budget_s) if self.disk is not None else (0, 0)
+
+    def flush(self, budget_s: float) -> tuple[int, int]:
+        """Write every node of the tree to the disk tier within budget_s (radix_disk.DiskLink.flush)."""
+        return self.disk.flush(self, budget_s) if self.disk is not None else (0, 0)
+
+    def restore_sessions(self) -> int:
+        """The sessions saved at the last stop, back under their ids ("on disk" until they return)."""
+        return self.disk.restore_sessions(self.turns) if self.disk is not None else 0
+
+    def kv_of(self, n: Node) -> KVCache:
+        if n.tier is Tier.GPU:
+            assert self.kv is not None
+            return self.kv
+        assert self.host is not None
+        return self.host.kv
 
     def _check_fresh(self, m: Match) -> None:
         if m.epoch != self._epoch:
@@ -430,7 +472,7 @@ class RadixCache(DiskTree, KVManager):
             host_evictions=self.host_evictions,
             sessions=len(self.sessions),
             live_leases=len(self.sessions.live()),
-            **(self.disk.stats(len(self.on_disk)) if self.disk is not None else {}),
+            **(self.disk.stats() if self.disk is not None else {}),
         )
 
     def session_pages(self, session: str) -> dict[Tier, int]:
@@ -438,8 +480,7 @@ class RadixCache(DiskTree, KVManager):
         start (until it returns)."""
         out = self.index.pages_by_tier(session)
         if self.disk is not None:
-            end = self.on_disk.get(session)
-            out[Tier.DISK] = end[1] // self.ps if end is not None and end[0] in self.disk.tier.pages else 0
+            out[Tier.DISK] = self.disk.session_pages(session)
         return out
 
     def check_integrity(self, running_refs: Counter[int] | None = None) -> None:

@@ -4,15 +4,33 @@ engine after each step when its integrity checks are on. O(tree + pools), never 
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Protocol
 
-from agentbox.engine.cache.radix_node import Tier
+from agentbox.engine.cache.host_tier import HostTier
+from agentbox.engine.cache.kv_pool import PagePool
+from agentbox.engine.cache.radix_node import Node, Tier
+from agentbox.engine.cache.session_index import SessionIndex
 
-if TYPE_CHECKING:
-    from agentbox.engine.cache.radix_cache import RadixCache
+
+class Queued(Protocol):
+    def queued(self) -> Iterator[Node]: ...
 
 
-def check_integrity(cache: RadixCache, running_refs: Counter[int] | None = None) -> None:
+class Checked(Protocol):
+    """What the check reads of the cache (RadixCache)."""
+
+    pool: PagePool
+    host: HostTier | None
+    evictor: Queued
+    root: Node
+    ps: int
+    index: SessionIndex
+    gpu_pages: int
+    host_pages: int
+
+
+def check_integrity(cache: Checked, running_refs: Counter[int] | None = None) -> None:
     """Pools consistent; every GPU page's refcount == (1 if the tree owns it) + running_refs[page]
     (only >= 1 for owned pages when running_refs is None); host pages exactly 1 if owned else 0; tree
     shape, tags, counters and heap coverage consistent."""

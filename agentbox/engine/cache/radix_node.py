@@ -98,25 +98,36 @@ def as_key(toks: tuple[int, ...] | array, a: int, b: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class Below:
+    """Where a matched path continues on the tier below memory (the disk tier's pages, radix_disk.py): opaque to
+    every caller; `lock` reads it back."""
+
+    refs: tuple[PageRef, ...]  # the pages, in order
+    tokens: tuple[int, ...]  # their tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
 class Match:
     """What `RadixCache.match` found: a description of the tree, holding nothing. Valid until the cache next
-    changes (`lock` refuses it after that); nodes are not split yet, so the last one may be matched in part."""
+    changes (`lock` refuses it after that); nodes are not split yet, so the last one may be matched in part.
+    Which tier holds what is the cache's business: a caller reads how many tokens it matched and how many of
+    them a lock copies in (`num_copied_tokens`), never where they are."""
 
-    path: tuple[Node, ...]  # root to the deepest matched node; GPU nodes first, then host nodes
+    path: tuple[Node, ...]  # root to the deepest matched node; device nodes first, then slower ones
     num_tokens: int  # page-aligned tokens matched, every tier
-    num_host_tokens: int  # of num_tokens, those on slower tiers (host nodes, then disk): a lock copies them back
+    num_copied_tokens: int  # of num_tokens, those a lock copies into fresh device pages (from a slower tier)
     session: str | None  # the given session, else the one inferred from the tree's tags
     epoch: int  # the cache's mutation count when the lookup ran
-    disk: tuple[PageRef, ...] = ()  # pages on disk continuing the path (the last num_disk_tokens tokens)
-    disk_tokens: tuple[int, ...] = ()  # their tokens
+    below: Below | None = None  # the path's continuation below memory (its last tokens), when there is one
 
     @property
-    def num_disk_tokens(self) -> int:
-        return len(self.disk_tokens)
-
-    @property
-    def num_gpu_tokens(self) -> int:
-        return self.num_tokens - self.num_host_tokens
+    def num_resident_tokens(self) -> int:
+        """Tokens whose pages a lock shares as they are (no copy): the caller needs pages for the rest."""
+        return self.num_tokens - self.num_copied_tokens
 
 
 @dataclass(frozen=True)
@@ -124,8 +135,7 @@ class Lock:
     """What `RadixCache.lock` gave the caller: its own reference on every page of the prefix. The caller hands
     them back through `insert` (turn done, preemption) or `release` (abort)."""
 
-    pages: list[int]  # GPU pages covering the first num_tokens tokens, one reference each for the caller
+    pages: list[int]  # device pages covering the first num_tokens tokens, one reference each for the caller
     num_tokens: int
-    num_host_tokens: int  # of num_tokens, those copied back from a slower tier (host or disk)
+    num_copied_tokens: int  # of num_tokens, those copied in from a slower tier
     session: str | None
-    num_disk_tokens: int = 0  # of num_host_tokens, those read back from disk

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from agentbox.engine.cache.manager import KVManager
+from agentbox.engine.cache.page_cache import PageCache
 from agentbox.engine.cache.radix_node import Tier
 from agentbox.engine.cache.sessions import LeaseState, Session
 from agentbox.engine.cache.stats import SessionDetail, SessionState, SessionSummary
@@ -20,7 +20,7 @@ def _state(s: Session, generating: bool, now: float) -> SessionState:
     return SessionState.IDLE
 
 
-def session_summary(cache: KVManager, s: Session, generating: bool, snapshot_bytes: int = 0) -> SessionSummary:
+def session_summary(cache: PageCache, s: Session, generating: bool, snapshot_bytes: int = 0) -> SessionSummary:
     """`generating`: a request of the session is in the engine; `snapshot_bytes`: its recurrent-state
     snapshots held now (the snapshot store's count, which the core owns)."""
     now = cache.clock()
@@ -54,7 +54,7 @@ def session_summary(cache: KVManager, s: Session, generating: bool, snapshot_byt
     )
 
 
-def session_detail(cache: KVManager, s: Session, generating: bool, snapshot_bytes: int = 0) -> SessionDetail:
+def session_detail(cache: PageCache, s: Session, generating: bool, snapshot_bytes: int = 0) -> SessionDetail:
     return SessionDetail(
         **vars(session_summary(cache, s, generating, snapshot_bytes)),
         gaps_s=[round(g, 3) for g in s.gaps],

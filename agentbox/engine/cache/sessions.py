@@ -16,7 +16,7 @@ Time comes from an injectable `clock` (seconds, monotonic) so tests are determin
 
 The table is the data and its arithmetic (TTLs, expected gaps, live leases); its one writer is `Turns`
 (turns.py), which the cache calls on a lock, an insert or a turn end, and the scheduler and the core reach
-through the `KVManager` (manager.py):
+through the `CacheManager` (manager.py):
     lock = kv.lock(kv.match(tokens, sid))          # refreshes the lease on a hit; infers sid when None
     kv.begin_turn(sid, lock, namespace, tokens)    # decides the id; the turn starts; prompt counters
     kv.first_token(sid, ttft, record)              # time to first token, the turn's record

@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from agentbox.engine.cache.radix_disk import prefix_tokens
 from agentbox.engine.cache.radix_node import Node, Tier
 from agentbox.engine.cache.state_snapshots import Snapshot
-
-if TYPE_CHECKING:
-    from agentbox.engine.cache.radix_evict import Evictor
 
 
 class StatePoints(Protocol):
@@ -44,6 +41,30 @@ class StatePoints(Protocol):
     def discard(self, snap: Snapshot) -> None:
         """Drop `snap`: the pages it resumes on are gone."""
         ...
+
+
+class UnitTree(Protocol):
+    """What a unit's eviction asks of the tree (RadixCache)."""
+
+    root: Node
+
+    def locked(self, n: Node) -> bool: ...
+
+    def split(self, n: Node, m: int) -> Node: ...
+
+
+class Evictor(Protocol):
+    """What a unit's eviction asks of the evictor (radix_evict.Evictor): its moves and counters."""
+
+    tree: UnitTree
+    evictions: int
+    host_evictions: int
+
+    def evict_node(self, n: Node) -> int: ...
+
+    def drop_subtree(self, n: Node) -> None: ...
+
+    def push_candidate(self, n: Node) -> None: ...
 
 
 def _update(h: hashlib._Hash, tokens: Sequence[int]) -> None:

@@ -3,7 +3,7 @@ is timed, its answer completes, it ends) and a session's lease (granted, refresh
 
 The table (sessions.py) holds the data and answers questions about it (TTLs, live leases, inference);
 every change to it goes through here, so a counter or a lease has one place that moves it. The scheduler and
-the core reach these through the `KVManager` (manager.py), which adds what the cache must do at the same
+the core reach these through the `CacheManager` (manager.py), which adds what the cache must do at the same
 moment (a turn end re-keys the session's pages for eviction); the radix tree's session index calls the
 lease half when a lock or an insert touches a session's path.
 """

@@ -3,7 +3,7 @@
 Rebuilding a [batch, pages] table from Python lists every step costs time proportional to the context
 (2,048 pages per request at 32k tokens). Instead each request keeps a row; a step writes only the pages
 its request gained since the last step (one every page_size decode steps), and the attention metadata is
-a gather of the step's rows. Rank 0 decides rows and updates (`RowAssigner`, it sees Requests); every rank
+a gather of the step's rows. Rank 0 keeps the table in step with the requests' cache handles (`RowWriter`); every rank
 applies the same updates to its own `PageTable` (it sees only tensors), so page ids agree everywhere.
 """
 
@@ -13,12 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agentbox import collector
 from agentbox.prefix import common_prefix
 
-if TYPE_CHECKING:  # the core's type, for hints only: exec must not import the core at run time
-    from agentbox.engine.request import Request
-
+if TYPE_CHECKING:  # the cache's handle, for hints only: exec must not import the engine core at run time
+    from agentbox.engine.cache.seq_cache import SeqCache
 
 
 class PageTable:
@@ -36,71 +34,40 @@ class PageTable:
         return self.table[:, :num_cols].index_select(0, rows.to(self.table.device))
 
 
-class RowAssigner:
-    """Rank 0's side: which row each request holds, and what to write into it this step.
+class RowWriter:
+    """Rank 0's side: what each row of the table holds, and what to write into it this step. Rows are the cache's
+    to hand out (a request's handle names its row: engine/cache/rows.py); this only keeps the table in step
+    with the handles' pages, reading them and writing nothing of theirs.
 
-    A row keeps its pages after its request ends (nothing reads a free row), and a session's next request
-    takes the row its last one held when it is free: a warm turn's pages start with the last turn's (the
-    locked prefix), so only the columns after the first difference are written, not ~7.5k at 128k tokens."""
+    A row keeps its pages after its request ends (nothing reads a free row), and a session's next request gets
+    the row its last one held: a warm turn's pages start with the last turn's (the locked prefix), so only the
+    columns after the first difference are written, not ~7.5k at 128k tokens."""
 
     def __init__(self, num_rows: int) -> None:
-        self.owners: list[Request | None] = [None] * num_rows
-        self._free = list(range(num_rows - 1, -1, -1))
         self.contents: list[list[int]] = [[] for _ in range(num_rows)]  # the pages each row holds, by column
-        self._session_rows: dict[str, int] = {}  # the row a session's last request held
+        self._owner: list[SeqCache | None] = [None] * num_rows  # the handle the row was last written for
+        self._generation = [0] * num_rows  # its generation then (a cut tail bumps it)
 
-    def _sweep(self, keep: set[int]) -> None:
-        """Frees rows of requests that are no longer running (finished, preempted, a one-off logits call)."""
-        for row in range(len(self.owners)):
-            self._free_if_done(row, keep)
+    def fresh(self, h: SeqCache) -> bool:
+        """The row was last written for another handle (a new admission on it)."""
+        return self._owner[h.row] is not h
 
-    def _free_if_done(self, row: int, keep: set[int]) -> None:
-        owner = self.owners[row]
-        if owner is not None and id(owner) not in keep and not owner.is_running:
-            owner.table_row, owner.pages_in_table = None, 0
-            collector.free_when_idle(owner)  # often its last reference: freed when the engine is idle
-            self.owners[row] = None
-            self._free.append(row)
-
-    def _take_row(self, r: Request, keep: set[int]) -> int:
-        """A free row for r: its session's last row when free (its pages are mostly there), else the next.
-        The session's row is freed here when its last request is done: rows are swept only when none is free,
-        so without this a session's next turn took a new row and wrote all of its ~7.6k columns at 128k."""
-        row = self._session_rows.get(r.session_id) if r.session_id is not None else None
-        if row is not None:
-            self._free_if_done(row, keep)
-        if not self._free:
-            raise RuntimeError(f"page table full: {len(self.owners)} rows, all running")
-        if row is not None and row in self._free:
-            self._free.remove(row)
-        else:
-            row = self._free.pop()
-        if r.session_id is not None:
-            self._session_rows[r.session_id] = row
-            if len(self._session_rows) > 4 * len(self.owners):  # bounded: forget the oldest sessions
-                for sid in list(self._session_rows)[: len(self._session_rows) // 2]:
-                    del self._session_rows[sid]
-        self.owners[row] = r
-        return row
-
-    def assign(self, reqs: list[Request]) -> tuple[list[int], list[int]]:
-        """Rows for the step's requests, and the flat (row, column, page) triples to write first."""
-        fresh = [r for r in reqs if r.table_row is None or self.owners[r.table_row] is not r]
-        keep = {id(r) for r in reqs} if fresh else set()
-        if len(fresh) > len(self._free):
-            self._sweep(keep)
-        rows: list[int] = []
-        updates: list[int] = []
-        for r in reqs:
-            if r.table_row is None or self.owners[r.table_row] is not r:
-                r.table_row = self._take_row(r, keep)
-                r.pages_in_table = common_prefix(self.contents[r.table_row], r.pages)  # already in the row
-            row, have, pages = r.table_row, r.pages_in_table, r.pages
+    def updates(self, handles: list[SeqCache]) -> list[int]:
+        """The flat (row, column, page) triples to write before the step: the columns of each handle's pages that
+        its row does not hold yet (usually none; one when a decode crosses a page boundary)."""
+        out: list[int] = []
+        for h in handles:
+            row, pages = h.row, h.pages
             held = self.contents[row]
+            if self._owner[row] is not h or self._generation[row] != h.generation:
+                have = common_prefix(held, pages)  # a new owner, or a cut tail: the row holds this much of it
+                self._owner[row], self._generation[row] = h, h.generation
+            else:
+                have = len(held)
+            if have == len(pages) == len(held):
+                continue
             del held[have:]
-            for col in range(have, len(pages)):  # usually none; one when a decode crosses a page boundary
-                updates += (row, col, pages[col])
+            for col in range(have, len(pages)):
+                out += (row, col, pages[col])
                 held.append(pages[col])
-            r.pages_in_table = len(pages)
-            rows.append(row)
-        return rows, updates
+        return out

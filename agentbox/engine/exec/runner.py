@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -16,13 +17,15 @@ from agentbox.config import HOST_STATE_GB, PLAN_CONTEXT, PLAN_SESSIONS, EngineCo
 from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.exec.logprob import TokenLogprob
-from agentbox.engine.exec.page_table import PageTable, RowAssigner
+from agentbox.engine.exec.page_table import PageTable, RowWriter
 from agentbox.engine.exec.step_inputs import StepInputs
 from agentbox.engine.exec.verify import sample_verified
 from agentbox.engine.exec.verify_state import PendingVerifies
 from agentbox.layers.backends import select_backend
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
+from agentbox.layers.cache_layout import CacheLayout
 from agentbox.layers.context import forward_context
+from agentbox.layers.paged_entries import EntryStep, entry_slot_mapping
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.layers.recurrent_state import StateCache, StateStep
 from agentbox.layers.window_kv import page_slack
@@ -34,6 +37,7 @@ from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 LONG_ATTENTION = 1 << 20
 
 if TYPE_CHECKING:  # the core's types, for hints only: exec must not import the core at run time
+    from agentbox.engine.cache.seq_cache import SeqCache
     from agentbox.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,19 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     if dev.type != "cuda":
         return dev
     return torch.device("cuda", (dev.index or 0) + rank)
+
+
+@dataclass
+class StepResult:
+    """What a step computed, for the core: per sampled seq, in order, its new tokens (one, or a verified draft's
+    accepted prefix plus one) and logprobs; the seqs whose sampling failed (index -> why: that request's error,
+    not the engine's); and where the rows' page-aligned state copies now stand ((handle, position), in the
+    order they moved: the core tells the cache)."""
+
+    tokens: list[list[int]]
+    logprobs: list[TokenLogprob | None]
+    failed: dict[int, str]
+    aligned: list[tuple[SeqCache, int]] = field(default_factory=list)
 
 
 class StepSender(Protocol):
@@ -80,13 +97,13 @@ class ModelRunner:
             with exact:
                 loaded = load_model(config.model, self.dtype, self.device)
         self.loaded = loaded
+        self.layout: CacheLayout = loaded.layout
         self.weight_bytes = resident_weight_bytes(loaded.model)
         self.weight_bytes_per_rank = control_all_gather(self.weight_bytes)
         self.page_size = config.page_size
         # One page-table row per running request, and one for LLM.logits unless a row carries state (a ring of
         # Gemma 4 31B is 800 MiB: LLM.logits waits for a free row instead).
-        stateful = getattr(loaded.model, "state_specs", None) is not None
-        self.num_rows = config.max_num_seqs + (0 if stateful else 1)
+        self.num_rows = config.max_num_seqs + (0 if self.layout.has_state else 1)
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
         self.state_in_place = False  # sliding rings: the live slot is its own page-aligned copy (_state_cache)
         self.max_num_seqs = config.max_num_seqs  # fewer when per-sequence state does not fit (_fit_state_slots)
@@ -130,10 +147,12 @@ class ModelRunner:
     def _make_pool(self) -> int:
         """The KV pool and the context length it allows; returns the bytes of one page."""
         config, lm = self.config, self.loaded
-        page_bytes = KVCache.bytes_per_page(lm.kv_specs, self.page_size, self.dtype)
+        layout = self.layout
+        page_bytes = KVCache.bytes_per_page(layout.kv_specs, self.page_size, self.dtype, layout.tokens_per_entry)
         # Page ids mean the same slots on every rank, so every rank's pool has the smallest rank's size.
         self.num_pages = min(control_all_gather(config.num_pages or self._auto_num_pages(page_bytes)))
-        self.kv_cache = KVCache(lm.kv_specs, self.num_pages, self.page_size, self.dtype, self.device)
+        self.kv_cache = KVCache(layout.kv_specs, self.num_pages, self.page_size, self.dtype, self.device,
+                                tokens_per_entry=layout.tokens_per_entry)
         # The pool must hold at least one full-length request, or such a request could never run.
         pool_tokens = (self.num_pages - 1) * self.page_size
         if config.max_model_len and config.max_model_len > lm.max_model_len:
@@ -151,10 +170,16 @@ class ModelRunner:
         )
         self.backend.exact_cpu = config.exact_cpu
         self.page_table = PageTable(self.num_rows, -(-self.max_model_len // self.page_size) + 1, self.device)
-        self.rows = RowAssigner(self.num_rows) if self.rank == 0 else None
+        self.rows = RowWriter(self.num_rows) if self.rank == 0 else None
+        # Rank 0: where each row's page-aligned state copy stands (verify_state.py, `prepare`).
+        self.aligned = [0] * self.num_rows
+        self._reports: list[tuple[SeqCache, int]] = []
+        # The sizes of the paged groups that keep an entry per several tokens: their slots travel per step.
+        self.entry_groups = self.layout.entry_groups
         self.graphs = build_decode_graphs(
-            # The delta-net layers pick their path per sequence in Python: not capturable yet.
-            not config.enforce_eager and self.state_cache is None
+            # The delta-net layers pick their path per sequence in Python: not capturable yet; nor are the
+            # layers that keep compressed entries (their slots are not in the graphs' static buffers).
+            not config.enforce_eager and self.state_cache is None and not self.entry_groups
             and getattr(lm.model, "supports_cuda_graphs", True),  # MLA reads host-side lengths (eager)
             self.device, self.backend,
             lambda: DecodeGraphs(
@@ -168,12 +193,12 @@ class ModelRunner:
         """Hybrid models (and Gemma 4's sliding-window rings): each running sequence's state lives in the slot
         of its page-table row, its state at its last page boundary in the slot `num_rows` further (not for
         rings: the live ring is that too), then the sessions' snapshots."""
-        specs_of = getattr(self.loaded.model, "state_specs", None)
-        if specs_of is None:
+        group = self.layout.state
+        if group is None or not group.specs:
             return None
-        rings = page_slack(specs_of(), self.page_size)
+        rings = page_slack(group.specs, self.page_size)
         self.state_in_place = rings is not None
-        specs = rings or specs_of()
+        specs = rings or list(group.specs)
         # Live rows, their page-aligned copies (not for rings), then the snapshots (engine/cache/state_snapshots.py).
         per_row, per_slot = 1 if self.state_in_place else 2, StateCache.bytes_per_slot(specs, self.dtype)
         held = self._fit_state_slots(per_row, per_slot)
@@ -208,7 +233,7 @@ class ModelRunner:
             kv = int(self.config.kv_cache_gb * 2**30)
         else:
             tokens = min(self.config.max_model_len or self.loaded.max_model_len, PLAN_CONTEXT) * PLAN_SESSIONS
-            kv = int(tokens * KVCache.bytes_per_page(self.loaded.kv_specs, 1, self.dtype) / GPU_KV_SHARE)
+            kv = int(tokens * self._bytes_per_token() / GPU_KV_SHARE)
         budget = min(control_all_gather(int(min(free * GPU_STATE_SHARE, free - kv))))
         host = min(control_all_gather(int(psutil.virtual_memory().available * HOST_STATE_SHARE / self.tp)))
         rows = max(1, min(self.num_rows, budget // (per_row * per_slot)))
@@ -237,10 +262,15 @@ class ModelRunner:
 
     # ---- rank 0: Requests -> StepInputs ----
 
+    def _bytes_per_token(self) -> float:
+        layout = self.layout
+        return KVCache.bytes_per_page(layout.kv_specs, self.page_size, self.dtype,
+                                      layout.tokens_per_entry) / self.page_size
+
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's tensors. Work is proportional to the step's new tokens and new pages, never to a
-        request's context: tokens are sliced from the request's list, pages reach the table once."""
-        assert self.rows is not None, "only rank 0 prepares steps"
+        request's context: tokens are sliced from the request's list, pages reach the table once. Reads the
+        requests and their cache handles; writes neither (what moved is reported: `StepResult.aligned`)."""
         ps = self.page_size
         ids: list[int] = []
         pos: list[int] = []
@@ -248,23 +278,25 @@ class ModelRunner:
         query_lens: list[int] = []
         kv_lens: list[int] = []
         sample_rows: list[int] = []
-        commits = self.verifies.commits() if self.verifies is not None else None  # before rows move: verify_state.py
-        rows, updates = self.rows.assign([s.request for s in out.seqs])
-        copies = list(out.state_copies)  # snapshots saved at turns' ends first: a seed below may read one
-        for s, row in zip(out.seqs, rows, strict=True):
+        handles = [_handle_of(s) for s in out.seqs]
+        commits, updates = self._rows(handles)
+        entries: list[list[int]] = [[] for _ in self.entry_groups]
+        for s, h in zip(out.seqs, handles, strict=True):
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
             if self.state_cache is not None:
-                self._state_of(s, row, end, copies)
+                self._state_of(s, h, end)
             ids += r.token_ids[start:end]  # a draft's positions are past the list's end: the slice stops there
             ids += s.draft
-            pages = r.pages
+            pages = h.pages
             if end - start == 1:
                 pos.append(start)
                 slots.append(pages[start // ps] * ps + start % ps)
             else:
                 pos += range(start, end)
                 slots += [pages[p // ps] * ps + p % ps for p in range(start, end)]
+            for j, t in enumerate(self.entry_groups):
+                entries[j] += entry_slot_mapping(t, self._entries_per_page(t), ps, list(range(start, end)), pages)
             query_lens.append(end - start)
             kv_lens.append(end)
             if s.sample:  # a drafted seq samples after its last real token and after each draft token
@@ -275,24 +307,39 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             query_lens=query_lens,
             kv_lens=kv_lens,
-            table_rows=torch.tensor(rows, dtype=torch.int64),
+            table_rows=torch.tensor([h.row for h in handles], dtype=torch.int64),
             page_updates=torch.tensor(updates, dtype=torch.int64).reshape(-1, 3),
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
             num_table_cols=-(-max(kv_lens) // ps),
-            state_copies=torch.tensor(copies, dtype=torch.int64).reshape(-1, 2),
+            state_copies=torch.tensor(out.state_copies, dtype=torch.int64).reshape(-1, 2),
             state_commits=torch.empty(0, 3, dtype=torch.int64) if commits is None else commits,
             state_verifies=torch.tensor([i for i, s in enumerate(out.seqs) if s.draft], dtype=torch.int64),
+            entry_slots=torch.tensor(entries, dtype=torch.int64).reshape(len(entries), len(ids)),
         )
 
-    def _state_of(self, s: ScheduledSeq, row: int, end: int, copies: list[tuple[int, int]]) -> None:
-        """A stateful sequence's seed copy into its row, and where its state will be page-aligned."""
-        r = s.request
-        if r.state_seed is not None:
-            copies.append((r.state_seed, row))
-            r.state_seed = None
+    def _rows(self, handles: list[SeqCache]) -> tuple[torch.Tensor | None, list[int]]:
+        """The last step's verify commits (before rows move: verify_state.py) and the page-table entries this
+        step writes; a row taken by a new admission starts with no page-aligned copy."""
+        assert self.rows is not None, "only rank 0 prepares steps"
+        self._reports = []
+        commits = self.verifies.commits(self.aligned, self._report) if self.verifies is not None else None
+        for h in handles:
+            if self.rows.fresh(h):
+                self.aligned[h.row] = 0
+        return commits, self.rows.updates(handles)
+
+    def _entries_per_page(self, tokens_per_entry: int) -> int:
+        return self.kv_cache.slots_per_page[self.kv_cache.tokens_per_entry.index(tokens_per_entry)]
+
+    def _report(self, h: SeqCache, position: int) -> None:
+        self._reports.append((h, position))
+
+    def _state_of(self, s: ScheduledSeq, h: SeqCache, end: int) -> None:
+        """Where a stateful sequence's page-aligned state copy will stand after this step."""
         if not s.draft and (self.state_in_place or end % self.page_size == 0):  # a verify's is set at sampling
             # rings resume at their last page boundary themselves; others at the copy execute takes there
-            r.state_aligned_at = end // self.page_size * self.page_size
+            self.aligned[h.row] = end // self.page_size * self.page_size
+            self._report(h, self.aligned[h.row])
 
     # ---- every rank: StepInputs -> logits ----
 
@@ -324,7 +371,10 @@ class ModelRunner:
                 self.state_cache.copy(step.state_copies[:, 0].tolist(), step.state_copies[:, 1].tolist())
             state = StateStep.of(self.state_cache, step.table_rows.tolist(), step.query_lens, step.kv_lens,
                                  frozenset(step.state_verifies.tolist()))
-        with forward_context(self.backend, meta, state=state):
+        entries = {t: EntryStep(t, self._entries_per_page(t), self.page_size, step.entry_slots[j].to(dev),
+                                meta.page_table, step.query_lens, step.kv_lens)
+                   for j, t in enumerate(self.entry_groups)}
+        with forward_context(self.backend, meta, state=state, entries=entries):
             if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.kv_cache):
                 hidden = self.cpu_decode.run(step.input_ids.to(dev), step.positions.to(dev))
             else:
@@ -347,15 +397,20 @@ class ModelRunner:
             self.workers.send_step(step)
         return self.execute(step)
 
-    def step(self, out: SchedulerOutput) -> tuple[list[list[int]], list[TokenLogprob | None], dict[int, str]]:
-        """Runs the step on every rank; returns per seq with sample=True, in order, its new tokens (one, or
-        a verified draft's accepted prefix plus one) and logprobs, and the seqs whose sampling failed
-        (index -> why: that request's error, not the engine's)."""
+    def step(self, out: SchedulerOutput) -> StepResult:
+        """Runs the step on every rank (`StepResult` says what it computed)."""
         logits = self.forward_logits(out)
         if logits is None:
-            return [], [], {}
+            return StepResult([], [], {}, self._reports)
         sampled = [s for s in out.seqs if s.sample]
         tokens, lps, failed = sample_verified(logits, [s.request for s in sampled], [s.draft for s in sampled])
         if self.verifies is not None:  # stateful verifies: how far each slot's state goes
-            self.verifies.sampled(sampled, tokens, failed)
-        return tokens, lps, failed
+            self.verifies.sampled(sampled, tokens, failed, self.aligned, self._report)
+        return StepResult(tokens, lps, failed, self._reports)
+
+
+def _handle_of(s: ScheduledSeq) -> SeqCache:
+    h = s.request.cache_handle
+    if h is None:
+        raise RuntimeError(f"request {s.request.request_id} was scheduled without a cache handle")
+    return h

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-_HEADER = 8  # num tokens, num seqs, num page updates, num sampled rows, page table columns, state copies,
-# state commits, state verifies
+_HEADER = 9  # num tokens, num seqs, num page updates, num sampled rows, page table columns, state copies,
+# state commits, state verifies, entry groups
 
 
 @dataclass
@@ -36,6 +36,10 @@ class StepInputs:
     # copies (engine/exec/verify_state.py); int64 [V]: this step's sequences that are verifies of such models
     state_commits: torch.Tensor = field(default_factory=lambda: torch.empty(0, 3, dtype=torch.int64))
     state_verifies: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    # int64 [G, T]: for each paged group size of more than one token an entry (the layout's `entry_groups`, in
+    # order), the slot of the entry each new token completes (-1: none). The page table is every group's: the
+    # pool's page ids index every group's tensors (layers/cache_layout.py).
+    entry_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0, dtype=torch.int64))
 
     @property
     def num_tokens(self) -> int:
@@ -45,19 +49,22 @@ class StepInputs:
         """One int64 buffer: a header of counts, then every field in order."""
         t, b, u, s = self.num_tokens, len(self.query_lens), int(self.page_updates.shape[0]), int(self.sample_rows.numel())
         c, m, v = int(self.state_copies.shape[0]), int(self.state_commits.shape[0]), int(self.state_verifies.numel())
-        head = np.array([t, b, u, s, self.num_table_cols, c, m, v, *self.query_lens, *self.kv_lens], dtype=np.int64)
+        g = int(self.entry_slots.shape[0])
+        head = np.array([t, b, u, s, self.num_table_cols, c, m, v, g, *self.query_lens, *self.kv_lens], dtype=np.int64)
         parts = [self.input_ids, self.positions, self.slot_mapping, self.table_rows, self.page_updates.reshape(-1),
-                 self.sample_rows, self.state_copies.reshape(-1), self.state_commits.reshape(-1), self.state_verifies]
+                 self.sample_rows, self.state_copies.reshape(-1), self.state_commits.reshape(-1), self.state_verifies,
+                 self.entry_slots.reshape(-1)]
         # numpy, not torch.cat: a decode step's pack is a few microseconds instead of tens (measured 70 us).
         return np.concatenate([head, *(p.numpy() for p in parts)]).tobytes()
 
     @staticmethod
     def unpack(buf: bytes) -> StepInputs:
         flat = torch.frombuffer(bytearray(buf), dtype=torch.int64)
-        t, b, u, s, cols, c, m, v = flat[:_HEADER].tolist()
+        t, b, u, s, cols, c, m, v, g = flat[:_HEADER].tolist()
         lens = flat[_HEADER : _HEADER + 2 * b].tolist()
         o = _HEADER + 2 * b
-        sizes = [t, t, t, b, 3 * u, s, 2 * c, 3 * m, v]
-        ids, pos, slots, rows, updates, sample, copies, commits, verifies = torch.split(flat[o : o + sum(sizes)], sizes)
+        sizes = [t, t, t, b, 3 * u, s, 2 * c, 3 * m, v, g * t]
+        ids, pos, slots, rows, updates, sample, copies, commits, verifies, entries = torch.split(
+            flat[o : o + sum(sizes)], sizes)
         return StepInputs(ids, pos, slots, lens[:b], lens[b:], rows, updates.reshape(u, 3), sample, cols,
-                          copies.reshape(c, 2), commits.reshape(m, 3), verifies)
+                          copies.reshape(c, 2), commits.reshape(m, 3), verifies, entries.reshape(g, t))

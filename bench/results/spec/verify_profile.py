@@ -49,10 +49,12 @@ def main() -> dict:
     timed(runner.loaded.model, "compute_logits", "lm_head")
     timed(runner, "prepare", "prepare")
     lins = [lin for layer in runner.cpu_decode.model.layers for lin in cd._linears(layer)]
-    req = Request("profile", list(prompt), SamplingParams(temperature=0.0))
-    req.pages = core.pool.alloc(-(-(len(prompt) + max(KS) + 1) // core.pool.page_size))
+    scratch = core.cache.scratch(len(prompt) + max(KS) + 1)
+    handle = scratch.__enter__()
+    req = Request("profile", list(prompt), SamplingParams(temperature=0.0), cache_handle=handle)
     runner.forward_logits(SchedulerOutput([ScheduledSeq(req, len(prompt), True)], []))
-    req.num_computed_tokens = len(prompt) - 1
+    req = Request("profile", list(prompt), SamplingParams(temperature=0.0), cache_handle=handle,
+                  num_computed_tokens=len(prompt) - 1)
     samples: dict[int, list[dict[str, float]]] = {k: [] for k in KS}
     for _ in range(REPEATS):
         for k in KS:
@@ -71,7 +73,7 @@ def main() -> dict:
                 cpu_gemv.q4_matmul(xi, lin.weight, lin.scale, lin.q4_rows)
             parts["q4_products"] = time.process_time() - t
             samples[k].append(dict(parts))
-    core.pool.decref(req.pages)
+    scratch.__exit__(None, None, None)
     med = {k: {p: sorted(s[p] for s in v)[len(v) // 2] * 1e3 for p in v[0]} for k, v in samples.items()}
     one = med[0]
     return {
