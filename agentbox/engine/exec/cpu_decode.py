@@ -91,11 +91,11 @@ def eligible(model: nn.Module) -> bool:
         if attn.head_dim % 8:
             return False  # the C attention reads a head in 8-lane vectors
         for lin in _linears(layer):
-            if getattr(lin, "int4_kernel", None) is not Int4Kernel.CPU_SIMD:
+            if lin.int4_kernel is not Int4Kernel.CPU_SIMD:
                 return False
             if lin.bias is not None and (lin is not attn.qkv_proj or lin.bias.dtype != torch.float32):
                 return False  # the layer adds a qkv bias (Qwen2) only
-            if getattr(lin, "act_perm", None) is not None or lin.weight.device.type != "cpu":
+            if lin.act_perm is not None or lin.weight.device.type != "cpu":
                 return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if attn.qk_norm:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from agentbox.layers.experts.base import ExpertMethod, ExpertShard, MoEActivation, expert_method
+from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, ExpertShard, MoEActivation, expert_method
 from agentbox.layers.experts.routing import select_experts
 from agentbox.parallel.state import all_reduce, tp_rank, tp_size
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(ExpertLayer):
     def __init__(
         self,
         num_experts: int,
