@@ -27,6 +27,7 @@ from agentbox.layers.quant import resident_weight_bytes
 from agentbox.layers.quant.gguf import GGUFBlocks
 from agentbox.layers.quant.int4 import pack_rows_int32
 from agentbox.layers.rotary import rope_parameters
+from agentbox.layers.weight_loading import load_weight
 from agentbox.models.gguf_file import gguf_config, gguf_weights, hf_tensor_name
 from agentbox.models.loader import load_model
 
@@ -227,7 +228,7 @@ def test_an_expert_of_the_wrong_shape_is_refused() -> None:
     layer = FusedMoE(2, 1, H, FFN, renormalize=True, method=GGUFExperts())
     raw = quantise(np.zeros((FFN, H // 2), np.float32), Q.Q4_0, np.random.default_rng(0))
     with pytest.raises(ValueError, match=r"gate of expert 1 is \(256, 128\), expected \(256, 256\)"):
-        layer.w13_weight.weight_loader(layer.w13_weight, GGUFBlocks(Q.Q4_0, (FFN, H // 2), raw), 1, ExpertShard.GATE)
+        load_weight(layer.w13_weight, GGUFBlocks(Q.Q4_0, (FFN, H // 2), raw), 1, ExpertShard.GATE)
 
 
 def test_engine_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001

@@ -17,6 +17,7 @@ from torch import nn
 
 from agentbox.layers.quant.base import QuantLayer, Sharding, linear_method, quant_param
 from agentbox.layers.quant.int4 import Int4Kernel
+from agentbox.layers.weight_loading import set_weight_loader
 from agentbox.parallel.state import all_reduce, head_shard, tp_rank, tp_size
 
 
@@ -46,7 +47,7 @@ class LinearBase(QuantLayer):
         else:
             self.register_parameter("bias", None)
         for p in self.parameters(recurse=False):
-            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            set_weight_loader(p, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: str | int | None = None) -> None:
         name = next((n for n, p in self.named_parameters(recurse=False) if p is param), "weight")

@@ -85,7 +85,7 @@ class ModelRunner:
         self.page_size = config.page_size
         # One page-table row per running request, and one for LLM.logits unless a row carries state (a ring of
         # Gemma 4 31B is 800 MiB: LLM.logits waits for a free row instead).
-        stateful = getattr(loaded.model, "state_specs", None) is not None
+        stateful = loaded.layout.state is not None
         self.num_rows = config.max_num_seqs + (0 if stateful else 1)
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
         self.state_in_place = False  # sliding rings: the live slot is its own page-aligned copy (_state_cache)
@@ -155,7 +155,7 @@ class ModelRunner:
         self.graphs = build_decode_graphs(
             # The delta-net layers pick their path per sequence in Python: not capturable yet.
             not config.enforce_eager and self.state_cache is None
-            and getattr(lm.model, "supports_cuda_graphs", True),  # MLA reads host-side lengths (eager)
+            and lm.model.supports_cuda_graphs,  # MLA reads host-side lengths (eager)
             self.device, self.backend,
             lambda: DecodeGraphs(
                 lm.model, self.backend, self.page_size, config.max_num_seqs, self.page_table.table.shape[1],
@@ -168,12 +168,12 @@ class ModelRunner:
         """Hybrid models (and Gemma 4's sliding-window rings): each running sequence's state lives in the slot
         of its page-table row, its state at its last page boundary in the slot `num_rows` further (not for
         rings: the live ring is that too), then the sessions' snapshots."""
-        specs_of = getattr(self.loaded.model, "state_specs", None)
-        if specs_of is None:
+        state = self.loaded.layout.state
+        if state is None:
             return None
-        rings = page_slack(specs_of(), self.page_size)
+        rings = page_slack(state.specs, self.page_size)
         self.state_in_place = rings is not None
-        specs = rings or specs_of()
+        specs = rings or list(state.specs)
         # Live rows, their page-aligned copies (not for rings), then the snapshots (engine/cache/state_snapshots.py).
         per_row, per_slot = 1 if self.state_in_place else 2, StateCache.bytes_per_slot(specs, self.dtype)
         held = self._fit_state_slots(per_row, per_slot)

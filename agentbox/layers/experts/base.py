@@ -27,6 +27,7 @@ from agentbox.layers.quant import base as quant_base
 from agentbox.layers.quant.base import QuantConfig, Sharding
 from agentbox.layers.quant.formats import QuantMethod
 from agentbox.layers.quant.lazy import materialize
+from agentbox.layers.weight_loading import set_weight_loader
 
 
 class ExpertShard(Enum):
@@ -123,7 +124,7 @@ def add_sharded_param(layer: ExpertLayer, name: str, data: torch.Tensor, shardin
     layer.add_expert_param(name, data)
     param: nn.Parameter = getattr(layer, name)
     param.sharding = sharding  # type: ignore[attr-defined]
-    param.weight_loader = partial(load_expert_shard, layer, name)  # type: ignore[attr-defined]
+    set_weight_loader(param, partial(load_expert_shard, layer, name))
     return param
 
 

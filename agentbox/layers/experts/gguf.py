@@ -34,6 +34,7 @@ from agentbox.layers.experts.bits import BitsCodes, BitsExperts, BitsForm, pack_
 from agentbox.layers.experts.int4 import Int4Experts
 from agentbox.layers.experts.unquantized import UnquantizedExperts
 from agentbox.layers.quant.gguf import BITS_TYPES, INT4_TYPES, GGUFBlocks, bits_groups, int4_groups
+from agentbox.layers.weight_loading import set_weight_loader
 
 GROUP = 32  # input columns per scale of every int4-mapped GGUF type (Q4_K: its 8 sub-blocks of a 256 block)
 
@@ -65,7 +66,7 @@ class GGUFExperts(ExpertMethod):
         self.parts: dict[tuple[ExpertShard, int], _Part] = {}
         for name in ("w13_weight", "w2_weight"):
             layer.add_expert_param(name, torch.empty(0))
-            getattr(layer, name).weight_loader = self._loader(layer)  # type: ignore[attr-defined]
+            set_weight_loader(getattr(layer, name), self._loader(layer))
 
     def _loader(self, layer: ExpertLayer) -> Any:
         def load(param: nn.Parameter, loaded: GGUFBlocks | torch.Tensor, expert_id: int, shard: ExpertShard) -> None:

@@ -31,6 +31,7 @@ from agentbox.layers.experts.base import (
     check_dims,
     expert_activation,
     fused_kernel,
+    load_expert_shard,
     moe_ref,
 )
 from agentbox.layers.quant.base import QuantConfig, Sharding
@@ -97,8 +98,8 @@ class Int4Experts(ExpertMethod):
             )
         w = "w2" if shard is ExpertShard.DOWN else "w13"
         for suffix, t in (("qweight", pack_rows_bytes(q.t().contiguous())), ("scale", scale.t()), ("offset", offset.t())):
-            param = getattr(layer, f"{w}_{suffix}")
-            param.weight_loader(param, t, expert_id, shard)
+            name = f"{w}_{suffix}"
+            load_expert_shard(layer, name, getattr(layer, name), t, expert_id, shard)
 
     def dequantized_expert(self, layer: ExpertLayer, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference: expert e's (w13 [2I, H], w2 [H, I]) in `dtype`."""
