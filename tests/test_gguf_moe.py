@@ -28,7 +28,8 @@ from agentbox.layers.quant.gguf import GGUFBlocks
 from agentbox.layers.quant.int4 import pack_rows_int32
 from agentbox.layers.rotary import rope_parameters
 from agentbox.layers.weight_loading import load_weight
-from agentbox.models.gguf_file import gguf_config, gguf_weights, hf_tensor_name
+from agentbox.models.gguf_file import gguf_config, gguf_weights
+from agentbox.models.gguf_llama import llama_tensor_name
 from agentbox.models.loader import load_model
 
 # The exact CPU path: experts stay in the canonical form (the default repacks them: tests/test_moe_cpu.py).
@@ -218,10 +219,10 @@ def test_packing_is_the_contract_layout() -> None:
 
 def test_what_is_not_mapped_is_named() -> None:
     """Shared experts (Qwen2-MoE's ffn_*_shexp) are not a qwen3moe tensor: refused by name, not skipped."""
-    assert hf_tensor_name("blk.7.ffn_down_exps.weight") == "model.layers.7.mlp.experts.{e}.down_proj.weight"
-    assert hf_tensor_name("blk.7.ffn_gate_inp.weight") == "model.layers.7.mlp.gate.weight"
+    assert llama_tensor_name("blk.7.ffn_down_exps.weight") == "model.layers.7.mlp.experts.{e}.down_proj.weight"
+    assert llama_tensor_name("blk.7.ffn_gate_inp.weight") == "model.layers.7.mlp.gate.weight"
     with pytest.raises(ValueError, match="blk.0.ffn_gate_shexp.weight"):
-        hf_tensor_name("blk.0.ffn_gate_shexp.weight")
+        llama_tensor_name("blk.0.ffn_gate_shexp.weight")
 
 
 def test_an_expert_of_the_wrong_shape_is_refused() -> None:
