@@ -82,7 +82,7 @@ class AttentionShape:
 class CausalLM(nn.Module, ABC):
     # HF checkpoint module name -> (our fused module, shard id passed to its parameter's loader)
     packed_modules_mapping: ClassVar[Mapping[str, tuple[str, str | int]]] = {}
-    # MoE experts: checkpoint names -> the FusedMoE parameters (models/weight_loader.py ExpertWeight)
+    # MoE experts: checkpoint names -> the FusedMoE parameters (`ExpertWeight` rows, above)
     expert_mapping: ClassVar[tuple[ExpertWeight, ...]] = ()
     # Substrings of checkpoint names that have no parameter -> what they are (the load logs what it skipped)
     skip_checkpoint_names: Mapping[str, str] = {}
