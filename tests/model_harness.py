@@ -37,8 +37,8 @@ class PagedRunner:
         self.cpu_decode = CpuDecode.build(self.model, torch.device(device))  # as the engine's runner chooses
         self.free_pages = list(range(num_pages))
         # Hybrid models: a recurrent-state slot per sequence (sequence ids are small ints: the slot is the id)
-        specs = getattr(self.model, "state_specs", None)
-        self.state = StateCache(specs(), 16, dtype, device) if specs is not None else None
+        state = loaded.layout.state
+        self.state = StateCache(list(state.specs), 16, dtype, device) if state is not None else None
         self.pages: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 

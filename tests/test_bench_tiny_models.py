@@ -17,8 +17,9 @@ def test_tiny_models_load_as_hybrid_and_dense(tmp_path: Path, smollm2_tokenizer)
     loaded = {k: load_model(str(save_tiny(k, tmp_path / k.value, smollm2_tokenizer)), torch.float32, "cpu")
               for k in TinyKind}
     hybrid, dense = loaded[TinyKind.HYBRID], loaded[TinyKind.DENSE]
-    assert len(hybrid.model.state_specs()) == 3 and hybrid.num_layers == 1  # 3 delta-net layers, 1 with KV
-    assert not hasattr(dense.model, "state_specs") and dense.num_layers == 4
+    assert hybrid.layout.state is not None and len(hybrid.layout.state.specs) == 3  # 3 delta-net layers
+    assert hybrid.num_layers == 1  # 1 with KV
+    assert dense.layout.state is None and dense.num_layers == 4
     assert hybrid.vocab_size == dense.vocab_size == len(smollm2_tokenizer)
     assert hybrid.eos_token_ids == dense.eos_token_ids == [smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")]
 

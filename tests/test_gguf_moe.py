@@ -27,7 +27,9 @@ from agentbox.layers.quant import resident_weight_bytes
 from agentbox.layers.quant.gguf import GGUFBlocks
 from agentbox.layers.quant.int4 import pack_rows_int32
 from agentbox.layers.rotary import rope_parameters
-from agentbox.models.gguf_file import gguf_config, gguf_weights, hf_tensor_name
+from agentbox.layers.weight_loading import load_weight
+from agentbox.models.gguf_file import gguf_config, gguf_weights
+from agentbox.models.gguf_llama import llama_tensor_name
 from agentbox.models.loader import load_model
 
 # The exact CPU path: experts stay in the canonical form (the default repacks them: tests/test_moe_cpu.py).
@@ -217,17 +219,17 @@ def test_packing_is_the_contract_layout() -> None:
 
 def test_what_is_not_mapped_is_named() -> None:
     """Shared experts (Qwen2-MoE's ffn_*_shexp) are not a qwen3moe tensor: refused by name, not skipped."""
-    assert hf_tensor_name("blk.7.ffn_down_exps.weight") == "model.layers.7.mlp.experts.{e}.down_proj.weight"
-    assert hf_tensor_name("blk.7.ffn_gate_inp.weight") == "model.layers.7.mlp.gate.weight"
+    assert llama_tensor_name("blk.7.ffn_down_exps.weight") == "model.layers.7.mlp.experts.{e}.down_proj.weight"
+    assert llama_tensor_name("blk.7.ffn_gate_inp.weight") == "model.layers.7.mlp.gate.weight"
     with pytest.raises(ValueError, match="blk.0.ffn_gate_shexp.weight"):
-        hf_tensor_name("blk.0.ffn_gate_shexp.weight")
+        llama_tensor_name("blk.0.ffn_gate_shexp.weight")
 
 
 def test_an_expert_of_the_wrong_shape_is_refused() -> None:
     layer = FusedMoE(2, 1, H, FFN, renormalize=True, method=GGUFExperts())
     raw = quantise(np.zeros((FFN, H // 2), np.float32), Q.Q4_0, np.random.default_rng(0))
     with pytest.raises(ValueError, match=r"gate of expert 1 is \(256, 128\), expected \(256, 256\)"):
-        layer.w13_weight.weight_loader(layer.w13_weight, GGUFBlocks(Q.Q4_0, (FFN, H // 2), raw), 1, ExpertShard.GATE)
+        load_weight(layer.w13_weight, GGUFBlocks(Q.Q4_0, (FFN, H // 2), raw), 1, ExpertShard.GATE)
 
 
 def test_engine_greedy_matches_transformers(tiny) -> None:  # noqa: ANN001

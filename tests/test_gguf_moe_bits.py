@@ -21,6 +21,7 @@ from agentbox.layers.experts.bits import BitsExperts, BitsForm
 from agentbox.layers.experts.gguf import GGUFExperts
 from agentbox.layers.quant import resident_weight_bytes
 from agentbox.layers.quant.gguf import GGUFBlocks
+from agentbox.layers.weight_loading import load_weight
 from agentbox.models.loader import load_model
 from agentbox.parallel.state import set_tp_state
 
@@ -114,7 +115,7 @@ def test_a_down_shard_off_its_groups_is_refused() -> None:
                                     (ExpertShard.DOWN, Q.Q6_K, (H, FFN))):
             raw = quantise(0.05 * rng.standard_normal(shape).astype(np.float32), qtype, rng)
             param = layer.w2_weight if shard is ExpertShard.DOWN else layer.w13_weight
-            param.weight_loader(param, GGUFBlocks(qtype, shape, raw), 0, shard)
+            load_weight(param, GGUFBlocks(qtype, shape, raw), 0, shard)
         with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: GGUF Q6_K experts \(down, ffn_down_exps\)"
                                              r".* 8 input columns .* 16-column groups"):
             layer.process_weights_after_loading()

@@ -41,7 +41,9 @@ def test_35b_a3b_shape_state_matches_the_profile() -> None:
     config = qwen3_6_35b_a3b_config(layers=4)
     with torch.device("meta"):
         model = model_class(config)(config)
-    specs = model.state_specs()
+    state = model.cache_layout().state
+    assert state is not None
+    specs = list(state.specs)
     assert len(specs) == 3  # 3 Gated DeltaNet layers, then the attention layer
     profile = find_profile("Qwen3.6-35B-A3B")
     per_group = StateCache.bytes_per_slot(specs, torch.bfloat16)

@@ -26,6 +26,7 @@ from agentbox.layers.linear import (
 )
 from agentbox.layers.norm import RMSNorm
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
+from agentbox.layers.weight_loading import load_weight
 from agentbox.parallel.state import set_tp_state
 
 # --- attention backend ---------------------------------------------------------------------------
@@ -260,15 +261,15 @@ def test_column_and_row_parallel_reassemble(restore_tp: None) -> None:
     w, b, x = torch.randn(8, 6), torch.randn(8), torch.randn(3, 6)
     cols = per_rank(lambda: ColumnParallelLinear(6, 8, bias=True))
     for m in cols:
-        m.weight.weight_loader(m.weight, w)
-        m.bias.weight_loader(m.bias, b)
+        load_weight(m.weight, w)
+        load_weight(m.bias, b)
     torch.testing.assert_close(torch.cat([m(x) for m in cols], -1), F.linear(x, w, b))
 
     w2, b2, x2 = torch.randn(5, 8), torch.randn(5), torch.randn(3, 8)
     rows = per_rank(lambda: RowParallelLinear(8, 5, bias=True))
     for m in rows:
-        m.weight.weight_loader(m.weight, w2)
-        m.bias.weight_loader(m.bias, b2)
+        load_weight(m.weight, w2)
+        load_weight(m.bias, b2)
     parts = [m(x2[:, r * 4 : (r + 1) * 4]) for r, m in enumerate(rows)]  # bias added by rank 0 only
     torch.testing.assert_close(sum(parts), F.linear(x2, w2, b2))
 
@@ -283,18 +284,18 @@ def test_qkv_and_merged_loaders_place_shards(restore_tp: None) -> None:
     x = torch.randn(2, hidden)
     for rank, m in enumerate(per_rank(lambda: QKVParallelLinear(hidden, d, heads, kv_heads, bias=False))):
         for shard, w in (("q", wq), ("k", wk), ("v", wv)):
-            m.weight.weight_loader(m.weight, w, shard)
+            load_weight(m.weight, w, shard)
         q, k, v = m(x).split([8, 4, 4], -1)  # this rank: 2 q heads, 1 kv head
         torch.testing.assert_close(q, F.linear(x, wq[rank * 8 : (rank + 1) * 8]))
         torch.testing.assert_close(k, F.linear(x, wk[rank * 4 : (rank + 1) * 4]))
         torch.testing.assert_close(v, F.linear(x, wv[rank * 4 : (rank + 1) * 4]))
     with pytest.raises(ValueError, match="'q', 'k' or 'v'"):
-        m.weight.weight_loader(m.weight, wq, "x")
+        load_weight(m.weight, wq, "x")
 
     gate, up = torch.randn(6, hidden), torch.randn(6, hidden)
     for rank, m in enumerate(per_rank(lambda: MergedColumnParallelLinear(hidden, [6, 6]))):
-        m.weight.weight_loader(m.weight, gate, 0)
-        m.weight.weight_loader(m.weight, up, 1)
+        load_weight(m.weight, gate, 0)
+        load_weight(m.weight, up, 1)
         g, u = m(x).chunk(2, -1)
         torch.testing.assert_close(g, F.linear(x, gate[rank * 3 : (rank + 1) * 3]))
         torch.testing.assert_close(u, F.linear(x, up[rank * 3 : (rank + 1) * 3]))
@@ -319,7 +320,7 @@ def test_vocab_parallel_embedding_and_tied_head(restore_tp: None) -> None:
     embeds = per_rank(lambda: VocabParallelEmbedding(vocab, hidden))
     heads = per_rank(lambda: ParallelLMHead(vocab, hidden))
     for e, head in zip(embeds, heads, strict=True):
-        e.weight.weight_loader(e.weight, table)
+        load_weight(e.weight, table)
         head.tie_to(e)
         assert head.weight is e.weight
     torch.testing.assert_close(sum(e(ids) for e in embeds), F.embedding(ids, table))

@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from agentbox.layers.quant import int4
-from agentbox.models.llama import head_dim_of
+from agentbox.models.base import head_dim_of
 from agentbox.models.loader import (
     LoadedModel,
     ModelSource,

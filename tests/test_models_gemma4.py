@@ -16,6 +16,7 @@ from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 from agentbox.layers.backends.base import KVCache, KVLayerSpec
+from agentbox.layers.cache_layout import StateGroup
 from agentbox.layers.window_kv import WindowKVSpec
 from agentbox.models.loader import load_model
 
@@ -58,7 +59,7 @@ def test_pool_holds_global_layers_rings_hold_sliding(tiny) -> None:  # noqa: ANN
     window's 8 positions x 2 KV heads x 16 per sequence, outside the pool."""
     kind, _, _, ours = tiny
     assert ours.num_layers == 2 and ours.kv_specs == [KVLayerSpec(1 if kind == "dense" else 2, 32)] * 2
-    assert ours.model.state_specs() == [WindowKVSpec(2, 16, WINDOW)] * 2  # the runner adds a page of slack
+    assert ours.layout.state == StateGroup((WindowKVSpec(2, 16, WINDOW),) * 2)  # the runner adds a page of slack
 
 
 def test_towers_skipped_and_named(tmp_path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
@@ -93,8 +94,9 @@ def test_session_turns_past_window_reuse_and_pool_bytes(tiny) -> None:  # noqa: 
         history = history + out.token_ids + [(turn * 13 + k) % 256 for k in range(5)]
     # The pool's pages hold the global layers only: every layer in pages would take the sliding share more.
     pool = llm.core.stats().pool
-    sliding = KVCache.bytes_per_page([KVLayerSpec(s.num_kv_heads, s.head_dim) for s in ours.model.state_specs()],
-                                     4, torch.float32)
+    assert ours.layout.state is not None
+    rings = ours.layout.state.specs
+    sliding = KVCache.bytes_per_page([KVLayerSpec(s.num_kv_heads, s.head_dim) for s in rings], 4, torch.float32)
     every_layer = KVCache.bytes_per_page(ours.kv_specs, 4, torch.float32) + sliding
     assert pool.used_pages > 0 and pool.page_bytes == every_layer - sliding
 

@@ -53,7 +53,7 @@ def test_layer_kinds_follow_layer_types(tiny) -> None:  # noqa: ANN001
     text = hf.config.get_text_config()
     assert kinds == [t == "linear_attention" for t in text.layer_types] == [True, True, True, False]
     assert ours.num_layers == 1  # KV pages only for the one attention layer
-    assert len(ours.model.state_specs()) == 3
+    assert ours.layout.state is not None and len(ours.layout.state.specs) == 3
 
 
 def test_prefill_and_decode_match_transformers(tiny) -> None:  # noqa: ANN001

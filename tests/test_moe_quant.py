@@ -10,6 +10,7 @@ from agentbox.layers.experts.fp8 import Fp8BlockExperts
 from agentbox.layers.experts.gptq import GptqExperts
 from agentbox.layers.experts.int4 import Int4Experts
 from agentbox.layers.quant import QuantConfig, QuantMethod
+from agentbox.layers.weight_loading import load_weight
 
 
 def _random_int4(out: int, k: int, group: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -83,7 +84,7 @@ def test_gptq_act_order_down_shard_splitting_groups_is_refused_by_name(rank1_of_
         }
         for name, t in full.items():
             param = getattr(layer, f"{w}_{name}")
-            param.weight_loader(param, t, 0, shard)
+            load_weight(param, t, 0, shard)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.0\.down_proj\.g_idx: .*whole groups of 128"):
         layer.process_weights_after_loading()
 
@@ -139,7 +140,7 @@ def test_a_shared_gate_up_g_idx_loads_in_either_order_and_must_agree() -> None:
     layer = FusedMoE(1, 1, 64, 32, renormalize=True, method=GptqExperts(config), prefix="model.layers.2.mlp.experts")
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(0)).to(torch.int32)
     g_idx = layer.w13_g_idx
-    g_idx.weight_loader(g_idx, perm, 0, ExpertShard.UP)  # up before gate (another shard file first)
-    g_idx.weight_loader(g_idx, perm, 0, ExpertShard.GATE)
+    load_weight(g_idx, perm, 0, ExpertShard.UP)  # up before gate (another shard file first)
+    load_weight(g_idx, perm, 0, ExpertShard.GATE)
     with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.0\.up -> w13_g_idx: differs"):
-        g_idx.weight_loader(g_idx, perm.flip(0), 0, ExpertShard.UP)
+        load_weight(g_idx, perm.flip(0), 0, ExpertShard.UP)

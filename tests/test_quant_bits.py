@@ -16,6 +16,7 @@ from agentbox.kernels.dequant import dequant_bits, pack_bits, unpack_bits
 from agentbox.layers.quant import bits, int4, resident_weight_bytes
 from agentbox.layers.quant.gguf import BITS_TYPES, GGUFBlocks, GGUFLinearMethod, bits_groups
 from agentbox.layers.quant.quant_rows import PackedRows
+from agentbox.layers.weight_loading import load_weight
 from agentbox.models.loader import load_model
 
 Q = GGMLQuantizationType
@@ -105,7 +106,7 @@ def test_a_mixed_qkv_splits_per_rank_under_tensor_parallel(monkeypatch: pytest.M
             with quant_context(QuantConfig(QuantMethod.GGUF)):
                 layer = QKVParallelLinear(512, 64, 4, 2)
             for s, b in blocks.items():
-                layer.weight.weight_loader(layer.weight, b, s)
+                load_weight(layer.weight, b, s)
             process_weights_after_loading(layer)
             int4_run, bits_run = layer.segments
             assert int4_run.int4_kernel is int4.Int4Kernel.TRITON_K and bits_run.bits_kernel is bits.BitsKernel.TRITON

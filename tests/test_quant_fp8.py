@@ -13,6 +13,7 @@ from quant_checkpoints import PROMPT, write_fp8
 from agentbox.layers.linear import ColumnParallelLinear
 from agentbox.layers.quant import QuantConfig, QuantMethod, quant_context
 from agentbox.layers.quant.fp8 import FP8BlockLinearMethod
+from agentbox.layers.weight_loading import load_weight
 from agentbox.models.loader import load_model
 from agentbox.parallel.state import set_tp_state
 
@@ -36,6 +37,6 @@ def test_fp8_shard_off_a_block_boundary_is_refused() -> None:
         with quant_context(config):
             layer = ColumnParallelLinear(128, 192)  # 96 rows per rank: rank 1 starts inside a block
         with pytest.raises(ValueError, match="128-element boundary"):
-            layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, torch.ones(2, 1))
+            load_weight(layer.weight_scale_inv, torch.ones(2, 1))
     finally:
         set_tp_state(0, 1)

@@ -19,6 +19,7 @@ from agentbox.layers.quant import QuantMethod, resident_weight_bytes
 from agentbox.layers.quant.bits import BitsKernel
 from agentbox.layers.quant.gguf import GGUFBlocks, GGUFLinearMethod, int4_groups
 from agentbox.layers.quant.int4 import Int4Kernel, dequantize
+from agentbox.layers.weight_loading import load_weight
 from agentbox.models.loader import load_model
 
 Q = GGMLQuantizationType
@@ -176,7 +177,7 @@ def test_a_shard_inside_a_block_is_cut_densely() -> None:
             set_tp_state(rank, 2)
             with quant_context(QuantConfig(QuantMethod.GGUF)):
                 layer = RowParallelLinear(512, 8, input_shard=(start, size))  # an uneven head split
-            layer.weight.weight_loader(layer.weight, blocks)
+            load_weight(layer.weight, blocks)
             torch.testing.assert_close(layer.quant_method.dequantized_weight(layer), full[:, start : start + size])
             process_weights_after_loading(layer)
             torch.testing.assert_close(layer.weight.data, full[:, start : start + size])

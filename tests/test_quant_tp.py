@@ -13,6 +13,7 @@ from model_harness import PagedRunner
 from quant_checkpoints import PROMPT, write_fp8, write_int4
 
 from agentbox.layers.quant import int4
+from agentbox.layers.weight_loading import load_weight
 from agentbox.models.loader import load_model
 from agentbox.parallel.state import set_tp_state
 
@@ -65,8 +66,8 @@ def test_a_rank_reads_only_its_shard_of_a_safetensors_slice(tmp_path: Path) -> N
         set_tp_state(1, 2)
         try:
             col, row = ColumnParallelLinear(6, 8), RowParallelLinear(6, 8)
-            col.weight.weight_loader(col.weight, lazy)
-            row.weight.weight_loader(row.weight, lazy)
+            load_weight(col.weight, lazy)
+            load_weight(row.weight, lazy)
         finally:
             set_tp_state(0, 1)
     assert torch.equal(col.weight.data, w[4:]) and torch.equal(row.weight.data, w[:, 3:])

@@ -27,6 +27,7 @@ from agentbox.layers.attention import Attention
 from agentbox.layers.backends.base import KVLayerSpec
 from agentbox.layers.cache_layout import CacheLayout, PagedGroup, StateGroup
 from agentbox.layers.context import get_forward_context
+from agentbox.models.base import AttentionShape, CausalLM
 from agentbox.models.loader import LoadedModel, ModelSource
 
 VOCAB, HIDDEN, HEADS, HEAD = 48, 32, 2, 8
@@ -53,9 +54,9 @@ class Rows:
         raise NotImplementedError("the toy model is not drafted")
 
 
-class ToyModel(nn.Module):
+class ToyModel(CausalLM):
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(PretrainedConfig(vocab_size=VOCAB))
         g = torch.Generator().manual_seed(7)
 
         def w(*shape: int) -> nn.Parameter:
@@ -70,6 +71,9 @@ class ToyModel(nn.Module):
         self.c_out = w(HIDDEN, LATENT)
         self.ema_in = w(HIDDEN, HIDDEN)
         self.head = w(VOCAB, HIDDEN)
+
+    def attention_shape(self) -> AttentionShape:
+        return AttentionShape(HEADS, HEADS, HEAD)
 
     def cache_layout(self) -> CacheLayout:
         return CacheLayout(
@@ -171,9 +175,7 @@ def greedy_reference(model: ToyModel, prompt: list[int], n: int) -> list[int]:
 
 
 def toy_llm(tmp_path: Path, model: ToyModel) -> LLM:
-    loaded = LoadedModel(model=model, hf_config=PretrainedConfig(), num_layers=2, num_heads=HEADS, num_kv_heads=HEADS,
-                         head_dim=HEAD, vocab_size=VOCAB, max_model_len=4096, eos_token_ids=[],
-                         source=ModelSource("hf", tmp_path, "toy"), dtype=torch.float32)
+    loaded = LoadedModel.of(model, model.config, ModelSource("hf", tmp_path, "toy"), torch.float32, [], 4096)
     config = EngineConfig(model=str(tmp_path), page_size=PS, attention="torch", num_pages=160, max_num_seqs=4,
                           max_num_batched_tokens=64, host_cache_gb=0.0, disk_cache_gb=0.0, cpu_threads=1,
                           speculative="off")

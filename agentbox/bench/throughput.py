@@ -30,7 +30,6 @@ from agentbox.engine.exec.runner import DTYPES
 from agentbox.engine.ipc.messages import AddRequest
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
-from agentbox.models.llama import head_dim_of, num_kv_heads_of
 from agentbox.models.loader import LoadedModel, ModelSource, iter_weights
 from agentbox.models.registry import model_class
 
@@ -303,19 +302,8 @@ def random_model(config: PretrainedConfig, dtype: torch.dtype, device: str | tor
         else:
             p.zero_()  # biases
     model.eval().requires_grad_(False)
-    return LoadedModel(
-        model=model,
-        hf_config=config,
-        num_layers=config.num_hidden_layers,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=num_kv_heads_of(config),
-        head_dim=head_dim_of(config),
-        vocab_size=config.vocab_size,
-        max_model_len=int(config.max_position_embeddings),
-        eos_token_ids=[],
-        source=ModelSource("hf", Path("random"), f"random-{config.model_type}"),
-        dtype=dtype,
-    )
+    source = ModelSource("hf", Path("random"), f"random-{config.model_type}")
+    return LoadedModel.of(model, config, source, dtype, eos_token_ids=[], max_model_len=int(config.max_position_embeddings))
 
 
 def logits_check(config: PretrainedConfig, device: str, dtype: torch.dtype) -> dict[str, Any]:

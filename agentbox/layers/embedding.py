@@ -21,6 +21,7 @@ from torch import nn
 
 from agentbox.layers.quant.base import Sharding, quant_param
 from agentbox.layers.quant.quant_rows import BitsRows, PackedRows, QuantRows, quant_rows
+from agentbox.layers.weight_loading import ConvertsAfterLoading, set_weight_loader
 from agentbox.parallel.state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
 
@@ -36,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False
         )
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        set_weight_loader(self.weight, self.weight_loader)
         self.quant: QuantRows | BitsRows | PackedRows | None = None  # the table kept quantised (GGUF), else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: str | int | None = None) -> None:
@@ -78,7 +79,7 @@ class VocabParallelEmbedding(nn.Module):
         return all_reduce(out * in_range.unsqueeze(-1).to(out.dtype))
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(VocabParallelEmbedding, ConvertsAfterLoading):
     """Hidden states -> logits over the full vocab. `tie_to(embedding)` shares the embedding's weight."""
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:

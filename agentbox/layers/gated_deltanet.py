@@ -28,6 +28,7 @@ from agentbox.layers.delta_rule_backends import delta_rule_for
 from agentbox.layers.linear import ColumnParallelLinear, RowParallelLinear
 from agentbox.layers.quant.lazy import materialize
 from agentbox.layers.recurrent_state import LinearStateSpec
+from agentbox.layers.weight_loading import set_weight_loader
 from agentbox.parallel.state import tp_rank, tp_size
 
 
@@ -107,11 +108,11 @@ class GatedDeltaNet(nn.Module):
         channels = sum(self.conv_segments) // tp
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(channels, 1, self.kernel), requires_grad=False)
-        self.conv1d.weight.weight_loader = lambda p, w, _=None: _split_rows(p, self.conv_segments, w)  # type: ignore[attr-defined]
+        set_weight_loader(self.conv1d.weight, lambda p, w, _=None: _split_rows(p, self.conv_segments, w))
         self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         for p in (self.A_log, self.dt_bias):
-            p.weight_loader = lambda p, w, _=None: _split_rows(p, [hv], w)  # type: ignore[attr-defined]
+            set_weight_loader(p, lambda p, w, _=None: _split_rows(p, [hv], w))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(value_dim, hidden, prefix=f"{prefix}.out_proj")
 

@@ -15,7 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from agentbox.layers.quant import LinearMethod, Sharding, linear_method, quant_param
+from agentbox.layers.quant.base import QuantLayer, Sharding, linear_method, quant_param
+from agentbox.layers.quant.int4 import Int4Kernel
+from agentbox.layers.weight_loading import set_weight_loader
 from agentbox.parallel.state import all_reduce, head_shard, tp_rank, tp_size
 
 
@@ -25,28 +27,27 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-class LinearBase(nn.Module):
+class LinearBase(QuantLayer):
+    # What an int4 method installed (layers/quant/int4.py), which the CPU fused decode reads
+    # (engine/exec/cpu_decode.py): the kernel its weight is packed for, GPTQ act-order's column permutation.
+    int4_kernel: Int4Kernel | None = None
+    act_perm: nn.Parameter | None
+
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None, prefix: str = "") -> None:
         super().__init__()
         self.tp_dim = tp_dim
         self.tp_rank = tp_rank()
         self.tp_size = tp_size()
         self.input_size, self.output_size = input_size, output_size  # this rank's
-        self.quant_method: LinearMethod = linear_method(prefix)
+        self.register_parameter("act_perm", None)
+        self.quant_method = linear_method(prefix)
         self.quant_method.create_weights(self, input_size, output_size, torch.get_default_dtype())
         if bias:
             self.bias: nn.Parameter | None = quant_param(torch.empty(output_size), Sharding(0, None))
         else:
             self.register_parameter("bias", None)
         for p in self.parameters(recurse=False):
-            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-
-    def out_range(self, shard_id: str | int | None) -> tuple[int, int, int]:
-        """(offset in this layer's output rows, offset in the checkpoint tensor's rows, rows)."""
-        return 0, 0, self.output_size
-
-    def in_range(self) -> tuple[int, int] | None:
-        return None
+            set_weight_loader(p, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: str | int | None = None) -> None:
         name = next((n for n, p in self.named_parameters(recurse=False) if p is param), "weight")

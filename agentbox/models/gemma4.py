@@ -4,9 +4,9 @@ of `Gemma4ForConditionalGeneration`, as transformers computes them.
 What differs from Llama:
 - layers are sliding (window `sliding_window`, default rope) or global (`per_layer_config`: a wider head,
   `global_head_dim`, often fewer KV heads, `num_global_key_value_heads`; "proportional" rope that turns the first
-  quarter of the frequencies over the whole head). Only the global layers keep pages in the pool
-  (`kv_layer_specs`, their own head size); each sliding layer keeps its last `sliding_window` positions in a
-  ring per sequence (`state_specs`, layers/window_kv.py), so its memory does not grow with the context;
+  quarter of the frequencies over the whole head). Only the global layers keep pages in the pool (the paged
+  group of `cache_layout`, their own head size); each sliding layer keeps its last `sliding_window` positions
+  in a ring per sequence (its state group, layers/window_kv.py), so its memory does not grow with the context;
 - `attention_k_eq_v` on global layers: no v_proj, V comes from the same projection as K. The cache still keeps
   both: K is normed with a weight and rotated, V normed without one and not rotated, so they are different
   tensors (storing one would need the backend to re-derive K from V per position);
@@ -33,6 +33,7 @@ from torch import nn
 
 from agentbox.layers.attention import Attention
 from agentbox.layers.backends.base import KVLayerSpec
+from agentbox.layers.cache_layout import CacheLayout, PagedGroup, StateGroup
 from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agentbox.layers.experts.base import ExpertShard, MoEActivation
 from agentbox.layers.experts.layer import FusedMoE
@@ -46,9 +47,9 @@ from agentbox.layers.linear import (
 from agentbox.layers.norm import RMSNorm
 from agentbox.layers.quant import QuantConfig, quant_context
 from agentbox.layers.rotary import RotaryEmbedding
-from agentbox.layers.window_kv import WindowAttention, WindowKVSpec
+from agentbox.layers.window_kv import WindowAttention
+from agentbox.models.base import AttentionShape, CausalLM, ExpertWeight, per_expert_weights
 from agentbox.models.llama import LlamaForCausalLM
-from agentbox.models.weight_loader import ExpertWeight, per_expert_weights
 from agentbox.parallel.state import head_shard
 
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
@@ -260,7 +261,7 @@ class Gemma4TextModel(nn.Module):
         return self.norm(hidden)
 
 
-class Gemma4ForCausalLM(nn.Module):
+class Gemma4ForCausalLM(CausalLM):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     expert_mapping = (
         ExpertWeight("experts.gate_up_proj", "experts.w13_weight", ExpertShard.GATE_UP),
@@ -268,12 +269,10 @@ class Gemma4ForCausalLM(nn.Module):
         # GGUF files: one weight per expert and projection (models/gguf_gemma4.py)
         *per_expert_weights("gate_proj", "up_proj", "down_proj", (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN)),
     )
-    skip_checkpoint_names: dict[str, str] = {}
     prefix = "model"
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         text = config.get_text_config()
         self.text_config = text
         self.model = self.text_model(text)
@@ -293,23 +292,17 @@ class Gemma4ForCausalLM(nn.Module):
     def _attention(self, sliding: bool) -> list[Gemma4Attention]:
         return [layer.self_attn for layer in self.language_model.layers if layer.self_attn.sliding == sliding]
 
-    @property
-    def num_kv_layers(self) -> int:
-        """Only the global layers keep pages in the pool."""
-        return len(self._attention(False))
+    def cache_layout(self) -> CacheLayout:
+        """The global layers' KV in pages (each its own shape on this rank); each sliding layer's ring, in layer
+        order (its state index)."""
+        rings = tuple(a.attn.state_spec() for a in self._attention(True))
+        paged = PagedGroup(tuple(a.kv_spec() for a in self._attention(False)))
+        return CacheLayout((paged,), StateGroup(rings) if rings else None)
 
-    def kv_layer_specs(self) -> list[KVLayerSpec]:
-        """Each global layer's KV shape on this rank."""
-        return [a.kv_spec() for a in self._attention(False)]
-
-    def state_specs(self) -> list[WindowKVSpec]:
-        """Each sliding layer's ring, in layer order (its state index)."""
-        return [a.attn.state_spec() for a in self._attention(True)]
-
-    def attention_shape(self) -> tuple[int, int, int]:
-        """(heads, KV heads, head size) of the first global layer on this rank (backends read each layer's own)."""
+    def attention_shape(self) -> AttentionShape:
+        """The first global layer's on this rank (backends read each layer's own)."""
         first = self._attention(False)[0]
-        return first.num_heads, first.num_kv_heads, first.head_dim
+        return AttentionShape(first.num_heads, first.num_kv_heads, first.head_dim)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -15,24 +15,26 @@ The config is a text-only Gemma4TextConfig; the model is `Gemma4ForCausalLM`.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import gguf
 import numpy as np
-import torch
 from transformers import Gemma4TextConfig, PretrainedConfig
 
-from agentbox.layers.quant.gguf import FLOAT_TYPES, GGUFBlocks
-from agentbox.models.gguf_reader import GGUFFile, GGUFTensor
-
-GEMMA4_ARCH = "gemma4"
+from agentbox.layers.quant.gguf import GGUFBlocks
+from agentbox.models.gguf_family import (
+    BLOCK_RE,
+    GLOBAL_NAMES,
+    GGUFFamily,
+    Weights,
+    blocks,
+    dense,
+    kept_quantised,
+    stacked_experts,
+)
+from agentbox.models.gguf_reader import GGUFFile
 
 _GLOBAL = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+    **GLOBAL_NAMES,
     "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
     "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
     "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
@@ -67,22 +69,13 @@ _BLOCK = {
     "proj.weight": "per_layer_projection.weight",
     "post_norm.weight": "post_per_layer_input_norm.weight",
 }
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-
-
-def kept_quantised(name: str, tensor: GGUFTensor) -> bool:
-    """The attention and MLP linears and the vocabulary tables stay as the file's blocks; the per-layer input
-    tables, the router and the norms are dense."""
-    linear = name.endswith("_proj.weight") and ".router." not in name
-    vocab = name in ("model.embed_tokens.weight", "lm_head.weight")
-    return (linear or vocab) and tensor.qtype not in FLOAT_TYPES and len(tensor.shape) == 2
 
 
 def gemma4_tensor_name(gguf_name: str) -> str | None:
     """Our checkpoint name of a gemma4 GGUF tensor (`{e}` for stacked experts), None for one not loaded."""
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
-    m = _BLOCK_RE.match(gguf_name)
+    m = BLOCK_RE.match(gguf_name)
     if m is None or m.group(2) not in _BLOCK:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Gemma 4 equivalent we know")
     return f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}"
@@ -92,9 +85,9 @@ def _per_layer(value: Any, layers: int) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list | tuple | np.ndarray) else [int(value)] * layers
 
 
-def gemma4_config(reader: GGUFFile) -> PretrainedConfig:
+def gemma4_config(reader: GGUFFile, arch: str) -> PretrainedConfig:
     def meta(key: str, default: Any = None) -> Any:
-        return reader.metadata.get(f"{GEMMA4_ARCH}.{key}", default)
+        return reader.metadata.get(f"{arch}.{key}", default)
 
     tensors = {t.name: t for t in reader.tensors}
     layers, heads = int(meta("block_count")), int(meta("attention.head_count"))
@@ -107,7 +100,7 @@ def gemma4_config(reader: GGUFFile) -> PretrainedConfig:
     swa_ids = [i for i in range(layers) if sliding[i]]
     head_dim = int(meta("attention.key_length"))
     freqs = tensors.get("rope_freqs.weight")
-    ones = head_dim // 2 if freqs is None else int((_dense(reader, freqs) == 1.0).sum())
+    ones = head_dim // 2 if freqs is None else int((dense(reader, freqs) == 1.0).sum())
     ple = int(meta("embedding_length_per_layer_input", 0) or 0)
     moe = "blk.0.ffn_gate_inp.weight" in tensors
     vocab = meta("vocab_size") or len(reader.metadata["tokenizer.ggml.tokens"])
@@ -147,35 +140,27 @@ def gemma4_config(reader: GGUFFile) -> PretrainedConfig:
     return Gemma4TextConfig(**kwargs)
 
 
-def _dense(reader: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
-    data = gguf.quants.dequantize(reader.raw(tensor), tensor.qtype).reshape(tensor.shape)
-    return torch.from_numpy(np.array(data, dtype=np.float32))
-
-
-ExpertsFn = Callable[[GGUFFile, GGUFTensor, str, bool], Iterator[tuple[str, "torch.Tensor | GGUFBlocks"]]]
-
-
-def gemma4_weights(
-    reader: GGUFFile, keep_quantised: bool, experts: ExpertsFn
-) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
-    """Our checkpoint's names; `experts(reader, tensor, name, keep_quantised)` yields a stacked-experts tensor
-    per expert (row views of the file, or dequantised)."""
+def gemma4_weights(reader: GGUFFile, config: PretrainedConfig, keep_quantised: bool) -> Weights:
+    """Our checkpoint's names (the per-layer input tables, the router and the norms dense)."""
     for tensor in reader.tensors:
         name = gemma4_tensor_name(tensor.name)
         if name is None:
             continue
         if name.endswith("gate_up.weight"):  # fused [E, 2I, H]: gate rows, then up rows
-            for sub, w in experts(reader, tensor, name, keep_quantised):
+            for sub, w in stacked_experts(reader, tensor, name, keep_quantised):
                 half = w.shape[0] // 2
                 gate, up = (w.narrow((0, half), None), w.narrow((half, half), None)) if isinstance(w, GGUFBlocks) else w.split(half)
                 yield sub.replace("gate_up.", "gate_proj."), gate
                 yield sub.replace("gate_up.", "up_proj."), up
             continue
         if "{e}" in name:
-            yield from experts(reader, tensor, name, keep_quantised)
+            yield from stacked_experts(reader, tensor, name, keep_quantised)
             continue
         if keep_quantised and kept_quantised(name, tensor):
-            yield name, GGUFBlocks(tensor.qtype, (tensor.shape[0], tensor.shape[1]), reader.raw(tensor))
+            yield name, blocks(tensor, reader.raw(tensor))
             continue
-        w = _dense(reader, tensor)
+        w = dense(reader, tensor)
         yield name, w.reshape(1) if name.endswith("layer_scalar") else w
+
+
+GEMMA4 = GGUFFamily(("gemma4",), gemma4_config, gemma4_tensor_name, gemma4_weights)

@@ -13,19 +13,24 @@ The config is a text-only Qwen3-Next config; the model is the Qwen3.5 layout (`Q
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
 from transformers import PretrainedConfig, Qwen3NextConfig
 
-from agentbox.layers.quant.gguf import FLOAT_TYPES, GGUFBlocks
-from agentbox.models.gguf_reader import GGUFFile, GGUFTensor
+from agentbox.models.gguf_family import (
+    BLOCK_RE,
+    GLOBAL_NAMES,
+    GGUFFamily,
+    Weights,
+    blocks,
+    dense,
+    kept_quantised,
+    stacked_experts,
+)
+from agentbox.models.gguf_reader import GGUFFile
 
-HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 HYBRID_CLASS = "Qwen3HybridGGUF"  # registry name of the model class these files load into
 
 _NAMES = {
@@ -59,16 +64,13 @@ _NAMES = {
     "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
 }
-_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
-           "output_norm.weight": "model.norm.weight"}
 _SHIFTED_NORMS = ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm")
-_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def hybrid_tensor_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL:
-        return _GLOBAL[gguf_name]
-    m = _BLOCK.match(gguf_name)
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    m = BLOCK_RE.match(gguf_name)
     if m is None:
         return None
     key = m.group(2)
@@ -116,9 +118,7 @@ def hybrid_config(reader: GGUFFile, arch: str) -> PretrainedConfig:
             norm_topk_prob=True, decoder_sparse_step=1,
             mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names],
         )
-    config = Qwen3NextConfig(**kwargs)
-    config.gguf_tiled_v_heads = arch != "qwen3next"  # type: ignore[attr-defined]
-    return config
+    return Qwen3NextConfig(**kwargs)
 
 
 def _untile(x: np.ndarray | torch.Tensor, axis: int, hk: int, r: int) -> Any:
@@ -131,37 +131,30 @@ def _untile(x: np.ndarray | torch.Tensor, axis: int, hk: int, r: int) -> Any:
     return np.ascontiguousarray(x.reshape(split).swapaxes(axis, axis + 1)).reshape(shape)
 
 
-def _dense(reader: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
-    data = gguf.quants.dequantize(reader.raw(tensor), tensor.qtype).reshape(tensor.shape)
-    return torch.from_numpy(np.array(data, dtype=np.float32))
-
-
-def hybrid_weights(
-    reader: GGUFFile, config: PretrainedConfig, keep_quantised: bool, experts: Any
-) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
-    """HF-named weights; `experts(reader, tensor, name, keep_quantised)` yields a stacked-experts tensor."""
+def hybrid_weights(reader: GGUFFile, config: PretrainedConfig, keep_quantised: bool) -> Weights:
+    """HF-named weights (out_proj of tiled files and the grouped in_proj_ba dense: they are reordered by columns
+    or split)."""
     hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
     r = hv // hk
-    tiled = bool(getattr(config, "gguf_tiled_v_heads", False)) and r > 1
+    tiled = reader.metadata.get("general.architecture") != "qwen3next" and r > 1  # Qwen3.5/3.6 tile value heads
     key_rows = 2 * hk * config.linear_key_head_dim
     for tensor in reader.tensors:
         name = hybrid_tensor_name(tensor.name)
         if name is None:
             continue
         if "{e}" in name:
-            yield from experts(reader, tensor, name, keep_quantised)
+            yield from stacked_experts(reader, tensor, name, keep_quantised)
             continue
-        linear = name.endswith("_proj.weight") or name in ("model.embed_tokens.weight", "lm_head.weight")
-        if (keep_quantised and linear and tensor.qtype not in FLOAT_TYPES and not (tiled and "out_proj" in name)
+        if (keep_quantised and kept_quantised(name, tensor) and not (tiled and "out_proj" in name)
                 and "in_proj_ba" not in name):
             raw = reader.raw(tensor)
             if tiled and "in_proj_qkv" in name:
                 raw = np.concatenate([raw[:key_rows], _untile(raw[key_rows:], 0, hk, r)])
             elif tiled and ("in_proj_z" in name or "in_proj_b" in name or "in_proj_a" in name):
                 raw = _untile(raw, 0, hk, r)
-            yield name, GGUFBlocks(tensor.qtype, (tensor.shape[0], tensor.shape[1]), raw)
+            yield name, blocks(tensor, raw)
             continue
-        w = _dense(reader, tensor)
+        w = dense(reader, tensor)
         parts = tensor.name.split(".")
         if (parts[2] if parts[0] == "blk" else parts[0]) in _SHIFTED_NORMS:
             w = w - 1.0
@@ -185,3 +178,6 @@ def hybrid_weights(
             elif "out_proj" in name:
                 w = _untile(w, 1, hk, r)
         yield name, w
+
+
+HYBRID = GGUFFamily(("qwen35", "qwen35moe", "qwen3next"), hybrid_config, hybrid_tensor_name, hybrid_weights)

@@ -14,24 +14,23 @@ HF's `rope_interleave`.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
 from typing import Any
 
-import gguf
-import numpy as np
 import torch
 from transformers import Glm4MoeLiteConfig, PretrainedConfig
 
-from agentbox.layers.quant.gguf import FLOAT_TYPES, GGUFBlocks
+from agentbox.models.gguf_family import (
+    GLOBAL_NAMES,
+    VOCAB_TABLES,
+    GGUFFamily,
+    Weights,
+    blocks,
+    dense,
+    kept_quantised,
+    stacked_experts,
+)
 from agentbox.models.gguf_reader import GGUFFile, GGUFTensor
 
-MLA_ARCHS = ("deepseek2",)
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
 _BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -117,8 +116,8 @@ def mla_tensor_name(gguf_name: str) -> str | None:
     """The HF name of a GGUF tensor (`{e}` for stacked experts); None for the split kv_b halves, which
     `mla_weights` joins. A tensor of a block we do not know keeps its GGUF suffix under the block's HF
     prefix (the MTP layer's `nextn.*`: skipped by the model, named in the log)."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
     if gguf_name == "rope_freqs.weight":
         return None
     m = _BLOCK_RE.match(gguf_name)
@@ -132,17 +131,8 @@ def mla_tensor_name(gguf_name: str) -> str | None:
     return f"model.layers.{block}.{_BLOCK_NAMES.get(kind, kind)}.{suffix}"
 
 
-Experts = Callable[[GGUFFile, GGUFTensor, str, bool], Iterator[tuple[str, Any]]]
-
-
-def _dense(reader: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
-    data = gguf.quants.dequantize(reader.raw(tensor), tensor.qtype).reshape(tensor.shape)
-    return torch.from_numpy(np.array(data, dtype=np.float32))
-
-
-def mla_weights(
-    reader: GGUFFile, config: PretrainedConfig, keep_quantised: bool, experts: Experts
-) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+def mla_weights(reader: GGUFFile, config: PretrainedConfig, keep_quantised: bool) -> Weights:
+    """HF-named weights (the vocabulary tables dense), kv_b_proj joined back from its halves last."""
     split: dict[str, dict[str, GGUFTensor]] = {}
     for tensor in reader.tensors:
         m = _BLOCK_RE.match(tensor.name)
@@ -153,15 +143,18 @@ def mla_weights(
         if name is None:
             continue
         if "{e}" in name:
-            yield from experts(reader, tensor, name, keep_quantised)
-        elif keep_quantised and name.endswith("_proj.weight") and tensor.qtype not in FLOAT_TYPES and len(tensor.shape) == 2:
-            yield name, GGUFBlocks(tensor.qtype, (tensor.shape[0], tensor.shape[1]), reader.raw(tensor))
+            yield from stacked_experts(reader, tensor, name, keep_quantised)
+        elif keep_quantised and kept_quantised(name, tensor) and name not in VOCAB_TABLES:
+            yield name, blocks(tensor, reader.raw(tensor))
         else:
-            yield name, _dense(reader, tensor)
+            yield name, dense(reader, tensor)
     for block, halves in split.items():
         if set(halves) != set(_SPLIT_KV_B):
             raise ValueError(f"GGUF block {block}: attn_k_b and attn_v_b must both be present, found {sorted(halves)}")
-        k_b = _dense(reader, halves["attn_k_b"])  # [H, kv_lora_rank, nope]
-        v_b = _dense(reader, halves["attn_v_b"])  # [H, v_head_dim, kv_lora_rank]
+        k_b = dense(reader, halves["attn_k_b"])  # [H, kv_lora_rank, nope]
+        v_b = dense(reader, halves["attn_v_b"])  # [H, v_head_dim, kv_lora_rank]
         kv_b = torch.cat([k_b.transpose(1, 2), v_b], dim=1)  # [H, nope + v, kv_lora_rank]
         yield f"model.layers.{block}.self_attn.kv_b_proj.weight", kv_b.reshape(-1, kv_b.shape[-1]).contiguous()
+
+
+MLA = GGUFFamily(("deepseek2",), mla_config, mla_tensor_name, mla_weights)

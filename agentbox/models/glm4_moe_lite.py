@@ -34,6 +34,7 @@ from agentbox.layers.backends.mla import (
     mla_absorbed,
     write_latent,
 )
+from agentbox.layers.cache_layout import CacheLayout, PagedGroup
 from agentbox.layers.context import get_forward_context
 from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agentbox.layers.experts import ExpertShard, FusedMoE
@@ -41,8 +42,8 @@ from agentbox.layers.experts.routing import select_experts_grouped
 from agentbox.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from agentbox.layers.norm import RMSNorm
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
+from agentbox.models.base import CausalLM, per_expert_weights
 from agentbox.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from agentbox.models.weight_loader import per_expert_weights
 from agentbox.parallel.state import tp_size
 
 
@@ -207,7 +208,7 @@ class Glm4MoeLiteModel(nn.Module):
         return hidden
 
 
-class Glm4MoeLiteForCausalLM(nn.Module):
+class Glm4MoeLiteForCausalLM(CausalLM):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     expert_mapping = per_expert_weights(
         "gate_proj", "up_proj", "down_proj", (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN)
@@ -216,8 +217,7 @@ class Glm4MoeLiteForCausalLM(nn.Module):
     supports_cuda_graphs = False
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.model = Glm4MoeLiteModel(config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -230,8 +230,9 @@ class Glm4MoeLiteForCausalLM(nn.Module):
             f"model.layers.{i}.": "multi-token-prediction layer (a draft model, unused)" for i in range(n, n + max(mtp, 1))
         }
 
-    def kv_layer_specs(self) -> list[KVLayerSpec]:
-        return [kv_spec(self.config)] * self.config.num_hidden_layers
+    def cache_layout(self) -> CacheLayout:
+        """Every layer's latent + rope key, one "head" a token (replicated on every rank)."""
+        return CacheLayout((PagedGroup((kv_spec(self.config),) * self.config.num_hidden_layers),))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

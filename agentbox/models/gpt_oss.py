@@ -18,8 +18,8 @@ from torch import nn
 from agentbox.layers.experts import ExpertMethod, ExpertShard, FusedMoE, MoEActivation
 from agentbox.layers.experts.mxfp4 import Mxfp4Experts, is_mxfp4_checkpoint
 from agentbox.layers.linear import ReplicatedLinear
+from agentbox.models.base import ExpertWeight
 from agentbox.models.llama import LlamaForCausalLM
-from agentbox.models.weight_loader import ExpertWeight
 
 GATE_UP, DOWN = ExpertShard.GATE_UP_INTERLEAVED, ExpertShard.DOWN
 

@@ -21,21 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentbox.layers.attention import Attention
+from agentbox.layers.cache_layout import CacheLayout
 from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agentbox.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from agentbox.layers.norm import RMSNorm
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
+from agentbox.layers.weight_loading import set_weight_loader
+from agentbox.models.base import CausalLM, head_dim_of, num_kv_heads_of
 
 QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 SINK_MODEL_TYPES = ("gpt_oss",)
-
-
-def head_dim_of(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def num_kv_heads_of(config: Any) -> int:
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def sliding_window_of(config: Any, layer_id: int) -> int | None:
@@ -70,7 +65,7 @@ class LlamaAttention(nn.Module):
         self.sinks: nn.Parameter | None = None
         if config.model_type in SINK_MODEL_TYPES:  # one learned logit per head, split with the heads
             self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
-            self.sinks.weight_loader = self._load_sinks  # type: ignore[attr-defined]
+            set_weight_loader(self.sinks, self._load_sinks)
         self.rotary_emb = rotary  # shared by every layer: one cos/sin table for the model
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_id,
@@ -157,9 +152,8 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
-    # HF checkpoint name -> (our fused parameter, shard id passed to its weight_loader)
-    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
+class LlamaForCausalLM(CausalLM):
+    packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
@@ -172,13 +166,19 @@ class LlamaForCausalLM(nn.Module):
         return LlamaMLP(config)
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.model = LlamaModel(config, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
+
+    def cache_layout(self) -> CacheLayout:
+        shape = self.attention_shape()
+        return CacheLayout.uniform(self.config.num_hidden_layers, shape.num_kv_heads, shape.head_dim)
+
+    def fused_cpu_decode_target(self) -> LlamaModel:
+        return self.model
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

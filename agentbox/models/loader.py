@@ -22,16 +22,16 @@ from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrained
 
 from agentbox.config import state_dir
 from agentbox.layers.backends.base import KVLayerSpec
-from agentbox.layers.cache_layout import CacheLayout, PagedGroup, StateGroup
+from agentbox.layers.cache_layout import CacheLayout
 from agentbox.layers.experts import FusedMoE
 from agentbox.layers.experts import cpu as cpu_experts
 from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
 from agentbox.layers.quant.lazy import LazySlice
+from agentbox.models.base import CausalLM
 from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_quant_config, gguf_weights, open_gguf
-from agentbox.models.llama import head_dim_of, num_kv_heads_of
 from agentbox.models.registry import model_class
 from agentbox.models.weight_loader import load_weights
-from agentbox.parallel.state import head_shard, tp_size
+from agentbox.parallel.state import tp_size
 
 # End-of-turn tokens of common chat templates: generation must stop on them even where the checkpoint's
 # eos is the end-of-document token (SmolLM2, Qwen2.5, Llama 3 instruct).
@@ -148,9 +148,9 @@ LOAD_STEPS = (repack_experts_for_cpu, process_weights_after_loading)
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: CausalLM
     hf_config: PretrainedConfig
-    num_layers: int
+    layout: CacheLayout  # what the model caches (`model.cache_layout()`, read once at load)
     num_heads: int  # per TP rank
     num_kv_heads: int  # per TP rank
     head_dim: int
@@ -161,22 +161,35 @@ class LoadedModel:
     dtype: torch.dtype  # the compute dtype (a quantised parameter's own dtype says nothing of it)
 
     @property
-    def layout(self) -> CacheLayout:
-        """The model's cache layout (interim: derived from the model's own lists until the model protocol
-        declares it)."""
-        own = getattr(self.model, "cache_layout", None)
-        if own is not None:
-            return own()
-        specs_of = getattr(self.model, "state_specs", None)
-        state = StateGroup(tuple(specs_of())) if specs_of is not None else None
-        return CacheLayout((PagedGroup(tuple(self.kv_specs)),), state)
+    def kv_specs(self) -> list[KVLayerSpec]:
+        """Each paged layer's shape on this rank (layers may differ: per-layer head sizes, tied K=V)."""
+        return self.layout.kv_specs
 
     @property
-    def kv_specs(self) -> list[KVLayerSpec]:
-        """Each KV layer's shape on this rank: the model's own list where its layers differ (per-layer head
-        sizes, tied K=V), else num_layers layers of num_kv_heads x head_dim."""
-        own = getattr(self.model, "kv_layer_specs", None)
-        return own() if own is not None else KVLayerSpec.uniform(self.num_layers, self.num_kv_heads, self.head_dim)
+    def num_layers(self) -> int:
+        """Layers with KV in the paged pool (a hybrid model's attention layers, Gemma 4's global ones)."""
+        return len(self.layout.kv_specs)
+
+    @staticmethod
+    def of(
+        model: CausalLM, config: PretrainedConfig, source: ModelSource, dtype: torch.dtype, eos_token_ids: list[int],
+        max_model_len: int,
+    ) -> LoadedModel:
+        """A built model with what the engine reads of it: its cache layout and attention shape (models/base.py)."""
+        shape = model.attention_shape()
+        return LoadedModel(
+            model=model,
+            hf_config=config,
+            layout=model.cache_layout(),
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            vocab_size=config.get_text_config().vocab_size,
+            max_model_len=max_model_len,
+            eos_token_ids=eos_token_ids,
+            source=source,
+            dtype=dtype,
+        )
 
 
 def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
@@ -196,28 +209,8 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
     for step in LOAD_STEPS:
         step(model)
     model.eval().requires_grad_(False)
-    text = config.get_text_config()  # an image-text checkpoint's text model (the config itself otherwise)
-    # (heads, kv heads, head size) on this rank; a model whose layers differ (Gemma 4) says its first layer's
-    own_shape = getattr(model, "attention_shape", None)
-    if own_shape is not None:
-        num_heads, num_kv_heads, head_dim = own_shape()
-    else:
-        shard = head_shard(text.num_attention_heads, num_kv_heads_of(text))
-        num_heads, num_kv_heads, head_dim = shard.num_heads, shard.num_kv_heads, head_dim_of(text)
-    return LoadedModel(
-        model=model,
-        hf_config=config,
-        # KV layers: a hybrid model keeps pages only for its attention layers
-        num_layers=getattr(model, "num_kv_layers", text.num_hidden_layers),
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        vocab_size=text.vocab_size,
-        max_model_len=_max_model_len(text),
-        eos_token_ids=eos_token_ids(src, config),
-        source=src,
-        dtype=dtype,
-    )
+    # the text model's length: an image-text checkpoint's text config (the config itself otherwise)
+    return LoadedModel.of(model, config, src, dtype, eos_token_ids(src, config), _max_model_len(config.get_text_config()))
 
 
 def _max_model_len(config: PretrainedConfig) -> int:

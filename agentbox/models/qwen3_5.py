@@ -4,8 +4,8 @@ or gated full attention; every norm outside the delta net is zero-centred (weigh
 
 Gated attention: q_proj yields a query and an output gate per head (o = attn * sigmoid(gate)), q and k get a
 per-head RMSNorm, and rope turns only the first `partial_rotary_factor` of each head (0.25). Only these layers
-keep KV pages, so the KV pool has one layer per attention layer (`num_kv_layers`); the delta-net layers keep
-a fixed-size state per sequence instead (`state_specs`, layers/recurrent_state.py).
+keep KV pages, so the KV pool has one layer per attention layer (the paged group of `cache_layout`); the
+delta-net layers keep a fixed-size state per sequence instead (its state group, layers/recurrent_state.py).
 
 The ConditionalGeneration checkpoints hold an image-text model: the text model sits under
 `model.language_model.` (this class nests the same way, so the names match), the vision tower (`model.visual.`)
@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentbox.layers.attention import Attention
+from agentbox.layers.backends.base import KVLayerSpec
+from agentbox.layers.cache_layout import CacheLayout, PagedGroup, StateGroup
 from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agentbox.layers.experts.base import ExpertShard
 from agentbox.layers.experts.layer import FusedMoE
@@ -29,10 +31,9 @@ from agentbox.layers.gated_deltanet import GatedDeltaNet
 from agentbox.layers.linear import LinearBase, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from agentbox.layers.norm import RMSNorm
 from agentbox.layers.quant import QuantConfig, quant_context
-from agentbox.layers.recurrent_state import LinearStateSpec
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
-from agentbox.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of, num_kv_heads_of
-from agentbox.models.weight_loader import per_expert_weights
+from agentbox.models.base import CausalLM, head_dim_of, num_kv_heads_of, per_expert_weights
+from agentbox.models.llama import LlamaForCausalLM, LlamaMLP
 from agentbox.parallel.state import head_shard
 
 LINEAR = "linear_attention"
@@ -167,7 +168,6 @@ class HybridModel(nn.Module):
             layers.append(HybridDecoderLayer(config, i, counts[linear], f"{prefix}.layers.{i}", fused_qkvz))
             counts[linear] += 1
         self.layers = nn.ModuleList(layers)
-        self.num_kv_layers = counts[False]
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -178,19 +178,18 @@ class HybridModel(nn.Module):
         return hidden
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(CausalLM):
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     expert_mapping = per_expert_weights(
         "gate_proj", "up_proj", "down_proj", (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN)
     )
-    skip_checkpoint_names: dict[str, str] = {"mtp.": "multi-token-prediction layers (a draft model, unused)"}
+    skip_checkpoint_names = {"mtp.": "multi-token-prediction layers (a draft model, unused)"}
     fused_qkvz = True
 
     def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        self.model = self.text_model(config.get_text_config())
+        super().__init__(config)
         text = config.get_text_config()
+        self.model = self.text_model(text)
         self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -203,13 +202,13 @@ class Qwen3NextForCausalLM(nn.Module):
     def language_model(self) -> HybridModel:
         return self.model  # type: ignore[return-value]
 
-    @property
-    def num_kv_layers(self) -> int:
-        return self.language_model.num_kv_layers
-
-    def state_specs(self) -> list[LinearStateSpec]:
-        """One entry per Gated DeltaNet layer, in layer order (its `state_index`)."""
-        return [layer.linear_attn.state_spec() for layer in self.language_model.layers if layer.is_linear]
+    def cache_layout(self) -> CacheLayout:
+        """The attention layers' KV in pages; each Gated DeltaNet layer's state, in layer order (its `state_index`)."""
+        layers = self.language_model.layers
+        states = tuple(layer.linear_attn.state_spec() for layer in layers if layer.is_linear)
+        shape = self.attention_shape()
+        paged = PagedGroup(tuple(KVLayerSpec.uniform(len(layers) - len(states), shape.num_kv_heads, shape.head_dim)))
+        return CacheLayout((paged,), StateGroup(states) if states else None)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

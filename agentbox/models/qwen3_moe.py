@@ -17,8 +17,8 @@ from torch import nn
 from agentbox.layers.experts import ExpertShard, FusedMoE
 from agentbox.layers.linear import ReplicatedLinear
 from agentbox.layers.quant import QuantConfig, quant_context
+from agentbox.models.base import per_expert_weights
 from agentbox.models.llama import LlamaForCausalLM, LlamaMLP
-from agentbox.models.weight_loader import per_expert_weights
 
 
 class Qwen3MoeSparseBlock(nn.Module):

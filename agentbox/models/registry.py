@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
+from agentbox.models.base import CausalLM
 from agentbox.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
@@ -14,7 +13,7 @@ from agentbox.models.llama import LlamaForCausalLM
 from agentbox.models.qwen3_5 import Qwen3_5ForConditionalGeneration, Qwen3HybridGGUF, Qwen3NextForCausalLM
 from agentbox.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -31,7 +30,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def model_class(config: Any) -> type[nn.Module]:
+def model_class(config: Any) -> type[CausalLM]:
     """The first supported class among config.architectures; a clear error naming them otherwise."""
     archs = list(getattr(config, "architectures", None) or [])
     for arch in archs:

@@ -14,6 +14,7 @@ from test_quant_gguf import PROMPT, Q4_K_M, quantise, twin, write_quantised
 from agentbox.kernels.dequant import dequant_bits, pack_bits
 from agentbox.kernels.wbits import wbits_matmul, wbits_matmul_ref
 from agentbox.layers.quant import bits, int4
+from agentbox.layers.weight_loading import load_weight
 from agentbox.models.loader import load_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -76,7 +77,7 @@ def test_a_gguf_layer_runs_the_kernels(types: tuple[Q, Q]) -> None:
     blocks = [GGUFBlocks(t, (n, 256), quantise(rng.normal(0, 0.05, (n, 256)).astype(np.float32), t, rng))
               for t, n in zip(types, (64, 32), strict=True)]
     for shard, b in enumerate(blocks):
-        layer.weight.weight_loader(layer.weight, b, shard)
+        load_weight(layer.weight, b, shard)
     layer.bias.data.copy_(torch.randn(96))
     dense = torch.cat([b.dequantize() for b in blocks])
     process_weights_after_loading(layer)
@@ -130,7 +131,7 @@ def test_a_gguf_vocabulary_table_stays_packed_per_rank(qtype: Q) -> None:
         for rank in range(2):
             set_tp_state(rank, 2)
             head = ParallelLMHead(99, 256)
-            head.weight.weight_loader(head.weight, table)
+            load_weight(head.weight, table)
             assert isinstance(head.quant, PackedRows) and head.weight.numel() == 0
             mine = full[rank * 50 : rank * 50 + 50]
             ids = torch.tensor([[0, 49, 7]])

@@ -32,7 +32,8 @@ from torch import nn
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import get_forward_context
 from agentbox.layers.quant.int4 import Int4Kernel
-from agentbox.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
+from agentbox.models.base import CausalLM
+from agentbox.models.llama import LlamaDecoderLayer, LlamaMLP
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _enabled = True
@@ -91,11 +92,11 @@ def eligible(model: nn.Module) -> bool:
         if attn.head_dim % 8:
             return False  # the C attention reads a head in 8-lane vectors
         for lin in _linears(layer):
-            if getattr(lin, "int4_kernel", None) is not Int4Kernel.CPU_SIMD:
+            if lin.int4_kernel is not Int4Kernel.CPU_SIMD:
                 return False
             if lin.bias is not None and (lin is not attn.qkv_proj or lin.bias.dtype != torch.float32):
                 return False  # the layer adds a qkv bias (Qwen2) only
-            if getattr(lin, "act_perm", None) is not None or lin.weight.device.type != "cpu":
+            if lin.act_perm is not None or lin.weight.device.type != "cpu":
                 return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if attn.qk_norm:
@@ -136,18 +137,18 @@ def _cache_key(kv: Any) -> tuple[int, ...]:
 
 
 class CpuDecode:
-    """The fused decode of one model (a causal LM whose `model` is a LlamaModel): embedding, the C layers,
-    the final norm. The runner calls `run` inside the step's forward context when `fits` says so."""
+    """The fused decode of one model (the LlamaModel its `fused_cpu_decode_target` names): embedding, the C
+    layers, the final norm. The runner calls `run` inside the step's forward context when `fits` says so."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._plan: _Plan | None = None
 
     @staticmethod
-    def build(lm: nn.Module, device: torch.device) -> CpuDecode | None:
+    def build(lm: CausalLM, device: torch.device) -> CpuDecode | None:
         """The fused decode of `lm`, or None when the model does not qualify (see the module notes)."""
-        inner = getattr(lm, "model", None)
-        if device.type != "cpu" or not isinstance(inner, LlamaModel) or not eligible(inner):
+        inner = lm.fused_cpu_decode_target()
+        if device.type != "cpu" or inner is None or not eligible(inner):
             return None
         probe = inner.embed_tokens(torch.zeros(1, dtype=torch.int64, device=device))
         return CpuDecode(inner) if probe.dtype == torch.float32 else None  # the C layer reads fp32 hidden states

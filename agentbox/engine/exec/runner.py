@@ -180,7 +180,7 @@ class ModelRunner:
             # The delta-net layers pick their path per sequence in Python: not capturable yet; nor are the
             # layers that keep compressed entries (their slots are not in the graphs' static buffers).
             not config.enforce_eager and self.state_cache is None and not self.entry_groups
-            and getattr(lm.model, "supports_cuda_graphs", True),  # MLA reads host-side lengths (eager)
+            and lm.model.supports_cuda_graphs,  # MLA reads host-side lengths (eager)
             self.device, self.backend,
             lambda: DecodeGraphs(
                 lm.model, self.backend, self.page_size, config.max_num_seqs, self.page_table.table.shape[1],

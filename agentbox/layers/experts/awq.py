@@ -3,17 +3,12 @@ shared loader, converted once after loading into the canonical int4 expert form 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from agentbox.layers.experts.base import add_sharded_param
+from agentbox.layers.experts.base import ExpertLayer, add_sharded_param
 from agentbox.layers.experts.int4 import Int4CheckpointExperts, pack_rows_bytes, raw_tensor
 from agentbox.layers.quant.awq import awq_unpack
 from agentbox.layers.quant.base import Sharding
-
-if TYPE_CHECKING:
-    from agentbox.layers.experts.layer import FusedMoE
 
 
 def awq_to_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -34,7 +29,7 @@ class AwqExperts(Int4CheckpointExperts):
 
     RAW = ("qweight", "qzeros", "scales")
 
-    def createraw_tensor(self, layer: FusedMoE) -> None:
+    def createraw_tensor(self, layer: ExpertLayer) -> None:
         e, h, i, g = layer.num_experts, layer.hidden_size, layer.intermediate_local, self.group
         i32, f16 = torch.int32, torch.float16
         for w, k, n in (("w13", h, 2 * i), ("w2", i, h)):
@@ -43,7 +38,7 @@ class AwqExperts(Int4CheckpointExperts):
             add_sharded_param(layer, f"{w}_scales", torch.empty(e, k // g, n, dtype=f16), Sharding(1, 0, 1, g))
 
     def to_canonical(
-        self, layer: FusedMoE, w: str
+        self, layer: ExpertLayer, w: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         qweight, qzeros, s = raw_tensor(layer, f"{w}_qweight"), raw_tensor(layer, f"{w}_qzeros"), raw_tensor(layer, f"{w}_scales").float()
         e, k, n = qweight.shape[0], qweight.shape[1], s.shape[2]

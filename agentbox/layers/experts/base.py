@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from enum import Enum
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,7 @@ from agentbox.layers.quant import base as quant_base
 from agentbox.layers.quant.base import QuantConfig, Sharding
 from agentbox.layers.quant.formats import QuantMethod
 from agentbox.layers.quant.lazy import materialize
-
-if TYPE_CHECKING:
-    from agentbox.layers.experts.layer import FusedMoE
+from agentbox.layers.weight_loading import set_weight_loader
 
 
 class ExpertShard(Enum):
@@ -82,33 +80,56 @@ def moe_ref(
     return out
 
 
+class ExpertLayer(nn.Module, ABC):
+    """A MoE layer as its expert method sees it (layers/experts/layer.py FusedMoE is the one there is): the
+    experts' sizes on this rank and their activation, and where the method registers what it stores. Declared
+    here, apart from the layer, so the methods need not import it."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_local: int  # this rank's share of each expert's intermediate size
+    tp_rank: int
+    tp_size: int
+    activation: MoEActivation
+    swiglu_alpha: float
+    swiglu_limit: float
+    prefix: str
+    method: ExpertMethod
+    w13_bias: nn.Parameter | None
+    w2_bias: nn.Parameter | None
+
+    @abstractmethod
+    def add_expert_param(self, name: str, data: torch.Tensor) -> None:
+        """Register `data` [E, ...] as the parameter `name`, loaded one expert's tensor at a time."""
+
+
 class ExpertMethod(ABC):
     """How a FusedMoE layer stores its experts' weights and runs them (one per weight format)."""
 
     @abstractmethod
-    def create_weights(self, layer: FusedMoE) -> None:
+    def create_weights(self, layer: ExpertLayer) -> None:
         """Register the layer's expert parameters (sharded shapes); each gets `weight_loader`."""
 
-    def process_weights_after_loading(self, layer: FusedMoE) -> None:  # noqa: B027 - optional hook
+    def process_weights_after_loading(self, layer: ExpertLayer) -> None:  # noqa: B027 - optional hook
         """Once after every weight is loaded (repacking for a kernel)."""
 
     @abstractmethod
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial output [T, H] (bias of the down projection included on rank 0 only)."""
 
 
-def add_sharded_param(layer: FusedMoE, name: str, data: torch.Tensor, sharding: Sharding) -> nn.Parameter:
+def add_sharded_param(layer: ExpertLayer, name: str, data: torch.Tensor, sharding: Sharding) -> nn.Parameter:
     """An expert parameter [E, ...] whose per-expert layout keeps the logical out/in dims where `sharding`
     says; its weight_loader takes one expert's full checkpoint tensor and copies this rank's shard."""
     layer.add_expert_param(name, data)
     param: nn.Parameter = getattr(layer, name)
     param.sharding = sharding  # type: ignore[attr-defined]
-    param.weight_loader = partial(load_expert_shard, layer, name)  # type: ignore[attr-defined]
+    set_weight_loader(param, partial(load_expert_shard, layer, name))
     return param
 
 
 def load_expert_shard(
-    layer: FusedMoE, name: str, param: nn.Parameter, loaded: Any, expert_id: int, shard: ExpertShard
+    layer: ExpertLayer, name: str, param: nn.Parameter, loaded: Any, expert_id: int, shard: ExpertShard
 ) -> None:
     """Gate/up: this rank's rows of the output dim, into the gate or up half of w13. Down: this rank's
     columns of the input dim. A parameter without an output axis (GPTQ g_idx of w13) is written whole by
@@ -152,7 +173,7 @@ def fused_kernel(name: str) -> Callable[..., torch.Tensor] | None:
     return getattr(module, name, None)
 
 
-def check_dims(layer: FusedMoE, unit: int, what: str) -> None:
+def check_dims(layer: ExpertLayer, unit: int, what: str) -> None:
     for dim, n in (("hidden size", layer.hidden_size), ("expert intermediate size per rank", layer.intermediate_local)):
         if n % unit:
             raise ValueError(
@@ -161,7 +182,7 @@ def check_dims(layer: FusedMoE, unit: int, what: str) -> None:
             )
 
 
-def expert_activation(layer: FusedMoE) -> Callable[[torch.Tensor], torch.Tensor]:
+def expert_activation(layer: ExpertLayer) -> Callable[[torch.Tensor], torch.Tensor]:
     """The layer's activation as the fused kernels take it: [N, 2I] -> [N, I]."""
     return lambda gate_up: activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
 

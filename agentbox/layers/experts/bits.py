@@ -13,14 +13,10 @@ high bits) with a Q6_K down (6 bits, groups of 16, symmetric). Per projection, K
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from agentbox.layers.experts.base import ExpertMethod, expert_activation, fused_kernel, moe_ref
-
-if TYPE_CHECKING:
-    from agentbox.layers.experts.layer import FusedMoE
+from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, expert_activation, fused_kernel, moe_ref
 
 
 @dataclass(frozen=True)
@@ -73,7 +69,7 @@ class BitsExperts(ExpertMethod):
     def __init__(self, w13: BitsForm, w2: BitsForm) -> None:
         self.forms = {"w13": w13, "w2": w2}
 
-    def create_weights(self, layer: FusedMoE) -> None:
+    def create_weights(self, layer: ExpertLayer) -> None:
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_local
         dtype = torch.get_default_dtype()
         for w, (k, n) in (("w13", (h, 2 * i)), ("w2", (i, h))):
@@ -90,7 +86,7 @@ class BitsExperts(ExpertMethod):
             if form.has_offset:
                 layer.add_expert_param(f"{w}_offset", torch.empty(e, k // form.group, n, dtype=dtype))
 
-    def install(self, layer: FusedMoE, w: str, codes: BitsCodes) -> None:
+    def install(self, layer: ExpertLayer, w: str, codes: BitsCodes) -> None:
         """Pack one projection's codes ([E, N, K], this rank's part) into the parameters create_weights made."""
         form = self.forms[w]
         if codes.form != form:
@@ -104,14 +100,14 @@ class BitsExperts(ExpertMethod):
             getattr(layer, f"{w}_offset").data.copy_(codes.offset.transpose(1, 2))
 
     @staticmethod
-    def tensors(layer: FusedMoE, w: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    def tensors(layer: ExpertLayer, w: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """(qweight, qhigh, scale, offset) of projection `w`: the kernels' `BitsWeights` tensors."""
         return (
             getattr(layer, f"{w}_qweight"), getattr(layer, f"{w}_qhigh", None), getattr(layer, f"{w}_scale"),
             getattr(layer, f"{w}_offset", None),
         )
 
-    def dequantized_expert(self, layer: FusedMoE, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized_expert(self, layer: ExpertLayer, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference: expert e's (w13 [2I, H], w2 [H, I]) in `dtype`."""
         from agentbox.kernels.dequant import dequant_bits, dequant_int4  # plain torch: no kernel decorated
 
@@ -125,7 +121,7 @@ class BitsExperts(ExpertMethod):
             out.append(d.t().to(dtype))
         return out[0], out[1]
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
         if x.is_cuda and (kernel := fused_kernel("fused_moe_bits")) is not None:
             from agentbox.kernels.fused_moe_quant import BitsWeights  # fused_kernel imported it

@@ -16,20 +16,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from agentbox.layers.experts.base import ExpertMethod, activate
+from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, activate
 from agentbox.layers.experts.bits import BitsExperts
 from agentbox.layers.experts.int4 import Int4Experts, unpack_rows_bytes
 from agentbox.layers.quant import bits as kbits
 from agentbox.layers.quant import int4
-
-if TYPE_CHECKING:
-    from agentbox.layers.experts.layer import FusedMoE
 
 PROJECTIONS = ("w13", "w2")
 
@@ -47,7 +43,7 @@ class CpuProjection:
     has_offset: bool = True
 
 
-def _layer_codes(layer: FusedMoE, w: str) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]:
+def _layer_codes(layer: ExpertLayer, w: str) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor | None]:
     """(codes [E, K, N] uint8, bits, scale [E, K/g, N], offset or None) of a projection, either method."""
     from agentbox.kernels.dequant import unpack_bits
 
@@ -61,7 +57,7 @@ def _layer_codes(layer: FusedMoE, w: str) -> tuple[torch.Tensor, int, torch.Tens
     return unpack_bits(qweight, qhigh.data, b).to(torch.uint8), b, scale, None if offset is None else offset.data
 
 
-def eligible(layer: FusedMoE) -> bool:
+def eligible(layer: ExpertLayer) -> bool:
     """Int4 or k-bit experts in fp32 on a CPU where the kernels build (not under --exact-cpu), 4-bit groups
     on the 4-bit kernel's 32-column blocks, no act-order permutations."""
     from agentbox.kernels import cpu_gemv
@@ -102,7 +98,7 @@ def _pack(codes: torch.Tensor, b: int, scale: torch.Tensor, offset: torch.Tensor
     return [torch.stack([r.data for r in rows])], CpuProjection(n, k, b, group, int(widest), offset is not None)
 
 
-def install(layer: FusedMoE) -> bool:
+def install(layer: ExpertLayer) -> bool:
     """Repack an eligible layer's experts for the CPU kernels (the GPU-layout tensors are released). A step
     the model loader runs once every weight is in (models/loader.py), not something the layer does itself."""
     if not eligible(layer):
@@ -120,10 +116,10 @@ def install(layer: FusedMoE) -> bool:
     return True
 
 
-Linear = Callable[[torch.Tensor, "FusedMoE", str, int], torch.Tensor]  # (x, layer, projection, expert)
+Linear = Callable[[torch.Tensor, "ExpertLayer", str, int], torch.Tensor]  # (x, layer, projection, expert)
 
 
-def _weights(layer: FusedMoE, w: str, e: int) -> tuple[CpuProjection, torch.Tensor, torch.Tensor | None]:
+def _weights(layer: ExpertLayer, w: str, e: int) -> tuple[CpuProjection, torch.Tensor, torch.Tensor | None]:
     p: CpuProjection = layer.method.forms[w]
     return p, getattr(layer, f"{w}_codes")[e], getattr(layer, f"{w}_so")[e] if p.bits == 4 else None
 
@@ -134,7 +130,7 @@ def _bits(p: CpuProjection, data: torch.Tensor):  # noqa: ANN202 - cpu_bits.Bits
     return cpu_bits.BitsCPU(data, p.bits, p.group, p.k, cpu_bits.ScaleForm(p.scale_form), p.has_offset)
 
 
-def _linear(x: torch.Tensor, layer: FusedMoE, w: str, e: int) -> torch.Tensor:
+def _linear(x: torch.Tensor, layer: ExpertLayer, w: str, e: int) -> torch.Tensor:
     from agentbox.kernels import cpu_bits, cpu_gemv
 
     p, codes, so = _weights(layer, w, e)
@@ -147,7 +143,7 @@ def _linear(x: torch.Tensor, layer: FusedMoE, w: str, e: int) -> torch.Tensor:
     return F.linear(cpu_gemv.round_activations(x), cpu_bits.bits_dequant(_bits(p, codes)))
 
 
-def _linear_ref(x: torch.Tensor, layer: FusedMoE, w: str, e: int) -> torch.Tensor:
+def _linear_ref(x: torch.Tensor, layer: ExpertLayer, w: str, e: int) -> torch.Tensor:
     from agentbox.kernels import cpu_bits, cpu_gemv
 
     p, codes, so = _weights(layer, w, e)
@@ -161,11 +157,11 @@ class CpuExperts(ExpertMethod):
     def __init__(self, forms: dict[str, CpuProjection]) -> None:
         self.forms = forms
 
-    def create_weights(self, layer: FusedMoE) -> None:
+    def create_weights(self, layer: ExpertLayer) -> None:
         raise RuntimeError("CPU experts are made by layers/experts/cpu.py install (a load step) from loaded quantised experts")
 
     def apply(
-        self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         linear: Linear = _linear,
     ) -> torch.Tensor:
         """Each routed expert over its tokens; `linear=_linear_ref` is the twin (dequantised weights)."""

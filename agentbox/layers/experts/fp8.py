@@ -4,11 +4,11 @@ experts a forward routes to."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from agentbox.layers.experts.base import (
+    ExpertLayer,
     ExpertMethod,
     add_sharded_param,
     check_dims,
@@ -18,9 +18,6 @@ from agentbox.layers.experts.base import (
 )
 from agentbox.layers.quant.base import QuantConfig, Sharding
 from agentbox.layers.quant.fp8 import dequantize_block_fp8
-
-if TYPE_CHECKING:
-    from agentbox.layers.experts.layer import FusedMoE
 
 
 class Fp8BlockExperts(ExpertMethod):
@@ -32,7 +29,7 @@ class Fp8BlockExperts(ExpertMethod):
     def __init__(self, config: QuantConfig) -> None:
         self.block = config.block_size
 
-    def create_weights(self, layer: FusedMoE) -> None:
+    def create_weights(self, layer: ExpertLayer) -> None:
         bo, bi = self.block
         if bo != bi:
             raise ValueError(f"FP8 experts need square blocks (weight_block_size {list(self.block)})")
@@ -47,7 +44,7 @@ class Fp8BlockExperts(ExpertMethod):
         add_sharded_param(layer, "w2_weight_scale_inv", torch.empty(e, h // bo, i // bi), Sharding(0, 1, bo, bi))
 
     def fused(
-        self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         kernel: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
         """The fused kernel's call (contract 2)."""
@@ -57,7 +54,7 @@ class Fp8BlockExperts(ExpertMethod):
             self.block, topk_weights, topk_ids, expert_activation(layer), b13, b2,
         )
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and (kernel := fused_kernel("fused_moe_fp8")) is not None:
             return self.fused(layer, x, topk_weights, topk_ids, kernel)
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None

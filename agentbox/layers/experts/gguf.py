@@ -23,20 +23,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from agentbox.layers.experts.base import ExpertMethod, ExpertShard
+from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, ExpertShard
 from agentbox.layers.experts.bits import BitsCodes, BitsExperts, BitsForm, pack_k
 from agentbox.layers.experts.int4 import Int4Experts
 from agentbox.layers.experts.unquantized import UnquantizedExperts
 from agentbox.layers.quant.gguf import BITS_TYPES, INT4_TYPES, GGUFBlocks, bits_groups, int4_groups
-
-if TYPE_CHECKING:
-    from agentbox.layers.experts.layer import FusedMoE
+from agentbox.layers.weight_loading import set_weight_loader
 
 GROUP = 32  # input columns per scale of every int4-mapped GGUF type (Q4_K: its 8 sub-blocks of a 256 block)
 
@@ -62,15 +60,15 @@ def _cover(blocks: GGUFBlocks, rows: tuple[int, int], cols: tuple[int, int] | No
 class GGUFExperts(ExpertMethod):
     """Loads GGUF experts; after loading the layer runs as `Int4Experts` or `UnquantizedExperts`."""
 
-    def create_weights(self, layer: FusedMoE) -> None:
+    def create_weights(self, layer: ExpertLayer) -> None:
         # Placeholders named as the loader's expert mapping targets; replaced at post-processing.
         self.dtype = torch.get_default_dtype()
         self.parts: dict[tuple[ExpertShard, int], _Part] = {}
         for name in ("w13_weight", "w2_weight"):
             layer.add_expert_param(name, torch.empty(0))
-            getattr(layer, name).weight_loader = self._loader(layer)  # type: ignore[attr-defined]
+            set_weight_loader(getattr(layer, name), self._loader(layer))
 
-    def _loader(self, layer: FusedMoE) -> Any:
+    def _loader(self, layer: ExpertLayer) -> Any:
         def load(param: nn.Parameter, loaded: GGUFBlocks | torch.Tensor, expert_id: int, shard: ExpertShard) -> None:
             if not 0 <= expert_id < layer.num_experts:
                 raise ValueError(f"expert id {expert_id} out of range (the layer has {layer.num_experts})")
@@ -93,7 +91,7 @@ class GGUFExperts(ExpertMethod):
 
         return load
 
-    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+    def process_weights_after_loading(self, layer: ExpertLayer) -> None:
         shards = (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN)
         stacks = [self._stack(layer, s) for s in shards]
         device = layer.w13_weight.device
@@ -124,13 +122,13 @@ class GGUFExperts(ExpertMethod):
             layer.method = UnquantizedExperts()
         self.parts = {}
 
-    def _stack(self, layer: FusedMoE, shard: ExpertShard) -> list[_Part]:
+    def _stack(self, layer: ExpertLayer, shard: ExpertShard) -> list[_Part]:
         missing = [e for e in range(layer.num_experts) if (shard, e) not in self.parts]
         if missing:
             raise ValueError(f"GGUF experts: no {shard.value} weight for experts {missing[:8]}")
         return [self.parts[(shard, e)] for e in range(layer.num_experts)]
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("GGUF experts run only after process_weights_after_loading (the loader calls it)")
 
 
@@ -145,7 +143,7 @@ def _building(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _fill_int4(layer: FusedMoE, prefix: str, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
+def _fill_int4(layer: ExpertLayer, prefix: str, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
     """q [E, N, K] codes, scale/offset [E, N, K/g] -> the contract's [E, K/8, N] int32 and [E, K/g, N]."""
     getattr(layer, f"{prefix}_qweight").data.copy_(pack_k(q))
     getattr(layer, f"{prefix}_scale").data.copy_(scale.transpose(1, 2))
@@ -171,7 +169,7 @@ def _int4(parts: list[_Part], experts: int) -> tuple[torch.Tensor, torch.Tensor,
     return tuple(t.reshape(experts, -1, t.shape[1]).contiguous() for t in (q, scale, offset))  # type: ignore[return-value]
 
 
-def _codes(layer: FusedMoE, parts: list[_Part], shard: ExpertShard) -> BitsCodes:
+def _codes(layer: ExpertLayer, parts: list[_Part], shard: ExpertShard) -> BitsCodes:
     """This rank's columns of every expert as k-bit (or 4-bit) codes, exactly; a shard off a group is refused."""
     blocks = _blocks(parts)
     if blocks.qtype in INT4_TYPES:

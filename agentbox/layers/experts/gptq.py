@@ -4,17 +4,12 @@ tensor name sharded by the shared loader, converted once after loading into the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from agentbox.layers.experts.base import add_sharded_param
+from agentbox.layers.experts.base import ExpertLayer, add_sharded_param
 from agentbox.layers.experts.int4 import Int4CheckpointExperts, pack_rows_bytes, raw_tensor, unpack_rows_bytes
 from agentbox.layers.quant.base import Sharding
 from agentbox.layers.quant.gptq import unpack_cols_int32
-
-if TYPE_CHECKING:
-    from agentbox.layers.experts.layer import FusedMoE
 
 
 class GptqExperts(Int4CheckpointExperts):
@@ -25,7 +20,7 @@ class GptqExperts(Int4CheckpointExperts):
 
     RAW = ("qweight", "qzeros", "scales", "g_idx")
 
-    def createraw_tensor(self, layer: FusedMoE) -> None:
+    def createraw_tensor(self, layer: ExpertLayer) -> None:
         e, h, i, g = layer.num_experts, layer.hidden_size, layer.intermediate_local, self.group
         i32, f16 = torch.int32, torch.float16
         for w, k, n in (("w13", h, 2 * i), ("w2", i, h)):
@@ -38,7 +33,7 @@ class GptqExperts(Int4CheckpointExperts):
             add_sharded_param(layer, f"{w}_g_idx", torch.empty(e, k, dtype=i32), Sharding(None, 0))
 
     def to_canonical(
-        self, layer: FusedMoE, w: str
+        self, layer: ExpertLayer, w: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         g = self.group
         qweight, qzeros, s = raw_tensor(layer, f"{w}_qweight"), raw_tensor(layer, f"{w}_qzeros"), raw_tensor(layer, f"{w}_scales").float()

@@ -19,24 +19,22 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from agentbox.layers.experts.base import (
+    ExpertLayer,
     ExpertMethod,
     ExpertShard,
     add_sharded_param,
     check_dims,
     expert_activation,
     fused_kernel,
+    load_expert_shard,
     moe_ref,
 )
 from agentbox.layers.quant.base import QuantConfig, Sharding
-
-if TYPE_CHECKING:
-    from agentbox.layers.experts.layer import FusedMoE
 
 
 # Byte-wise twins of int4.pack_rows_int32 / unpack_rows_int32 and of AWQ's unpack + repack (bit-identical, tested):
@@ -68,12 +66,12 @@ class Int4Experts(ExpertMethod):
     def __init__(self, group: int) -> None:
         self.group = group
 
-    def create_weights(self, layer: FusedMoE) -> None:
+    def create_weights(self, layer: ExpertLayer) -> None:
         check_dims(layer, self.group, f"int4 (group {self.group})")
         check_dims(layer, 8, "int4 (8 rows per word)")
         self.create_canonical(layer)
 
-    def create_canonical(self, layer: FusedMoE) -> None:
+    def create_canonical(self, layer: ExpertLayer) -> None:
         e, h, i, g = layer.num_experts, layer.hidden_size, layer.intermediate_local, self.group
         dtype = torch.get_default_dtype()
         layer.int4_group = g
@@ -88,7 +86,7 @@ class Int4Experts(ExpertMethod):
 
     @staticmethod
     def load_canonical(
-        layer: FusedMoE, expert_id: int, shard: ExpertShard, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
+        layer: ExpertLayer, expert_id: int, shard: ExpertShard, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
     ) -> None:
         """Install one expert's full (unsharded) projection given as codes q [out, in] (0..15), scale and
         offset [out, in / g] (w = q * scale + offset); this rank keeps its shard. For GGUF's loader."""
@@ -100,10 +98,10 @@ class Int4Experts(ExpertMethod):
             )
         w = "w2" if shard is ExpertShard.DOWN else "w13"
         for suffix, t in (("qweight", pack_rows_bytes(q.t().contiguous())), ("scale", scale.t()), ("offset", offset.t())):
-            param = getattr(layer, f"{w}_{suffix}")
-            param.weight_loader(param, t, expert_id, shard)
+            name = f"{w}_{suffix}"
+            load_expert_shard(layer, name, getattr(layer, name), t, expert_id, shard)
 
-    def dequantized_expert(self, layer: FusedMoE, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantized_expert(self, layer: ExpertLayer, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference: expert e's (w13 [2I, H], w2 [H, I]) in `dtype`."""
         return (
             _dequant(layer.w13_qweight[e], layer.w13_scale[e], layer.w13_offset[e], layer.w13_perm, e, dtype),
@@ -111,7 +109,7 @@ class Int4Experts(ExpertMethod):
         )
 
     def fused(
-        self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+        self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
         kernel: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
         """The fused kernel's call (contract 1); act-order experts pass their per-expert row permutations."""
@@ -122,7 +120,7 @@ class Int4Experts(ExpertMethod):
             w13_perm=layer.w13_perm, w2_perm=layer.w2_perm,
         )
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and (kernel := fused_kernel("fused_moe_int4")) is not None:
             return self.fused(layer, x, topk_weights, topk_ids, kernel)
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
@@ -157,7 +155,7 @@ class Int4CheckpointExperts(Int4Experts):
         super().__init__(config.group_size)
         self.config = config
 
-    def create_weights(self, layer: FusedMoE) -> None:
+    def create_weights(self, layer: ExpertLayer) -> None:
         check_dims(layer, self.group, f"{self.config.method.value} (group {self.group})")
         check_dims(layer, 8, f"{self.config.method.value} (8 per int32 word)")
         self.dtype = torch.get_default_dtype()
@@ -166,19 +164,19 @@ class Int4CheckpointExperts(Int4Experts):
         self.createraw_tensor(layer)
 
     @abstractmethod
-    def createraw_tensor(self, layer: FusedMoE) -> None:
+    def createraw_tensor(self, layer: ExpertLayer) -> None:
         """Register the checkpoint layout's stacked parameters (RAW names) on `layer`."""
 
     @abstractmethod
     def to_canonical(
-        self, layer: FusedMoE, w: str
+        self, layer: ExpertLayer, w: str
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Every expert's projection `w` (w13 / w2), on CPU, as (qweight [E, K/8, N], scale, offset
         [E, K/g, N] float32, perm [E, K] or None), all experts at once. A Qwen3-30B-shaped layer (128
         experts, 2048 x 768) converts in 3.9 s (AWQ) and 0.25 s (GPTQ) on this shared CPU, one thread;
         per expert with the word-shifting helpers AWQ took 6.4 s."""
 
-    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+    def process_weights_after_loading(self, layer: ExpertLayer) -> None:
         device = getattr(layer, f"w13_{self.RAW[0]}").device
         out: dict[str, torch.Tensor] = {}
         for w in ("w13", "w2"):
@@ -192,5 +190,5 @@ class Int4CheckpointExperts(Int4Experts):
             layer.add_expert_param(name, t.to(device))
 
 
-def raw_tensor(layer: FusedMoE, name: str) -> torch.Tensor:
+def raw_tensor(layer: ExpertLayer, name: str) -> torch.Tensor:
     return getattr(layer, name).data.cpu()

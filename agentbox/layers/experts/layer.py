@@ -16,12 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from agentbox.layers.experts.base import ExpertMethod, ExpertShard, MoEActivation, expert_method
+from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, ExpertShard, MoEActivation, expert_method
 from agentbox.layers.experts.routing import select_experts
+from agentbox.layers.weight_loading import ConvertsAfterLoading, set_weight_loader
 from agentbox.parallel.state import all_reduce, tp_rank, tp_size
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(ExpertLayer, ConvertsAfterLoading):
     def __init__(
         self,
         num_experts: int,
@@ -62,7 +63,7 @@ class FusedMoE(nn.Module):
 
     def add_expert_param(self, name: str, data: torch.Tensor) -> None:
         param = nn.Parameter(data, requires_grad=False)
-        param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        set_weight_loader(param, self.weight_loader)
         setattr(self, name, param)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard: ExpertShard) -> None:

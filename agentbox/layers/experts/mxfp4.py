@@ -10,16 +10,13 @@ only the experts a forward routes to, one at a time. The format's definition is 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from agentbox.kernels.dequant import MXFP4_BLOCK as BLOCK
 from agentbox.kernels.dequant import dequant_mxfp4
-from agentbox.layers.experts.base import ExpertMethod, expert_activation, moe_ref
-
-if TYPE_CHECKING:
-    from agentbox.layers.experts.layer import FusedMoE
+from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, expert_activation, moe_ref
 
 __all__ = ["BLOCK", "Mxfp4Experts", "dequant_mxfp4", "is_mxfp4_checkpoint", "kernel_runs"]
 
@@ -40,7 +37,7 @@ def kernel_runs(x: torch.Tensor) -> bool:
 
 
 class Mxfp4Experts(ExpertMethod):
-    def create_weights(self, layer: FusedMoE) -> None:
+    def create_weights(self, layer: ExpertLayer) -> None:
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_local
         for what, n in (("hidden size", h), ("expert intermediate size per rank", i)):
             if n % BLOCK:
@@ -51,7 +48,7 @@ class Mxfp4Experts(ExpertMethod):
         layer.add_expert_param("w2_blocks", torch.empty(e, h, i // BLOCK, BLOCK // 2, dtype=u8))
         layer.add_expert_param("w2_scales", torch.empty(e, h, i // BLOCK, dtype=u8))
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         b2 = layer.w2_bias if layer.tp_rank == 0 else None
         if kernel_runs(x):
             from agentbox.kernels.fused_moe_quant import fused_moe_mxfp4

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from agentbox.layers.experts.base import ExpertMethod, expert_activation, moe_ref
-
-if TYPE_CHECKING:
-    from agentbox.layers.experts.layer import FusedMoE
+from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, expert_activation, moe_ref
 
 
 class UnquantizedExperts(ExpertMethod):
     """Experts in the model dtype: w13 [E, 2I/tp, H], w2 [E, H, I/tp]."""
 
-    def create_weights(self, layer: FusedMoE) -> None:
+    def create_weights(self, layer: ExpertLayer) -> None:
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_local
         layer.add_expert_param("w13_weight", torch.empty(e, 2 * i, h))
         layer.add_expert_param("w2_weight", torch.empty(e, h, i))
 
-    def apply(self, layer: FusedMoE, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         w13, w2 = layer.w13_weight, layer.w2_weight
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
 

@@ -10,16 +10,11 @@ version: gemm}.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from agentbox.layers.quant import int4
-from agentbox.layers.quant.base import LinearMethod, Sharding, quant_param, register
+from agentbox.layers.quant.base import LinearMethod, QuantLayer, Sharding, quant_param, register
 from agentbox.layers.quant.formats import QuantMethod
-
-if TYPE_CHECKING:
-    from agentbox.layers.linear import LinearBase
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column AWQ_ORDER[i]
 
@@ -47,7 +42,7 @@ def awq_unpack(packed: torch.Tensor) -> torch.Tensor:
 class AWQLinearMethod(LinearMethod):
     kind = QuantMethod.AWQ
 
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+    def create_weights(self, layer: QuantLayer, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         g = self.config.group_size
         if input_size % g or output_size % 8:
             raise ValueError(f"AWQ: a [{output_size}, {input_size}] shard does not fit group {g} / 8-column packing")
@@ -56,21 +51,21 @@ class AWQLinearMethod(LinearMethod):
         layer.qzeros = quant_param(torch.empty(input_size // g, output_size // 8, dtype=torch.int32), Sharding(1, 0, 8, g))
         layer.scales = quant_param(torch.empty(input_size // g, output_size, dtype=torch.float16), Sharding(1, 0, 1, g))
 
-    def int4_groups(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def int4_groups(self, layer: QuantLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = awq_unpack(layer.qweight.data).t()  # [out, in]
         z = awq_unpack(layer.qzeros.data).t().float()
         s = layer.scales.data.t().float()
         return q.contiguous(), s.contiguous(), (-z * s).contiguous()
 
-    def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
+    def dequantized_weight(self, layer: QuantLayer) -> torch.Tensor:
         return int4.dequantize(*self.int4_groups(layer))
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
         device = layer.qweight.device
         q, s, o = (t.cpu() for t in self.int4_groups(layer))
         for name in ("qweight", "qzeros", "scales"):
             delattr(layer, name)
         int4.install(layer, q, s, o, self.config.kernel or int4.default_kernel(device), self.dtype, device)
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return int4.apply(layer, x, bias)

@@ -17,16 +17,13 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from agentbox.layers.quant.formats import QuantMethod
 from agentbox.layers.quant.lazy import materialize
-
-if TYPE_CHECKING:
-    from agentbox.layers.linear import LinearBase
 
 
 @dataclass(frozen=True)
@@ -144,16 +141,26 @@ def quant_param(data: torch.Tensor, sharding: Sharding) -> nn.Parameter:
     return p
 
 
-class ShardRanges(Protocol):
-    """What a layer tells its method about one checkpoint tensor: logical ranges, this rank's part."""
+class QuantLayer(nn.Module):
+    """A linear layer as its method sees it (layers/linear.py QuantLayer is the one there is): this rank's sizes,
+    how tensor parallelism splits it, and where one checkpoint tensor's shard lands (`out_range`, `in_range`, in
+    logical [out, in] coordinates). Declared here, apart from the layer, so the methods need not import it."""
+
+    tp_dim: int | None  # 0: output rows split over the ranks, 1: input columns, None: replicated
+    tp_rank: int
+    tp_size: int
+    input_size: int  # this rank's
+    output_size: int  # this rank's
+    quant_method: LinearMethod
+    bias: nn.Parameter | None
 
     def out_range(self, shard_id: str | int | None) -> tuple[int, int, int]:
         """(offset in this layer's output rows, offset in the checkpoint tensor's rows, row count)."""
-        ...
+        return 0, 0, self.output_size
 
     def in_range(self) -> tuple[int, int] | None:
         """(start, size) of this rank's input columns in the checkpoint tensor; None: all of them."""
-        ...
+        return None
 
 
 def narrow_shard(t: torch.Tensor, axis: int, start: int, size: int, pack: int, what: str) -> torch.Tensor:
@@ -176,11 +183,11 @@ class LinearMethod(ABC):
         self.config = config
 
     @abstractmethod
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+    def create_weights(self, layer: QuantLayer, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         """Register this rank's parameters on `layer` (each `quant_param` with its Sharding)."""
 
     def load(
-        self, layer: ShardRanges, param: nn.Parameter, loaded: Any, shard_id: str | int | None, name: str
+        self, layer: QuantLayer, param: nn.Parameter, loaded: Any, shard_id: str | int | None, name: str
     ) -> None:
         """Copy this rank's shard of a checkpoint tensor into `param` (narrowed along its Sharding)."""
         sh: Sharding = param.sharding  # type: ignore[attr-defined]
@@ -196,16 +203,16 @@ class LinearMethod(ABC):
             raise ValueError(f"{type(layer).__name__}: {name} shard shape {tuple(src.shape)} != {tuple(dst.shape)}")
         dst.copy_(materialize(src))  # a LazySlice is read here: only this rank's part
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
         """Once, after every shard is in: repack for the kernel this device runs."""
         return None
 
     @abstractmethod
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] -> [..., out] for this rank."""
 
     @abstractmethod
-    def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
+    def dequantized_weight(self, layer: QuantLayer) -> torch.Tensor:
         """This rank's loaded weight as a dense [out, in] fp32 tensor (the method's torch reference; read
         before post-processing, which may repack it)."""
 
@@ -252,9 +259,8 @@ def linear_method(prefix: str = "") -> LinearMethod:
 
 def process_weights_after_loading(model: nn.Module) -> None:
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if isinstance(method, LinearMethod):
-            method.process_weights_after_loading(module)  # type: ignore[arg-type]
+        if isinstance(module, QuantLayer):
+            module.quant_method.process_weights_after_loading(module)
 
 
 def resident_weight_bytes(model: nn.Module) -> int:

@@ -18,17 +18,14 @@ other tensors: same group tables under TP, same act-order sort, same canonical i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from agentbox.layers.quant import int4
-from agentbox.layers.quant.base import Sharding, ShardRanges, quant_param, register
+from agentbox.layers.quant.base import QuantLayer, Sharding, quant_param, register
 from agentbox.layers.quant.formats import QuantMethod
 from agentbox.layers.quant.gptq import GPTQLinearMethod, unpack_cols_int32
-
-if TYPE_CHECKING:
-    from agentbox.layers.linear import LinearBase
 
 
 @register
@@ -37,7 +34,7 @@ class CompressedTensorsW4A16Method(GPTQLinearMethod):
     checkpoint_names = ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape")
     g_idx_name = "weight_g_idx"
 
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+    def create_weights(self, layer: QuantLayer, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         self.dtype = dtype
         groups, split = self.groups(layer, input_size, output_size)
         g, group_axis = self.group, 1 if split else None
@@ -53,12 +50,11 @@ class CompressedTensorsW4A16Method(GPTQLinearMethod):
         layer.weight_shape = quant_param(torch.empty(2, dtype=torch.int64), Sharding(None, None))
 
     def load(
-        self, layer: ShardRanges, param: torch.nn.Parameter, loaded: Any, shard_id: str | int | None, name: str
+        self, layer: QuantLayer, param: torch.nn.Parameter, loaded: Any, shard_id: str | int | None, name: str
     ) -> None:
         if param is getattr(layer, "weight_shape", None):
             # (out, in) of the whole checkpoint tensor: its input width must be this layer's (all ranks).
-            linear: LinearBase = layer  # type: ignore[assignment]
-            full_in = linear.input_size * (linear.tp_size if linear.tp_dim == 1 else 1)
+            full_in = layer.input_size * (layer.tp_size if layer.tp_dim == 1 else 1)
             if int(loaded[1]) != full_in:
                 raise ValueError(
                     f"compressed-tensors: {name} says {int(loaded[1])} input columns, the layer has {full_in}"
@@ -66,12 +62,12 @@ class CompressedTensorsW4A16Method(GPTQLinearMethod):
             return
         super().load(layer, param, loaded, shard_id, name)
 
-    def g_idx(self, layer: LinearBase) -> torch.Tensor:
+    def g_idx(self, layer: QuantLayer) -> torch.Tensor:
         if self.config.desc_act:
             return layer.weight_g_idx.data.long()
         return torch.arange(layer.input_size, device=layer.weight_packed.device) // self.group
 
-    def _rows(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _rows(self, layer: QuantLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = unpack_cols_int32(layer.weight_packed.data).t()  # [in, out]
         s = layer.weight_scale.data.float().t()  # [groups, out]
         if self.config.sym:

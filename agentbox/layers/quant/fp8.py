@@ -18,16 +18,12 @@ choice only.
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from agentbox.layers.quant.base import LinearMethod, Sharding, quant_param, register
+from agentbox.layers.quant.base import LinearMethod, QuantLayer, Sharding, quant_param, register
 from agentbox.layers.quant.formats import QuantMethod
-
-if TYPE_CHECKING:
-    from agentbox.layers.linear import LinearBase
 
 
 class FP8Kernel(Enum):
@@ -59,17 +55,17 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
 class FP8BlockLinearMethod(LinearMethod):
     kind = QuantMethod.FP8_BLOCK
 
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+    def create_weights(self, layer: QuantLayer, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         bo, bi = self.config.block_size
         self.dtype = dtype
         layer.weight = quant_param(torch.empty(output_size, input_size, dtype=torch.float8_e4m3fn), Sharding(0, 1))
         scale = torch.empty(-(-output_size // bo), -(-input_size // bi), dtype=torch.float32)
         layer.weight_scale_inv = quant_param(scale, Sharding(0, 1, bo, bi))
 
-    def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
+    def dequantized_weight(self, layer: QuantLayer) -> torch.Tensor:
         return dequantize_block_fp8(layer.weight.data, layer.weight_scale_inv.data, self.config.block_size)
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
         device = layer.weight.device
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         default = fp8_kernel_for(device.type, capability)
@@ -79,7 +75,7 @@ class FP8BlockLinearMethod(LinearMethod):
             del layer.weight_scale_inv
             layer.weight = quant_param(w, Sharding(None, None))
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel is FP8Kernel.DENSE:
             return F.linear(x, layer.weight, bias)
         if self.kernel is FP8Kernel.W8A8:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import gguf
 import numpy as np
@@ -18,12 +18,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from agentbox.layers.quant import bits, int4
-from agentbox.layers.quant.base import LinearMethod, Sharding, ShardRanges, quant_param, register
+from agentbox.layers.quant.base import LinearMethod, QuantLayer, Sharding, quant_param, register
 from agentbox.layers.quant.formats import QuantMethod
 from agentbox.layers.quant.lazy import materialize
-
-if TYPE_CHECKING:
-    from agentbox.layers.linear import LinearBase
 
 Q = GGMLQuantizationType
 PackedRowsT = TypeVar("PackedRowsT", bound=torch.nn.Module)
@@ -205,7 +202,7 @@ def bits_groups(b: GGUFBlocks) -> BitsGroups:
 class GGUFLinearMethod(LinearMethod):
     kind = QuantMethod.GGUF
 
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+    def create_weights(self, layer: QuantLayer, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         # The type of each shard is known only when it arrives: the parameter is a placeholder until
         # post-processing, and the shards wait here (as file views, or dense tensors for F32/F16 ones).
         layer.weight = quant_param(torch.empty(0, dtype=dtype), Sharding(0, 1))
@@ -213,7 +210,7 @@ class GGUFLinearMethod(LinearMethod):
         self.shards: dict[int, GGUFBlocks | torch.Tensor] = {}
         self.kernel: int4.Int4Kernel | bits.BitsKernel | None = None  # None: runs of several forms (segments)
 
-    def load(self, layer: ShardRanges, param: Any, loaded: Any, shard_id: str | int | None, name: str) -> None:
+    def load(self, layer: QuantLayer, param: Any, loaded: Any, shard_id: str | int | None, name: str) -> None:
         if param is not getattr(layer, "weight", None):
             return super().load(layer, param, loaded, shard_id, name)  # bias: plain tensor
         dst_off, src_off, size = layer.out_range(shard_id)
@@ -231,13 +228,13 @@ class GGUFLinearMethod(LinearMethod):
             t = loaded.narrow(0, src_off, size)
             self.shards[dst_off] = materialize(t.narrow(1, cols[0], cols[1]) if cols is not None else t)
 
-    def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
+    def dequantized_weight(self, layer: QuantLayer) -> torch.Tensor:
         return torch.cat([p.dequantize() if isinstance(p, GGUFBlocks) else p.float() for p in self._parts()])
 
     def _parts(self) -> list[GGUFBlocks | torch.Tensor]:
         return [self.shards[k] for k in sorted(self.shards)]
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
         parts = self._parts()
         rows = sum(p.shape[0] for p in parts)
         if rows != layer.output_size or any(p.shape[1] != layer.input_size for p in parts):
@@ -267,7 +264,7 @@ class GGUFLinearMethod(LinearMethod):
             self.kernel = None
         self.shards = {}
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel is None:
             out = torch.cat([apply_form(segment, x, None) for segment in layer.segments], dim=-1)
             return out + bias if bias is not None else out

@@ -14,16 +14,13 @@ the activations are gathered through the same permutation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from agentbox.layers.quant import int4
-from agentbox.layers.quant.base import LinearMethod, Sharding, ShardRanges, quant_param, register
+from agentbox.layers.quant.base import LinearMethod, QuantLayer, Sharding, quant_param, register
 from agentbox.layers.quant.formats import QuantMethod
-
-if TYPE_CHECKING:
-    from agentbox.layers.linear import LinearBase
 
 
 def unpack_cols_int32(packed: torch.Tensor) -> torch.Tensor:
@@ -39,7 +36,7 @@ class GPTQLinearMethod(LinearMethod):
     checkpoint_names: tuple[str, ...] = ("qweight", "qzeros", "scales", "g_idx")  # dropped once repacked
     g_idx_name = "g_idx"
 
-    def groups(self, layer: LinearBase, input_size: int, output_size: int) -> tuple[int, bool]:
+    def groups(self, layer: QuantLayer, input_size: int, output_size: int) -> tuple[int, bool]:
         """(groups in this rank's scale / zero tables, whether TP splits them along the input); sets
         self.group."""
         g = self.config.group_size if self.config.group_size > 0 else input_size
@@ -54,7 +51,7 @@ class GPTQLinearMethod(LinearMethod):
             return input_size * layer.tp_size // g, False
         return input_size // g, not self.config.desc_act
 
-    def create_weights(self, layer: LinearBase, input_size: int, output_size: int, dtype: torch.dtype) -> None:
+    def create_weights(self, layer: QuantLayer, input_size: int, output_size: int, dtype: torch.dtype) -> None:
         self.dtype = dtype
         groups, split = self.groups(layer, input_size, output_size)
         g, group_axis = self.group, 0 if split else None
@@ -64,7 +61,7 @@ class GPTQLinearMethod(LinearMethod):
         layer.g_idx = quant_param(torch.empty(input_size, dtype=torch.int32), Sharding(None, 0))
 
     def load(
-        self, layer: ShardRanges, param: torch.nn.Parameter, loaded: Any, shard_id: str | int | None, name: str
+        self, layer: QuantLayer, param: torch.nn.Parameter, loaded: Any, shard_id: str | int | None, name: str
     ) -> None:
         g_idx = getattr(layer, self.g_idx_name, None)
         if param is g_idx and shard_id is not None and self.g_idx_loaded:
@@ -77,7 +74,7 @@ class GPTQLinearMethod(LinearMethod):
         if param is g_idx:
             self.g_idx_loaded = True
 
-    def g_idx(self, layer: LinearBase) -> torch.Tensor:
+    def g_idx(self, layer: QuantLayer) -> torch.Tensor:
         """The group of each of this rank's input rows, as a row of this rank's scale / zero tables."""
         g = layer.g_idx.data.long()
         rng = layer.in_range()
@@ -85,18 +82,18 @@ class GPTQLinearMethod(LinearMethod):
             g = g - rng[0] // self.group
         return g
 
-    def _rows(self, layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _rows(self, layer: QuantLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per input row k: codes [in, out], scale [in, out], zero [in, out] (the reference's terms)."""
         q = int4.unpack_rows_int32(layer.qweight.data)
         z = unpack_cols_int32(layer.qzeros.data).float() + 1
         g = self.g_idx(layer)
         return q, layer.scales.data.float()[g], z[g]
 
-    def dequantized_weight(self, layer: LinearBase) -> torch.Tensor:
+    def dequantized_weight(self, layer: QuantLayer) -> torch.Tensor:
         q, s, z = self._rows(layer)
         return ((q.float() - z) * s).t().contiguous()
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    def process_weights_after_loading(self, layer: QuantLayer) -> None:
         g_idx = self.g_idx(layer)
         device = g_idx.device
         q, s, z = (t.cpu() for t in self._rows(layer))
@@ -124,7 +121,7 @@ class GPTQLinearMethod(LinearMethod):
         offset = (-z * s).reshape(rows, self.group, -1)[:, 0].t().contiguous()
         int4.install(layer, q.t().contiguous(), scale, offset, kernel, self.dtype, device)
 
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.act_perm is not None:
             x = x.index_select(-1, layer.act_perm)
         return int4.apply(layer, x, bias)
