@@ -38,7 +38,7 @@ leaves and it calls back through a small `Tree` view (`locked`, `remove`, `retie
 
 This is the tree the cache policies share; each policy is a subclass (cache_policies.py) that says what it
 changes (the eviction key, which leases hold pages, whether anything is kept at all), and the scheduler and
-the core see them only as a `KVManager` (manager.py).
+the core see them only through `CacheManager` (manager.py), which composes a policy with the state group.
 
 Sessions are tags: every node on a path a session locked or inserted carries its id (so a child's tags
 are a subset of its parent's). `drop_session` removes the session's own suffix; shared prefixes survive. The per-session
