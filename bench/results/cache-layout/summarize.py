@@ -18,7 +18,7 @@ def warm(side: str) -> dict[str, float]:
 
 
 def replay(side: str) -> dict[str, float]:
-    stats = [r["stats"] for p in sorted(out.glob(f"replay-{side}-*/replay.json"))
+    stats = [r["stats"] for p in sorted([*out.glob(f"replay-{side}-*/replay.json"), *out.glob(f"replay-{side}-*.json")])
              for r in json.loads(p.read_text())["runs"]]
     res: dict[str, float] = {}
     for model in sorted({s["extra"]["model"] for s in stats}):
