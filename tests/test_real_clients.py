@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.turn_ending_model import save_turn_ending_qwen3
+from agentbox.bench.tiny_models import save_turn_ending
 
 pytestmark = pytest.mark.slow
 CACHE = Path(os.environ.get("AGENTBOX_TEST_CLIENTS", Path.home() / ".cache" / "agentbox-test-clients"))
@@ -59,7 +59,7 @@ def aider_bin() -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:  # noqa: ANN001
-    return save_turn_ending_qwen3(tmp_path_factory.mktemp("tiny-qwen3-64k"), smollm2_tokenizer, 65536)
+    return save_turn_ending(tmp_path_factory.mktemp("tiny-qwen3-64k"), smollm2_tokenizer, 65536)
 
 
 @contextmanager
