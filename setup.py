@@ -2,4 +2,4 @@
 
 from setuptools import find_packages, setup
 
-setup(packages=find_packages(include=["agentbox", "agentbox.*"]))
+setup(packages=find_packages(include=["agentbox", "agentbox.*"]), package_dir={"": "."})
