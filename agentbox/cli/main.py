@@ -13,7 +13,14 @@ from agentbox.cli.cache_cmd import cache_app
 from agentbox.cli.common import DEBUG_ENV, fail, run_cli
 from agentbox.cli.fleet import fleet_app, top_fleet
 from agentbox.cli.workstation import check_app, workstation_app
-from agentbox.config import SERVE_DISK_CACHE_GB, CachePolicy, EngineConfig, ServerConfig, Speculative
+from agentbox.config import (
+    PLAN_CONTEXT,
+    SERVE_DISK_CACHE_GB,
+    CachePolicy,
+    EngineConfig,
+    ServerConfig,
+    Speculative,
+)
 from agentbox.tui import DEFAULT_INTERVAL_S  # a constant; textual loads only when top runs
 
 app = typer.Typer(
@@ -123,10 +130,10 @@ def serve(
     ),
     page_size: int = typer.Option(_E.page_size, help="tokens per KV page"),
     num_pages: int | None = typer.Option(None, help="KV pool size in pages (default: from --kv-cache-gb)"),  # noqa: UP007
-    kv_cache_gb: float | None = typer.Option(None, help="KV pool size in GiB (default: GPU: a share of free memory; CPU: the plan's context x sessions)"),  # noqa: UP007
+    kv_cache_gb: float | None = typer.Option(None, help="KV pool size in GiB (default: GPU: a share of free memory; CPU: what the context needs)"),  # noqa: UP007
     max_num_seqs: int = typer.Option(_E.max_num_seqs, help="cap on running requests"),
     max_num_batched_tokens: int = typer.Option(_E.max_num_batched_tokens, help="tokens per engine step"),
-    max_model_len: int | None = typer.Option(None, help="context length (default: the model's)"),  # noqa: UP007
+    max_model_len: int | None = typer.Option(None, help=f"context length in tokens (default: the model's, on CPU at most {PLAN_CONTEXT}; on CPU the KV pool is sized to fit it, bounded by RAM)"),  # noqa: UP007
     cache_policy: CachePolicy = typer.Option(_E.cache_policy, help="what the cache keeps between turns"),
     host_cache_gb: float | None = typer.Option(None, help="host-RAM KV tier size in GiB"),  # noqa: UP007
     disk_cache_gb: float | None = typer.Option(SERVE_DISK_CACHE_GB, envvar="AGENTBOX_DISK_CACHE_GB", help="disk KV tier in GiB (0: off)"),  # noqa: UP007
@@ -183,27 +190,47 @@ def _start_background(config: ServerConfig, timeout: float = 600.0) -> None:
     from rich.console import Console
 
     from agentbox.cli import daemon
+    from agentbox.invocation import agentbox_cmd
 
     console = Console(stderr=True)
     proc = daemon.spawn(config)
     st = {"host": config.host, "port": config.port}
     deadline = time.monotonic() + timeout
-    with console.status(f"starting agentbox on {daemon.url_of(st)} (loading {Path(config.engine.model).name}) …"):
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                console.print(daemon.tail(daemon.log_file(), 25), markup=False, highlight=False)
-                fail(f"the server exited during start (code {proc.returncode}); full log: {daemon.log_file()}")
-            if daemon.health(st, timeout=1.0):
-                break
-            time.sleep(0.5)
-        else:
-            fail(f"the server did not become healthy within {timeout:.0f} s; its log: {daemon.log_file()}")
+    try:
+        with console.status(f"starting agentbox on {daemon.url_of(st)} (loading {Path(config.engine.model).name}) …"):
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    if (why := daemon.start_failure()) is None:  # not the engine's own words: show the log's end
+                        console.print(daemon.tail(daemon.log_file(), 25), markup=False, highlight=False, soft_wrap=True)
+                    fail(f"the server could not start: {why or f'it exited with code {proc.returncode}'}\n"
+                         f"  full log: {daemon.log_file()}")
+                if daemon.health(st, timeout=1.0):
+                    break
+                time.sleep(0.5)
+            else:
+                fail(f"the server did not become healthy within {timeout:.0f} s; its log: {daemon.log_file()}")
+    except KeyboardInterrupt:
+        # Ctrl-C while it starts: the user changed their mind; a server coming up 15 s later would surprise them.
+        daemon.cancel(proc)
+        fail("cancelled: the starting server was stopped", code=130)
     running = daemon.read_state() or {}
-    typer.echo(f"agentbox is serving {running.get('model', '?')} at {daemon.url_of(st)}/v1 (pid {proc.pid})")
-    from agentbox.invocation import agentbox_cmd
-
+    served = served_entry(daemon.url_of(st), config.api_key)
     me = agentbox_cmd()
+    typer.echo(f"agentbox is serving {running.get('model', '?')} at {daemon.url_of(st)}/v1 (pid {proc.pid})")
+    if served.get("context_note"):
+        typer.echo(f"  {served['context_note']}")
     typer.echo(f"  status: {me} status   logs: {me} logs -f   stop: {me} stop")
+
+
+def served_entry(url: str, api_key: str | None) -> dict:
+    """The server's `GET /v1/models` entry (its context and why), or {} when it cannot be read."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {api_key or 'none'}"}, timeout=5.0)
+        return r.json()["data"][0] if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return {}
 
 
 @app.command()
