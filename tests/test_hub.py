@@ -93,7 +93,7 @@ def test_pull_retries_within_one_run(hub: HubState) -> None:
 def test_pull_checks_free_disk_before_any_download(hub: HubState) -> None:
     profile, variant = parse_spec("Tiny-Test:bf16")
     assert variant is not None
-    with pytest.raises(DiskSpaceError, match="needs 0.00 GB more"):
+    with pytest.raises(DiskSpaceError, match="needs 0.00 GiB more"):
         pull(profile, variant, keep_free=10**18)
     assert [m for m, _p, _r in hub.requests] == ["HEAD", "HEAD"]  # sizes known up front, no body fetched
 
