@@ -179,6 +179,10 @@ def serve(
                           allow_unauthenticated=allow_unauthenticated, max_body_mb=max_body_mb, engine=engine,
                           record_trace=str(Path(record_trace).resolve()) if record_trace else None)
     if foreground:
+        import threading
+
+        # The clients set up for this server follow it once it answers (the server holds this thread).
+        threading.Thread(target=_sync_when_up, args=(config,), daemon=True).start()
         daemon.run_foreground(config)
         return
     _start_background(config)
@@ -220,6 +224,34 @@ def _start_background(config: ServerConfig, timeout: float = 600.0) -> None:
     if served.get("context_note"):
         typer.echo(f"  {served['context_note']}")
     typer.echo(f"  status: {me} status   logs: {me} logs -f   stop: {me} stop")
+    _sync_clients(daemon.url_of(st), config.api_key)
+
+
+def _sync_clients(url: str, api_key: str | None) -> None:
+    """What `agentbox setup` wrote for this server, brought in step with what it serves now (clients/sync.py)."""
+    from agentbox.clients import ClientError, resolve_endpoint
+    from agentbox.clients.sync import resync
+
+    try:
+        lines = resync(resolve_endpoint(url, api_key=api_key))
+    except ClientError as exc:
+        lines = [f"the clients set up for it were not updated: {exc}"]
+    for line in lines:
+        typer.echo(f"  clients: {line}")
+
+
+def _sync_when_up(config: ServerConfig, timeout: float = 600.0) -> None:
+    import time
+
+    from agentbox.cli import daemon
+
+    st = {"host": config.host, "port": config.port}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if daemon.health(st, timeout=1.0):
+            _sync_clients(daemon.url_of(st), config.api_key)
+            return
+        time.sleep(1.0)  # a thread beside a starting server, once: not a server loop
 
 
 def served_entry(url: str, api_key: str | None) -> dict:
