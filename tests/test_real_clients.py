@@ -24,7 +24,8 @@ import pytest
 from agentbox.bench.tiny_models import save_turn_ending
 
 pytestmark = pytest.mark.slow
-CACHE = Path(os.environ.get("AGENTBOX_TEST_CLIENTS", Path.home() / ".cache" / "agentbox-test-clients"))
+# Under the user's cache (conftest keeps XDG_CACHE_HOME theirs while HOME is a fake one)
+CACHE = Path(os.environ.get("AGENTBOX_TEST_CLIENTS", Path(os.environ["XDG_CACHE_HOME"]) / "agentbox-test-clients"))
 NPM_PINS = {"claude": "@anthropic-ai/claude-code@2.1.332", "codex": "@openai/codex@0.171.0",
             "opencode": "opencode-ai@1.18.33"}
 AIDER_PIN = "aider-chat==0.86.2"
