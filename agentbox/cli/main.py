@@ -356,7 +356,7 @@ def top_cmd(
 ) -> None:
     """Live dashboard of agent sessions, cache and machine.
 
-    Keys: s sort, / filter, enter detail, d close session, p pause, v next panel (narrow terminals), q quit."""
+    Keys: s sort, / filter, enter detail, d close session, p pause, v next panel (small terminals), q or Ctrl-C quit."""
     import json
 
     from agentbox.cli import daemon
