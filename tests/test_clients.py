@@ -147,7 +147,7 @@ def test_serve_keeps_what_setup_wrote_in_step_with_the_server(home: Path) -> Non
     codex.write_text(codex.read_text().replace('model_provider = "agentbox"', 'model_provider = "openai"'))
     assert resync(first)[1] == f"codex: {codex} points elsewhere now; left as it is"
     small = resync(Endpoint(url=url, model="agentbox", context=8192))
-    assert small[0].startswith("claude: left as it is: claude's own prompt (system prompt and tools) is about 24,800")
+    assert small[0].startswith("claude: left as it is: claude's own prompt (system prompt and tools) is about 20,300")
     setup_client("opencode", first, undo=True)
     assert not any(line.startswith("opencode") for line in resync(Endpoint(url=url, model="agentbox", context=16384)))
 

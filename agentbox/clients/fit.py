@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 from agentbox.clients.names import Client, ClientError
 
-# Each client's own first prompt (system prompt + tool definitions) in tokens, measured by the real-client tests
-# (tests/test_real_clients.py, SmolLM2's tokenizer, a one-line task) with the pinned versions: Claude Code
-# 2.1.332 about 24.8k (the issue that filed this saw 20.3k from 2.1.197), Codex 0.171.0 about 6.5k, aider
-# 0.86.2 about 0.7k; opencode 1.18.33 7,699 (its 10 tools; `opencode run "say hi"`, replayed from a recorded
-# trace), plus a separate 586-token title request.
-CLIENT_PROMPT_TOKENS = {Client.CLAUDE: 24_800, Client.CODEX: 6_500, Client.OPENCODE: 7_700, Client.AIDER: 700}
+# Each client's own first prompt (system prompt + tool definitions) in tokens, as the server counted it (SmolLM2's
+# tokenizer, a one-line task in an empty directory, `agentbox launch CLIENT`; tests/test_real_clients.py runs
+# them): Claude Code 20,257 with 2.1.197 and 12,360 with 2.1.332 (the larger counts: npm may hand out either),
+# Codex 0.171.0 6,495, aider 0.86.2 about 0.7k; opencode 1.18.33 7,699 (its 10 tools; `opencode run "say hi"`,
+# replayed from a recorded trace), plus a separate 586-token title request.
+CLIENT_PROMPT_TOKENS = {Client.CLAUDE: 20_300, Client.CODEX: 6_500, Client.OPENCODE: 7_700, Client.AIDER: 700}
 WORK_TOKENS = 4096  # after its own prompt and before it compacts: an answer and a tool result or two
 MIN_ANSWER_TOKENS = 256  # an output limit below this answers nothing useful
 
@@ -76,8 +76,9 @@ def fit(client: Client, context: int, output: int) -> Fit:
 
 def forced(client: Client, context: int, output: int) -> Fit:
     """`--force` past a refusal: the client goes ahead, its output limit cut so that its own prompt is at least
-    below its compaction point (else it compacts at once and loops)."""
+    below its compaction point (else it compacts at once and loops), where that leaves a useful answer."""
     need = CLIENT_PROMPT_TOKENS.get(client, 0)
-    out = max(1, min(output, context - need - 1))
+    below = context - need - 1
+    out = min(output, below) if below >= MIN_ANSWER_TOKENS else output
     return Fit(context, out, note=f"note: --force: {client.value} is told an output limit of {out:,} on a context "
                                   f"of {context:,}, of which its own prompt takes about {need:,}")
