@@ -240,8 +240,8 @@ class ModelRunner:
             room = psutil.virtual_memory().available - HOST_HEADROOM  # the weights are loaded by now
             if pages * page_bytes > room:
                 fits = max(0, room // page_bytes - 1) * self.page_size // PLAN_SESSIONS
-                raise ValueError(f"a context of {context:,} tokens needs a KV pool of {pages * page_bytes / 2**30:.1f} GiB; "
-                                 f"this machine has {room / 2**30:.1f} GiB of RAM to spare: serve a shorter one "
+                raise ValueError(f"a context of {context:,} tokens needs a KV pool of {pages * page_bytes / 2**30:.2f} GiB; "
+                                 f"this machine has {room / 2**30:.2f} GiB of RAM to spare: serve a shorter one "
                                  f"(--max-model-len {fits // 1024 * 1024}) or free memory")
             return pages
         return max(2, budget // page_bytes)
