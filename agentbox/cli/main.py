@@ -133,7 +133,7 @@ def serve(
     kv_cache_gb: float | None = typer.Option(None, help="KV pool size in GiB (default: GPU: a share of free memory; CPU: what the context needs)"),  # noqa: UP007
     max_num_seqs: int = typer.Option(_E.max_num_seqs, help="cap on running requests"),
     max_num_batched_tokens: int = typer.Option(_E.max_num_batched_tokens, help="tokens per engine step"),
-    max_model_len: int | None = typer.Option(None, help=f"context length in tokens (default: the model's, on CPU at most {PLAN_CONTEXT}; on CPU the KV pool is sized to fit it, bounded by RAM)"),  # noqa: UP007
+    max_model_len: int | None = typer.Option(None, help=f"context length (default: the model's, on CPU at most {PLAN_CONTEXT}; on CPU the KV pool fits it)"),  # noqa: UP007
     cache_policy: CachePolicy = typer.Option(_E.cache_policy, help="what the cache keeps between turns"),
     host_cache_gb: float | None = typer.Option(None, help="host-RAM KV tier size in GiB"),  # noqa: UP007
     disk_cache_gb: float | None = typer.Option(SERVE_DISK_CACHE_GB, envvar="AGENTBOX_DISK_CACHE_GB", help="disk KV tier in GiB (0: off)"),  # noqa: UP007

@@ -113,7 +113,9 @@ def models_cmd(
     rm: str | None = typer.Option(None, "--rm", metavar="NAME", help="delete a local model from disk: MODEL:VARIANT as listed (or MODEL: all its variants), complete or partial"),  # noqa: UP007
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
-    """List the models on this machine (--known: every profiled model; --rm NAME: delete one)."""
+    """List the models on this machine (--known, --rm NAME).
+
+    --known lists every profiled model; --rm NAME deletes a local one, complete or partial."""
     import json
 
     from agentbox.hub.profiles import load_profiles
