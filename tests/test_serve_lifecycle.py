@@ -115,6 +115,9 @@ def test_ctrl_c_while_a_background_server_starts_cancels_it(smollm2_path: Path, 
         time.sleep(0.1)
     server = children[0]
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the CLI's group (the server has its own session)
+    time.sleep(0.2)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)  # and again, as people do: the cleanup still finishes
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert "error: cancelled: the starting server was stopped" in err

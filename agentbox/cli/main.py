@@ -215,10 +215,16 @@ def _start_background(config: ServerConfig, timeout: float = 600.0) -> None:
                 fail(f"the server did not become healthy within {timeout:.0f} s; its log: {daemon.log_file()}")
     except KeyboardInterrupt:
         # Ctrl-C while it starts: the user changed their mind; a server coming up 15 s later would surprise them.
+        # A second Ctrl-C (people press it again) must not cut the cleanup short and leave half a server.
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         daemon.cancel(proc)
         fail("cancelled: the starting server was stopped", code=130)
     running = daemon.read_state() or {}
-    served = served_entry(daemon.url_of(st), config.api_key)
+    from agentbox.clients.targets import NO_KEY, served_model
+
+    served = served_model(daemon.url_of(st), config.api_key or NO_KEY) or {}
     me = agentbox_cmd()
     typer.echo(f"agentbox is serving {running.get('model', '?')} at {daemon.url_of(st)}/v1 (pid {proc.pid})")
     if served.get("context_note"):
@@ -252,17 +258,6 @@ def _sync_when_up(config: ServerConfig, timeout: float = 600.0) -> None:
             _sync_clients(daemon.url_of(st), config.api_key)
             return
         time.sleep(1.0)  # a thread beside a starting server, once: not a server loop
-
-
-def served_entry(url: str, api_key: str | None) -> dict:
-    """The server's `GET /v1/models` entry (its context and why), or {} when it cannot be read."""
-    import httpx
-
-    try:
-        r = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {api_key or 'none'}"}, timeout=5.0)
-        return r.json()["data"][0] if r.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError, KeyError, IndexError):
-        return {}
 
 
 @app.command()

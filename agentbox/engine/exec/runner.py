@@ -239,10 +239,10 @@ class ModelRunner:
 
             room = psutil.virtual_memory().available - HOST_HEADROOM  # the weights are loaded by now
             if pages * page_bytes > room:
-                fits = max(0, room // page_bytes - 1) * self.page_size // PLAN_SESSIONS
+                fits = max(0, room // page_bytes - 1) * self.page_size // PLAN_SESSIONS // 1024 * 1024
+                shorter = f"serve a shorter one (--max-model-len {fits}) or " if fits else ""
                 raise ValueError(f"a context of {context:,} tokens needs a KV pool of {pages * page_bytes / 2**30:.2f} GiB; "
-                                 f"this machine has {room / 2**30:.2f} GiB of RAM to spare: serve a shorter one "
-                                 f"(--max-model-len {fits // 1024 * 1024}) or free memory")
+                                 f"this machine has {max(0, room) / 2**30:.2f} GiB of RAM to spare: {shorter}free memory")
             return pages
         return max(2, budget // page_bytes)
 
