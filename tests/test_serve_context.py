@@ -35,6 +35,8 @@ def test_the_context_says_where_it_comes_from() -> None:
          "cut from 131,072 to what the KV pool holds in the RAM given to it: --kv-cache-gb raises it"),
         (EngineConfig(max_model_len=65536), ready(40000, 131072, "cuda:0"), ContextSource.KV_POOL,
          "cut from 65,536 to what the KV pool holds in the free GPU memory"),
+        (EngineConfig(num_pages=400), ready(6384, 8192), ContextSource.KV_POOL,
+         "cut from 8,192 to what the KV pool holds in the RAM given to it: --num-pages raises it"),
     ]
     for engine, info, source, words in cases:
         ctx = served_context(engine, info)

@@ -108,21 +108,29 @@ def test_ctrl_c_while_a_background_server_starts_cancels_it(smollm2_path: Path, 
         [sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(smollm2_path), "--port", str(port), *SMALL],
         env={**os.environ, "AGENTBOX_HOME": str(tmp_path), "AGENTBOX_DEBUG": ""}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True, start_new_session=True,
+        # as a shell starts a foreground job: Ctrl-C's default (pytest-xdist's workers ignore SIGINT, and an
+        # ignored SIGINT is inherited: the CLI would never see it)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    deadline = time.monotonic() + 120
-    while not (children := psutil.Process(proc.pid).children(recursive=True)):  # the server is spawned: starting
-        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-        time.sleep(0.1)
-    server = children[0]
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the CLI's group (the server has its own session)
-    time.sleep(0.2)
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)  # and again, as people do: the cleanup still finishes
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and "Traceback" not in err, err
-    assert "error: cancelled: the starting server was stopped" in err
-    _, alive = psutil.wait_procs([server], timeout=30)
-    assert not alive and not (tmp_path / "server.json").exists()
-    time.sleep(3)  # it used to come up anyway some seconds later
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    try:
+        deadline = time.monotonic() + 120
+        while not (children := psutil.Process(proc.pid).children(recursive=True)):  # spawned: it is starting
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        server = children[0]
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in the terminal: the CLI's group (the server has its own session)
+        time.sleep(0.2)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)  # and again, as people do: the cleanup still finishes
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "Traceback" not in err, err
+        assert "error: cancelled: the starting server was stopped" in err
+        _, alive = psutil.wait_procs([server], timeout=30)
+        assert not alive and not (tmp_path / "server.json").exists()
+        time.sleep(3)  # it used to come up anyway some seconds later
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:  # whatever went wrong, no server of this test outlives it
+        if proc.poll() is None:
+            proc.kill()
+        agentbox("stop", home=tmp_path)

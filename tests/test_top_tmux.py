@@ -67,16 +67,24 @@ def turns(url: str) -> None:
 def capture(url: str, env: dict[str, str], cols: int, rows: int, sock: str) -> str:
     """`agentbox top` in a tmux terminal of that size once it shows every session, then Ctrl-C: the screen."""
     tmux = ["tmux", "-L", sock, "-f", "/dev/null"]  # a server of its own: the user's tmux is never touched
-    top = f"env HOME={env['HOME']} AGENTBOX_HOME={env['AGENTBOX_HOME']} {sys.executable} -m agentbox.cli.main top --url {url}"
+    top = (f"env -u COLUMNS -u LINES HOME={env['HOME']} AGENTBOX_HOME={env['AGENTBOX_HOME']} {sys.executable} "
+           f"-m agentbox.cli.main top --url {url}")  # its size from the terminal, as a user's
     subprocess.run([*tmux, "new-session", "-d", "-s", "top", "-x", str(cols), "-y", str(rows), top], check=True,
                    env={**env, "TERM": "xterm-256color"}, timeout=30)
     try:
-        screen, deadline = "", time.monotonic() + 60
+        screen, deadline, nudged = "", time.monotonic() + 60, False
         while not all(sid[:5] in screen for sid in CLIENTS) or "q quit" not in screen:
             assert time.monotonic() < deadline, f"top did not show the sessions:\n{screen}"
             time.sleep(0.5)
             screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True,
                                     timeout=30).stdout
+            if "agentbox top" in screen and not nudged:
+                # tmux may size the window after the app asked for its size (a busy machine drew 80x24 in a
+                # 120x40 window): a resize there and back is the SIGWINCH that settles it, as a user's drag does
+                for w in (cols - 1, cols):
+                    subprocess.run([*tmux, "resize-window", "-t", "top", "-x", str(w), "-y", str(rows)], timeout=30)
+                    time.sleep(0.3)
+                nudged, screen = True, ""
         time.sleep(1.5)  # a second poll: the rates
         screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "top"], capture_output=True, text=True,
                                 timeout=30).stdout

@@ -4,6 +4,9 @@ from config.py."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -197,12 +200,12 @@ def _start_background(config: ServerConfig, timeout: float = 600.0) -> None:
     from agentbox.invocation import agentbox_cmd
 
     console = Console(stderr=True)
-    proc = daemon.spawn(config)
-    st = {"host": config.host, "port": config.port}
-    deadline = time.monotonic() + timeout
-    try:
+    with _ctrl_c_cancels() as cancelled:
+        proc = daemon.spawn(config)
+        st = {"host": config.host, "port": config.port}
+        deadline = time.monotonic() + timeout
         with console.status(f"starting agentbox on {daemon.url_of(st)} (loading {Path(config.engine.model).name}) …"):
-            while time.monotonic() < deadline:
+            while not cancelled.is_set() and time.monotonic() < deadline:
                 if proc.poll() is not None:
                     if (why := daemon.start_failure()) is None:  # not the engine's own words: show the log's end
                         console.print(daemon.tail(daemon.log_file(), 25), markup=False, highlight=False, soft_wrap=True)
@@ -210,17 +213,13 @@ def _start_background(config: ServerConfig, timeout: float = 600.0) -> None:
                          f"  full log: {daemon.log_file()}")
                 if daemon.health(st, timeout=1.0):
                     break
-                time.sleep(0.5)
+                cancelled.wait(0.5)
             else:
-                fail(f"the server did not become healthy within {timeout:.0f} s; its log: {daemon.log_file()}")
-    except KeyboardInterrupt:
-        # Ctrl-C while it starts: the user changed their mind; a server coming up 15 s later would surprise them.
-        # A second Ctrl-C (people press it again) must not cut the cleanup short and leave half a server.
-        import signal
-
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        daemon.cancel(proc)
-        fail("cancelled: the starting server was stopped", code=130)
+                if not cancelled.is_set():
+                    fail(f"the server did not become healthy within {timeout:.0f} s; its log: {daemon.log_file()}")
+        if cancelled.is_set():
+            daemon.cancel(proc)
+            fail("cancelled: the starting server was stopped", code=130)
     running = daemon.read_state() or {}
     from agentbox.clients.targets import NO_KEY, served_model
 
@@ -231,6 +230,30 @@ def _start_background(config: ServerConfig, timeout: float = 600.0) -> None:
         typer.echo(f"  {served['context_note']}")
     typer.echo(f"  status: {me} status   logs: {me} logs -f   stop: {me} stop")
     _sync_clients(daemon.url_of(st), config.api_key)
+
+
+@contextlib.contextmanager
+def _ctrl_c_cancels() -> Iterator[threading.Event]:
+    """Ctrl-C while a server starts sets the event the start waits on, and later presses are ignored, until the
+    block ends: the start then stops the server it spawned (a server coming up 15 s later would surprise the
+    user). A KeyboardInterrupt there could land anywhere, a second one inside the cleanup (people press it
+    again) and leave half a server. Where SIGINT is ignored already (a background job), it stays so."""
+    import signal
+
+    cancelled = threading.Event()
+
+    def on_ctrl_c(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        cancelled.set()
+
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield cancelled
+    finally:
+        if not cancelled.is_set():  # cancelled: Ctrl-C stays ignored until the process has exited
+            signal.signal(signal.SIGINT, previous)
 
 
 def _sync_clients(url: str, api_key: str | None) -> None:

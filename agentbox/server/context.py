@@ -24,6 +24,7 @@ class ServedContext:
     source: ContextSource
     model_tokens: int  # the model's own positions
     asked: int | None  # --max-model-len
+    pool_flag: str = "--kv-cache-gb"  # what sizes the pool: --num-pages where that was given
 
     def describe(self, device: str) -> str:
         """One line: the context, why it is that, and the flag that raises it where it could be larger."""
@@ -37,7 +38,7 @@ class ServedContext:
                     f"--max-model-len {self.model_tokens} raises it)")
         wanted = self.asked or self.model_tokens
         where = "the free GPU memory" if device.startswith("cuda") else "the RAM given to it"
-        return (f"{text} (cut from {wanted:,} to what the KV pool holds in {where}: --kv-cache-gb raises it, "
+        return (f"{text} (cut from {wanted:,} to what the KV pool holds in {where}: {self.pool_flag} raises it, "
                 "a smaller --max-model-len makes it the limit)")
 
 
@@ -53,4 +54,5 @@ def served_context(engine: EngineConfig, info: EngineReady) -> ServedContext:
         source = ContextSource.CPU_DEFAULT
     else:
         source = ContextSource.KV_POOL
-    return ServedContext(info.max_model_len, source, model, asked)
+    return ServedContext(info.max_model_len, source, model, asked,
+                         "--num-pages" if engine.num_pages is not None else "--kv-cache-gb")

@@ -232,13 +232,14 @@ class ModelRunner:
         else:
             # What the plan counted (config.PLAN_CONTEXT x PLAN_SESSIONS), or the context asked for: RAM is
             # shared with everything else on the machine, so the pool takes what was promised, not a share of
-            # what is free now; what is free now only bounds it.
+            # what is free now. What is free now bounds only a context asked for (the plan's was planned
+            # against the machine's RAM).
             context = min(self.config.max_model_len or PLAN_CONTEXT, self.loaded.max_model_len)
             pages = -(-context * PLAN_SESSIONS // self.page_size) + 1  # page 0 is the pool's null page
             import psutil
 
             room = psutil.virtual_memory().available - HOST_HEADROOM  # the weights are loaded by now
-            if pages * page_bytes > room:
+            if self.config.max_model_len and pages * page_bytes > room:
                 fits = max(0, room // page_bytes - 1) * self.page_size // PLAN_SESSIONS // 1024 * 1024
                 shorter = f"serve a shorter one (--max-model-len {fits}) or " if fits else ""
                 raise ValueError(f"a context of {context:,} tokens needs a KV pool of {pages * page_bytes / 2**30:.2f} GiB; "
