@@ -34,6 +34,11 @@ PLAN_CONTEXT = 32768
 PLAN_SESSIONS = 1
 
 
+# A name every agentbox server's model answers to, whatever it serves: what `agentbox setup` writes into a
+# client's config, so the client keeps working when another model is served (`default` is taken: Claude Code
+# reads a model named "default" as its own default model).
+STABLE_MODEL_ALIAS = "agentbox"
+
 STATE_ENV = "AGENTBOX_HOME"
 DISK_CACHE_SHARE = 0.1  # of the free disk under the state directory, by default
 DISK_CACHE_MAX_GB = 64.0

@@ -1,18 +1,39 @@
-"""Shared test fixtures."""
+"""Shared test fixtures, and the run's isolation from the user's own agentbox."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from agentbox.hub.embedded import INSTALL_HINT, embedded_model_path
 
-# Servers spawned by tests run under a fake HOME (a client's config files must never touch the user's), and the
-# CPU kernels' build cache is ~/.cache/agentbox/kernels: each such server compiled the kernels again, about 45 s
-# of a 65 s start on 2 cores. One cache for the run, the default one, inherited by every subprocess.
-os.environ.setdefault("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache"))
+# Tests never read or write the user's state: agentbox's state directory (server.json, server.log, models and
+# partial downloads, setup records) and the coding clients' config files live, for the whole run and every
+# process it starts, under a fake AGENTBOX_HOME and HOME made here (a test that starts a server still gives it
+# its own). A user's server on port 8000 or a half-pulled model under ~ changes no result
+# (tests/test_isolation.py starts one and leaves one, then runs the tests they once broke).
+# What stays the user's: caches and tool settings a test only reads. The CPU kernels' build cache is
+# ~/.cache/agentbox/kernels: each server a test spawned compiled the kernels again, about 45 s of a 65 s start
+# on 2 cores; pip's and npm's settings name this machine's package indexes.
+_USER_HOME = Path(os.path.expanduser("~"))
+os.environ.setdefault("XDG_CACHE_HOME", str(_USER_HOME / ".cache"))
+os.environ.setdefault("TRITON_CACHE_DIR", str(_USER_HOME / ".triton" / "cache"))
+for _var, _path in (("PIP_CONFIG_FILE", _USER_HOME / ".config" / "pip" / "pip.conf"),
+                    ("NPM_CONFIG_USERCONFIG", _USER_HOME / ".npmrc")):
+    if _path.is_file():
+        os.environ.setdefault(_var, str(_path))
+for _var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME"):  # a client reads its config from these
+    os.environ.pop(_var, None)
+_RUN_DIR = Path(tempfile.mkdtemp(prefix="agentbox-tests-"))
+atexit.register(shutil.rmtree, _RUN_DIR, ignore_errors=True)
+os.environ["HOME"] = str(_RUN_DIR / "home")
+os.environ["AGENTBOX_HOME"] = str(_RUN_DIR / "state")
+(_RUN_DIR / "home").mkdir()
 # `agentbox serve` keeps a disk KV tier by default and writes its cache there at every stop (up to
 # disk_flush_s): dozens of servers a run would each pay it. The disk-tier tests pass --disk-cache-gb.
 os.environ.setdefault("AGENTBOX_DISK_CACHE_GB", "0")

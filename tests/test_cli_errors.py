@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from agentbox.cli.main import app
+from agentbox.config import ServerConfig
 from agentbox.hw.hardware import bundled_names
 
 BUNDLED = ", ".join(bundled_names())
@@ -139,7 +140,7 @@ def test_serve_without_the_embedded_model_names_the_pip_line_of_this_python(
     # item 2: doctor says the same, as an error, not "ok"
     from agentbox.cli.doctor import doctor
 
-    report = doctor(probe=cpu)
+    report = doctor(probe=cpu, server=ServerConfig(port=port))  # not 8000: a user's server may hold it
     assert not report.ok
     (problem,) = [p for p in report.problems if p.severity == "error"]
     assert problem.what.startswith("`agentbox serve` cannot start: no model to serve") and problem.fix == INSTALL_HINT
@@ -153,7 +154,10 @@ def test_doctor_names_what_serve_starts_with(tmp_path: Path, monkeypatch: pytest
     from agentbox.hw.hardware import load_hardware
 
     monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path))
-    report = doctor(probe=load_hardware("cpu"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    report = doctor(probe=load_hardware("cpu"), server=ServerConfig(port=port))  # not 8000: a user's server may hold it
     assert report.ok
     assert any(p.what == "`agentbox serve` starts with SmolLM2-135M-Instruct:embedded (on this machine)"
                for p in report.problems)

@@ -101,16 +101,55 @@ def test_export_clients_and_aider_metadata(home: Path) -> None:
         setup_client("vim", EP)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_endpoint_from_running_server_state(home: Path) -> None:
+    # No server recorded and none on the URL asked (not the default 8000: a user's own server may run there).
     with pytest.raises(ClientError, match="no --model"):
-        resolve_endpoint()
+        resolve_endpoint(f"http://127.0.0.1:{_free_port()}")
     assert resolve_endpoint(model="m").url == "http://127.0.0.1:8000"
     state = Path(os.environ["AGENTBOX_HOME"])
     state.mkdir(exist_ok=True)
-    (state / "server.json").write_text(json.dumps({"host": "0.0.0.0", "port": 9001, "pid": 1, "model": "smol"}))
+    port = _free_port()
+    (state / "server.json").write_text(json.dumps({"host": "0.0.0.0", "port": port, "pid": 1, "model": "smol"}))
     ep = resolve_endpoint()
-    assert (ep.url, ep.model) == ("http://127.0.0.1:9001", "smol")
+    assert (ep.url, ep.model) == (f"http://127.0.0.1:{port}", "smol")
     assert resolve_endpoint("http://h:1/v1/", "m").url == "http://h:1"
+
+
+def test_serve_keeps_what_setup_wrote_in_step_with_the_server(home: Path) -> None:
+    """`agentbox serve` re-applies the remembered setups for its URL (clients/sync.py): the new context lands,
+    backed up, under the stable model name; a client pointed elsewhere since, a server elsewhere, a context a
+    client cannot fit and an undone setup are left alone, each said."""
+    from agentbox.clients.sync import resync
+
+    url = "http://127.0.0.1:8123"
+    first = Endpoint(url=url, model="agentbox", context=65536, served="tiny-64k")
+    for client in ("codex", "opencode", "claude"):
+        setup_client(client, first)
+    codex = home / ".codex" / "config.toml"
+    second = Endpoint(url=url, model="agentbox", context=32768, served="tiny-32k")
+    lines = resync(second)
+    assert [line.split(":")[0] for line in lines] == ["claude", "codex", "opencode"]
+    assert all(" for context 32,768 (backup: " in line for line in lines), lines
+    data = tomllib.loads(codex.read_text())
+    assert (data["model"], data["model_context_window"]) == ("agentbox", 32768) and len(backups(codex)) == 1
+    opencode = json.loads((home / ".config" / "opencode" / "opencode.json").read_text())
+    assert opencode["provider"]["agentbox"]["models"]["agentbox"]["name"] == "tiny-32k (agentbox)"
+    assert resync(second) == []  # nothing changed: nothing written, nothing said
+    assert resync(Endpoint(url="http://127.0.0.1:9", model="agentbox", context=8192)) == []
+    codex.write_text(codex.read_text().replace('model_provider = "agentbox"', 'model_provider = "openai"'))
+    assert resync(first)[1] == f"codex: {codex} points elsewhere now; left as it is"
+    small = resync(Endpoint(url=url, model="agentbox", context=8192))
+    assert small[0].startswith("claude: left as it is: claude's own prompt (system prompt and tools) is about 20,300")
+    setup_client("opencode", first, undo=True)
+    assert not any(line.startswith("opencode") for line in resync(Endpoint(url=url, model="agentbox", context=16384)))
 
 
 def test_toml_writer_round_trip() -> None:

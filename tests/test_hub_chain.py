@@ -3,6 +3,7 @@ default chain that uses it, offline against a fake hub (hub_harness.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -164,9 +165,13 @@ def test_chain_on_cpu_without_downloads_returns_the_embedded_model(
     )
     assert (res.model, res.variant, res.path) == ("SmolLM2-135M-Instruct", "embedded", embedded_model_path())
     assert res.verdict is not None and res.verdict.cached
-    text = "\n".join(res.steps)
-    assert "Qwen3-8B: no variant runs here (does not fit" in text
-    assert "SmolLM2-135M-Instruct:bf16" in text and "CPU-only machine does not pull" in text
+    # One story: only what is here is tried, no list of skipped plans; then the one model for agent work
+    # (none fits a 16 GiB machine at a 32k context; a 32 GiB one gets Qwen3-8B, as `plan` and `doctor` say).
+    assert [s.split(":")[0] for s in res.steps] == ["probe", "plan SmolLM2-135M-Instruct", "verify SmolLM2-135M-Instruct", "  ok (remembered)", "note"]
+    assert "no known model fits this machine" in res.steps[-1] and "skip" not in "\n".join(res.steps)
+    big = dataclasses.replace(probe, host=dataclasses.replace(probe.host, ram_total=32 * 2**30, ram_free=8 * 2**30))
+    res = resolve_default(probe=big, store=VerdictStore(tmp_path / "verdicts.json"), console=Console(file=None, quiet=True))
+    assert res.variant == "embedded" and "agentbox serve --model Qwen3-8B   (q8_0 at a 32,768-token context" in res.steps[-1]
 
 
 def test_chain_offline_uses_the_local_model_and_skips_known_bad(hub: HubState, tmp_path: Path) -> None:

@@ -187,3 +187,38 @@ def test_wheel_arch_compatibility() -> None:
     assert not wheel_runs_on(cu124, 120)  # an RTX 5090 needs a cu128 wheel
     assert wheel_runs_on([*cu124, "compute_90"], 120)  # PTX can be JIT-compiled forward
     assert wheel_runs_on(["sm_90a", "sm_100", "sm_120"], 120)
+
+
+def test_plan_doctor_and_serve_tell_one_story_on_a_cpu_box(home: Path) -> None:
+    """On a CPU machine without downloads: `plan` (no model) plans the model agentbox suggests for agent work and
+    says serve starts with the embedded one; doctor says the same, in GiB; a client refused for its context
+    names the same model; the suggestion does not move with what RAM is free this minute."""
+    import dataclasses
+
+    from rich.console import Console
+
+    from agentbox.cli.doctor import render
+    from agentbox.clients.fit import longer_context_hint
+    from agentbox.hub.chain import suggest_model
+    from agentbox.hub.embedded import embedded_model_path
+
+    if embedded_model_path() is None:
+        pytest.skip("the embedded SmolLM2 is not installed")
+    cpu = Probe.load(HW / "cpu.json")
+    box = dataclasses.replace(cpu, host=dataclasses.replace(cpu.host, ram_total=32 * 2**30, ram_free=6 * 2**30))
+    found = suggest_model(box)
+    assert found is not None and (found.model, found.variant) == ("Qwen3-8B", "q8_0")  # 6 GiB free: still q8_0
+    report = doctor(probe=box, server=ServerConfig(port=_free_port()))
+    says = [(p.what, p.fix) for p in report.problems]
+    assert ("`agentbox serve` starts with SmolLM2-135M-Instruct:embedded (on this machine)", "nothing to do") in says
+    hint = next(fix for what, fix in says if what.startswith("the embedded SmolLM2 (8k context) is for trying"))
+    assert "serve --model Qwen3-8B   (q8_0 at a 32,768-token context takes 19.1 of 32.0 GiB" in hint
+    assert report.plan is not None and report.plan["model"] == "Qwen3-8B"
+    console = Console(record=True, width=200)
+    render(report, console)
+    text = console.export_text()
+    assert "GiB" in text and " GB" not in text
+    # a client refused for its context: the same model (where this machine's own probe plans it too)
+    here_found = suggest_model(probe(try_kernels=False), 29_000)
+    hint = longer_context_hint(29_000)
+    assert (f"--model {here_found.model}" in hint) if here_found else "no known model fits" in hint

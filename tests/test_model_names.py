@@ -1,5 +1,5 @@
-"""The served model answers to the name the CLI prints (`PROFILE:VARIANT`), its file name, its profile name and
-`default`; `/v1/models` lists the main name with the aliases beside it; an unknown name is a 404 naming them."""
+"""The served model answers to the name the CLI prints (`PROFILE:VARIANT`), its file name, its profile name,
+`agentbox` (what setup writes into clients) and `default`; `/v1/models` lists the main name with the aliases beside it; an unknown name is a 404 naming them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import openai
 import pytest
 
 MAIN = "SmolLM2-135M-Instruct.Q4_1"
-ALIASES = ["SmolLM2-135M-Instruct:embedded", "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf", "default"]
+ALIASES = ["SmolLM2-135M-Instruct:embedded", "SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf", "agentbox", "default"]
 
 
 def test_every_name_the_user_meets_is_served(live_server: str) -> None:

@@ -245,6 +245,9 @@ def test_plan_command_json_and_table() -> None:
     assert "does not fit" in table.output and "no variant runs" in table.output
     bad = runner.invoke(app, ["plan", "no-such-model"])
     assert bad.exit_code == 1 and "known models" in bad.output
+    # a typo gets the close matches, as `serve --model` gives them, not every model
+    typo = runner.invoke(app, ["plan", "qwen3-8"])
+    assert typo.exit_code == 1 and "close matches: Qwen3-8B" in typo.output and "gpt-oss-120b" not in typo.output
 
 
 @pytest.mark.parametrize("name", ["2x-rtx5090", "1x-rtx4090", "1x-h100", "cpu"])

@@ -75,6 +75,7 @@ def test_readme_first_command_serves_the_embedded_model_on_a_fresh_copy(tmp_path
         name, url, pid = served.group(1), served.group(2), int(served.group(3))
         assert "SmolLM2-135M-Instruct" in name
         assert "Traceback" not in r.stderr and "[bold]" not in r.stderr
+        assert "!!" not in r.stdout + r.stderr  # setuptools' editable-install warning block (setup.py says why)
         server = psutil.Process(pid)
         procs = [server, *server.children(recursive=True)]
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200

@@ -21,10 +21,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.turn_ending_model import save_turn_ending_qwen3
+from agentbox.bench.tiny_models import save_turn_ending
 
 pytestmark = pytest.mark.slow
-CACHE = Path(os.environ.get("AGENTBOX_TEST_CLIENTS", Path.home() / ".cache" / "agentbox-test-clients"))
+# Under the user's cache (conftest keeps XDG_CACHE_HOME theirs while HOME is a fake one)
+CACHE = Path(os.environ.get("AGENTBOX_TEST_CLIENTS", Path(os.environ["XDG_CACHE_HOME"]) / "agentbox-test-clients"))
 NPM_PINS = {"claude": "@anthropic-ai/claude-code@2.1.332", "codex": "@openai/codex@0.171.0",
             "opencode": "opencode-ai@1.18.33"}
 AIDER_PIN = "aider-chat==0.86.2"
@@ -59,7 +60,7 @@ def aider_bin() -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> Path:  # noqa: ANN001
-    return save_turn_ending_qwen3(tmp_path_factory.mktemp("tiny-qwen3-64k"), smollm2_tokenizer, 65536)
+    return save_turn_ending(tmp_path_factory.mktemp("tiny-qwen3-64k"), smollm2_tokenizer, 65536)
 
 
 @contextmanager
@@ -154,16 +155,48 @@ def test_opencode(server: tuple) -> None:
     assert_turns_ok(server, before, "todowrite", 7_000)
 
 
-def test_opencode_on_an_8k_context_ends_its_turn(tiny_qwen3: Path, tmp_path: Path) -> None:
-    """At the embedded model's 8k context opencode's own 7.7k-token prompt is past the point where it compacts
-    at its usual output limit: it used to compact and resend forever. launch adapts it, and the turn ends."""
+def test_opencode_on_a_12k_context_ends_its_turn(tiny_qwen3: Path, tmp_path: Path) -> None:
+    """At 12k opencode's own 7.7k-token prompt is past the point where it compacts at its usual output limit: it
+    used to compact and resend forever. launch lowers its output limit (compaction stays on), and the turn ends."""
     exe = npm_bin("opencode")
-    with serving(tiny_qwen3, tmp_path, "--num-pages", "1024", "--max-model-len", "8192") as srv:
+    with serving(tiny_qwen3, tmp_path, "--max-model-len", "12288") as srv:
         try:
             r = launch(srv, exe, "opencode", "run", "say hi")
         except subprocess.TimeoutExpired:  # a loop, or a slow start on a busy machine: the count tells
             pytest.fail(f"opencode did not finish; the server saw {counters(srv)['requests']} requests")
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        assert "auto-compaction off" in r.stderr and "Error" not in r.stdout + r.stderr
+        assert "it is told an output limit of" in r.stderr and "Error" not in r.stdout + r.stderr
         # a title request and the turn: no compaction requests, no resends
         assert counters(srv)["requests"] <= 3, counters(srv)
+
+
+def test_codex_follows_the_served_model_without_a_second_setup(tiny_qwen3: Path, tmp_path: Path,
+                                                               smollm2_tokenizer) -> None:  # noqa: ANN001
+    """`agentbox setup codex` once, on one model; `agentbox serve` of another (another context) re-syncs the
+    config it wrote; plain `codex exec`, as a user runs it, then succeeds against the new model."""
+    exe = npm_bin("codex")
+    other = save_turn_ending(tmp_path / "tiny-32k", smollm2_tokenizer, 32768)
+    home = tmp_path / "user"
+    home.mkdir()
+    with serving(tiny_qwen3, home, "--max-model-len", "65536") as srv:
+        env = srv[1]
+        setup = subprocess.run([sys.executable, "-m", "agentbox.cli.main", "setup", "codex"], env=env,
+                               capture_output=True, text=True, timeout=120)
+        assert setup.returncode == 0, setup.stderr
+    again = subprocess.run([sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(other), "--port",
+                            srv[0].rsplit(":", 1)[1]], env=env, capture_output=True, text=True, timeout=600)
+    try:
+        assert again.returncode == 0, again.stderr
+        assert "clients: codex: updated" in again.stdout and "for context 32,768" in again.stdout, again.stdout
+        config = (home / "home" / ".codex" / "config.toml").read_text()
+        assert 'model = "agentbox"' in config and "model_context_window = 32768" in config
+        before = counters(srv)
+        r = subprocess.run([str(exe), "exec", "--skip-git-repo-check", "Say hello."], cwd=home / "work",
+                           env={**env, "PATH": f"{exe.parent}{os.pathsep}{env['PATH']}"}, capture_output=True,
+                           text=True, timeout=600, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        assert "not served here" not in r.stdout + r.stderr and "stream error" not in (r.stdout + r.stderr).lower()
+        assert counters(srv)["requests"] > before["requests"]
+        assert httpx.get(srv[0] + "/health", timeout=10).json()["model"] == "tiny-32k"
+    finally:
+        subprocess.run([sys.executable, "-m", "agentbox.cli.main", "stop"], env=env, capture_output=True, timeout=60)

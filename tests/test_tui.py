@@ -67,6 +67,36 @@ def test_idle_cpu_alarm_only_when_no_request_runs() -> None:
     assert "no GPU" in line(0, 1.0)
 
 
+def test_columns_fit_the_width_most_wanted_first_and_say_where_the_kv_lives() -> None:
+    keys = lambda cols: [c.key for c in cols]  # noqa: E731
+    cpu = panels.session_columns("cpu", None, frozenset())
+    titles = [c.title for c in cpu]
+    assert "KV tok" in titles and "host tok" not in titles and "snapshot" not in titles  # no host tier on CPU
+    assert len(titles) == len(set(titles))  # `--once` had two columns titled "state"
+    gpu = panels.session_columns("cuda:0", None)
+    assert {"GPU tok", "host tok", "snapshot", "spec acc"} <= {c.title for c in gpu}
+    # 80 columns: the cache story (resident, hit, recomputed, TTFT) and the lease; the client gives way
+    narrow = panels.session_columns("cpu", 78, frozenset())
+    assert keys(narrow) == ["id", "turns", "state", "resident_tokens_gpu", "lease_expires_in_s",
+                            "last_turn_hit_rate", "hit_rate", "recomputed_history_tokens", "last_ttft_s"]
+    assert sum(c.width + panels.CELL_PADDING for c in narrow) <= 78
+    wide = panels.session_columns("cpu", 118, frozenset())
+    assert keys(wide) == [c.key for c in panels.SESSION_COLUMNS if c.key not in panels.OPTIONAL]
+    # the state the engine calls waiting_tool: the wait for the client's next turn, a tool's or a person's
+    assert panels.session_columns()[3].cell({"state": "waiting_tool"}).plain == "waiting"
+
+
+def test_the_header_drops_what_is_least_needed_to_stay_one_line() -> None:
+    snap = {"url": "http://127.0.0.1:8000", "stats": {"model": "SmolLM2-135M-Instruct.Q4_1", "server_uptime_s": 7,
+            "engine": {"device": "cpu", "dtype": "float32", "attention_backend": "torch", "tensor_parallel_size": 1}}}
+    full = panels.header(snap).plain
+    assert "attn torch" in full and "cpu/float32" in full
+    at80 = panels.header(snap, width=80).plain
+    assert len(at80) <= 80 and "SmolLM2-135M-Instruct.Q4_1" in at80 and "http://127.0.0.1:8000" in at80
+    assert "attn" not in at80
+    assert panels.header(snap, paused=True, width=40).plain.endswith("PAUSED")
+
+
 # ---- against the live server ----
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from agentbox.bench.tiny_models import TinyKind
 from agentbox.cli.common import fail
 from agentbox.config import CachePolicy, Speculative
 
@@ -111,6 +112,40 @@ def bench_step(
     report = step_report()
     report["torch_decode_step"] = decode_report()
     _print_json(report, json_out)
+@bench_app.command("tiny-model")
+def bench_tiny_model(
+    out: Path = typer.Argument(..., help="directory to save it in (an HF directory `serve --model` takes)"),
+    agent: bool = typer.Option(False, "--agent", help="end every turn at once, so a real client's turn finishes"),
+    kind: TinyKind = typer.Option(TinyKind.DENSE, "--kind", help="without --agent: a Qwen3 (dense) or a Qwen3.5 (hybrid: Gated DeltaNet)"),
+    context: int = typer.Option(131072, "--context", min=16, help="positions the model supports (its context)"),
+) -> None:
+    """Save a tiny random model with SmolLM2's tokenizer.
+
+    For trying clients, servers and benchmarks on a CPU box without downloading weights (a few seconds,
+    a few MiB). --agent: the turn-ending one; try a real client on it (docs/clients.md):
+    agentbox bench tiny-model ~/tiny-agent --agent && agentbox serve --model ~/tiny-agent --max-model-len 65536"""
+    from agentbox.bench.tiny_models import save_tiny, save_turn_ending, smollm2_tokenizer
+
+    if agent and kind is not TinyKind.DENSE:
+        fail("--agent makes a dense model only (a hybrid's recurrent state cannot be wired to end its turn)")
+    if out.exists() and any(out.iterdir()):
+        fail(f"{out} is not empty; pick a new directory")
+    try:
+        tok = smollm2_tokenizer()
+    except RuntimeError as exc:
+        fail(str(exc))
+    out.mkdir(parents=True, exist_ok=True)
+    if agent:
+        save_turn_ending(out, tok, context)
+    else:
+        save_tiny(kind, out, tok, context)
+    what = "turn-ending" if agent else f"random {kind.value}"
+    typer.echo(f"saved a tiny {what} model with {context:,} positions in {out}")
+    from agentbox.invocation import agentbox_cmd
+
+    typer.echo(f"  serve it: {agentbox_cmd()} serve --model {out} --max-model-len {context}")
+
+
 @bench_app.command("warm")
 def bench_warm(
     contexts: list[int] = typer.Option([2048, 8192, 32768, 65536, 131072], "--context", help="conversation lengths in tokens (repeatable)"),

@@ -64,15 +64,32 @@ def show() -> None:
 
 
 @cache_app.command("clear")
-def clear(namespace: str | None = typer.Argument(None, help="a namespace (its first characters); default: all")) -> None:  # noqa: UP007
-    """Remove namespaces from disk.
+def clear(
+    namespace: str | None = typer.Argument(None, help="a namespace (its first characters); default: all"),  # noqa: UP007
+    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask first"),
+) -> None:
+    """Remove namespaces from disk (asks first unless --yes).
 
     A running server recomputes what it then misses."""
+    from agentbox.cli.common import fail
     from agentbox.engine.cache.disk_listing import clear as clear_ns
+    from agentbox.engine.cache.disk_listing import namespaces
 
+    doomed = [ns for ns in namespaces() if namespace is None or ns.key.startswith(namespace)]
+    if not doomed:
+        if namespace is not None:
+            fail(f"no namespace starts with {namespace!r}; `agentbox cache show` lists them")
+        typer.echo("nothing to remove: the disk KV cache is empty")
+        return
+    what = (f"{len(doomed)} namespace(s), {sum(ns.bytes for ns in doomed) / 2**30:.2f} GiB of saved sessions "
+            f"({', '.join(sorted({ns.model for ns in doomed}))})")
+    if not yes:
+        import sys
+
+        if not sys.stdin.isatty():  # a script: nothing to ask, and nothing removed by default
+            fail(f"this removes {what}; pass --yes to do it without a terminal to confirm at")
+        if not typer.confirm(f"remove {what}?", default=False):
+            typer.echo("kept everything")
+            raise typer.Exit(1)
     gone = clear_ns(namespace)
-    if namespace is not None and not gone:
-        from agentbox.cli.common import fail
-
-        fail(f"no namespace starts with {namespace!r}; `agentbox cache show` lists them")
-    typer.echo(f"removed {len(gone)} namespace(s)" + (": " + ", ".join(k[:12] for k in gone) if gone else ""))
+    typer.echo(f"removed {len(gone)} namespace(s): " + ", ".join(k[:12] for k in gone))

@@ -3,9 +3,11 @@ start / stop / status over them. `python -m agentbox.cli.daemon CONFIG_JSON` is 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -124,7 +126,7 @@ def port_in_use(host: str, port: int) -> bool:
 def spawn(config: ServerConfig) -> subprocess.Popen:
     """Starts the server detached from this terminal, its output appended to server.log."""
     log = open(log_file(), "ab")  # noqa: SIM115 - handed to the child
-    log.write(f"\n==== agentbox serve {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n".encode())
+    log.write(f"\n{START_MARK} {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n".encode())
     log.flush()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop(API_KEY_ENV, None)
@@ -134,6 +136,23 @@ def spawn(config: ServerConfig) -> subprocess.Popen:
         [sys.executable, "-m", "agentbox.cli.daemon", config_to_json(config)],
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
     )
+
+
+def cancel(proc: subprocess.Popen, timeout: float = 15.0) -> None:
+    """Stops a server that is still starting (its process and the engine's), and forgets its state."""
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    proc.wait(timeout=5)
+    clear_state(proc.pid)
 
 
 def stop(timeout: float = 30.0) -> dict | None:  # the engine writes its cache to disk first (disk_flush_s)
@@ -156,6 +175,17 @@ def stop(timeout: float = 30.0) -> dict | None:  # the engine writes its cache t
     return st
 
 
+START_MARK = "==== agentbox serve"
+
+
+def start_failure() -> str | None:
+    """Why the engine of the last start failed, in its own words (a ValueError naming the flag to change, an
+    out-of-memory), from server.log; None when the log does not say."""
+    text = log_file().read_text(errors="replace") if log_file().exists() else ""
+    found = re.findall(r"the engine could not start: (.+)$", text[text.rfind(START_MARK):], re.MULTILINE)
+    return found[-1].strip() if found else None
+
+
 def tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -172,7 +202,7 @@ def run_foreground(config: ServerConfig, log: Path | None = None) -> None:
     write_state(config, pid, served_name(config), log)
     # SIGTERM from `agentbox stop` becomes uvicorn's graceful shutdown (it handles SIGINT/SIGTERM itself).
     try:
-        run_server(config)
+        run_server(config, detached=log is not None)
     except KeyboardInterrupt:
         pass  # Ctrl-C: uvicorn has shut down gracefully and re-raised the signal; nothing left to say
     finally:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.config import ServerConfig, state_dir
-from agentbox.hw.probe import Probe
+from agentbox.hw.probe import GIB, Probe
 from agentbox.invocation import pip_cmd
 
 SEVERITIES = ("error", "warning", "info")
@@ -64,8 +64,8 @@ class Report:
 def doctor(
     probe: Probe | None = None, server: ServerConfig | None = None, model: str | None = None
 ) -> Report:
-    from agentbox.hub.chain import default_profiles
-    from agentbox.hub.plan import plan
+    from agentbox.hub.chain import default_profiles, suggest_model
+    from agentbox.hub.plan import SHORT_OF_FREE_RAM, plan
     from agentbox.hub.profiles import ProfileError, find_profile
     from agentbox.hub.pull import list_local, local_path, models_dir
 
@@ -84,7 +84,11 @@ def doctor(
 
     plan_dict: dict[str, Any] | None = None
     try:
-        profile = find_profile(model) if model else next(iter(default_profiles()), None)
+        if model:
+            profile = find_profile(model)
+        else:  # the model agentbox suggests for agent work here: the one plan, serve and the clients name
+            found = suggest_model(probe)
+            profile = find_profile(found.model) if found else next(iter(default_profiles()), None)
     except ProfileError as exc:
         problems.append(Problem("error", str(exc), "agentbox plan lists the known models"))
         profile = None
@@ -93,12 +97,15 @@ def doctor(
         plan_dict = p.to_dict()
         chosen = p.chosen
         if chosen is None:
-            best = p.candidates[0] if p.candidates else None
+            # A variant that fits the machine's RAM and only not what is free now is the one to talk about.
+            short = [c for c in p.candidates if c.reasons and all(r.startswith(SHORT_OF_FREE_RAM) for r in c.reasons)]
+            best = short[0] if short else p.candidates[0] if p.candidates else None
             why = best.reasons[-1] if best and best.reasons else "no variants"
             problems.append(
                 Problem(
-                    "info" if probe.cpu_only else "error",
-                    f"{profile.name} does not run on this machine: {why}",
+                    "warning" if short else "info" if probe.cpu_only else "error",
+                    f"{profile.name} does not run on this machine{' now' if short else ''}: {why}",
+                    "free memory (close what uses it)" if short else
                     "pick a smaller model (`agentbox plan MODEL`), or lower --context / --sessions",
                 )
             )
@@ -118,14 +125,19 @@ def doctor(
 
 def serve_problems(probe: Probe, local: list[dict[str, Any]]) -> list[Problem]:
     """Whether `agentbox serve` (no --model) finds a model to start with, and what it will be."""
-    from agentbox.hub.chain import first_servable, no_model_message
-    from agentbox.hub.embedded import INSTALL_HINT
+    from agentbox.hub.chain import agent_work_hint, first_servable, no_model_message
+    from agentbox.hub.embedded import EMBEDDED_NAME, INSTALL_HINT
+    from agentbox.invocation import agentbox_cmd
 
     first = first_servable(probe)
     if first is None:
         cause, _, fix = no_model_message(probe).partition("\n")
         return [Problem("error", f"`agentbox serve` cannot start: {cause}", fix.strip().removeprefix("fix: "))]
     out = [Problem("info", f"`agentbox serve` starts with {first}", "nothing to do")]
+    if first.startswith(f"{EMBEDDED_NAME}:embedded"):
+        hint = agent_work_hint(probe).removeprefix("note: ")
+        what, _, fix = hint.partition("; for them: ")
+        out.append(Problem("info", what, fix or f"{agentbox_cmd()} plan MODEL shows the arithmetic"))
     if not any(m["variant"] == "embedded" for m in local):
         out.append(Problem("warning", "the embedded fallback model (SmolLM2) is not installed", INSTALL_HINT))
     return out
@@ -270,7 +282,7 @@ def disk_problem(label: str, size: int, target: Path) -> Problem | None:
         return None
     return Problem(
         "error",
-        f"not enough disk for {label}: {size / 1e9:.1f} GB needed, {free / 1e9:.1f} GB free at {target}",
+        f"not enough disk for {label}: {size / GIB:.1f} GiB needed, {free / GIB:.1f} GiB free at {target}",
         "free disk space, or set AGENTBOX_HOME to a larger disk",
     )
 
@@ -353,7 +365,7 @@ def render(report: Report, console: object) -> None:
     pr = report.probe
     h = pr.host
     console.print(
-        f"[bold]host[/]: {h.cpu_model}, {h.cores} cores, RAM {h.ram_free / 1e9:.1f} / {h.ram_total / 1e9:.1f} GB free, {h.os}, Python {h.python}"
+        f"[bold]host[/]: {h.cpu_model}, {h.cores} cores, RAM {h.ram_free / GIB:.1f} / {h.ram_total / GIB:.1f} GiB free, {h.os}, Python {h.python}"
     )
     sw = pr.software
     console.print(
@@ -371,7 +383,7 @@ def render(report: Report, console: object) -> None:
                 str(g.index),
                 g.name,
                 g.arch,
-                f"{g.memory_free / 1e9:.1f} / {g.memory_total / 1e9:.1f} GB",
+                f"{g.memory_free / GIB:.1f} / {g.memory_total / GIB:.1f} GiB",
                 pcie,
                 str(len(g.processes)),
             )
@@ -384,7 +396,7 @@ def render(report: Report, console: object) -> None:
         console.print("[bold]GPUs[/]: none (CPU mode)")
     console.print(f"[bold]local models[/]: {len(report.local_models)}")
     for m in report.local_models:
-        console.print(f"  {m['model']}:{m['variant']}  {m['size'] / 1e9:.2f} GB  {m['path']}")
+        console.print(f"  {m['model']}:{m['variant']}  {m['size'] / GIB:.2f} GiB  {m['path']}")
     if report.plan:
         console.print(f"[bold]plan[/] for {report.plan['model']}: {report.plan['chosen'] or 'nothing fits'}")
     if report.server:

@@ -4,6 +4,9 @@ from config.py."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -13,7 +16,14 @@ from agentbox.cli.cache_cmd import cache_app
 from agentbox.cli.common import DEBUG_ENV, fail, run_cli
 from agentbox.cli.fleet import fleet_app, top_fleet
 from agentbox.cli.workstation import check_app, workstation_app
-from agentbox.config import SERVE_DISK_CACHE_GB, CachePolicy, EngineConfig, ServerConfig, Speculative
+from agentbox.config import (
+    PLAN_CONTEXT,
+    SERVE_DISK_CACHE_GB,
+    CachePolicy,
+    EngineConfig,
+    ServerConfig,
+    Speculative,
+)
 from agentbox.tui import DEFAULT_INTERVAL_S  # a constant; textual loads only when top runs
 
 app = typer.Typer(
@@ -123,10 +133,10 @@ def serve(
     ),
     page_size: int = typer.Option(_E.page_size, help="tokens per KV page"),
     num_pages: int | None = typer.Option(None, help="KV pool size in pages (default: from --kv-cache-gb)"),  # noqa: UP007
-    kv_cache_gb: float | None = typer.Option(None, help="KV pool size in GiB (default: GPU: a share of free memory; CPU: the plan's context x sessions)"),  # noqa: UP007
+    kv_cache_gb: float | None = typer.Option(None, help="KV pool size in GiB (default: GPU: a share of free memory; CPU: what the context needs)"),  # noqa: UP007
     max_num_seqs: int = typer.Option(_E.max_num_seqs, help="cap on running requests"),
     max_num_batched_tokens: int = typer.Option(_E.max_num_batched_tokens, help="tokens per engine step"),
-    max_model_len: int | None = typer.Option(None, help="context length (default: the model's)"),  # noqa: UP007
+    max_model_len: int | None = typer.Option(None, help=f"context length (default: the model's, on CPU at most {PLAN_CONTEXT}; on CPU the KV pool fits it)"),  # noqa: UP007
     cache_policy: CachePolicy = typer.Option(_E.cache_policy, help="what the cache keeps between turns"),
     host_cache_gb: float | None = typer.Option(None, help="host-RAM KV tier size in GiB"),  # noqa: UP007
     disk_cache_gb: float | None = typer.Option(SERVE_DISK_CACHE_GB, envvar="AGENTBOX_DISK_CACHE_GB", help="disk KV tier in GiB (0: off)"),  # noqa: UP007
@@ -172,6 +182,10 @@ def serve(
                           allow_unauthenticated=allow_unauthenticated, max_body_mb=max_body_mb, engine=engine,
                           record_trace=str(Path(record_trace).resolve()) if record_trace else None)
     if foreground:
+        import threading
+
+        # The clients set up for this server follow it once it answers (the server holds this thread).
+        threading.Thread(target=_sync_when_up, args=(config,), daemon=True).start()
         daemon.run_foreground(config)
         return
     _start_background(config)
@@ -183,27 +197,90 @@ def _start_background(config: ServerConfig, timeout: float = 600.0) -> None:
     from rich.console import Console
 
     from agentbox.cli import daemon
-
-    console = Console(stderr=True)
-    proc = daemon.spawn(config)
-    st = {"host": config.host, "port": config.port}
-    deadline = time.monotonic() + timeout
-    with console.status(f"starting agentbox on {daemon.url_of(st)} (loading {Path(config.engine.model).name}) …"):
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                console.print(daemon.tail(daemon.log_file(), 25), markup=False, highlight=False)
-                fail(f"the server exited during start (code {proc.returncode}); full log: {daemon.log_file()}")
-            if daemon.health(st, timeout=1.0):
-                break
-            time.sleep(0.5)
-        else:
-            fail(f"the server did not become healthy within {timeout:.0f} s; its log: {daemon.log_file()}")
-    running = daemon.read_state() or {}
-    typer.echo(f"agentbox is serving {running.get('model', '?')} at {daemon.url_of(st)}/v1 (pid {proc.pid})")
     from agentbox.invocation import agentbox_cmd
 
+    console = Console(stderr=True)
+    with _ctrl_c_cancels() as cancelled:
+        proc = daemon.spawn(config)
+        st = {"host": config.host, "port": config.port}
+        deadline = time.monotonic() + timeout
+        with console.status(f"starting agentbox on {daemon.url_of(st)} (loading {Path(config.engine.model).name}) …"):
+            while not cancelled.is_set() and time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    if (why := daemon.start_failure()) is None:  # not the engine's own words: show the log's end
+                        console.print(daemon.tail(daemon.log_file(), 25), markup=False, highlight=False, soft_wrap=True)
+                    fail(f"the server could not start: {why or f'it exited with code {proc.returncode}'}\n"
+                         f"  full log: {daemon.log_file()}")
+                if daemon.health(st, timeout=1.0):
+                    break
+                cancelled.wait(0.5)
+            else:
+                if not cancelled.is_set():
+                    fail(f"the server did not become healthy within {timeout:.0f} s; its log: {daemon.log_file()}")
+        if cancelled.is_set():
+            daemon.cancel(proc)
+            fail("cancelled: the starting server was stopped", code=130)
+    running = daemon.read_state() or {}
+    from agentbox.clients.targets import NO_KEY, served_model
+
+    served = served_model(daemon.url_of(st), config.api_key or NO_KEY) or {}
     me = agentbox_cmd()
+    typer.echo(f"agentbox is serving {running.get('model', '?')} at {daemon.url_of(st)}/v1 (pid {proc.pid})")
+    if served.get("context_note"):
+        typer.echo(f"  {served['context_note']}")
     typer.echo(f"  status: {me} status   logs: {me} logs -f   stop: {me} stop")
+    _sync_clients(daemon.url_of(st), config.api_key)
+
+
+@contextlib.contextmanager
+def _ctrl_c_cancels() -> Iterator[threading.Event]:
+    """Ctrl-C while a server starts sets the event the start waits on, and later presses are ignored, until the
+    block ends: the start then stops the server it spawned (a server coming up 15 s later would surprise the
+    user). A KeyboardInterrupt there could land anywhere, a second one inside the cleanup (people press it
+    again) and leave half a server. Where SIGINT is ignored already (a background job), it stays so."""
+    import signal
+
+    cancelled = threading.Event()
+
+    def on_ctrl_c(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        cancelled.set()
+
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:
+        signal.signal(signal.SIGINT, on_ctrl_c)
+    try:
+        yield cancelled
+    finally:
+        if not cancelled.is_set():  # cancelled: Ctrl-C stays ignored until the process has exited
+            signal.signal(signal.SIGINT, previous)
+
+
+def _sync_clients(url: str, api_key: str | None) -> None:
+    """What `agentbox setup` wrote for this server, brought in step with what it serves now (clients/sync.py)."""
+    from agentbox.clients import ClientError, resolve_endpoint
+    from agentbox.clients.sync import resync
+
+    try:
+        lines = resync(resolve_endpoint(url, api_key=api_key))
+    except ClientError as exc:
+        lines = [f"the clients set up for it were not updated: {exc}"]
+    for line in lines:
+        typer.echo(f"  clients: {line}")
+
+
+def _sync_when_up(config: ServerConfig, timeout: float = 600.0) -> None:
+    import time
+
+    from agentbox.cli import daemon
+
+    st = {"host": config.host, "port": config.port}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if daemon.health(st, timeout=1.0):
+            _sync_clients(daemon.url_of(st), config.api_key)
+            return
+        time.sleep(1.0)  # a thread beside a starting server, once: not a server loop
 
 
 @app.command()
@@ -297,7 +374,7 @@ def top_cmd(
 ) -> None:
     """Live dashboard of agent sessions, cache and machine.
 
-    Keys: s sort, / filter, enter detail, d close session, p pause, v next panel (narrow terminals), q quit."""
+    Keys: s sort, / filter, enter detail, d close session, p pause, v next panel (small terminals), q or Ctrl-C quit."""
     import json
 
     from agentbox.cli import daemon

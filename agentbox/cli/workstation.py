@@ -8,7 +8,8 @@ import typer
 from agentbox.cli.common import fail
 from agentbox.cli.console import console, output_width
 from agentbox.config import PLAN_SESSIONS
-from agentbox.hw.probe import Probe
+from agentbox.hw.probe import GIB, Probe
+from agentbox.invocation import agentbox_cmd
 
 # Nameless: cli/main.py merges these commands into `agentbox` itself, so they stay `agentbox plan`, not a group.
 workstation_app = typer.Typer()
@@ -30,26 +31,36 @@ def plan_cmd(
     import json
 
     described = _machine(hardware) if hardware else None  # a bad --hardware fails before torch loads
-    from agentbox.hub.chain import default_profiles
+    from agentbox.hub.chain import default_profiles, first_servable, suggest_model
     from agentbox.hub.plan import PlanConfig, plan
     from agentbox.hub.profiles import ProfileError, find_profile
     from agentbox.hub.tables import render_plan
     from agentbox.hw.probe import probe
 
-    try:
-        profiles = [find_profile(model)] if model else default_profiles()
-    except ProfileError as exc:
-        fail(str(exc))
-    if not profiles:
-        fail("no model given and no profile has a default_rank")
     machine = described or probe()
     cfg = PlanConfig(context=context, sessions=sessions)
-    plans = [plan(prof, machine, cfg) for prof in profiles]  # no MODEL: the first default that runs here
-    result = next((p for p in plans if p.chosen is not None), plans[0])
+    try:
+        if model:
+            profile = find_profile(model)
+        else:  # the model agentbox suggests for agent work here: the one serve, doctor and the clients name
+            found = suggest_model(machine, context or 0, PlanConfig(sessions=sessions))
+            profile = find_profile(found.model) if found else next(iter(default_profiles()), None)
+    except ProfileError as exc:
+        fail(str(exc))
+    if profile is None:
+        fail("no model given and no profile has a default_rank")
+    result = plan(profile, machine, cfg)
     if json_out:
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
         console().print(render_plan(result, output_width()))
+        # What `serve` does here when it differs (a CPU box serves what it has, the embedded model): one story.
+        starts = first_servable(machine) if not model and not described else None
+        chosen = f"{profile.name}:{result.chosen.variant.name}" if result.chosen else None
+        if starts is not None and not starts.startswith(f"{chosen} "):
+            this = f"; this plan: {agentbox_cmd()} serve --model {profile.name}" if chosen else ""
+            console().print(f"`agentbox serve` without --model starts with {starts}{this}", markup=False,
+                            highlight=False)
     if result.chosen is None:
         raise typer.Exit(2)
 
@@ -99,23 +110,55 @@ def pull_cmd(
 @workstation_app.command("models")
 def models_cmd(
     known: bool = typer.Option(False, "--known", help="list the models agentbox has profiles for"),
+    rm: str | None = typer.Option(None, "--rm", metavar="NAME", help="delete a local model from disk: MODEL:VARIANT as listed (or MODEL: all its variants), complete or partial"),  # noqa: UP007
     json_out: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
-    """List the models on this machine (--known: every profiled model)."""
+    """List the models on this machine (--known, --rm NAME).
+
+    --known lists every profiled model; --rm NAME deletes a local one, complete or partial."""
     import json
 
     from agentbox.hub.profiles import load_profiles
-    from agentbox.hub.pull import list_local
+    from agentbox.hub.pull import PullError, list_local, remove_local
     from agentbox.hub.tables import render_models, render_profiles
 
     if known:
         console().print(render_profiles(load_profiles()))
+        return
+    if rm is not None:
+        _refuse_removing_the_served(rm)
+        try:
+            removed = remove_local(rm)
+        except PullError as exc:
+            fail(str(exc))
+        for m in removed:
+            typer.echo(f"removed {m.model}:{m.variant} ({m.size / GIB:.2f} GiB, {m.path})")
         return
     local = list_local()
     if json_out:
         typer.echo(json.dumps([{**m.__dict__, "path": str(m.path)} for m in local], indent=2))
         return
     console().print(render_models(local), crop=False)
+
+
+def _refuse_removing_the_served(spec: str) -> None:
+    """The running server's model files stay while it runs: deleting them under it would break its next load."""
+    from pathlib import Path
+
+    from agentbox.cli import daemon
+    from agentbox.hub.pull import list_local
+
+    st = daemon.read_state()
+    if st is None or not st.get("model_path"):
+        return
+    served = Path(st["model_path"]).resolve()
+    name, _, variant = spec.partition(":")
+    for m in list_local():
+        if m.model.lower() == name.lower() and variant.lower() in ("", m.variant.lower()):
+            d = Path(m.path).resolve()
+            if served == d or d in served.parents or served.parent == d.parent and d.is_file():
+                fail(f"{m.model}:{m.variant} is what the running server serves (pid {st['pid']}); "
+                     f"stop it first: {agentbox_cmd()} stop")
 
 
 @workstation_app.command("doctor")

@@ -7,7 +7,7 @@ import shutil
 import sys
 from typing import NoReturn
 
-from agentbox.clients import files
+from agentbox.clients import files, sync
 from agentbox.clients.names import Client, ClientError, parse_client
 from agentbox.clients.targets import Endpoint, config_path, launch_command, plan
 
@@ -21,9 +21,11 @@ def setup_client(name: str, ep: Endpoint, *, dry_run: bool = False, undo: bool =
         if dry_run:
             return [files.describe_undo(path)]
         try:
-            return [files.undo(path)]
+            done = files.undo(path)
         except FileNotFoundError as e:
             raise ClientError(str(e)) from e
+        sync.forget(client)  # `serve` keeps no undone setup in step
+        return [done]
     try:
         p = plan(client, ep, force=force)
     except ValueError as e:  # includes JSON / TOML decode errors of an existing file
@@ -36,6 +38,7 @@ def setup_client(name: str, ep: Endpoint, *, dry_run: bool = False, undo: bool =
         diff = files.unified_diff(p.path, p.old, p.new)
         return [diff.rstrip("\n") if diff else f"{p.path} is already set up", *p.exports]
     changed, saved = files.write_with_backup(p.path, p.new, private=p.secret)
+    sync.remember(client, ep.url)  # `agentbox serve` keeps it in step with what it serves
     if not changed:
         return [f"{p.path} is already set up", *p.exports, *([p.note] if p.note else [])]
     done = f"wrote {p.path} ({f'backup: {saved.name}' if saved else 'new file'}; undo with --undo)"

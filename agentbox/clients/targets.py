@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from agentbox.clients import toml_writer
-from agentbox.clients.fit import Fit, fit
+from agentbox.clients.fit import Fit, fit, forced
 from agentbox.clients.names import AGENTS, Client, ClientError, choices
 from agentbox.clients.routing import routing_headers
-from agentbox.config import ServerConfig, state_dir
+from agentbox.config import STABLE_MODEL_ALIAS, ServerConfig, state_dir
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -30,6 +30,10 @@ KEY_ENV = "AGENTBOX_API_KEY"  # where Codex's provider reads the key (`env_key`)
 OUTPUT_SHARE = 4  # the output limit told to clients leaves at least 3/4 of the context for the prompt
 # opencode's start-up traffic that a local server does not need: the models.dev catalogue (an environment
 # switch only: setup prints it), the update check and session sharing (also keys of the config setup writes).
+# What setup once wrote into opencode.json on a small context (opencode's compaction off, a switch for all of its
+# providers) before clients/fit.py adapted the output limit instead: removed where agentbox's provider entry
+# shows that agentbox set the file up.
+LEGACY_COMPACTION_OFF = {"auto": False}
 OPENCODE_QUIET_ENV = {"OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1",
                       "OPENCODE_DISABLE_SHARE": "1"}
 
@@ -37,11 +41,12 @@ OPENCODE_QUIET_ENV = {"OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AU
 @dataclass(frozen=True)
 class Endpoint:
     url: str  # the server root, e.g. http://127.0.0.1:8000 (no /v1)
-    model: str
+    model: str  # the name clients send: config.STABLE_MODEL_ALIAS where the server answers to it
     api_key: str = NO_KEY
     context: int | None = None  # the served context window (None: no server was asked and no --context)
     max_output: int | None = None  # the output limit told to clients
     has_key: bool = False  # the server requires a key
+    served: str = ""  # the model's own name (what it is, for a client's display); "" when no server was asked
 
     @property
     def openai_url(self) -> str:
@@ -111,13 +116,16 @@ def resolve_endpoint(url: str | None = None, model: str | None = None, api_key: 
     key = api_key or state.get("api_key") or None
     served = served_model(url, key or NO_KEY)
     served = served or {}
-    model = model or served.get("id") or state.get("model")
+    # The stable alias, so the client keeps working when another model is served; the model's own name where
+    # the server does not answer to it (not an agentbox server, or an older one).
+    stable = STABLE_MODEL_ALIAS if STABLE_MODEL_ALIAS in (served.get("aliases") or ()) else None
+    model = model or stable or served.get("id") or state.get("model")
     if not model and require_model:
         raise ClientError("no --model given and no running server to ask; start one (agentbox serve) or pass --model")
     ctx = context or served.get("max_model_len") or state.get("max_model_len")
     out = max_output or served.get("max_output_tokens")
     return Endpoint(url=url, model=str(model or ""), api_key=key or NO_KEY, context=int(ctx) if ctx else None,
-                    max_output=int(out) if out else None, has_key=key is not None)
+                    max_output=int(out) if out else None, has_key=key is not None, served=str(served.get("id") or ""))
 
 
 def home() -> Path:
@@ -135,7 +143,7 @@ def client_fit(client: Client, ep: Endpoint, *, force: bool = False) -> Fit | No
     except ClientError:
         if not force:
             raise
-        return Fit(ctx, out)
+        return forced(client, ctx, out)
 
 
 def claude_env(ep: Endpoint, limits: Fit | None) -> dict[str, str]:
@@ -172,15 +180,15 @@ def codex_provider(ep: Endpoint, with_key: bool, per_launch: bool = False) -> di
 
 
 def codex_settings(limits: Fit) -> dict[str, Any]:
-    """Codex 0.171's config keys, dotted (it has no output-limit key; the server's default budget applies).
-    Compaction 'off' is a limit at the whole context: past it the server refuses the request anyway."""
-    compact_at = limits.context - limits.output if limits.compact else limits.context
-    return {"model_context_window": limits.context, "model_auto_compact_token_limit": compact_at,
+    """Codex 0.171's config keys, dotted (it has no output-limit key; the server's default budget applies, and
+    the compaction point leaves the output limit clients/fit.py chose)."""
+    return {"model_context_window": limits.context, "model_auto_compact_token_limit": limits.context - limits.output,
             "check_for_update_on_startup": False, "analytics.enabled": False}
 
 
 def opencode_model(ep: Endpoint, limits: Fit) -> dict[str, Any]:
-    return {"name": ep.model, "limit": {"context": limits.context, "output": limits.output}}
+    name = f"{ep.served} (agentbox)" if ep.served and ep.served != ep.model else ep.model
+    return {"name": name, "limit": {"context": limits.context, "output": limits.output}}
 
 
 def opencode_key(ep: Endpoint) -> str:
@@ -191,7 +199,7 @@ def opencode_key(ep: Endpoint) -> str:
 def opencode_config(ep: Endpoint, limits: Fit, old: dict[str, Any] | None = None,
                     per_launch: bool = False) -> dict[str, Any]:
     """opencode's config merged into `old`: the provider entry keeps the models it had; no update check and no
-    sharing; auto-compaction off where the client's own prompt leaves it no room (see clients/fit.py)."""
+    sharing. Nothing global beyond that: the limits live on agentbox's model entry."""
     data = dict(old or {})
     data.setdefault("$schema", "https://opencode.ai/config.json")
     providers = data.setdefault("provider", {})
@@ -203,8 +211,8 @@ def opencode_config(ep: Endpoint, limits: Fit, old: dict[str, Any] | None = None
     data["model"] = f"{PROVIDER_ID}/{ep.model}"
     data["autoupdate"] = False
     data["share"] = "disabled"
-    if not limits.compact:
-        data["compaction"] = {**(data.get("compaction") or {}), "auto": False}
+    if entry and data.get("compaction") == LEGACY_COMPACTION_OFF:
+        del data["compaction"]  # an earlier agentbox setup's: it turned compaction off for every provider
     return data
 
 
@@ -322,8 +330,6 @@ def launch_command(client: Client, ep: Endpoint, args: list[str], *,
     if client is Client.OPENCODE:
         config = opencode_config(ep, limits, per_launch=True)
         env = {"OPENCODE_CONFIG_CONTENT": json.dumps(config), KEY_ENV: ep.api_key, **OPENCODE_QUIET_ENV}
-        if not limits.compact:
-            env["OPENCODE_DISABLE_AUTOCOMPACT"] = "1"  # also wins over a user's own opencode.json
         return ["opencode", *args], env, note
     # aider reads model limits only from a file: ours lives in agentbox's state dir, not the user's.
     meta = state_dir() / "aider.model.metadata.json"

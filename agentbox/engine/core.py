@@ -130,6 +130,7 @@ class EngineCore:
             dtype=self.config.resolved_dtype,
             tensor_parallel_size=self.runner.tp,
             weight_bytes_per_rank=list(self.runner.weight_bytes_per_rank),
+            model_max_len=lm.max_model_len,
         )
 
     def has_work(self) -> bool:

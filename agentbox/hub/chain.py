@@ -3,13 +3,15 @@
 Profiles with a `default_rank` are tried in that order (Qwen3-8B first, the embedded SmolLM2 last); within
 one, the planner's accepted variants best first. A variant the canary rejected before (same GPU, driver and
 engine version) is skipped without loading. Offline, only what is already local is tried. A CPU-only
-machine never starts a multi-gigabyte download on its own: it uses what is local, else the embedded model.
+machine never starts a multi-gigabyte download on its own: it tries only what is local (else the embedded
+model), and names the one model agentbox suggests for agent work there (`suggest_model`), the same one
+`plan`, `doctor` and a client's refusal name.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from agentbox.hub.plan import Plan, PlanConfig, describe_machine, plan
 from agentbox.hub.profiles import Profile, load_profiles
 from agentbox.hub.pull import OfflineError, PullError, local_path, pull
 from agentbox.hub.verify import Runner, Verdict, VerdictStore, engine_runner, verify
-from agentbox.hw.probe import Probe
+from agentbox.hw.probe import GIB, Probe
 from agentbox.invocation import agentbox_cmd
 
 
@@ -75,27 +77,28 @@ def resolve_default(
     if offline is None:
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     say(f"probe: {describe_machine(probe)}")
+    # A CPU-only machine never pulls on its own: only what is here is tried, and what is not is left unsaid
+    # (the suggestion at the end names the one model to pull instead of a list of skipped plans).
+    local_only = probe.cpu_only and not named
     for profile in profiles if profiles is not None else default_profiles():
         p = plan(profile, probe, config)
         if p.chosen is None:
-            first = p.candidates[0].reasons[0] if p.candidates else "no variants"
-            say(f"plan {profile.name}: no variant runs here ({first})")
+            if not local_only:
+                first = p.candidates[0].reasons[0] if p.candidates else "no variants"
+                say(f"plan {profile.name}: no variant runs here ({first})")
             continue
         for cand in p.accepted:
             v = cand.variant
             label = f"{profile.name}:{v.name}"
-            say(f"plan {label} tp={cand.tp}: {cand.arithmetic}")
             path = local_path(profile, v)
+            if path is None and local_only:
+                continue
+            say(f"plan {label} tp={cand.tp}: {cand.arithmetic}")
             if path is None:
-                if probe.cpu_only and not named:
-                    say(
-                        f"  skip: not downloaded, and a CPU-only machine does not pull on its own (agentbox pull {label})"
-                    )
-                    continue
                 if offline:
                     say("  skip: not downloaded and offline")
                     continue
-                say(f"pull {label} ({v.size / 1e9:.1f} GB)")
+                say(f"pull {label} ({v.size / GIB:.1f} GiB)")
                 try:
                     path = pull(profile, v, console=console)
                 except OfflineError as exc:
@@ -120,6 +123,8 @@ def resolve_default(
                 continue
             if verdict is not None:
                 say(f"  ok{' (remembered)' if verdict.cached else ''}")
+            if v.source == "embedded" and (hint := agent_work_hint(probe, config)):
+                say(hint)
             return Resolved(path, profile.name, v.name, cand.tp, p, verdict, steps)
     if named and profiles:
         names = ", ".join(p.name for p in profiles)
@@ -142,8 +147,55 @@ def first_servable(probe: Probe, config: PlanConfig | None = None, offline: bool
             if local_path(profile, cand.variant) is not None:
                 return f"{label} (on this machine)"
             if not probe.cpu_only and not offline and cand.variant.source != "embedded":
-                return f"{label} (pulled on first serve, {cand.variant.size / 1e9:.1f} GB)"
+                return f"{label} (pulled on first serve, {cand.variant.size / GIB:.1f} GiB)"
     return None
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """The model agentbox suggests for agent work on a machine, as its plan there has it."""
+
+    model: str
+    variant: str
+    context: int  # planned context per session
+    need: int  # bytes per device it takes, by the plan
+    available: int  # bytes per device it is planned against
+    local: bool  # already downloaded
+
+    def describe(self) -> str:
+        how = "on this machine" if self.local else "pulled on first serve"
+        return (f"{agentbox_cmd()} serve --model {self.model}   ({self.variant} at a {self.context:,}-token context "
+                f"takes {self.need / GIB:.1f} of {self.available / GIB:.1f} GiB; {how})")
+
+
+def suggest_model(probe: Probe, min_context: int = 0, config: PlanConfig | None = None) -> Suggestion | None:
+    """The one model agentbox suggests for agent work on this machine: the first ranked default profile with a
+    variant planned to run here at an agent's context (config.PLAN_CONTEXT, or `min_context` when larger),
+    never the embedded model (8k tokens: too small for any agent's own prompt). `serve` on a CPU box, `plan`,
+    `doctor` and a client refused for its context all name this one. None: no known model fits."""
+    base = config or PlanConfig()
+    want = max(min_context, base.default_context)
+    # The machine at rest: a suggestion that moved with the page cache would tell two stories a minute apart.
+    rested = replace(probe, host=replace(probe.host, ram_free=probe.host.ram_total))
+    for profile in default_profiles():
+        if profile.context_length < want:
+            continue
+        p = plan(profile, rested, replace(base, context=want))
+        cand = next((c for c in p.accepted if c.variant.source != "embedded"), None)
+        if cand is not None:
+            return Suggestion(profile.name, cand.variant.name, p.context, cand.need_per_device,
+                              cand.available_bytes, local_path(profile, cand.variant) is not None)
+    return None
+
+
+def agent_work_hint(probe: Probe, config: PlanConfig | None = None) -> str:
+    """What `serve` says after starting the embedded model: it is for trying things, and what to serve instead."""
+    found = suggest_model(probe, config=config)
+    if found is None:
+        return ("note: the embedded SmolLM2 (8k context) is for trying agentbox, too small for coding agents; no "
+                f"known model fits this machine for them ({agentbox_cmd()} plan MODEL shows the arithmetic)")
+    return ("note: the embedded SmolLM2 (8k context) is for trying agentbox, too small for coding agents; for "
+            f"them: {found.describe()}")
 
 
 def no_model_message(probe: Probe) -> str:

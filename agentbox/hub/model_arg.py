@@ -6,7 +6,6 @@ thing tried and the profiles whose names come close.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import re
@@ -15,7 +14,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from agentbox.hub.profiles import Profile, ProfileError, find_profile, load_profiles
+from agentbox.hub.profiles import Profile, ProfileError, find_profile, load_profiles, names_hint
 from agentbox.hub.pull import MARKER, PullError, is_network_error, models_dir, pull
 from agentbox.invocation import agentbox_cmd
 
@@ -81,15 +80,8 @@ def _from_profile(profile: Profile, variant: str | None, console: Console, chain
 
 
 def not_found_message(arg: str) -> str:
-    names = [p.name for p in load_profiles()]
-    lower = {n.lower(): n for n in names}
-    close = [lower[m] for m in difflib.get_close_matches(arg.lower(), list(lower), n=3, cutoff=0.5)]
-    close += [n for n in names if arg.lower() in n.lower() and n not in close]
-    hint = f"close matches: {', '.join(close[:4])}" if close else f"known models: {', '.join(names)}"
-    return (
-        f"--model {arg}: not a file or directory, not a known model, not a hub repo id (owner/name)\n"
-        f"  {hint}   (all of them: {agentbox_cmd()} models --known)"
-    )
+    return (f"--model {arg}: not a file or directory, not a known model, not a hub repo id (owner/name)\n"
+            f"  {names_hint(arg, load_profiles())}")
 
 
 def pull_repo(spec: str, console: Console) -> Path:

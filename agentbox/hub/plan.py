@@ -125,10 +125,11 @@ class Candidate:
         # CPU plans against the machine's RAM (stable); a GPU's is its free memory
         where = "free per GPU" if self.device == "cuda" else "of RAM"
         op = "<=" if self.fits else ">"
+        split = f"/{self.tp}" if self.tp > 1 else ""  # weights and KV shared by the tp ranks (row: "tp N")
         kv = (f"{_num(self.kv_bytes)} KV (every rank keeps the whole latent cache)" if self.kv_replicated
-              else f"{_num(self.kv_bytes)}/{self.tp} KV")
+              else f"{_num(self.kv_bytes)}{split} KV")
         return (
-            f"{_num(self.weights_bytes)}/{self.tp} weights + {kv} + "
+            f"{_num(self.weights_bytes)}{split} weights + {kv} + "
             f"{_num(self.reserve_bytes)} reserve = {_gb(self.need_per_device)} {op} {_gb(self.available_bytes)} {where}"
         )
 

@@ -152,8 +152,22 @@ def find_profile(model: str) -> Profile:
     for prof in profiles:
         if prof.name.lower() == short:
             return prof
-    names = ", ".join(p.name for p in profiles)
-    raise ProfileError(f"no profile for {model!r}; known models: {names}")
+    raise ProfileError(f"no profile for {model!r}; {names_hint(model, profiles)}")
+
+
+def names_hint(wanted: str, profiles: list[Profile]) -> str:
+    """The profile names close to a mistyped one (`serve --model`, `plan`, `pull` say the same), else them all."""
+    import difflib
+
+    from agentbox.invocation import agentbox_cmd
+
+    names = [p.name for p in profiles]
+    lower = {n.lower(): n for n in names}
+    close = [lower[m] for m in difflib.get_close_matches(wanted.lower(), list(lower), n=3, cutoff=0.5)]
+    close += [n for n in names if wanted.lower() in n.lower() and n not in close]
+    if not close:
+        return f"known models: {', '.join(names)}"
+    return f"close matches: {', '.join(close[:4])}   (all of them: {agentbox_cmd()} models --known)"
 
 
 def load_profile_file(path: Path) -> Profile:

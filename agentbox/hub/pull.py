@@ -30,8 +30,10 @@ from rich.progress import (
 )
 
 from agentbox.config import state_dir
-from agentbox.hub.embedded import INSTALL_HINT, embedded_model_path
+from agentbox.hub.embedded import EMBEDDED_PACKAGE, INSTALL_HINT, embedded_model_path
 from agentbox.hub.profiles import Profile, Variant, find_profile
+from agentbox.hw.probe import GIB
+from agentbox.invocation import pip_cmd
 
 MARKER = ".agentbox.json"
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -126,20 +128,22 @@ def pull(
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
     token = token or os.environ.get("HF_TOKEN") or None
     dest = variant_dir(profile, variant)
-    dest.mkdir(parents=True, exist_ok=True)
-
+    # The hub is asked before the directory exists: an offline or refused pull leaves nothing behind (an empty
+    # directory was listed as a "partial" model forever).
     remote = [_metadata(endpoint, variant.repo, revision, name, token) for name in variant.files]
+    dest.mkdir(parents=True, exist_ok=True)
     have = {f.name: _bytes_present(dest, f) for f in remote}
     needed = sum(f.size - have[f.name] for f in remote)
     free = shutil.disk_usage(dest).free
     if needed + keep_free > free:
+        _drop_if_empty(dest)
         raise DiskSpaceError(
-            f"{profile.name}:{variant.name} needs {needed / 1e9:.2f} GB more (+{keep_free / 1e9:.1f} GB kept free) "
-            f"but {dest} has {free / 1e9:.2f} GB free; free some space or set AGENTBOX_HOME to a larger disk"
+            f"{profile.name}:{variant.name} needs {needed / GIB:.2f} GiB more (+{keep_free / GIB:.1f} GiB kept free) "
+            f"but {dest} has {free / GIB:.2f} GiB free; free some space or set AGENTBOX_HOME to a larger disk"
         )
     console.print(
         f"pulling {profile.name}:{variant.name} from {variant.repo} — {len(remote)} files, "
-        f"{sum(f.size for f in remote) / 1e9:.2f} GB ({needed / 1e9:.2f} GB to fetch) into {dest}"
+        f"{sum(f.size for f in remote) / GIB:.2f} GiB ({needed / GIB:.2f} GiB to fetch) into {dest}"
     )
     headers = _auth_headers(token)
     columns = (
@@ -298,6 +302,34 @@ def _write_marker(
         "files": {f.name: {"size": f.size, "etag": f.etag} for f in remote},
     }
     (dest / MARKER).write_text(json.dumps(info, indent=2))
+
+
+def _drop_if_empty(dest: Path) -> None:
+    """A variant directory with no byte in it, and its model directory if that is left empty too."""
+    for d in (dest, dest.parent):
+        if d.is_dir() and not any(d.iterdir()):
+            d.rmdir()
+
+
+def remove_local(spec: str) -> list[LocalModel]:
+    """`agentbox models --rm SPEC`: every local model `MODEL:VARIANT` (or all variants of `MODEL`, or an
+    `owner/name` pulled by repo id) names, complete or partial, deleted from disk. Returns what was removed;
+    PullError when nothing matches or the spec names the embedded model (a Python package, not a download)."""
+    name, _, variant = spec.partition(":")
+    local = list_local()
+    hits = [m for m in local if (m.model.lower() == name.lower() and variant.lower() in ("", m.variant.lower()))
+            or f"{m.model}/{m.variant}".lower() == spec.lower()]
+    if any(m.embedded for m in hits):
+        raise PullError(f"{spec} is the embedded model: it ships in the Python package {EMBEDDED_PACKAGE}, "
+                        f"removed with: {pip_cmd()} uninstall {EMBEDDED_PACKAGE}")
+    if not hits:
+        listed = ", ".join(f"{m.model}:{m.variant}" for m in local if not m.embedded) or "none"
+        raise PullError(f"no local model {spec!r}; on this machine: {listed} (agentbox models)")
+    for m in hits:
+        d = models_dir() / m.model / m.variant
+        shutil.rmtree(d)
+        _drop_if_empty(d)  # and its model's directory, when that was its last variant
+    return hits
 
 
 def list_local() -> list[LocalModel]:

@@ -114,9 +114,12 @@ def render_models(models: list[LocalModel]) -> Group:
         lines.append(Text("none yet: agentbox pull MODEL (see agentbox models --known)"))
     for m in models:
         state = "embedded" if m.embedded else ("complete" if m.complete else "partial")
-        lines.append(Text.assemble(f"{m.model}:{m.variant}", "  ", f"{m.size / GIB:.2f} GiB", "  ",
+        spec = f"{m.model}:{m.variant}"
+        lines.append(Text.assemble(spec, "  ", f"{m.size / GIB:.2f} GiB", "  ",
                                    (state, "" if m.complete or m.embedded else "yellow")))
         lines.append(Text(f"  {m.path}", style="dim"))
+        if not m.complete:  # an interrupted pull: it continues where it stopped, or goes
+            lines.append(Text(f"  resume: agentbox pull {spec}   remove: agentbox models --rm {spec}", style="yellow"))
     for line in lines:
         line.no_wrap, line.overflow = True, "ignore"  # the terminal wraps a long path; rich must not cut it
     return Group(*lines)

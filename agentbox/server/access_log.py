@@ -44,6 +44,24 @@ def install_polling_filter() -> None:
         access.addFilter(PollingAccessFilter())
 
 
+class DetachedHintFilter(logging.Filter):
+    """On uvicorn's error logger of a background server: its start line's "(Press CTRL+C to quit)" is wrong
+    there (no terminal; `agentbox stop` stops it)."""
+
+    HINT = " (Press CTRL+C to quit)"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and self.HINT in record.msg:
+            record.msg = record.msg.replace(self.HINT, "")
+            if hasattr(record, "color_message"):  # the same line, colored, for a terminal
+                record.color_message = record.msg
+        return True
+
+
+def install_detached_filter() -> None:
+    logging.getLogger("uvicorn.error").addFilter(DetachedHintFilter())
+
+
 def error_reason(body: bytes) -> str:
     """The message of an OpenAI- or Anthropic-shaped error body ({"error": {"message": ...}}), else the
     body's text (FastAPI's {"detail": ...} included)."""

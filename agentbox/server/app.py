@@ -26,8 +26,9 @@ from agentbox.config import ServerConfig
 from agentbox.engine.ipc.client import EngineClient, EngineDead, QueryError
 from agentbox.engine.stats import to_json
 from agentbox.server import anthropic_routes, openai_routes, openapi, responses_routes, sessions_routes
-from agentbox.server.access_log import ErrorReasonMiddleware, install_polling_filter
+from agentbox.server.access_log import ErrorReasonMiddleware, install_detached_filter, install_polling_filter
 from agentbox.server.backend_header import BackendHeaderMiddleware
+from agentbox.server.context import served_context
 from agentbox.server.disconnect import ClientGone, client_gone_handler
 from agentbox.server.errors import (
     RETRY_AFTER_S,
@@ -113,8 +114,11 @@ def create_app(config: ServerConfig) -> FastAPI:
 
             app.state.agentbox.recorder = TraceRecorder(config.record_trace)
             log.info("recording traffic as a replayable trace to %s", config.record_trace)
-        log.info("serving %s on http://%s:%d (engine pid %s); it also answers to %s", served_name(config),
-                 config.host, config.port, engine.pid, ", ".join(app.state.agentbox.names[1:]))
+        context = served_context(config.engine, info)
+        app.state.agentbox.context_note = context.describe(info.device)
+        log.info("serving %s on http://%s:%d (engine pid %s), %s; it also answers to %s", served_name(config),
+                 config.host, config.port, engine.pid, app.state.agentbox.context_note,
+                 ", ".join(app.state.agentbox.names[1:]))
         collector.after_startup()  # collections run when the server is idle (agentbox/collector.py)
         try:
             yield
@@ -185,7 +189,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     def model_entry(state: ServerState) -> dict:
         return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "agentbox",
                 "max_model_len": state.info.max_model_len, "max_output_tokens": state.default_max_tokens,
-                "aliases": list(state.names[1:])}
+                "context_note": state.context_note, "aliases": list(state.names[1:])}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -222,9 +226,10 @@ def exposure_warning(config: ServerConfig) -> str | None:
             f"--host {config.host}")
 
 
-def run_server(config: ServerConfig) -> None:
+def run_server(config: ServerConfig, detached: bool = False) -> None:
     """Serves until SIGTERM / SIGINT. Exits 1 when the engine's restart budget ran out (so a supervisor
-    such as systemd restarts the server), 3 when the server could not start."""
+    such as systemd restarts the server), 3 when the server could not start. `detached`: in the background
+    (`agentbox serve`), with no terminal to press Ctrl-C in."""
     import uvicorn
 
     # INFO on the root logger: the engine process takes its level from here, so its lines (KV pool,
@@ -244,6 +249,8 @@ def run_server(config: ServerConfig) -> None:
 
     server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="info",
                                    timeout_graceful_shutdown=5))
+    if detached:  # after uvicorn.Config, which configures uvicorn's loggers
+        install_detached_filter()
     app.state.on_engine_give_up = lambda: setattr(server, "should_exit", True)
     server.run()
     state: ServerState | None = getattr(app.state, "agentbox", None)

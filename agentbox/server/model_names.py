@@ -1,13 +1,14 @@
 """The names the served model answers to: the main one (`--served-model-name`, else from the path) that
 responses and `/v1/models` carry, and aliases a user meets elsewhere — the `PROFILE:VARIANT` the CLI prints
-(the serve chain, `agentbox models`), the profile name, the file name, and `default`."""
+(the serve chain, `agentbox models`), the profile name, the file name, `agentbox` (what `agentbox setup` writes
+into clients: config.STABLE_MODEL_ALIAS) and `default`."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from agentbox.config import ServerConfig
+from agentbox.config import STABLE_MODEL_ALIAS, ServerConfig
 
 log = logging.getLogger("agentbox.server")
 DEFAULT_ALIAS = "default"
@@ -41,7 +42,7 @@ def _profile_names(model: Path) -> list[str]:
 def model_names(config: ServerConfig, engine_name: str) -> tuple[str, ...]:
     """Every name the model answers to, the main one first, without repeats."""
     path = Path(config.engine.model)
-    names = [served_name(config), *_profile_names(path), path.name, engine_name, DEFAULT_ALIAS]
+    names = [served_name(config), *_profile_names(path), path.name, engine_name, STABLE_MODEL_ALIAS, DEFAULT_ALIAS]
     if path.suffix == ".gguf":
         names.insert(len(names) - 2, path.stem)
     return tuple(dict.fromkeys(n for n in names if n))

@@ -47,6 +47,7 @@ class ServerState:
     tool_parser: str | None = None  # the profile's call syntax; None: read from the template
     default_max_tokens: int = 4096  # the profile's output budget for requests that send no max_tokens
     names: tuple[str, ...] = ()  # every name the model answers to, model_name first (server/model_names.py)
+    context_note: str = ""  # the served context and why it is that (server/context.py)
     _cpu: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
     _max_token_chars: int | None = None
 

@@ -69,38 +69,51 @@ class DetailScreen(ModalScreen[None]):
             else:
                 app: Any = self.app  # TopApp: the device names a column, the width picks the columns
                 yield Static(panels.sessions_table([self.detail], device=panels.engine_device(app.snap or {}),
-                                                   narrow=app.narrow), id="detail-summary")
+                                                   width=int(app.size.width * 0.9) - 4,
+                                                   optional=panels.optional_columns(app.snap or {})),
+                             id="detail-summary")
                 yield Static(panels.turns_table(self.detail), id="detail")
             yield Static(Text("escape: back", style="dim"))
 
 
+# Layouts by terminal size. From SIDE_WIDTH columns the panels stand right of the table (RIGHT_WIDTH wide) and
+# the table keeps about 100 columns, every usual one; below it the table takes the whole width and the panels
+# stack under it: all three from TALL_HEIGHT rows (120x40 shows every column above them), else one at a time
+# (80x24: v shows the next). The table's columns are what fits its width (panels.session_columns).
+SIDE_WIDTH = 160
+RIGHT_WIDTH = 58
+TALL_HEIGHT = 40
+TABLE_FRAME = 2  # the table's scrollbar
+
+
 class TopApp(App[None]):
     TITLE = "agentbox top"
-    CSS = """
-    Screen { layout: vertical; }
-    #header { height: auto; background: $boost; }
-    #down { height: auto; padding: 1 2; display: none; }
-    #main { height: 1fr; }
-    #left { width: 1fr; }
-    #sessions { height: 1fr; }
-    #filter { display: none; }
-    #right { width: 58; }
-    .panel { height: auto; border: round $primary; padding: 0 1; }
-    /* Narrow terminals (80x24): the table takes the full width and one panel shows under it (v: next). */
-    Screen.narrow #main { layout: vertical; }
-    Screen.narrow #left { width: 1fr; height: 1fr; }
-    Screen.narrow #right { width: 1fr; height: auto; }
-    Screen.narrow #right > .panel { display: none; }
-    Screen.narrow #right > .panel.shown { display: block; }
+    ENABLE_COMMAND_PALETTE = False  # its footer entry pushed "q quit" off an 80-column footer
+    CSS = f"""
+    Screen {{ layout: vertical; }}
+    #header {{ height: 1; background: $boost; }}
+    #down {{ height: auto; padding: 1 2; display: none; }}
+    #main {{ height: 1fr; }}
+    #left {{ width: 1fr; }}
+    #sessions {{ height: 1fr; }}
+    #filter {{ display: none; }}
+    #right {{ width: {RIGHT_WIDTH}; }}
+    .panel {{ height: auto; border: round $primary; padding: 0 1; }}
+    Screen.stacked #main {{ layout: vertical; }}
+    Screen.stacked #left {{ width: 1fr; height: 1fr; }}
+    Screen.stacked #right {{ width: 1fr; height: auto; }}
+    Screen.cycle #right > .panel {{ display: none; }}
+    Screen.cycle #right > .panel.shown {{ display: block; }}
     """
     PANELS = (("pool", "KV pool"), ("rates", "rates"), ("machine", "machine"))
     BINDINGS = [
+        Binding("q", "quit", "quit"),
+        Binding("ctrl+c", "quit", "quit", show=False, priority=True),  # as in top(1), not Textual's ctrl+q hint
         Binding("s", "sort", "sort"),
         Binding("slash", "filter", "filter"),
-        Binding("d", "close_session", "close session"),
+        Binding("d", "close_session", "close"),
         Binding("p", "pause", "pause"),
-        Binding("v", "next_panel", "next panel"),
-        Binding("q", "quit", "quit"),
+        Binding("v", "next_panel", "panel"),
     ]
 
     def __init__(self, url: str, interval: float = DEFAULT_INTERVAL_S, api_key: str | None = None) -> None:
@@ -114,10 +127,11 @@ class TopApp(App[None]):
         self.filter_text = ""
         self.polls = 0  # completed polls, for tests and the screenshot script to wait on
         self._polling = False
-        self.narrow = False
-        self.panel_index = 0  # the panel shown under the table when narrow
+        self.stacked = False  # the panels under the table (below SIDE_WIDTH)
+        self.cycling = False  # one panel at a time under it (stacked and below TALL_HEIGHT)
+        self.panel_index = 0  # the panel shown when cycling
         self.columns = panels.session_columns()
-        self._columns_for: tuple[Any, bool] | None = None  # (device, narrow) the table's columns were built for
+        self._columns_for: tuple[Any, ...] | None = None  # (device, width, optional) the columns were built for
 
     # ---- layout ----
 
@@ -136,9 +150,9 @@ class TopApp(App[None]):
 
     def on_mount(self) -> None:
         self._fit_layout()
-        self._build_columns(None)
+        self._build_columns()
         self.query_one("#sessions", DataTable).focus()
-        self.query_one("#header", Static).update(panels.header({"url": self.url}))
+        self.query_one("#header", Static).update(panels.header({"url": self.url}, width=self.size.width))
         self.set_interval(self.interval, self.poll)
         self.poll()
 
@@ -147,22 +161,32 @@ class TopApp(App[None]):
         self.refresh_view()
 
     def _fit_layout(self) -> None:
-        narrow = self.size.width < panels.NARROW_WIDTH
-        if narrow != self.narrow:
-            self.narrow = narrow
-            self.screen.set_class(narrow, "narrow")
+        stacked = self.size.width < SIDE_WIDTH
+        cycling = stacked and self.size.height < TALL_HEIGHT
+        if (stacked, cycling) != (self.stacked, self.cycling):
+            self.stacked, self.cycling = stacked, cycling
+            self.screen.set_class(stacked, "stacked")
+            self.screen.set_class(cycling, "cycle")
             self.refresh_bindings()
         for i, (pid, name) in enumerate(self.PANELS):
             panel = self.query_one(f"#{pid}", Static)
             panel.set_class(i == self.panel_index, "shown")
-            panel.border_title = f"{name} ({i + 1}/{len(self.PANELS)}, v: next)" if narrow else None
+            panel.border_title = f"{name} ({i + 1}/{len(self.PANELS)}, v: next)" if cycling else None
 
-    def _build_columns(self, device: Any) -> None:
-        """(Re)build the table's columns when the device becomes known or the width class changes."""
-        if self._columns_for == (device, self.narrow):
+    def table_width(self) -> int:
+        """Columns the session table's cells have."""
+        return self.size.width - (0 if self.stacked else RIGHT_WIDTH) - TABLE_FRAME
+
+    def _build_columns(self, snap: dict[str, Any] | None = None) -> None:
+        """(Re)build the table's columns when the device becomes known, the width changes or the server turns
+        out to have an optional column's figures."""
+        device = panels.engine_device(snap) if snap else None
+        optional = panels.optional_columns(snap) if snap else frozenset()
+        key = (device, self.table_width(), optional)
+        if self._columns_for == key:
             return
-        self._columns_for = (device, self.narrow)
-        self.columns = panels.session_columns(device, self.narrow)
+        self._columns_for = key
+        self.columns = panels.session_columns(device, self.table_width(), optional)
         self.sort_index = min(self.sort_index, len(self.columns) - 1)
         table = self.query_one("#sessions", DataTable)
         table.clear(columns=True)
@@ -170,7 +194,7 @@ class TopApp(App[None]):
             table.add_column(c.title, key=c.key)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        return self.narrow if action == "next_panel" else True  # v only where panels take turns
+        return self.cycling if action == "next_panel" else True  # v only where panels take turns
 
     # ---- polling ----
 
@@ -200,7 +224,7 @@ class TopApp(App[None]):
         snap = self.snap
         if snap is None:
             return
-        self.query_one("#header", Static).update(panels.header(snap, self.paused))
+        self.query_one("#header", Static).update(panels.header(snap, self.paused, self.size.width))
         down = self.query_one("#down", Static)
         main = self.query_one("#main")
         if not snap.get("up"):
@@ -208,7 +232,7 @@ class TopApp(App[None]):
             down.display, main.display = True, False
             return
         down.display, main.display = False, True
-        self._build_columns(panels.engine_device(snap))
+        self._build_columns(snap)
         self._fill_table(snap.get("sessions"))
         self.query_one("#pool", Static).update(panels.pool_panel(snap, width=min(52, max(20, self.size.width - 8))))
         self.query_one("#rates", Static).update(panels.rates_panel(snap, self.poller.rates.history))

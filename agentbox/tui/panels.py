@@ -61,7 +61,7 @@ def fmt_bytes(v: Any) -> str:
 
 # ---- the session table ----
 
-_STATE_STYLE = {"generating": "bold green", "waiting_tool": "yellow", "idle": "dim", "on disk": "cyan"}
+_STATE_STYLE = {"generating": "bold green", "waiting": "yellow", "idle": "dim", "on disk": "cyan"}
 _LEASE_STYLE = {"live": "green", "expired": "red", "none": "dim"}
 
 
@@ -71,6 +71,7 @@ class Column:
     title: str
     value: Callable[[Mapping[str, Any]], Any]  # what it sorts by
     cell: Callable[[Mapping[str, Any]], Text | str]  # what it shows
+    width: int  # columns its widest usual cell takes (title included): what fitting it to a terminal counts
 
 
 def _lease(s: Mapping[str, Any]) -> Text:
@@ -84,7 +85,10 @@ def _state(s: Mapping[str, Any]) -> Text:
     state = s.get("state") or DASH
     if state == "idle" and (_n(s.get("on_disk_tokens")) or 0) > 0:
         state = "on disk"  # saved at the last stop, read back when it returns
-    return Text(state.replace("waiting_tool", "tool wait"), style=_STATE_STYLE.get(state, ""))
+    # The engine's `waiting_tool`: between turns with a live lease. A tool's result or a person's next message
+    # is the same wait to the cache (a plain chat showed as "tool wait").
+    state = "waiting" if state == "waiting_tool" else state
+    return Text(state, style=_STATE_STYLE.get(state, ""))
 
 
 def _hit(key: str) -> Callable[[Mapping[str, Any]], Text]:
@@ -101,25 +105,37 @@ def _num_value(key: str) -> Callable[[Mapping[str, Any]], Any]:
 
 
 SESSION_COLUMNS: tuple[Column, ...] = (
-    Column("id", "session", lambda s: str(s.get("id", "")), lambda s: _clip(s.get("id"), 22)),
-    Column("client", "client", lambda s: str(s.get("client") or ""), lambda s: _short_client(s.get("client"))),
-    Column("turns", "turns", _num_value("turns"), lambda s: fmt_tokens(s.get("turns"))),
-    Column("state", "state", lambda s: str(s.get("state") or ""), _state),
+    Column("id", "session", lambda s: str(s.get("id", "")), lambda s: _clip(s.get("id"), 22), 22),
+    Column("client", "client", lambda s: str(s.get("client") or ""), lambda s: _short_client(s.get("client")), 18),
+    Column("turns", "turns", _num_value("turns"), lambda s: fmt_tokens(s.get("turns")), 5),
+    Column("state", "state", lambda s: str(s.get("state") or ""), _state, 10),
     Column("resident_tokens_gpu", "GPU tok", _num_value("resident_tokens_gpu"),
-           lambda s: fmt_tokens(s.get("resident_tokens_gpu"))),
+           lambda s: fmt_tokens(s.get("resident_tokens_gpu")), 7),
     Column("resident_tokens_host", "host tok", _num_value("resident_tokens_host"),
-           lambda s: fmt_tokens(s.get("resident_tokens_host"))),
-    Column("snapshot_bytes", "state", _num_value("snapshot_bytes"),
-           lambda s: fmt_bytes(s.get("snapshot_bytes")) if s.get("snapshot_bytes") else DASH),
-    Column("lease_expires_in_s", "lease", _num_value("lease_expires_in_s"), _lease),
-    Column("last_turn_hit_rate", "hit last", _num_value("last_turn_hit_rate"), _hit("last_turn_hit_rate")),
-    Column("hit_rate", "hit life", _num_value("hit_rate"), _hit("hit_rate")),
+           lambda s: fmt_tokens(s.get("resident_tokens_host")), 8),
+    Column("snapshot_bytes", "snapshot", _num_value("snapshot_bytes"),
+           lambda s: fmt_bytes(s.get("snapshot_bytes")) if s.get("snapshot_bytes") else DASH, 8),
+    Column("lease_expires_in_s", "lease", _num_value("lease_expires_in_s"), _lease, 7),
+    Column("last_turn_hit_rate", "hit last", _num_value("last_turn_hit_rate"), _hit("last_turn_hit_rate"), 8),
+    Column("hit_rate", "hit life", _num_value("hit_rate"), _hit("hit_rate"), 8),
     Column("recomputed_history_tokens", "recomp", _num_value("recomputed_history_tokens"),
-           lambda s: fmt_tokens(s.get("recomputed_history_tokens"))),
-    Column("last_ttft_s", "TTFT", _num_value("last_ttft_s"), lambda s: fmt_secs(s.get("last_ttft_s"))),
+           lambda s: fmt_tokens(s.get("recomputed_history_tokens")), 6),
+    Column("last_ttft_s", "TTFT", _num_value("last_ttft_s"), lambda s: fmt_secs(s.get("last_ttft_s")), 5),
     Column("spec_acceptance", "spec acc", lambda s: a if (a := _spec_acceptance(s)) is not None else -1.0,
-           lambda s: _hit("spec_acceptance")({"spec_acceptance": _spec_acceptance(s)})),
+           lambda s: _hit("spec_acceptance")({"spec_acceptance": _spec_acceptance(s)}), 8),
 )
+# Which columns a terminal keeps when not all fit, most wanted first; the table shows them in SESSION_COLUMNS'
+# order. What tells a session's cache story (resident, hit, recomputed, time to first token) beats who it is.
+FIT_ORDER = ("id", "state", "turns", "resident_tokens_gpu", "last_turn_hit_rate", "hit_rate",
+             "recomputed_history_tokens", "last_ttft_s", "lease_expires_in_s", "client", "resident_tokens_host",
+             "snapshot_bytes", "spec_acceptance")
+# Columns that say something only on some servers: host tokens where a host-RAM tier exists (none on a CPU,
+# whose pool is in RAM already), snapshots for models with recurrent state, acceptance where drafts ran.
+OPTIONAL = frozenset({"resident_tokens_host", "snapshot_bytes", "spec_acceptance"})
+CELL_PADDING = 2  # a table's cell padding, both sides together
+# Below this many columns for the table, session ids clip shorter and the hit titles shorten.
+NARROW_TABLE = 100
+_NARROW_TITLES = {"last_turn_hit_rate": "hit", "hit_rate": "life"}
 
 
 def _spec_acceptance(s: Mapping[str, Any]) -> float | None:
@@ -128,28 +144,47 @@ def _spec_acceptance(s: Mapping[str, Any]) -> float | None:
     return None if not drafted else (_n(s.get("spec_accepted_tokens")) or 0) / drafted
 
 
-# Below this many columns the table keeps what fits 80 (the client last, host tokens in the pool panel).
-NARROW_WIDTH = 120
-_NARROW_KEYS = ("id", "state", "turns", "resident_tokens_gpu", "lease_expires_in_s", "last_turn_hit_rate",
-                "hit_rate", "recomputed_history_tokens", "last_ttft_s", "client")
-_NARROW_TITLES = {"last_turn_hit_rate": "hit", "hit_rate": "life"}
-
-
 def device_label(device: Any) -> str:
-    """Where the KV pool lives, from the engine's device ("cpu", "cuda:0"): the resident-tokens column's name."""
+    """Where the KV pool lives, from the engine's device ("cpu", "cuda:0"): the resident-tokens column's name.
+    On a CPU the pool is in RAM: "KV" (a "CPU" column beside "host" read as two places for one)."""
     d = str(device or "")
-    return "CPU" if d.startswith("cpu") else "GPU" if d.startswith("cuda") else "KV"
+    return "GPU" if d.startswith("cuda") else "KV"
 
 
-def session_columns(device: Any = None, narrow: bool = False) -> tuple[Column, ...]:
-    """The table's columns, the resident-tokens one named by the real device; `narrow`: the ones that fit
-    80 columns, with a shorter session id."""
-    cols = {c.key: c for c in SESSION_COLUMNS}
+def optional_columns(snap: Mapping[str, Any]) -> frozenset[str]:
+    """The OPTIONAL columns this server has something for."""
+    st = snap.get("stats") or {}
+    cache, sessions = st.get("cache") or {}, snap.get("sessions") or []
+    found = set()
+    if _n(cache.get("host_total_pages", cache.get("host_capacity_pages"))):
+        found.add("resident_tokens_host")
+    if st.get("snapshots") or any(s.get("snapshot_bytes") for s in sessions):
+        found.add("snapshot_bytes")
+    if any(_n(s.get("spec_drafted_tokens")) for s in sessions):
+        found.add("spec_acceptance")
+    return frozenset(found)
+
+
+def session_columns(device: Any = None, width: int | None = None, optional: frozenset[str] = OPTIONAL,
+                    padding: int = CELL_PADDING) -> tuple[Column, ...]:
+    """The table's columns: the resident-tokens one named by the real device, the optional ones this server
+    has, and as many as fit `width` columns (None: all) at `padding` columns each besides their cells, in
+    FIT_ORDER."""
+    cols = {c.key: c for c in SESSION_COLUMNS if c.key not in OPTIONAL or c.key in optional}
     cols["resident_tokens_gpu"] = replace(cols["resident_tokens_gpu"], title=f"{device_label(device)} tok")
-    if not narrow:
-        return tuple(cols[c.key] for c in SESSION_COLUMNS)
-    cols["id"] = replace(cols["id"], cell=lambda s: _clip(s.get("id"), 13))
-    return tuple(replace(cols[k], title=_NARROW_TITLES.get(k, cols[k].title)) for k in _NARROW_KEYS)
+    if width is None:
+        return tuple(cols[c.key] for c in SESSION_COLUMNS if c.key in cols)
+    if width < NARROW_TABLE:
+        cols["id"] = replace(cols["id"], cell=lambda s: _clip(s.get("id"), 12), width=12)
+        for key, title in _NARROW_TITLES.items():
+            cols[key] = replace(cols[key], title=title, width=4)
+    kept, used = set(), 0
+    for key in (k for k in FIT_ORDER if k in cols):
+        need = cols[key].width + padding
+        if used + need <= width:
+            kept.add(key)
+            used += need
+    return tuple(cols[c.key] for c in SESSION_COLUMNS if c.key in kept)
 
 
 def engine_device(snap: Mapping[str, Any]) -> Any:
@@ -160,7 +195,7 @@ def _short_client(ua: Any) -> str:
     """User-Agent's first product token ("claude-cli/1.0.3 (external, cli)" -> "claude-cli/1.0.3")."""
     if not ua:
         return DASH
-    return _clip(str(ua).split(" ")[0], 20)
+    return _clip(str(ua).split(" ")[0], 18)
 
 
 def _clip(v: Any, n: int) -> str:
@@ -180,12 +215,14 @@ def select_sessions(sessions: Iterable[Mapping[str, Any]], sort: str = "id", rev
 
 
 def sessions_table(sessions: list[dict[str, Any]] | None, sort: str = "id", device: Any = None,
-                   narrow: bool = False) -> RenderableType:
+                   width: int | None = None, optional: frozenset[str] = OPTIONAL) -> RenderableType:
     if sessions is None:
         return Text("sessions: – (this server has no /v1/sessions endpoint)", style="dim")
+    narrow = width is not None and width < NARROW_TABLE
     table = Table(title="sessions", title_justify="left", expand=False, header_style="bold",
                   box=box.SIMPLE_HEAD if narrow else box.HEAVY_HEAD, collapse_padding=narrow, pad_edge=not narrow)
-    columns = session_columns(device, narrow)
+    # a heavy box's rule and padding take 3 columns per column (and one more at the edge); collapsed, 2
+    columns = session_columns(device, width if width is None or narrow else width - 1, optional, 2 if narrow else 3)
     for c in columns:  # the client gives way first: the numbers stay whole
         table.add_column(c.title, justify="left" if c.key in ("id", "client", "state") else "right",
                          no_wrap=c.key != "client", overflow="ellipsis")
@@ -211,20 +248,29 @@ def turns_table(detail: Mapping[str, Any]) -> Table:
 # ---- header, gauges, rates, machine ----
 
 
-def header(snap: Mapping[str, Any], paused: bool = False) -> Text:
+def header(snap: Mapping[str, Any], paused: bool = False, width: int | None = None) -> Text:
+    """One line: what runs where. Past `width` columns the least needed parts go first (attention backend and
+    TP, then the device, then the URL), so the line never wraps under a narrow terminal."""
     st = snap.get("stats") or {}
     eng = st.get("engine") or {}
-    t = Text()
-    t.append(" agentbox top ", style="bold reverse")
-    t.append(f"  {st.get('model') or eng.get('model_name') or DASH}", style="bold")
-    t.append(f"  {eng.get('device', DASH)}/{eng.get('dtype', DASH)}")
-    t.append(f"  attn {eng.get('attention_backend', DASH)}  TP {eng.get('tensor_parallel_size', DASH)}")
-    t.append(f"  up {fmt_duration(st.get('server_uptime_s', st.get('uptime_s')))}")
-    t.append(f"  {snap.get('url', DASH)}", style="cyan")
+    parts: list[tuple[int, str, str]] = [  # (keep rank: lower stays longer, text, style)
+        (0, " agentbox top ", "bold reverse"),
+        (1, f"  {st.get('model') or eng.get('model_name') or DASH}", "bold"),
+        (4, f"  {eng.get('device', DASH)}/{eng.get('dtype', DASH)}", ""),
+        (5, f"  attn {eng.get('attention_backend', DASH)}  TP {eng.get('tensor_parallel_size', DASH)}", ""),
+        (2, f"  up {fmt_duration(st.get('server_uptime_s', st.get('uptime_s')))}", ""),
+        (3, f"  {snap.get('url', DASH)}", "cyan"),
+    ]
     if snap.get("stale"):
-        t.append(f"  stale: {snap['stale']}", style="bold yellow")
+        parts.append((0, f"  stale: {snap['stale']}", "bold yellow"))
     if paused:
-        t.append("  PAUSED", style="bold yellow")
+        parts.append((0, "  PAUSED", "bold yellow"))
+    while width is not None and sum(len(text) for _, text, _ in parts) > width and max(r for r, _, _ in parts) > 1:
+        worst = max(r for r, _, _ in parts)
+        parts = [p for p in parts if p[0] != worst]
+    t = Text()
+    for _, text, style in parts:
+        t.append(text, style=style)
     return t
 
 
@@ -371,7 +417,7 @@ def once(snap: Mapping[str, Any], history: Mapping[str, Iterable[float | None]] 
     if not snap.get("up"):
         return down_message(snap)
     hist = history or {k: [v] for k, v in (snap.get("rates") or {}).items()}
-    narrow = width is not None and width < NARROW_WIDTH
-    sessions = sessions_table(snap.get("sessions"), device=engine_device(snap), narrow=narrow)
-    return Group(header(snap), Text(""), sessions, Text(""), pool_panel(snap),
+    sessions = sessions_table(snap.get("sessions"), device=engine_device(snap), width=width,
+                              optional=optional_columns(snap))
+    return Group(header(snap, width=width), Text(""), sessions, Text(""), pool_panel(snap),
                  Text(""), rates_panel(snap, hist), Text(""), machine_panel(snap))

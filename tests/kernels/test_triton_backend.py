@@ -6,6 +6,7 @@ boundaries and a mixed batch; backend selection; and the whole SmolLM2 served in
 from __future__ import annotations
 
 import logging
+import socket
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,9 @@ def test_serve_refuses_an_unknown_attention_backend() -> None:
 
     from agentbox.cli.main import app
 
-    result = CliRunner().invoke(app, ["serve", "--model", "x", "--attention", "nope"])
+    with socket.socket() as s:  # a free port: the default 8000 may be a user's server, which serve names first
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = CliRunner().invoke(app, ["serve", "--model", "x", "--attention", "nope", "--port", str(port)])
     assert result.exit_code != 0
     assert "--attention must be one of auto, torch, triton" in result.output

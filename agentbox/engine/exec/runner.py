@@ -50,6 +50,7 @@ GPU_KV_SHARE = 0.85
 # before the running requests and snapshots shrink to fit: the KV pool gets most of the rest.
 GPU_STATE_SHARE = 0.5
 HOST_STATE_SHARE = 0.25  # of available RAM: state snapshots that do not fit on the card (_fit_state_slots)
+HOST_HEADROOM = 1 << 30  # CPU: RAM left beside the KV pool (activations, the API process)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -254,10 +255,21 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * GPU_KV_SHARE)
         else:
-            # What the plan counted (config.PLAN_CONTEXT x PLAN_SESSIONS): RAM is shared with everything else
-            # on the machine, so the pool takes what the plan promised, not a share of what is free now.
-            tokens = min(self.config.max_model_len or self.loaded.max_model_len, PLAN_CONTEXT) * PLAN_SESSIONS
-            return -(-tokens // self.page_size) + 1  # page 0 is the pool's null page
+            # What the plan counted (config.PLAN_CONTEXT x PLAN_SESSIONS), or the context asked for: RAM is
+            # shared with everything else on the machine, so the pool takes what was promised, not a share of
+            # what is free now. What is free now bounds only a context asked for (the plan's was planned
+            # against the machine's RAM).
+            context = min(self.config.max_model_len or PLAN_CONTEXT, self.loaded.max_model_len)
+            pages = -(-context * PLAN_SESSIONS // self.page_size) + 1  # page 0 is the pool's null page
+            import psutil
+
+            room = psutil.virtual_memory().available - HOST_HEADROOM  # the weights are loaded by now
+            if self.config.max_model_len and pages * page_bytes > room:
+                fits = max(0, room // page_bytes - 1) * self.page_size // PLAN_SESSIONS // 1024 * 1024
+                shorter = f"serve a shorter one (--max-model-len {fits}) or " if fits else ""
+                raise ValueError(f"a context of {context:,} tokens needs a KV pool of {pages * page_bytes / 2**30:.2f} GiB; "
+                                 f"this machine has {max(0, room) / 2**30:.2f} GiB of RAM to spare: {shorter}free memory")
+            return pages
         return max(2, budget // page_bytes)
 
     # ---- rank 0: Requests -> StepInputs ----

@@ -111,6 +111,7 @@ class EngineReady:
     dtype: str
     tensor_parallel_size: int = 1
     weight_bytes_per_rank: list[int] = field(default_factory=list)  # resident parameter bytes, rank order
+    model_max_len: int = 0  # the model's own positions (max_model_len is at most this; the KV pool may cut it)
 
 
 @dataclass
