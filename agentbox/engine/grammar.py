@@ -245,7 +245,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.hits += 1
                 return hit
-        compiled = CompiledGrammar(spec, self._compile(spec))
+        compiled = CompiledGrammar(spec, self.build(spec))
         with self._lock:
             self.misses += 1
             self._cache[spec] = compiled
@@ -265,7 +265,8 @@ class GrammarCompiler:
         self.compiler.clear_cache()
 
     # ---- building ---------------------------------------------------------------------------
-    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    def build(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """Compile spec, bypassing this compiler's cache (`compile` is the cached way)."""
         if spec.kind is GrammarKind.JSON:
             schema = json.loads(spec.json_schema) if spec.json_schema is not None else None
             body: Any = self._json_format(schema, strict=schema is not None)

@@ -46,6 +46,9 @@ class Conversation:
     structured_tool_calls: bool = True  # auto + tools: a structural tag keeps every call schema-valid
     enable_thinking: bool | None = None  # None: the template's default
     reasoning_effort: ReasoningEffort | None = None  # None: the template's default (gpt-oss: medium)
+    # Where the request carries each tool's schema and the response format's, for errors that name them
+    tool_params: list[str] | None = None  # one per tool; None: OpenAI chat's tools[i].function.parameters
+    format_param: str = "response_format.json_schema.schema"
 
 
 @dataclass
@@ -194,6 +197,25 @@ class PreparedChat:
                                 reasoning, c.parallel_tool_calls)
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from e
+
+    def schema_param(self, spec: GrammarSpec, index: int) -> str:
+        """The request's path of spec's schema `index` (a tool's, or FORMAT: the response format's)."""
+        if index < 0:
+            return self.conv.format_param
+        name = spec.tools[index].name
+        tools = self.tools or []
+        i = next((i for i, t in enumerate(tools) if t["function"]["name"] == name), index)
+        params = self.conv.tool_params
+        return params[i] if params is not None and i < len(params) else f"tools[{i}].function.parameters"
+
+
+async def grammar_of(state: ServerState, chat: PreparedChat) -> GrammarSpec | None:
+    """The grammar the request decodes under, once the gate (server/grammar_gate.py) has judged it: a schema
+    past its limits or budget is a 400 naming it, before anything reaches the engine."""
+    spec = chat.grammar()
+    if spec is not None and state.grammars is not None:
+        await state.grammars.admit(spec, lambda i: chat.schema_param(spec, i))
+    return spec
 
 
 def reasoning_style_of(template: str) -> str:
