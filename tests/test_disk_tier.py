@@ -286,8 +286,10 @@ def test_a_finished_turn_is_written_behind_and_survives_a_crash(tmp_path: Path) 
     first = json.loads(index.read_text())["chunks"][:1]
     index.write_text(json.dumps({"chunks": first}))
     again = _cache(tmp_path, _kv(16))
-    m = again.match([*turn2, 1])
-    assert on_disk(m) == 8 * PS
+    assert again.restore_sessions() == 1  # the session table was written behind too
+    assert again.sessions.get("agent").last_sequence_tokens == 8 * PS  # type: ignore[union-attr]
+    m = again.match([*turn2, 1])  # no id: recognised by its history on disk, as after a graceful stop
+    assert m.session == "agent" and on_disk(m) == 8 * PS
     got = _pages_of(again.kv, again.lock(m).pages)  # type: ignore[arg-type]
     assert all(torch.equal(a, b) for i in range(8) for a, b in zip(data[i], got[i], strict=True))
     again.check_integrity()

@@ -1,6 +1,7 @@
-"""The session table across a restart: at a graceful stop each session's counters, gaps and history hashes
-are written beside the disk tier's index (atomically, like it), with the prefix hash its history ends on;
-on start they come back under their ids, shown "on disk" until the session returns."""
+"""The session table across a restart: each session's counters, gaps and history hashes are written beside the
+disk tier's index (atomically, like it), with the prefix hash its history ends on, at a graceful stop and, written
+behind, at every turn's end (radix_disk.py); on start they come back under their ids, shown "on disk" until the
+session returns."""
 
 from __future__ import annotations
 
@@ -19,17 +20,25 @@ FIELDS = ("turns", "prompt_tokens", "cached_tokens_gpu", "cached_tokens_host", "
           "history_tokens", "history_hashes", "last_prompt_tokens", "last_sequence_tokens", "last_ttft_s")
 
 
+def session_row(s: Session, end: tuple[str, int] | None) -> str:
+    """One session's row, as JSON text: `end` is the disk hash its cached history ends on and that history's
+    tokens (None: not on disk)."""
+    row: dict[str, object] = {"id": s.id, "gaps": list(s.gaps), **{f: getattr(s, f) for f in FIELDS}}
+    if end is not None:
+        row["end_hash"], row["on_disk_tokens"] = end
+    return json.dumps(row)
+
+
+def sessions_file(rows: list[str]) -> bytes:
+    """The file's bytes from its rows (session_row's text, kept per session between writes)."""
+    return ('{"sessions": [' + ", ".join(rows) + "]}").encode()
+
+
 def save_sessions(path: Path, table: SessionTable, ends: dict[str, tuple[str, int]]) -> None:
     """`ends`: per session, the disk hash its cached history ends on and that history's tokens."""
-    rows = []
-    for s in table:
-        row: dict[str, object] = {"id": s.id, "gaps": list(s.gaps), **{f: getattr(s, f) for f in FIELDS}}
-        if s.id in ends:
-            row["end_hash"], row["on_disk_tokens"] = ends[s.id]
-        rows.append(row)
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"sessions": rows}, f)
+    with open(tmp, "wb") as f:
+        f.write(sessions_file([session_row(s, ends.get(s.id)) for s in table]))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

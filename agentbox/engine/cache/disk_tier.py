@@ -315,6 +315,8 @@ class DiskTier:
         """Index the writes the writer thread finished (on the engine thread). Returns pages indexed."""
         n = 0
         for w in self.writer.take_done():
+            if w.sidecar:
+                continue
             self._unpend(w)
             if self._landed(w):
                 self.written += len(w.pages)

@@ -37,6 +37,7 @@ class Write:
     pages: list[str]
     state: str = ""
     created: float = field(default_factory=time.time)
+    sidecar: bool = False  # a file beside the chunks (the session table): written as it is, never indexed
     sum: str = ""
     offset: int = 0
     ok: bool = False
@@ -62,6 +63,10 @@ class DiskWriter:
             return [w]
         dropped = []
         with self._cv:
+            if w.sidecar:  # only its newest content matters: it replaces a queued one
+                for old in [q for q in self._queue if q.sidecar and q.path == w.path]:
+                    self._queue.remove(old)
+                    self._queued -= len(old.data)
             while self._queue and self._queued + len(w.data) > self.queue_bytes:
                 old = self._queue.popleft()
                 self._queued -= len(old.data)
@@ -114,9 +119,10 @@ class DiskWriter:
 
 
 def write_chunk(w: Write, tmp_suffix: str = ".wb.tmp") -> None:
-    """Header and data to a temporary, fsync, rename over w.path; sets w's sum, offset and ok (or error)."""
+    """Header and data (a sidecar: its data alone) to a temporary, fsync, rename over w.path; sets w's sum,
+    offset and ok (or error)."""
     w.sum = checksum(w.data)
-    head = header(w.pages, w.state, w.sum, len(w.data), w.created)
+    head = b"" if w.sidecar else header(w.pages, w.state, w.sum, len(w.data), w.created)
     w.offset = len(head)
     tmp = w.path.with_suffix(tmp_suffix)  # the thread's and the engine thread's differ
     try:

@@ -23,8 +23,9 @@ from array import array
 from typing import Protocol
 
 from agentbox.engine.cache.disk_pages import chunk_to_pages, pages_to_bytes
-from agentbox.engine.cache.disk_sessions import load_sessions, save_sessions
+from agentbox.engine.cache.disk_sessions import load_sessions, save_sessions, session_row, sessions_file
 from agentbox.engine.cache.disk_tier import SESSIONS, DiskTier
+from agentbox.engine.cache.disk_writer import Write
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.radix_node import Below, Node
 from agentbox.engine.cache.session_index import SessionIndex
@@ -80,6 +81,7 @@ class DiskLink:
         self.written_behind = 0  # pages queued by write-behind at turn ends
         self.restored = 0  # pages read back into the tree
         self.on_disk: dict[str, tuple[str, int]] = {}  # sessions restored at start, not back yet: end hash, tokens
+        self._rows: dict[str, str] = {}  # session -> its row of the session table as last written behind
 
     def find(self, toks: tuple[int, ...] | array, start: int, session: str | None,
              namespace: str) -> tuple[Below | None, str | None]:
@@ -170,7 +172,23 @@ class DiskLink:
                     return queued
                 queued += len(part)
         self.written_behind += queued
+        s = tree.sessions.get(session)
+        if s is not None:
+            self._rows[session] = session_row(s, (hs[-1].hex(), len(toks)))
+            self._write_sessions(tree)
         return queued
+
+    def _write_sessions(self, tree: DiskTree) -> None:
+        """The session table behind the pages (the writer keeps only the newest queued copy): each row as it was
+        at that session's last turn end, a session restored at start and not back yet as it was restored."""
+        table = tree.sessions
+        for sid in [sid for sid in self._rows if sid not in table]:
+            del self._rows[sid]
+        for s in table:
+            if s.id not in self._rows:
+                self._rows[s.id] = session_row(s, self.on_disk.get(s.id))
+        self.tier.writer.submit(Write(SESSIONS, self.tier.dir / SESSIONS, sessions_file(list(self._rows.values())),
+                                      [], sidecar=True))
 
     def flush(self, tree: DiskTree, budget_s: float) -> tuple[int, int]:
         """Write every node of the tree (top-down: a flush cut short by its deadline still leaves usable
