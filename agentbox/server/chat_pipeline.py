@@ -279,13 +279,29 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
     style = reasoning_style_of(template)
     parser = syntax if tools and conv.tool_choice != "none" else None
     if check_length:
-        state.check_prompt_chars(text, param)  # before tokenizing: a 5 MB prompt is refused at once
+        try:
+            state.check_prompt_chars(text, param)  # before tokenizing: a 5 MB prompt is refused at once
+        except APIError as e:
+            raise _blame_tools(e, conv, tools, len(text)) from None
     # Only what this turn appended is tokenized: the ids equal full tokenization (chat/incremental.py).
     ids = incremental_for(tok, state.config.tokenize_cache_texts).encode_ids(text)
     if check_length:
         state.check_prompt(len(ids), param)
     return PreparedChat(conv, text, ids, tools, parser, style,
                         starts_inside=prompt_opens_reasoning(text, style) if style != "none" else False)
+
+
+def _blame_tools(e: APIError, conv: Conversation, tools: list[dict] | None, chars: int) -> APIError:
+    """A prompt too long for the context whose tool definitions make most of it: the error names the largest
+    tool's schema (a 100,000-member enum is refused here, for its length, before its grammar is built)."""
+    sizes = [len(json.dumps(t, ensure_ascii=False)) for t in tools or []]
+    if 2 * sum(sizes) < chars:
+        return e
+    i = max(range(len(sizes)), key=sizes.__getitem__)
+    params = conv.tool_params
+    where = params[i] if params is not None and i < len(params) else f"tools[{i}].function.parameters"
+    return APIError(e.status, f"{e.message}; the tools' definitions take {sum(sizes):,} characters of it, the largest "
+                    f"{where} ({sizes[i]:,})", param=where, code=e.code)
 
 
 def checked(sp: SamplingParams) -> SamplingParams:

@@ -35,8 +35,10 @@ VERDICTS = 1024  # verdicts kept (digests: a few dozen bytes each)
 
 
 class GrammarGate:
-    def __init__(self, model: str, vocab_size: int, stop_token_ids: list[int]) -> None:
-        self._args = (model, vocab_size, list(stop_token_ids), COMPILE_MEMORY_BYTES)
+    def __init__(self, model: str, vocab_size: int, stop_token_ids: list[int], *, compile_s: float = COMPILE_S,
+                 memory_bytes: int = COMPILE_MEMORY_BYTES) -> None:
+        self.compile_s = compile_s
+        self._args = (model, vocab_size, list(stop_token_ids), memory_bytes)
         self._verdicts: OrderedDict[bytes, Refusal | None] = OrderedDict()
         self._lock = asyncio.Lock()  # one compile at a time: the worker answers in order
         self._proc: mp.process.BaseProcess | None = None
@@ -59,7 +61,7 @@ class GrammarGate:
                     if key in self._verdicts:  # judged while this one waited
                         verdict = self._verdicts[key]
                     else:
-                        verdict = await asyncio.to_thread(self._compile, spec)
+                        verdict = await asyncio.to_thread(self.compile, spec)
             self._verdicts[key] = verdict
             while len(self._verdicts) > VERDICTS:
                 self._verdicts.popitem(last=False)
@@ -68,8 +70,9 @@ class GrammarGate:
             param = (param_of(verdict.schema) if verdict.schema != WHOLE else "tools") + verdict.path
             raise APIError(400, f"{param}: {verdict.message}", param=param, code="invalid_schema")
 
-    def _compile(self, spec: GrammarSpec) -> Refusal | None:
-        """The worker's verdict on spec within COMPILE_S (on a thread: this blocks)."""
+    def compile(self, spec: GrammarSpec) -> Refusal | None:
+        """The worker's verdict on spec within compile_s, uncached and without the static limits (on a thread:
+        this blocks)."""
         conn = self._worker()
         if conn is None:
             return None  # no worker (logged): the engine compiles as it did before the gate
@@ -77,7 +80,7 @@ class GrammarGate:
         t0 = time.monotonic()
         conn.send(spec)
         try:
-            if conn.poll(COMPILE_S):
+            if conn.poll(self.compile_s):
                 verdict = conn.recv()
                 if verdict is not None and verdict.fatal:
                     self._stop()
@@ -86,8 +89,9 @@ class GrammarGate:
             self._stop()
             return Refusal(WHOLE, "the grammar compiler failed on this schema")
         self._stop()
-        log.warning("a grammar compile outlasted %.0f s and was stopped (%.1f s)", COMPILE_S, time.monotonic() - t0)
-        return Refusal(WHOLE, f"compiling this schema into a grammar takes longer than {COMPILE_S:g} s; simplify it")
+        log.warning("a grammar compile outlasted %g s and was stopped (%.1f s)", self.compile_s, time.monotonic() - t0)
+        return Refusal(WHOLE, f"compiling this schema into a grammar takes longer than {self.compile_s:g} s; "
+                              "simplify it")
 
     def _worker(self) -> Connection | None:
         if self._conn is not None and self._proc is not None and self._proc.is_alive():
@@ -126,9 +130,6 @@ def _static(spec: GrammarSpec) -> Refusal | None:
     """The limits checked without compiling (chat/schema_check.py), on every schema of spec."""
     schemas = [(FORMAT, spec.json_schema)] if spec.kind is GrammarKind.JSON else [
         (i, t.schema_json) for i, t in enumerate(spec.tools)]
-    total = sum(len(s) for _, s in schemas if s is not None)
-    if total > MAX_GRAMMAR_BYTES:
-        return Refusal(WHOLE, f"the schemas together are {total:,} bytes; the limit is {MAX_GRAMMAR_BYTES:,}")
     for i, text in schemas:
         if text is None:
             continue
@@ -136,4 +137,7 @@ def _static(spec: GrammarSpec) -> Refusal | None:
             check_schema(json.loads(text), "")
         except SchemaRefused as e:
             return Refusal(i, e.reason, e.path)
+    total = sum(len(s) for _, s in schemas if s is not None)
+    if total > MAX_GRAMMAR_BYTES:
+        return Refusal(WHOLE, f"the schemas together are {total:,} bytes; the limit is {MAX_GRAMMAR_BYTES:,}")
     return None
