@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from agentbox.engine.grammar_spec import GrammarKind, GrammarSpec, plain_grammar_error
+from agentbox.engine.memory_ceiling import status_bytes
 
 if TYPE_CHECKING:
     from agentbox.engine.grammar import GrammarCompiler  # xgrammar (and torch) load in the worker only
@@ -45,14 +46,6 @@ class Refusal:
     fatal: bool = False
 
 
-def _address_space() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def run_worker(conn: Connection, model: str, vocab_size: int, stop_token_ids: list[int], memory_bytes: int) -> None:
     """Entry point: load the tokenizer and xgrammar, cap the address space, then answer one spec per message
     (None: compiled; a Refusal otherwise) until the pipe closes."""
@@ -62,7 +55,7 @@ def run_worker(conn: Connection, model: str, vocab_size: int, stop_token_ids: li
     compiler = GrammarCompiler(load_tokenizer(resolve_model(model)), vocab_size, stop_token_ids=stop_token_ids,
                                max_threads=1)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = _address_space() + memory_bytes
+    cap = status_bytes("VmSize") + memory_bytes
     resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
     conn.send("ready")
     while True:

@@ -26,13 +26,18 @@ from agentbox.engine.cache.disk_writer import QUEUE_BYTES
 log = logging.getLogger(__name__)
 
 
-def data_bytes() -> int:
-    """The process's data size now (VmData: private writable memory, touched or not)."""
+def status_bytes(key: str) -> int:
+    """A size from /proc/self/status (`VmData`: private writable memory, touched or not; `VmSize`: the address
+    space); 0 where there is none."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmData:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def data_bytes() -> int:
+    return status_bytes("VmData")
 
 
 def apply(config: EngineConfig) -> int | None:
