@@ -29,7 +29,7 @@ INF = MAX_SHORTEST_CHARS + 1  # "longer than the limit, or no finite value at al
 MAX_REF_ROUNDS = 64  # rounds of the $ref fixed point (each walks the schema once): two or three for real schemas
 
 # The keywords whose values are subschemas a value can enter (what xgrammar's converter reads).
-ONE = ("additionalProperties", "items", "not", "unevaluatedProperties", "additionalItems", "contains")
+ONE = ("additionalProperties", "items", "unevaluatedProperties", "additionalItems", "contains")
 MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
 NAMED = ("properties", "patternProperties", "$defs", "definitions")
 

@@ -55,8 +55,10 @@ def run_worker(conn: Connection, model: str, vocab_size: int, stop_token_ids: li
     compiler = GrammarCompiler(load_tokenizer(resolve_model(model)), vocab_size, stop_token_ids=stop_token_ids,
                                max_threads=1)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = status_bytes("VmSize") + memory_bytes
-    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+    held = status_bytes("VmSize")
+    if held:  # Linux; elsewhere the deadline alone bounds a compile
+        cap = held + memory_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
     conn.send("ready")
     while True:
         try:
