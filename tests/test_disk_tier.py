@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from agentbox.config import EngineConfig
-from agentbox.engine.cache.cache_policies import LruCache
 from agentbox.engine.cache import disk_writer
+from agentbox.engine.cache.cache_policies import LruCache
 from agentbox.engine.cache.disk_namespace import namespace_for
 from agentbox.engine.cache.disk_pages import bytes_to_pages, pages_to_bytes
 from agentbox.engine.cache.disk_tier import DiskTier
