@@ -163,7 +163,7 @@ class DiskTier:
 
     @property
     def bytes_used(self) -> int:
-        return sum(c.file_bytes for c in self.chunks.values()) + sum(len(w.data) for w in self.pending.values())
+        return sum(c.file_bytes for c in self.chunks.values()) + sum(w.nbytes for w in self.pending.values())
 
     @property
     def num_pages(self) -> int:
@@ -274,7 +274,7 @@ class DiskTier:
         old = self.chunks.get(w.name)
         if old is not None:
             self._drop(old, unlink=False)
-        self._add(Chunk(w.name, w.pages, w.sum, len(w.data), w.created, now, w.state, w.offset))
+        self._add(Chunk(w.name, w.pages, w.sum, w.nbytes, w.created, now, w.state, w.offset))
         self._dirty = True
         if now - self._last_index >= INDEX_EVERY_S:
             self.save_index()

@@ -42,6 +42,10 @@ class Write:
     offset: int = 0
     ok: bool = False
     error: OSError | None = None
+    nbytes: int = field(init=False)  # the data's length (the data itself is let go once written)
+
+    def __post_init__(self) -> None:
+        self.nbytes = len(self.data)
 
 
 class DiskWriter:
@@ -58,7 +62,7 @@ class DiskWriter:
     def submit(self, w: Write) -> list[Write]:
         """Queue w; returns the queued writes dropped to make room for it (oldest first; w itself when it alone
         is larger than the queue)."""
-        if len(w.data) > self.queue_bytes:
+        if w.nbytes > self.queue_bytes:
             self.dropped += 1
             return [w]
         dropped = []
@@ -66,13 +70,13 @@ class DiskWriter:
             if w.sidecar:  # only its newest content matters: it replaces a queued one
                 for old in [q for q in self._queue if q.sidecar and q.path == w.path]:
                     self._queue.remove(old)
-                    self._queued -= len(old.data)
-            while self._queue and self._queued + len(w.data) > self.queue_bytes:
+                    self._queued -= old.nbytes
+            while self._queue and self._queued + w.nbytes > self.queue_bytes:
                 old = self._queue.popleft()
-                self._queued -= len(old.data)
+                self._queued -= old.nbytes
                 dropped.append(old)
             self._queue.append(w)
-            self._queued += len(w.data)
+            self._queued += w.nbytes
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="disk-kv-write", daemon=True)
                 self._thread.start()
@@ -109,9 +113,10 @@ class DiskWriter:
                 while not self._queue:
                     self._cv.wait()  # idle means blocked
                 w = self._queue.popleft()
-                self._queued -= len(w.data)
+                self._queued -= w.nbytes
                 self._busy = True
             write_chunk(w)
+            w.data = b""  # written (or failed): the bytes need not wait for the engine thread to take it
             with self._cv:
                 self._busy = False
                 self._done.append(w)
@@ -122,7 +127,7 @@ def write_chunk(w: Write, tmp_suffix: str = ".wb.tmp") -> None:
     """Header and data (a sidecar: its data alone) to a temporary, fsync, rename over w.path; sets w's sum,
     offset and ok (or error)."""
     w.sum = checksum(w.data)
-    head = b"" if w.sidecar else header(w.pages, w.state, w.sum, len(w.data), w.created)
+    head = b"" if w.sidecar else header(w.pages, w.state, w.sum, w.nbytes, w.created)
     w.offset = len(head)
     tmp = w.path.with_suffix(tmp_suffix)  # the thread's and the engine thread's differ
     try:
