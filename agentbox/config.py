@@ -111,6 +111,9 @@ class EngineConfig:
     # `restart_window_s`; one more death in that window exits the server non-zero for its supervisor.
     max_restarts: int = 3
     restart_window_s: float = 600.0
+    # The engine process's memory ceiling (engine/memory_ceiling.py): what it holds once loaded (weights, KV,
+    # state, host tier) plus the disk tier's queues plus this margin for a step's work. None: no ceiling.
+    memory_margin_gb: float | None = 4.0
     # The session table: an entry idle this long (no request) is forgotten, and past `max_sessions`
     # entries the longest idle goes first. Without them the table grew with every id a client made up.
     session_idle_s: float = 3600.0

@@ -56,6 +56,28 @@ def test_a_hybrid_session_survives_a_restart(tmp_path: Path, monkeypatch: pytest
         assert stats.disk_restored > 0 and stats.disk_states >= 2 and stats.disk_torn == 1
 
 
+def test_a_hybrid_session_survives_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No graceful stop: each turn's pages and state snapshot were written behind at its end (disk_states.py,
+    radix_disk.py), so a new engine over the same directory (as after kill -9) resumes the session from disk."""
+    monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path / "home"))
+    hf = save_hybrid(configs()["qwen3_5"], tmp_path / "model")
+    config = EngineConfig(model=str(tmp_path / "model"), page_size=16, attention="torch", num_pages=64,
+                          max_num_seqs=2, host_cache_gb=0.0, disk_cache_gb=0.05, state_snapshots=2, cpu_threads=1)
+    sp = SamplingParams(max_tokens=ANSWER, temperature=0.0, ignore_eos=True)
+    h = [(i * 29 + 7) % 256 for i in range(140)]
+    with LLM(config) as llm:
+        for turn in range(2):  # each turn ends on a new page boundary: a new turn snapshot each
+            h = h + llm.generate([h], sp, session_ids=["a"])[0].token_ids + [(turn * 7 + i) % 256 for i in range(12)]
+        disk = llm.core.cache.state_group.disk
+        assert disk is not None and disk.written == 2 and disk.tier.writer.wait(60)  # the turns' snapshots
+        assert llm.core.cache.stats().evictions == 0  # nothing left memory: only the write-behind wrote
+    with LLM(config) as llm:  # no persist: what a kill -9 leaves
+        out = llm.generate([h], sp, session_ids=["a"])[0]
+        assert out.num_cached_tokens >= 0.9 * len(h), (out.num_cached_tokens, len(h))
+        assert out.token_ids == hf_greedy(hf, h, ANSWER)
+        assert llm.core.cache.state_group.disk.restored == 1  # type: ignore[union-attr]
+
+
 def test_a_gemma4_session_survives_a_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path / "home"))
     name, gemma = next(iter(gemma4_configs().items()))

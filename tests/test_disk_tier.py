@@ -4,7 +4,10 @@ the tier stays within its budget; a model change never reuses a namespace."""
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+import time
 from array import array
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import pytest
 import torch
 
 from agentbox.config import EngineConfig
+from agentbox.engine.cache import disk_writer
 from agentbox.engine.cache.cache_policies import LruCache
 from agentbox.engine.cache.disk_namespace import namespace_for
 from agentbox.engine.cache.disk_pages import bytes_to_pages, pages_to_bytes
@@ -38,7 +42,8 @@ def _cache(root: Path, kv: KVCache, budget: int = 1 << 30, ns: str = "ns") -> Lr
     return LruCache(PagePool(kv.num_pages, PS), kv, disk=DiskLink(tier, PS))
 
 
-def _compute(cache: LruCache, kv: KVCache, toks: list[int]) -> dict[int, list[torch.Tensor]]:
+def _compute(cache: LruCache, kv: KVCache, toks: list[int], session: str | None = None,
+             ) -> dict[int, list[torch.Tensor]]:
     """'Compute' toks: fresh pages filled with values derived from the tokens, inserted. Returns page data by
     page index in the sequence."""
     n = len(toks) // PS
@@ -49,7 +54,7 @@ def _compute(cache: LruCache, kv: KVCache, toks: list[int]) -> dict[int, list[to
         for t in (*kv.k, *kv.v):
             t[p * PS : (p + 1) * PS] = torch.randn(PS, 2, 4)
         out[i] = [t[p * PS : (p + 1) * PS].clone() for t in (*kv.k, *kv.v)]
-    cache.insert(toks, pages)
+    cache.insert(toks, pages, session)
     cache.check_integrity()
     return out
 
@@ -192,17 +197,50 @@ def test_a_model_change_never_reuses_a_namespace(tmp_path: Path) -> None:
     assert base not in keys and len(keys) == 8
 
 
-def test_a_garbled_index_starts_empty_never_fails(tmp_path: Path) -> None:
+def test_a_garbled_index_is_rebuilt_from_the_chunks_headers(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
     kv = _kv()
     cache = _cache(tmp_path, kv)
-    _compute(cache, kv, list(range(2 * PS)))
+    data = _compute(cache, kv, list(range(2 * PS)))
     cache.evict(2)
     cache.persist(5.0)
-    for garbage in ('{"chunks": [{"name": 1}]}', "{not json"):
+    for garbage in ("{not json", '{"chunks": 3}', "\x00\xff" * 10):
+        caplog.clear()
         (tmp_path / "ns" / "index.json").write_text(garbage)
-        again = _cache(tmp_path, _kv())
-        assert again.stats().disk_pages == 0 and again.match(list(range(2 * PS + 1))).num_tokens == 0
-        assert not list((tmp_path / "ns" / "chunks").iterdir())  # the unindexed chunk went, counted
+        kv2 = _kv()
+        again = _cache(tmp_path, kv2)
+        assert "index rebuilt from the chunks' own headers: 1 chunks (2 pages" in caplog.text
+        assert again.stats().disk_pages == 2 and again.stats().disk_torn == 0
+        lock = again.lock(again.match(list(range(2 * PS + 1))))
+        got = _pages_of(kv2, lock.pages)
+        assert lock.num_tokens == 2 * PS
+        assert all(torch.equal(a, b) for i in range(2) for a, b in zip(data[i], got[i], strict=True))
+        again.release(lock.pages)
+    # An entry of the wrong shape is refused, logged and counted; its file is adopted from its own header.
+    (tmp_path / "ns" / "index.json").write_text('{"chunks": [{"name": 1}]}')
+    again = _cache(tmp_path, _kv())
+    assert again.stats().disk_pages == 2 and "1 index entries refused" in caplog.text
+
+
+def test_an_entry_naming_a_path_outside_is_refused_and_nothing_outside_is_deleted(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    victim = tmp_path / "victim.kv"
+    victim.write_bytes(b"the user's file")
+    kv = _kv()
+    cache = _cache(tmp_path / "root", kv, budget=3 * kv.page_bytes)
+    _compute(cache, kv, list(range(2 * PS)))
+    cache.persist(5.0)
+    index = tmp_path / "root" / "ns" / "index.json"
+    raw = json.loads(index.read_text())
+    evil = {**raw["chunks"][0], "name": "../../../victim", "used": 0.0}
+    index.write_text(json.dumps({"chunks": [evil, *raw["chunks"]]}))
+    again = _cache(tmp_path / "root", _kv(), budget=3 * kv.page_bytes)
+    assert "refused '../../../victim'" in caplog.text or "1 index entries refused" in caplog.text
+    for j in range(3):  # the budget makes room: only this tier's own chunks go
+        _compute(again, again.kv, list(range(100 * (j + 1), 100 * (j + 1) + 2 * PS)))  # type: ignore[arg-type]
+        again.evict(2)
+    again.disk.tier.clear()  # type: ignore[union-attr]
+    assert victim.read_bytes() == b"the user's file"
 
 
 def test_sessions_come_back_under_their_ids_on_disk(tmp_path: Path) -> None:
@@ -223,6 +261,63 @@ def test_sessions_come_back_under_their_ids_on_disk(tmp_path: Path) -> None:
     again.lock(m)
     assert again.session_pages("agent-7") == {Tier.GPU: 5, Tier.HOST: 0, Tier.DISK: 0}  # back: not "on disk"
     again.check_integrity()
+
+
+def test_a_finished_turn_is_written_behind_and_survives_a_crash(tmp_path: Path) -> None:
+    """A turn's end queues its new pages to the writer thread (no eviction, no graceful stop): a new cache over
+    the same directory, started as after a kill -9, finds them, the ones indexed and the ones adopted from their
+    headers alike; the next turn writes only its new pages."""
+    kv = _kv(16)
+    cache = _cache(tmp_path, kv)
+    turn1 = list(range(40, 40 + 5 * PS))
+    data = _compute(cache, kv, turn1, "agent")
+    cache.end_turn("agent")
+    turn2 = [*turn1, *range(90, 90 + 3 * PS)]
+    data.update({i: d for i, d in _compute(cache, kv, turn2, "agent").items() if i >= 5})
+    cache.end_turn("agent")
+    tier = cache.disk.tier  # type: ignore[union-attr]
+    assert tier.writer.wait(30)
+    stats = cache.stats()
+    assert stats.disk_written_behind == 8 and stats.disk_pages == 8 and stats.disk_queued == 0
+    assert stats.gpu_pages == 8  # nothing was evicted: every page is still in memory too
+    # No persist, and an index that names the first chunk alone (as a crash within INDEX_EVERY_S of the second
+    # write leaves it): the second is adopted from its own header.
+    index = tmp_path / "ns" / "index.json"
+    first = json.loads(index.read_text())["chunks"][:1]
+    index.write_text(json.dumps({"chunks": first}))
+    again = _cache(tmp_path, _kv(16))
+    assert again.restore_sessions() == 1  # the session table was written behind too
+    assert again.sessions.get("agent").last_sequence_tokens == 8 * PS  # type: ignore[union-attr]
+    m = again.match([*turn2, 1])  # no id: recognised by its history on disk, as after a graceful stop
+    assert m.session == "agent" and on_disk(m) == 8 * PS
+    got = _pages_of(again.kv, again.lock(m).pages)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for i in range(8) for a, b in zip(data[i], got[i], strict=True))
+    again.check_integrity()
+
+
+def test_write_behind_drops_the_oldest_queued_write_when_the_disk_falls_behind(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, "ns", {}, page_bytes=8, budget_bytes=1 << 20)
+    gate = threading.Event()
+    real = disk_writer.write_chunk
+
+    def slow(w: disk_writer.Write, tmp_suffix: str = ".wb.tmp") -> None:
+        gate.wait(30)  # a disk that does not keep up
+        real(w, tmp_suffix)
+
+    tier.writer.queue_bytes = 16  # two pages queued at most
+    hs = [bytes([i]) * 16 for i in range(1, 5)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(disk_writer, "write_chunk", slow)
+        assert tier.write_behind(hs[:1], b"A" * 8)  # taken by the thread at once, then held there
+        deadline = time.monotonic() + 10
+        while tier.writer.pending and len(tier.writer._queue) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tier.write_behind(hs[1:2], b"B" * 8) and tier.write_behind(hs[2:3], b"C" * 8)
+        assert tier.write_behind(hs[3:4], b"D" * 8)  # the queue is full: B, the oldest queued, goes
+        assert not tier.has(hs[1]) and all(tier.has(h) for h in (hs[0], hs[2], hs[3]))
+        gate.set()
+        assert tier.finish_writes(30)
+    assert tier.writer.dropped == 1 and tier.num_pages == 3 and hs[1].hex() not in tier.pages
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

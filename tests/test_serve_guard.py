@@ -14,8 +14,12 @@ from agentbox.server.guard import BadInput, check_json, host_name, is_json_type,
 
 @pytest.mark.parametrize(("host", "name"), [("127.0.0.1:8000", "127.0.0.1"), ("[::1]:8000", "::1"),
                                             ("LOCALHOST", "localhost"), ("evil.example:80", "evil.example"),
-                                            ("::1", "::1")])
-def test_host_name(host: str, name: str) -> None:
+                                            ("[::1]", "::1"),
+                                            # not a host[:port]: refused, never read as the name before them
+                                            ("localhost:8000@evil.example", None), ("localhost:evil", None),
+                                            ("localhost:99999", None), ("::1", None), ("localhost:80:80", None),
+                                            ("user@localhost", None), ("", None)])
+def test_host_name(host: str, name: str | None) -> None:
     assert host_name(host) == name
 
 

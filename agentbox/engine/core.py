@@ -118,6 +118,7 @@ class EngineCore:
 
     def ready_message(self) -> EngineReady:
         lm = self.runner.loaded
+        cache = self.cache.stats()
         return EngineReady(
             model_name=lm.source.name,
             max_model_len=self.max_model_len,
@@ -131,6 +132,8 @@ class EngineCore:
             tensor_parallel_size=self.runner.tp,
             weight_bytes_per_rank=list(self.runner.weight_bytes_per_rank),
             model_max_len=lm.max_model_len,
+            disk_budget_bytes=cache.disk_budget_bytes, disk_pages=cache.disk_pages,
+            disk_sessions=cache.disk_sessions, disk_states=cache.disk_states,
         )
 
     def has_work(self) -> bool:

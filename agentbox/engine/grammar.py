@@ -43,6 +43,7 @@ from agentbox.engine.exec.bitmask import allocate_bitmask
 from agentbox.engine.grammar_spec import ArgStyle, CallMode, GrammarKind, GrammarSpec, ReasoningMode
 
 CACHE_ENTRIES = 128
+XGR_CACHE_BYTES = 256 * 2**20
 NEED_JUMP = 32  # the most one token can add to the closer's need (a separator that forces a new call)
 MAX_CLOSE_TOKENS = 256  # a closure longer than this is not attempted (the output ends by `length`)
 # Single characters the fallback prefers, cheapest first: ends of structure, then digits, then letters.
@@ -225,7 +226,9 @@ class GrammarCompiler:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.close_window = close_window
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
+        # xgrammar's own cache of compiled grammars, bounded by its own limit (unbounded by default: it kept every
+        # grammar ever compiled, beside this class's LRU of CACHE_ENTRIES)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads, cache_limit_bytes=XGR_CACHE_BYTES)
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._closer: Closer | None = None
@@ -245,7 +248,7 @@ class GrammarCompiler:
                 self._cache.move_to_end(spec)
                 self.hits += 1
                 return hit
-        compiled = CompiledGrammar(spec, self._compile(spec))
+        compiled = CompiledGrammar(spec, self.build(spec))
         with self._lock:
             self.misses += 1
             self._cache[spec] = compiled
@@ -265,7 +268,8 @@ class GrammarCompiler:
         self.compiler.clear_cache()
 
     # ---- building ---------------------------------------------------------------------------
-    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+    def build(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """Compile spec, bypassing this compiler's cache (`compile` is the cached way)."""
         if spec.kind is GrammarKind.JSON:
             schema = json.loads(spec.json_schema) if spec.json_schema is not None else None
             body: Any = self._json_format(schema, strict=schema is not None)

@@ -15,8 +15,9 @@ from pathlib import Path
 from rich.console import Console
 
 from agentbox.hub.profiles import Profile, ProfileError, find_profile, load_profiles, names_hint
-from agentbox.hub.pull import MARKER, PullError, is_network_error, models_dir, pull
+from agentbox.hub.pull import MARKER, PullError, is_network_error, models_dir, pull, read_marker
 from agentbox.invocation import agentbox_cmd
+from agentbox.state_files import inside
 
 # owner/name, as the hub spells repo ids; `:QUANT` picks one GGUF file of a repo that has several.
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?$")
@@ -90,7 +91,10 @@ def pull_repo(spec: str, console: Console) -> Path:
     repo, _, quant = spec.partition(":")
     dest = models_dir().joinpath(*repo.split("/"))
     if (marker := dest / MARKER).is_file():
-        return dest / json.loads(marker.read_text()).get("load", ".")
+        load = read_marker(marker).get("load", ".")
+        path = inside(dest, load) if isinstance(load, str) else None  # the marker is state: untrusted
+        if path is not None:
+            return path
     from huggingface_hub import HfApi, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,

@@ -34,6 +34,7 @@ from agentbox.hub.embedded import EMBEDDED_PACKAGE, INSTALL_HINT, embedded_model
 from agentbox.hub.profiles import Profile, Variant, find_profile
 from agentbox.hw.probe import GIB
 from agentbox.invocation import pip_cmd
+from agentbox.state_files import inside
 
 MARKER = ".agentbox.json"
 DEFAULT_ENDPOINT = "https://huggingface.co"
@@ -332,6 +333,15 @@ def remove_local(spec: str) -> list[LocalModel]:
     return hits
 
 
+def read_marker(path: Path) -> dict:
+    """A variant's marker (state: untrusted): {} when it does not parse as an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def list_local() -> list[LocalModel]:
     """Every variant under models_dir() (complete or partial) plus the embedded model when installed."""
     found: list[LocalModel] = []
@@ -341,8 +351,9 @@ def list_local() -> list[LocalModel]:
         marker = d / MARKER
         path = d
         if marker.is_file():
-            ggufs = [n for n in json.loads(marker.read_text()).get("files", {}) if n.endswith(".gguf")]
-            path = d / ggufs[0] if ggufs else d
+            files = read_marker(marker).get("files", {})
+            ggufs = [n for n in files if isinstance(n, str) and n.endswith(".gguf")] if isinstance(files, dict) else []
+            path = (inside(d, ggufs[0]) or d) if ggufs else d
         found.append(LocalModel(d.parent.name, d.name, path, size, marker.is_file()))
     if (emb := embedded_model_path()) is not None:
         found.append(

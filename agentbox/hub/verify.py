@@ -2,8 +2,9 @@
 
 Broken means: the load fails, a logit is NaN or infinite, or the output is degenerate (one token repeated,
 or one character repeated, e.g. '!!!!' — what AWQ Qwen2.5-Coder-32B produced on two kernels). A verdict is
-remembered per (model, variant, GPU, driver, engine version) in state_dir()/verdicts.json, so the next
-start skips a known-bad variant without loading it, and a driver or engine upgrade earns a fresh check.
+remembered per (model, variant, GPU, driver, engine version) in state_dir()/verdicts.json (with its checksum:
+a file that does not verify is measured again), so the next start skips a known-bad variant without loading it,
+and a driver or engine upgrade earns a fresh check.
 
 The model run itself is a `Runner` callable so the contract is testable without the engine: the default
 imports agentbox.engine.llm lazily; `transformers_runner` is the reference implementation.
@@ -11,7 +12,6 @@ imports agentbox.engine.llm lazily; `transformers_runner` is the reference imple
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from agentbox.config import state_dir
 from agentbox.hw.probe import Probe
+from agentbox.state_files import read_sealed_json, sealed_json
 
 CANARY_PROMPT = "Write a Python function that returns the sum of a list of numbers."
 CANARY_TOKENS = 16
@@ -92,20 +93,26 @@ class VerdictStore:
         return "|".join((model, variant, gpu, driver, version))
 
     def _read(self) -> dict[str, dict[str, object]]:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):  # missing or half-written: no memory, not a crash
-            return {}
+        """The verdicts, when the file verifies (state_files.py): one that is missing, half-written or edited reads
+        as empty, so the canary runs again (a verdict is only ever what a canary measured)."""
+        data = read_sealed_json(self.path)
+        return data if isinstance(data, dict) else {}
 
     def get(self, key: str) -> Verdict | None:
         entry = self._read().get(key)
-        return Verdict(**{**entry, "cached": True}) if entry else None  # type: ignore[arg-type]
+        if not isinstance(entry, dict):
+            return None
+        try:
+            return Verdict(**{**entry, "cached": True})
+        except TypeError:  # a field this version does not know: measured again
+            return None
 
     def put(self, key: str, verdict: Verdict) -> None:
         data = self._read()
         data[key] = {**asdict(verdict), "cached": False}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2))
+        tmp.write_text(sealed_json(data))
         tmp.replace(self.path)  # atomic: a crash mid-write keeps the old file
 
 

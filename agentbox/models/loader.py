@@ -7,6 +7,7 @@ Two sources: a Hugging Face directory (config.json + safetensors, single or shar
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -32,6 +33,9 @@ from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_quant_con
 from agentbox.models.registry import model_class
 from agentbox.models.weight_loader import load_weights
 from agentbox.parallel.state import tp_size
+from agentbox.state_files import check_seal, seal
+
+log = logging.getLogger(__name__)
 
 # End-of-turn tokens of common chat templates: generation must stop on them even where the checkpoint's
 # eos is the end-of-document token (SmolLM2, Qwen2.5, Llama 3 instruct).
@@ -117,15 +121,25 @@ def _linear_tensor(name: str) -> bool:
 def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
     if src.kind == "hf":
         return AutoTokenizer.from_pretrained(src.path)
-    # Converting a GGUF vocabulary takes seconds; keep the converted tokenizer keyed by file identity.
+    # Converting a GGUF vocabulary takes seconds; keep the converted tokenizer keyed by file identity. The copy is
+    # sealed (state_files.py): one that does not verify (a truncated tokenizer.json, an edited chat template) or
+    # does not load is rebuilt from the model, never trusted.
     stat = src.path.stat()
     cached = state_dir() / "tokenizers" / f"{src.name}-{stat.st_size}-{stat.st_mtime_ns}"
-    if (cached / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(cached)
+    if cached.is_dir():
+        why = check_seal(cached)
+        if why is None:
+            try:
+                return AutoTokenizer.from_pretrained(cached)
+            except Exception as e:  # noqa: BLE001 - whatever the copy holds, the model can make it again
+                why = f"does not load ({type(e).__name__})"
+        log.warning("the cached tokenizer %s %s; rebuilding it from %s", cached, why, src.path)
+        shutil.rmtree(cached, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(src.path.parent, gguf_file=src.path.name)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
     tokenizer.save_pretrained(tmp)
+    seal(tmp)
     try:
         os.rename(tmp, cached)  # atomic: a concurrent loader sees all of it or none
     except OSError:

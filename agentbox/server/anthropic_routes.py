@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentbox.chat.effort import ANTHROPIC_EFFORTS, ReasoningEffort
 from agentbox.engine.sampling import MAX_STOP, MAX_TOKENS_MAX, TOP_K_MAX, SamplingParams
-from agentbox.server.chat_pipeline import Conversation, PreparedChat, checked, fold, prepare_chat
+from agentbox.server.chat_pipeline import Conversation, PreparedChat, checked, fold, grammar_of, prepare_chat
 from agentbox.server.disconnect import until_disconnect
 from agentbox.server.errors import (
     ANTHROPIC_ERROR_TYPES,
@@ -38,6 +38,14 @@ router = APIRouter(route_class=FastJSONRoute)  # orjson bodies: server/fast_json
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
+class Thinking(BaseModel):
+    """`thinking`: on, off or adaptive. `budget_tokens` is range-checked and otherwise unused (chat/effort.py)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_MAX)
+
+
 class MessagesBody(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -46,7 +54,7 @@ class MessagesBody(BaseModel):
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    thinking: Thinking | None = None
     metadata: dict[str, Any] | None = None
 
 
@@ -182,10 +190,10 @@ def _tool_choice(tc: dict | None) -> tuple[str | dict | None, bool]:
     raise APIError(400, f"tool_choice.type must be auto, any, tool or none (got {kind!r})")
 
 
-def _thinking(th: dict | None) -> bool | None:
-    if not th:
+def _thinking(th: Thinking | None) -> bool | None:
+    if th is None:
         return None
-    return th.get("type") in ("enabled", "adaptive")
+    return th.type != "disabled"
 
 
 def _response_format(output_config: Any) -> dict | None:
@@ -218,6 +226,8 @@ def conversation_of(body: MessagesBody) -> Conversation:
     choice, parallel = _tool_choice(body.tool_choice)
     extra = body.model_extra or {}
     return Conversation(messages=to_messages(body), tools=_tools(body.tools), tool_choice=choice,
+                        tool_params=[f"tools[{i}].input_schema" for i, t in enumerate(body.tools or [])
+                                     if "input_schema" in t], format_param="output_config.format.schema",
                         response_format=_response_format(extra.get("output_config")),
                         parallel_tool_calls=parallel, enable_thinking=_thinking(body.thinking),
                         reasoning_effort=_effort(extra.get("output_config")),
@@ -269,7 +279,7 @@ async def _prepare(request: Request, body: CreateBody) -> tuple[ServerState, Pre
         top_k=state.pick("top_k", body.top_k, 0),
         stop=list(body.stop_sequences or []),
     ))
-    sp.grammar = chat.grammar()
+    sp.grammar = await grammar_of(state, chat)
     return state, chat, sp, session_key(request.headers, body)
 
 

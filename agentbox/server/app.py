@@ -41,6 +41,7 @@ from agentbox.server.errors import (
     unexpected_handler,
     validation_error_handler,
 )
+from agentbox.server.grammar_gate import GrammarGate
 from agentbox.server.guard import RequestGuard, is_loopback
 from agentbox.server.model_names import model_names, served_name
 from agentbox.server.state import CLIENT_AGENT, CLIENT_NAMESPACE, ServerState
@@ -108,7 +109,9 @@ def create_app(config: ServerConfig) -> FastAPI:
                                          sampling_defaults=d.sampling, thinking_model=d.thinking,
                                          tool_parser=d.tool_parser,
                                          default_max_tokens=d.max_output_tokens or config.default_max_tokens,
-                                         names=model_names(config, info.model_name))
+                                         names=model_names(config, info.model_name),
+                                         grammars=GrammarGate(config.engine.model, info.vocab_size,
+                                                              info.eos_token_ids))
         if config.record_trace:
             from agentbox.server.trace_recorder import TraceRecorder
 
@@ -124,6 +127,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             yield
         finally:
             engine.shutdown()
+            app.state.agentbox.grammars.close()
 
     app = FastAPI(title="agentbox", version=agentbox.__version__, lifespan=lifespan)
     app.add_exception_handler(APIError, api_error_handler)
@@ -189,7 +193,10 @@ def create_app(config: ServerConfig) -> FastAPI:
     def model_entry(state: ServerState) -> dict:
         return {"id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "agentbox",
                 "max_model_len": state.info.max_model_len, "max_output_tokens": state.default_max_tokens,
-                "context_note": state.context_note, "aliases": list(state.names[1:])}
+                "context_note": state.context_note,
+                # what a request without max_tokens may generate (the same number: both names are read)
+                "default_max_tokens": state.default_max_tokens,
+                "aliases": list(state.names[1:])}
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
@@ -213,7 +220,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.include_router(anthropic_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(sessions_routes.router)
-    openapi.install(app, auth=bool(config.api_key))
+    openapi.install(app, auth=bool(config.api_key), config=config)
     return app
 
 

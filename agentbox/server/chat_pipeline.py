@@ -46,6 +46,9 @@ class Conversation:
     structured_tool_calls: bool = True  # auto + tools: a structural tag keeps every call schema-valid
     enable_thinking: bool | None = None  # None: the template's default
     reasoning_effort: ReasoningEffort | None = None  # None: the template's default (gpt-oss: medium)
+    # Where the request carries each tool's schema and the response format's, for errors that name them
+    tool_params: list[str] | None = None  # one per tool; None: OpenAI chat's tools[i].function.parameters
+    format_param: str = "response_format.json_schema.schema"
 
 
 @dataclass
@@ -195,6 +198,25 @@ class PreparedChat:
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from e
 
+    def schema_param(self, spec: GrammarSpec, index: int) -> str:
+        """The request's path of spec's schema `index` (a tool's, or FORMAT: the response format's)."""
+        if index < 0:
+            return self.conv.format_param
+        name = spec.tools[index].name
+        tools = self.tools or []
+        i = next((i for i, t in enumerate(tools) if t["function"]["name"] == name), index)
+        params = self.conv.tool_params
+        return params[i] if params is not None and i < len(params) else f"tools[{i}].function.parameters"
+
+
+async def grammar_of(state: ServerState, chat: PreparedChat) -> GrammarSpec | None:
+    """The grammar the request decodes under, once the gate (server/grammar_gate.py) has judged it: a schema
+    past its limits or budget is a 400 naming it, before anything reaches the engine."""
+    spec = chat.grammar()
+    if spec is not None and state.grammars is not None:
+        await state.grammars.admit(spec, lambda i: chat.schema_param(spec, i))
+    return spec
+
 
 def reasoning_style_of(template: str) -> str:
     """harmony channels (gpt-oss), Gemma 4's thought channel, qwen3-style `<think>` blocks when the template knows them; else none."""
@@ -257,13 +279,29 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
     style = reasoning_style_of(template)
     parser = syntax if tools and conv.tool_choice != "none" else None
     if check_length:
-        state.check_prompt_chars(text, param)  # before tokenizing: a 5 MB prompt is refused at once
+        try:
+            state.check_prompt_chars(text, param)  # before tokenizing: a 5 MB prompt is refused at once
+        except APIError as e:
+            raise _blame_tools(e, conv, tools, len(text)) from None
     # Only what this turn appended is tokenized: the ids equal full tokenization (chat/incremental.py).
     ids = incremental_for(tok, state.config.tokenize_cache_texts).encode_ids(text)
     if check_length:
         state.check_prompt(len(ids), param)
     return PreparedChat(conv, text, ids, tools, parser, style,
                         starts_inside=prompt_opens_reasoning(text, style) if style != "none" else False)
+
+
+def _blame_tools(e: APIError, conv: Conversation, tools: list[dict] | None, chars: int) -> APIError:
+    """A prompt too long for the context whose tool definitions make most of it: the error names the largest
+    tool's schema (a 100,000-member enum is refused here, for its length, before its grammar is built)."""
+    sizes = [len(json.dumps(t, ensure_ascii=False)) for t in tools or []]
+    if 2 * sum(sizes) < chars:
+        return e
+    i = max(range(len(sizes)), key=sizes.__getitem__)
+    params = conv.tool_params
+    where = params[i] if params is not None and i < len(params) else f"tools[{i}].function.parameters"
+    return APIError(e.status, f"{e.message}; the tools' definitions take {sum(sizes):,} characters of it, the largest "
+                    f"{where} ({sizes[i]:,})", param=where, code=e.code)
 
 
 def checked(sp: SamplingParams) -> SamplingParams:

@@ -2,7 +2,11 @@
 send to a server on the user's own machine.
 
 - Host: a server bound to loopback answers only to loopback names (421 otherwise). A page on
-  evil.example that re-resolves its name to 127.0.0.1 (DNS rebinding) still sends `Host: evil.example`.
+  evil.example that re-resolves its name to 127.0.0.1 (DNS rebinding) still sends `Host: evil.example`. The
+  whole value must be `name` or `name:port` (digits) with the name allowed: `localhost:8000@evil.example` and
+  `localhost:evil` are refused, not read as `localhost`, and so is a request with two Host headers.
+- Method: a POST to a path that has no POST route goes to the router unchecked, which answers 405 (not the
+  415 of a body check that does not apply).
 - Content-Type: every POST must say JSON (415 otherwise). A cross-site form or `fetch` with `text/plain`
   needs no CORS preflight, so without this check any page the user opens could run generations.
 - Size: headers (431) and body (413) are bounded before they are read whole; the JSON is parsed off the
@@ -17,7 +21,10 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import re
 from typing import Any
+
+from starlette.routing import Match
 
 from agentbox.config import ServerConfig
 from agentbox.server.body_memo import BodyMemo
@@ -45,12 +52,16 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def host_name(value: str) -> str:
-    """`Host` without its port: `127.0.0.1:8000` -> 127.0.0.1, `[::1]:8000` -> ::1."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        return value[1 : value.find("]")] if "]" in value else value
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+_HOST = re.compile(r"(?:\[(?P<ip6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9.-]+))(?::(?P<port>[0-9]{1,5}))?")
+
+
+def host_name(value: str) -> str | None:
+    """`Host` without its port (`127.0.0.1:8000` -> 127.0.0.1, `[::1]:8000` -> ::1), or None when the value is not
+    exactly a name or a bracketed IPv6 address with an optional numeric port."""
+    m = _HOST.fullmatch(value.strip().lower())
+    if m is None or (m["port"] is not None and int(m["port"]) > 65535):
+        return None
+    return m["ip6"] or m["name"]
 
 
 def is_json_type(content_type: str) -> bool:
@@ -148,6 +159,7 @@ class RequestGuard:
         self.loopback = is_loopback(config.host)
         self.allowed_hosts = LOOPBACK_NAMES | {config.host.strip("[]").lower()}
         self.max_body = int(config.max_body_mb * 2**20)
+        self._post_paths: dict[str, bool] = {}  # path -> whether a route takes POST there
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -163,13 +175,17 @@ class RequestGuard:
             await refuse(431, f"the request headers exceed {MAX_HEADER_BYTES // 1024} KiB", "headers_too_large")
             return
         h = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+        if sum(k == b"host" for k, _ in headers) > 1:
+            await refuse(400, "the request has more than one Host header", "bad_host")
+            return
         if self.loopback and "host" in h and host_name(h["host"]) not in self.allowed_hosts:
             await refuse(421, f"this server is bound to loopback and answers only to localhost, 127.0.0.1 or "
-                         f"[::1], not to Host {h['host'][:100]!r} (a guard against DNS rebinding). To serve "
-                         "other names: agentbox serve --host 0.0.0.0 with AGENTBOX_API_KEY set", "bad_host")
+                         f"[::1] (with a numeric port), not to Host {h['host'][:100]!r} (a guard against DNS "
+                         "rebinding). To serve other names: agentbox serve --host 0.0.0.0 with AGENTBOX_API_KEY "
+                         "set", "bad_host")
             return
-        if scope["method"] != "POST":
-            await self.app(scope, receive, send)
+        if scope["method"] != "POST" or not self._posts_to_a_route(scope):
+            await self.app(scope, receive, send)  # the router answers a wrong method with 405
             return
         ctype = h.get("content-type", "")
         if not is_json_type(ctype):
@@ -212,3 +228,16 @@ class RequestGuard:
             return await receive()  # after the body: the client's disconnect, when it comes
 
         await self.app(scope, replay, send)
+
+    def _posts_to_a_route(self, scope: dict) -> bool:
+        """A route of the app (scope["app"], set by Starlette before its middleware runs) takes this POST."""
+        path = scope["path"]
+        known = self._post_paths.get(path)
+        if known is None:
+            app = scope.get("app")
+            routes = getattr(getattr(app, "router", None), "routes", None)
+            known = routes is None or any(getattr(r, "matches", None) is not None and r.matches(scope)[0] is Match.FULL
+                                          for r in routes)
+            if len(self._post_paths) < 1024:  # paths are the client's to choose: the memo stays bounded
+                self._post_paths[path] = known
+        return known

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from agentbox.chat.effort import ReasoningEffort
 from agentbox.engine.exec.logprob import TokenLogprob
 from agentbox.engine.sampling import SamplingParams
-from agentbox.server.chat_pipeline import Conversation, FinalOutput, checked, fold, prepare_chat
+from agentbox.server.chat_pipeline import Conversation, FinalOutput, checked, fold, grammar_of, prepare_chat
 from agentbox.server.disconnect import until_disconnect
 from agentbox.server.errors import APIError, as_api_error
 from agentbox.server.fast_json import FastJSONRoute
@@ -71,6 +71,8 @@ def conversation_of(body: ChatCompletionRequest) -> Conversation:
     effort = effort_of(body.reasoning_effort)
     return Conversation(
         messages=body.messages, tools=body.tools, tool_choice=body.tool_choice,
+        tool_params=[f"tools[{i}].function.parameters" if isinstance(t, dict) and "function" in t
+                     else f"tools[{i}].parameters" for i, t in enumerate(body.tools or [])],
         response_format=body.response_format,
         parallel_tool_calls=body.parallel_tool_calls is not False,
         structured_tool_calls=extra.get("structured_tool_calls") is not False,
@@ -127,7 +129,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     max_tokens = state.clamp_max_tokens(body.max_completion_tokens or body.max_tokens, len(prompt))
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sp = sampling_from(state, body, max_tokens, logprobs)
-    sp.grammar = chat.grammar()
+    sp.grammar = await grammar_of(state, chat)
     sid = session_key(request.headers, body)
     cid, created = new_id("chatcmpl"), int(time.time())
     events = generate(state, prompt, sp, sid, cid, record=(chat.conv.messages, chat.conv.tools))

@@ -15,17 +15,30 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentbox.chat import schema_check
+from agentbox.config import ServerConfig
+from agentbox.server import grammar_gate, guard
 from agentbox.server.anthropic_routes import CreateBody, MessagesBody
+from agentbox.server.protocol import ChatCompletionRequest, CompletionRequest
+from agentbox.server.responses_routes import ResponsesRequest
+from agentbox.server.session_key import MAX_SESSION_ID_CHARS
 
 
 class _Doc(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+SCHEMA_LIMITS = (f"a JSON schema object of at most {schema_check.MAX_SCHEMA_BYTES:,} bytes: at most "
+                 f"{schema_check.MAX_ENUM_MEMBERS:,} members an enum, {schema_check.MAX_PROPERTIES:,} properties an "
+                 f"object, every part able to end within {schema_check.MAX_SHORTEST_CHARS:,} characters (no "
+                 f"recursion it cannot leave), compiled within {grammar_gate.COMPILE_S:g} s; all of a request's "
+                 f"schemas together at most {grammar_gate.MAX_GRAMMAR_BYTES:,} bytes")
+
+
 class FunctionDef(_Doc):
     name: str = Field(..., min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = Field(None, description="a JSON schema object")
+    parameters: dict[str, Any] | None = Field(None, description=SCHEMA_LIMITS)
 
 
 class Tool(_Doc):
@@ -44,7 +57,7 @@ class ChatMessage(_Doc):
 class AnthropicTool(_Doc):
     name: str = Field(..., min_length=1)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] = Field(..., description=SCHEMA_LIMITS)
 
 
 class AnthropicMessage(_Doc):
@@ -136,14 +149,16 @@ class ResponseObject(_Doc):
     usage: dict[str, Any] | None
 
 
-# Request bodies as documented: the routes' fields, with messages and tools typed.
-REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "/v1/chat/completions": ("ChatCompletionRequest", {"messages": ChatMessage, "tools": Tool}),
-    "/v1/completions": ("CompletionRequest", {}),
-    "/v1/responses": ("ResponsesRequest", {"tools": Tool}),
-    "/v1/messages": ("CreateBody", {"messages": AnthropicMessage, "tools": AnthropicTool}),
-    "/v1/messages/count_tokens": ("MessagesBody", {"messages": AnthropicMessage, "tools": AnthropicTool}),
+# Request bodies as documented: the routes' own models (pydantic's schema: FastAPI's document turns integer
+# bounds into floats, and 2**63 - 1 became 2**63, a seed the server refuses), with messages and tools typed.
+REQUESTS: dict[str, tuple[type[BaseModel], dict[str, Any]]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, {"messages": ChatMessage, "tools": Tool}),
+    "/v1/completions": (CompletionRequest, {}),
+    "/v1/responses": (ResponsesRequest, {"tools": Tool}),
+    "/v1/messages": (CreateBody, {"messages": AnthropicMessage, "tools": AnthropicTool}),
+    "/v1/messages/count_tokens": (MessagesBody, {"messages": AnthropicMessage, "tools": AnthropicTool}),
 }
+MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 RESPONSES: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletion, "/v1/completions": Completion, "/v1/responses": ResponseObject,
     "/v1/messages": AnthropicMessageResponse, "/v1/messages/count_tokens": TokenCount,
@@ -168,22 +183,46 @@ def _json(schema: dict[str, Any]) -> dict[str, Any]:
     return {"content": {"application/json": {"schema": schema}}}
 
 
-def build(app: FastAPI, auth: bool) -> dict[str, Any]:
+def limits(config: ServerConfig, default_max_tokens: int) -> dict[str, Any]:
+    """Every limit a request meets before it is served, as `x-limits` of the document (the fields' own bounds are
+    in their schemas)."""
+    return {
+        "max_body_bytes": int(config.max_body_mb * 2**20), "max_header_bytes": guard.MAX_HEADER_BYTES,
+        "max_json_depth": guard.MAX_JSON_DEPTH, "max_session_id_chars": MAX_SESSION_ID_CHARS,
+        "default_max_tokens": default_max_tokens,
+        "schema": {"max_bytes": schema_check.MAX_SCHEMA_BYTES, "max_enum_members": schema_check.MAX_ENUM_MEMBERS,
+                   "max_properties": schema_check.MAX_PROPERTIES,
+                   "max_shortest_value_chars": schema_check.MAX_SHORTEST_CHARS,
+                   "max_request_bytes": grammar_gate.MAX_GRAMMAR_BYTES, "compile_s": grammar_gate.COMPILE_S,
+                   "compile_memory_bytes": grammar_gate.COMPILE_MEMORY_BYTES},
+    }
+
+
+def build(app: FastAPI, auth: bool, config: ServerConfig) -> dict[str, Any]:
+    state = getattr(app.state, "agentbox", None)  # the document is built on its first request, after the start
+    default_max_tokens = state.default_max_tokens if state is not None else config.default_max_tokens
     spec = get_openapi(title=app.title, version=app.version, routes=app.routes,
                        description="agentbox: OpenAI chat / completions / responses and Anthropic messages, "
-                       "with every agent session's cache kept resident.")
+                       "with every agent session's cache kept resident. A request without max_tokens (or "
+                       f"max_output_tokens) may generate up to {default_max_tokens} tokens (also in /v1/models as "
+                       "default_max_tokens); `x-limits` lists every other limit.")
+    spec["x-limits"] = limits(config, default_max_tokens)
     comps = spec.setdefault("components", {}).setdefault("schemas", {})
     comps.pop("HTTPValidationError", None)
     comps.pop("ValidationError", None)
     errors = {"openai": _schema(OpenAIError, comps), "anthropic": _schema(AnthropicError, comps)}
-    for model in (CreateBody, MessagesBody):
+    for model, typed in REQUESTS.values():
         _schema(model, comps)
-    for name, typed in REQUESTS.values():
-        body = comps.get(name)
-        for field, model in typed.items():
+        body = comps.get(model.__name__)
+        for field in MAX_TOKENS_FIELDS:
+            if body is not None and field in body.get("properties", {}):
+                body["properties"][field]["description"] = (
+                    f"the output budget; without it, {default_max_tokens} tokens (the model's default), capped by "
+                    "the room the context leaves")
+        for field, item in typed.items():
             props = body.get("properties", {}) if body is not None else {}
             if field in props:
-                array: dict[str, Any] = {"type": "array", "items": _schema(model, comps)}
+                array: dict[str, Any] = {"type": "array", "items": _schema(item, comps)}
                 if field == "messages":
                     array["minItems"] = 1
                 nullable = any(a.get("type") == "null" for a in props[field].get("anyOf", []))
@@ -194,7 +233,8 @@ def build(app: FastAPI, auth: bool) -> dict[str, Any]:
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             if method == "post" and path in REQUESTS:
-                op["requestBody"] = {"required": True, **_json({"$ref": f"#/components/schemas/{REQUESTS[path][0]}"})}
+                ref = f"#/components/schemas/{REQUESTS[path][0].__name__}"
+                op["requestBody"] = {"required": True, **_json({"$ref": ref})}
                 ok = _json(_schema(RESPONSES[path], comps))
                 if path in STREAMING:
                     ok["content"]["text/event-stream"] = {"schema": {"type": "string"}}
@@ -215,10 +255,10 @@ def build(app: FastAPI, auth: bool) -> dict[str, Any]:
     return spec
 
 
-def install(app: FastAPI, auth: bool) -> None:
+def install(app: FastAPI, auth: bool, config: ServerConfig) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = build(app, auth)
+            app.openapi_schema = build(app, auth, config)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentbox.chat.tool_parsers import Delta
 from agentbox.engine.sampling import MAX_TOKENS_MAX, SamplingParams
-from agentbox.server.chat_pipeline import Conversation, OutputProcessor, checked, prepare_chat
+from agentbox.server.chat_pipeline import Conversation, OutputProcessor, checked, grammar_of, prepare_chat
 from agentbox.server.disconnect import until_disconnect
 from agentbox.server.errors import APIError, as_api_error
 from agentbox.server.fast_json import FastJSONRoute
@@ -107,7 +107,12 @@ def to_messages(body: ResponsesRequest) -> list[dict]:
 
 
 def _tools(tools: list[dict] | None) -> list[dict] | None:
-    """Function tools (flat Responses shape); hosted tools (web_search, …) cannot run here and are dropped."""
+    """Function tools (flat Responses shape); hosted tools (web_search, …) cannot run here and are dropped. A
+    function tool without a name is a 400: the model could never call it."""
+    for i, t in enumerate(tools or []):
+        if t.get("type") == "function" and (not isinstance(t.get("name"), str) or not t["name"]):
+            raise APIError(400, f"tools[{i}].name is missing: every function tool needs a name the model can call "
+                           "it by", param=f"tools[{i}].name")
     kept = [{"type": "function", "function": {"name": t["name"], "description": t.get("description") or "",
                                                "parameters": t.get("parameters") or {"type": "object", "properties": {}}}}
             for t in tools or [] if t.get("type") == "function" and "name" in t]
@@ -134,6 +139,8 @@ def conversation_of(body: ResponsesRequest) -> Conversation:
     effort = effort_of(body.reasoning.effort if body.reasoning else None)
     return Conversation(
         messages=to_messages(body), tools=_tools(body.tools), tool_choice=_tool_choice(body.tool_choice),
+        tool_params=[f"tools[{i}].parameters" for i, t in enumerate(body.tools or []) if t.get("type") == "function"],
+        format_param="text.format.schema",
         response_format=_response_format(body.text), parallel_tool_calls=body.parallel_tool_calls is not False,
         structured_tool_calls=extra.get("structured_tool_calls") is not False,
         enable_thinking=False if effort is not None and effort.switches_thinking_off else None,
@@ -240,7 +247,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
         temperature=state.pick("temperature", body.temperature, 1.0),
         top_p=state.pick("top_p", body.top_p, 1.0),
     ))
-    sp.grammar = chat.grammar()
+    sp.grammar = await grammar_of(state, chat)
     sid = session_key(request.headers, body)
     rid = "resp_" + new_id("r")[2:]
     created = int(time.time())

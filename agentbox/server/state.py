@@ -18,6 +18,7 @@ from agentbox.config import ServerConfig
 from agentbox.engine.ipc.client import EngineClient
 from agentbox.engine.ipc.messages import EngineReady
 from agentbox.server.errors import APIError
+from agentbox.server.grammar_gate import GrammarGate
 
 T = TypeVar("T")
 log = logging.getLogger("agentbox.server")
@@ -48,6 +49,7 @@ class ServerState:
     default_max_tokens: int = 4096  # the profile's output budget for requests that send no max_tokens
     names: tuple[str, ...] = ()  # every name the model answers to, model_name first (server/model_names.py)
     context_note: str = ""  # the served context and why it is that (server/context.py)
+    grammars: GrammarGate | None = None  # judges every grammar before the engine sees it (server/grammar_gate.py)
     _cpu: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
     _max_token_chars: int | None = None
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentbox.config import state_dir
+from agentbox.engine.cache.disk_index import read_index
 
 
 def disk_root() -> Path:
@@ -40,15 +41,17 @@ def namespaces(root: Path | None = None) -> list[NamespaceInfo]:
     root = root or disk_root()
     out = []
     for d in sorted(p for p in (root.iterdir() if root.is_dir() else []) if p.is_dir()):
-        meta, index = _json(d / "meta.json"), _json(d / "index.json")
-        chunks = index.get("chunks", [])
+        meta = _json(d / "meta.json")
+        chunks = read_index(d)[0] or []  # validated entries only: the files are untrusted (disk_index.py)
+        sessions = _json(d / "sessions.json").get("sessions", [])
+        page_size = meta.get("page_size", 0)
         out.append(NamespaceInfo(
             key=d.name, model=str(meta.get("model", "?")), dtype=str(meta.get("kv_dtype", "?")),
-            page_size=int(meta.get("page_size", 0)),
+            page_size=page_size if isinstance(page_size, int) else 0,
             bytes=sum(f.stat().st_size for f in d.rglob("*") if f.is_file()),
-            chunks=len(chunks), pages=sum(len(c.get("pages", [])) for c in chunks),
-            sessions=len(_json(d / "sessions.json").get("sessions", [])),
-            oldest=min((c.get("created", 0.0) for c in chunks), default=None),
+            chunks=len(chunks), pages=sum(len(c.pages) for c in chunks),
+            sessions=len(sessions) if isinstance(sessions, list) else 0,
+            oldest=min((c.created for c in chunks), default=None),
         ))
     return out
 

@@ -22,7 +22,7 @@ from agentbox.layers.backends.base import KVCache
 from agentbox.layers.recurrent_state import StateCache
 
 # Bumped when the chunk format or what a page holds changes: old namespaces then stop matching.
-FORMAT_VERSION = 2  # 2: CRC-32 checksums, state snapshots
+FORMAT_VERSION = 3  # 2: CRC-32 checksums, state snapshots; 3: chunks carry their own headers (disk_index.py)
 
 
 def _files(model: Path) -> list[tuple[str, int, int]]:

@@ -30,11 +30,13 @@ def checksum(data: bytes | bytearray | memoryview) -> str:
     return f"{zlib.crc32(data):08x}"
 
 
-def load(path: Path, nbytes: int, want: str) -> bytearray | None:
-    """The chunk's bytes when they are all there and match their checksum, else None."""
+def load(path: Path, nbytes: int, want: str, offset: int = 0) -> bytearray | None:
+    """The chunk's data (nbytes from offset: after its header) when they are all there and match their checksum,
+    else None."""
     buf = bytearray(nbytes)
     try:
         with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
             got = f.readinto(buf)
     except OSError:
         return None
@@ -49,7 +51,7 @@ class ChunkReader:
         self._ahead: OrderedDict[str, tuple[str, int, Future[bytearray | None]]] = OrderedDict()  # name -> sum, bytes
         self._bytes = 0
 
-    def ask(self, name: str, path: Path, nbytes: int, want: str, make_room: bool = True) -> bool:
+    def ask(self, name: str, path: Path, nbytes: int, want: str, make_room: bool = True, offset: int = 0) -> bool:
         """Start reading the chunk `name` (unless it is being read already). Past AHEAD_BYTES the oldest reads
         are dropped (`make_room`: a restore's next chunks), or this one is not asked (False: a prefetch, whose
         first chunks are the ones needed first)."""
@@ -59,7 +61,7 @@ class ChunkReader:
             return False
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="disk-kv-read")
-        self._ahead[name] = (want, nbytes, self._pool.submit(load, path, nbytes, want))
+        self._ahead[name] = (want, nbytes, self._pool.submit(load, path, nbytes, want, offset))
         self._bytes += nbytes
         while self._bytes > AHEAD_BYTES and len(self._ahead) > 1:
             self.forget(next(iter(self._ahead)))

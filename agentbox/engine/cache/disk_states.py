@@ -5,8 +5,9 @@ saved (state_snapshots.py). So its snapshots go to the same disk tier as its pag
 - Named by the chained hash of the page their position ends on (the position is page-aligned), so a
   snapshot is only ever found by a sequence that starts with the very tokens it describes; checksummed and
   indexed like pages (disk_tier.py); the namespace covers the state's layout (disk_namespace.py).
-- Written when they leave memory: a snapshot the store drops for room (`dropping`, before its slot is
-  reused), and every held snapshot at a graceful stop (`persist`). A slot whose copy is still queued for
+- Written when a turn ends (`write_behind`, on the tier's writer thread), when they leave memory (a snapshot
+  the store drops for room: `dropping`, before its slot is reused), and every held snapshot at a graceful stop
+  (`persist`). A slot whose copy is still queued for
   the next step does not hold its snapshot yet: it is not written (recomputed later, never served wrong).
 - Restored on a match: when the disk holds a snapshot further into the prompt than any in memory, the lookup
   names it (`find`, pure) and the lock reads it into a store slot (`load`, under its own key, `disk:<hash>`)
@@ -73,7 +74,7 @@ class DiskStates:
         self.ps = page_size
         self.pending = pending  # slots a queued copy will fill at the next step (their content is not theirs yet)
         self._tokens: dict[int, Sequence[int]] = {}  # slot -> the tokens its snapshot describes
-        self.written = 0
+        self.written = 0  # snapshots written (or queued to be, at turn ends)
         self.restored = 0
         store.listener = self
 
@@ -102,6 +103,16 @@ class DiskStates:
         if self.tier.has_state(h):
             return False
         ok = self.tier.write_state(h, slot_bytes(self.state, slot))
+        self.written += ok
+        return ok
+
+    def write_behind(self, tokens: Sequence[int], src: int) -> bool:
+        """A turn's snapshot, the state in slot `src` (the row's page-aligned copy, at exactly the end of tokens),
+        queued for the tier's writer thread (read from src now: the store's own copy runs at the next step)."""
+        if not tokens or len(tokens) % self.ps:
+            return False
+        h = self.tier.hashes(tuple(tokens), self.ps, len(tokens) // self.ps)[-1]
+        ok = not self.tier.has_state(h) and self.tier.write_state_behind(h, slot_bytes(self.state, src))
         self.written += ok
         return ok
 

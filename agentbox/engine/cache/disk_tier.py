@@ -7,11 +7,16 @@ model, dtypes, KV layout, page size, tp), holding `index.json` and `chunks/<hash
   page's hash and this page's tokens), so a page can only ever be found by a sequence that starts with the
   very tokens it was computed for.
 - A chunk is a run of pages written together (one radix node's pages), page-major, named by its last
-  page's hash; its checksum (CRC-32) is kept in the index. A chunk whose bytes do not match is dropped and
-  counted (`torn`), never served: the caller recomputes those tokens.
+  page's hash, after a header naming its pages and its data's checksum (CRC-32, disk_index.py); the index
+  keeps the same. A chunk whose bytes do not match is dropped and counted (`torn`), never served: the caller
+  recomputes those tokens.
 - The index is rewritten whole and atomically (temporary file, fsync, rename) after the chunk files it names
-  are written and fsynced, so a crash at any instant leaves a consistent tier: at worst the chunks written
-  since the last index are missing (they are orphans on the next start, deleted and counted).
+  are written and fsynced, so a crash at any instant leaves a consistent tier: the chunks written since the
+  last index are adopted from their headers on the next start, and an index that does not parse is rebuilt
+  from them; a file with no header that verifies is deleted and counted. Nothing read from the directory is
+  trusted to name a path outside it (disk_index.py).
+- Write-behind: a turn's new pages and its snapshot are written by a thread of their own (`write_behind`,
+  disk_writer.py); until a write is done its pages count as on disk for what to write (`has`), not for reads.
 - A model with per-sequence state (hybrid, Gemma 4) also keeps state snapshots here: one chunk per snapshot,
   named by the chained hash of the page its position ends on (`state`), checksummed and indexed like pages.
 - Bounded: past `budget_bytes` (all namespaces together) other namespaces go first, then this one's least
@@ -36,12 +41,13 @@ from pathlib import Path
 
 import numpy as np
 
-from agentbox.engine.cache.disk_reader import ChunkReader, checksum, load
+from agentbox.engine.cache.disk_index import INDEX, Chunk, load_chunks
+from agentbox.engine.cache.disk_reader import ChunkReader, load
+from agentbox.engine.cache.disk_writer import DiskWriter, Write, write_chunk
 from agentbox.prefix import common_prefix
 
 log = logging.getLogger(__name__)
 
-INDEX = "index.json"
 SESSIONS = "sessions.json"
 HASH_BYTES = 16
 INDEX_EVERY_S = 0.5  # the index is rewritten at most this often while spilling (and at every flush)
@@ -50,17 +56,6 @@ READ_AHEAD = 2  # chunks read on the worker thread ahead of the one a restore co
 
 def chain(prev: bytes, page: Sequence[int]) -> bytes:
     return hashlib.blake2b(prev + np.asarray(page, dtype=np.int64).tobytes(), digest_size=HASH_BYTES).digest()
-
-
-@dataclass
-class Chunk:
-    name: str
-    pages: list[str]  # page hashes (hex), in order
-    sum: str
-    nbytes: int
-    created: float
-    used: float
-    state: str = ""  # a state snapshot's chunk: the hash (hex) of the page its position ends on
 
 
 @dataclass(frozen=True)
@@ -108,6 +103,10 @@ class DiskTier:
         self.written = 0  # pages written
         self.read = 0  # pages read back
         self.full_disk = 0  # writes skipped for lack of space
+        self.writer = DiskWriter()
+        self.pending: dict[str, Write] = {}  # chunk name -> its write-behind, queued or being written
+        self._pending_pages: set[str] = set()  # their page hashes (hex)
+        self._pending_states: set[str] = set()  # their snapshots' page hashes (hex)
         self._dirty = False
         self._last_index = 0.0
         self._others: int | None = None  # bytes of the other namespaces (measured once, then tracked)
@@ -120,22 +119,13 @@ class DiskTier:
     # ---- start ----
 
     def _load(self) -> None:
-        try:
-            raw = json.loads((self.dir / INDEX).read_text())
-        except (OSError, ValueError):
-            raw = {"chunks": []}
-        for c in sorted(_chunks(raw), key=lambda c: c.used):
-            p = self.chunks_dir / f"{c.name}.kv"
-            if not p.is_file() or p.stat().st_size != c.nbytes:
-                self.torn += 1
-                continue
+        found = load_chunks(self.dir, self.chunks_dir)
+        self.torn = found.torn
+        for c in found.chunks:
             self._add(c)
-        for p in self.chunks_dir.iterdir():  # a crash's leftovers: temporaries and chunks no index names
-            if p.suffix != ".kv" or p.stem not in self.chunks:
-                p.unlink(missing_ok=True)
-                self.torn += 1
-        if self.torn:
-            log.warning("disk KV tier: dropped %d torn or unindexed chunks (recomputed when needed)", self.torn)
+        if found.changed:
+            self._dirty = True
+            self.save_index()
 
     def _add(self, c: Chunk) -> None:
         self.chunks[c.name] = c
@@ -168,11 +158,12 @@ class DiskTier:
         return out
 
     def has(self, h: bytes) -> bool:
-        return h.hex() in self.pages
+        """The page is on disk, or on its way there (a write-behind queued)."""
+        return h.hex() in self.pages or h.hex() in self._pending_pages
 
     @property
     def bytes_used(self) -> int:
-        return sum(c.nbytes for c in self.chunks.values())
+        return sum(c.file_bytes for c in self.chunks.values()) + sum(w.nbytes for w in self.pending.values())
 
     @property
     def num_pages(self) -> int:
@@ -213,7 +204,8 @@ class DiskTier:
 
     def _ask(self, name: str, make_room: bool = True) -> bool:
         c = self.chunks.get(name)
-        return c is not None and self.reader.ask(name, self.chunks_dir / f"{name}.kv", c.nbytes, c.sum, make_room)
+        return c is not None and self.reader.ask(name, self.chunks_dir / f"{name}.kv", c.nbytes, c.sum, make_room,
+                                                 c.offset)
 
     def _read_chunk(self, name: str) -> bytearray | None:
         c = self.chunks.get(name)
@@ -221,7 +213,7 @@ class DiskTier:
             return None
         asked, data = self.reader.take(name, c.sum)
         if not asked:
-            data = load(self.chunks_dir / f"{name}.kv", c.nbytes, c.sum)
+            data = load(self.chunks_dir / f"{name}.kv", c.nbytes, c.sum, c.offset)
         if data is None:
             log.warning("disk KV tier: chunk %s is torn or corrupt; dropped (its tokens are recomputed)", name)
             self._drop(c)
@@ -246,7 +238,8 @@ class DiskTier:
         return self._write("s" + h.hex(), data, [], h.hex())
 
     def has_state(self, h: bytes) -> bool:
-        return h.hex() in self.states
+        """A snapshot at that page's end is on disk, or on its way there."""
+        return h.hex() in self.states or h.hex() in self._pending_states
 
     def read_state(self, h: bytes) -> bytes | None:
         """The state snapshot at the end of page h, or None (none, or its chunk is torn: dropped, counted)."""
@@ -263,31 +256,78 @@ class DiskTier:
         n = len(data)
         if n > self.budget or not self._make_room(n):
             return False
-        path = self.chunks_dir / f"{name}.kv"
-        tmp = path.with_suffix(".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
+        w = Write(name, self.chunks_dir / f"{name}.kv", data, pages, state)
+        write_chunk(w, ".tmp")
+        return self._landed(w)
+
+    def _landed(self, w: Write) -> bool:
+        """A write is done (here, or on the writer's thread): index it, or say why it is not there."""
+        if not w.ok:
             self.full_disk += 1
             if self.full_disk == 1 or self.full_disk % 100 == 0:
+                why = w.error.strerror if w.error is not None else "unknown"
                 log.warning("disk KV tier: could not write %s (%s); pages are dropped instead (%d so far). "
-                            "Free space under %s or lower --disk-cache-gb", path.name, e.strerror, self.full_disk,
+                            "Free space under %s or lower --disk-cache-gb", w.path.name, why, self.full_disk,
                             self.root)
             return False
         now = time.time()
-        old = self.chunks.get(name)
+        old = self.chunks.get(w.name)
         if old is not None:
             self._drop(old, unlink=False)
-        self._add(Chunk(name, pages, checksum(data), n, now, now, state))
+        self._add(Chunk(w.name, w.pages, w.sum, w.nbytes, w.created, now, w.state, w.offset))
         self._dirty = True
         if now - self._last_index >= INDEX_EVERY_S:
             self.save_index()
         return True
+
+    # ---- write-behind (disk_writer.py) ----
+
+    def write_behind(self, hashes: Sequence[bytes], data: bytes) -> bool:
+        """Queue one chunk (as `write`) for the writer thread. False when skipped (over the budget alone)."""
+        if len(data) != len(hashes) * self.page_bytes:
+            raise ValueError(f"{len(hashes)} pages but {len(data)} bytes")
+        return bool(hashes) and self._queue(hashes[-1].hex(), data, [h.hex() for h in hashes])
+
+    def write_state_behind(self, h: bytes, data: bytes) -> bool:
+        """Queue the state snapshot at the end of page h for the writer thread."""
+        return self._queue("s" + h.hex(), data, [], h.hex())
+
+    def _queue(self, name: str, data: bytes, pages: list[str], state: str = "") -> bool:
+        self.collect()
+        if name in self.pending or len(data) > self.budget or not self._make_room(len(data)):
+            return False
+        w = Write(name, self.chunks_dir / f"{name}.kv", data, pages, state)
+        self.pending[name] = w
+        self._pending_pages.update(pages)
+        if state:
+            self._pending_states.add(state)
+        for gone in self.writer.submit(w):  # the disk is slower than the turns: the oldest queued go first
+            self._unpend(gone)
+        return name in self.pending
+
+    def _unpend(self, w: Write) -> None:
+        if self.pending.get(w.name) is w:
+            del self.pending[w.name]
+            self._pending_pages.difference_update(w.pages)
+            self._pending_states.discard(w.state)
+
+    def collect(self) -> int:
+        """Index the writes the writer thread finished (on the engine thread). Returns pages indexed."""
+        n = 0
+        for w in self.writer.take_done():
+            if w.sidecar:
+                continue
+            self._unpend(w)
+            if self._landed(w):
+                self.written += len(w.pages)
+                n += len(w.pages)
+        return n
+
+    def finish_writes(self, timeout: float) -> bool:
+        """Wait up to timeout seconds for the queued writes, then index them. False when some were left."""
+        done = self.writer.wait(timeout)
+        self.collect()
+        return done
 
     def _make_room(self, n: int) -> bool:
         over = self._total_bytes() + n - self.budget
@@ -301,7 +341,7 @@ class DiskTier:
             log.info("disk KV tier: evicted the namespace %s (another model or setting)", other.name)
         while over > 0 and self.chunks:
             c = next(iter(self.chunks.values()))
-            over -= c.nbytes
+            over -= c.file_bytes
             self._drop(c)
         return over <= 0
 
@@ -327,7 +367,8 @@ class DiskTier:
         return self.bytes_used + self._others
 
     def save_index(self) -> None:
-        """Rewrite the index atomically: a temporary file, fsync, rename (then the directory's fsync)."""
+        """Rewrite the index atomically: a temporary file, fsync, rename (then the directory's fsync). It names
+        only chunks whose files are written (a write-behind is indexed once it is done: `collect`)."""
         body = json.dumps({"chunks": [c.__dict__ for c in self.chunks.values()]})
         tmp = self.dir / (INDEX + ".tmp")
         try:
@@ -348,20 +389,10 @@ class DiskTier:
         self._last_index = time.time()
 
     def clear(self) -> None:
+        self.finish_writes(60.0)
         for c in list(self.chunks.values()):
             self._drop(c)
         self.save_index()
-
-
-def _chunks(raw: object) -> list[Chunk]:
-    """The index's chunks; an entry that does not parse is skipped (its file is then an orphan, deleted)."""
-    out = []
-    for d in raw.get("chunks", []) if isinstance(raw, dict) else []:
-        try:
-            out.append(Chunk(**d))
-        except TypeError:
-            continue
-    return out
 
 
 def _dir_bytes(p: Path) -> int:

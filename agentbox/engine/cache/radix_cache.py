@@ -344,11 +344,19 @@ class RadixCache(PageCache):
             self._enforce_cap()
 
     def end_turn(self, session: str) -> None:
-        """A session's turn is done: its lease runs a fresh TTL and its eviction keys move with it."""
+        """A session's turn is done: its lease runs a fresh TTL and its eviction keys move with it; with a disk
+        tier, its new pages are written behind (radix_disk.py)."""
         super().end_turn(session)
         self.index.refreshed(session)
         self.evictor.repush_session(session)
         self._enforce_cap()
+        if self.disk is not None:
+            self.disk.write_behind(self, session)
+
+    def deepest(self, session: str) -> Node | None:
+        """The deepest node the session's last sequence reached, while it is in the tree."""
+        n = self._hints.get(session)
+        return n if n is not None and n.alive else None
 
     # ---- eviction, demotion, promotion (radix_evict.py) ----
 

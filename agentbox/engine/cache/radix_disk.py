@@ -4,8 +4,12 @@ not a part of it: it sees the tree through `DiskTree`, the few members it reads 
 
 - Spill: a node leaving the last in-memory tier (a GPU leaf evicted with no host room, a host leaf evicted)
   is written before its pages are freed; pages already on disk (same prefix hash) are not written again.
-- Flush: at a graceful stop every tree node is written, top-down (a flush cut short by its deadline still
-  leaves usable prefixes), with a progress line.
+- Write-behind: when a turn ends, the pages of its session's path that are not on disk yet are copied out of
+  the pool and queued to the tier's writer thread (disk_writer.py), so a crash of the engine loses at most the
+  turns in flight, and the next start reads every finished turn back. The copy runs when the turn's pages go
+  into the tree, a step after its answer went out; the write and its fsync never hold a step.
+- Flush: at a graceful stop the queued writes finish, then every tree node is written, top-down (a flush cut
+  short by its deadline still leaves usable prefixes), with a progress line.
 - Restore: `match` continues its walk on disk (`find`), `lock` reads those pages into fresh GPU pages and
   attaches them to the tree as one new node (`RadixCache.lock`).
 """
@@ -19,8 +23,9 @@ from array import array
 from typing import Protocol
 
 from agentbox.engine.cache.disk_pages import chunk_to_pages, pages_to_bytes
-from agentbox.engine.cache.disk_sessions import load_sessions, save_sessions
+from agentbox.engine.cache.disk_sessions import load_sessions, save_sessions, session_row, sessions_file
 from agentbox.engine.cache.disk_tier import SESSIONS, DiskTier
+from agentbox.engine.cache.disk_writer import Write
 from agentbox.engine.cache.kv_pool import PagePool
 from agentbox.engine.cache.radix_node import Below, Node
 from agentbox.engine.cache.session_index import SessionIndex
@@ -60,6 +65,8 @@ class DiskTree(Protocol):
 
     def attach(self, parent: Node, tokens: tuple[int, ...], pages: list[int]) -> Node: ...
 
+    def deepest(self, session: str) -> Node | None: ...
+
     def evict(self, num_pages: int) -> int: ...
 
 
@@ -71,8 +78,10 @@ class DiskLink:
         self.tier = tier
         self.ps = page_size
         self.spilled = 0  # pages written (spills and flushes)
+        self.written_behind = 0  # pages queued by write-behind at turn ends
         self.restored = 0  # pages read back into the tree
         self.on_disk: dict[str, tuple[str, int]] = {}  # sessions restored at start, not back yet: end hash, tokens
+        self._rows: dict[str, str] = {}  # session -> its row of the session table as last written behind
 
     def find(self, toks: tuple[int, ...] | array, start: int, session: str | None,
              namespace: str) -> tuple[Below | None, str | None]:
@@ -138,13 +147,58 @@ class DiskLink:
         self.spilled += written
         return written
 
+    def write_behind(self, tree: DiskTree, session: str) -> int:
+        """The session's turn ended: its path's pages not on disk (nor queued) yet go to the writer thread, a
+        chunk per node or CHUNK_PAGES. Returns pages queued."""
+        node = tree.deepest(session)
+        path: list[Node] = []
+        while node is not None and node is not tree.root:
+            path.append(node)
+            node = node.parent
+        if not path:
+            return 0
+        path.reverse()
+        toks = prefix_tokens(path[-1])
+        hs = self.tier.hashes(toks, self.ps, len(toks) // self.ps)
+        queued = 0
+        for n in path:
+            first = n.start // self.ps
+            todo = [j for j in range(len(n.pages)) if not self.tier.has(hs[first + j])]
+            for lo in range(0, len(todo), CHUNK_PAGES):
+                part = todo[lo : lo + CHUNK_PAGES]
+                data = pages_to_bytes(tree.kv_of(n), [n.pages[j] for j in part])
+                if not self.tier.write_behind([hs[first + j] for j in part], data):
+                    self.written_behind += queued
+                    return queued
+                queued += len(part)
+        self.written_behind += queued
+        s = tree.sessions.get(session)
+        if s is not None:
+            self._rows[session] = session_row(s, (hs[-1].hex(), len(toks)))
+            self._write_sessions(tree)
+        return queued
+
+    def _write_sessions(self, tree: DiskTree) -> None:
+        """The session table behind the pages (the writer keeps only the newest queued copy): each row as it was
+        at that session's last turn end, a session restored at start and not back yet as it was restored."""
+        table = tree.sessions
+        for sid in [sid for sid in self._rows if sid not in table]:
+            del self._rows[sid]
+        for s in table:
+            if s.id not in self._rows:
+                self._rows[s.id] = session_row(s, self.on_disk.get(s.id))
+        self.tier.writer.submit(Write(SESSIONS, self.tier.dir / SESSIONS, sessions_file(list(self._rows.values())),
+                                      [], sidecar=True))
+
     def flush(self, tree: DiskTree, budget_s: float) -> tuple[int, int]:
         """Write every node of the tree (top-down: a flush cut short by its deadline still leaves usable
-        prefixes) within budget_s seconds. Returns (pages written, pages left unwritten)."""
+        prefixes) within budget_s seconds, after the queued write-behind. Returns (pages written, pages left
+        unwritten)."""
+        deadline = time.monotonic() + budget_s
+        self.tier.finish_writes(budget_s)
         nodes = list(tree.root.children.values())
         for n in nodes:  # breadth-first: parents before children
             nodes.extend(n.children.values())
-        deadline = time.monotonic() + budget_s
         total = sum(len(n.pages) for n in nodes)
         done = written = 0
         last = time.monotonic()
@@ -197,6 +251,9 @@ class DiskLink:
 
     def stats(self) -> dict[str, int]:
         t = self.tier
+        t.collect()
         return {"disk_pages": t.num_pages, "disk_bytes": t.bytes_used, "disk_budget_bytes": t.budget,
-                "disk_written": self.spilled, "disk_restored": self.restored, "disk_torn": t.torn,
-                "disk_sessions": len(self.on_disk), "disk_states": len(t.states)}
+                "disk_written": t.written, "disk_restored": self.restored, "disk_torn": t.torn,
+                "disk_sessions": len(self.on_disk), "disk_states": len(t.states),
+                "disk_written_behind": self.written_behind, "disk_queued": t.writer.pending,
+                "disk_dropped": t.writer.dropped}

@@ -115,7 +115,9 @@ class StateGroupCache:
         copy is at exactly that position (it always is at a turn's end: `chunk`)."""
         if session is None or not tokens or h.aligned_at != len(tokens):
             return
-        self.store.save(session, SnapshotPoint.TURN, tokens, self.store.aligned_slot(h.row))
+        src = self.store.aligned_slot(h.row)
+        if self.store.save(session, SnapshotPoint.TURN, tokens, src) and self.disk is not None:
+            self.disk.write_behind(tokens, src)  # with the turn's pages (radix_disk.py): a crash loses neither
 
     def save_prompt(self, h: SeqCache, session: str | None, tokens: Sequence[int], num_prompt: int) -> None:
         """A running sequence whose last step ended on its prompt's last page boundary: that state becomes the

@@ -28,11 +28,14 @@ class CacheStats:
     disk_pages: int = 0
     disk_bytes: int = 0
     disk_budget_bytes: int = 0
-    disk_written: int = 0  # pages written (spilled or flushed)
+    disk_written: int = 0  # pages written (spilled, flushed or written behind)
     disk_restored: int = 0  # pages read back instead of recomputed
     disk_torn: int = 0  # chunks dropped: left torn by a crash or failing their checksum
     disk_sessions: int = 0  # sessions restored at start that have not returned yet ("on disk")
     disk_states: int = 0  # state snapshots on disk (models with per-sequence state: disk_states.py)
+    disk_written_behind: int = 0  # pages queued at turn ends for the writer thread (radix_disk.py)
+    disk_queued: int = 0  # writes queued for the writer thread, not done yet
+    disk_dropped: int = 0  # queued writes dropped because the disk fell behind
 
 
 class SessionState(Enum):

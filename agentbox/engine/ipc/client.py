@@ -5,9 +5,10 @@ the pipe and hands each output to the asyncio loop; the loop never polls.
 
 When the engine dies (a tensor-parallel rank was killed, OOM, a CUDA error), every in-flight request gets
 an error that says why, `dead` makes /health answer unhealthy, and the engine is started again in the
-background (its caches are lost; the log says so). Restarts have a budget per time window (config.py's
-`max_restarts` per `restart_window_s`): past it, or if it cannot start again, the server is asked to exit
-and `gave_up` says why (the server then exits non-zero, so a supervisor restarts it).
+background (what only memory held is lost; the log counts what came back from the disk tier). Restarts have a
+budget per time window (config.py's `max_restarts` per `restart_window_s`): past it, or if it cannot start
+again, the server is asked to exit and `gave_up` says why (the server then exits non-zero, so a supervisor
+restarts it).
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ class EngineClient:
             self._prompts.clear()  # the new engine knows no prompt
         self.dead = None
         self._start_reader()
-        log.warning("engine restarted after: %s (restart %d; every session's cache was lost)", why, self.restarts)
+        log.warning("engine restarted after: %s (restart %d; %s)", why, self.restarts, came_back(info))
 
     def _send(self, msg: object) -> None:
         if self.dead:
@@ -334,6 +335,15 @@ class EngineClient:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
+
+
+def came_back(info: EngineReady) -> str:
+    """What of the cache a restarted engine found on its disk tier, for the restart's log line."""
+    if not info.disk_budget_bytes:
+        return "no disk tier: every session's cache was lost"
+    states = f", {info.disk_states} state snapshots" if info.disk_states else ""
+    return (f"from the disk tier {info.disk_pages} KV pages{states} and {info.disk_sessions} saved sessions came "
+            "back; what only memory held since the last write is lost")
 
 
 def _engine_log_level() -> int:

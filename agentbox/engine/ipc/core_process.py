@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 
 from agentbox import collector
 from agentbox.config import EngineConfig
+from agentbox.engine import memory_ceiling
 from agentbox.engine.core import EngineCore
 from agentbox.engine.exec.worker import RankDeath
 from agentbox.engine.ipc.messages import (
@@ -51,6 +52,7 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
         proc.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
     proc.core = core
+    memory_ceiling.apply(config)  # once loaded: no request can push the machine into its OOM killer
     proc.send(core.ready_message())
     collector.after_startup()  # collections run when the engine is idle (agentbox/collector.py)
     try:

@@ -112,6 +112,11 @@ class EngineReady:
     tensor_parallel_size: int = 1
     weight_bytes_per_rank: list[int] = field(default_factory=list)  # resident parameter bytes, rank order
     model_max_len: int = 0  # the model's own positions (max_model_len is at most this; the KV pool may cut it)
+    # What the disk tier held at start (a restart's log counts what came back); disk_budget_bytes 0: no tier
+    disk_budget_bytes: int = 0
+    disk_pages: int = 0
+    disk_sessions: int = 0
+    disk_states: int = 0
 
 
 @dataclass
