@@ -17,6 +17,7 @@ from model_harness import PagedRunner
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
+from agentbox.layers import compressor, window_entry_attention
 from agentbox.layers.paged_entries import entry_slot_mapping
 from agentbox.models.loader import LoadedModel, load_model
 
@@ -50,6 +51,17 @@ def test_prefill_chunks_and_decode_match_transformers(tiny: tuple[Path, torch.nn
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5, msg=lambda m, c=chunks: f"chunks {c}: {m}")
     decode = _steps(PagedRunner(loaded, page_size=16), 0, PROMPT, [20] + [1] * 81)
     torch.testing.assert_close(decode, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_query_blocks_equal_one_block(tiny: tuple[Path, torch.nn.Module, LoadedModel],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long chunks run in blocks of queries (the attention's band of raw keys and entries, the indexer's scores):
+    blocks of 7 queries and of 500 scores give the same logits."""
+    _, hf, loaded = tiny
+    monkeypatch.setattr(window_entry_attention, "QUERY_BLOCK", 7)
+    monkeypatch.setattr(compressor, "SCORE_BUDGET", 500)
+    got = _steps(PagedRunner(loaded, page_size=8), 0, PROMPT, [45, 56])
+    torch.testing.assert_close(got, hf_logits(hf, PROMPT), atol=2e-5, rtol=2e-5)
 
 
 def test_sequences_stepped_together_equal_each_alone(tiny: tuple[Path, torch.nn.Module, LoadedModel]) -> None:

@@ -14,7 +14,9 @@ still needs, exactly as it was at the snapshot's position.
 
 The lightning indexer (`Indexer`) keeps its own compressed keys the same way (a smaller head, always
 overlapping) and scores each query against them: sum over its heads of w[t, h] relu(q[t, h] . k[e]); each query
-keeps its `top_k` best complete entries.
+keeps its `top_k` best complete entries (transformers breaks ties at the boundary its own way: a tie there is
+two scores equal to the last bit, in practice all of an entry's ReLUs at zero, which a model with few indexer
+heads meets and V4's 64 do not).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from agentbox.layers.paged_entries import EntryStep
 from agentbox.layers.position_ring import RingSpec
 from agentbox.layers.recurrent_state import StateStep
 from agentbox.layers.rotary import InterleavedRope, rotate_interleaved
+
+SCORE_BUDGET = 1 << 24  # indexer scores (query x head x entry) computed at once: 64 MiB in fp32
 
 
 class Compressor(nn.Module):
@@ -103,9 +107,9 @@ class Indexer(nn.Module):
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, entries: EntryStep,
                keys: torch.Tensor) -> list[torch.Tensor]:
-        """For each sequence, bool [n, E]: the complete entries each of its queries attends (its top_k by score,
-        or every complete one when there are no more). `keys`: the indexer's layer of the group, its keys for
-        this step already written."""
+        """For each sequence, int64 [n, min(top_k, E)]: the complete entries each of its queries attends, its best
+        by score (-1 where fewer are complete). `keys`: the indexer's layer of the group, with this step's keys
+        already written. Scored in blocks of queries (a V4-Flash query scores 64 heads against every entry)."""
         t = x.shape[0]
         q = self.wq_b(q_residual).view(t, self.num_heads, self.head_dim)
         cos, sin = self.rope.tables(positions, x.dtype)
@@ -114,14 +118,17 @@ class Indexer(nn.Module):
         out, lo = [], 0
         for i, n in enumerate(entries.query_lens):
             k = entries.gather(keys, i)[:, 0].float()  # [E, head_dim]
-            pos = positions[lo : lo + n]
-            visible = torch.arange(k.shape[0], device=x.device)[None, :] < ((pos + 1) // self.rate)[:, None]
-            scores = torch.relu(torch.einsum("nhd,ed->nhe", q[lo : lo + n], k)) * self.head_dim**-0.5
-            scores = (scores * weights[lo : lo + n, :, None]).sum(dim=1).masked_fill(~visible, float("-inf"))
-            chosen = torch.zeros_like(visible)
-            if k.shape[0]:
-                top = scores.topk(min(self.top_k, k.shape[0]), dim=-1).indices
-                chosen.scatter_(1, top, True)
-            out.append(chosen & visible)
+            count = min(self.top_k, k.shape[0])
+            block = max(1, SCORE_BUDGET // max(1, self.num_heads * k.shape[0]))
+            chosen = []
+            for a in range(lo, lo + n, block):
+                b = min(lo + n, a + block)
+                ready = ((positions[a:b] + 1) // self.rate)[:, None]  # entries complete by each query
+                scores = torch.relu(torch.einsum("nhd,ed->nhe", q[a:b], k)) * self.head_dim**-0.5
+                scores = (scores * weights[a:b, :, None]).sum(dim=1)
+                future = torch.arange(k.shape[0], device=x.device)[None, :] >= ready
+                top = scores.masked_fill(future, float("-inf")).topk(count, dim=-1).indices
+                chosen.append(torch.where(top < ready, top, -1))
+            out.append(torch.cat(chosen) if chosen else torch.empty(0, count, dtype=torch.int64, device=x.device))
             lo += n
         return out

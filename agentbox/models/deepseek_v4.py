@@ -57,7 +57,7 @@ from agentbox.layers.quant.unquantized import UnquantizedLinearMethod
 from agentbox.layers.recurrent_state import StateSpec
 from agentbox.layers.rotary import InterleavedRope, rotate_interleaved
 from agentbox.layers.weight_loading import ConvertsAfterLoading, set_weight_loader
-from agentbox.layers.window_entry_attention import WindowEntryAttention
+from agentbox.layers.window_entry_attention import SeqEntries, WindowEntryAttention
 from agentbox.models.base import AttentionShape, CausalLM, per_expert_weights
 from agentbox.parallel.state import tp_rank, tp_size
 
@@ -170,13 +170,8 @@ class Attention(nn.Module):
                 keys = ctx.backend.kv_cache.k[self.index_layer]
                 self.indexer.compressor(x, step, ctx.state, keys)
                 chosen = self.indexer.select(x, q_residual, positions, step, keys)
-            entries, lo = [], 0
-            for i, n in enumerate(step.query_lens):
-                ent = step.gather(cache, i)[:, 0]
-                pos = positions[lo : lo + n]
-                visible = torch.arange(ent.shape[0], device=x.device)[None, :] < ((pos + 1) // self.rate)[:, None]
-                entries.append((ent, visible if chosen is None else chosen[i]))
-                lo += n
+            entries = [SeqEntries(step.gather(cache, i)[:, 0], self.rate, None if chosen is None else chosen[i])
+                       for i in range(len(step.query_lens))]
         out = rotate_interleaved(self.core(q, kv, ctx.state, entries), cos, -sin)
         return self.wo_b(self.wo_a(out.view(t, self.wo_a.local_groups, -1)))
 
