@@ -71,9 +71,9 @@ def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 
 def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens by full forwards over the growing sequence (transformers' compressor caches are not
-    croppable, and a full forward is the reference every cached path must equal)."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-    return ids[len(prompt) :]
+    """transformers' greedy tokens (its generate, with its own compressor caches)."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():  # an explicit mask: generate would otherwise take token 0 (the pad id) for padding
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
