@@ -16,7 +16,10 @@ from typing import Any
 
 import torch
 import transformers
+from hybrid_models import hf_greedy, hf_logits
 from transformers import DeepseekV4Config
+
+__all__ = ["CSA", "HCA", "SLIDING", "hf_greedy", "hf_logits", "randomize", "save_deepseek_v4", "tiny_config"]
 
 CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
 TINY: dict[str, Any] = dict(
@@ -62,18 +65,3 @@ def save_deepseek_v4(path: Path, config: DeepseekV4Config | None = None, seed: i
     hf = randomize(transformers.DeepseekV4ForCausalLM(config or tiny_config()).float().eval(), seed)
     hf.save_pretrained(path)
     return hf
-
-
-def hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    """[len(tokens), vocab] float32 from one full forward (no cache): the reference for every path."""
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()
-
-
-def hf_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy tokens (its generate, with its own compressor caches)."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():  # an explicit mask: generate would otherwise take token 0 (the pad id) for padding
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chat_turns import as_message, turn_pairs
 
-from agentbox.chat.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from agentbox.chat.render import prepare_messages, render_prompt
 from agentbox.chat.tool_parsers import collect, detect_tool_parser, get_tool_parser
 from agentbox.server.chat_pipeline import reasoning_style_of
@@ -82,29 +82,12 @@ def test_dsml_calls_parse_alike_whole_and_streamed() -> None:
 
 
 def _as_message(prompt: str, output: str) -> dict[str, Any]:
-    """The assistant message the server returns for `output`, as an agent sends it back."""
-    splitter = ReasoningSplitter("qwen3", starts_inside=prompt_opens_reasoning(prompt))
-    deltas = splitter.feed(output.removesuffix(EOS)) + splitter.finish()
-    reasoning = "".join(d.reasoning or "" for d in deltas)
-    parsed = get_tool_parser("deepseek_v4", TOOLS).parse("".join(d.content or "" for d in deltas))
-    calls = [{"id": f"c{i}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-             for i, c in enumerate(parsed.tool_calls)]
-    return {"role": "assistant", "content": parsed.content, "reasoning_content": reasoning,
-            **({"tool_calls": calls} if calls else {})}
+    return as_message(prompt, output, "deepseek_v4", TOOLS, EOS)
 
 
 def _conversation(render: Any) -> list[tuple[str, str]]:
     """(prompt + output of turn N, prompt of turn N+1) for each turn."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
-                                      {"role": "user", "content": "The tests fail. Find out why."}]
-    pairs = []
-    prompt = render(messages)
-    for output, follow in zip(OUTPUTS, FOLLOW_UPS, strict=True):
-        messages += [_as_message(prompt, output), *follow]
-        nxt = render(messages)
-        pairs.append((prompt + output, nxt))
-        prompt = nxt
-    return pairs
+    return turn_pairs(render, OUTPUTS, FOLLOW_UPS, _as_message)
 
 
 @pytest.mark.parametrize("tools", [TOOLS, None])

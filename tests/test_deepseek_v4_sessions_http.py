@@ -19,6 +19,7 @@ import openai
 import pytest
 import torch
 import transformers
+from agents import run_agents
 from deepseek_v4_models import CSA, HCA, randomize, tiny_config
 
 pytestmark = pytest.mark.slow
@@ -85,21 +86,7 @@ def conversations(url: str) -> tuple[list[float], list[int], Answers]:
                     shares.append(usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"])
             messages += [{"role": "assistant", "content": text}, {"role": "user", "content": tool_result(k, turn)}]
 
-    errors: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            agent(k)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_agents(agent, 4)
     return shares, lengths, answers
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
-from agentbox.bench.throughput import engine_rates, random_prompts
+from agentbox.bench.throughput import built, compare_logits, engine_rates, random_prompts
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
 
@@ -44,13 +44,7 @@ def flash_config(layers: int = 4, experts: int = 16) -> DeepseekV4Config:
 def _random_hf(config: DeepseekV4Config, device: str) -> torch.nn.Module:
     """transformers' model built in place in bf16, every weight random (hash table: distinct experts a token)."""
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            hf = DeepseekV4ForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
+    hf = built(DeepseekV4ForCausalLM, config, torch.bfloat16, device)
     with torch.no_grad():
         for name, p in [*hf.named_parameters(), *hf.named_buffers()]:
             if "inv_freq" in name:
@@ -62,11 +56,6 @@ def _random_hf(config: DeepseekV4Config, device: str) -> torch.nn.Module:
             elif p.is_floating_point():
                 p.normal_(0.0, 0.02)
     return hf.eval()
-
-
-def _compare(got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
-    return {"max_abs_diff": (got - ref).abs().max().item(), "max_abs_ref": ref.abs().max().item(),
-            "top1_match": int(got.argmax()) == int(ref.argmax())}
 
 
 def report(device: str = "cuda", dtype: str = "bfloat16", config: DeepseekV4Config | None = None,
@@ -93,7 +82,7 @@ def report(device: str = "cuda", dtype: str = "bfloat16", config: DeepseekV4Conf
                                cache_policy="none", speculative="off"))
         with llm:
             got = [llm.logits(p) for p in texts]
-            out[f"logits_{dtype}"] = {f"vs_transformers_{kind}": {f"prompt_{n}": _compare(g.to(r[i].device), r[i])
+            out[f"logits_{dtype}"] = {f"vs_transformers_{kind}": {f"prompt_{n}": compare_logits(g.to(r[i].device), r[i])
                                                                 for i, (n, g) in enumerate(zip(prompts, got, strict=True))}
                                       for kind, r in ref.items()}
             out["params_b"] = sum(p.numel() for p in llm.loaded.model.parameters()) / 1e9

@@ -92,6 +92,13 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
     )
 
 
+def frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies of `head_dim` rotated channels and the attention factor cos/sin are scaled by."""
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        return _yarn(head_dim, theta, scaling)
+    return _inv_freq(head_dim, theta, scaling), 1.0
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -104,11 +111,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
-        attention = 1.0
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
-            inv_freq, attention = _yarn(head_dim, theta, scaling)
-        else:
-            inv_freq = _inv_freq(head_dim, theta, scaling)
+        inv_freq, attention = frequencies(head_dim, theta, scaling)
         inv_freq = inv_freq.to(torch.get_default_device())
         t = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(t, inv_freq)
@@ -156,12 +159,7 @@ class InterleavedRope(nn.Module):
     def __init__(self, rope_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.rope_dim = rope_dim
-        attention = 1.0
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
-            inv_freq, attention = _yarn(rope_dim, theta, scaling)
-        else:
-            inv_freq = _inv_freq(rope_dim, theta, scaling)
-        self.attention = attention
+        inv_freq, self.attention = frequencies(rope_dim, theta, scaling)
         self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
