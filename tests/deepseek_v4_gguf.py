@@ -76,15 +76,16 @@ RELEASE_RENAMES = (
 )
 
 
-def write_release(hf: torch.nn.Module, hf_dir: Path, out: Path, tokenizer) -> Path:  # noqa: ANN001
-    """The release layout of the checkpoint transformers saved in hf_dir (its experts already FP4-exact: see
-    `round_experts`), with the config keys the converter reads, and the tokenizer."""
+def write_release(hf: torch.nn.Module, hf_dir: Path, out: Path, tokenizer=None, fp4: bool = True) -> Path:  # noqa: ANN001
+    """The release layout of the checkpoint transformers saved in hf_dir, with the config keys the converter reads,
+    and the tokenizer if given. fp4: the experts as the release stores them (already FP4-exact: `round_experts`),
+    else as they are."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, t in load_file(hf_dir / "model.safetensors").items():
         name = dict(RELEASE_RENAMES).get(name, name).removeprefix("model.")
         name = name.replace(".attn.norm.weight", ".attn.kv_norm.weight")
-        if ".ffn.experts." in name:
+        if ".ffn.experts." in name and fp4:
             packed, scale, _ = fp4_round(t)
             tensors[name] = packed
             tensors[name.removesuffix(".weight") + ".scale"] = scale
@@ -101,7 +102,8 @@ def write_release(hf: torch.nn.Module, hf_dir: Path, out: Path, tokenizer) -> Pa
               "rope_scaling": {k: compress[k] for k in ("factor", "original_max_position_embeddings", "beta_fast",
                                                         "beta_slow")} | {"type": compress["rope_type"]}}
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    tokenizer.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
     return out
 
 

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepseek_v4_gguf import write_release
 from deepseek_v4_models import hf_greedy, hf_logits, save_deepseek_v4
 from model_harness import PagedRunner
+from safetensors import safe_open
 
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
@@ -77,6 +79,16 @@ def test_sequences_stepped_together_equal_each_alone(tiny: tuple[Path, torch.nn.
             b.append(got[1])
     torch.testing.assert_close(torch.cat(a), hf_logits(hf, PROMPT), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(torch.cat(b), hf_logits(hf, OTHER), atol=2e-5, rtol=2e-5)
+
+
+def test_the_release_layout_loads_alike(tiny: tuple[Path, torch.nn.Module, LoadedModel], tmp_path: Path) -> None:
+    """DeepSeek's own names (`layers.0.attn.wq_a.weight`, `embed.weight`, `hc_head_fn`, `attn.kv_norm`, config keys
+    `compress_ratios` and `num_hash_layers`) load into the same model (checkpoint_renames)."""
+    path, hf, _ = tiny
+    release = write_release(hf, path, tmp_path / "release", fp4=False)
+    assert "layers.0.attn.kv_norm.weight" in safe_open(str(release / "model.safetensors"), "pt").keys()
+    got = PagedRunner(load_model(str(release), torch.float32, "cpu"), page_size=8).step({0: PROMPT})[0]
+    torch.testing.assert_close(got, hf_logits(hf, PROMPT), atol=2e-5, rtol=2e-5)
 
 
 def test_an_entry_lives_in_the_page_of_its_last_token() -> None:
