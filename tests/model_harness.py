@@ -2,7 +2,9 @@
 
 Each sequence owns a list of pages (taken from the top of the pool, so page ids are not in order and the
 page-table indirection is really exercised). `step` runs one batch where every listed sequence brings some
-new tokens (1 for a decode, more for a prefill chunk) and returns each sequence's logits.
+new tokens (1 for a decode, more for a prefill chunk) and returns each sequence's logits. A model whose layout has
+paged groups of several tokens an entry (DeepSeek-V4's compressed entries) gets each group's slots per step, as
+the engine's runner gives them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, KVCache
 from agentbox.layers.backends.torch_backend import TorchAttention
 from agentbox.layers.context import forward_context
+from agentbox.layers.paged_entries import EntryStep, entry_slot_mapping
 from agentbox.layers.recurrent_state import StateCache, StateStep
 from agentbox.models.loader import LoadedModel
 
@@ -30,7 +33,10 @@ class PagedRunner:
         self.device = device
         self.page_size = page_size
         dtype = loaded.dtype
-        self.cache = KVCache(loaded.kv_specs, num_pages, page_size, dtype, device)
+        layout = loaded.layout
+        self.cache = KVCache(loaded.kv_specs, num_pages, page_size, dtype, device,
+                             tokens_per_entry=layout.tokens_per_entry)
+        self.entry_groups = layout.entry_groups
         self.backend = backend_cls(
             self.cache, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, loaded.head_dim**-0.5
         )
@@ -73,13 +79,26 @@ class PagedRunner:
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
         state = None if self.state is None else StateStep.of(self.state, list(chunks), query_lens, kv_lens)
-        with forward_context(self.backend, meta, state=state):
+        with forward_context(self.backend, meta, state=state, entries=self._entries(chunks, meta)):
             if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.cache):
                 hidden = self.cpu_decode.run(input_ids, pos_t)
             else:
                 hidden = self.model(input_ids, pos_t)
         logits = self.model.compute_logits(hidden)
         return dict(zip(chunks, logits.split(query_lens), strict=True))
+
+    def _entries(self, chunks: dict[int, list[int]], meta: AttentionMetadata) -> dict[int, EntryStep]:
+        out = {}
+        for t in self.entry_groups:
+            per_page = self.cache.slots_per_page[self.cache.tokens_per_entry.index(t)]
+            slots: list[int] = []
+            for seq, tokens in chunks.items():
+                end = self.lens[seq]
+                slots += entry_slot_mapping(t, per_page, self.page_size, list(range(end - len(tokens), end)),
+                                            self.pages[seq])
+            out[t] = EntryStep(t, per_page, self.page_size, torch.tensor(slots, dtype=torch.int64, device=self.device),
+                               meta.page_table, meta.query_lens, meta.kv_lens)
+        return out
 
     def greedy(self, seq: int, prompt: list[int], max_new_tokens: int) -> list[int]:
         """Prefill the prompt in one step, then decode greedily; returns the generated ids."""

@@ -1,5 +1,5 @@
 """Incremental tokenization (chat/incremental.py) gives exactly the ids of full tokenization, on every chat
-template we ship (SmolLM2's own; the Qwen3, Qwen3.6, gpt-oss harmony, Gemma 4 and GLM-4.7 forms the tests
+template we ship (SmolLM2's own; the Qwen3, Qwen3.6, gpt-oss harmony, Gemma 4, GLM-4.7 and DeepSeek-V4 forms the tests
 carry, each over SmolLM2's tokens plus the template's special tokens), over randomized multi-turn agent
 conversations: tool calls, tool results, reasoning, text parts, images as the text a text model receives
 for them, unicode and whitespace edges, and edits that change an earlier message (the prefix moves back)."""
@@ -31,6 +31,8 @@ TEMPLATES = {
     "gemma4": ((FIXTURES / "data" / "gemma4_format_chat_template.jinja").read_text(),
                ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool>",
                 "<tool|>", "<|tool_response>", "<tool_response|>", "<|think|>"]),
+    "deepseek_v4": ((FIXTURES / "fixtures" / "deepseek_v4_chat_template.jinja").read_text(),
+                    ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]),
 }
 # An image in a user turn reaches a text model as this line (server/anthropic_routes.py).
 IMAGE = "[image omitted: this model reads text only]"
@@ -111,7 +113,7 @@ def turns(msgs: list[dict], edit: int | None) -> Iterator[tuple[int, list[dict]]
         yield turn, sent
 
 
-@pytest.mark.parametrize("template", ["smollm2", "qwen3", "harmony", "qwen3_6", "gemma4", "glm4_7"])
+@pytest.mark.parametrize("template", ["smollm2", "qwen3", "harmony", "qwen3_6", "gemma4", "glm4_7", "deepseek_v4"])
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=conversation())
 def test_incremental_ids_equal_full_tokenization(tokenizers: dict, template: str,

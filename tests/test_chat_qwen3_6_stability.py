@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chat_turns import as_message, turn_pairs
 
-from agentbox.chat.reasoning import ReasoningSplitter, prompt_opens_reasoning
 from agentbox.chat.render import prepare_messages, render_prompt
-from agentbox.chat.tool_parsers import detect_tool_parser, get_tool_parser
+from agentbox.chat.tool_parsers import detect_tool_parser
 
 TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen3_6_like_chat_template.jinja").read_text()
 TOOLS = [{"type": "function", "function": {
@@ -47,29 +47,12 @@ def tokenizer(smollm2_tokenizer):  # noqa: ANN001, ANN201 - SmolLM2's tokens, th
 
 
 def _as_message(prompt: str, output: str) -> dict[str, Any]:
-    """The assistant message the server returns for `output`, as an agent sends it back."""
-    splitter = ReasoningSplitter("qwen3", starts_inside=prompt_opens_reasoning(prompt))
-    deltas = splitter.feed(output.removesuffix("<|im_end|>")) + splitter.finish()
-    reasoning = "".join(d.reasoning or "" for d in deltas)
-    parsed = get_tool_parser("qwen3_coder", TOOLS).parse("".join(d.content or "" for d in deltas))
-    calls = [{"id": f"c{i}", "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-             for i, c in enumerate(parsed.tool_calls)]
-    return {"role": "assistant", "content": parsed.content, "reasoning_content": reasoning,
-            **({"tool_calls": calls} if calls else {})}
+    return as_message(prompt, output, "qwen3_coder", TOOLS, "<|im_end|>")
 
 
 def _conversation(render: Any) -> list[tuple[str, str]]:
     """(prompt + output of turn N, prompt of turn N+1) for each turn."""
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
-                                      {"role": "user", "content": "The tests fail. Find out why."}]
-    pairs = []
-    prompt = render(messages)
-    for output, follow in zip(OUTPUTS, FOLLOW_UPS, strict=True):
-        messages += [_as_message(prompt, output), *follow]
-        nxt = render(messages)
-        pairs.append((prompt + output, nxt))
-        prompt = nxt
-    return pairs
+    return turn_pairs(render, OUTPUTS, FOLLOW_UPS, _as_message)
 
 
 def test_turn_n_plus_1_starts_with_turn_n_tokens(tokenizer) -> None:  # noqa: ANN001

@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 import torch
+from agents import run_agents
 from hybrid_models import TEXT, VISION
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
@@ -79,21 +80,7 @@ def _conversations(url: str) -> tuple[list[float], int]:
                          {"role": "user", "content": f"Tool result {turn}: 3 passed, {k} failed. Continue."}]
             time.sleep(0.5)
 
-    errors: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            agent(k)
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_agents(agent, 4)
     return shares, mismatches
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from deepseek_v4_models import tiny_config as deepseek_v4_config
 from gemma4_models import configs as gemma4_configs
 from glm_models import tiny_config as glm_config
 from hybrid_models import configs as hybrid_configs
@@ -23,8 +24,11 @@ import agentbox
 from agentbox.layers.attention import Attention
 from agentbox.layers.backends.base import KVCache, KVLayerSpec
 from agentbox.layers.cache_layout import CacheLayout
+from agentbox.layers.compressor import Compressor
 from agentbox.layers.gated_deltanet import GatedDeltaNet
+from agentbox.layers.window_entry_attention import WindowEntryAttention
 from agentbox.layers.window_kv import WindowAttention
+from agentbox.models import deepseek_v4
 from agentbox.models.base import CausalLM
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.glm4_moe_lite import MLAttention, kv_spec
@@ -45,6 +49,7 @@ TINY_BY_ARCH: dict[str, Callable[[], PretrainedConfig]] = {
     "Qwen3MoeForCausalLM": lambda: QWEN3_MOE_CONFIGS["norm-topk"],
     "GptOssForCausalLM": lambda: GPT_OSS_CONFIG,
     "Glm4MoeLiteForCausalLM": glm_config,
+    "DeepseekV4ForCausalLM": deepseek_v4_config,
     "Gemma4ForCausalLM": lambda: gemma4_configs()["moe"],
     "Gemma4ForConditionalGeneration": lambda: gemma4_configs()["dense"],
     "Qwen3_5ForConditionalGeneration": lambda: hybrid_configs()["qwen3_5"],
@@ -70,12 +75,19 @@ def test_the_declared_layout_is_the_built_one(arch: str) -> None:
     specs = layout.kv_specs
     # Every module that writes the pool indexes the flat layer list with its layer_id, each exactly once.
     pool = [m for m in model.modules() if isinstance(m, Attention | MLAttention)]
-    assert sorted(m.layer_id for m in pool) == list(range(len(specs))), arch
+    # DeepSeek-V4's compressed layers write their entries (and a CSA layer its indexer's keys) at two places
+    entries = [(m.entry_layer, m.head_dim) for m in model.modules() if isinstance(m, deepseek_v4.Attention)
+               and m.compressor is not None]
+    keys = [(m.index_layer, m.indexer.head_dim) for m in model.modules() if isinstance(m, deepseek_v4.Attention)
+            and m.indexer is not None]
+    assert sorted([m.layer_id for m in pool] + [i for i, _ in entries + keys]) == list(range(len(specs))), arch
     for m in pool:
         want = kv_spec(config) if isinstance(m, MLAttention) else KVLayerSpec(m.num_kv_heads, m.head_dim)
         assert specs[m.layer_id] == want, (arch, m.layer_id)
+    assert all(specs[i] == KVLayerSpec(1, d, tied=True) for i, d in entries + keys), arch
     # Every module with per-sequence state has its place in the state group, and that place describes it.
-    stateful = [m for m in model.modules() if isinstance(m, WindowAttention | GatedDeltaNet)]
+    stateful = [m for m in model.modules()
+                if isinstance(m, WindowAttention | GatedDeltaNet | WindowEntryAttention | Compressor)]
     if not stateful:
         assert layout.state is None
     else:

@@ -1,6 +1,7 @@
 """Speculative decoding on models with per-sequence state (layers/recurrent_state.py, engine/exec/verify_state.py):
-a tiny hybrid (Gated DeltaNet + gated attention) and a tiny Gemma 4 (sliding-window rings of 8) decode greedily
-with drafts exactly as without, token for token, over two turns of two sessions. Drafts are accepted in part
+a tiny hybrid (Gated DeltaNet + gated attention), a tiny Gemma 4 (sliding-window rings of 8) and a tiny
+DeepSeek-V4 (position rings of its window and of the tokens its compressed entries still pool; entries a refused
+draft completed are rewritten when the kept tokens complete them) decode greedily with drafts exactly as without, token for token, over two turns of two sessions. Drafts are accepted in part
 (the state must end at the accepted position, not past the rejected tail), pages of 4 tokens put page
 boundaries inside verifies (the state copied there is what the second turn resumes from)."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from deepseek_v4_models import save_deepseek_v4
 from gemma4_models import configs as gemma4_configs
 from gemma4_models import save_gemma4
 from hybrid_models import configs as hybrid_configs
@@ -51,10 +53,12 @@ def _two_turns(path, loaded, spec: Speculative, ref: list[list[int]] | None, **k
         return outs, c.drafted_tokens, c.accepted_tokens, cached
 
 
-@pytest.mark.parametrize("family", ["hybrid", "gemma4"])
+@pytest.mark.parametrize("family", ["hybrid", "gemma4", "deepseek_v4"])
 def test_stateful_models_greedy_with_drafts_equals_plain(family: str, tmp_path) -> None:  # noqa: ANN001
     if family == "hybrid":
         save_hybrid(hybrid_configs()["qwen3_5"], tmp_path)
+    elif family == "deepseek_v4":
+        save_deepseek_v4(tmp_path)
     else:
         save_gemma4(gemma4_configs()["dense"], tmp_path)
     loaded = load_model(str(tmp_path), torch.float32, "cpu")

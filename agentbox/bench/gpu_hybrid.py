@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-from agentbox.bench.throughput import engine_rates, random_prompts
+from agentbox.bench.throughput import built, compare_logits, engine_rates, random_prompts
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
 
@@ -45,13 +45,7 @@ def qwen3_6_35b_a3b_config(layers: int = 4) -> PretrainedConfig:
 def _random_hf(config: PretrainedConfig, device: str) -> torch.nn.Module:
     """transformers' model built in place on the GPU in bf16, every weight drawn like tests/hybrid_models.py."""
     torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            hf = Qwen3_5MoeForConditionalGeneration(config)
-    finally:
-        torch.set_default_dtype(previous)
+    hf = built(Qwen3_5MoeForConditionalGeneration, config, torch.bfloat16, device)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("A_log"):
@@ -61,11 +55,6 @@ def _random_hf(config: PretrainedConfig, device: str) -> torch.nn.Module:
             else:
                 p.normal_(0.0, 0.02)
     return hf.eval()
-
-
-def _compare(got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
-    return {"max_abs_diff": (got - ref).abs().max().item(), "max_abs_ref": ref.abs().max().item(),
-            "top1_match": int(got.argmax()) == int(ref.argmax())}
 
 
 def report(device: str = "cuda") -> dict[str, Any]:
@@ -88,8 +77,8 @@ def report(device: str = "cuda") -> dict[str, Any]:
         llm = LLM(EngineConfig(model=tmp, device=device, dtype="bfloat16", num_pages=pages, max_num_seqs=max(BATCHES),
                                cache_policy="none"))
         got = [llm.logits(short), llm.logits(long)]
-        out["logits_bf16"] = {f"vs_transformers_{kind}": {"prompt_64": _compare(got[0], r[0]),
-                                                        "prompt_300": _compare(got[1], r[1])}
+        out["logits_bf16"] = {f"vs_transformers_{kind}": {"prompt_64": compare_logits(got[0], r[0]),
+                                                        "prompt_300": compare_logits(got[1], r[1])}
                               for kind, r in ref.items()}
         out["params_b"] = sum(p.numel() for p in llm.loaded.model.parameters()) / 1e9
         out["attention_backend"] = llm.core.runner.backend.name

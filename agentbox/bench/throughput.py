@@ -281,18 +281,28 @@ def qwen3_8b_config() -> PretrainedConfig:
     )
 
 
-@torch.no_grad()
-def random_model(config: PretrainedConfig, dtype: torch.dtype, device: str | torch.device, seed: int = 0) -> LoadedModel:
-    """Our model class for `config` with random weights drawn in place on `device` (norms at 1, matrices
-    N(0, 0.02)): the cost of a big model without its download. Outputs are noise; speed is real."""
-    cls = model_class(config)
+def compare_logits(got: torch.Tensor, ref: torch.Tensor) -> dict[str, Any]:
+    """Ours against a reference: the largest difference, against the reference's scale, and the top tokens."""
+    return {"max_abs_diff": (got - ref).abs().max().item(), "max_abs_ref": ref.abs().max().item(),
+            "top1_match": int(got.argmax()) == int(ref.argmax())}
+
+
+def built(cls: Any, config: PretrainedConfig, dtype: torch.dtype, device: str | torch.device) -> torch.nn.Module:
+    """`cls(config)` with its parameters allocated in `dtype` on `device` (a big model never lands on the host)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(config)
+            return cls(config)
     finally:
         torch.set_default_dtype(previous)
+
+
+@torch.no_grad()
+def random_model(config: PretrainedConfig, dtype: torch.dtype, device: str | torch.device, seed: int = 0) -> LoadedModel:
+    """Our model class for `config` with random weights drawn in place on `device` (norms at 1, matrices
+    N(0, 0.02)): the cost of a big model without its download. Outputs are noise; speed is real."""
+    model = built(model_class(config), config, dtype, device)
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if "norm" in name:

@@ -158,6 +158,10 @@ def render_prompt(
         # Qwen3.5 / 3.6 drop earlier turns' reasoning unless told to keep it: kept, turn N+1 starts with the
         # very tokens turn N ended with, so the session's cache and its recurrent-state snapshot stay usable.
         kwargs["preserve_thinking"] = True
+    if "drop_thinking" in template:
+        # DeepSeek-V4 drops the reasoning of turns before the last user message (in a chat without tools) unless
+        # told not to: kept, for the same reason as preserve_thinking.
+        kwargs["drop_thinking"] = False
     if reasoning_effort is not None and "reasoning_effort" in template:
         is_harmony = harmony.is_harmony_template(template)
         kwargs["reasoning_effort"] = harmony.template_effort(reasoning_effort) if is_harmony else reasoning_effort.value

@@ -47,6 +47,7 @@ ENGINE_ARCHITECTURES = frozenset(
         "Qwen3_5MoeForConditionalGeneration",
         "Qwen3NextForCausalLM",
         "Glm4MoeLiteForCausalLM",
+        "DeepseekV4ForCausalLM",
     }
 )
 QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)
@@ -58,7 +59,10 @@ MOE_EXPERT_FORMATS = moe_expert_formats()
 # Architectures known and deliberately not run, with the missing piece named.
 ARCHITECTURE_GAPS: dict[str, str] = {}
 # Formats an architecture cannot load yet although the engine has their kernels.
-FORMAT_GAPS: dict[tuple[str, str], str] = {}
+FORMAT_GAPS: dict[tuple[str, str], str] = {
+    ("DeepseekV4ForCausalLM", "fp8"): "DeepSeek-V4's release (FP8 with E8M0 block scales, FP4 experts) is not "
+                                      "loaded yet: serve a GGUF or a bf16 conversion",
+}
 
 
 @dataclass(frozen=True)
@@ -209,7 +213,7 @@ def plan(profile: Profile, probe: Probe, config: PlanConfig | None = None) -> Pl
         notes.append(
             f"{best.variant.name} fits at tp={best.tp}, leaving {len(probe.gpus) - best.tp} GPU(s) free; "
             + ("a larger tp splits the weights (every rank keeps the whole latent cache), buying room for more "
-               "sessions or context" if profile.mla else
+               "sessions or context" if profile.kv_replicated else
                "a larger tp splits weights and KV, buying room for more sessions or context")
         )
     return Plan(profile, probe, context, sessions, candidates, notes)
@@ -241,7 +245,7 @@ def _candidate(
         # not move with the page cache. Free RAM only rejects a variant that cannot load now, saying so.
         cand = Candidate(
             variant, device, 1, weights, kv, int(config.cpu_reserve_gib * GIB), probe.host.ram_total,
-            kv_replicated=profile.mla,
+            kv_replicated=profile.kv_replicated,
         )
     else:
         cand = _best_tp(profile, probe, variant, weights, kv, config)
@@ -399,7 +403,7 @@ def _best_tp(
         used = by_free[:tp]
         reserve = int(config.reserve_gib * GIB + config.reserve_share * max(g.memory_total for g in used))
         cand = Candidate(variant, "cuda", tp, weights, kv, reserve, min(g.memory_free for g in used),
-                         kv_replicated=profile.mla)
+                         kv_replicated=profile.kv_replicated)
         if cand.fits:
             return cand
     assert cand is not None  # tp_sizes always yields 1

@@ -10,6 +10,8 @@ from typing import Any
 
 import tomllib
 
+from agentbox.config import EngineConfig
+
 # Formats whose bytes on disk are the bytes resident on the device (quantised kernels run them as stored).
 # Everything else the engine converts at load: safetensors to the compute dtype, GGUF dequantised.
 QUANTISED_FORMATS = ("fp8", "awq", "gptq", "nvfp4", "mxfp4")
@@ -32,6 +34,22 @@ class Variant:
     @property
     def is_gguf(self) -> bool:
         return self.format == "gguf"
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """One paged group of a layout (layers/cache_layout.py): `layers` layers each keeping `values` values per entry,
+    one entry per `tokens_per_entry` tokens (DeepSeek-V4: CSA entries and indexer keys per 4, HCA entries per 128)."""
+
+    layers: int
+    values: int
+    tokens_per_entry: int = 1
+
+    def values_per_token(self, page_size: int) -> float:
+        """What the pool allocates a token: a page holds page_size / tokens_per_entry entry slots, and at least
+        one (an entry spanning pages keeps its slot in one of them: at 128 tokens an entry and pages of 16, one
+        entry's worth per 16 tokens)."""
+        return self.layers * self.values / min(self.tokens_per_entry, page_size)
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,9 @@ class Profile:
     # up-projections, not the latent). 0: ordinary K and V heads.
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    # Models whose cache is paged groups of compressed entries (DeepSeek-V4), replicated on every rank: the
+    # groups count per token instead of kv_heads x head_dim. Empty: ordinary (or MLA) KV.
+    paged_groups: tuple[PagedKV, ...] = ()
 
     @property
     def active_params(self) -> int:
@@ -102,10 +123,19 @@ class Profile:
     def mla(self) -> bool:
         return self.kv_lora_rank > 0
 
+    @property
+    def kv_replicated(self) -> bool:
+        """Every tensor-parallel rank keeps the whole cache (MLA's latent, DeepSeek-V4's entries)."""
+        return self.mla or bool(self.paged_groups)
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V for every attention layer: 2 x kv layers x kv_heads x head_dim x dtype bytes; MLA: the
-        latent and the rope key, kv layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, on each rank."""
+        latent and the rope key, kv layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, on each rank;
+        paged groups: each group's values a token at the engine's page size, on each rank."""
         layers = self.kv_layers_ or self.layers
+        if self.paged_groups:
+            page = EngineConfig.page_size
+            return round(sum(g.values_per_token(page) for g in self.paged_groups) * dtype_bytes)
         if self.mla:
             return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         return 2 * layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -212,6 +242,8 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         live_state_slots=int(data.get("live_state_slots", 2)),
         kv_lora_rank=int(data.get("kv_lora_rank", 0)),
         qk_rope_head_dim=int(data.get("qk_rope_head_dim", 0)),
+        paged_groups=tuple(PagedKV(int(g["layers"]), int(g["values"]), int(g.get("tokens_per_entry", 1)))
+                           for g in data.get("paged_groups", [])),
     )
 
 

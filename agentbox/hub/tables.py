@@ -9,6 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from agentbox.config import EngineConfig
 from agentbox.hub.plan import Plan, describe_machine, engine_runs
 from agentbox.hub.profiles import Profile
 from agentbox.hub.pull import LocalModel
@@ -127,6 +128,12 @@ def render_models(models: list[LocalModel]) -> Group:
 
 def _kv_formula(prof: Profile, dtype_bytes: int) -> str:
     layers = f"{prof.kv_layers_ or prof.layers} {'attention ' if prof.kv_layers_ else ''}layers"
+    if prof.paged_groups:
+        page = EngineConfig.page_size
+        groups = " + ".join(f"{g.layers} layers x {g.values} / {min(g.tokens_per_entry, page)} tokens"
+                            for g in prof.paged_groups)
+        return (f"({groups}) x {dtype_bytes} bytes: compressed entries (a slot per page of {page} at most), the whole "
+                f"cache on every tensor-parallel rank")
     if prof.mla:
         return (f"{layers} x ({prof.kv_lora_rank} latent + {prof.qk_rope_head_dim} rope key) x {dtype_bytes} bytes, "
                 f"the whole latent cache on every tensor-parallel rank")

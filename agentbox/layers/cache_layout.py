@@ -6,8 +6,9 @@ the engine sizes its pools, its page tables and its snapshots from this, never f
   shares the pool's page ids: page p holds, in each group's own tensors, that group's entries for the
   page's `page_size` tokens (`entries_per_page`). So one page table and one radix tree serve every group, and a
   prefix cached for one group is cached for all. A group whose entry spans more than a page keeps one entry
-  slot per page, in the page holding the entry's first token (the price of one table: at page 16 and 128
-  tokens an entry, 7 of 8 such slots stay empty).
+  slot per page, in the page holding the entry's last token (the price of one table: at page 16 and 128
+  tokens an entry, 7 of 8 such slots stay empty; the last token's page, because only a sequence that computes
+  that whole page writes there, layers/paged_entries.py).
 - A `StateGroup` is per-sequence state of fixed size (a Gated DeltaNet layer's conv and matrix, a sliding
   window's ring): it describes exactly the position it was computed to, so a cached prefix resumes only where a
   snapshot of it was saved (engine/cache/state_snapshots.py). A ring (`WindowKVSpec`) keeps a page of slack

@@ -28,3 +28,16 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+class Fp32RMSNorm(nn.Module):
+    """RMSNorm whose weight stays fp32 and multiplies before the cast back (DeepSeek-V4's norms, kept in fp32 by
+    the reference: `(weight * x_normed).to(x.dtype)`, where RMSNorm casts first)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)

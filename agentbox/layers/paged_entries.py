@@ -3,10 +3,16 @@ layers/cache_layout.py): where the entries this step completes go, and where eac
 
 Entry e of a sequence covers its tokens [e t, (e + 1) t) (t = tokens_per_entry) and is complete once token
 (e + 1) t - 1 is computed: the step's slot mapping for the group names, for each new token, the slot of the entry it
-completes (-1 for a token that completes none). An entry lives in the page of its first token, at slot
-page * entries_per_page + (e t mod page_size) / t. Every group shares the step's page-table rows (the pool's page
-ids are every group's): the runner builds this per step (engine/exec/runner.py) and a layer that keeps such
-entries reads it from the forward context (`ForwardContext.entries[t]`).
+completes (-1 for a token that completes none). An entry lives in the page of its last token, at slot
+page * entries_per_page + (l mod page_size) / t (l = (e + 1) t - 1). Every group shares the step's page-table rows
+(the pool's page ids are every group's): the runner builds this per step (engine/exec/runner.py) and a layer that
+keeps such entries reads it from the forward context (`ForwardContext.entries[t]`).
+
+Why the last token's page: a cached page is shared by every sequence whose tokens match up to its end, and an
+entry depends on all of its tokens. In the page of its last token an entry is written only by a sequence that
+computes that whole page, so every sharer holds the same entry; an entry spanning pages (HCA: 128 tokens, pages
+of 16) kept in the page of its first token would be written into a page already shared at a prefix that ends
+inside the entry, by each sequence that continues it differently.
 
 A layer writes what its step completes (`write`) and reads a sequence's complete entries (`gather`); what is
 not yet a whole entry (the tail after the last complete one) is the layer's own business: it can recompute it
@@ -38,9 +44,9 @@ class EntryStep:
         """int64 [count]: the slots of sequence i's first `count` entries (all its complete ones by default)."""
         n = self.num_entries(i) if count is None else count
         t = self.tokens_per_entry
-        first = torch.arange(n, dtype=torch.int64, device=self.page_table.device) * t  # each entry's first token
-        pages = self.page_table[i, first // self.page_size].to(torch.int64)
-        return pages * self.entries_per_page + (first % self.page_size) // t
+        last = torch.arange(1, n + 1, dtype=torch.int64, device=self.page_table.device) * t - 1  # each entry's last token
+        pages = self.page_table[i, last // self.page_size].to(torch.int64)
+        return pages * self.entries_per_page + (last % self.page_size) // t
 
     def write(self, cache: torch.Tensor, values: torch.Tensor) -> None:
         """values [T, ...]: row j is what token j's completed entry holds (rows of tokens that complete none are
@@ -64,6 +70,5 @@ def entry_slot_mapping(tokens_per_entry: int, entries_per_page: int, page_size: 
         if (p + 1) % t:
             out.append(-1)
             continue
-        first = p + 1 - t
-        out.append(pages[first // page_size] * entries_per_page + (first % page_size) // t)
+        out.append(pages[p // page_size] * entries_per_page + (p % page_size) // t)  # p: the entry's last token
     return out

@@ -92,6 +92,13 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
     )
 
 
+def frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tuple[torch.Tensor, float]:
+    """The inverse frequencies of `head_dim` rotated channels and the attention factor cos/sin are scaled by."""
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
+        return _yarn(head_dim, theta, scaling)
+    return _inv_freq(head_dim, theta, scaling), 1.0
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -104,11 +111,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.max_position = max_position
-        attention = 1.0
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "yarn":
-            inv_freq, attention = _yarn(head_dim, theta, scaling)
-        else:
-            inv_freq = _inv_freq(head_dim, theta, scaling)
+        inv_freq, attention = frequencies(head_dim, theta, scaling)
         inv_freq = inv_freq.to(torch.get_default_device())
         t = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
         freqs = torch.outer(t, inv_freq)
@@ -145,3 +148,32 @@ class RotaryEmbedding(nn.Module):
         so a positions buffer rewritten in place between forwards is gathered afresh)."""
         self._positions = positions
         self._cos, self._sin = self._gather(positions, dtype)
+
+
+class InterleavedRope(nn.Module):
+    """RoPE on the trailing `rope_dim` channels of a head, turning pairs of adjacent channels (DeepSeek-V4's
+    `[nope | rope]` heads). cos/sin are computed per step from the positions, as transformers computes them
+    (a table over V4's million positions would cost 256 MiB for 32 angles). The attention scale of YaRN is the
+    config's `attention_factor` (V4 sets 1.0)."""
+
+    def __init__(self, rope_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+        inv_freq, self.attention = frequencies(rope_dim, theta, scaling)
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rope_dim / 2] in `dtype` (rounded there first, as the reference hands them over)."""
+        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
+        return (freqs.cos() * self.attention).to(dtype), (freqs.sin() * self.attention).to(dtype)
+
+
+def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] with its last 2 * cos.shape[-1] channels turned in adjacent pairs (cos, sin: [T, R/2];
+    -sin turns back). In fp32, cast back to x's dtype."""
+    cos = cos.repeat_interleave(2, dim=-1)[:, None]
+    sin = sin.repeat_interleave(2, dim=-1)[:, None]
+    r = cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:]
+    turned = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([nope, (rope.float() * cos + turned.float() * sin).to(x.dtype)], dim=-1)

@@ -2,8 +2,8 @@
 of a model. Each member is declared here with its default, so a model states what differs and nothing outside
 the model asks it whether it has something.
 
-- Weight names (models/weight_loader.py): `packed_modules_mapping`, `expert_mapping`, `skip_checkpoint_names`,
-  `tie_word_embeddings`.
+- Weight names (models/weight_loader.py): `checkpoint_renames`, `packed_modules_mapping`, `expert_mapping`,
+  `skip_checkpoint_names`, `tie_word_embeddings`.
 - What it caches (`cache_layout`, layers/cache_layout.py): the engine sizes its pools, page tables and state
   slots from it. The attention backend's default shape is `attention_shape`.
 - How the runner may run a step: `supports_cuda_graphs` (decode captured in CUDA graphs), and
@@ -80,6 +80,9 @@ class AttentionShape:
 
 
 class CausalLM(nn.Module, ABC):
+    # (pattern, replacement) regex substitutions applied in order to each checkpoint name before anything else:
+    # one model class reading the layouts its checkpoints come in (DeepSeek-V4's release and transformers' save)
+    checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     # HF checkpoint module name -> (our fused module, shard id passed to its parameter's loader)
     packed_modules_mapping: ClassVar[Mapping[str, tuple[str, str | int]]] = {}
     # MoE experts: checkpoint names -> the FusedMoE parameters (`ExpertWeight` rows, above)

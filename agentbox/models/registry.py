@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from agentbox.models.base import CausalLM
+from agentbox.models.deepseek_v4 import DeepseekV4ForCausalLM
 from agentbox.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
@@ -21,6 +22,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,

@@ -2,6 +2,8 @@
 
 A model class (models/base.py CausalLM) declares only how its names differ from the checkpoint's:
 
+- `checkpoint_renames`: regex substitutions, in order, from a checkpoint's names to ours (one class reading
+  several layouts of the same weights).
 - `packed_modules_mapping`: HF module name -> (our fused module, shard id), e.g. q_proj -> (qkv_proj, "q").
 - `expert_mapping`: `ExpertWeight` rows for MoE experts (`per_expert_weights` writes them for every
   quantised layout); the parameter's loader is called as `loader(param, tensor, expert_id, shard)`.
@@ -15,6 +17,7 @@ tensor and copies this rank's shard; a parameter without one is copied whole.
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterable
 from typing import Any
@@ -46,9 +49,12 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
     params = dict(model.named_parameters())
     packed, experts, tied = model.packed_modules_mapping, model.expert_mapping, model.tie_word_embeddings
     skips = DEFAULT_SKIPS + tuple(model.skip_checkpoint_names)
+    renames = [(re.compile(p), r) for p, r in model.checkpoint_renames]
     skipped: Counter[str] = Counter()
     loaded: set[str] = set()
     for name, tensor in weights:
+        for pattern, replacement in renames:
+            name = pattern.sub(replacement, name)
         if hit := next((s for s in skips if s in name), None):
             skipped[hit] += 1
             continue

@@ -12,6 +12,7 @@ from agentbox.chat.tool_parsers.base import (
     collect,
     new_call_id,
 )
+from agentbox.chat.tool_parsers.dsml import DsmlParser
 from agentbox.chat.tool_parsers.gemma4 import Gemma4Parser
 from agentbox.chat.tool_parsers.harmony import HarmonyToolParser
 from agentbox.chat.tool_parsers.json_family import HermesParser, Llama3JsonParser, MistralParser
@@ -20,9 +21,10 @@ from agentbox.chat.tool_parsers.xml_family import Glm45Parser, Qwen3CoderParser
 PARSERS: dict[str, type[ToolParser]] = {
     p.name: p
     for p in (HermesParser, Qwen3CoderParser, Glm45Parser, Llama3JsonParser, MistralParser, HarmonyToolParser,
-              Gemma4Parser)
+              Gemma4Parser, DsmlParser)
 }
-ALIASES = {"gpt_oss": "openai", "harmony": "openai", "qwen25": "hermes", "qwen2_5": "hermes", "qwen3": "hermes", "glm47": "glm45", "llama3": "llama3_json"}
+ALIASES = {"gpt_oss": "openai", "harmony": "openai", "qwen25": "hermes", "qwen2_5": "hermes", "qwen3": "hermes", "glm47": "glm45", "llama3": "llama3_json",
+           "deepseek_v32": "deepseek_v4", "dsml": "deepseek_v4"}
 
 
 def get_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
@@ -41,6 +43,8 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
     t = chat_template or ""
     if "<|channel|>" in t and "commentary" in t:  # harmony (gpt-oss): calls go to the commentary channel
         return "openai"
+    if "｜DSML｜" in t:  # DeepSeek-V3.2 / V4
+        return "deepseek_v4"
     if "<|tool_call>call:" in t:  # Gemma 4
         return "gemma4"
     if "<function=" in t and "<parameter=" in t:

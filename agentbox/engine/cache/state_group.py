@@ -4,8 +4,8 @@ snapshots its steps leave (the snapshots themselves: state_snapshots.py; on disk
 A state (a Gated DeltaNet layer's, a sliding ring's) describes exactly one position, so a cached prefix resumes
 only where a snapshot describes the state; with none, the request computes from the start. This is the cache's
 decision (manager.py asks here), not the scheduler's:
-- `resume` cuts a page match to the longest prefix a snapshot resumes (the session's own, a shared prefix's, or
-  one on disk from before a restart). When the pages reach further than any snapshot (a prefix other sessions
+- `resume` cuts a page match to the longest prefix a snapshot resumes (the session's own, a shared prefix's,
+  another session's whose tokens are the same prefix, or one on disk from before a restart). When the pages reach further than any snapshot (a prefix other sessions
   sent), the request keeps its state there as a shared snapshot (`share_at`).
 - `chunk` ends a prefill chunk on a page boundary when it can, and always on the prompt's last one and on the
   shared point: the runner keeps the state at such step ends (its page-aligned copy), and the position a turn
@@ -55,9 +55,7 @@ class StateGroupCache:
         """The snapshot m resumes at (or none), and the position a shared snapshot should be kept at (0: none).
         Pure: what it finds on disk is only named here; `load` reads it."""
         store = self.store
-        found = [s for s in (store.find(m.session, tokens, m.num_tokens),
-                             store.find_shared(tokens, m.num_tokens)) if s is not None]
-        snap = max(found, key=lambda s: s.num_tokens, default=None)
+        snap = store.find_any(tokens, m.num_tokens)  # the session's own, a shared prefix's, or another session's
         disk = self.disk.find(snap, tokens, m.num_tokens) if self.disk is not None else None
         res = Resume(snap) if disk is None else Resume(None, disk, snap)
         share_at = m.num_tokens // self.ps * self.ps

@@ -111,10 +111,16 @@ _VICTIMS = (SnapshotPoint.HISTORY, SnapshotPoint.SHARED, None)  # the order a fu
 
 
 def _longest(found: list[Snapshot], tokens: Sequence[int], limit: int) -> Snapshot | None:
-    for snap in sorted(found, key=lambda s: -s.num_tokens):
-        if 0 < snap.num_tokens <= limit and digest(tokens[: snap.num_tokens]) == snap.digest:
-            return snap
-    return None
+    """The longest of `found` whose digest is that of tokens' prefix of its length. The prefixes' digests come
+    from one pass over the tokens (a lookup over every snapshot held reads the tokens once, not once each)."""
+    candidates = sorted((s for s in found if 0 < s.num_tokens <= limit), key=lambda s: s.num_tokens)
+    h, at, best = hashlib.blake2b(digest_size=16), 0, None
+    for snap in candidates:
+        h.update(np.asarray(tokens[at : snap.num_tokens], dtype=np.int64).tobytes())
+        at = snap.num_tokens
+        if h.copy().digest() == snap.digest:
+            best = snap
+    return best
 
 
 class SnapshotStore:
@@ -176,6 +182,12 @@ class SnapshotStore:
     def find_shared(self, tokens: Sequence[int], limit: int) -> Snapshot | None:
         """The longest shared-prefix snapshot that describes a prefix of `tokens` no longer than `limit`. Pure."""
         return _longest([s for k, s in self._by_key.items() if k[1] is SnapshotPoint.SHARED], tokens, limit)
+
+    def find_any(self, tokens: Sequence[int], limit: int) -> Snapshot | None:
+        """The longest snapshot of any owner (a session's points, a shared prefix) that describes a prefix of
+        `tokens` no longer than `limit`: the digest is the proof, whoever saved it. A new session sending the
+        prompt another session sent resumes at that session's prompt snapshot. Pure."""
+        return _longest(list(self._by_key.values()), tokens, limit)
 
     def after(self, position: int) -> list[Snapshot]:
         """Every snapshot held at a position past `position` (state_units.py: which ones a node's pages resume)."""

@@ -174,7 +174,7 @@ class KVCache:
 
 def entries_per_page(tokens_per_entry: int, page_size: int) -> int:
     """Entry slots a page holds for a layer keeping one entry per tokens_per_entry tokens: page_size /
-    tokens_per_entry, and one for an entry spanning several pages (kept in the page of its first token)."""
+    tokens_per_entry, and one for an entry spanning several pages (kept in the page of its last token)."""
     if tokens_per_entry < 1:
         raise ValueError(f"tokens_per_entry must be at least 1, not {tokens_per_entry}")
     if tokens_per_entry <= page_size:

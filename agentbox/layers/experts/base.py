@@ -42,6 +42,7 @@ class MoEActivation(Enum):
     SILU = "silu"  # silu(gate) * up
     SWIGLU_OAI = "swiglu_oai"  # gpt-oss: clamped gate * sigmoid(alpha * gate) * (clamped up + 1)
     GELU_TANH = "gelu_tanh"  # Gemma 4: gelu(gate, tanh approximation) * up
+    SILU_CLAMPED = "silu_clamped"  # DeepSeek-V4: silu(gate clamped above at the limit) * (up clamped to +-limit)
 
 
 def activate(gate_up: torch.Tensor, activation: MoEActivation, alpha: float, limit: float) -> torch.Tensor:
@@ -51,6 +52,8 @@ def activate(gate_up: torch.Tensor, activation: MoEActivation, alpha: float, lim
         return F.silu(gate) * up
     if activation is MoEActivation.GELU_TANH:
         return F.gelu(gate, approximate="tanh") * up
+    if activation is MoEActivation.SILU_CLAMPED:
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))

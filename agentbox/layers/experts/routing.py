@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
+import torch.nn.functional as F
+
+
+class Scoring(Enum):
+    """How a router turns its logits into expert scores (transformers' `scoring_func`)."""
+
+    SQRT_SOFTPLUS = "sqrtsoftplus"  # DeepSeek-V4
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        if self is Scoring.SQRT_SOFTPLUS:
+            return F.softplus(logits).sqrt()
+        return logits.softmax(dim=-1) if self is Scoring.SOFTMAX else logits.sigmoid()
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,3 +60,10 @@ def select_experts_grouped(
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, ids
+
+
+def weigh_chosen(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The chosen experts' scores, renormalised to sum to one and times `scaling` (DeepSeek-V4, for its learned
+    and its hashed choices alike): float32 [T, k]."""
+    weights = scores.gather(1, ids).float()
+    return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scaling

@@ -1,0 +1,124 @@
+"""A tiny DeepSeek-V4 GGUF made by llama.cpp's own converter: convert_hf_to_gguf.py of the llama.cpp that the
+llama-cpp-python 0.3.36 sdist vendors, run from the unpacked sdist (never copied here).
+
+The converter reads DeepSeek's release layout (`layers.0.attn.wq_a.weight`, `embed.weight`, `hc_head_fn`, FP4
+experts as packed nibbles with an E8M0 scale per 32 values) and config keys the release has (`compress_ratios`,
+`num_hash_layers`, `rope_scaling`). So the tiny transformers model is written that way too: its experts rounded in
+place to values FP4 holds exactly (the converter only repacks their bits into MXFP4 blocks), every other tensor
+fp32 (written F32). The twin's logits are then the reference for the GGUF, as for the safetensors checkpoint.
+
+The sdist: `AGENTBOX_LLAMA_CPP_SDIST` (a .tar.gz or an unpacked directory), else a cached copy, else `pip download`
+into the cache; with none of those (no network) the GGUF tests skip, naming what they need.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+SDIST = "llama_cpp_python-0.3.36"
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def converter_dir(cache: Path) -> Path | None:
+    """The vendored llama.cpp directory of the sdist (holding convert_hf_to_gguf.py), or None."""
+    given = os.environ.get("AGENTBOX_LLAMA_CPP_SDIST")
+    archive = Path(given) if given else None
+    if archive is not None and archive.is_dir():
+        found = next(archive.rglob("convert_hf_to_gguf.py"), None)
+        return found.parent if found else None
+    unpacked = cache / SDIST / "vendor" / "llama.cpp"
+    if (unpacked / "convert_hf_to_gguf.py").is_file():
+        return unpacked
+    if archive is None:
+        archive = cache / f"{SDIST}.tar.gz"
+        if not archive.is_file():
+            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                "llama-cpp-python==0.3.36", "-d", str(cache)], capture_output=True, timeout=600)
+            if r.returncode or not archive.is_file():
+                return None
+    wanted = (f"{SDIST}/vendor/llama.cpp/convert_hf_to_gguf.py", f"{SDIST}/vendor/llama.cpp/conversion/",
+              f"{SDIST}/vendor/llama.cpp/gguf-py/", f"{SDIST}/vendor/llama.cpp/models/templates/")
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(wanted)]
+        tar.extractall(cache, members=members, filter="data")
+    return unpacked if (unpacked / "convert_hf_to_gguf.py").is_file() else None
+
+
+def fp4_round(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] as DeepSeek's FP4 experts store it: (codes packed two a byte, element 2i in the low nibble,
+    uint8 [out, in / 2]; E8M0 exponents, uint8 [out, in / 32]; the values they hold, fp32)."""
+    out, cols = w.shape
+    blocks = w.float().reshape(out, cols // 32, 32)
+    amax = blocks.abs().amax(-1).clamp(min=2**-20)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)  # the block's largest value fits 6 x 2^exp
+    scaled = blocks / torch.exp2(exp)[..., None]
+    codes = (scaled[..., None] - E2M1).abs().argmin(-1)  # nearest E2M1 value (+0 before -0)
+    values = E2M1[codes] * torch.exp2(exp)[..., None]
+    flat = codes.reshape(out, cols).to(torch.uint8)
+    packed = flat[:, 0::2] | (flat[:, 1::2] << 4)
+    return packed, (exp + 127).to(torch.uint8), values.reshape(out, cols)
+
+
+RELEASE_RENAMES = (
+    ("model.embed_tokens.weight", "embed.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("model.hc_head.hc_fn", "hc_head_fn"),
+    ("model.hc_head.hc_base", "hc_head_base"),
+    ("model.hc_head.hc_scale", "hc_head_scale"),
+)
+
+
+def write_release(hf: torch.nn.Module, hf_dir: Path, out: Path, tokenizer=None, fp4: bool = True) -> Path:  # noqa: ANN001
+    """The release layout of the checkpoint transformers saved in hf_dir, with the config keys the converter reads,
+    and the tokenizer if given. fp4: the experts as the release stores them (already FP4-exact: `round_experts`),
+    else as they are."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in load_file(hf_dir / "model.safetensors").items():
+        name = dict(RELEASE_RENAMES).get(name, name).removeprefix("model.")
+        name = name.replace(".attn.norm.weight", ".attn.kv_norm.weight")
+        if ".ffn.experts." in name and fp4:
+            packed, scale, _ = fp4_round(t)
+            tensors[name] = packed
+            tensors[name.removesuffix(".weight") + ".scale"] = scale
+            continue
+        tensors[name] = t.contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    c = hf.config
+    rates = {"compressed_sparse_attention": c.compress_rates["compressed_sparse_attention"],
+             "heavily_compressed_attention": c.compress_rates["heavily_compressed_attention"], "sliding_attention": 0}
+    compress = c.rope_parameters["compress"]
+    config = {**json.loads((hf_dir / "config.json").read_text()),
+              "compress_ratios": [rates[t] for t in c.layer_types],
+              "num_hash_layers": c.mlp_layer_types.count("hash_moe"),
+              "rope_scaling": {k: compress[k] for k in ("factor", "original_max_position_embeddings", "beta_fast",
+                                                        "beta_slow")} | {"type": compress["rope_type"]}}
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def round_experts(hf: torch.nn.Module) -> None:
+    """Every routed expert's weights replaced, in place, by the FP4 values `fp4_round` stores for them."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if ".experts." in name:
+                for e in range(p.shape[0]):
+                    p[e] = fp4_round(p[e])[2]
+
+
+def convert(release: Path, gguf_file: Path, llama_cpp: Path) -> Path:
+    r = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(release), "--outfile",
+                        str(gguf_file), "--outtype", "f32"], capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{r.stderr[-4000:]}")
+    return gguf_file
