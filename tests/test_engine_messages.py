@@ -19,7 +19,8 @@ STATS_KEYS = {"uptime_s", "running", "waiting", "pool", "cache", "counters", "ad
 POOL_KEYS = {"total_pages", "free_pages", "used_pages", "page_size", "running_pages", "page_bytes", "kv_bytes_per_token"}
 CACHE_KEYS = {"policy", "gpu_pages", "host_pages", "host_total_pages", "leased_pages", "evictions", "demotions",
               "promotions", "host_evictions", "sessions", "live_leases", "disk_pages", "disk_bytes", "disk_budget_bytes",
-              "disk_written", "disk_restored", "disk_torn", "disk_sessions", "disk_states"}
+              "disk_written", "disk_restored", "disk_torn", "disk_sessions", "disk_states", "disk_written_behind",
+              "disk_queued", "disk_dropped"}
 COUNTER_KEYS = {"requests", "prompt_tokens", "cached_tokens", "host_cached_tokens", "recomputed_history_tokens",
                 "generated_tokens", "computed_tokens", "prefill_tokens", "decode_tokens", "steps", "preemptions",
                 "request_failures", "drafted_tokens", "accepted_tokens"}

@@ -100,9 +100,11 @@ class EngineCore:
         config.disk_flush_s (engine/cache/radix_disk.py)."""
         t0 = time.monotonic()
         written, left, states = self.cache.persist(self.config.disk_flush_s)
-        if written or left or states:
-            log.info("saved %d KV pages of %d sessions (%d state snapshots) to disk in %.1f s%s", written,
-                     len(self.cache.sessions), states, time.monotonic() - t0,
+        st = self.cache.stats()
+        if st.disk_budget_bytes:  # said even when turn ends wrote it all behind: the log is where a user looks
+            log.info("disk tier at stop: %d KV pages of %d sessions on disk (%d written now, %d behind at turn ends; "
+                     "%d state snapshots) in %.1f s%s", st.disk_pages, len(self.cache.sessions), written,
+                     st.disk_written_behind, states, time.monotonic() - t0,
                      f"; {left} pages left unsaved (--disk-flush-s)" if left else "")
 
     def close(self) -> None:

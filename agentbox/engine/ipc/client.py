@@ -122,18 +122,30 @@ class EngineClient:
     def _reader(self, conn: Connection) -> None:
         loop = self._loop
         assert loop is not None
+
+        def post(fn: Callable[..., None], *args: object) -> bool:
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop closed: the server has shut down and nobody waits for the engine
+                return False
+            return True
+
         while True:
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
-                loop.call_soon_threadsafe(self._on_dead, "the engine process exited", conn)
+                post(self._on_dead, "the engine process exited", conn)
                 return
             if isinstance(msg, StepOutputs):
-                loop.call_soon_threadsafe(self._dispatch, msg.outputs)
+                ok = post(self._dispatch, msg.outputs)
             elif isinstance(msg, QueryReply):
-                loop.call_soon_threadsafe(self._resolve_query, msg)
+                ok = post(self._resolve_query, msg)
             elif isinstance(msg, EngineFailed):  # a rank died; the engine exits right after this message
-                loop.call_soon_threadsafe(self._on_dead, msg.error, conn)
+                ok = post(self._on_dead, msg.error, conn)
+            else:
+                ok = True
+            if not ok:
+                return
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for o in outputs:
