@@ -18,6 +18,7 @@ from agentbox.hub.weight_bytes import (
     cpu_quantised_experts,
     gguf_experts,
     gguf_gpu_mix,
+    mtp_weight_bytes,
     resident_weight_bytes,
 )
 from agentbox.hw.probe import GIB, Probe
@@ -204,6 +205,10 @@ def plan(profile: Profile, probe: Probe, config: PlanConfig | None = None) -> Pl
         )
         context = profile.context_length
     sessions = max(1, config.sessions)
+    if profile.mtp_params:
+        device = "cpu" if probe.cpu_only else "cuda"
+        notes.append(f"its MTP head (the draft of --speculative mtp) is counted: {_gb(mtp_weight_bytes(profile, device))} "
+                     f"of weights in the compute dtype, {profile.mtp_layers} more attention layer of KV")
     candidates = [_candidate(profile, v, probe, context, sessions, config) for v in profile.variants]
     candidates.sort(key=_rank)
     best = candidates[0] if candidates and candidates[0].ok else None
@@ -263,6 +268,7 @@ def _candidate(
     elif device == "cpu" and cand.need_per_device > probe.host.ram_free:
         reasons.append(f"{SHORT_OF_FREE_RAM}: needs {_gb(cand.need_per_device)}, {_gb(probe.host.ram_free)} free now")
     method = method_of_format(variant.format)
+    weights -= mtp_weight_bytes(profile, device)  # the notes below describe the model's own weights
     if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
         notes.append(
             f"{variant.format} on CPU: the experts stay quantised, the other {(profile.params - experts) / 1e9:.1f}B "

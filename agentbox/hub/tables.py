@@ -128,6 +128,8 @@ def render_models(models: list[LocalModel]) -> Group:
 
 def _kv_formula(prof: Profile, dtype_bytes: int) -> str:
     layers = f"{prof.kv_layers_ or prof.layers} {'attention ' if prof.kv_layers_ else ''}layers"
+    if prof.mtp_layers:
+        layers = f"({layers} + {prof.mtp_layers} MTP)"
     if prof.paged_groups:
         page = EngineConfig.page_size
         groups = " + ".join(f"{g.layers} layers x {g.values} / {min(g.tokens_per_entry, page)} tokens"
