@@ -187,3 +187,49 @@ def test_twenty_xml_tool_calls_parse_to_their_arguments(tokenizer) -> None:  # n
             if d.tool_call is not None:
                 calls.setdefault(d.tool_call.index, [d.tool_call.name or "", ""])[1] += d.tool_call.arguments
         assert [(n, json.loads(a)) for n, a in calls.values()] == [(name, args)], written
+
+
+def test_the_server_renders_at_medium_unless_the_client_names_an_effort(tokenizer) -> None:  # noqa: ANN001
+    from agentbox.config import ServerConfig
+    from agentbox.server.app import model_defaults
+    from agentbox.server.chat_pipeline import Conversation, fold, prepare_chat
+    from agentbox.server.state import ServerState
+
+    d = model_defaults("/models/Qwen3.8-27B-UD-Q4_K_M.gguf", "Qwen3.8-27B")
+    assert d.reasoning_effort is ReasoningEffort.MEDIUM and d.tool_parser == "qwen3_coder"
+    state = ServerState(ServerConfig(), None, tokenizer, None, "Qwen3.8-27B",  # type: ignore[arg-type]
+                        tool_parser=d.tool_parser, default_effort=d.reasoning_effort)
+    msgs = claude_code_request()
+    plain = prepare_chat(state, Conversation(msgs, TOOLS), check_length=False).prompt_text
+    assert XHIGH_TEXT not in plain and LOW_TEXT not in plain
+    asked = prepare_chat(state, Conversation(msgs, TOOLS, reasoning_effort=ReasoningEffort.HIGH),
+                         check_length=False).prompt_text
+    assert asked.startswith("<|im_start|>system\n" + XHIGH_TEXT)
+    low = prepare_chat(state, Conversation(msgs, TOOLS, reasoning_effort=ReasoningEffort.LOW), check_length=False)
+    assert LOW_TEXT in low.prompt_text and low.tool_parser == "qwen3_coder"
+    # What the model writes after the prompt's `<think>\n`: reasoning, text, an XML call with a `<` in a value.
+    written = "The test expects 4; f adds one too many.\n</think>\n\nFixing f.\n\n" + _written(tokenizer, *CALLS[6])
+    proc = low.output()
+    assert low.reasoning_style == "qwen3" and low.starts_inside
+    out = fold([d for i in range(0, len(written), 5) for d in proc.feed(written[i:i + 5])] + proc.finish())
+    assert out.reasoning.strip() == "The test expects 4; f adds one too many."
+    assert out.content.strip() == "Fixing f."
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [CALLS[6]]
+    grammar = low.grammar()
+    assert grammar is not None and grammar.syntax is not None and grammar.syntax.prefix == "<tool_call>\n<function="
+
+
+def test_the_call_grammar_accepts_the_twenty_calls(tokenizer) -> None:  # noqa: ANN001
+    """Constrained decoding lets through every call the template itself writes: parameters in the schema's
+    order (a grammar built from a key-sorted schema refused `old_string` after `file_path`), values with `<`."""
+    from agentbox.chat.grammar import grammar_spec
+    from agentbox.engine.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, len(tokenizer))
+    for name, args in CALLS:
+        written = _written(tokenizer, name, args)
+        state = compiler.state(grammar_spec(TOOLS, {"type": "function", "function": {"name": name}}, None,
+                                            "qwen3_coder"))
+        ids = tokenizer.encode(written, add_special_tokens=False)
+        assert all(state.accept(i) for i in ids), written
+        assert state.accept(tokenizer.eos_token_id) and state.is_terminated(), written
