@@ -206,7 +206,9 @@ class LoadedModel:
         )
 
 
-def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+def load_model(path: str, dtype: torch.dtype, device: str | torch.device, *, with_mtp: bool = False) -> LoadedModel:
+    """The model of `path` on `device`; with_mtp: with the checkpoint's multi-token-prediction head where it has
+    one (models/mtp.py; `LoadedModel.model.mtp` stays None where it has none)."""
     src = resolve_model(path)
     config = load_config(src)
     cls = model_class(config)
@@ -217,6 +219,8 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> Loa
         # picks every linear layer's method.
         with torch.device(device), quant_context(quant_config(src, config)):
             model = cls(config)
+            if with_mtp:
+                model.add_mtp_head()
     finally:
         torch.set_default_dtype(previous_dtype)
     load_weights(model, iter_weights(src, config, for_engine=True))

@@ -17,6 +17,7 @@ from agentbox.config import HOST_STATE_GB, PLAN_CONTEXT, PLAN_SESSIONS, EngineCo
 from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.exec.logprob import TokenLogprob
+from agentbox.engine.exec.mtp import MtpDraft, MtpDrafter
 from agentbox.engine.exec.page_table import PageTable, RowWriter
 from agentbox.engine.exec.step_inputs import StepInputs
 from agentbox.engine.exec.verify import sample_verified
@@ -72,6 +73,7 @@ class StepResult:
     logprobs: list[TokenLogprob | None]
     failed: dict[int, str]
     aligned: list[tuple[SeqCache, int]] = field(default_factory=list)
+    drafts: list[MtpDraft | None] = field(default_factory=list)  # per sampled seq: the MTP head's draft, if any
 
 
 class StepSender(Protocol):
@@ -96,7 +98,9 @@ class ModelRunner:
         if loaded is None:
             exact = int4.cpu_kernel(int4.Int4Kernel.DENSE) if config.exact_cpu else contextlib.nullcontext()
             with exact:
-                loaded = load_model(config.model, self.dtype, self.device)
+                # The MTP head drafts at tp 1 only (engine/exec/mtp.py says why).
+                loaded = load_model(config.model, self.dtype, self.device,
+                                    with_mtp=config.speculative.uses_mtp and self.tp == 1)
         self.loaded = loaded
         self.layout: CacheLayout = loaded.layout
         self.weight_bytes = resident_weight_bytes(loaded.model)
@@ -189,6 +193,10 @@ class ModelRunner:
             ),
         )
         self.cpu_decode = CpuDecode.build(lm.model, self.device)  # None on GPU and for models it cannot run
+        self.mtp = (MtpDrafter(lm.model, self.backend, self.page_table, self.page_size, config.spec_mtp_tokens)
+                    if lm.model.mtp is not None and config.speculative.uses_mtp and self.rank == 0 and self.tp == 1
+                    else None)
+        self._hidden: torch.Tensor | None = None  # the last step's hidden states, for the MTP head
 
     def _state_cache(self) -> StateCache | None:
         """Hybrid models (and Gemma 4's sliding-window rings): each running sequence's state lives in the slot
@@ -396,6 +404,8 @@ class ModelRunner:
                      if kv % self.page_size == 0 and not verify]  # a verify's copy is taken at its commit
             if ended:
                 self.state_cache.copy(ended, [row + self.num_rows for row in ended])
+        if self.mtp is not None:
+            self._hidden = hidden
         if not step.sample_rows.numel():
             return None
         return self.loaded.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()
@@ -411,14 +421,23 @@ class ModelRunner:
 
     def step(self, out: SchedulerOutput) -> StepResult:
         """Runs the step on every rank (`StepResult` says what it computed)."""
-        logits = self.forward_logits(out)
-        if logits is None:
-            return StepResult([], [], {}, self._reports)
-        sampled = [s for s in out.seqs if s.sample]
-        tokens, lps, failed = sample_verified(logits, [s.request for s in sampled], [s.draft for s in sampled])
-        if self.verifies is not None:  # stateful verifies: how far each slot's state goes
-            self.verifies.sampled(sampled, tokens, failed, self.aligned, self._report)
-        return StepResult(tokens, lps, failed, self._reports)
+        step = self.prepare(out)
+        if self.workers is not None:
+            self.workers.send_step(step)
+        logits = self.execute(step)
+        tokens: list[list[int]] = []
+        lps: list[TokenLogprob | None] = []
+        failed: dict[int, str] = {}
+        if logits is not None:
+            sampled = [s for s in out.seqs if s.sample]
+            tokens, lps, failed = sample_verified(logits, [s.request for s in sampled], [s.draft for s in sampled])
+            if self.verifies is not None:  # stateful verifies: how far each slot's state goes
+                self.verifies.sampled(sampled, tokens, failed, self.aligned, self._report)
+        drafts: list[MtpDraft | None] = []
+        if self.mtp is not None and self._hidden is not None:  # the head's KV follows every step, prefill too
+            drafts = self.mtp.run(out, step, self._hidden, tokens, failed)
+            self._hidden = None
+        return StepResult(tokens, lps, failed, self._reports, drafts)
 
 
 def _handle_of(s: ScheduledSeq) -> SeqCache:

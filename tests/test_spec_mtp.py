@@ -1,0 +1,125 @@
+"""Drafts from the checkpoint's own MTP head (models/mtp.py, engine/exec/mtp.py) on a tiny Qwen3.5 whose head is in
+the released layout and trained on the model's own greedy outputs (tests/mtp_models.py): the head in the engine
+predicts what its plain-torch twin predicts, its first draft and the ones it chains on its own output; greedy
+output is the same token for token with `--speculative mtp`, `suffix`, `auto` (both) and `off` over two turns of
+two sessions whose second turns resume from the state snapshots the first left; /v1/stats counts each source."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mtp_models import engine_greedy, mtp_twin, save_with_mtp, train_mtp, trunk
+from safetensors.torch import load_file
+
+from agentbox.config import EngineConfig, Speculative
+from agentbox.engine.llm import LLM
+from agentbox.engine.reports import engine_stats
+from agentbox.engine.sampling import SamplingParams
+from agentbox.models.loader import load_model
+
+BASE = [(7 * i + 3) % 250 + 1 for i in range(12)]
+PROMPTS = [BASE * 3, BASE[:5] * 4 + [9, 8, 7]]
+# The head learns the continuations it will draft: a tiny random model's next tokens follow no pattern a head
+# could generalise from 300 steps of 400 examples (on prompts it never saw it drafts nothing the model keeps).
+TRAIN = [[(7 * i + 11 * j) % 250 + 1 for i in range(10)] for j in range(6)] + PROMPTS
+SP = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """The tiny model with its head trained for 300 steps on its own greedy continuations of TRAIN."""
+    path = tmp_path_factory.mktemp("qwen3_5_mtp")
+    hf = save_with_mtp(path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 64-wide matrices: threads cost more than they give on a shared CPU
+    t0 = time.monotonic()
+    try:
+        weights, (first, last) = train_mtp(hf, path, TRAIN, steps=300)
+    finally:
+        torch.set_num_threads(threads)
+    assert time.monotonic() - t0 < 60 and last < 0.25 * first, (time.monotonic() - t0, first, last)
+    save_with_mtp(path, weights)
+    return path, hf
+
+
+def _engine(path: Path, spec: Speculative, **kw: object) -> LLM:
+    config = EngineConfig(model=str(path), page_size=4, num_pages=400, attention="torch", speculative=spec,
+                          spec_row_cost=0.0, host_cache_gb=0.0, **kw)  # type: ignore[arg-type]
+    return LLM(config, loaded=load_model(str(path), torch.float32, "cpu", with_mtp=spec.uses_mtp))
+
+
+def test_the_head_drafts_what_its_twin_predicts(checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    path, hf = checkpoint
+    text = hf.config.get_text_config()
+    w = load_file(str(path / "mtp.safetensors"))
+    embed = hf.model.language_model.embed_tokens.weight.float()
+    prompt = TRAIN[0]
+    offers: list[tuple[int, list[int]]] = []
+    with _engine(path, Speculative.MTP, spec_mtp_tokens=2) as llm:
+        real = llm.core.drafter.offer
+        monkeypatch.setattr(llm.core.drafter, "offer", lambda req, tokens, after: (offers.append((after, tokens)),
+                                                                                 real(req, tokens, after)))
+        out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0].token_ids
+    seq = prompt + out
+    assert seq == engine_greedy(path, [prompt], 16)[0]
+    hidden, head = trunk(hf, [seq])
+    n = len(seq)
+    for after, (first, second) in offers:
+        if after >= n:
+            continue
+        # rows (hidden_p, token_{p+1}) for p < after - 1, then the head's own output with its first draft
+        rows = torch.arange(after - 1)
+        twin = mtp_twin(w, text, embed, hidden[0, rows], torch.tensor(seq[1:after]), rows)
+        assert int((twin[-1] @ head.T).argmax()) == first
+        g = mtp_twin(w, text, embed, torch.cat([hidden[0, rows], twin[-1:]]), torch.tensor(seq[1:after] + [first]),
+                     torch.arange(after))
+        assert int((g[-1] @ head.T).argmax()) == second
+    assert len(offers) >= 5  # 16 tokens in fewer steps: drafts were kept
+
+
+def _two_turns(path: Path, spec: Speculative) -> tuple[list[list[int]], int, dict]:
+    """Both turns' outputs of two sessions, the second turn's cached prompt tokens, and the drafters' stats."""
+    outs: list[list[int]] = []
+    prompts, sessions = list(PROMPTS), ["a", "b"]
+    with _engine(path, spec) as llm:
+        for _ in range(2):
+            got = llm.generate(prompts, SP, session_ids=sessions)
+            outs += [o.token_ids for o in got]
+            cached = sum(o.num_cached_tokens for o in got)
+            prompts = [p + o + BASE[:6] for p, o in zip(prompts, outs[-2:], strict=True)]
+        llm.core.check_integrity()
+        spec_stats = engine_stats(llm.core).speculative
+    return outs, cached, {"mode": spec_stats.mode, **spec_stats.drafters}
+
+
+def test_greedy_is_the_same_with_mtp_suffix_both_and_off(checkpoint) -> None:  # noqa: ANN001
+    path, _ = checkpoint
+    plain, cached_plain, off = _two_turns(path, Speculative.OFF)
+    assert off == {"mode": "off"} and cached_plain > 0  # second turns resumed from their snapshots
+    for spec in (Speculative.MTP, Speculative.SUFFIX, Speculative.AUTO):
+        outs, cached, stats = _two_turns(path, spec)
+        assert outs == plain, spec
+        assert cached == cached_plain, spec
+        if spec.uses_mtp:
+            mtp = stats["mtp"]
+            assert mtp.steps > 0 and 0 < mtp.accepted_tokens < mtp.drafted_tokens, (spec, stats)
+            assert mtp.accepted_per_step == round(mtp.accepted_tokens / mtp.steps, 4)
+        assert stats["mode"] == {Speculative.MTP: "mtp", Speculative.SUFFIX: "suffix",
+                                 Speculative.AUTO: "suffix+mtp"}[spec]
+        assert ("suffix" in stats) == (spec is not Speculative.MTP)
+
+
+def test_mtp_needs_a_head_and_tp_1(tmp_path: Path) -> None:
+    from hybrid_models import configs, save_hybrid
+
+    save_hybrid(configs()["qwen3_5"], tmp_path)
+    with pytest.raises(ValueError, match="no multi-token-prediction head"):
+        LLM(EngineConfig(model=str(tmp_path), attention="torch", speculative=Speculative.MTP, num_pages=64))
+    with pytest.raises(ValueError, match="tensor parallel size 1"):
+        EngineConfig(model=str(tmp_path), speculative=Speculative.MTP, tensor_parallel_size=2)
+    # auto on a checkpoint without a head drafts from the text alone
+    with LLM(EngineConfig(model=str(tmp_path), attention="torch", num_pages=64, host_cache_gb=0.0)) as llm:
+        assert llm.core.runner.mtp is None and llm.core.drafter.describe() == "suffix"
