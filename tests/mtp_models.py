@@ -159,3 +159,38 @@ def train_mtp(hf: torch.nn.Module, path: Path, prompts: list[list[int]], steps: 
         opt.step()
         losses.append(float(loss.detach()))
     return {k: v.detach() for k, v in w.items()}, [losses[0], losses[-1]]
+
+
+# Prompts the tests decode; the head is trained on the model's greedy continuations of all of them (a tiny random
+# model's next tokens follow no pattern a head could generalise from 300 steps: on prompts it never saw it drafts
+# nothing the model keeps).
+BASE = [(7 * i + 3) % 250 + 1 for i in range(12)]
+PROMPTS = [BASE * 3, BASE[:5] * 4 + [9, 8, 7]]
+TRAIN = [[(7 * i + 11 * j) % 250 + 1 for i in range(10)] for j in range(6)] + PROMPTS
+PROSE = [(13 * i + 5) % 250 + 1 for i in range(16)]  # repeats nothing: a text match finds no draft
+
+
+def bench_workloads(path: Path, new_tokens: int = 40) -> dict[str, list[int]]:
+    """`agentbox bench spec --workloads`: prose, and an edit-shaped prompt that re-sends the model's earlier
+    answer (the prompt, the answer, the prompt again), as an agent re-sends a file."""
+    answer = engine_greedy(path, [PROSE[:10]], new_tokens)[0]
+    return {"prose": PROSE, "edit": answer + PROSE[:10]}
+
+
+def trained_checkpoint(path: Path, steps: int = 300) -> tuple[torch.nn.Module, dict[str, list[int]], list[float], float]:
+    """The tiny Qwen3.5 with its head trained on its own greedy continuations of TRAIN and the bench workloads:
+    (the transformers model, the workloads, the first and last loss, the seconds training took)."""
+    import time
+
+    hf = save_with_mtp(path)
+    workloads = bench_workloads(path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # 64-wide matrices: threads cost more than they give on a shared CPU
+    t0 = time.monotonic()
+    try:
+        weights, losses = train_mtp(hf, path, TRAIN + list(workloads.values()), steps=steps)
+    finally:
+        torch.set_num_threads(threads)
+    seconds = time.monotonic() - t0
+    save_with_mtp(path, weights)
+    return hf, workloads, losses, seconds

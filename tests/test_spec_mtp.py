@@ -6,12 +6,11 @@ two sessions whose second turns resume from the state snapshots the first left; 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from mtp_models import engine_greedy, mtp_twin, save_with_mtp, train_mtp, trunk
+from mtp_models import BASE, PROMPTS, TRAIN, engine_greedy, mtp_twin, trained_checkpoint, trunk
 from safetensors.torch import load_file
 
 from agentbox.config import EngineConfig, Speculative
@@ -20,28 +19,15 @@ from agentbox.engine.reports import engine_stats
 from agentbox.engine.sampling import SamplingParams
 from agentbox.models.loader import load_model
 
-BASE = [(7 * i + 3) % 250 + 1 for i in range(12)]
-PROMPTS = [BASE * 3, BASE[:5] * 4 + [9, 8, 7]]
-# The head learns the continuations it will draft: a tiny random model's next tokens follow no pattern a head
-# could generalise from 300 steps of 400 examples (on prompts it never saw it drafts nothing the model keeps).
-TRAIN = [[(7 * i + 11 * j) % 250 + 1 for i in range(10)] for j in range(6)] + PROMPTS
 SP = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    """The tiny model with its head trained for 300 steps on its own greedy continuations of TRAIN."""
+    """The tiny model with its head trained for 300 steps on its own greedy continuations (mtp_models.py)."""
     path = tmp_path_factory.mktemp("qwen3_5_mtp")
-    hf = save_with_mtp(path)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 64-wide matrices: threads cost more than they give on a shared CPU
-    t0 = time.monotonic()
-    try:
-        weights, (first, last) = train_mtp(hf, path, TRAIN, steps=300)
-    finally:
-        torch.set_num_threads(threads)
-    assert time.monotonic() - t0 < 60 and last < 0.25 * first, (time.monotonic() - t0, first, last)
-    save_with_mtp(path, weights)
+    hf, _, (first, last), seconds = trained_checkpoint(path)
+    assert seconds < 60 and last < 0.25 * first, (seconds, first, last)
     return path, hf
 
 
