@@ -56,14 +56,24 @@ def random_mtp(text: Any, seed: int = 1) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_with_mtp(path: Path, mtp: dict[str, torch.Tensor] | None = None, seed: int = 0) -> torch.nn.Module:
-    """The tiny Qwen3.5 of hybrid_models.py plus an MTP head: `mtp.safetensors` beside the model's file, and
-    `mtp_num_hidden_layers` in its text config, as the released checkpoints have them."""
-    hf = save_hybrid(configs()["qwen3_5"], path, seed)
+def save_with_mtp(path: Path, mtp: dict[str, torch.Tensor] | None = None, seed: int = 0,
+                  family: str = "qwen3_5") -> torch.nn.Module:
+    """The tiny Qwen3.5 (or Qwen3.5-MoE) of hybrid_models.py plus an MTP head: `mtp.safetensors` beside the
+    model's file, and `mtp_num_hidden_layers` in its text config, as the released checkpoints have them. The MoE
+    head's layer is the model's attention layer's tensors under `mtp.layers.0.` (its experts, router and shared
+    expert named as transformers saves the model's own), with random fc and norms."""
+    hf = save_hybrid(configs()[family], path, seed)
     cfg = json.loads((path / "config.json").read_text())
     cfg["text_config"]["mtp_num_hidden_layers"] = 1
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     tensors = mtp if mtp is not None else random_mtp(hf.config.get_text_config())
+    if family != "qwen3_5" and mtp is None:
+        from safetensors.torch import load_file
+
+        layer = "model.language_model.layers.3."
+        trunk_tensors = load_file(str(path / "model.safetensors"))
+        tensors = {k: v for k, v in tensors.items() if not k.startswith("mtp.layers.0.")}
+        tensors |= {"mtp.layers.0." + k[len(layer):]: v for k, v in trunk_tensors.items() if k.startswith(layer)}
     save_file({k: v.detach().contiguous().float() for k, v in tensors.items()}, str(path / "mtp.safetensors"))
     return hf
 

@@ -14,6 +14,7 @@ from mtp_models import BASE, PROMPTS, TRAIN, engine_greedy, mtp_twin, trained_ch
 from safetensors.torch import load_file
 
 from agentbox.config import EngineConfig, Speculative
+from agentbox.engine.draft_state import DraftSource
 from agentbox.engine.llm import LLM
 from agentbox.engine.reports import engine_stats
 from agentbox.engine.sampling import SamplingParams
@@ -96,6 +97,23 @@ def test_greedy_is_the_same_with_mtp_suffix_both_and_off(checkpoint) -> None:  #
         assert stats["mode"] == {Speculative.MTP: "mtp", Speculative.SUFFIX: "suffix",
                                  Speculative.AUTO: "suffix+mtp"}[spec]
         assert ("suffix" in stats) == (spec is not Speculative.MTP)
+
+
+def test_a_moe_head_loads_and_drafts_exactly(tmp_path: Path) -> None:
+    """Qwen3.5-MoE: the head's layer has routed experts and a shared expert (untrained: its drafts are refused)."""
+    from mtp_models import save_with_mtp
+
+    save_with_mtp(tmp_path, family="qwen3_5_moe")
+    outs = {}
+    for spec in (Speculative.OFF, Speculative.MTP):
+        with _engine(tmp_path, spec) as llm:
+            outs[spec] = [o.token_ids for o in llm.generate(PROMPTS, SP, session_ids=["a", "b"])]
+            if spec is Speculative.MTP:
+                assert llm.core.runner.mtp is not None and llm.core.drafter.by_source[DraftSource.MTP][1] > 0
+                head, own = llm.loaded.model.mtp.layers[0].mlp, llm.loaded.model.language_model.layers[3].mlp
+                for name, p in head.state_dict().items():  # the same tensors, loaded under mtp.layers.0.
+                    assert torch.equal(p, own.state_dict()[name]), name
+    assert outs[Speculative.MTP] == outs[Speculative.OFF]
 
 
 def test_mtp_needs_a_head_and_tp_1(tmp_path: Path) -> None:
