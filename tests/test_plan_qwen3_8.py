@@ -1,5 +1,6 @@
 """Qwen3.8-27B's profile on the described single cards: a variant is chosen on a 24 GB RTX 4090 and a 32 GB
-RTX 5090, and the plan counts the MTP head (its bf16 weights and its attention layer's KV)."""
+RTX 5090, and the plan counts the MTP head (its bf16 weights and its attention layer's KV) for the variants
+agentbox loads it from (safetensors), not for GGUF files."""
 
 from __future__ import annotations
 
@@ -26,9 +27,12 @@ def test_profile_reads_the_mtp_head_and_the_effort() -> None:
     assert prof.mtp_params == 2 * h * h + (h * 2 * q + 2 * h * kv + q * h + 2 * 256) + 3 * h * inter + 4 * h
     # One more attention layer of K and V per token than the 16 of the model itself.
     assert prof.kv_bytes_per_token(2) == 2 * 17 * 4 * 256 * 2
-    v = prof.variant("ud-q4_k_m")
-    assert resident_weight_bytes(prof, v, "cuda") == trunk_weight_bytes(prof, v, "cuda") + 2 * prof.mtp_params
-    assert mtp_weight_bytes(prof, "cpu") == 4 * prof.mtp_params
+    assert prof.kv_bytes_per_token(2, mtp=False) == 2 * 16 * 4 * 256 * 2
+    fp8, gguf = prof.variant("fp8"), prof.variant("ud-q4_k_m")
+    assert fp8.carries_mtp and not gguf.carries_mtp
+    assert resident_weight_bytes(prof, fp8, "cuda") == trunk_weight_bytes(prof, fp8, "cuda") + 2 * prof.mtp_params
+    assert mtp_weight_bytes(prof, fp8, "cpu") == 4 * prof.mtp_params
+    assert resident_weight_bytes(prof, gguf, "cuda") == trunk_weight_bytes(prof, gguf, "cuda")
 
 
 def test_a_variant_is_chosen_on_one_4090_and_one_5090() -> None:
@@ -39,16 +43,22 @@ def test_a_variant_is_chosen_on_one_4090_and_one_5090() -> None:
         assert p.chosen is not None, [c.reasons for c in p.candidates]
         c = p.chosen
         assert c.tp == 1 and c.fits
-        # The head's weights are in the plan's weights term, its layer in the KV term.
-        assert c.weights_bytes == resident_weight_bytes(prof, c.variant, "cuda")
-        assert c.kv_bytes == prof.kv_bytes_per_token(2) * p.context + prof.state_bytes_per_session()
-        assert any("MTP head" in n for n in p.notes)
+        # The head's weights are in the plan's weights term, its layer in the KV term, where the files carry it.
+        for cand in p.candidates:
+            head = cand.variant.carries_mtp
+            assert cand.weights_bytes == resident_weight_bytes(prof, cand.variant, "cuda")
+            assert (cand.weights_bytes > trunk_weight_bytes(prof, cand.variant, "cuda")) == head
+            assert cand.kv_bytes == prof.kv_bytes_per_token(2, mtp=head) * p.context + prof.state_bytes_per_session()
+        assert any("MTP head" in n and "bf16, fp8" in n for n in p.notes)
         chosen[hw] = c.variant.name
     # 24 GB takes the 4-bit file (Q6_K's 23 GiB resident does not fit); 32 GB the wider Q6_K.
     assert chosen == {"1x-rtx4090": "ud-q4_k_m", "1x-rtx5090": "q6_k"}
 
 
-def test_plan_command_names_the_mtp_layer() -> None:
+def test_plan_command_names_the_mtp_layer_where_the_chosen_files_carry_it() -> None:
     out = CliRunner().invoke(app, ["plan", "Qwen3.8-27B", "--hardware", str(HW / "1x-rtx4090.json")])
     assert out.exit_code == 0, out.output
-    assert "(16 attention layers + 1 MTP)" in out.output and "Qwen3.8-27B:ud-q4_k_m" in out.output
+    assert "KV 64 KiB/token = 2 x 16 attention layers" in out.output and "Qwen3.8-27B:ud-q4_k_m" in out.output
+    big = CliRunner().invoke(app, ["plan", "Qwen3.8-27B", "--hardware", str(HW / "1x-h100.json")])
+    assert big.exit_code == 0, big.output
+    assert "KV 68 KiB/token = 2 x (16 attention layers + 1 MTP)" in big.output and "Qwen3.8-27B:bf16" in big.output

@@ -36,6 +36,12 @@ class Variant:
     def is_gguf(self) -> bool:
         return self.format == "gguf"
 
+    @property
+    def carries_mtp(self) -> bool:
+        """Whether agentbox loads a multi-token-prediction head from these files (where the model has one): from a
+        safetensors checkpoint's `mtp.*`; a GGUF file's next-n layers are not read (models/gguf_hybrid.py)."""
+        return not self.is_gguf
+
 
 @dataclass(frozen=True)
 class PagedKV:
@@ -135,11 +141,12 @@ class Profile:
         """Every tensor-parallel rank keeps the whole cache (MLA's latent, DeepSeek-V4's entries)."""
         return self.mla or bool(self.paged_groups)
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+    def kv_bytes_per_token(self, dtype_bytes: int = 2, mtp: bool = True) -> int:
         """K and V for every attention layer (the MTP head's included): 2 x kv layers x kv_heads x head_dim x dtype bytes; MLA: the
         latent and the rope key, kv layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, on each rank;
-        paged groups: each group's values a token at the engine's page size, on each rank."""
-        layers = (self.kv_layers_ or self.layers) + self.mtp_layers
+        paged groups: each group's values a token at the engine's page size, on each rank. mtp: with the MTP
+        head's layers (a variant that carries the head, Variant.carries_mtp)."""
+        layers = (self.kv_layers_ or self.layers) + (self.mtp_layers if mtp else 0)
         if self.paged_groups:
             page = EngineConfig.page_size
             return round(sum(g.values_per_token(page) for g in self.paged_groups) * dtype_bytes)

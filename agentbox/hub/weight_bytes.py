@@ -15,13 +15,14 @@ def active_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_ker
 
 def resident_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> int:
     """Bytes the weights occupy once loaded: the model's, plus its MTP head's (mtp_weight_bytes)."""
-    return trunk_weight_bytes(profile, variant, device, cpu_kernels) + mtp_weight_bytes(profile, device)
+    return trunk_weight_bytes(profile, variant, device, cpu_kernels) + mtp_weight_bytes(profile, variant, device)
 
 
-def mtp_weight_bytes(profile: Profile, device: str) -> int:
+def mtp_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:
     """The MTP head in the compute dtype (bf16 on GPU, fp32 on CPU): it is loaded from the checkpoint's `mtp.*`
-    tensors and run unquantised whatever the variant's format, so a 4-bit file's head costs its bf16 bytes."""
-    return profile.mtp_params * (2 if device == "cuda" else 4)
+    tensors and run unquantised whatever the variant's format (an FP8 checkpoint's head costs its bf16 bytes);
+    0 for a variant agentbox loads no head from (GGUF)."""
+    return profile.mtp_params * (2 if device == "cuda" else 4) if variant.carries_mtp else 0
 
 
 def trunk_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> int:
