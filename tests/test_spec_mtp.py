@@ -127,3 +127,20 @@ def test_mtp_needs_a_head_and_tp_1(tmp_path: Path) -> None:
     # auto on a checkpoint without a head drafts from the text alone
     with LLM(EngineConfig(model=str(tmp_path), attention="torch", num_pages=64, host_cache_gb=0.0)) as llm:
         assert llm.core.runner.mtp is None and llm.core.drafter.describe() == "suffix"
+
+
+def test_stats_json_and_top_show_accepted_tokens_per_step_per_drafter(checkpoint) -> None:  # noqa: ANN001
+    from agentbox.engine.stats import to_json
+    from agentbox.tui import panels
+
+    path, _ = checkpoint
+    with _engine(path, Speculative.AUTO) as llm:
+        llm.generate(PROMPTS[:1], SP)
+        stats = to_json(engine_stats(llm.core))
+    drafters = stats["speculative"]["drafters"]
+    assert set(drafters) == {"suffix", "mtp"} and drafters["mtp"]["steps"] > 0
+    snap = {"stats": stats, "local": None}
+    text = "\n".join(t.plain for t in panels.machine_panel(snap).renderables)  # type: ignore[union-attr]
+    mtp = drafters["mtp"]
+    assert f"drafts mtp {mtp['accepted_per_step']:.2f} accepted/step ({mtp['steps']} steps)" in text
+    assert panels.drafters_line({"speculative": {"drafters": {"suffix": {"steps": 0}}}}) is None
