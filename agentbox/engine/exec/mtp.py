@@ -58,11 +58,12 @@ class MtpDrafter:
     """Runs the head: `run` after a step's sampling returns each sampled sequence's draft (or None)."""
 
     def __init__(self, model: CausalLM, backend: AttentionBackend, page_table: PageTable, page_size: int,
-                 num_tokens: int) -> None:
+                 num_tokens: int, max_model_len: int) -> None:
         assert model.mtp is not None, "built only for a model whose MTP head is loaded"
         self.model, self.head = model, model.mtp
         self.backend, self.page_table, self.page_size = backend, page_table, page_size
         self.num_tokens = num_tokens
+        self.max_model_len = max_model_len  # a chain stops there: no page-table column or rope position past it
         self.device = page_table.table.device
 
     @torch.inference_mode()
@@ -123,6 +124,8 @@ class MtpDrafter:
         ps, drafts = self.page_size, []
         for m in range(1, self.num_tokens):
             pos = p_last + m
+            if pos >= self.max_model_len:
+                break
             held = pos // ps < len(pages)
             slot = (pages[pos // ps] if held else 0) * ps + pos % ps
             cols = pos // ps + 1

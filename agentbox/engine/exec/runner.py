@@ -193,7 +193,8 @@ class ModelRunner:
             ),
         )
         self.cpu_decode = CpuDecode.build(lm.model, self.device)  # None on GPU and for models it cannot run
-        self.mtp = (MtpDrafter(lm.model, self.backend, self.page_table, self.page_size, config.spec_mtp_tokens)
+        self.mtp = (MtpDrafter(lm.model, self.backend, self.page_table, self.page_size, config.spec_mtp_tokens,
+                               self.max_model_len)
                     if lm.model.mtp is not None and config.speculative.uses_mtp and self.rank == 0 and self.tp == 1
                     else None)
         self._hidden: torch.Tensor | None = None  # the last step's hidden states, for the MTP head
