@@ -20,7 +20,7 @@ class Speculative(str, Enum):
     """Speculative decoding (engine/draft.py; the CLI's --speculative choices are these values)."""
 
     # suffix (every model family, hybrid and sliding-window ones included), and the checkpoint's own MTP head
-    # beside it where it has one (at tp 1): the longer draft wins each step
+    # beside it where it has one: the longer draft wins each step
     AUTO = "auto"
     SUFFIX = "suffix"  # longest match in the request's own tokens, then in recent outputs of every session
     NGRAM = "ngram"  # a fixed-length n-gram match in the request's own tokens only (llama.cpp's kind)
@@ -153,9 +153,6 @@ class EngineConfig:
             choices = ", ".join(p.value for p in Speculative)
             raise ValueError(f"speculative must be one of {choices} (got {self.speculative!r})") from None
         object.__setattr__(self, "speculative", spec)
-        if spec is Speculative.MTP and self.tensor_parallel_size > 1:
-            raise ValueError("--speculative mtp drafts at tensor parallel size 1 only (each rank would need every "
-                             "step's sampled tokens before the next step); use suffix, or auto (suffix at tp > 1)")
         if self.spec_mtp_tokens < 1:
             raise ValueError(f"spec_mtp_tokens must be at least 1 (got {self.spec_mtp_tokens})")
 

@@ -116,14 +116,32 @@ def test_a_moe_head_loads_and_drafts_exactly(tmp_path: Path) -> None:
     assert outs[Speculative.MTP] == outs[Speculative.OFF]
 
 
-def test_mtp_needs_a_head_and_tp_1(tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_tp2_with_mtp_drafts_equals_tp1_plain(checkpoint) -> None:  # noqa: ANN001
+    """At tp 2 the head's layers are split like the model's; every rank runs the step's MtpStep and drafts the
+    same chain (the logits are gathered on every rank)."""
+    path, _ = checkpoint
+    plain, _, _ = _two_turns(path, Speculative.OFF)
+    outs: list[list[int]] = []
+    prompts = list(PROMPTS)
+    config = EngineConfig(model=str(path), page_size=4, num_pages=400, attention="torch", speculative=Speculative.MTP,
+                          spec_row_cost=0.0, host_cache_gb=0.0, tensor_parallel_size=2, cpu_threads=1)
+    with LLM(config) as llm:
+        for _ in range(2):
+            got = llm.generate(prompts, SP, session_ids=["a", "b"])
+            outs += [o.token_ids for o in got]
+            prompts = [p + o + BASE[:6] for p, o in zip(prompts, outs[-2:], strict=True)]
+        mtp = llm.core.drafter.by_source[DraftSource.MTP]
+    assert outs == plain
+    assert 0 < mtp[2] < mtp[1]  # drafts kept and refused, across ranks
+
+
+def test_mtp_needs_a_head(tmp_path: Path) -> None:
     from hybrid_models import configs, save_hybrid
 
     save_hybrid(configs()["qwen3_5"], tmp_path)
     with pytest.raises(ValueError, match="no multi-token-prediction head"):
         LLM(EngineConfig(model=str(tmp_path), attention="torch", speculative=Speculative.MTP, num_pages=64))
-    with pytest.raises(ValueError, match="tensor parallel size 1"):
-        EngineConfig(model=str(tmp_path), speculative=Speculative.MTP, tensor_parallel_size=2)
     # auto on a checkpoint without a head drafts from the text alone
     with LLM(EngineConfig(model=str(tmp_path), attention="torch", num_pages=64, host_cache_gb=0.0)) as llm:
         assert llm.core.runner.mtp is None and llm.core.drafter.describe() == "suffix"
