@@ -1,6 +1,6 @@
 """Qwen3.8-27B's profile on the described single cards: a variant is chosen on a 24 GB RTX 4090 and a 32 GB
 RTX 5090, and the plan counts the MTP head (its bf16 weights and its attention layer's KV) for the variants
-agentbox loads it from (safetensors), not for GGUF files."""
+agentbox loads it from (the unquantised checkpoint), not for GGUF files or quantised checkpoints."""
 
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ def test_profile_reads_the_mtp_head_and_the_effort() -> None:
     # One more attention layer of K and V per token than the 16 of the model itself.
     assert prof.kv_bytes_per_token(2) == 2 * 17 * 4 * 256 * 2
     assert prof.kv_bytes_per_token(2, mtp=False) == 2 * 16 * 4 * 256 * 2
-    fp8, gguf = prof.variant("fp8"), prof.variant("ud-q4_k_m")
-    assert fp8.carries_mtp and not gguf.carries_mtp
-    assert resident_weight_bytes(prof, fp8, "cuda") == trunk_weight_bytes(prof, fp8, "cuda") + 2 * prof.mtp_params
-    assert mtp_weight_bytes(prof, fp8, "cpu") == 4 * prof.mtp_params
-    assert resident_weight_bytes(prof, gguf, "cuda") == trunk_weight_bytes(prof, gguf, "cuda")
+    bf16, fp8, gguf = prof.variant("bf16"), prof.variant("fp8"), prof.variant("ud-q4_k_m")
+    assert bf16.carries_mtp and not fp8.carries_mtp and not gguf.carries_mtp
+    assert resident_weight_bytes(prof, bf16, "cuda") == trunk_weight_bytes(prof, bf16, "cuda") + 2 * prof.mtp_params
+    assert mtp_weight_bytes(prof, bf16, "cpu") == 4 * prof.mtp_params
+    for v in (fp8, gguf):
+        assert resident_weight_bytes(prof, v, "cuda") == trunk_weight_bytes(prof, v, "cuda")
 
 
 def test_a_variant_is_chosen_on_one_4090_and_one_5090() -> None:
@@ -49,7 +50,7 @@ def test_a_variant_is_chosen_on_one_4090_and_one_5090() -> None:
             assert cand.weights_bytes == resident_weight_bytes(prof, cand.variant, "cuda")
             assert (cand.weights_bytes > trunk_weight_bytes(prof, cand.variant, "cuda")) == head
             assert cand.kv_bytes == prof.kv_bytes_per_token(2, mtp=head) * p.context + prof.state_bytes_per_session()
-        assert any("MTP head" in n and "bf16, fp8" in n for n in p.notes)
+        assert any("MTP head" in n and "counted for bf16:" in n for n in p.notes)
         chosen[hw] = c.variant.name
     # 24 GB takes the 4-bit file (Q6_K's 23 GiB resident does not fit); 32 GB the wider Q6_K.
     assert chosen == {"1x-rtx4090": "ud-q4_k_m", "1x-rtx5090": "q6_k"}

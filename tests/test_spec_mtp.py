@@ -136,6 +136,14 @@ def test_tp2_with_mtp_drafts_equals_tp1_plain(checkpoint) -> None:  # noqa: ANN0
     assert 0 < mtp[2] < mtp[1]  # drafts kept and refused, across ranks
 
 
+def test_the_head_is_read_from_unquantised_checkpoints_only() -> None:
+    from agentbox.layers.quant import QuantConfig, QuantMethod
+    from agentbox.models.mtp import mtp_loadable
+
+    assert mtp_loadable(QuantConfig())
+    assert not any(mtp_loadable(QuantConfig(method=m)) for m in QuantMethod if m is not QuantMethod.UNQUANTIZED)
+
+
 def test_mtp_needs_a_head(tmp_path: Path) -> None:
     from hybrid_models import configs, save_hybrid
 

@@ -16,6 +16,7 @@ from agentbox.config import EngineConfig
 # Formats whose bytes on disk are the bytes resident on the device (quantised kernels run them as stored).
 # Everything else the engine converts at load: safetensors to the compute dtype, GGUF dequantised.
 QUANTISED_FORMATS = ("fp8", "awq", "gptq", "nvfp4", "mxfp4")
+UNQUANTISED_FORMATS = ("bf16", "fp16", "fp32")
 
 
 class ProfileError(ValueError):
@@ -38,9 +39,10 @@ class Variant:
 
     @property
     def carries_mtp(self) -> bool:
-        """Whether agentbox loads a multi-token-prediction head from these files (where the model has one): from a
-        safetensors checkpoint's `mtp.*`; a GGUF file's next-n layers are not read (models/gguf_hybrid.py)."""
-        return not self.is_gguf
+        """Whether agentbox loads a multi-token-prediction head from these files (where the model has one): from an
+        unquantised safetensors checkpoint's `mtp.*` (models/loader.py); a GGUF file's next-n layers are not read,
+        nor a quantised checkpoint's head (whether and how its release quantises it is not known)."""
+        return self.format in UNQUANTISED_FORMATS
 
 
 @dataclass(frozen=True)

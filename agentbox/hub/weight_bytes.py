@@ -19,9 +19,8 @@ def resident_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_k
 
 
 def mtp_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:
-    """The MTP head in the compute dtype (bf16 on GPU, fp32 on CPU): it is loaded from the checkpoint's `mtp.*`
-    tensors and run unquantised whatever the variant's format (an FP8 checkpoint's head costs its bf16 bytes);
-    0 for a variant agentbox loads no head from (GGUF)."""
+    """The MTP head in the compute dtype (bf16 on GPU, fp32 on CPU), loaded from an unquantised checkpoint's `mtp.*`
+    tensors; 0 for a variant agentbox loads no head from (GGUF, quantised checkpoints: Variant.carries_mtp)."""
     return profile.mtp_params * (2 if device == "cuda" else 4) if variant.carries_mtp else 0
 
 

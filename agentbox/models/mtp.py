@@ -11,7 +11,7 @@ and it drafts further by feeding `out` back as the hidden state with the token i
 is one more layer of the paged KV group (the model's `cache_layout`): its entry for a pair (hidden_p,
 token_{p+1}) sits in position p's slot, at rope position p, so every slot it writes is one the model itself
 has. All its norms are zero-centred like the model's. It is built only when the engine drafts with it
-(`with_mtp`), and kept unquantised whatever the checkpoint's format (the planner counts it so, hub/weight_bytes.py).
+(`with_mtp`) and the checkpoint is unquantised (models/loader.py; the planner counts it so, hub/weight_bytes.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from agentbox.layers.linear import ReplicatedLinear
-from agentbox.layers.quant import QuantConfig, quant_context
+from agentbox.layers.quant import QuantConfig, QuantMethod, quant_context
 
 MTP_PREFIX = "mtp."
 
@@ -32,6 +32,13 @@ def mtp_layers_of(config: Any) -> int:
     """How many MTP layers the (text) config declares (`mtp_num_hidden_layers`; 0 where it names none)."""
     text = config.get_text_config()
     return int(getattr(text, "mtp_num_hidden_layers", 0) or 0)
+
+
+def mtp_loadable(quant: QuantConfig) -> bool:
+    """Whether the head of a checkpoint so quantised is loaded: an unquantised one's only. Whether a quantised
+    release keeps its head quantised, and which of its linears, is not known here; such a checkpoint drafts from
+    the text (auto) and the planner counts no head for it (hub/profiles.py Variant.carries_mtp)."""
+    return quant.method is QuantMethod.UNQUANTIZED
 
 
 class MultiTokenPredictor(nn.Module):
