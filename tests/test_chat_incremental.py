@@ -28,6 +28,7 @@ FIXTURES = Path(__file__).parent
 # template name -> (template text, special tokens it adds to SmolLM2's tokenizer)
 TEMPLATES = {
     "qwen3_6": ((FIXTURES / "fixtures" / "qwen3_6_like_chat_template.jinja").read_text(), []),
+    "qwen3_8": ((FIXTURES / "fixtures" / "qwen3_8" / "chat_template.jinja").read_text(), []),  # the released one
     "gemma4": ((FIXTURES / "data" / "gemma4_format_chat_template.jinja").read_text(),
                ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", '<|"|>', "<|tool>",
                 "<tool|>", "<|tool_response>", "<tool_response|>", "<|think|>"]),
@@ -113,7 +114,8 @@ def turns(msgs: list[dict], edit: int | None) -> Iterator[tuple[int, list[dict]]
         yield turn, sent
 
 
-@pytest.mark.parametrize("template", ["smollm2", "qwen3", "harmony", "qwen3_6", "gemma4", "glm4_7", "deepseek_v4"])
+@pytest.mark.parametrize("template", ["smollm2", "qwen3", "harmony", "qwen3_6", "qwen3_8", "gemma4", "glm4_7",
+                                      "deepseek_v4"])
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=conversation())
 def test_incremental_ids_equal_full_tokenization(tokenizers: dict, template: str,

@@ -12,7 +12,7 @@ from agentbox.chat.render import render_prompt
 from tests.test_chat_incremental import TOOLS, conversation, tokenizers, turns  # noqa: F401 - the fixture
 
 
-@pytest.mark.parametrize("template", ["smollm2", "qwen3", "harmony", "deepseek_v4"])
+@pytest.mark.parametrize("template", ["smollm2", "qwen3", "harmony", "deepseek_v4", "qwen3_8"])
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=conversation())
 def test_incremental_text_equals_full_render(tokenizers: dict, template: str,  # noqa: F811

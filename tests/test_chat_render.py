@@ -131,7 +131,9 @@ def test_enable_thinking_passes_through(qwen_tok) -> None:
     assert render_prompt(qwen_tok, msgs).endswith("<|im_start|>assistant\n")
 
 
-def test_mid_conversation_system_merged_only_when_rejected(tokenizer) -> None:
+def test_mid_conversation_system_moved_only_when_rejected(tokenizer) -> None:
+    """A template that rejects a late system message gets it as a user turn in its place: folded into the first
+    system turn it would rewrite the prompt's start, and every cached page of the session with it."""
     msgs = [{"role": "system", "content": "Base rules."}, {"role": "user", "content": "hi"},
             {"role": "system", "content": "Late note."}, {"role": "user", "content": "again"}]
     original = tokenizer.chat_template
@@ -140,9 +142,14 @@ def test_mid_conversation_system_merged_only_when_rejected(tokenizer) -> None:
         kept = render_prompt(tokenizer, msgs)
         assert kept.count("<|im_start|>system") == 2
         tokenizer.chat_template = qwen3(system=SYSTEM_REJECTED)
-        merged = render_prompt(tokenizer, msgs)
-        assert merged.startswith("<|im_start|>system\nBase rules.\n\nLate note.<|im_end|>\n")
-        assert merged.count("<|im_start|>system") == 1
+        moved = render_prompt(tokenizer, msgs)
+        assert moved == ("<|im_start|>system\nBase rules.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                         "<|im_start|>user\nLate note.<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n"
+                         "<|im_start|>assistant\n")
+        assert render_prompt(tokenizer, msgs[:2]).removesuffix("<|im_start|>assistant\n") in moved
+        two_first = [msgs[0], {"role": "system", "content": "More rules."}, *msgs[1:2]]
+        assert render_prompt(tokenizer, two_first).startswith(
+            "<|im_start|>system\nBase rules.\n\nMore rules.<|im_end|>\n")  # leading ones are still folded
     finally:
         tokenizer.chat_template = original
 

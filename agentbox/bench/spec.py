@@ -7,7 +7,11 @@ off and on (`--speculative` mode), alternating, `repeats` times each; the fastes
 kept. Decode tok/s counts the tokens after the first over the time after the first token (prefill excluded),
 in the process's CPU time when the engine runs one thread (the CPU default on 2 cores), else the wall clock.
 It also reports whether both sides produced the same tokens (greedy speculation is exact), the acceptance
-rate and the mean tokens a verify step produced.
+rate and the mean tokens a verify step produced, and per draft source (the text match, the checkpoint's MTP head)
+its verify steps and accepted tokens per step.
+
+`workloads` replaces the three with prompts given as token ids (`--workloads FILE`, a JSON object of name ->
+ids): a checkpoint without a tokenizer, such as the tiny Qwen3.5 whose MTP head the tests train.
 """
 
 from __future__ import annotations
@@ -110,14 +114,18 @@ def _workload(engines: dict[str, LLM], prompt: list[int], max_tokens: int, repea
     best: dict[str, float] = {}
     outs: dict[str, list[int]] = {}
     counts = {}
+    by_source: dict[str, dict[str, dict[str, float]]] = {}
     for _ in range(repeats):
         for side, llm in engines.items():
             if llm.core.drafter is not None:
                 llm.core.drafter.forget()  # each run drafts from its own prompt only, never the last run's answer
             before = (llm.core.counters.drafted_tokens, llm.core.counters.accepted_tokens, llm.core.counters.steps)
+            sources = _sources(llm)
             toks, secs = _decode(llm, prompt, max_tokens)
             c = llm.core.counters
             counts[side] = (c.drafted_tokens - before[0], c.accepted_tokens - before[1], c.steps - before[2])
+            by_source[side] = {name: _per_step([a - b for a, b in zip(now, sources[name], strict=True)])
+                               for name, now in _sources(llm).items()}
             rate = (len(toks) - 1) / secs if secs > 0 and len(toks) > 1 else 0.0
             best[side] = max(best.get(side, 0.0), rate)
             outs[side] = toks
@@ -131,7 +139,20 @@ def _workload(engines: dict[str, LLM], prompt: list[int], max_tokens: int, repea
         "acceptance_rate": round(accepted / drafted, 3) if drafted else 0.0,
         # tokens per engine step after the first (prefill) one: 1.0 is plain decoding
         "mean_tokens_per_step": round((len(outs["spec"]) - 1) / max(1, steps - 1), 3),
+        "drafters": by_source["spec"],  # the last run's, per source
     }
+
+
+def _sources(llm: LLM) -> dict[str, list[int]]:
+    """The drafter's [verify steps, drafted, accepted] per source so far (engine/draft.py by_source)."""
+    d = llm.core.drafter
+    return {} if d is None else {src.value: list(counts) for src, counts in d.by_source.items()}
+
+
+def _per_step(counts: list[int]) -> dict[str, float]:
+    steps, drafted, accepted = counts
+    return {"verify_steps": steps, "drafted_tokens": drafted, "accepted_tokens": accepted,
+            "accepted_per_step": round(accepted / steps, 3) if steps else 0.0}
 
 
 def verify_cost(llm: LLM, prompt: list[int], ks: tuple[int, ...] = (0, 1, 3, 7, 15), repeats: int = 15) -> dict[str, Any]:
@@ -158,27 +179,34 @@ def verify_cost(llm: LLM, prompt: list[int], ks: tuple[int, ...] = (0, 1, 3, 7, 
 
 
 def spec_report(model: str, mode: Speculative = Speculative.AUTO, max_tokens: int = 256, repeats: int = 2,
-                exact_cpu: bool = False) -> dict[str, Any]:
-    from agentbox.models.loader import load_tokenizer, resolve_model
-
+                exact_cpu: bool = False, workloads: dict[str, list[int]] | None = None) -> dict[str, Any]:
     if mode is Speculative.OFF:
-        raise ValueError("--speculative off compares nothing: pick auto, suffix or ngram")
-    base = EngineConfig(model=model, exact_cpu=exact_cpu, speculative=Speculative.OFF)
-    off = LLM(base)
-    engines = {"off": off, "spec": LLM(EngineConfig(model=model, exact_cpu=exact_cpu, speculative=mode),
-                                       loaded=off.loaded)}
-    tok = load_tokenizer(resolve_model(model))
+        raise ValueError("--speculative off compares nothing: pick auto, suffix, ngram or mtp")
+    # The drafting side loads the model (with its MTP head where the mode drafts with it); both sides share it.
+    spec = LLM(EngineConfig(model=model, exact_cpu=exact_cpu, speculative=mode))
+    off = LLM(EngineConfig(model=model, exact_cpu=exact_cpu, speculative=Speculative.OFF), loaded=spec.loaded)
+    engines = {"off": off, "spec": spec}
+    prompts = workloads if workloads is not None else _text_workloads(model)
     load0, start = os.getloadavg()[0], time.time()
-    results = {}
-    for name, (messages, reply_start) in WORKLOADS.items():
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + reply_start
-        results[name] = _workload(engines, tok.encode(text), max_tokens, repeats)
-    cost = verify_cost(off, tok.encode(FILE))
+    results = {name: _workload(engines, prompt, max_tokens, repeats) for name, prompt in prompts.items()}
+    cost = verify_cost(off, _text_workloads(model, FILE)["file"] if workloads is None else next(iter(prompts.values())))
     return {
         "model": os.path.basename(model), "device": str(off.core.runner.device), "cpu_model": cpu_model(),
         "cpu_threads": torch.get_num_threads(), "exact_cpu": exact_cpu,
         "clock": "process CPU time" if torch.get_num_threads() == 1 else "wall clock", "mode": mode.value,
+        "drafters": spec.core.drafter.describe() if spec.core.drafter is not None else "off",
         "max_tokens": max_tokens, "repeats": repeats, "workloads": results, "verify_cost": cost,
         "goals": {"edit": 2.0, "tool_call": 1.3, "prose": 0.97},
         "load_average_before_after": [load0, os.getloadavg()[0]], "seconds": round(time.time() - start, 1),
     }
+
+
+def _text_workloads(model: str, file: str | None = None) -> dict[str, list[int]]:
+    """The three workloads' prompts in the model's tokens (or, given `file`, that text alone)."""
+    from agentbox.models.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(model))
+    if file is not None:
+        return {"file": tok.encode(file)}
+    return {name: tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) + start)
+            for name, (messages, start) in WORKLOADS.items()}

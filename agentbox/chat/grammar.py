@@ -45,7 +45,9 @@ def _function(tool: dict) -> dict:
 
 def _schema_json(tool: dict) -> str:
     params = _function(tool).get("parameters") or {"type": "object", "properties": {}}
-    return json.dumps(params, sort_keys=True, ensure_ascii=False)
+    # Key order kept: xgrammar takes properties in the schema's order, and models write arguments in it (the
+    # Qwen3.8 template prints them so); a key-sorted schema refused `old_string` after `file_path` in an Edit.
+    return json.dumps(params, ensure_ascii=False)
 
 
 def forced_name(tool_choice: Any) -> str | None:

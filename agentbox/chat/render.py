@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jinja2.exceptions import TemplateError
-
 from agentbox.chat import harmony
-from agentbox.chat.effort import ReasoningEffort
+from agentbox.chat.effort import ReasoningEffort, fit_to_template
 from agentbox.chat.template import template_text
+from agentbox.chat.template_traits import late_system_as_user, open_with_user_query, traits_of
 from agentbox.chat.tool_prompt import fold_tools_into_messages, template_renders_tools
 
 BILLING_HEADER = "x-anthropic-billing-header:"
@@ -122,13 +121,13 @@ def prepare_messages(messages: list[dict], template: str) -> list[dict]:
     return out
 
 
-def merge_system_messages(messages: list[dict]) -> list[dict]:
-    """All system messages folded into one leading message, in order, for templates that reject others."""
-    systems = [m["content"] for m in messages if m.get("role") == "system"]
-    rest = [m for m in messages if m.get("role") != "system"]
-    if not systems:
-        return rest
-    return [{"role": "system", "content": "\n\n".join(systems)}, *rest]
+def merge_leading_system_messages(messages: list[dict]) -> list[dict]:
+    """The system messages before the first other message folded into one, in order, for templates that accept a
+    system message only first. Later ones stay where they are (template_traits.py says why)."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+    if first <= 1:
+        return messages
+    return [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:first])}, *messages[first:]]
 
 
 def render_prompt(
@@ -164,7 +163,8 @@ def render_prompt(
         kwargs["drop_thinking"] = False
     if reasoning_effort is not None and "reasoning_effort" in template:
         is_harmony = harmony.is_harmony_template(template)
-        kwargs["reasoning_effort"] = harmony.template_effort(reasoning_effort) if is_harmony else reasoning_effort.value
+        kwargs["reasoning_effort"] = (harmony.template_effort(reasoning_effort) if is_harmony
+                                      else fit_to_template(reasoning_effort, template).value)
 
     def apply(msgs: list[dict]) -> str:
         text = tokenizer.apply_chat_template(
@@ -172,13 +172,12 @@ def render_prompt(
         )
         return text if isinstance(text, str) else str(text)
 
-    first_non_system = next((i for i, m in enumerate(prepared) if m["role"] != "system"), len(prepared))
-    has_late_system = any(m["role"] == "system" for m in prepared[first_non_system:])
-    leading = sum(1 for m in prepared[:first_non_system])
-    if not has_late_system and leading <= 1:
-        return apply(prepared)
-    try:
-        return apply(prepared)
-    except TemplateError:
-        # The template rejects a system message past the start: fold them all into the leading one.
-        return apply(merge_system_messages(prepared))
+    def probe(msgs: list[dict]) -> str:  # the template alone: no tools, no options that could raise by themselves
+        return str(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+
+    traits = traits_of(template, probe)
+    if traits.rejects_late_system:
+        prepared = late_system_as_user(merge_leading_system_messages(prepared))
+    if traits.needs_user_query:
+        prepared = open_with_user_query(prepared)
+    return apply(prepared)

@@ -190,16 +190,26 @@ def bench_spec(
     max_tokens: int = typer.Option(256, "--max-tokens", min=2, help="tokens generated per request"),
     repeats: int = typer.Option(2, "--repeats", min=1, help="runs per side; the fastest decode is kept"),
     exact_cpu: bool = typer.Option(False, "--exact-cpu", help="CPU: dequantised layers (exact fp32)"),
+    workloads: Path | None = typer.Option(None, "--workloads", help="JSON {name: [token ids]} to run instead"),  # noqa: UP007
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
     """Decode tok/s with and without speculative decoding.
 
-    Edit, tool-call and prose workloads in the same run, with the acceptance rate and tokens per step."""
+    Edit, tool-call and prose workloads in the same run, with the acceptance rate, tokens per step
+    and each draft source's accepted tokens per step (--speculative mtp: the model's own MTP head)."""
     from agentbox.bench.spec import spec_report
 
     if speculative is Speculative.OFF:
-        fail("--speculative off compares nothing: pick auto, suffix or ngram")
-    _print_json(spec_report(_bench_model(model), speculative, max_tokens, repeats, exact_cpu), json_out)
+        fail("--speculative off compares nothing: pick auto, suffix, ngram or mtp")
+    import json
+
+    prompts = None
+    if workloads is not None:
+        try:
+            prompts = {str(k): [int(t) for t in v] for k, v in json.loads(workloads.read_text()).items()}
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            fail(f"--workloads {workloads}: not a JSON object of name -> token ids ({e})")
+    _print_json(spec_report(_bench_model(model), speculative, max_tokens, repeats, exact_cpu, prompts), json_out)
 
 
 @bench_app.command("cpu-rows")

@@ -146,7 +146,7 @@ def serve(
     seed: int = typer.Option(_E.seed, help="seed for unseeded sampling"),
     tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007
     loop_guard: bool = typer.Option(_E.loop_guard, "--loop-guard/--no-loop-guard", help="end generations stuck in a loop of tokens"),
-    speculative: Speculative = typer.Option(_E.speculative, help="speculate from the session's own text"),
+    speculative: Speculative = typer.Option(_E.speculative, help="drafts: the session's text, the model's MTP head"),
 ) -> None:
     """Start the server (in the background unless --foreground)."""
     from agentbox.cli import daemon

@@ -89,7 +89,11 @@ class EngineCore:
     def _drafter(self, config: EngineConfig) -> Drafter | None:
         if config.speculative is Speculative.OFF:
             return None
-        return Drafter(config)
+        head = self.runner.mtp is not None
+        if config.speculative is Speculative.MTP and not head:
+            raise ValueError(f"--speculative mtp: {config.model} has no multi-token-prediction head (no mtp.* "
+                             "weights, or a config without mtp_num_hidden_layers); use suffix or auto")
+        return Drafter(config, mtp=head)
 
     def _note_death(self, death: RankDeath) -> None:
         log.error("%s", death.describe())
@@ -312,6 +316,8 @@ class EngineCore:
             if why is None:
                 try:
                     results.append(self._accept_run(req, tokens[i], lps[i], len(s.draft)))
+                    if self.drafter is not None and i < len(result.drafts) and (d := result.drafts[i]) is not None:
+                        self.drafter.offer(req, d.tokens, d.after)
                     continue
                 except Exception as e:  # noqa: BLE001 - its grammar or stop check: this request's fault alone
                     why = f"{type(e).__name__}: {e}"

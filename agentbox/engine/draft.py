@@ -19,6 +19,12 @@ So k is chosen per step to maximise the expected tokens per unit of step cost, (
 (1 + c k), from the request's recent per-token acceptance a and the row cost c. When no k pays (a too low for
 c), the request stops drafting for a while (a pause that doubles each time), so prose that repeats nothing
 decodes as before.
+
+Where the checkpoint ships a multi-token-prediction head (Qwen3.5 / 3.6 / 3.8) the runner also drafts with it
+after every step (engine/exec/mtp.py) and hands the draft here (`offer`): under `--speculative mtp` it is the
+draft; under `auto` the longer of it and the text match is. A text match wins on an edit (it runs for dozens of
+tokens), the head on new text, where no match exists. Each source's verified and accepted tokens are counted
+apart (`by_source`, /v1/stats).
 """
 
 from __future__ import annotations
@@ -28,7 +34,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from agentbox.config import EngineConfig, Speculative
-from agentbox.engine.draft_state import DECAY, PRIOR_ACCEPTANCE, PRIOR_WEIGHT, DraftState, TokenHistory
+from agentbox.engine.draft_state import (
+    DECAY,
+    PRIOR_ACCEPTANCE,
+    PRIOR_WEIGHT,
+    DraftSource,
+    DraftState,
+    TokenHistory,
+)
 from agentbox.kernels import cpu_gemv
 
 if TYPE_CHECKING:
@@ -108,8 +121,12 @@ class GlobalHistory:
 class Drafter:
     """Proposes drafts for the scheduler and learns from their verification (engine/core.py)."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.mode = Speculative.SUFFIX if config.speculative is Speculative.AUTO else config.speculative
+    def __init__(self, config: EngineConfig, mtp: bool = False) -> None:
+        spec = config.speculative
+        self.mtp = mtp  # the runner drafts with the checkpoint's MTP head (auto or mtp, where there is one)
+        self.text = spec is not Speculative.MTP  # drafts matched in the text (suffix, ngram; auto)
+        self.mode = Speculative.SUFFIX if spec is Speculative.AUTO else spec
+        self.mtp_tokens = config.spec_mtp_tokens
         self.max_draft = config.spec_max_draft
         self.min_match = config.spec_min_match
         row_cost, match_factor = default_policy("cuda" if config.resolved_device.startswith("cuda") else "cpu")
@@ -117,6 +134,18 @@ class Drafter:
         self.match_factor = match_factor if config.spec_match_factor is None else config.spec_match_factor
         self.recent = GlobalHistory(config.spec_global_tokens if self.mode is Speculative.SUFFIX else 0)
         self.by_session: dict[str, list[int]] = {}  # session -> [drafted, accepted], the newest MAX_SESSIONS
+        # per source: [verify steps, drafted tokens, accepted tokens]
+        self.by_source: dict[DraftSource, list[int]] = {src: [0, 0, 0] for src in self.sources}
+
+    @property
+    def sources(self) -> tuple[DraftSource, ...]:
+        return (DraftSource.TEXT,) * self.text + (DraftSource.MTP,) * self.mtp
+
+    def describe(self) -> str:
+        """The mode as /v1/stats shows it: suffix, ngram, mtp, or suffix+mtp."""
+        if not self.text:
+            return Speculative.MTP.value
+        return self.mode.value + ("+mtp" if self.mtp else "")
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -132,13 +161,27 @@ class Drafter:
             and not s.frequency_penalty
         )
 
+    def offer(self, req: Request, tokens: list[int], after: int) -> None:
+        """The MTP head's draft to follow the request's first `after` tokens (engine/exec/mtp.py)."""
+        st = req.draft_state
+        if st is None:
+            st = req.draft_state = DraftState()
+        st.mtp, st.mtp_after = tokens, after
+
     def propose(self, req: Request, limit: int) -> list[int]:
-        """Up to min(k, limit) draft tokens to follow req's tokens, or none."""
+        """Up to min(k, limit) draft tokens to follow req's tokens, or none: the longer of the text match's and
+        the MTP head's."""
         if limit <= 0 or not self.eligible(req):
             return []
         st = req.draft_state
         if st is None:
             st = req.draft_state = DraftState()
+        head = st.mtp[: min(limit, self.mtp_tokens)] if self.mtp and st.mtp_after == req.num_tokens else []
+        text = self._text(req, st, limit) if self.text else []
+        st.source = DraftSource.MTP if len(head) > len(text) else DraftSource.TEXT
+        return head if st.source is DraftSource.MTP else text
+
+    def _text(self, req: Request, st: DraftState, limit: int) -> list[int]:
         st.steps += 1
         if st.steps < st.paused_until:
             return []
@@ -169,21 +212,25 @@ class Drafter:
         return max(1, min(k, int(self.match_factor * matched)))
 
     def observe(self, req: Request, drafted: int, accepted: int) -> None:
-        """A verify's result: the request's acceptance follows it."""
+        """A verify's result: the request's acceptance follows it (the text drafts' own: an MTP draft's length
+        does not follow it), and its source's counts."""
         st = req.draft_state
         if st is None or drafted == 0:
             return
         st.drafted += drafted
         st.accepted += accepted
+        counts = self.by_source[st.source]
+        counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + drafted, counts[2] + accepted
         if req.session_id is not None:
-            counts = self.by_session.pop(req.session_id, None) or [0, 0]
-            counts[0] += drafted
-            counts[1] += accepted
-            self.by_session[req.session_id] = counts  # re-inserted: the dict's order is recency
+            per = self.by_session.pop(req.session_id, None) or [0, 0]
+            per[0] += drafted
+            per[1] += accepted
+            self.by_session[req.session_id] = per  # re-inserted: the dict's order is recency
             if len(self.by_session) > MAX_SESSIONS:
                 del self.by_session[next(iter(self.by_session))]
-        st.kept = DECAY * st.kept + accepted
-        st.refused = DECAY * st.refused + (accepted < drafted)
+        if st.source is DraftSource.TEXT:
+            st.kept = DECAY * st.kept + accepted
+            st.refused = DECAY * st.refused + (accepted < drafted)
 
     def finished(self, req: Request) -> None:
         self.recent.add(req.output_token_ids)

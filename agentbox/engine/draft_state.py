@@ -4,6 +4,7 @@ int32 array and its recent acceptance. Apart from the drafter so the request nee
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import numpy as np
 
@@ -11,6 +12,13 @@ import numpy as np
 # decay by DECAY, so a is the recent acceptance.
 PRIOR_ACCEPTANCE, PRIOR_WEIGHT, DECAY = 0.7, 2.0, 0.8
 PAUSE_STEPS = 16
+
+
+class DraftSource(Enum):
+    """Where a draft came from: the request's own text (suffix or n-gram match) or the checkpoint's MTP head."""
+
+    TEXT = "suffix"
+    MTP = "mtp"
 
 
 class TokenHistory:
@@ -51,6 +59,10 @@ class DraftState:
     paused_until: int = 0  # a decode-step count
     pause: int = PAUSE_STEPS
     steps: int = 0
+    source: DraftSource = DraftSource.TEXT  # of the draft last proposed
+    # The MTP head's draft from the last step (engine/exec/mtp.py), for a request of `mtp_after` tokens.
+    mtp: list[int] = field(default_factory=list)
+    mtp_after: int = -1
 
     @property
     def acceptance(self) -> float:

@@ -16,6 +16,7 @@ from agentbox.engine.ipc.messages import Query, QueryFailed, QueryKind, QueryRes
 from agentbox.engine.scheduler import Scheduler
 from agentbox.engine.stats import (
     AdmissionStats,
+    DrafterStats,
     EngineCounters,
     EngineStats,
     ParallelStats,
@@ -76,9 +77,12 @@ def engine_stats(core: EngineCore) -> EngineStats:
 def _spec_stats(core: EngineCore) -> SpecStats:
     c = core.counters
     return SpecStats(
-        mode=core.drafter.mode.value if core.drafter is not None else "off",
+        mode=core.drafter.describe() if core.drafter is not None else "off",
         drafted_tokens=c.drafted_tokens, accepted_tokens=c.accepted_tokens,
         acceptance_rate=round(c.accepted_tokens / c.drafted_tokens, 4) if c.drafted_tokens else 0.0,
+        drafters={} if core.drafter is None else {
+            src.value: DrafterStats(steps, drafted, accepted, round(accepted / steps, 4) if steps else 0.0)
+            for src, (steps, drafted, accepted) in core.drafter.by_source.items()},
     )
 
 

@@ -64,6 +64,17 @@ class ParallelStats:
 
 
 @dataclass(frozen=True)
+class DrafterStats:
+    """One draft source's verifies (engine/draft.py DraftSource): steps that scored one of its drafts, the tokens
+    drafted and accepted, and the accepted tokens per such step (each step also yields one token of its own)."""
+
+    steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_step: float = 0.0
+
+
+@dataclass(frozen=True)
 class SpecStats:
     """Speculative decoding since start (engine/draft.py): mode "off" when the engine does not draft."""
 
@@ -71,6 +82,7 @@ class SpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     acceptance_rate: float = 0.0  # accepted / drafted
+    drafters: dict[str, DrafterStats] = field(default_factory=dict)  # by source: "suffix" (text matches), "mtp"
 
 
 @dataclass(frozen=True)

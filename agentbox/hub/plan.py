@@ -18,6 +18,7 @@ from agentbox.hub.weight_bytes import (
     cpu_quantised_experts,
     gguf_experts,
     gguf_gpu_mix,
+    mtp_weight_bytes,
     resident_weight_bytes,
 )
 from agentbox.hw.probe import GIB, Probe
@@ -174,6 +175,12 @@ class Plan:
         return self.candidates[0] if self.candidates and self.candidates[0].ok else None
 
     @property
+    def with_mtp(self) -> bool:
+        """Whether the plan's head line counts the MTP head: the chosen variant's files carry it (else: any does)."""
+        chosen = self.chosen
+        return chosen.variant.carries_mtp if chosen else any(v.carries_mtp for v in self.profile.variants)
+
+    @property
     def accepted(self) -> list[Candidate]:
         return [c for c in self.candidates if c.ok]
 
@@ -184,7 +191,7 @@ class Plan:
             "machine": describe_machine(self.probe),
             "context": self.context,
             "sessions": self.sessions,
-            "kv_bytes_per_token": self.profile.kv_bytes_per_token(_kv_dtype_bytes(self.probe)),
+            "kv_bytes_per_token": self.profile.kv_bytes_per_token(_kv_dtype_bytes(self.probe), mtp=self.with_mtp),
             "state_bytes_per_session": self.profile.state_bytes_per_session(),
             "params": self.profile.params,
             "active_params": self.profile.active_params,
@@ -204,6 +211,15 @@ def plan(profile: Profile, probe: Probe, config: PlanConfig | None = None) -> Pl
         )
         context = profile.context_length
     sessions = max(1, config.sessions)
+    if profile.mtp_params:
+        device = "cpu" if probe.cpu_only else "cuda"
+        with_head = [v for v in profile.variants if v.carries_mtp]
+        if with_head:
+            notes.append(
+                f"its MTP head (the draft of --speculative mtp) is counted for {', '.join(v.name for v in with_head)}: "
+                f"{_gb(mtp_weight_bytes(profile, with_head[0], device))} of weights in the compute dtype, "
+                f"{profile.mtp_layers} more attention layer of KV; GGUF files carry no head agentbox loads (they draft "
+                f"from the text only)")
     candidates = [_candidate(profile, v, probe, context, sessions, config) for v in profile.variants]
     candidates.sort(key=_rank)
     best = candidates[0] if candidates and candidates[0].ok else None
@@ -225,7 +241,8 @@ def _candidate(
     device = "cpu" if probe.cpu_only else "cuda"
     cpu_kernels = probe.software.cpu_kernels_ok is not False  # a described machine: assumed to build them
     weights = resident_weight_bytes(profile, variant, device, cpu_kernels)
-    kv = (profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * context + profile.state_bytes_per_session()) * sessions
+    per_token = profile.kv_bytes_per_token(_kv_dtype_bytes(probe), mtp=variant.carries_mtp)
+    kv = (per_token * context + profile.state_bytes_per_session()) * sessions
     reasons: list[str] = []
     notes: list[str] = []
     if why := engine_rejection(profile, variant):
@@ -249,7 +266,7 @@ def _candidate(
         )
     else:
         cand = _best_tp(profile, probe, variant, weights, kv, config)
-        lean = (profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * context + profile.live_state_bytes()) * sessions
+        lean = (per_token * context + profile.live_state_bytes()) * sessions
         if not cand.fits and lean < kv and (held := _best_tp(profile, probe, variant, weights, lean, config)).fits:
             cand = held  # the runner keeps snapshots in host memory when the card has no room for them
             notes.append(f"state snapshots in host memory ({_gb(kv - lean)}): the card has room for the "
@@ -263,6 +280,7 @@ def _candidate(
     elif device == "cpu" and cand.need_per_device > probe.host.ram_free:
         reasons.append(f"{SHORT_OF_FREE_RAM}: needs {_gb(cand.need_per_device)}, {_gb(probe.host.ram_free)} free now")
     method = method_of_format(variant.format)
+    weights -= mtp_weight_bytes(profile, variant, device)  # the notes below describe the model's own weights
     if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
         notes.append(
             f"{variant.format} on CPU: the experts stay quantised, the other {(profile.params - experts) / 1e9:.1f}B "
@@ -319,7 +337,7 @@ MIN_USEFUL_CONTEXT = 4096  # below this an agent's system prompt alone does not 
 
 def fitting_context(cand: Candidate, profile: Profile, probe: Probe, sessions: int) -> int:
     """The longest context (a multiple of 1024 tokens) at which this candidate fits at its tp; 0 if none."""
-    per_token = profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * sessions
+    per_token = profile.kv_bytes_per_token(_kv_dtype_bytes(probe), mtp=cand.variant.carries_mtp) * sessions
     room = (cand.available_bytes - cand.reserve_bytes - cand.weights_bytes // cand.tp) * (1 if cand.kv_replicated else cand.tp)
     room -= profile.live_state_bytes() * sessions  # the snapshots in host memory (engine/exec/runner.py)
     return max(0, room // per_token // 1024 * 1024)

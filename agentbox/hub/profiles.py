@@ -10,11 +10,13 @@ from typing import Any
 
 import tomllib
 
+from agentbox.chat.effort import ReasoningEffort
 from agentbox.config import EngineConfig
 
 # Formats whose bytes on disk are the bytes resident on the device (quantised kernels run them as stored).
 # Everything else the engine converts at load: safetensors to the compute dtype, GGUF dequantised.
 QUANTISED_FORMATS = ("fp8", "awq", "gptq", "nvfp4", "mxfp4")
+UNQUANTISED_FORMATS = ("bf16", "fp16", "fp32")
 
 
 class ProfileError(ValueError):
@@ -34,6 +36,13 @@ class Variant:
     @property
     def is_gguf(self) -> bool:
         return self.format == "gguf"
+
+    @property
+    def carries_mtp(self) -> bool:
+        """Whether agentbox loads a multi-token-prediction head from these files (where the model has one): from an
+        unquantised safetensors checkpoint's `mtp.*` (models/loader.py); a GGUF file's next-n layers are not read,
+        nor a quantised checkpoint's head (whether and how its release quantises it is not known)."""
+        return self.format in UNQUANTISED_FORMATS
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,12 @@ class Profile:
     # Models whose cache is paged groups of compressed entries (DeepSeek-V4), replicated on every rank: the
     # groups count per token instead of kv_heads x head_dim. Empty: ordinary (or MLA) KV.
     paged_groups: tuple[PagedKV, ...] = ()
+    # The checkpoint's multi-token-prediction head (Qwen3.5 / 3.6 / 3.8 `mtp.*`), a draft for `--speculative mtp`:
+    # its parameters (beyond the shared embedding and LM head) and its attention layers, each keeping its own KV.
+    mtp_params: int = 0
+    mtp_layers: int = 0
+    # The effort a request that names none is rendered at; None: the template's own default.
+    reasoning_effort: ReasoningEffort | None = None
 
     @property
     def active_params(self) -> int:
@@ -128,11 +143,12 @@ class Profile:
         """Every tensor-parallel rank keeps the whole cache (MLA's latent, DeepSeek-V4's entries)."""
         return self.mla or bool(self.paged_groups)
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V for every attention layer: 2 x kv layers x kv_heads x head_dim x dtype bytes; MLA: the
+    def kv_bytes_per_token(self, dtype_bytes: int = 2, mtp: bool = True) -> int:
+        """K and V for every attention layer (the MTP head's included): 2 x kv layers x kv_heads x head_dim x dtype bytes; MLA: the
         latent and the rope key, kv layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, on each rank;
-        paged groups: each group's values a token at the engine's page size, on each rank."""
-        layers = self.kv_layers_ or self.layers
+        paged groups: each group's values a token at the engine's page size, on each rank. mtp: with the MTP
+        head's layers (a variant that carries the head, Variant.carries_mtp)."""
+        layers = (self.kv_layers_ or self.layers) + (self.mtp_layers if mtp else 0)
         if self.paged_groups:
             page = EngineConfig.page_size
             return round(sum(g.values_per_token(page) for g in self.paged_groups) * dtype_bytes)
@@ -244,6 +260,9 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         qk_rope_head_dim=int(data.get("qk_rope_head_dim", 0)),
         paged_groups=tuple(PagedKV(int(g["layers"]), int(g["values"]), int(g.get("tokens_per_entry", 1)))
                            for g in data.get("paged_groups", [])),
+        mtp_params=int(data.get("mtp_params", 0)),
+        mtp_layers=int(data.get("mtp_layers", 0)),
+        reasoning_effort=ReasoningEffort(data["reasoning_effort"]) if "reasoning_effort" in data else None,
     )
 
 

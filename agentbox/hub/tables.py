@@ -42,7 +42,7 @@ def render_plan(p: Plan, width: int | None = None) -> Group:
     lines[0].stylize("bold", 0, len(prof.name))
     lines += _wrapped(
         f"context {p.context:,} tokens x {p.sessions} session(s); KV {kv_tok / 1024:.0f} KiB/token = "
-        + _kv_formula(prof, 2 if p.probe.gpus else 4)
+        + _kv_formula(prof, 2 if p.probe.gpus else 4, p.with_mtp)
         + (f"; recurrent state {prof.state_bytes_per_session() / 2**20:.0f} MiB per session ("
            + ("live, page-aligned copy, 2 snapshots)" if prof.state_slots == 4 else "live ring, 1 snapshot)")
            if prof.state_bytes else ""), width, 0)
@@ -126,8 +126,10 @@ def render_models(models: list[LocalModel]) -> Group:
     return Group(*lines)
 
 
-def _kv_formula(prof: Profile, dtype_bytes: int) -> str:
+def _kv_formula(prof: Profile, dtype_bytes: int, mtp: bool = True) -> str:
     layers = f"{prof.kv_layers_ or prof.layers} {'attention ' if prof.kv_layers_ else ''}layers"
+    if prof.mtp_layers and mtp:
+        layers = f"({layers} + {prof.mtp_layers} MTP)"
     if prof.paged_groups:
         page = EngineConfig.page_size
         groups = " + ".join(f"{g.layers} layers x {g.values} / {min(g.tokens_per_entry, page)} tokens"

@@ -10,11 +10,22 @@ from agentbox.layers.quant.formats import METHODS, gguf_mix, gguf_resident_ratio
 
 def active_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> int:
     """Weight bytes one decoded token reads: the active parameters at the variant's resident width."""
-    return resident_weight_bytes(profile, variant, device, cpu_kernels) * profile.active_params // profile.params
+    return trunk_weight_bytes(profile, variant, device, cpu_kernels) * profile.active_params // profile.params
 
 
 def resident_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> int:
-    """Bytes the weights occupy once loaded. A method that keeps its weights quantised holds the file's
+    """Bytes the weights occupy once loaded: the model's, plus its MTP head's (mtp_weight_bytes)."""
+    return trunk_weight_bytes(profile, variant, device, cpu_kernels) + mtp_weight_bytes(profile, variant, device)
+
+
+def mtp_weight_bytes(profile: Profile, variant: Variant, device: str) -> int:
+    """The MTP head in the compute dtype (bf16 on GPU, fp32 on CPU), loaded from an unquantised checkpoint's `mtp.*`
+    tensors; 0 for a variant agentbox loads no head from (GGUF, quantised checkpoints: Variant.carries_mtp)."""
+    return profile.mtp_params * (2 if device == "cuda" else 4) if variant.carries_mtp else 0
+
+
+def trunk_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> int:
+    """Bytes the model's weights (its MTP head aside) occupy once loaded. A method that keeps its weights quantised holds the file's
     bytes plus what its resident form adds per weight (int4: a bf16 scale and offset per group where the
     file has an fp16 scale and a 4-bit zero; MoE experts included, layers/experts/int4.py), counted over every
     parameter (an upper bound: embeddings and norms stay as stored). A dense GGUF file is its size times its

@@ -9,6 +9,7 @@ the model asks it whether it has something.
 - How the runner may run a step: `supports_cuda_graphs` (decode captured in CUDA graphs), and
   `fused_cpu_decode_target` (the decoder stack the CPU fused decode of engine/exec/cpu_decode.py runs, if any).
 - The step itself: `forward(input_ids, positions)` -> hidden states, `compute_logits(hidden)` -> fp32 logits.
+- A draft head the checkpoint ships (`add_mtp_head`, then `mtp`: models/mtp.py), built only when asked for.
 """
 
 from __future__ import annotations
@@ -97,6 +98,13 @@ class CausalLM(nn.Module, ABC):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.config = config
+        self.mtp: nn.Module | None = None  # the multi-token-prediction head, once add_mtp_head built it
+
+    def add_mtp_head(self) -> bool:
+        """Builds the checkpoint's multi-token-prediction head as `self.mtp` (its weights load with the model's,
+        its attention layer joins `cache_layout`); False when this model has none. Called by the loader inside
+        the model's device and dtype."""
+        return False
 
     @abstractmethod
     def cache_layout(self) -> CacheLayout:

@@ -30,6 +30,7 @@ from agentbox.layers.quant import QuantConfig, process_weights_after_loading, qu
 from agentbox.layers.quant.lazy import LazySlice
 from agentbox.models.base import CausalLM
 from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_quant_config, gguf_weights, open_gguf
+from agentbox.models.mtp import mtp_loadable
 from agentbox.models.registry import model_class
 from agentbox.models.weight_loader import load_weights
 from agentbox.parallel.state import tp_size
@@ -206,17 +207,25 @@ class LoadedModel:
         )
 
 
-def load_model(path: str, dtype: torch.dtype, device: str | torch.device) -> LoadedModel:
+def load_model(path: str, dtype: torch.dtype, device: str | torch.device, *, with_mtp: bool = False) -> LoadedModel:
+    """The model of `path` on `device`; with_mtp: with the checkpoint's multi-token-prediction head where it has
+    one (models/mtp.py; `LoadedModel.model.mtp` stays None where it has none)."""
     src = resolve_model(path)
     config = load_config(src)
     cls = model_class(config)
+    quant = quant_config(src, config)
+    if with_mtp and not mtp_loadable(quant):
+        log.info("the MTP head of a %s checkpoint is not loaded: drafts come from the text alone", quant.method.value)
+        with_mtp = False
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         # Parameters are allocated in place (torch.empty), never initialised; the checkpoint's quantisation
         # picks every linear layer's method.
-        with torch.device(device), quant_context(quant_config(src, config)):
+        with torch.device(device), quant_context(quant):
             model = cls(config)
+            if with_mtp:
+                model.add_mtp_head()
     finally:
         torch.set_default_dtype(previous_dtype)
     load_weights(model, iter_weights(src, config, for_engine=True))

@@ -9,8 +9,8 @@ delta-net layers keep a fixed-size state per sequence instead (its state group, 
 
 The ConditionalGeneration checkpoints hold an image-text model: the text model sits under
 `model.language_model.` (this class nests the same way, so the names match), the vision tower (`model.visual.`)
-and the multi-token-prediction head (`mtp.`, a draft for speculation) are skipped at load and named in the
-log. Qwen3.5's rope is multimodal (mrope) but for text every section has the same position, which is rope.
+and, unless the engine drafts with it (models/mtp.py), the multi-token-prediction head (`mtp.`) are skipped at
+load and named in the log. Qwen3.5's rope is multimodal (mrope) but for text every section has the same position, which is rope.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from agentbox.layers.quant import QuantConfig, quant_context
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
 from agentbox.models.base import CausalLM, head_dim_of, num_kv_heads_of, per_expert_weights
 from agentbox.models.llama import LlamaForCausalLM, LlamaMLP
+from agentbox.models.mtp import MTP_PREFIX, MultiTokenPredictor, mtp_layers_of
 from agentbox.parallel.state import head_shard
 
 LINEAR = "linear_attention"
@@ -183,7 +184,7 @@ class Qwen3NextForCausalLM(CausalLM):
     expert_mapping = per_expert_weights(
         "gate_proj", "up_proj", "down_proj", (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN)
     )
-    skip_checkpoint_names = {"mtp.": "multi-token-prediction layers (a draft model, unused)"}
+    skip_checkpoint_names = {MTP_PREFIX: "multi-token-prediction layers (a draft model, unused)"}
     fused_qkvz = True
 
     def __init__(self, config: Any) -> None:
@@ -202,12 +203,25 @@ class Qwen3NextForCausalLM(CausalLM):
     def language_model(self) -> HybridModel:
         return self.model  # type: ignore[return-value]
 
+    def add_mtp_head(self) -> bool:
+        text = self.config.get_text_config()
+        if mtp_layers_of(self.config) < 1:
+            return False
+        layers = self.language_model.layers
+        kv_index = sum(1 for layer in layers if not layer.is_linear)  # one KV layer past the model's own
+        self.mtp = MultiTokenPredictor(text, kv_index, self.language_model.embed_tokens, HybridDecoderLayer,
+                                       ZeroCenteredRMSNorm)
+        self.skip_checkpoint_names = {k: v for k, v in self.skip_checkpoint_names.items() if k != MTP_PREFIX}
+        return True
+
     def cache_layout(self) -> CacheLayout:
-        """The attention layers' KV in pages; each Gated DeltaNet layer's state, in layer order (its `state_index`)."""
+        """The attention layers' KV in pages (the MTP head's last, when built); each Gated DeltaNet layer's state,
+        in layer order (its `state_index`)."""
         layers = self.language_model.layers
         states = tuple(layer.linear_attn.state_spec() for layer in layers if layer.is_linear)
         shape = self.attention_shape()
-        paged = PagedGroup(tuple(KVLayerSpec.uniform(len(layers) - len(states), shape.num_kv_heads, shape.head_dim)))
+        kv_layers = len(layers) - len(states) + (1 if self.mtp is not None else 0)
+        paged = PagedGroup(tuple(KVLayerSpec.uniform(kv_layers, shape.num_kv_heads, shape.head_dim)))
         return CacheLayout((paged,), StateGroup(states) if states else None)
 
     @torch.inference_mode()
@@ -224,7 +238,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3NextForCausalLM):
 
     skip_checkpoint_names = {
         "model.visual.": "vision tower (agentbox serves the text model)",
-        "mtp.": "multi-token-prediction layers (a draft model, unused)",
+        MTP_PREFIX: "multi-token-prediction layers (a draft model, unused)",
     }
     fused_qkvz = False
 

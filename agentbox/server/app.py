@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import agentbox
 from agentbox import collector
+from agentbox.chat.effort import ReasoningEffort
 from agentbox.config import ServerConfig
 from agentbox.engine.ipc.client import EngineClient, EngineDead, QueryError
 from agentbox.engine.stats import to_json
@@ -57,6 +58,7 @@ class ModelDefaults:
     thinking: bool = False
     tool_parser: str | None = None
     max_output_tokens: int | None = None
+    reasoning_effort: ReasoningEffort | None = None  # for requests that name none; None: the template's default
 
 
 def model_defaults(model_path: str, name: str) -> ModelDefaults:
@@ -72,7 +74,7 @@ def model_defaults(model_path: str, name: str) -> ModelDefaults:
     for p in sorted(profiles, key=lambda p: -len(p.name)):
         if p.name.lower() in key:
             return ModelDefaults(dict(p.sampling), bool(p.reasoning_parser and p.reasoning_parser != "none"),
-                                 p.tool_parser or None, p.max_output_tokens)
+                                 p.tool_parser or None, p.max_output_tokens, p.reasoning_effort)
     return ModelDefaults()
 
 
@@ -107,7 +109,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         d = model_defaults(config.engine.model, served_name(config))
         app.state.agentbox = ServerState(config, engine, tokenizer, info, served_name(config),
                                          sampling_defaults=d.sampling, thinking_model=d.thinking,
-                                         tool_parser=d.tool_parser,
+                                         tool_parser=d.tool_parser, default_effort=d.reasoning_effort,
                                          default_max_tokens=d.max_output_tokens or config.default_max_tokens,
                                          names=model_names(config, info.model_name),
                                          grammars=GrammarGate(config.engine.model, info.vocab_size,

@@ -45,7 +45,7 @@ class Conversation:
     parallel_tool_calls: bool = True
     structured_tool_calls: bool = True  # auto + tools: a structural tag keeps every call schema-valid
     enable_thinking: bool | None = None  # None: the template's default
-    reasoning_effort: ReasoningEffort | None = None  # None: the template's default (gpt-oss: medium)
+    reasoning_effort: ReasoningEffort | None = None  # None: the profile's default, else the template's (gpt-oss: medium)
     # Where the request carries each tool's schema and the response format's, for errors that name them
     tool_params: list[str] | None = None  # one per tool; None: OpenAI chat's tools[i].function.parameters
     format_param: str = "response_format.json_schema.schema"
@@ -270,7 +270,8 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
     try:
         # Only what this turn appended is rendered when the template allows (chat/incremental_render.py).
         text = renderer_for(tok, state.config.tokenize_cache_texts).render(
-            conv.messages, tools, enable_thinking=conv.enable_thinking, reasoning_effort=conv.reasoning_effort,
+            conv.messages, tools, enable_thinking=conv.enable_thinking,
+            reasoning_effort=conv.reasoning_effort if conv.reasoning_effort is not None else state.default_effort,
             tool_parser=syntax)
     except ValueError as e:  # unsupported content parts
         raise APIError(400, str(e), param=param) from e

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from agentbox.chat.effort import ReasoningEffort
 from agentbox.config import ServerConfig
 from agentbox.engine.ipc.client import EngineClient
 from agentbox.engine.ipc.messages import EngineReady
@@ -46,6 +47,7 @@ class ServerState:
     recorder: Any = None  # agentbox.server.trace_recorder.TraceRecorder under `serve --record-trace FILE`
     thinking_model: bool = False
     tool_parser: str | None = None  # the profile's call syntax; None: read from the template
+    default_effort: ReasoningEffort | None = None  # the profile's effort for requests that name none
     default_max_tokens: int = 4096  # the profile's output budget for requests that send no max_tokens
     names: tuple[str, ...] = ()  # every name the model answers to, model_name first (server/model_names.py)
     context_note: str = ""  # the served context and why it is that (server/context.py)

@@ -375,6 +375,17 @@ def rates_panel(snap: Mapping[str, Any], history: Mapping[str, Iterable[float | 
     )
 
 
+def drafters_line(stats: Mapping[str, Any]) -> Text | None:
+    """Accepted draft tokens per verify step of each draft source that has verified any (/v1/stats
+    speculative.drafters: the text match `suffix`, the model's MTP head `mtp`); None when none has."""
+    drafters = (stats.get("speculative") or {}).get("drafters") or {}
+    used = [(name, d) for name, d in drafters.items() if d.get("steps")]
+    if not used:
+        return None
+    return Text("drafts " + ", ".join(f"{name} {d.get('accepted_per_step', 0):.2f} accepted/step ({d['steps']} steps)"
+                                      for name, d in used))
+
+
 def machine_panel(snap: Mapping[str, Any]) -> Group:
     st = snap.get("stats") or {}
     local = snap.get("local")
@@ -383,6 +394,8 @@ def machine_panel(snap: Mapping[str, Any]) -> Group:
     queued = adm.get("queued", adm.get("queued_new_sessions", DASH))
     lines.append(Text(f"requests {st.get('running', DASH)} running, {st.get('waiting', DASH)} waiting"))
     lines.append(Text(f"admission queue {queued}, {adm.get('timeouts', DASH)} timed out"))
+    if (drafts := drafters_line(st)) is not None:
+        lines.append(drafts)
     if local is None:
         lines.append(Text("server is not on this machine: no process or GPU figures", style="dim"))
         return Group(*lines)

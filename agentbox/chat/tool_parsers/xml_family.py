@@ -23,14 +23,30 @@ def _waiting(rest: str, *tags: str) -> bool:
     return any(t.startswith(rest) for t in tags)
 
 
-def _value_end(text: str, start: int) -> tuple[int, int]:
-    """Where a Qwen3-Coder value ends and how much closing markup to skip; (-1, 0) while open.
+VALUE_FOLLOWERS = ("<parameter=", "</function>", "</tool_call>")
 
-    The model sometimes drops `</parameter>`; the next `<parameter=` or `</function>` then ends it.
+
+def _value_end(text: str, start: int, final: bool) -> tuple[int, int]:
+    """Where a Qwen3-Coder value ends and how much closing markup to skip; (-1, 0) while undecided.
+
+    A value is text, and agents' values hold markup (an edit of this parser, an HTML file): `</parameter>` ends it
+    only where the next tag follows, and `<parameter=` inside a line is text. The model sometimes drops
+    `</parameter>`; in a call that has ended (`</function>` seen, or the output is over), a `<parameter=` or
+    `</function>` at the start of a line then ends the value.
     """
-    ends = [(text.find(tag, start), n) for tag, n in (("</parameter>", 12), ("<parameter=", 0), ("</function>", 0))]
-    found = [(pos, n) for pos, n in ends if pos >= 0]
-    return min(found) if found else (-1, 0)
+    at = start
+    while (close := text.find("</parameter>", at)) >= 0:
+        after = skip_ws(text, close + len("</parameter>"))
+        rest = text[after:]
+        if rest.startswith(VALUE_FOLLOWERS) or (final and not rest):
+            return close, len("</parameter>")
+        if not final and _waiting(rest, *VALUE_FOLLOWERS):
+            return -1, 0  # what follows could still be the next tag
+        at = close + 1
+    if not final and text.find("</function>", start) < 0:
+        return -1, 0
+    ends = [p for p in (text.find("\n<parameter=", start), text.find("\n</function>", start)) if p >= 0]
+    return (min(ends) + 1, 0) if ends else (-1, 0)
 
 
 class Qwen3CoderParser(ToolParser):
@@ -56,7 +72,7 @@ class Qwen3CoderParser(ToolParser):
             rest = text[i:]
             if rest.startswith("<parameter="):
                 k = text.find(">", i)
-                close, skip = _value_end(text, k + 1) if k >= 0 else (-1, 0)
+                close, skip = _value_end(text, k + 1, final) if k >= 0 else (-1, 0)
                 if close < 0:
                     break
                 key = text[i + len("<parameter=") : k].strip()

@@ -17,6 +17,7 @@ from agentbox.config import HOST_STATE_GB, PLAN_CONTEXT, PLAN_SESSIONS, EngineCo
 from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.exec.logprob import TokenLogprob
+from agentbox.engine.exec.mtp import MtpDraft, MtpDrafter, MtpStep
 from agentbox.engine.exec.page_table import PageTable, RowWriter
 from agentbox.engine.exec.step_inputs import StepInputs
 from agentbox.engine.exec.verify import sample_verified
@@ -72,12 +73,15 @@ class StepResult:
     logprobs: list[TokenLogprob | None]
     failed: dict[int, str]
     aligned: list[tuple[SeqCache, int]] = field(default_factory=list)
+    drafts: list[MtpDraft | None] = field(default_factory=list)  # per sampled seq: the MTP head's draft, if any
 
 
 class StepSender(Protocol):
     """Where rank 0 sends each step for ranks 1..tp-1 (engine/exec/worker.py TPWorkers)."""
 
     def send_step(self, step: StepInputs) -> None: ...
+
+    def send_mtp(self, plan: MtpStep) -> None: ...
 
 
 class ModelRunner:
@@ -96,7 +100,7 @@ class ModelRunner:
         if loaded is None:
             exact = int4.cpu_kernel(int4.Int4Kernel.DENSE) if config.exact_cpu else contextlib.nullcontext()
             with exact:
-                loaded = load_model(config.model, self.dtype, self.device)
+                loaded = load_model(config.model, self.dtype, self.device, with_mtp=config.speculative.uses_mtp)
         self.loaded = loaded
         self.layout: CacheLayout = loaded.layout
         self.weight_bytes = resident_weight_bytes(loaded.model)
@@ -189,6 +193,10 @@ class ModelRunner:
             ),
         )
         self.cpu_decode = CpuDecode.build(lm.model, self.device)  # None on GPU and for models it cannot run
+        self.mtp = (MtpDrafter(lm.model, self.backend, self.page_table, self.page_size, config.spec_mtp_tokens,
+                               self.max_model_len)
+                    if lm.model.mtp is not None and config.speculative.uses_mtp else None)
+        self._hidden: torch.Tensor | None = None  # the last step's hidden states, for the MTP head
 
     def _state_cache(self) -> StateCache | None:
         """Hybrid models (and Gemma 4's sliding-window rings): each running sequence's state lives in the slot
@@ -362,6 +370,7 @@ class ModelRunner:
         a CUDA graph replay when one fits, else through the CPU fused decode when it fits, else eagerly."""
         self.page_table.apply(step.page_updates)
         dev = self.device
+        self._hidden = None  # set again below when the MTP head reads this step's hidden states
         if self.graphs is not None and self.graphs.fits(step.query_lens, int(step.sample_rows.numel())):
             return self.graphs.run(
                 step.input_ids.to(dev), step.positions.to(dev), step.slot_mapping.to(dev), step.kv_lens,
@@ -396,6 +405,8 @@ class ModelRunner:
                      if kv % self.page_size == 0 and not verify]  # a verify's copy is taken at its commit
             if ended:
                 self.state_cache.copy(ended, [row + self.num_rows for row in ended])
+        if self.mtp is not None:
+            self._hidden = hidden
         if not step.sample_rows.numel():
             return None
         return self.loaded.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()
@@ -411,14 +422,32 @@ class ModelRunner:
 
     def step(self, out: SchedulerOutput) -> StepResult:
         """Runs the step on every rank (`StepResult` says what it computed)."""
-        logits = self.forward_logits(out)
-        if logits is None:
-            return StepResult([], [], {}, self._reports)
-        sampled = [s for s in out.seqs if s.sample]
-        tokens, lps, failed = sample_verified(logits, [s.request for s in sampled], [s.draft for s in sampled])
-        if self.verifies is not None:  # stateful verifies: how far each slot's state goes
-            self.verifies.sampled(sampled, tokens, failed, self.aligned, self._report)
-        return StepResult(tokens, lps, failed, self._reports)
+        step = self.prepare(out)
+        if self.workers is not None:
+            self.workers.send_step(step)
+        logits = self.execute(step)
+        tokens: list[list[int]] = []
+        lps: list[TokenLogprob | None] = []
+        failed: dict[int, str] = {}
+        if logits is not None:
+            sampled = [s for s in out.seqs if s.sample]
+            tokens, lps, failed = sample_verified(logits, [s.request for s in sampled], [s.draft for s in sampled])
+            if self.verifies is not None:  # stateful verifies: how far each slot's state goes
+                self.verifies.sampled(sampled, tokens, failed, self.aligned, self._report)
+        drafts: list[MtpDraft | None] = [None] * len(tokens)
+        if self.mtp is not None and self._hidden is not None:  # the head's KV follows every step, prefill too
+            plan, owners = self.mtp.plan(out, step, tokens, failed)
+            if plan.rows and self.workers is not None:
+                self.workers.send_mtp(plan)
+            for (i, after), chain in zip(owners, self.run_mtp(plan), strict=True):
+                drafts[i] = MtpDraft(chain, after)
+        return StepResult(tokens, lps, failed, self._reports, drafts)
+
+    def run_mtp(self, plan: MtpStep) -> list[list[int]]:
+        """Every rank: the MTP head's part of the last step (engine/exec/mtp.py); the drafts of its chains."""
+        assert self.mtp is not None and self._hidden is not None, "an MTP step follows a step of a model with a head"
+        hidden, self._hidden = self._hidden, None
+        return self.mtp.execute(plan, hidden)
 
 
 def _handle_of(s: ScheduledSeq) -> SeqCache:

@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection, wait
 import torch
 
 from agentbox.config import EngineConfig
+from agentbox.engine.exec.mtp import MtpStep, is_mtp_step
 from agentbox.engine.exec.runner import ModelRunner, rank_device
 from agentbox.engine.exec.step_inputs import StepInputs
 from agentbox.parallel.shm_group import ShmGroup
@@ -94,7 +95,10 @@ def worker_main(
             break
         if not buf:
             break
-        runner.execute(StepInputs.unpack(buf))
+        if is_mtp_step(buf):  # the MTP head's part of the step just run (engine/exec/mtp.py)
+            runner.run_mtp(MtpStep.unpack(buf))
+        else:
+            runner.execute(StepInputs.unpack(buf))
 
 
 class TPWorkers:
@@ -142,6 +146,11 @@ class TPWorkers:
             c.send_bytes(buf)
         self.send_seconds += time.perf_counter() - t0
         self.steps_sent += 1
+
+    def send_mtp(self, plan: MtpStep) -> None:
+        buf = plan.pack()
+        for c in self.conns:
+            c.send_bytes(buf)
 
     def watch(self, on_death: Callable[[RankDeath], None]) -> None:
         """Calls on_death (from a watchdog thread) when a worker exits while the engine still runs."""
