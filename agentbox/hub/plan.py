@@ -48,6 +48,7 @@ ENGINE_ARCHITECTURES = frozenset(
         "Qwen3NextForCausalLM",
         "Glm4MoeLiteForCausalLM",
         "DeepseekV4ForCausalLM",
+        "LagunaForCausalLM",
     }
 )
 QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)
