@@ -1,8 +1,9 @@
 """Tiny random Laguna checkpoints built with transformers' own config class (`LagunaConfig`) and saved with
 save_pretrained (one tensor per expert, the router's bias under `mlp.experts.`, `mlp.shared_expert.`, as
-transformers writes a download): three sliding layers (window 8) and one global layer, per-layer query heads
-(8, 4, 4, 8 on 2 KV heads of 16), the first layer's MLP dense and the others 8 experts top 2 with a shared
-expert; partial rope (half of each global head) and a different theta per layer kind. "head": one softplus
+transformers writes a download): XS.2's pattern at 4 layers, one global layer then three sliding ones (window 8),
+per-layer query heads (4 global, 8 sliding, on 2 KV heads of 16), the first layer's MLP dense and the others 8
+experts top 2 with a shared expert; YaRN partial rope on the global layer (half of each head), plain rope with
+another theta on the sliding ones. "head": one softplus
 gate per head, soft-capped router logits, routed scaling 2.5; "element": one gate per channel, no soft cap,
 tied embeddings. Shared by the model, engine and session tests."""
 
@@ -22,11 +23,13 @@ WINDOW = 8
 SLIDING, GLOBAL = "sliding_attention", "full_attention"
 TINY: dict[str, Any] = dict(
     vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, num_attention_heads_per_layer=[8, 4, 4, 8], sliding_window=WINDOW,
-    layer_types=[SLIDING, SLIDING, SLIDING, GLOBAL], mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    num_key_value_heads=2, head_dim=16, num_attention_heads_per_layer=[4, 8, 8, 8], sliding_window=WINDOW,
+    layer_types=[GLOBAL, SLIDING, SLIDING, SLIDING], mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
     max_position_embeddings=1024,
-    rope_parameters={GLOBAL: {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+    rope_parameters={GLOBAL: {"rope_type": "yarn", "rope_theta": 500000.0, "partial_rotary_factor": 0.5,
+                             "factor": 4.0, "original_max_position_embeddings": 256, "beta_fast": 32.0,
+                             "beta_slow": 1.0},
                      SLIDING: {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
 )
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -58,11 +58,11 @@ def test_ragged_batch_equals_each_alone(tiny) -> None:  # noqa: ANN001
 
 def test_pool_holds_the_global_layer_rings_the_sliding_ones(tiny) -> None:  # noqa: ANN001
     """The global layer keeps 2 KV heads x 16 per token in pages; the three sliding layers a ring of the window's
-    8 positions each, outside the pool; the backend's shape is the global layer's 8 query heads."""
+    8 positions each, outside the pool; the backend's shape is the global layer's 4 query heads."""
     _, _, _, ours = tiny
     assert ours.kv_specs == [KVLayerSpec(2, 16)]
     assert ours.layout.state == StateGroup((WindowKVSpec(2, 16, WINDOW),) * 3)
-    assert (ours.num_heads, ours.num_kv_heads, ours.head_dim) == (8, 2, 16)
+    assert (ours.num_heads, ours.num_kv_heads, ours.head_dim) == (4, 2, 16)
 
 
 def test_stacked_expert_layout_loads_the_same(tmp_path: Path) -> None:
@@ -103,3 +103,24 @@ def test_session_turns_past_window_resume(tiny) -> None:  # noqa: ANN001
             assert out.num_cached_tokens >= 0.9 * previous, (turn, out.num_cached_tokens, previous)
         previous = len(history) + 6
         history = history + out.token_ids + [(turn * 13 + k) % 256 for k in range(5)]
+
+
+@pytest.mark.slow
+def test_tp2_greedy_matches_transformers_and_resumes(tiny) -> None:  # noqa: ANN001
+    """Two gloo ranks: each takes one KV head and half of every layer's query heads (and their gates), half of
+    each expert and of the shared expert. Chunked prompts beside decodes past the window, then a session's later
+    turn resumed from its snapshot on both ranks."""
+    _, path, hf, _ = tiny
+    config = EngineConfig(model=str(path), device="cpu", dtype="float32", num_pages=64, page_size=4,
+                          tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=16)
+    prompts = [PROMPT, LONG[:30]]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    with LLM(config) as llm:
+        outs = llm.generate(prompts, sp)
+        history = LONG[:24]
+        first = llm.generate([history], sp, session_ids=["s"])[0]
+        history = history + first.token_ids + [7, 9, 11]
+        second = llm.generate([history], sp, session_ids=["s"])[0]
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+    assert second.token_ids == hf_greedy(hf, history, 6)
+    assert second.num_cached_tokens >= 24 + 6 - 4, second.num_cached_tokens

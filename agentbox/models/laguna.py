@@ -4,8 +4,8 @@ What differs from Llama:
 - layers are sliding (window `sliding_window`, 512 in XS.2) or global (`layer_types`, 3 : 1). As for Gemma 4, only
   the global layers keep pages in the pool (the paged group of `cache_layout`); each sliding layer keeps its last
   `sliding_window` positions in a ring per sequence (its state group, layers/window_kv.py), so its memory does not
-  grow with the context. Rope is per layer kind (`rope_parameters[kind]`: its own theta and
-  `partial_rotary_factor`, 0.5 on global layers: only the first half of each head turns);
+  grow with the context. Rope is per layer kind (`rope_parameters[kind]`: its own theta, type (YaRN on XS.2's
+  global layers) and `partial_rotary_factor`, 0.5 on global layers: only the first half of each head turns);
 - each layer has its own query-head count (`num_attention_heads_per_layer`); KV heads and head size are shared;
 - q and k get a per-head RMSNorm before rope;
 - the attention output is gated by softplus(g_proj(x)), one gate per head (`gating` true / "per-head") or per
@@ -62,11 +62,12 @@ class PartialRotary(nn.Module):
 
     def __init__(self, config: Any, kind: str) -> None:
         super().__init__()
-        params = config.rope_parameters[kind]
-        if params.get("rope_type", "default") != "default":
-            raise ValueError(f"Laguna rope type {params['rope_type']!r} is not supported (default)")
+        params = dict(config.rope_parameters[kind])
+        theta = float(params.pop("rope_theta"))
         self.rotary_dim = int(config.head_dim * float(params.get("partial_rotary_factor", 1.0)))
-        self.rope = RotaryEmbedding(self.rotary_dim, config.max_position_embeddings, float(params["rope_theta"]))
+        # YaRN on the global layers (XS.2's release) is computed over the rotated channels only, as transformers does
+        scaling = None if params.get("rope_type", "default") == "default" else params
+        self.rope = RotaryEmbedding(self.rotary_dim, config.max_position_embeddings, theta, scaling)
 
     def begin(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
         self.rope.begin(positions, dtype)
