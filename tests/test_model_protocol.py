@@ -15,6 +15,7 @@ from deepseek_v4_models import tiny_config as deepseek_v4_config
 from gemma4_models import configs as gemma4_configs
 from glm_models import tiny_config as glm_config
 from hybrid_models import configs as hybrid_configs
+from laguna_models import tiny_config as laguna_config
 from test_models import TINY, TINY_CONFIGS
 from test_models_gpt_oss import CONFIG as GPT_OSS_CONFIG
 from test_models_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
@@ -55,6 +56,7 @@ TINY_BY_ARCH: dict[str, Callable[[], PretrainedConfig]] = {
     "Qwen3_5ForConditionalGeneration": lambda: hybrid_configs()["qwen3_5"],
     "Qwen3_5MoeForConditionalGeneration": lambda: hybrid_configs()["qwen3_5_moe"],
     "Qwen3NextForCausalLM": lambda: hybrid_configs()["qwen3_next"],
+    "LagunaForCausalLM": laguna_config,
     HYBRID_CLASS: lambda: _named(hybrid_configs()["qwen3_next"], HYBRID_CLASS),
 }
 
