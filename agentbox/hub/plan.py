@@ -49,6 +49,7 @@ ENGINE_ARCHITECTURES = frozenset(
         "Glm4MoeLiteForCausalLM",
         "DeepseekV4ForCausalLM",
         "LagunaForCausalLM",
+        "NemotronHForCausalLM",
     }
 )
 QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)

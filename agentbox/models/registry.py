@@ -12,6 +12,7 @@ from agentbox.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from agentbox.models.gpt_oss import GptOssForCausalLM
 from agentbox.models.laguna import LagunaForCausalLM
 from agentbox.models.llama import LlamaForCausalLM
+from agentbox.models.nemotron_h import NemotronHForCausalLM
 from agentbox.models.qwen3_5 import Qwen3_5ForConditionalGeneration, Qwen3HybridGGUF, Qwen3NextForCausalLM
 from agentbox.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -26,6 +27,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "LagunaForCausalLM": LagunaForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
