@@ -64,6 +64,11 @@ ARCHITECTURE_GAPS: dict[str, str] = {}
 FORMAT_GAPS: dict[tuple[str, str], str] = {
     ("DeepseekV4ForCausalLM", "fp8"): "DeepSeek-V4's release (FP8 with E8M0 block scales, FP4 experts) is not "
                                       "loaded yet: serve a GGUF or a bf16 conversion",
+    ("NemotronHForCausalLM", "fp8"): "Nemotron-H's experts are un-gated relu^2 MLPs, which run unquantised only "
+                                     "(the expert methods are gated): serve bf16",
+    ("NemotronHForCausalLM", "gguf"): "Nemotron-H's experts are un-gated relu^2 MLPs, which run unquantised only "
+                                      "(the expert methods are gated), and its GGUF (nemotron_h_moe) is not read yet: "
+                                      "serve bf16",
 }
 
 
