@@ -13,6 +13,7 @@ import pytest
 import torch
 from deepseek_v4_models import tiny_config as deepseek_v4_config
 from gemma4_models import configs as gemma4_configs
+from gemma4_models import unified_config as gemma4_unified_config
 from glm_models import tiny_config as glm_config
 from hybrid_models import configs as hybrid_configs
 from laguna_models import tiny_config as laguna_config
@@ -55,6 +56,7 @@ TINY_BY_ARCH: dict[str, Callable[[], PretrainedConfig]] = {
     "DeepseekV4ForCausalLM": deepseek_v4_config,
     "Gemma4ForCausalLM": lambda: gemma4_configs()["moe"],
     "Gemma4ForConditionalGeneration": lambda: gemma4_configs()["dense"],
+    "Gemma4UnifiedForConditionalGeneration": gemma4_unified_config,
     "Qwen3_5ForConditionalGeneration": lambda: hybrid_configs()["qwen3_5"],
     "Qwen3_5MoeForConditionalGeneration": lambda: hybrid_configs()["qwen3_5_moe"],
     "Qwen3NextForCausalLM": lambda: hybrid_configs()["qwen3_next"],

@@ -6,7 +6,11 @@ from typing import Any
 
 from agentbox.models.base import CausalLM
 from agentbox.models.deepseek_v4 import DeepseekV4ForCausalLM
-from agentbox.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+from agentbox.models.gemma4 import (
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    Gemma4UnifiedForConditionalGeneration,
+)
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from agentbox.models.gpt_oss import GptOssForCausalLM
@@ -29,6 +33,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LagunaForCausalLM": LagunaForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
+    "Gemma4UnifiedForConditionalGeneration": Gemma4UnifiedForConditionalGeneration,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
