@@ -68,8 +68,8 @@ FORMAT_GAPS: dict[tuple[str, str], str] = {
     ("NemotronHForCausalLM", "fp8"): "Nemotron-H's experts are un-gated relu^2 MLPs, which run unquantised only "
                                      "(the expert methods are gated): serve bf16",
     ("NemotronHForCausalLM", "gguf"): "Nemotron-H's experts are un-gated relu^2 MLPs, which run unquantised only "
-                                      "(the expert methods are gated), and its GGUF (nemotron_h_moe) is not read yet: "
-                                      "serve bf16",
+                                      "(the expert methods are gated): a GGUF's experts are dequantised at load, so "
+                                      "the file's size is not what it takes; serve bf16",
 }
 
 
