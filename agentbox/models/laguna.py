@@ -128,8 +128,8 @@ class LagunaAttention(nn.Module):
 
 
 class LagunaRouter(nn.Module):
-    """`mlp.gate`: logits in the model's dtype then fp32 (as transformers), soft-capped; the correction bias is
-    fp32-ish state that only chooses experts."""
+    """`mlp.gate`: logits in the model's dtype then fp32 (as transformers), soft-capped; the correction bias (fp32)
+    only chooses experts, it never weights an output."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -253,7 +253,8 @@ class LagunaForCausalLM(CausalLM):
         return CacheLayout((paged,), StateGroup(rings) if rings else None)
 
     def attention_shape(self) -> AttentionShape:
-        """The first global layer's on this rank (the layers in the pool; rings attend by themselves)."""
+        """The first global layer's on this rank (the layers in the pool; rings attend by themselves). XS.2's global
+        layers share one head count; a backend planned once per step for one shape (flashinfer) needs that."""
         first = self._attention(False)[0]
         return AttentionShape(first.num_heads, first.num_kv_heads, first.head_dim)
 
