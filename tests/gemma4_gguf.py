@@ -3,7 +3,8 @@ map): per-layer KV heads as an array, the global head size as key_length and the
 the sliding pattern, the global layers' partial rotary as a `rope_freqs` tensor (1 per turned frequency, 1e30
 for the rest), norms as stored, `layer_output_scale`, the router's scales as `ffn_gate_inp.scale` and
 `ffn_down_exps.scale`, experts stacked with gate and up fused. Linear weights and the embedding are Q8_0 (the
-transformers twin is rounded in place to what the file holds), the rest F32; the vision tower is not written."""
+transformers twin is rounded in place to what the file holds), the rest F32; the vision tower and the unified checkpoint's embedders are not written (llama.cpp's converter writes
+Gemma 4 12B's `gemma4_unified` text model as `gemma4` too)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _metadata(writer: gguf.GGUFWriter, text: object) -> None:
     writer.add_sliding_window(t.sliding_window)
     writer.add_sliding_window_pattern(sliding)
     writer.add_shared_kv_layers(0)
-    writer.add_embedding_length_per_layer_input(t.hidden_size_per_layer_input or 0)
+    writer.add_embedding_length_per_layer_input(getattr(t, "hidden_size_per_layer_input", 0) or 0)
     writer.add_rope_freq_base(t.rope_parameters["full_attention"]["rope_theta"])
     writer.add_rope_freq_base_swa(t.rope_parameters["sliding_attention"]["rope_theta"])
     writer.add_rope_dimension_count(int(glob.head_dim))
@@ -71,7 +72,7 @@ def write_gemma4_gguf(hf: torch.nn.Module, path: Path) -> Path:
     turned = int(half * text.rope_parameters["full_attention"]["partial_rotary_factor"])
     writer.add_tensor("rope_freqs.weight", np.array([1.0] * turned + [1e30] * (half - turned), dtype=np.float32))
     for full_name, p in hf.state_dict().items():  # parameters and saved buffers (layer_scalar), sharing storage
-        if "vision" in full_name or full_name == "lm_head.weight" or "inv_freq" in full_name or "embed_scale" in full_name:
+        if "vision" in full_name or "embed_audio" in full_name or full_name == "lm_head.weight" or "inv_freq" in full_name or "embed_scale" in full_name:
             continue
         name = full_name.replace("model.language_model.", "model.")
         w = p.detach().float().clone()

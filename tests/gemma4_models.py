@@ -9,7 +9,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig, PretrainedConfig
+from transformers import (
+    Gemma4Config,
+    Gemma4TextConfig,
+    Gemma4UnifiedConfig,
+    Gemma4VisionConfig,
+    PretrainedConfig,
+)
 
 WINDOW = 8
 TEXT = dict(
@@ -40,6 +46,15 @@ def configs() -> dict[str, PretrainedConfig]:
                               architectures=["Gemma4ForConditionalGeneration"]),
         "moe": Gemma4TextConfig(**MOE, architectures=["Gemma4ForCausalLM"]),
     }
+
+
+def unified_config() -> Gemma4UnifiedConfig:
+    """Gemma 4 12B's layout (`gemma4_unified`): the dense text model (K=V globals, soft-capped logits, no per-layer
+    inputs) inside the unified checkpoint, with tiny audio and vision embedders the loader must skip."""
+    text = dict(TEXT, attention_k_eq_v=True, final_logit_softcapping=30.0)
+    vision = dict(patch_size=4, pooling_kernel_size=2, mm_embed_dim=32, mm_posemb_size=16, output_proj_dims=64)
+    return Gemma4UnifiedConfig(text_config=text, vision_config=vision, audio_config=dict(audio_embed_dim=16),
+                               architectures=["Gemma4UnifiedForConditionalGeneration"])
 
 
 def save_gemma4(config: PretrainedConfig, path: Path, seed: int = 0) -> torch.nn.Module:

@@ -13,8 +13,11 @@ import pytest
 import torch
 from deepseek_v4_models import tiny_config as deepseek_v4_config
 from gemma4_models import configs as gemma4_configs
+from gemma4_models import unified_config as gemma4_unified_config
 from glm_models import tiny_config as glm_config
 from hybrid_models import configs as hybrid_configs
+from laguna_models import tiny_config as laguna_config
+from nemotron_h_models import tiny_config as nemotron_h_config
 from test_models import TINY, TINY_CONFIGS
 from test_models_gpt_oss import CONFIG as GPT_OSS_CONFIG
 from test_models_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
@@ -26,6 +29,7 @@ from agentbox.layers.backends.base import KVCache, KVLayerSpec
 from agentbox.layers.cache_layout import CacheLayout
 from agentbox.layers.compressor import Compressor
 from agentbox.layers.gated_deltanet import GatedDeltaNet
+from agentbox.layers.mamba2 import Mamba2Mixer
 from agentbox.layers.window_entry_attention import WindowEntryAttention
 from agentbox.layers.window_kv import WindowAttention
 from agentbox.models import deepseek_v4
@@ -52,9 +56,12 @@ TINY_BY_ARCH: dict[str, Callable[[], PretrainedConfig]] = {
     "DeepseekV4ForCausalLM": deepseek_v4_config,
     "Gemma4ForCausalLM": lambda: gemma4_configs()["moe"],
     "Gemma4ForConditionalGeneration": lambda: gemma4_configs()["dense"],
+    "Gemma4UnifiedForConditionalGeneration": gemma4_unified_config,
     "Qwen3_5ForConditionalGeneration": lambda: hybrid_configs()["qwen3_5"],
     "Qwen3_5MoeForConditionalGeneration": lambda: hybrid_configs()["qwen3_5_moe"],
     "Qwen3NextForCausalLM": lambda: hybrid_configs()["qwen3_next"],
+    "LagunaForCausalLM": laguna_config,
+    "NemotronHForCausalLM": nemotron_h_config,
     HYBRID_CLASS: lambda: _named(hybrid_configs()["qwen3_next"], HYBRID_CLASS),
 }
 
@@ -87,7 +94,7 @@ def test_the_declared_layout_is_the_built_one(arch: str) -> None:
     assert all(specs[i] == KVLayerSpec(1, d, tied=True) for i, d in entries + keys), arch
     # Every module with per-sequence state has its place in the state group, and that place describes it.
     stateful = [m for m in model.modules()
-                if isinstance(m, WindowAttention | GatedDeltaNet | WindowEntryAttention | Compressor)]
+                if isinstance(m, WindowAttention | GatedDeltaNet | Mamba2Mixer | WindowEntryAttention | Compressor)]
     if not stateful:
         assert layout.state is None
     else:

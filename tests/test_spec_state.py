@@ -1,6 +1,6 @@
 """Speculative decoding on models with per-sequence state (layers/recurrent_state.py, engine/exec/verify_state.py):
-a tiny hybrid (Gated DeltaNet + gated attention), a tiny Gemma 4 (sliding-window rings of 8) and a tiny
-DeepSeek-V4 (position rings of its window and of the tokens its compressed entries still pool; entries a refused
+a tiny hybrid (Gated DeltaNet + gated attention), a tiny Gemma 4 and a tiny Laguna (sliding-window rings of 8), a
+tiny Nemotron-H (Mamba-2 conv and SSM state, replayed by the commit) and a tiny DeepSeek-V4 (position rings of its window and of the tokens its compressed entries still pool; entries a refused
 draft completed are rewritten when the kept tokens complete them) decode greedily with drafts exactly as without, token for token, over two turns of two sessions. Drafts are accepted in part
 (the state must end at the accepted position, not past the rejected tail), pages of 4 tokens put page
 boundaries inside verifies (the state copied there is what the second turn resumes from)."""
@@ -14,6 +14,8 @@ from gemma4_models import configs as gemma4_configs
 from gemma4_models import save_gemma4
 from hybrid_models import configs as hybrid_configs
 from hybrid_models import save_hybrid
+from laguna_models import save_laguna
+from nemotron_h_models import save_nemotron_h
 
 from agentbox.config import EngineConfig, Speculative
 from agentbox.engine.exec.step_inputs import StepInputs
@@ -53,12 +55,16 @@ def _two_turns(path, loaded, spec: Speculative, ref: list[list[int]] | None, **k
         return outs, c.drafted_tokens, c.accepted_tokens, cached
 
 
-@pytest.mark.parametrize("family", ["hybrid", "gemma4", "deepseek_v4"])
+@pytest.mark.parametrize("family", ["hybrid", "gemma4", "deepseek_v4", "laguna", "nemotron_h"])
 def test_stateful_models_greedy_with_drafts_equals_plain(family: str, tmp_path) -> None:  # noqa: ANN001
     if family == "hybrid":
         save_hybrid(hybrid_configs()["qwen3_5"], tmp_path)
     elif family == "deepseek_v4":
         save_deepseek_v4(tmp_path)
+    elif family == "laguna":
+        save_laguna(tmp_path)
+    elif family == "nemotron_h":
+        save_nemotron_h(tmp_path)
     else:
         save_gemma4(gemma4_configs()["dense"], tmp_path)
     loaded = load_model(str(tmp_path), torch.float32, "cpu")

@@ -44,11 +44,14 @@ ENGINE_ARCHITECTURES = frozenset(
         "GptOssForCausalLM",
         "Gemma4ForCausalLM",
         "Gemma4ForConditionalGeneration",
+        "Gemma4UnifiedForConditionalGeneration",
         "Qwen3_5ForConditionalGeneration",
         "Qwen3_5MoeForConditionalGeneration",
         "Qwen3NextForCausalLM",
         "Glm4MoeLiteForCausalLM",
         "DeepseekV4ForCausalLM",
+        "LagunaForCausalLM",
+        "NemotronHForCausalLM",
     }
 )
 QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)
@@ -63,6 +66,11 @@ ARCHITECTURE_GAPS: dict[str, str] = {}
 FORMAT_GAPS: dict[tuple[str, str], str] = {
     ("DeepseekV4ForCausalLM", "fp8"): "DeepSeek-V4's release (FP8 with E8M0 block scales, FP4 experts) is not "
                                       "loaded yet: serve a GGUF or a bf16 conversion",
+    ("NemotronHForCausalLM", "fp8"): "Nemotron-H's experts are un-gated relu^2 MLPs, which run unquantised only "
+                                     "(the expert methods are gated): serve bf16",
+    ("NemotronHForCausalLM", "gguf"): "Nemotron-H's experts are un-gated relu^2 MLPs, which run unquantised only "
+                                      "(the expert methods are gated): a GGUF's experts are dequantised at load, so "
+                                      "the file's size is not what it takes; serve bf16",
 }
 
 

@@ -50,7 +50,7 @@ class SegmentedColumnParallelLinear(ColumnParallelLinear):
             super().weight_loader(param, loaded_weight, i)
 
 
-def _split_rows(param: nn.Parameter, segments: list[int], loaded: Any) -> None:
+def split_rows(param: nn.Parameter, segments: list[int], loaded: Any) -> None:
     """Copy this rank's rows of each segment of `loaded` (dim 0) into `param`, in order."""
     tp, rank = tp_size(), tp_rank()
     loaded = materialize(loaded)
@@ -108,11 +108,11 @@ class GatedDeltaNet(nn.Module):
         channels = sum(self.conv_segments) // tp
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(channels, 1, self.kernel), requires_grad=False)
-        set_weight_loader(self.conv1d.weight, lambda p, w, _=None: _split_rows(p, self.conv_segments, w))
+        set_weight_loader(self.conv1d.weight, lambda p, w, _=None: split_rows(p, self.conv_segments, w))
         self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         for p in (self.A_log, self.dt_bias):
-            set_weight_loader(p, lambda p, w, _=None: _split_rows(p, [hv], w))
+            set_weight_loader(p, lambda p, w, _=None: split_rows(p, [hv], w))
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(value_dim, hidden, prefix=f"{prefix}.out_proj")
 

@@ -334,3 +334,16 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     @property
     def language_model(self) -> Gemma4TextModel:
         return self.model.language_model  # type: ignore[return-value]
+
+
+class Gemma4UnifiedForConditionalGeneration(Gemma4ForConditionalGeneration):
+    """Gemma 4 12B (`gemma4_unified`): the text model of the unified audio / vision / text checkpoint, the same
+    decoder as `gemma4` (no per-layer inputs, no MoE) under `model.language_model.`. Its image patches and audio
+    frames enter the language model through embedders (vision tokens attend bidirectionally, text stays causal):
+    serving text, they are skipped."""
+
+    skip_checkpoint_names = {
+        **Gemma4ForConditionalGeneration.skip_checkpoint_names,
+        "model.vision_embedder.": "vision patch embedder (agentbox serves the text model)",
+    }
+

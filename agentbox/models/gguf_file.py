@@ -1,9 +1,9 @@
 """GGUF checkpoints: a transformers config from the file's metadata, and our checkpoint's tensors from its tensors.
 
 Each architecture llama.cpp writes is read by its family (models/gguf_family.py `GGUFFamily`): the llama family
-(gguf_llama.py), Gemma 4 (gguf_gemma4.py), the hybrid Qwens (gguf_hybrid.py), MLA (gguf_mla.py) and DeepSeek-V4
-(gguf_deepseek_v4.py). This file keys them by `general.architecture` and gives the loader one entry for each step:
-config, quantisation, weights.
+(gguf_llama.py), Gemma 4 (gguf_gemma4.py), the hybrid Qwens (gguf_hybrid.py), MLA (gguf_mla.py), DeepSeek-V4
+(gguf_deepseek_v4.py), Laguna (gguf_laguna.py) and Nemotron-H (gguf_nemotron_h.py). This file keys them by
+`general.architecture` and gives the loader one entry for each step: config, quantisation, weights.
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from agentbox.models.gguf_deepseek_v4 import DEEPSEEK_V4
 from agentbox.models.gguf_family import GGUFFamily, Weights, kept_quantised
 from agentbox.models.gguf_gemma4 import GEMMA4
 from agentbox.models.gguf_hybrid import HYBRID
+from agentbox.models.gguf_laguna import LAGUNA
 from agentbox.models.gguf_llama import LLAMA
 from agentbox.models.gguf_mla import MLA
+from agentbox.models.gguf_nemotron_h import NEMOTRON_H
 from agentbox.models.gguf_reader import GGUFFile
 
-GGUF_FAMILIES: dict[str, GGUFFamily] = {arch: f for f in (LLAMA, GEMMA4, HYBRID, MLA, DEEPSEEK_V4) for arch in f.archs}
+GGUF_FAMILIES: dict[str, GGUFFamily] = {
+    arch: f for f in (LLAMA, GEMMA4, HYBRID, MLA, DEEPSEEK_V4, LAGUNA, NEMOTRON_H) for arch in f.archs
+}
 
 
 @functools.lru_cache(maxsize=2)

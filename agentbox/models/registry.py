@@ -6,11 +6,17 @@ from typing import Any
 
 from agentbox.models.base import CausalLM
 from agentbox.models.deepseek_v4 import DeepseekV4ForCausalLM
-from agentbox.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+from agentbox.models.gemma4 import (
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    Gemma4UnifiedForConditionalGeneration,
+)
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from agentbox.models.gpt_oss import GptOssForCausalLM
+from agentbox.models.laguna import LagunaForCausalLM
 from agentbox.models.llama import LlamaForCausalLM
+from agentbox.models.nemotron_h import NemotronHForCausalLM
 from agentbox.models.qwen3_5 import Qwen3_5ForConditionalGeneration, Qwen3HybridGGUF, Qwen3NextForCausalLM
 from agentbox.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -24,7 +30,10 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "LagunaForCausalLM": LagunaForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
+    "Gemma4UnifiedForConditionalGeneration": Gemma4UnifiedForConditionalGeneration,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
