@@ -62,7 +62,7 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
         fi
     done
 fi
-run "$PY" -c 'import agentbox.engine.llm, agentbox.bench.gpu_decode, agentbox.bench.gpu_hybrid, agentbox.bench.gpu_spec, agentbox.bench.gpu_deepseek_v4, agentbox.kernels.paged_decode
+run "$PY" -c 'import agentbox.engine.llm, agentbox.bench.gpu_decode, agentbox.bench.gpu_hybrid, agentbox.bench.gpu_spec, agentbox.bench.gpu_deepseek_v4, agentbox.bench.gpu_mtp, agentbox.kernels.paged_decode
 print("engine and kernels import without the HTTP stack")'
 
 # Every gpu-marked test of the suite: bf16 logits of the dense, MoE (bf16 / FP8 / AWQ / GPTQ / GGUF / MXFP4
@@ -113,6 +113,11 @@ block gpu_spec 90 "$PY" -m agentbox.bench.gpu_spec
 # (fp32 and bf16), decode tok/s at batch 1 (agentbox/bench/gpu_deepseek_v4.py; tests/test_bench_gpu_deepseek_v4.py
 # runs the same code at a tiny shape on CPU). About 8 GB of bf16 weights written and read back.
 block deepseek_v4 150 "$PY" -m agentbox.bench.gpu_deepseek_v4
+# MTP drafts (issue 45): a random Qwen3.8-27B-shaped model with 4 of its 64 layers, its MTP head trained for 300
+# steps on its own greedy continuations, decode tok/s at batch 1 with `--speculative off` and `mtp`, drafts
+# accepted a step, tokens the same (agentbox/bench/gpu_mtp.py; tests/test_bench_gpu_mtp.py runs the same code at
+# the tiny shape on CPU). About 8 GB of bf16 weights written and read back, 10 GB of fp32 vocab tables to train.
+block mtp 150 "$PY" -m agentbox.bench.gpu_mtp
 # Tensor parallel (issue 11): tp 2 over NCCL against tp 1; needs two GPUs (CPU tests cover tp 2 over gloo).
 ngpu="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 if [[ "$ngpu" -ge 2 ]]; then

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from mtp_models import BASE, PROMPTS, TRAIN, engine_greedy, mtp_twin, trained_checkpoint, trunk
+from mtp_models import BASE, PROMPTS, TRAIN, engine_greedy, trained_checkpoint, trunk
 from safetensors.torch import load_file
 
+from agentbox.bench.mtp_head import mtp_twin
 from agentbox.config import EngineConfig, Speculative
 from agentbox.engine.draft_state import DraftSource
 from agentbox.engine.llm import LLM
