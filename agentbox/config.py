@@ -32,6 +32,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # server takes (a share of free RAM instead took 4 GiB for SmolLM2, planned at 0.35 GiB of KV).
 PLAN_CONTEXT = 32768
 PLAN_SESSIONS = 1
+# A MoE variant whose routed experts would live in host RAM is preferred over a lower-bit one that fits the
+# GPU alone only while its decode-speed bound (hub/offload.py) stays at or above this many tokens/s.
+PLAN_MIN_TOK_S = 8.0
 
 
 # A name every agentbox server's model answers to, whatever it serves: what `agentbox setup` writes into a

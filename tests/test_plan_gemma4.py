@@ -33,5 +33,8 @@ def test_gemma4_kv_per_layer_kind() -> None:
                  if c.variant.name == "ud-q4_k_xl")
     assert not at64k.ok and "fits at tp=1 up to 33,792 tokens of context (--context 33792)" in at64k.notes
     assert plan(prof, load_hardware("1x-rtx5090"), PlanConfig(context=32768)).chosen.variant.name == "ud-q4_k_xl"
-    moe = plan(find_profile("gemma-4-26b-a4b"), load_hardware("1x-rtx4090"), PlanConfig(context=32768))
+    moe = plan(find_profile("gemma-4-26b-a4b"), load_hardware("1x-rtx4090"), PlanConfig(context=32768, experts_in_ram=False))
     assert moe.chosen is not None and moe.chosen.variant.name == "ud-q4_k_xl"
+    # with host RAM the bf16 release splits its experts off the card (tests/test_plan_offload.py: above the floor)
+    split = plan(find_profile("gemma-4-26b-a4b"), load_hardware("1x-rtx4090"), PlanConfig(context=32768)).chosen
+    assert split is not None and split.split is not None and split.split.tok_s >= 8
