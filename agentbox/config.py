@@ -78,6 +78,11 @@ class EngineConfig:
     # decode layers: kernels/cpu_gemv.c, cpu_decode.c), at 2-3x the decode time and the fp32 weight bytes.
     exact_cpu: bool = False
     tensor_parallel_size: int = 1
+    # MoE models: the routed experts of every MoE layer (cpu_moe) or of the first n_cpu_moe in host RAM, run by
+    # the CPU expert kernels while the device runs the rest (layers/experts/placement.py; llama.cpp's flags).
+    # The planner names the N that fits (hub/offload.py).
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
     seed: int = 0
     # None: all cores but one (the API process and the OS keep one), and every core for the attention of a step
     # that only extends prompts over long contexts (engine/exec/runner.py `_attention_threads`)

@@ -147,6 +147,8 @@ def serve(
     tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007
     loop_guard: bool = typer.Option(_E.loop_guard, "--loop-guard/--no-loop-guard", help="end generations stuck in a loop of tokens"),
     speculative: Speculative = typer.Option(_E.speculative, help="speculate from the session's own text"),
+    cpu_moe: bool = typer.Option(_E.cpu_moe, "--cpu-moe", help="MoE: every layer's routed experts in host RAM, on the CPU kernels"),
+    n_cpu_moe: int = typer.Option(_E.n_cpu_moe, "--n-cpu-moe", help="MoE: the routed experts of the first N MoE layers in host RAM"),
 ) -> None:
     """Start the server (in the background unless --foreground)."""
     from agentbox.cli import daemon
@@ -156,6 +158,8 @@ def serve(
         fail(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     if page_size < 1 or (page_size & (page_size - 1)):
         fail(f"--page-size must be a power of two (got {page_size})")
+    if n_cpu_moe < 0:
+        fail(f"--n-cpu-moe must be 0 or more (got {n_cpu_moe})")
     from agentbox.server.guard import is_loopback
 
     if not is_loopback(host) and not api_key and not allow_unauthenticated:
@@ -177,6 +181,7 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
         host_cache_gb=host_cache_gb, disk_cache_gb=disk_cache_gb, disk_restore=restore, seed=seed,
         tensor_parallel_size=tp, loop_guard=loop_guard, state_snapshots=state_snapshots, speculative=speculative,
+        cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
     )
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                           allow_unauthenticated=allow_unauthenticated, max_body_mb=max_body_mb, engine=engine,
