@@ -138,3 +138,26 @@ def test_deepseek_v4_with_cpu_moe(tmp_path: Path) -> None:
     assert len(homes(host)) == 4 and all(h is ExpertHome.HOST for h in homes(host))
     torch.testing.assert_close(paged_logits(host, page_size=8), plain, atol=1e-5, rtol=1e-5)
     assert placement.clock.calls > 0
+
+
+def test_top_shows_where_the_experts_live_and_their_time(qwen3moe) -> None:  # noqa: ANN001
+    """`agentbox top` renders /v1/stats' `experts` (the engine's own stats, as the server serves them)."""
+    from rich.console import Console
+
+    from agentbox.tui.panels import experts_line, machine_panel
+
+    path, _ = qwen3moe
+    config = EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch", n_cpu_moe=2)
+    with LLM(config) as llm:
+        llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        stats = to_json(llm.core.stats())
+    line = experts_line(stats["experts"])
+    assert line is not None
+    text = line.plain
+    assert text.startswith("experts of 2 of 5 MoE layers in host RAM (") and "the rest on the CPU" in text
+    assert "CPU experts " in text and " ms a step, " in text and "% of it (last " in text
+    console = Console(width=100, record=True)
+    console.print(machine_panel({"stats": stats, "local": None}))
+    assert "experts of 2 of 5 MoE layers in host RAM" in console.export_text()
+    assert experts_line({"moe_layers": 0}) is None  # a dense model: no line
+    assert experts_line({"moe_layers": 4, "device": "cuda"}).plain == "experts of all 4 MoE layers on the GPU"  # type: ignore[union-attr]

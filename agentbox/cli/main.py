@@ -147,8 +147,8 @@ def serve(
     tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007
     loop_guard: bool = typer.Option(_E.loop_guard, "--loop-guard/--no-loop-guard", help="end generations stuck in a loop of tokens"),
     speculative: Speculative = typer.Option(_E.speculative, help="speculate from the session's own text"),
-    cpu_moe: bool = typer.Option(_E.cpu_moe, "--cpu-moe", help="MoE: every layer's routed experts in host RAM, on the CPU kernels"),
-    n_cpu_moe: int = typer.Option(_E.n_cpu_moe, "--n-cpu-moe", help="MoE: the routed experts of the first N MoE layers in host RAM"),
+    cpu_moe: bool = typer.Option(_E.cpu_moe, "--cpu-moe", help="MoE: all routed experts in host RAM (CPU)"),
+    n_cpu_moe: int = typer.Option(_E.n_cpu_moe, "--n-cpu-moe", help="MoE: the first N layers' experts in RAM", show_default=False),
 ) -> None:
     """Start the server (in the background unless --foreground)."""
     from agentbox.cli import daemon
