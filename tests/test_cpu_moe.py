@@ -161,3 +161,18 @@ def test_top_shows_where_the_experts_live_and_their_time(qwen3moe) -> None:  # n
     assert "experts of 2 of 5 MoE layers in host RAM" in console.export_text()
     assert experts_line({"moe_layers": 0}) is None  # a dense model: no line
     assert experts_line({"moe_layers": 4, "device": "cuda"}).plain == "experts of all 4 MoE layers on the GPU"  # type: ignore[union-attr]
+
+
+def test_the_gpu_blocks_code_runs_on_cpu(qwen3moe) -> None:  # noqa: ANN001
+    """agentbox/bench/gpu_cpu_moe.py, which scripts/gpu_check.sh runs on a GPU, dry-run here: both sides are the
+    CPU, so the tokens and logits are identical and the decode block reports the host experts' share."""
+    from agentbox.bench.gpu_cpu_moe import decode, parity
+
+    got = parity("cpu", torch.float32, new_tokens=6)
+    assert got["identical_tokens"] and got["max_abs_diff"] == 0.0 and got["host_layers"] == got["moe_layers"] == 3
+    assert got["cuda_graphs"] == {"device": False, "host": False}
+    path, _ = qwen3moe
+    d = decode(str(path), "cpu", prompt_len=16, new_tokens=4)
+    host, base = d["cpu_moe"], d["experts_on_device"]
+    assert host["host_layers"] == 5 and base["host_layers"] == 0 and host["decode_tok_s"] > 0
+    assert 0 < host["decode_step_cpu_share"] <= 1 and host["cpu_expert_ms_per_step"] > 0
