@@ -56,7 +56,9 @@ def test_gpt_oss_120b_on_one_5090_with_128g_puts_experts_in_ram() -> None:
     assert s.ram_bandwidth == 64 * 10**9 and s.gpu_bandwidth == 1792 * 10**9
     assert s.ram_step_bytes == round(s.host_bytes * 4 / 128)
     assert abs(s.tok_s - 1 / (s.ram_step_bytes / 64e9 + s.gpu_step_bytes / 1792e9)) < 1e-9
-    assert s.tok_s > 8 and not c.slow
+    # above the floor, but no CPU expert kernel runs MXFP4 yet: the only variant, chosen all the same, saying so
+    assert s.tok_s > 8 and not s.host_kernel and c.slow
+    assert any(n.startswith("mxfp4 experts in RAM: no CPU expert kernel") for n in c.notes)
     assert any(n.startswith(f"experts of {s.in_ram} of 36 MoE layers in RAM") for n in c.notes)
     assert any(n.startswith("decode <= ") and "above the 8 tok/s floor" in n for n in c.notes)
 
@@ -68,17 +70,29 @@ def test_two_5090s_with_192g_split_fewer_layers_at_tp2() -> None:
     assert two.tp == 2 and two.split.in_ram < one.split.in_ram and two.split.tok_s > one.split.tok_s
 
 
-def test_qwen3_coder_next_prefers_the_better_quant_in_ram_above_the_floor() -> None:
+def test_qwen3_coder_next_chooses_the_split_the_cpu_kernels_run() -> None:
     p = run("Qwen3-Coder-Next", "1x-rtx5090-128g")
     c = p.chosen
-    # bf16's experts need more RAM than is free now; fp8 (8 bits) with experts in RAM beats q4_k_m (4.8)
-    assert c is not None and c.variant.name == "fp8" and c.split is not None and c.split.tok_s >= 8
-    assert cand(p, "q4_k_m").ok and cand(p, "q4_k_m").split is not None
-    # raise the floor past fp8's bound: the faster q4_k_m is chosen instead
-    floor = c.split.tok_s + 1
-    q4 = run("Qwen3-Coder-Next", "1x-rtx5090-128g", min_tok_s=floor)
-    assert q4.chosen is not None and q4.chosen.variant.name == "q4_k_m"
-    assert cand(q4, "fp8").slow and any("below the" in n and "floor" in n for n in cand(q4, "fp8").notes)
+    # Q4_K_M's experts run on the CPU expert kernels; fp8's and bf16's would run the torch reference (no
+    # honest estimate): they rank after it whatever their bits, and say why
+    assert c is not None and c.variant.name == "q4_k_m" and c.split is not None and c.split.host_kernel
+    assert c.split.tok_s >= 8 and c.split.serve_flag == f"--n-cpu-moe {c.split.in_ram}"
+    fp8 = cand(p, "fp8")
+    assert fp8.ok and fp8.split is not None and not fp8.split.host_kernel and fp8.slow
+    assert any(n.startswith("fp8 experts in RAM: no CPU expert kernel") for n in fp8.notes)
+
+
+def test_a_better_quant_in_ram_beats_a_worse_one_on_the_gpu_above_the_floor() -> None:
+    # Qwen3-Coder-30B-A3B on a 24 GB card: Q4_K_M (4.8 bits) with 2 layers' experts in RAM over AWQ (4.25) that
+    # fits the card alone, while its bound is above the floor; past the bound the GPU-only AWQ wins
+    p = run("Qwen3-Coder-30B-A3B-Instruct", "1x-rtx4090")
+    c = p.chosen
+    assert c is not None and c.variant.name == "q4_k_m" and c.split is not None and c.split.in_ram == 2
+    assert cand(p, "awq").ok and cand(p, "awq").split is None
+    high = run("Qwen3-Coder-30B-A3B-Instruct", "1x-rtx4090", min_tok_s=c.split.tok_s + 1)
+    assert high.chosen is not None and high.chosen.variant.name == "awq"
+    q4 = cand(high, "q4_k_m")
+    assert q4.slow and any("below the" in n and "floor" in n for n in q4.notes)
 
 
 def test_a_gpu_only_variant_beats_a_slow_split_of_more_bits() -> None:

@@ -11,7 +11,9 @@ over that side's memory bandwidth (a bound: a step reads at least that):
     step = active expert bytes in RAM / RAM bandwidth + the rest of the active bytes / (GPU bandwidth x tp)
 
 `PlanConfig.min_tok_s` is the floor below which a better quant split so ranks after a worse one that fits the
-GPU alone (hub/plan.py `_rank`).
+GPU alone (hub/plan.py `_rank`); so does a split whose experts the CPU expert kernels do not run (bf16, FP8,
+MXFP4: the torch reference dequantises each routed expert per step, far below the bound, so there is no honest
+estimate to rank it by).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from agentbox.hub.profiles import Profile, Variant
-from agentbox.hub.weight_bytes import expert_resident_bytes
+from agentbox.hub.weight_bytes import cpu_expert_kernel, expert_resident_bytes
 from agentbox.hw.bandwidth import gpu_bandwidth, ram_bandwidth
 from agentbox.hw.probe import GIB, Probe
 
@@ -43,6 +45,7 @@ class ExpertSplit:
     min_tok_s: float
     ram_bandwidth_assumed: bool = False  # the machine description carries no host.ram_bandwidth
     gpu_bandwidth_assumed: bool = False
+    host_kernel: bool = True  # the CPU expert kernels run these experts (else the torch reference: no estimate)
 
     @property
     def host_need(self) -> int:
@@ -69,6 +72,12 @@ class ExpertSplit:
         return self.tok_s < self.min_tok_s
 
     @property
+    def preferred(self) -> bool:
+        """Ranked by its bits beside the variants that fit the GPU alone: above the floor, on the CPU kernels
+        (the reference's speed is not a bandwidth bound: far below it, and not estimated)."""
+        return self.host_kernel and not self.slow
+
+    @property
     def all_layers(self) -> bool:
         return self.in_ram == self.moe_layers
 
@@ -89,6 +98,8 @@ class ExpertSplit:
         gpu = f"{self.gpu_bandwidth / 1e9:.0f} GB/s GPU{' (assumed)' if self.gpu_bandwidth_assumed else ''}"
         tp = f" x {self.tp}" if self.tp > 1 else ""
         verdict = "below" if self.slow else "above"
+        if not self.host_kernel:
+            verdict = "no CPU expert kernel for these experts: a bound the torch reference does not reach; " + verdict
         return (f"decode <= {self.tok_s:.1f} tok/s: {self.ram_step_bytes / 1e9:.2f} GB experts / {ram} "
                 f"({self.ram_step_s * 1e3:.1f} ms) + {self.gpu_step_bytes / 1e9:.2f} GB rest / {gpu}{tp} "
                 f"({self.gpu_step_s * 1e3:.1f} ms) per token; {verdict} the {self.min_tok_s:g} tok/s floor")
@@ -107,6 +118,7 @@ class Sides:
     rest: int  # everything else, on the GPU
     rest_step: int  # what a token reads of the rest (the input embedding table aside)
     routed_share: float  # of the experts a token reads
+    host_kernel: bool  # the CPU expert kernels run them in host RAM
 
 
 def sides(profile: Profile, variant: Variant, gpu_weights: int) -> Sides:
@@ -118,7 +130,7 @@ def sides(profile: Profile, variant: Variant, gpu_weights: int) -> Sides:
     active_rest = profile.active_params - profile.expert_params * profile.routed_share
     rest_share = min(1.0, max(0.0, active_rest / others)) if others > 0 else 1.0
     return Sides(experts_gpu, expert_resident_bytes(profile, variant, "cpu"), rest, round(rest * rest_share),
-                 profile.routed_share)
+                 profile.routed_share, cpu_expert_kernel(profile, variant))
 
 
 def can_split(profile: Profile) -> bool:
@@ -150,6 +162,7 @@ def split_at(
         min_tok_s=min_tok_s,
         ram_bandwidth_assumed=ram_bw is None,
         gpu_bandwidth_assumed=len(gpu_bws) != len(probe.gpus) or not gpu_bws,
+        host_kernel=s.host_kernel,
     )
 
 

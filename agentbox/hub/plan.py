@@ -143,8 +143,9 @@ class Candidate:
 
     @property
     def slow(self) -> bool:
-        """Split to host RAM and decoding below the plan's floor (ranked after the faster variants)."""
-        return self.split is not None and self.split.slow
+        """Split to host RAM and not preferred: below the plan's floor, or its host experts have no CPU kernel
+        (ranked after the variants that fit the GPU alone)."""
+        return self.split is not None and not self.split.preferred
 
     @property
     def arithmetic(self) -> str:
@@ -367,12 +368,13 @@ def _split_notes(cand: Candidate, gpu_only: Candidate, profile: Profile, variant
              f"{_gb(gpu_only.available_bytes)} free"]
     if cand.ok and split.slow:
         notes.append(f"below the {split.min_tok_s:g} tok/s floor: ranked after the variants that fit the GPU alone")
+    elif cand.ok and not split.host_kernel:
+        notes.append(f"{variant.format} experts in RAM: no CPU expert kernel for them yet (layers/experts/cpu.py runs "
+                     "GGUF Q4_0-Q8_0 and K-quants, AWQ, GPTQ); the torch reference runs each routed expert per step: "
+                     "ranked after the variants that fit the GPU alone or have one")
     if not experts_kept_quantised(profile, variant) and variant.format not in ("bf16", "fp16", "fp32"):
         notes.append(f"{variant.name}: no expert kernel keeps its experts' types quantised yet (GGUF Q2_K, Q3_K, "
                      f"IQ* are dequantised at load, layers/experts/gguf.py): planned at bf16, which is what is missing")
-    if variant.format == "mxfp4":
-        notes.append("mxfp4 experts in RAM: no CPU kernel for MXFP4 yet; the reference dequantises each routed "
-                     "expert per step, far slower than this bound")
     return notes
 
 
@@ -409,7 +411,7 @@ def _moved_by_free_ram(candidates: list[Candidate], best: Candidate | None, prob
 
 
 def _quality(c: Candidate) -> tuple[Any, ...]:
-    return (-c.variant.bits, c.tp, c.need_per_device, c.variant.name)
+    return (c.slow, -c.variant.bits, c.tp, c.need_per_device, c.variant.name)
 
 
 MIN_USEFUL_CONTEXT = 4096  # below this an agent's system prompt alone does not fit

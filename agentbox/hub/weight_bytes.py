@@ -92,6 +92,15 @@ def expert_resident_bytes(profile: Profile, variant: Variant, device: str) -> in
     return profile.expert_params * 2
 
 
+def cpu_expert_kernel(profile: Profile, variant: Variant) -> bool:
+    """Whether the CPU expert kernels run this variant's experts in host RAM (layers/experts/cpu.py: the int4
+    and k-bit forms, i.e. GGUF Q4_0 to Q8_0 and the K-quants between, AWQ, GPTQ, W4A16); the others (bf16, FP8,
+    MXFP4, GGUF types without a form) run the torch reference, which dequantises each routed expert per step."""
+    if variant.is_gguf:
+        return gguf_experts(profile, variant, "cpu") is not None
+    return variant.format in ("awq", "gptq", "w4a16")
+
+
 def experts_kept_quantised(profile: Profile, variant: Variant) -> bool:
     """Whether a kernel keeps this variant's experts in their quantised form (else bf16, expert_resident_bytes)."""
     if gguf_experts(profile, variant, "cuda") is not None or variant.format == "mxfp4":
