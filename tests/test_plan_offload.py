@@ -8,6 +8,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from agentbox.hub.offload import fewest_layers, sides
@@ -156,3 +157,35 @@ def test_bandwidth_comes_from_the_description_or_the_name() -> None:
     assert c is not None and c.split is not None and c.split.ram_bandwidth_assumed
     assert any("GB/s RAM (assumed)" in n for n in c.notes)
     assert load_hardware("1x-rtx5090-128g").host.ram_bandwidth == 64 * 10**9
+
+
+def test_serve_gets_the_plans_experts_in_ram(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chain `serve` runs hands the engine the plan's N (and says it on the plan line); the flags override it."""
+    from rich.console import Console
+    from test_hub_chain import _seed
+
+    from agentbox.hub.chain import resolve_default
+    from agentbox.hub.pull import MARKER, variant_dir
+    from agentbox.hub.verify import VerdictStore
+
+    monkeypatch.setenv("AGENTBOX_HOME", str(tmp_path / "home"))
+    profile = find_profile("gpt-oss-120b")
+    variant = profile.variant("mxfp4")
+    d = variant_dir(profile, variant)
+    d.mkdir(parents=True)
+    (d / MARKER).write_text("{}")  # "downloaded": the chain takes it without the hub
+    probe = machine("1x-rtx5090-128g")
+    store = VerdictStore(tmp_path / "verdicts.json")
+    _seed(store.path, profile.name, "mxfp4", probe, ok=True)  # the canary's verdict, remembered
+    res = resolve_default(probe=probe, offline=True, store=store, console=Console(quiet=True), profiles=[profile])
+    chosen = plan(profile, probe).chosen
+    assert chosen is not None and chosen.split is not None
+    assert res.variant == "mxfp4" and res.n_cpu_moe == chosen.split.in_ram > 0
+    assert any(s.startswith(f"plan gpt-oss-120b:mxfp4 tp=1 --n-cpu-moe {res.n_cpu_moe}: ") for s in res.steps)
+
+
+def test_serve_refuses_a_negative_n_cpu_moe() -> None:
+    from agentbox.cli.main import app
+
+    out = CliRunner().invoke(app, ["serve", "--model", "x.gguf", "--n-cpu-moe", "-1"])
+    assert out.exit_code != 0 and "--n-cpu-moe must be 0 or more" in out.output
