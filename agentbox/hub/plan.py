@@ -252,8 +252,8 @@ def _candidate(
     kv = (profile.kv_bytes_per_token(_kv_dtype_bytes(probe)) * context + profile.state_bytes_per_session()) * sessions
     reasons: list[str] = []
     notes: list[str] = []
-    if why := engine_rejection(profile, variant):
-        reasons.append(why)
+    if (rejected := engine_rejection(profile, variant)) is not None:
+        reasons.append(rejected)
     for bad in profile.known_bad:
         if bad.matches(variant.format, probe.min_sm):
             where = f"sm_{probe.min_sm}" if bad.sm else "every GPU"
@@ -278,7 +278,7 @@ def _candidate(
             cand = held  # the runner keeps snapshots in host memory when the card has no room for them
             notes.append(f"state snapshots in host memory ({_gb(kv - lean)}): the card has room for the "
                          "running sessions' state only")
-        if not cand.fits and config.experts_in_ram and can_split(profile):
+        if not cand.fits and config.experts_in_ram and rejected is None and can_split(profile):
             gpu_only = cand
             cand = _split_candidate(profile, probe, variant, weights, kv, config)
             notes += _split_notes(cand, gpu_only, profile, variant)
