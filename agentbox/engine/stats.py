@@ -73,23 +73,6 @@ class SpecStats:
     acceptance_rate: float = 0.0  # accepted / drafted
 
 
-@dataclass
-class ExpertTimes:
-    """Rank 0's steps and the seconds its host experts computed in them (layers/experts/placement.py's clock)."""
-
-    steps: int = 0
-    step_s: float = 0.0
-    cpu_expert_s: float = 0.0
-    last_step_s: float = 0.0
-    last_cpu_expert_s: float = 0.0
-
-    def add(self, step_s: float, cpu_expert_s: float) -> None:
-        self.steps += 1
-        self.step_s += step_s
-        self.cpu_expert_s += cpu_expert_s
-        self.last_step_s, self.last_cpu_expert_s = step_s, cpu_expert_s
-
-
 @dataclass(frozen=True)
 class ExpertStats:
     """Where a MoE model's routed experts live (`serve --cpu-moe / --n-cpu-moe`) and the share of a step the

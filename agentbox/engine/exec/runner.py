@@ -22,12 +22,11 @@ from agentbox.engine.exec.page_table import PageTable, RowWriter
 from agentbox.engine.exec.step_inputs import StepInputs
 from agentbox.engine.exec.verify import sample_verified
 from agentbox.engine.exec.verify_state import PendingVerifies
-from agentbox.engine.stats import ExpertTimes
 from agentbox.layers.backends import select_backend
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.cache_layout import CacheLayout
 from agentbox.layers.context import forward_context
-from agentbox.layers.experts.placement import ExpertPlacement
+from agentbox.layers.experts.placement import ExpertPlacement, ExpertTimes
 from agentbox.layers.paged_entries import EntryStep, entry_slot_mapping
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.layers.recurrent_state import StateCache, StateStep

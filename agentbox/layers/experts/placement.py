@@ -50,6 +50,23 @@ class ExpertClock:
 
 
 @dataclass
+class ExpertTimes:
+    """The runner's steps (rank 0) and the seconds the host experts computed in them, from the clock."""
+
+    steps: int = 0
+    step_s: float = 0.0
+    cpu_expert_s: float = 0.0
+    last_step_s: float = 0.0
+    last_cpu_expert_s: float = 0.0
+
+    def add(self, step_s: float, cpu_expert_s: float) -> None:
+        self.steps += 1
+        self.step_s += step_s
+        self.cpu_expert_s += cpu_expert_s
+        self.last_step_s, self.last_cpu_expert_s = step_s, cpu_expert_s
+
+
+@dataclass
 class ExpertPlacement:
     """The experts of the first `host_layers` MoE layers in host RAM; the rest on the model's device."""
 
