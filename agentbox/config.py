@@ -40,6 +40,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # server takes (a share of free RAM instead took 4 GiB for SmolLM2, planned at 0.35 GiB of KV).
 PLAN_CONTEXT = 32768
 PLAN_SESSIONS = 1
+# A MoE variant whose routed experts would live in host RAM is preferred over a lower-bit one that fits the
+# GPU alone only while its decode-speed bound (hub/offload.py) stays at or above this many tokens/s.
+PLAN_MIN_TOK_S = 8.0
 
 
 # A name every agentbox server's model answers to, whatever it serves: what `agentbox setup` writes into a
@@ -83,6 +86,11 @@ class EngineConfig:
     # decode layers: kernels/cpu_gemv.c, cpu_decode.c), at 2-3x the decode time and the fp32 weight bytes.
     exact_cpu: bool = False
     tensor_parallel_size: int = 1
+    # MoE models: the routed experts of every MoE layer (cpu_moe) or of the first n_cpu_moe in host RAM, run by
+    # the CPU expert kernels while the device runs the rest (layers/experts/placement.py; llama.cpp's flags).
+    # The planner names the N that fits (hub/offload.py).
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
     seed: int = 0
     # None: all cores but one (the API process and the OS keep one), and every core for the attention of a step
     # that only extends prompts over long contexts (engine/exec/runner.py `_attention_threads`)

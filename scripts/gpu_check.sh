@@ -113,6 +113,12 @@ block gpu_spec 90 "$PY" -m agentbox.bench.gpu_spec
 # (fp32 and bf16), decode tok/s at batch 1 (agentbox/bench/gpu_deepseek_v4.py; tests/test_bench_gpu_deepseek_v4.py
 # runs the same code at a tiny shape on CPU). About 8 GB of bf16 weights written and read back.
 block deepseek_v4 150 "$PY" -m agentbox.bench.gpu_deepseek_v4
+# Experts in host RAM (issue 44): tiny Qwen3-MoE with --cpu-moe == experts on the GPU (greedy tokens in fp32,
+# logits in fp32 and bf16; also `pytest -m gpu`: tests/test_cpu_moe_gpu.py), then a Qwen3-30B-A3B-shaped random
+# Q8_0 GGUF (bench/qwen3_30b_a3b_gguf.py, 2 of its 48 layers, ~1.9 GB written) with --cpu-moe: decode tok/s at batch 1
+# and the CPU experts' share of a step (the engine's clock), the experts on the GPU as the baseline in the same run
+# (agentbox/bench/gpu_cpu_moe.py; tests/test_cpu_moe.py runs the same code on CPU).
+block cpu_moe 150 "$PY" -m agentbox.bench.gpu_cpu_moe
 # MTP drafts (issue 45): a random Qwen3.8-27B-shaped model with 4 of its 64 layers, its MTP head trained for 300
 # steps on its own greedy continuations, decode tok/s at batch 1 with `--speculative off` and `mtp`, drafts
 # accepted a step, tokens the same (agentbox/bench/gpu_mtp.py; tests/test_bench_gpu_mtp.py runs the same code at
@@ -125,7 +131,7 @@ if [[ "$ngpu" -ge 2 ]]; then
 else
     echo "gpu_check: tp 2 check skipped: $ngpu GPU visible, tensor parallel needs two" >&2
 fi
-# Other blocks go here, one line each. Time limits so far: 120 + 70 + 60 + 110 + 60 + 45 + 90 + 200 + 90 + 150 = 995 s
+# Other blocks go here, one line each. Time limits so far: 120 + 70 + 60 + 110 + 60 + 45 + 90 + 200 + 90 + 150 + 150 = 1145 s
 # on one GPU (+ 120 s tp on two), expected well under (most of it Triton compiling on a cold cache); keep it under 8
 # minutes.
 

@@ -57,7 +57,7 @@ def test_help_at_80_columns_shows_every_name_whole(path: list[str], cmd: typer.c
     for name in getattr(cmd, "commands", {}):
         assert f"  {name} " in text
     if path == ["serve"]:
-        assert len(lines) < 60, len(lines)  # was 104 lines of boxes at 80 columns
+        assert len(lines) < 62, len(lines)  # was 104 lines of boxes at 80 columns (59 before --cpu-moe, --n-cpu-moe)
 
 
 def test_plan_at_80_columns_wraps_its_explanations_under_the_rows() -> None:
@@ -65,12 +65,15 @@ def test_plan_at_80_columns_wraps_its_explanations_under_the_rows() -> None:
     lines = text.splitlines()
     assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
     rows = [line for line in lines if line.startswith((" >  ", " ok ", " x  "))]
+    # bf16 fits two cards with the experts of 2 of its 48 MoE layers in host RAM (hub/offload.py), ranked after
+    # the others: no CPU expert kernel runs bf16 experts yet
     assert [r.split()[1] for r in rows] == ["fp8", "q4_k_m", "awq", "bf16", "nvfp4"]
     assert rows[0].rstrip().endswith("chosen")
     # the memory arithmetic and every reason are still there, wrapped at spaces, nothing cut
     joined = " ".join(line.strip() for line in lines)
     assert "29.9/2 weights + 3.0/2 KV + 2.3 reserve = 18.7 GiB <= 31.3 GiB free per GPU" in joined
-    assert "fits at tp=2 up to 13,312 tokens of context (--context 13312)" in joined
+    assert "experts of 2 of 48 MoE layers in RAM" in joined and "(--n-cpu-moe 2)" in joined
+    assert "above the 8 tok/s floor" in joined and "no CPU expert kernel for them yet" in joined
     assert "(agentbox pull Qwen3-Coder-30B-A3B-Instruct:fp8)" in joined
 
 

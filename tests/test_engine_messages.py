@@ -15,7 +15,7 @@ from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.stats import EngineStats, to_json
 
 STATS_KEYS = {"uptime_s", "running", "waiting", "pool", "cache", "counters", "admission", "sessions", "parallel", "snapshots",
-              "speculative"}
+              "speculative", "experts"}
 POOL_KEYS = {"total_pages", "free_pages", "used_pages", "page_size", "running_pages", "page_bytes", "kv_bytes_per_token"}
 CACHE_KEYS = {"policy", "gpu_pages", "host_pages", "host_total_pages", "leased_pages", "evictions", "demotions",
               "promotions", "host_evictions", "sessions", "live_leases", "disk_pages", "disk_bytes", "disk_budget_bytes",

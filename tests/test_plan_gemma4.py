@@ -33,5 +33,11 @@ def test_gemma4_kv_per_layer_kind() -> None:
                  if c.variant.name == "ud-q4_k_xl")
     assert not at64k.ok and "fits at tp=1 up to 33,792 tokens of context (--context 33792)" in at64k.notes
     assert plan(prof, load_hardware("1x-rtx5090"), PlanConfig(context=32768)).chosen.variant.name == "ud-q4_k_xl"
-    moe = plan(find_profile("gemma-4-26b-a4b"), load_hardware("1x-rtx4090"), PlanConfig(context=32768))
+    moe = plan(find_profile("gemma-4-26b-a4b"), load_hardware("1x-rtx4090"), PlanConfig(context=32768, experts_in_ram=False))
     assert moe.chosen is not None and moe.chosen.variant.name == "ud-q4_k_xl"
+    # with host RAM the bf16 release runs with its experts off the card, ranked after the GGUF that fits: no CPU
+    # expert kernel runs bf16 experts yet (tests/test_plan_offload.py)
+    ram = plan(find_profile("gemma-4-26b-a4b"), load_hardware("1x-rtx4090"), PlanConfig(context=32768))
+    assert ram.chosen is not None and ram.chosen.variant.name == "ud-q4_k_xl"
+    bf16 = next(c for c in ram.candidates if c.variant.name == "bf16")
+    assert bf16.ok and bf16.split is not None and bf16.slow

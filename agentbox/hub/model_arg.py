@@ -33,6 +33,7 @@ class ModelArgError(ValueError):
 class ModelChoice:
     path: Path
     tp: int | None  # the plan's tensor-parallel size for a profile; None: not planned (use --tp or 1)
+    n_cpu_moe: int = 0  # the plan's MoE layers with their routed experts in host RAM (hub/offload.py)
 
 
 def resolve_model_arg(arg: str, console: Console | None = None, **chain: object) -> ModelChoice:
@@ -77,7 +78,7 @@ def _from_profile(profile: Profile, variant: str | None, console: Console, chain
         resolved = resolve_default(profiles=[profile], named=True, console=console, **chain)  # type: ignore[arg-type]
     except ChainError as exc:
         raise ModelArgError(str(exc)) from None
-    return ModelChoice(resolved.path, resolved.tp)
+    return ModelChoice(resolved.path, resolved.tp, resolved.n_cpu_moe)
 
 
 def not_found_message(arg: str) -> str:

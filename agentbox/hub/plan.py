@@ -3,7 +3,9 @@
 A candidate is accepted when (1) our engine runs its architecture and format, (2) it is not known-bad for
 this GPU's compute capability, and (3) it fits: per device, weights / tp + KV cache for context x sessions
 / tp + a reserve must stay within free memory. Every candidate carries that arithmetic and its reasons.
-CPU-only machines plan the same way against available RAM.
+CPU-only machines plan the same way against available RAM. A MoE model that fits no GPU set may still fit
+with the routed experts of its first N MoE layers in host RAM (hub/offload.py): then the candidate carries
+that split, the RAM it needs and a decode-speed bound from each side's memory bandwidth.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentbox.config import PLAN_CONTEXT, PLAN_SESSIONS
+from agentbox.config import PLAN_CONTEXT, PLAN_MIN_TOK_S, PLAN_SESSIONS
+from agentbox.hub.offload import ExpertSplit, can_split, fewest_layers, sides, split_at
 from agentbox.hub.profiles import KnownBad, Profile, Variant
 from agentbox.hub.weight_bytes import (
     active_weight_bytes,
     cpu_quantised_experts,
+    experts_kept_quantised,
     gguf_experts,
     gguf_gpu_mix,
     mtp_weight_bytes,
@@ -82,6 +86,14 @@ class PlanConfig:
     reserve_share: float = 0.04  # plus this share of the card (allocator fragmentation)
     cpu_reserve_gib: float = 2.0  # host: the OS, Python, torch itself
     default_context: int = PLAN_CONTEXT
+    # Experts in host RAM (hub/offload.py): a split variant decoding below this bound ranks after the variants
+    # that fit the GPU alone, whatever its bits
+    min_tok_s: float = PLAN_MIN_TOK_S
+    experts_in_ram: bool = True  # False: the GPUs alone (a MoE model that does not fit them does not run)
+    # Bandwidths assumed where the machine description carries none (the row says "assumed"): two channels of
+    # DDR5 reach about this much; a card the name table does not know gets this.
+    assumed_ram_bandwidth_gbs: float = 50.0
+    assumed_gpu_bandwidth_gbs: float = 500.0
 
 
 def engine_rejection(profile: Profile, variant: Variant) -> str | None:
@@ -119,6 +131,7 @@ class Candidate:
     notes: list[str] = field(default_factory=list)
     decode_weight_bytes: int = 0  # weights one decoded token reads (MoE: the active parameters only)
     kv_replicated: bool = False  # MLA: every rank keeps the whole latent cache (kv_bytes is then per rank)
+    split: ExpertSplit | None = None  # routed experts of some MoE layers in host RAM (weights_bytes: the GPUs' part)
 
     @property
     def ok(self) -> bool:
@@ -130,14 +143,24 @@ class Candidate:
         return self.weights_bytes // self.tp + kv + self.reserve_bytes
 
     @property
-    def fits(self) -> bool:
+    def gpu_fits(self) -> bool:
         return self.need_per_device <= self.available_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_fits and (self.split is None or self.split.host_fits)
+
+    @property
+    def slow(self) -> bool:
+        """Split to host RAM and not preferred: below the plan's floor, or its host experts have no CPU kernel
+        (ranked after the variants that fit the GPU alone)."""
+        return self.split is not None and not self.split.preferred
 
     @property
     def arithmetic(self) -> str:
         # CPU plans against the machine's RAM (stable); a GPU's is its free memory
         where = "free per GPU" if self.device == "cuda" else "of RAM"
-        op = "<=" if self.fits else ">"
+        op = "<=" if self.gpu_fits else ">"
         split = f"/{self.tp}" if self.tp > 1 else ""  # weights and KV shared by the tp ranks (row: "tp N")
         kv = (f"{_num(self.kv_bytes)} KV (every rank keeps the whole latent cache)" if self.kv_replicated
               else f"{_num(self.kv_bytes)}{split} KV")
@@ -164,6 +187,7 @@ class Candidate:
             "ok": self.ok,
             "arithmetic": self.arithmetic,
             "decode_weight_bytes": self.decode_weight_bytes,
+            "split": self.split.to_dict() if self.split else None,
             "reasons": self.reasons,
             "notes": self.notes,
         }
@@ -253,8 +277,8 @@ def _candidate(
     kv = (per_token * context + profile.state_bytes_per_session()) * sessions
     reasons: list[str] = []
     notes: list[str] = []
-    if why := engine_rejection(profile, variant):
-        reasons.append(why)
+    if (rejected := engine_rejection(profile, variant)) is not None:
+        reasons.append(rejected)
     for bad in profile.known_bad:
         if bad.matches(variant.format, probe.min_sm):
             where = f"sm_{probe.min_sm}" if bad.sm else "every GPU"
@@ -279,7 +303,16 @@ def _candidate(
             cand = held  # the runner keeps snapshots in host memory when the card has no room for them
             notes.append(f"state snapshots in host memory ({_gb(kv - lean)}): the card has room for the "
                          "running sessions' state only")
-    if not cand.fits:
+        if not cand.fits and config.experts_in_ram and rejected is None and can_split(profile):
+            gpu_only = cand
+            cand = _split_candidate(profile, probe, variant, weights, kv, config)
+            notes += _split_notes(cand, gpu_only, profile, variant)
+    if cand.split is not None:
+        reasons += _split_reasons(cand)
+        if cand.fits and cand.split.host_need > probe.host.ram_free:  # as a CPU plan: RAM that is not free now
+            reasons.append(f"{SHORT_OF_FREE_RAM}: the experts in RAM need {_gb(cand.split.host_need)}, "
+                           f"{_gb(probe.host.ram_free)} free now")
+    elif not cand.fits:
         where = f"per GPU at tp={cand.tp}" if device == "cuda" else "of RAM"
         what = "free" if device == "cuda" else "in all"
         reasons.append(
@@ -309,15 +342,81 @@ def _candidate(
         notes.append(caveat)
     if profile.moe:
         # Every expert is resident (memory above); a decoded token reads only the active share (speed).
+        where = " (on the GPU and in host RAM)" if cand.split is not None else ""
         notes.append(
-            f"MoE: all experts resident; a token reads {profile.active_params / 1e9:.1f}B of "
+            f"MoE: all experts resident{where}; a token reads {profile.active_params / 1e9:.1f}B of "
             f"{profile.params / 1e9:.1f}B params ({_gb(active_weight_bytes(profile, variant, device, cpu_kernels))} per decode step)"
         )
-    if not cand.fits and (longest := fitting_context(cand, profile, probe, sessions)) >= MIN_USEFUL_CONTEXT:
+    if (not cand.gpu_fits and (longest := fitting_context(cand, profile, probe, sessions)) >= MIN_USEFUL_CONTEXT
+            and (cand.split is None or cand.split.host_fits)):
         notes.append(f"fits at tp={cand.tp} up to {longest:,} tokens of context (--context {longest})")
     cand.reasons, cand.notes = reasons, notes
-    cand.decode_weight_bytes = active_weight_bytes(profile, variant, device, cpu_kernels)
+    cand.decode_weight_bytes = (cand.split.ram_step_bytes + cand.split.gpu_step_bytes if cand.split
+                                else active_weight_bytes(profile, variant, device, cpu_kernels))
     return cand
+
+
+def _split_candidate(
+    profile: Profile, probe: Probe, variant: Variant, weights: int, kv: int, config: PlanConfig
+) -> Candidate:
+    """The variant with the routed experts of its first N MoE layers in host RAM: at each tp the fewest N that
+    lets the rest fit the cards; of those the fastest that fits RAM too (else the one closest to fitting)."""
+    s = sides(profile, variant, weights)
+    by_free = sorted(probe.gpus, key=lambda g: g.memory_free, reverse=True)
+    best: Candidate | None = None
+    for tp in tp_sizes(profile, len(probe.gpus)):
+        used = by_free[:tp]
+        reserve = int(config.reserve_gib * GIB + config.reserve_share * max(g.memory_total for g in used))
+        available = min(g.memory_free for g in used)
+        room = available - reserve - (kv if profile.kv_replicated else kv // tp)
+        n = fewest_layers(s, profile.moe_layers, room, tp)
+        split = split_at(profile, s, max(1, profile.moe_layers if n is None else n), tp, probe,
+                         int(config.cpu_reserve_gib * GIB), config.min_tok_s,
+                         int(config.assumed_ram_bandwidth_gbs * 1e9), int(config.assumed_gpu_bandwidth_gbs * 1e9))
+        cand = Candidate(variant, "cuda", tp, s.rest + split.gpu_experts_bytes, kv, reserve, available,
+                         kv_replicated=profile.kv_replicated, split=split)
+        if best is None or _split_key(cand) < _split_key(best):
+            best = cand
+    assert best is not None  # tp_sizes always yields 1
+    return best
+
+
+def _split_key(c: Candidate) -> tuple[Any, ...]:
+    assert c.split is not None
+    return (not c.fits, not c.gpu_fits, -c.split.tok_s if c.fits else c.split.host_need, c.tp)
+
+
+def _split_notes(cand: Candidate, gpu_only: Candidate, profile: Profile, variant: Variant) -> list[str]:
+    split = cand.split
+    assert split is not None
+    notes = [split.arithmetic, split.speed,
+             f"GPU only it needs {_gb(gpu_only.need_per_device)} per GPU at tp={gpu_only.tp}, "
+             f"{_gb(gpu_only.available_bytes)} free"]
+    if cand.ok and split.slow:
+        notes.append(f"below the {split.min_tok_s:g} tok/s floor: ranked after the variants that fit the GPU alone")
+    elif cand.ok and not split.host_kernel:
+        notes.append(f"{variant.format} experts in RAM: no CPU expert kernel for them yet (layers/experts/cpu.py runs "
+                     "GGUF Q4_0-Q8_0 and K-quants, AWQ, GPTQ); the torch reference runs each routed expert per step: "
+                     "ranked after the variants that fit the GPU alone or have one")
+    if not experts_kept_quantised(profile, variant) and variant.format not in ("bf16", "fp16", "fp32"):
+        notes.append(f"{variant.name}: no expert kernel keeps its experts' types quantised yet (GGUF Q2_K, Q3_K, "
+                     f"IQ* are dequantised at load, layers/experts/gguf.py): planned at bf16, which is what is missing")
+    return notes
+
+
+def _split_reasons(c: Candidate) -> list[str]:
+    """What is missing for a split variant: room on the cards for the rest, RAM for the experts, or both."""
+    split = c.split
+    assert split is not None
+    reasons = []
+    if not c.gpu_fits:
+        reasons.append(f"does not fit: even with every MoE layer's experts in RAM the rest needs "
+                       f"{_gb(c.need_per_device)} per GPU at tp={c.tp}, {_gb(c.available_bytes)} free "
+                       f"({_gb(c.need_per_device - c.available_bytes)} missing)")
+    if not split.host_fits:
+        reasons.append(f"does not fit: the experts in RAM need {_gb(split.host_need)} of RAM, "
+                       f"{_gb(split.host_available)} in all ({_gb(split.host_need - split.host_available)} missing)")
+    return reasons
 
 
 # A CPU variant that fits the machine's RAM but not what is free now: the one reason free RAM moves a plan.
@@ -331,13 +430,14 @@ def _moved_by_free_ram(candidates: list[Candidate], best: Candidate | None, prob
             best is None or _quality(c) < _quality(best)
         ):
             instead = f"chose {best.variant.name} instead" if best else "nothing runs now"
-            return (f"{c.variant.name} is the plan for this machine's RAM but needs {_gb(c.need_per_device)} and "
+            need = c.split.host_need if c.split else c.need_per_device
+            return (f"{c.variant.name} is the plan for this machine's RAM but needs {_gb(need)} and "
                     f"{_gb(probe.host.ram_free)} is free now: {instead} (free memory to get {c.variant.name} back)")
     return None
 
 
 def _quality(c: Candidate) -> tuple[Any, ...]:
-    return (-c.variant.bits, c.tp, c.need_per_device, c.variant.name)
+    return (c.slow, -c.variant.bits, c.tp, c.need_per_device, c.variant.name)
 
 
 MIN_USEFUL_CONTEXT = 4096  # below this an agent's system prompt alone does not fit
@@ -437,8 +537,9 @@ def _best_tp(
 
 
 def _rank(c: Candidate) -> tuple[Any, ...]:
-    # Accepted first; among them the most bits per weight (quality), then the fewest ranks, then the least memory.
-    return (not c.ok, -c.variant.bits, c.tp, c.need_per_device, c.variant.name)
+    # Accepted first; a split below the speed floor after the others; then the most bits per weight (quality),
+    # the GPU alone before a split of the same bits, the fewest ranks, the least memory.
+    return (not c.ok, c.slow, -c.variant.bits, c.split is not None, c.tp, c.need_per_device, c.variant.name)
 
 
 def _kv_dtype_bytes(probe: Probe) -> int:

@@ -100,6 +100,11 @@ class Profile:
     path: Path | None = None
     active_params_: int | None = None  # MoE: parameters one token reads (routed experts + the rest)
     expert_params: int = 0  # MoE: parameters in the routed experts (what stays quantised on CPU too); 0: unknown
+    # MoE: routed experts per MoE layer and how many a token uses (its share of expert_params it reads, the
+    # bytes a decoded token takes from host RAM when the experts live there, hub/offload.py); 0: unknown
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_layers_: int | None = None  # layers with routed experts (GLM-4.7-Flash: all but the first); None: all
     # Hybrid models (Gated DeltaNet): only `kv_layers` of the layers keep KV per token; the others keep a
     # fixed recurrent state of `state_bytes` per sequence (conv + fp32 matrices, engine/layers/recurrent_state.py).
     kv_layers_: int | None = None
@@ -126,6 +131,20 @@ class Profile:
     @property
     def active_params(self) -> int:
         return self.active_params_ or self.params
+
+    @property
+    def moe_layers(self) -> int:
+        return self.moe_layers_ or self.layers
+
+    @property
+    def routed_share(self) -> float:
+        """The share of the routed experts' parameters one token reads: top-k of E where the profile says, else
+        what active_params leaves after the rest (every non-expert parameter counted active)."""
+        if self.experts and self.experts_per_token:
+            return self.experts_per_token / self.experts
+        if not self.expert_params:
+            return 1.0
+        return min(1.0, max(0, self.active_params - (self.params - self.expert_params)) / self.expert_params)
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:
@@ -252,6 +271,9 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         path=path,
         active_params_=int(data["active_params"]) if "active_params" in data else None,
         expert_params=int(data.get("expert_params", 0)),
+        experts=int(data.get("experts", 0)),
+        experts_per_token=int(data.get("experts_per_token", 0)),
+        moe_layers_=int(data["moe_layers"]) if "moe_layers" in data else None,
         kv_layers_=int(data["kv_layers"]) if "kv_layers" in data else None,
         state_bytes=int(data.get("state_bytes", 0)),
         state_slots=int(data.get("state_slots", 4)),

@@ -75,7 +75,8 @@ def render_plan(p: Plan, width: int | None = None) -> Group:
         lines += _wrapped(f"note: {note}", width, 0, "yellow")
     if chosen is not None:
         spec = f"{prof.name}:{chosen.variant.name}"
-        verdict = Text.assemble(("plan:", "bold green"), f" {spec} at tp={chosen.tp}")
+        split = f" with {chosen.split.serve_flag} (routed experts in host RAM)" if chosen.split else ""
+        verdict = Text.assemble(("plan:", "bold green"), f" {spec} at tp={chosen.tp}{split}")
         pull = f"(agentbox pull {spec})"
         if width is None or len(verdict) + 2 + len(pull) <= width:
             lines.append(verdict + f"  {pull}")

@@ -152,8 +152,9 @@ def verify(
     return verdict
 
 
-def engine_runner(path: Path, prompt: str, max_tokens: int, tp: int = 1) -> CanaryOutput:
-    """The canary through agentbox's own engine (what `serve` will run, at the tp it will run)."""
+def engine_runner(path: Path, prompt: str, max_tokens: int, tp: int = 1, n_cpu_moe: int = 0) -> CanaryOutput:
+    """The canary through agentbox's own engine (what `serve` will run, at the tp and with the MoE layers'
+    experts in host RAM it will run)."""
     import torch
 
     from agentbox.config import EngineConfig
@@ -162,7 +163,7 @@ def engine_runner(path: Path, prompt: str, max_tokens: int, tp: int = 1) -> Cana
 
     tokenizer = _tokenizer(path)
     ids = _prompt_ids(tokenizer, prompt)
-    llm = LLM(EngineConfig(model=str(path), tensor_parallel_size=tp))
+    llm = LLM(EngineConfig(model=str(path), tensor_parallel_size=tp, n_cpu_moe=n_cpu_moe))
     try:
         logits = llm.logits(ids)
         finite = bool(torch.isfinite(logits).all())

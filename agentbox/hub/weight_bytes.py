@@ -80,3 +80,41 @@ def cpu_quantised_experts(profile: Profile, variant: Variant) -> int | None:
     if not profile.moe or not profile.expert_params or method is None or not METHODS[method].moe_cpu_bytes_per_weight:
         return None
     return profile.expert_params
+
+
+MXFP4_BYTES = 4.25 / 8  # E2M1 codes and an E8M0 exponent per 32, kept as stored (layers/experts/mxfp4.py)
+
+
+def expert_resident_bytes(profile: Profile, variant: Variant, device: str) -> int:
+    """Bytes the routed experts hold once loaded on `device` of a GPU machine ("cuda", or "cpu" for experts
+    kept in host RAM beside it: hub/offload.py). GGUF experts by their type's form there (hub/gguf_moe.py);
+    fp8 / awq / gptq in their resident form (the CPU kernels' on "cpu"); MXFP4 as stored; anything else at
+    the model's compute dtype on a GPU machine, bf16 (GGUF types no expert kernel keeps: Q2_K, Q3_K, IQ*)."""
+    if (experts := gguf_experts(profile, variant, device)) is not None:
+        return experts.resident
+    if variant.format == "mxfp4":
+        return round(profile.expert_params * MXFP4_BYTES)
+    method = method_of_format(variant.format)
+    if method is not None and not variant.is_gguf and METHODS[method].moe_cpu_bytes_per_weight:
+        info = METHODS[method]
+        per = info.moe_cpu_bytes_per_weight if device == "cpu" else max(info.resident_bytes_per_weight,
+                                                                         info.file_bytes_per_weight)
+        return round(profile.expert_params * per)
+    return profile.expert_params * 2
+
+
+def cpu_expert_kernel(profile: Profile, variant: Variant) -> bool:
+    """Whether the CPU expert kernels run this variant's experts in host RAM (layers/experts/cpu.py: the int4
+    and k-bit forms, i.e. GGUF Q4_0 to Q8_0 and the K-quants between, AWQ, GPTQ, W4A16); the others (bf16, FP8,
+    MXFP4, GGUF types without a form) run the torch reference, which dequantises each routed expert per step."""
+    if variant.is_gguf:
+        return gguf_experts(profile, variant, "cpu") is not None
+    return variant.format in ("awq", "gptq", "w4a16")
+
+
+def experts_kept_quantised(profile: Profile, variant: Variant) -> bool:
+    """Whether a kernel keeps this variant's experts in their quantised form (else bf16, expert_resident_bytes)."""
+    if gguf_experts(profile, variant, "cuda") is not None or variant.format == "mxfp4":
+        return True
+    method = method_of_format(variant.format)
+    return method is not None and not variant.is_gguf and bool(METHODS[method].moe_cpu_bytes_per_weight)

@@ -76,9 +76,13 @@ def _check_shape(data: object) -> None:
 def _check_numbers(probe: Probe) -> None:
     """The fields the planner does arithmetic on are integers (a string here would fail far from the file)."""
     fields = {"host.ram_total": probe.host.ram_total, "host.ram_free": probe.host.ram_free}
+    if probe.host.ram_bandwidth is not None:
+        fields["host.ram_bandwidth"] = probe.host.ram_bandwidth
     for g in probe.gpus:
         fields |= {f"gpus[{g.index}].sm": g.sm, f"gpus[{g.index}].memory_total": g.memory_total,
                    f"gpus[{g.index}].memory_free": g.memory_free}
+        if g.memory_bandwidth is not None:
+            fields[f"gpus[{g.index}].memory_bandwidth"] = g.memory_bandwidth
     bad = [name for name, v in fields.items() if not isinstance(v, int) or isinstance(v, bool)]
     if bad:
-        raise ValueError(f"{', '.join(bad)} must be whole numbers (bytes; sm as 89 for 8.9)")
+        raise ValueError(f"{', '.join(bad)} must be whole numbers (bytes, bandwidths in bytes/s; sm as 89 for 8.9)")

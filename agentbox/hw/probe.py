@@ -33,6 +33,8 @@ class GpuInfo:
     pcie_gen: int | None = None
     pcie_width: int | None = None
     processes: list[GpuProcess] = field(default_factory=list)
+    # bytes/s of the card's memory (its data sheet); None: looked up by name (hw/bandwidth.py) where known
+    memory_bandwidth: int | None = None
 
     @property
     def arch(self) -> str:
@@ -55,6 +57,9 @@ class HostInfo:
     ram_free: int  # bytes (available, not merely unused)
     os: str
     python: str
+    # bytes/s a read stream over host RAM reaches (the planner's speed estimate for experts kept there);
+    # None: not measured, the planner assumes PlanConfig.ram_bandwidth and says so
+    ram_bandwidth: int | None = None
 
 
 @dataclass

@@ -26,6 +26,7 @@ from agentbox.layers.backends.base import KVLayerSpec
 from agentbox.layers.cache_layout import CacheLayout
 from agentbox.layers.experts import FusedMoE
 from agentbox.layers.experts import cpu as cpu_experts
+from agentbox.layers.experts.placement import ExpertHome, ExpertPlacement, placement_context
 from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
 from agentbox.layers.quant.lazy import LazySlice
 from agentbox.models.base import CausalLM
@@ -174,6 +175,7 @@ class LoadedModel:
     eos_token_ids: list[int]
     source: ModelSource
     dtype: torch.dtype  # the compute dtype (a quantised parameter's own dtype says nothing of it)
+    placement: ExpertPlacement | None = None  # where each MoE layer's experts live (None: no placement asked)
 
     @property
     def kv_specs(self) -> list[KVLayerSpec]:
@@ -207,9 +209,11 @@ class LoadedModel:
         )
 
 
-def load_model(path: str, dtype: torch.dtype, device: str | torch.device, *, with_mtp: bool = False) -> LoadedModel:
-    """The model of `path` on `device`; with_mtp: with the checkpoint's multi-token-prediction head where it has
-    one (models/mtp.py; `LoadedModel.model.mtp` stays None where it has none)."""
+def load_model(path: str, dtype: torch.dtype, device: str | torch.device, placement: ExpertPlacement | None = None,
+               *, with_mtp: bool = False) -> LoadedModel:
+    """The model of `path` on `device`. `placement`: the MoE layers whose experts live in host RAM
+    (layers/experts/placement.py); with_mtp: with the checkpoint's multi-token-prediction head where it has one
+    (models/mtp.py; `LoadedModel.model.mtp` stays None where it has none)."""
     src = resolve_model(path)
     config = load_config(src)
     cls = model_class(config)
@@ -222,7 +226,7 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device, *, wit
     try:
         # Parameters are allocated in place (torch.empty), never initialised; the checkpoint's quantisation
         # picks every linear layer's method.
-        with torch.device(device), quant_context(quant):
+        with torch.device(device), quant_context(quant), placement_context(placement):
             model = cls(config)
             if with_mtp:
                 model.add_mtp_head()
@@ -233,7 +237,20 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device, *, wit
         step(model)
     model.eval().requires_grad_(False)
     # the text model's length: an image-text checkpoint's text config (the config itself otherwise)
-    return LoadedModel.of(model, config, src, dtype, eos_token_ids(src, config), _max_model_len(config.get_text_config()))
+    loaded = LoadedModel.of(model, config, src, dtype, eos_token_ids(src, config), _max_model_len(config.get_text_config()))
+    loaded.placement = placement
+    return loaded
+
+
+def host_expert_bytes(model: nn.Module) -> int:
+    """Bytes of the expert weights that live in host RAM (layers/experts/placement.py)."""
+    return sum(p.numel() * p.element_size() for m in model.modules()
+               if isinstance(m, FusedMoE) and m.home is ExpertHome.HOST for p in m.parameters())
+
+
+def expert_kernels(model: nn.Module) -> list[str]:
+    """Per MoE layer, in order, the class of the method its experts run (CpuExperts: the CPU kernels)."""
+    return [type(m.method).__name__ for m in model.modules() if isinstance(m, FusedMoE)]
 
 
 def _max_model_len(config: PretrainedConfig) -> int:

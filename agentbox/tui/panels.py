@@ -386,6 +386,25 @@ def drafters_line(stats: Mapping[str, Any]) -> Text | None:
                                       for name, d in used))
 
 
+def experts_line(ex: Mapping[str, Any]) -> Text | None:
+    """Where a MoE model's routed experts live (`serve --cpu-moe / --n-cpu-moe`) and what the host's share of a
+    step costs, from /v1/stats `experts`; None for a dense model."""
+    moe = ex.get("moe_layers")
+    if not moe:
+        return None
+    device = "the GPU" if str(ex.get("device") or "").startswith("cuda") else "the CPU"
+    host = ex.get("host_layers") or 0
+    if not host:
+        return Text(f"experts of all {moe} MoE layers on {device}", style="dim")
+    t = Text(f"experts of {host} of {moe} MoE layers in host RAM ({fmt_bytes(ex.get('host_bytes'))}), the rest on "
+             f"{device}")
+    if ex.get("steps"):
+        t.append(f"\nCPU experts {ex.get('cpu_expert_ms_per_step', 0):.1f} ms a step, "
+                 f"{fmt_pct(ex.get('cpu_expert_share'))} of it (last {ex.get('last_cpu_expert_ms', 0):.1f} of "
+                 f"{ex.get('last_step_ms', 0):.1f} ms)")
+    return t
+
+
 def machine_panel(snap: Mapping[str, Any]) -> Group:
     st = snap.get("stats") or {}
     local = snap.get("local")
@@ -396,6 +415,8 @@ def machine_panel(snap: Mapping[str, Any]) -> Group:
     lines.append(Text(f"admission queue {queued}, {adm.get('timeouts', DASH)} timed out"))
     if (drafts := drafters_line(st)) is not None:
         lines.append(drafts)
+    if (experts := experts_line(st.get("experts") or {})) is not None:
+        lines.append(experts)
     if local is None:
         lines.append(Text("server is not on this machine: no process or GPU figures", style="dim"))
         return Group(*lines)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -26,11 +27,12 @@ from agentbox.layers.backends import select_backend
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.cache_layout import CacheLayout
 from agentbox.layers.context import forward_context
+from agentbox.layers.experts.placement import ExpertPlacement, ExpertTimes
 from agentbox.layers.paged_entries import EntryStep, entry_slot_mapping
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.layers.recurrent_state import StateCache, StateStep
 from agentbox.layers.window_kv import page_slack
-from agentbox.models.loader import LoadedModel, load_model
+from agentbox.models.loader import LoadedModel, host_expert_bytes, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 
 # Query x key pairs from which a prompt-extending step's CPU attention takes every core (~1 ms of one core's
@@ -100,8 +102,13 @@ class ModelRunner:
         if loaded is None:
             exact = int4.cpu_kernel(int4.Int4Kernel.DENSE) if config.exact_cpu else contextlib.nullcontext()
             with exact:
-                loaded = load_model(config.model, self.dtype, self.device, with_mtp=config.speculative.uses_mtp)
+                loaded = load_model(config.model, self.dtype, self.device,
+                                    ExpertPlacement.of(config.cpu_moe, config.n_cpu_moe),
+                                    with_mtp=config.speculative.uses_mtp)
         self.loaded = loaded
+        self.placement = loaded.placement
+        self.host_expert_bytes = host_expert_bytes(loaded.model)
+        self.expert_times = ExpertTimes()
         self.layout: CacheLayout = loaded.layout
         self.weight_bytes = resident_weight_bytes(loaded.model)
         self.weight_bytes_per_rank = control_all_gather(self.weight_bytes)
@@ -185,7 +192,8 @@ class ModelRunner:
             # The delta-net layers pick their path per sequence in Python: not capturable yet; nor are the
             # layers that keep compressed entries (their slots are not in the graphs' static buffers).
             not config.enforce_eager and self.state_cache is None and not self.entry_groups
-            and lm.model.supports_cuda_graphs,  # MLA reads host-side lengths (eager)
+            and lm.model.supports_cuda_graphs  # MLA reads host-side lengths (eager)
+            and not self.host_expert_bytes,  # experts in host RAM: a graph cannot hold the CPU's part of a step
             self.device, self.backend,
             lambda: DecodeGraphs(
                 lm.model, self.backend, self.page_size, config.max_num_seqs, self.page_table.table.shape[1],
@@ -421,7 +429,17 @@ class ModelRunner:
         return self.execute(step)
 
     def step(self, out: SchedulerOutput) -> StepResult:
-        """Runs the step on every rank (`StepResult` says what it computed)."""
+        """Runs the step on every rank (`StepResult` says what it computed), timing it and its host experts."""
+        clock = self.placement.clock if self.placement is not None else None
+        if clock is not None:
+            clock.take()  # what ran outside steps (LLM.logits, warm-up) is not this step's
+        t0 = time.perf_counter()
+        result = self._step(out)
+        if clock is not None:
+            self.expert_times.add(time.perf_counter() - t0, clock.take()[0])
+        return result
+
+    def _step(self, out: SchedulerOutput) -> StepResult:
         step = self.prepare(out)
         if self.workers is not None:
             self.workers.send_step(step)

@@ -9,6 +9,10 @@ The weights' storage is a method (`ExpertMethod`, layers/experts/base.py: one fi
 checkpoint's QuantConfig); the layer only routes. Weights load per expert: `weight_loader(param, tensor,
 expert_id, shard)` with `tensor` one expert's full (unsharded) checkpoint tensor (here in [out, in] order;
 bias: [out]). Repacking the experts for the CPU kernels is a step of the model loader (layers/experts/cpu.py).
+
+The experts may live in host RAM while the rest of the model runs on a GPU (layers/experts/placement.py: the
+loader's placement decides per layer): then `forward_routed` takes the hidden state to the host, runs the
+experts there and brings their output back before the all-reduce.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import torch
 from torch import nn
 
 from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, ExpertShard, MoEActivation, expert_method
+from agentbox.layers.experts.placement import ExpertClock, ExpertHome, building_on, current_placement, timed
 from agentbox.layers.experts.routing import select_experts
+from agentbox.layers.experts.unquantized import UnquantizedExperts
 from agentbox.layers.weight_loading import ConvertsAfterLoading, set_weight_loader
 from agentbox.parallel.state import all_reduce, tp_rank, tp_size
 
@@ -54,12 +60,18 @@ class FusedMoE(ExpertLayer, ConvertsAfterLoading):
             method = expert_method(prefix)
         self.prefix = prefix
         self.method = method
-        self.method.create_weights(self)
+        placement = current_placement()
+        self.home = placement.take() if placement is not None else ExpertHome.DEVICE
+        self.clock: ExpertClock | None = placement.clock if placement is not None else None
+        # Quantised experts in host RAM keep float32 scales (the CPU kernels'); unquantised ones the model's dtype.
+        self.host_dtype = torch.get_default_dtype() if isinstance(method, UnquantizedExperts) else torch.float32
         self.w13_bias: nn.Parameter | None = None
         self.w2_bias: nn.Parameter | None = None
-        if bias:
-            self.add_expert_param("w13_bias", torch.empty(num_experts, 2 * self.intermediate_local))
-            self.add_expert_param("w2_bias", torch.empty(num_experts, hidden_size))
+        with building_on(self.home, self.host_dtype):
+            self.method.create_weights(self)
+            if bias:
+                self.add_expert_param("w13_bias", torch.empty(num_experts, 2 * self.intermediate_local))
+                self.add_expert_param("w2_bias", torch.empty(num_experts, hidden_size))
 
     def add_expert_param(self, name: str, data: torch.Tensor) -> None:
         param = nn.Parameter(data, requires_grad=False)
@@ -104,7 +116,19 @@ class FusedMoE(ExpertLayer, ConvertsAfterLoading):
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H] with the routing already chosen by the model's own router (GLM's grouped top-k, Gemma 4's
         per-expert scales): topk_weights [T, k] float32, topk_ids [T, k] int64. Returns [T, H], all-reduced."""
+        if self.home is ExpertHome.HOST:
+            return all_reduce(self._on_host(x, topk_weights, topk_ids))
         return all_reduce(self.method.apply(self, x, topk_weights, topk_ids))
+
+    def _on_host(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts in host RAM: the hidden state crosses once each way (a no-op on a CPU-only machine); the
+        clock counts the host's compute alone (the copy in waits for the device to produce x)."""
+        xh = x.to("cpu", self.host_dtype)
+        wh, ih = topk_weights.to("cpu"), topk_ids.to("cpu")
+        assert self.clock is not None  # a host layer was built under a placement
+        with timed(self.clock):
+            out = self.method.apply(self, xh, wh, ih)
+        return out.to(x.device, x.dtype)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
