@@ -113,6 +113,11 @@ block gpu_spec 90 "$PY" -m agentbox.bench.gpu_spec
 # (fp32 and bf16), decode tok/s at batch 1 (agentbox/bench/gpu_deepseek_v4.py; tests/test_bench_gpu_deepseek_v4.py
 # runs the same code at a tiny shape on CPU). About 8 GB of bf16 weights written and read back.
 block deepseek_v4 150 "$PY" -m agentbox.bench.gpu_deepseek_v4
+# NVFP4 (issue 48): the Triton W4A16 kernel against dequantise-then-matmul at Qwen3-8B's gate_up shape and an odd K,
+# 1 and 32 tokens in bf16, with time and tok/s of the layer next to bf16 F.linear; on sm_100 / sm_120 with flashinfer
+# also the FP4 GEMM (W4A4) against both (agentbox/bench/gpu_nvfp4.py; tests/quant_kernels/test_kernels_nvfp4.py runs
+# it tiny on CPU). The gpu tests of that file (bf16 W4A16, FP4 GEMM) run in `pytest -m gpu` above.
+block nvfp4 60 "$PY" -m agentbox.bench.gpu_nvfp4
 # Tensor parallel (issue 11): tp 2 over NCCL against tp 1; needs two GPUs (CPU tests cover tp 2 over gloo).
 ngpu="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 if [[ "$ngpu" -ge 2 ]]; then
@@ -120,7 +125,7 @@ if [[ "$ngpu" -ge 2 ]]; then
 else
     echo "gpu_check: tp 2 check skipped: $ngpu GPU visible, tensor parallel needs two" >&2
 fi
-# Other blocks go here, one line each. Time limits so far: 120 + 70 + 60 + 110 + 60 + 45 + 90 + 200 + 90 + 150 = 995 s
+# Other blocks go here, one line each. Time limits so far: 120 + 70 + 60 + 110 + 60 + 45 + 90 + 200 + 90 + 150 + 60 = 1055 s
 # on one GPU (+ 120 s tp on two), expected well under (most of it Triton compiling on a cold cache); keep it under 8
 # minutes.
 

@@ -63,6 +63,14 @@ def test_nvfp4_model_through_the_kernel_keeps_fp4_resident(tmp_path: Path, monke
     torch.testing.assert_close(paged_logits(ours), hf_logits(twin), atol=1e-3, rtol=1e-3)
 
 
+def test_the_gpu_check_block_runs_tiny_on_cpu() -> None:
+    from agentbox.bench.gpu_nvfp4 import report
+
+    r = report("cpu", shapes=((80, 37),), batches=(1, 3), dtype=torch.float32, reps=1)
+    assert not r["fp4_gemm"] and [c["m"] for c in r["cases"]] == [1, 3]
+    assert all(c["w4a16_max_err"] < 1e-5 and c["w4a16_tok_s"] > 0 for c in r["cases"])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_w4a16_in_bf16_on_cuda() -> None:
