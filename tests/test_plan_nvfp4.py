@@ -44,3 +44,12 @@ def test_on_a_4090_the_plan_names_the_w4a16_path_and_its_cost() -> None:
     assert ("nvfp4 on sm_89 (no FP4 tensor cores): the Triton W4A16 path" in text
             and f"weights stay 4.5 bits: {gib} resident, {gib} read per decode step" in text)
     assert "no nvfp4 kernels yet" not in text
+
+
+def test_nvfp4_moe_without_a_fused_expert_kernel_ranks_after_those_with_one() -> None:
+    """Qwen3-Coder-30B-A3B on a 4090: NVFP4 (4.5 bits) runs, but its experts would be dequantised per step on
+    the GPU; AWQ (4 bits) has the fused kernel and is chosen."""
+    p = plan(find_profile("Qwen3-Coder-30B-A3B-Instruct"), Probe.load(HW / "1x-rtx4090.json"), PlanConfig())
+    nv = next(c for c in p.candidates if c.variant.name == "nvfp4")
+    assert nv.ok and nv.slow_experts and p.chosen is not None and p.chosen.variant.name == "awq"
+    assert any(n.startswith("nvfp4 MoE experts: no fused GPU kernel") for n in nv.notes)
