@@ -329,7 +329,7 @@ def module_skipped(prefix: str, skip: tuple[str, ...]) -> bool:
         if entry.startswith("re:"):
             hit = any(re.match(entry[3:], n) for n in names)
         elif any(c in entry for c in "*?["):
-            hit = any(fnmatch.fnmatchcase(n, entry) for n in names)
+            hit = any(fnmatch.fnmatchcase(n, entry) or fnmatch.fnmatchcase(n, f"{entry}.*") for n in names)  # or a parent
         else:  # whole dotted components: `mlp.gate` (a router) must not match `mlp.gate_up_proj`
             pattern = re.compile(rf"(^|\.){re.escape(entry)}($|\.)")
             hit = any(pattern.search(n) for n in names)
