@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from moe_harness import engine_greedy_matches, hf_logits, paged_logits, save_random, tp_logits
+from moe_harness import PROMPT, engine_greedy_matches, hf_logits, paged_logits, save_random, tp_logits
 from nvfp4_reference import LAYOUTS, quantise_saved
 from test_models_qwen3_moe import TINY_MOE
 from transformers import Qwen3Config, Qwen3MoeConfig
@@ -62,12 +62,16 @@ def test_logits_and_greedy_tokens_match_the_dequantised_twin(quantised) -> None:
     engine_greedy_matches(path, twin, ours)
 
 
-def test_unquantised_layers_are_named_in_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_unquantised_layers_and_the_path_are_named_in_the_log(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from agentbox.layers.quant import nvfp4
+
     write(tmp_path / "m", "dense", "modelopt")
-    with caplog.at_level(logging.INFO, logger="agentbox.layers.quant.base"):
+    nvfp4._logged.clear()  # the path is logged once per process
+    with caplog.at_level(logging.INFO, logger="agentbox.layers.quant"):
         load_model(str(tmp_path / "m"), torch.float32, "cpu")
     assert "model.layers.1.self_attn.o_proj: left unquantised by the nvfp4 checkpoint" in caplog.text
     assert "layers.0.self_attn.o_proj" not in caplog.text
+    assert "NVFP4 linears on cpu: dense" in caplog.text  # the path taken
 
 
 @pytest.mark.slow
@@ -107,3 +111,25 @@ def test_the_kernel_a_device_takes() -> None:
     assert nvfp4_kernel_for("cuda", (12, 0), False) is NvFp4Kernel.TRITON_W4A16  # no flashinfer / NVFP4A16
     assert nvfp4_kernel_for("cuda", (8, 9), True) is NvFp4Kernel.TRITON_W4A16  # RTX 4090: no FP4 cores
     assert nvfp4_kernel_for("cuda", (9, 0), True) is NvFp4Kernel.TRITON_W4A16  # H100: FP8 cores only
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("model", "layout"), CASES)
+def test_nvfp4_on_cuda_in_bf16_matches_the_fp32_twin(model: str, layout: str, tmp_path: Path) -> None:
+    """On CUDA the linears take the FP4 GEMM (sm_100 / sm_120 with flashinfer) or the Triton W4A16 kernel, the
+    experts the torch reference; bf16 logits match transformers' fp32 run of the dequantised twin."""
+    from model_harness import PagedRunner
+    from test_gpu import _assert_close_bf16
+
+    twin = write(tmp_path / "m", model, layout)
+    ours = load_model(str(tmp_path / "m"), torch.bfloat16, "cuda")
+    kernel = ours.model.model.layers[0].self_attn.qkv_proj.quant_method.kernel
+    assert kernel in (NvFp4Kernel.FP4_GEMM, NvFp4Kernel.TRITON_W4A16)
+    with torch.no_grad():
+        expected = twin(torch.tensor([PROMPT])).logits[0]
+    got = PagedRunner(ours, device="cuda").step({0: PROMPT})[0].cpu()
+    if kernel is NvFp4Kernel.FP4_GEMM:  # W4A4 rounds every activation to e2m1: a looser, relative bound
+        assert (got.float() - expected).norm() / expected.norm() < 0.1
+    else:
+        _assert_close_bf16(got, expected)
