@@ -74,6 +74,29 @@ def test_unquantised_layers_and_the_path_are_named_in_the_log(tmp_path: Path, ca
     assert "NVFP4 linears on cpu: dense" in caplog.text  # the path taken
 
 
+def test_fp8_kv_cache_scales_are_left_and_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A ModelOpt export with kv_cache_quant_algo FP8 carries k_scale / v_scale; the KV cache here stays in the
+    compute dtype: the scales are skipped (counted in the log) and the logits still match the twin."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "m"
+    twin = write(path, "dense", "modelopt")
+    hq = json.loads((path / "hf_quant_config.json").read_text())
+    hq["quantization"]["kv_cache_quant_algo"] = "FP8"
+    (path / "hf_quant_config.json").write_text(json.dumps(hq))
+    state = load_file(str(path / "model.safetensors"))
+    for i in range(DENSE.num_hidden_layers):
+        state[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(0.02)
+        state[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(0.02)
+    save_file(state, str(path / "model.safetensors"))
+    with caplog.at_level(logging.INFO, logger="agentbox.models.weight_loader"):
+        ours = load_model(str(path), torch.float32, "cpu")
+    assert f"skipped {2 * DENSE.num_hidden_layers} FP8 KV-cache scales" in caplog.text
+    torch.testing.assert_close(paged_logits(ours), hf_logits(twin), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_tensor_parallel_2_matches_the_dequantised_twin(tmp_path: Path) -> None:
     dirs = [tmp_path / f"{m}-{layout}" for m, layout in CASES]
@@ -95,7 +118,7 @@ def test_configs_are_read_and_refused_by_the_field_that_says_so() -> None:
     mo = QuantConfig.of(Cfg(None), {"producer": {}, "quantization": modelopt_config(["lm_head"])})
     assert (mo.method, mo.nvfp4_layout, mo.skip_modules) == (QuantMethod.NVFP4, NvFp4Layout.MODELOPT, ("lm_head",))
     with pytest.raises(ValueError, match="kv_cache_quant_algo"):
-        QuantConfig.of(Cfg({"quant_method": "modelopt", **modelopt_config([]), "kv_cache_quant_algo": "FP8"}))
+        QuantConfig.of(Cfg({"quant_method": "modelopt", **modelopt_config([]), "kv_cache_quant_algo": "NVFP4"}))
     with pytest.raises(ValueError, match="quant_algo 'FP8'"):
         QuantConfig.of(Cfg({"quant_method": "modelopt", **modelopt_config([]), "quant_algo": "FP8"}))
     bad = compressed_tensors_config([])

@@ -111,9 +111,9 @@ def _modelopt(q: dict[str, Any]) -> QuantConfig:
     group = int(q.get("group_size", NVFP4_GROUP))
     if group != NVFP4_GROUP:
         raise ValueError(f"{what}.group_size {group} is not supported (NVFP4 scales every {NVFP4_GROUP} values)")
-    if q.get("kv_cache_quant_algo") not in (None, "none", "None"):
-        # its k_scale / v_scale tensors have no place here: the KV cache is kept in the compute dtype
-        raise ValueError(f"{what}.kv_cache_quant_algo {q['kv_cache_quant_algo']!r} is not supported (none only)")
+    kv = q.get("kv_cache_quant_algo")
+    if kv not in (None, "none", "None", "FP8"):
+        raise ValueError(f"{what}.kv_cache_quant_algo {kv!r} is not supported (none, or FP8: its scales are not used)")
     skip = tuple(q.get("exclude_modules") or q.get("ignore") or ())
     return QuantConfig(QuantMethod.NVFP4, 4, NVFP4_GROUP, skip_modules=skip, input_scales=True)
 
