@@ -65,7 +65,7 @@ def test_plan_at_80_columns_wraps_its_explanations_under_the_rows() -> None:
     lines = text.splitlines()
     assert all(len(line) <= 80 for line in lines), [line for line in lines if len(line) > 80]
     rows = [line for line in lines if line.startswith((" >  ", " ok ", " x  "))]
-    assert [r.split()[1] for r in rows] == ["fp8", "q4_k_m", "awq", "nvfp4", "bf16"]
+    assert [r.split()[1] for r in rows] == ["fp8", "q4_k_m", "nvfp4", "awq", "bf16"]
     assert rows[0].rstrip().endswith("chosen")
     # the memory arithmetic and every reason are still there, wrapped at spaces, nothing cut
     joined = " ".join(line.strip() for line in lines)

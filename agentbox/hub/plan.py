@@ -112,8 +112,6 @@ class Candidate:
     notes: list[str] = field(default_factory=list)
     decode_weight_bytes: int = 0  # weights one decoded token reads (MoE: the active parameters only)
     kv_replicated: bool = False  # MLA: every rank keeps the whole latent cache (kv_bytes is then per rank)
-    # its MoE experts have no fused GPU kernel (dequantised per step): ranked after the variants that have one
-    slow_experts: bool = False
 
     @property
     def ok(self) -> bool:
@@ -304,7 +302,6 @@ def _candidate(
         notes.append(nvfp4_path(variant, probe.min_sm, weights, active_weight_bytes(profile, variant, device, cpu_kernels)))
     if profile.moe and (caveat := moe_kernel_caveat(variant, device)) is not None:
         notes.append(caveat)
-        cand.slow_experts = method is not None and METHODS[method].moe_gpu is KernelStatus.DEQUANT_FALLBACK
     if profile.moe:
         # Every expert is resident (memory above); a decoded token reads only the active share (speed).
         notes.append(
@@ -451,9 +448,8 @@ def _best_tp(
 
 
 def _rank(c: Candidate) -> tuple[Any, ...]:
-    # Accepted first; among them those whose experts have a fused kernel (NVFP4 MoE on GPU has none yet: its decode
-    # would be the torch reference's), then the most bits per weight (quality), the fewest ranks, the least memory.
-    return (not c.ok, c.slow_experts, -c.variant.bits, c.tp, c.need_per_device, c.variant.name)
+    # Accepted first; among them the most bits per weight (quality), then the fewest ranks, then the least memory.
+    return (not c.ok, -c.variant.bits, c.tp, c.need_per_device, c.variant.name)
 
 
 def _kv_dtype_bytes(probe: Probe) -> int:

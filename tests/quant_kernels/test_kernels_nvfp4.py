@@ -104,3 +104,49 @@ def test_fp4_gemm_on_fp4_tensor_cores_is_close_to_w4a16() -> None:
     rel = (got - ref).norm() / ref.norm()
     print(f"fp4 gemm vs w4a16: relative error {rel:.4f}")
     assert rel < 0.15
+
+
+@pytest.mark.parametrize(("t", "e", "k", "h", "inter", "dtype"), [(1, 4, 2, 64, 48, torch.float32), (9, 4, 2, 80, 32, torch.float16)])
+def test_fused_moe_nvfp4_matches_its_twin(t: int, e: int, k: int, h: int, inter: int, dtype: torch.dtype) -> None:
+    """The grouped fused-MoE kernel over NVFP4 experts (hidden 80: K not a multiple of the 32-wide MoE tile)."""
+    from agentbox.kernels.fused_moe_quant import fused_moe_nvfp4, fused_moe_nvfp4_ref
+
+    gen = torch.Generator().manual_seed(t)
+
+    def experts(n: int, kk: int) -> tuple[torch.Tensor, ...]:
+        per = [random_nvfp4(n, kk, gen) for _ in range(e)]
+        return tuple(torch.stack([p[i] for p in per]).to(DEVICE) for i in range(3))
+
+    w13, w2 = experts(2 * inter, h), experts(h, inter)
+    x = torch.randn(t, h, generator=gen).to(dtype).to(DEVICE)
+    weights, ids = torch.topk(torch.softmax(torch.randn(t, e, generator=gen), -1), k, dim=-1)
+    args = (x, w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+    got, ref = fused_moe_nvfp4(*args).float().cpu(), fused_moe_nvfp4_ref(*args).float().cpu()
+    tol = 1e-4 if dtype is torch.float32 else 0.02 * ref.abs().max().item()
+    torch.testing.assert_close(got, ref, atol=tol, rtol=1e-4 if dtype is torch.float32 else 0.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU under the interpreter; on CUDA the gpu tests run it")
+def test_nvfp4_moe_model_through_the_fused_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny NVFP4 Qwen3-MoE whose experts take the fused kernel (forced on CPU) against the dequantised twin."""
+    from moe_harness import hf_logits, paged_logits, save_random
+    from nvfp4_reference import quantise_saved
+    from test_quant_nvfp4 import MOE
+
+    from agentbox.kernels import fused_moe_quant
+    from agentbox.layers.experts import nvfp4 as nvfp4_experts
+
+    save_random(MOE, tmp_path / "m")
+    twin = quantise_saved(tmp_path / "m", "modelopt")
+    calls: list[int] = []
+    real = fused_moe_quant.fused_moe_nvfp4
+
+    def counted(*a: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nvfp4_experts, "kernel_runs", lambda x: True)
+    monkeypatch.setattr(fused_moe_quant, "fused_moe_nvfp4", counted)
+    ours = loader.load_model(str(tmp_path / "m"), torch.float32, "cpu")
+    torch.testing.assert_close(paged_logits(ours), hf_logits(twin), atol=1e-3, rtol=1e-3)
+    assert calls  # the experts went through the kernel

@@ -2,8 +2,8 @@
 memory on every device: per expert and projection the codes (uint8 [out, in / 2]), the e4m3 scales
 (uint8-sized [out, in / 16]) and the global scale, kept per output row as the dense layers keep it
 (layers/quant/nvfp4.py: gate and up have a global scale each). The torch reference dequantises only the experts
-a forward routes to; there is no fused NVFP4 MoE kernel yet, so GPUs take that path too (the planner says so:
-formats.py MethodInfo.moe_gpu DEQUANT_FALLBACK)."""
+a forward routes to; on CUDA with Triton the grouped fused-MoE kernel decodes the codes and scales tile by tile
+(kernels/fused_moe_quant.py fused_moe_nvfp4, weight-only: activations stay 16-bit)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,21 @@ from agentbox.layers.experts.base import (
     ExpertShard,
     add_sharded_param,
     check_dims,
+    expert_activation,
     moe_ref,
 )
 from agentbox.layers.quant.base import QuantConfig, Sharding
 from agentbox.layers.quant.nvfp4 import GROUP, NAMES, dequantize_nvfp4, global_multiplier
 from agentbox.layers.weight_loading import set_weight_loader
+
+
+def kernel_runs(x: torch.Tensor) -> bool:
+    """Whether the fused NVFP4 kernel takes this forward (CUDA and Triton; a test forces it on CPU)."""
+    if not x.is_cuda:
+        return False
+    from agentbox.kernels.fused_moe import triton_available
+
+    return triton_available()
 
 
 class NvFp4Experts(ExpertMethod):
@@ -62,8 +72,16 @@ class NvFp4Experts(ExpertMethod):
         codes, scale, gs = (getattr(layer, f"{w}_{n[r]}")[e] for r in ("codes", "scale", "global"))
         return dequantize_nvfp4(codes, scale, gs).to(dtype)
 
+    def projection(self, layer: ExpertLayer, w: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return tuple(getattr(layer, f"{w}_{self.names[r]}") for r in ("codes", "scale", "global"))  # type: ignore[return-value]
+
     def apply(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
+        if kernel_runs(x):
+            from agentbox.kernels.fused_moe_quant import fused_moe_nvfp4
+
+            return fused_moe_nvfp4(x, self.projection(layer, "w13"), self.projection(layer, "w2"), topk_weights,
+                                   topk_ids, expert_activation(layer), b13, b2)
 
         def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
             return self.weights(layer, "w13", e, x.dtype), self.weights(layer, "w2", e, x.dtype)

@@ -104,9 +104,10 @@ METHODS: dict[QuantMethod, MethodInfo] = {
         cpu_bytes_per_weight=INT4_CPU_BYTES,
     ),
     # NVFP4: W4A4 FP4 GEMM on sm_100 / sm_120 where flashinfer imports, the Triton W4A16 kernel on other GPUs
-    # (kernels/nvfp4.py), dequantised at load on CPU (cpu_bytes 0). Experts stay 4.5-bit on every device.
+    # (kernels/nvfp4.py), dequantised at load on CPU (cpu_bytes 0). Experts stay 4.5-bit on every device, through
+    # the fused-MoE kernel on GPU (kernels/fused_moe_quant.py fused_moe_nvfp4, weight-only).
     QuantMethod.NVFP4: MethodInfo(
-        ("nvfp4",), True, KernelStatus.INTERPRETER_ONLY, NVFP4_BYTES, NVFP4_BYTES, KernelStatus.DEQUANT_FALLBACK,
+        ("nvfp4",), True, KernelStatus.INTERPRETER_ONLY, NVFP4_BYTES, NVFP4_BYTES, KernelStatus.INTERPRETER_ONLY,
         NVFP4_BYTES,
     ),
 }
