@@ -66,9 +66,11 @@ def test_nvfp4_model_through_the_kernel_keeps_fp4_resident(tmp_path: Path, monke
 def test_the_gpu_check_block_runs_tiny_on_cpu() -> None:
     from agentbox.bench.gpu_nvfp4 import report
 
-    r = report("cpu", shapes=((80, 37),), batches=(1, 3), dtype=torch.float32, reps=1)
+    r = report("cpu", shapes=((80, 37),), batches=(1, 3), dtype=torch.float32, reps=1, moe_shape=(4, 2, 32, 16),
+               moe_tokens=(2,))
     assert not r["fp4_gemm"] and [c["m"] for c in r["cases"]] == [1, 3]
     assert all(c["w4a16_max_err"] < 1e-5 and c["w4a16_tok_s"] > 0 for c in r["cases"])
+    assert [c["tokens"] for c in r["moe"]] == [2] and r["moe"][0]["max_err"] < 1e-5
 
 
 @pytest.mark.gpu
