@@ -104,6 +104,7 @@ def test_tensor_parallel_2_matches_the_dequantised_twin(tmp_path: Path) -> None:
     for case, want, ranks in zip(CASES, expected, tp_logits(dirs), strict=True):
         for got in ranks:  # every rank holds every logit (the head all-gathers the vocabulary)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m, c=case: f"{c}: {m}")
+            assert torch.equal(got.argmax(-1), want.argmax(-1)), case  # the greedy token at every position
 
 
 def test_configs_are_read_and_refused_by_the_field_that_says_so() -> None:
