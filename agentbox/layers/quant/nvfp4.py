@@ -53,7 +53,8 @@ def flashinfer_fp4_available() -> bool:
         import flashinfer  # noqa: F401
     except ImportError:
         return False
-    return hasattr(flashinfer, "mm_fp4") and hasattr(flashinfer, "fp4_quantize")
+    # the three calls kernels/nvfp4.py makes (flashinfer >= 0.2.9 exports them at the top level)
+    return all(hasattr(flashinfer, f) for f in ("mm_fp4", "fp4_quantize", "nvfp4_block_scale_interleave"))
 
 
 def nvfp4_kernel_for(device_type: str, capability: tuple[int, int] | None, fp4_gemm: bool) -> NvFp4Kernel:
