@@ -124,6 +124,12 @@ block cpu_moe 150 "$PY" -m agentbox.bench.gpu_cpu_moe
 # accepted a step, tokens the same (agentbox/bench/gpu_mtp.py; tests/test_bench_gpu_mtp.py runs the same code at
 # the tiny shape on CPU). About 8 GB of bf16 weights written and read back, 10 GB of fp32 vocab tables to train.
 block mtp 150 "$PY" -m agentbox.bench.gpu_mtp
+# NVFP4 (issue 48): the Triton W4A16 kernel against dequantise-then-matmul at Qwen3-8B's gate_up shape and an odd K,
+# 1 and 32 tokens in bf16, with time and tok/s of the layer next to bf16 F.linear; on sm_100 / sm_120 with flashinfer
+# also the FP4 GEMM (W4A4) against both; the fused NVFP4 MoE kernel against its twin at Qwen3-30B-A3B's expert
+# shape, 1 and 16 tokens (agentbox/bench/gpu_nvfp4.py; tests/quant_kernels/test_kernels_nvfp4.py runs
+# it tiny on CPU). The gpu tests of that file (bf16 W4A16, FP4 GEMM) run in `pytest -m gpu` above.
+block nvfp4 90 "$PY" -m agentbox.bench.gpu_nvfp4
 # Tensor parallel (issue 11): tp 2 over NCCL against tp 1; needs two GPUs (CPU tests cover tp 2 over gloo).
 ngpu="$("$PY" -c 'import torch; print(torch.cuda.device_count())')"
 if [[ "$ngpu" -ge 2 ]]; then
@@ -131,7 +137,7 @@ if [[ "$ngpu" -ge 2 ]]; then
 else
     echo "gpu_check: tp 2 check skipped: $ngpu GPU visible, tensor parallel needs two" >&2
 fi
-# Other blocks go here, one line each. Time limits so far: 120 + 70 + 60 + 110 + 60 + 45 + 90 + 200 + 90 + 150 + 150 = 1145 s
+# Other blocks go here, one line each. Time limits so far: 120 + 70 + 60 + 110 + 60 + 45 + 90 + 200 + 90 + 150 + 150 + 150 + 90 = 1385 s
 # on one GPU (+ 120 s tp on two), expected well under (most of it Triton compiling on a cold cache); keep it under 8
 # minutes.
 

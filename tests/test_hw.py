@@ -59,7 +59,10 @@ def _with(name: str, **software: object) -> Probe:
 
 
 def test_doctor_names_driver_wheel_and_flashinfer_problems_with_fixes() -> None:
-    assert software_problems(_with("2x-rtx5090")) == []  # a healthy described machine
+    healthy = software_problems(_with("2x-rtx5090"))  # a healthy described machine: the NVFP4 path, for information
+    assert [(p.severity, p.what) for p in healthy] == [
+        ("info", "NVFP4 checkpoints on sm_120: W4A4 on the FP4 tensor cores (flashinfer-fp4)")
+    ]
     old = software_problems(_with("2x-rtx5090", driver_cuda="11.8", driver_version="520.61.05"))
     assert old[0].severity == "error" and "older than the CUDA 12.8" in old[0].what and "cu118" in old[0].fix
     minor = software_problems(_with("2x-rtx5090", driver_cuda="12.4"))
@@ -71,7 +74,10 @@ def test_doctor_names_driver_wheel_and_flashinfer_problems_with_fixes() -> None:
     )
     assert any("no kernel image" in p.what for p in failing)
     missing = software_problems(_with("1x-rtx4090"))
-    assert [p.severity for p in missing] == ["warning"] and "flashinfer-python" in missing[0].fix
+    assert [p.severity for p in missing] == ["warning", "info"] and "flashinfer-python" in missing[0].fix
+    assert missing[1].what == "NVFP4 checkpoints on sm_89: the Triton W4A16 path (triton-w4a16; no FP4 tensor cores)"
+    no_fi = software_problems(_with("1x-rtx5090", flashinfer_version=None, flashinfer_ok=None))
+    assert no_fi[-1].severity == "warning" and "FP4 tensor cores that flashinfer would use" in no_fi[-1].what
     broken = software_problems(
         _with("2x-rtx5090", flashinfer_ok=False, flashinfer_error="libcuda.so not found")
     )

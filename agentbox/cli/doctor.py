@@ -228,7 +228,29 @@ def software_problems(probe: Probe) -> list[Problem]:
                 "reinstall flashinfer-python built for your torch/CUDA, or run with --attention triton",
             )
         )
+    out.append(nvfp4_path(probe))
     return out
+
+
+def nvfp4_path(probe: Probe) -> Problem:
+    """The kernel NVFP4 checkpoints take on the slowest GPU here (layers/quant/nvfp4.py nvfp4_kernel_for)."""
+    from agentbox.layers.quant.formats import has_fp4_tensor_cores
+    from agentbox.layers.quant.nvfp4 import NvFp4Kernel, nvfp4_kernel_for
+
+    sm = probe.min_sm or 0
+    kernel = nvfp4_kernel_for("cuda", (sm // 10, sm % 10), probe.software.flashinfer_ok is True)
+    if kernel is NvFp4Kernel.FP4_GEMM:
+        return Problem("info", f"NVFP4 checkpoints on sm_{sm}: W4A4 on the FP4 tensor cores ({kernel.value})", "nothing to do")
+    if has_fp4_tensor_cores((sm // 10, sm % 10)):  # the cores are there, flashinfer is not
+        return Problem(
+            "warning",
+            f"NVFP4 checkpoints on sm_{sm}: the Triton W4A16 path ({kernel.value}); this GPU has FP4 tensor cores "
+            "that flashinfer would use",
+            f"{pip_cmd()} install flashinfer-python (matching your torch and CUDA versions)",
+        )
+    return Problem(
+        "info", f"NVFP4 checkpoints on sm_{sm}: the Triton W4A16 path ({kernel.value}; no FP4 tensor cores)", "nothing to do"
+    )
 
 
 def tp_problems(tp: int, peer: Callable[[int, int], bool] | None = None, count: int | None = None) -> list[Problem]:

@@ -33,6 +33,7 @@ from agentbox.layers.quant.formats import (
     QuantMethod,
     QuantScheme,
     engine_formats,
+    has_fp4_tensor_cores,
     method_of_format,
     moe_expert_formats,
 )
@@ -338,6 +339,8 @@ def _candidate(
         notes.append(f"{variant.format} is dequantised at load: {_gb(variant.size)} on disk, {_gb(weights)} resident")
     if (caveat := kernel_caveat(variant, device)) is not None:
         notes.append(caveat)
+    if method is QuantMethod.NVFP4 and device == "cuda":
+        notes.append(nvfp4_path(variant, probe.min_sm, weights, active_weight_bytes(profile, variant, device, cpu_kernels)))
     if profile.moe and (caveat := moe_kernel_caveat(variant, device)) is not None:
         notes.append(caveat)
     if profile.moe:
@@ -488,6 +491,22 @@ def kernel_caveat(variant: Variant, device: str) -> str | None:
     if status is KernelStatus.DEQUANT_FALLBACK:
         return f"{variant.format}: no fused GPU kernel yet; weights dequantised per matmul (slow decode)"
     return None
+
+
+def nvfp4_path(variant: Variant, sm: int | None, weights: int, decode: int) -> str:
+    """Which NVFP4 path a GPU takes (layers/quant/nvfp4.py nvfp4_kernel_for) and what it costs."""
+    capability = None if sm is None else (sm // 10, sm % 10)
+    cost = f"weights stay 4.5 bits: {_gb(weights)} resident, {_gb(decode)} read per decode step"
+    if has_fp4_tensor_cores(capability):
+        return (
+            f"{variant.format} on sm_{sm} (FP4 tensor cores): W4A4 through flashinfer's FP4 GEMM (activations "
+            f"quantised per 16 with the checkpoint's input scales) where flashinfer is installed, else the Triton "
+            f"W4A16 kernel; {cost}"
+        )
+    return (
+        f"{variant.format} on sm_{sm} (no FP4 tensor cores): the Triton W4A16 path, each tile's e2m1 codes and "
+        f"e4m3 scales decoded in registers and multiplied in bf16 (16-bit tensor-core speed, no FP4 speed-up); {cost}"
+    )
 
 
 def moe_kernel_caveat(variant: Variant, device: str) -> str | None:

@@ -44,6 +44,7 @@ class WeightFormat(IntEnum):
     FP8_NATIVE = 3  # e4m3 bytes bitcast to Triton's fp8e4nv (sm_89+)
     MXFP4 = 4  # bytes of two FP4 E2M1 codes along K (low nibble first); a power-of-two scale per 32
     INT4_K = 5  # INT4's codes; Q4_K's 6-bit scale and min per 32 rows (uint8), fp16 d and dmin per 256 (`h`)
+    NVFP4 = 6  # MXFP4's code bytes; an e4m3 scale byte per 16 along K, an fp32 multiplier per N column (`o`)
 
 
 def check_runnable(*tensors: torch.Tensor) -> None:
@@ -71,6 +72,7 @@ if HAS_TRITON:
     _FP8: tl.constexpr = tl.constexpr(WeightFormat.FP8.value)
     _FP8_NATIVE: tl.constexpr = tl.constexpr(WeightFormat.FP8_NATIVE.value)
     _INT4_K: tl.constexpr = tl.constexpr(WeightFormat.INT4_K.value)
+    _NVFP4: tl.constexpr = tl.constexpr(WeightFormat.NVFP4.value)
 
     @triton.jit
     def e4m3_to_f32(b):
@@ -102,6 +104,14 @@ if HAS_TRITON:
         mask = kmask[:, None] & nmask[None, :]
         if FORMAT == _DENSE:
             w = tl.load(w_ptr + rk[:, None] * swk + rn[None, :] * swn, mask=mask, other=0.0)
+        elif FORMAT == _NVFP4:
+            # a scale per 16 rows of K: read per element (K_GROUP 16), so BLOCK_K may span several groups;
+            # e2m1 x e4m3 is exact in fp32, the column's global multiplier rounds once, as the twin does
+            b = tl.load(w_ptr + (rk // 2)[:, None] * swk + rn[None, :] * swn, mask=mask, other=0)
+            c = (b.to(tl.int32) >> ((rk % 2) * 4)[:, None]) & 0xF
+            sb = tl.load(s_ptr + (rk // K_GROUP)[:, None] * ssk + rn[None, :] * ssn, mask=mask, other=0)
+            g = tl.load(o_ptr + rn * son, mask=nmask, other=0.0).to(tl.float32)
+            w = e2m1_to_f32(c) * e4m3_to_f32(sb) * g[None, :]
         else:
             s = tl.load(s_ptr + (k0 // K_GROUP) * ssk + (rn // N_GROUP) * ssn, mask=nmask, other=0).to(tl.float32)
             if FORMAT == _INT4:

@@ -1,4 +1,5 @@
-"""Fused MoE over quantised experts that stay quantised in memory: int4 (canonical), k-bit, FP8 block, MXFP4.
+"""Fused MoE over quantised experts that stay quantised in memory: int4 (canonical), k-bit, FP8 block, MXFP4,
+NVFP4.
 
 Each entry point describes its tensors as `ExpertWeights` for the one grouped GEMM of kernels/fused_moe.py,
 which dequantises a [BLOCK_K, BLOCK_N] tile of the routed expert inside its K loop (weight-only: the
@@ -15,6 +16,8 @@ activations stay in x's dtype, the products accumulate in fp32). Layouts (kernel
   `w2_weight` [E, H, I], `w2_weight_scale_inv` [E, H/bo, I/bi]; gate and up each start on a block row.
 - MXFP4, as layers/experts/mxfp4.py stores gpt-oss's experts: `w13_blocks` uint8 [E, 2I, H/32, 16],
   `w13_scales` uint8 [E, 2I, H/32]; `w2_blocks` [E, H, I/32, 16], `w2_scales` [E, H, I/32].
+- NVFP4, as layers/experts/nvfp4.py stores it: codes uint8 [E, N, K/2] (two a byte, low nibble first), e4m3
+  scales [E, N, K/16], an fp32 global multiplier per output row [E, N].
 Every twin (`*_ref`) dequantises only the experts the batch routes to and runs fused_moe_ref on them.
 """
 
@@ -129,6 +132,21 @@ def mxfp4_expert_weights(blocks: torch.Tensor, scales: torch.Tensor) -> ExpertWe
     )
 
 
+def nvfp4_expert_weights(codes: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor) -> ExpertWeights:
+    e, n, half = codes.shape
+    if codes.dtype != torch.uint8 or scale.shape != (e, n, half * 2 // 16) or global_scale.shape != (e, n):
+        raise ValueError(
+            f"NVFP4 experts: codes {tuple(codes.shape)} {codes.dtype}, scales {tuple(scale.shape)} and global "
+            f"{tuple(global_scale.shape)} do not fit uint8 [E, N, K/2], [E, N, K/16] and [E, N]"
+        )
+    s8 = scale.view(torch.uint8)  # e4m3 bytes, decoded in the tile
+    gs = global_scale.float()
+    return ExpertWeights(
+        WeightFormat.NVFP4, codes, n, half * 2, _strides(codes, 0, 1, 2), s8, _strides(s8, 0, 2, 1),
+        gs, (gs.stride(0), 0, gs.stride(1)), k_group=16,
+    )
+
+
 def fused_moe_int4(
     x: torch.Tensor,
     w13_qweight: torch.Tensor, w13_scale: torch.Tensor, w13_offset: torch.Tensor,
@@ -175,6 +193,16 @@ def fused_moe_mxfp4(
     w13 = mxfp4_expert_weights(w13_blocks, w13_scales)
     w2 = mxfp4_expert_weights(w2_blocks, w2_scales)
     return fused_moe_experts(x, w13, w2, topk_weights, topk_ids, act, b13, b2)
+
+
+def fused_moe_nvfp4(
+    x: torch.Tensor,
+    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    act: Act = silu_and_mul, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [T, H] -> [T, H] over NVFP4 experts; w13 / w2 = (codes, scales, global multipliers per row)."""
+    return fused_moe_experts(x, nvfp4_expert_weights(*w13), nvfp4_expert_weights(*w2), topk_weights, topk_ids, act, b13, b2)
 
 
 # ---- the twins: dequantise the routed experts, then the dense reference ----
@@ -248,5 +276,19 @@ def fused_moe_mxfp4_ref(
 ) -> torch.Tensor:
     def dequant(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return dequant_mxfp4(w13_blocks[ids], w13_scales[ids]), dequant_mxfp4(w2_blocks[ids], w2_scales[ids])
+
+    return _ref_on_routed(x, topk_weights, topk_ids, act, b13, b2, dequant)
+
+
+def fused_moe_nvfp4_ref(
+    x: torch.Tensor,
+    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    act: Act = silu_and_mul, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    from agentbox.layers.quant.nvfp4 import dequantize_nvfp4
+
+    def dequant(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(dequantize_nvfp4(c[ids], s[ids], g[ids]) for c, s, g in (w13, w2))  # type: ignore[return-value]
 
     return _ref_on_routed(x, topk_weights, topk_ids, act, b13, b2, dequant)

@@ -52,8 +52,13 @@ class ExpertWeight:
 
 
 # The tensor names one expert projection has in the safetensors layouts the expert methods load: bf16
-# `weight`; FP8 block `weight` + `weight_scale_inv`; AWQ `qweight`/`qzeros`/`scales`; GPTQ those + `g_idx`.
-EXPERT_TENSOR_NAMES = ("weight", "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx")
+# `weight`; FP8 block `weight` + `weight_scale_inv`; AWQ `qweight`/`qzeros`/`scales`; GPTQ those + `g_idx`;
+# NVFP4 ModelOpt `weight` + `weight_scale` / `weight_scale_2` / `input_scale`, compressed-tensors `weight_packed`
+# + `weight_scale` / `weight_global_scale` / `input_global_scale`.
+EXPERT_TENSOR_NAMES = (
+    "weight", "weight_scale_inv", "qweight", "qzeros", "scales", "g_idx",
+    "weight_scale", "weight_scale_2", "input_scale", "weight_packed", "weight_global_scale", "input_global_scale",
+)
 
 
 def per_expert_weights(

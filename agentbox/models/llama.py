@@ -49,14 +49,16 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = config.model_type == "qwen2" or attention_bias  # Qwen2 has q/k/v bias, no o_proj bias
+        # prefixes: the checkpoint's module names, which a quantised checkpoint's exclusion lists match
+        prefix = f"model.layers.{layer_id}.self_attn"
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias
+            config.hidden_size, self.head_dim, total_heads, total_kv_heads, qkv_bias, prefix=f"{prefix}.qkv_proj"
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         sh = self.qkv_proj.shard
         self.o_proj = RowParallelLinear(
             total_heads * self.head_dim, config.hidden_size, attention_bias,
-            input_shard=(sh.q_start * self.head_dim, sh.num_heads * self.head_dim),
+            input_shard=(sh.q_start * self.head_dim, sh.num_heads * self.head_dim), prefix=f"{prefix}.o_proj",
         )
         self.qk_norm = config.model_type in QK_NORM_MODEL_TYPES
         if self.qk_norm:
@@ -95,14 +97,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, intermediate_size: int | None = None) -> None:
+    def __init__(self, config: Any, intermediate_size: int | None = None, prefix: str = "") -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
         inter = intermediate_size or config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -163,7 +165,7 @@ class LlamaForCausalLM(CausalLM):
 
     @staticmethod
     def make_mlp(config: Any, layer_id: int) -> nn.Module:
-        return LlamaMLP(config)
+        return LlamaMLP(config, prefix=f"model.layers.{layer_id}.mlp")
 
     def __init__(self, config: Any) -> None:
         super().__init__(config)

@@ -73,8 +73,12 @@ def resolve_model(path: str) -> ModelSource:
 
 
 def quant_config(src: ModelSource, config: PretrainedConfig) -> QuantConfig:
-    """The checkpoint's quantisation: config.json's quantization_config, or a GGUF file's tensor types."""
-    return gguf_quant_config(src.path) if src.kind == "gguf" else QuantConfig.of(config)
+    """The checkpoint's quantisation: config.json's quantization_config (ModelOpt's hf_quant_config.json where
+    config.json has none), or a GGUF file's tensor types."""
+    if src.kind == "gguf":
+        return gguf_quant_config(src.path)
+    modelopt = src.path / "hf_quant_config.json"
+    return QuantConfig.of(config, json.loads(modelopt.read_text()) if modelopt.is_file() else None)
 
 
 def load_config(src: ModelSource) -> PretrainedConfig:
@@ -113,7 +117,7 @@ def iter_weights(
 _LINEAR_SUFFIXES = (
     "_proj.weight", "_proj.bias", ".qweight", ".qzeros", ".scales", ".g_idx", ".weight_scale_inv",
     ".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_g_idx",  # compressed-tensors
-)
+)  # NVFP4's per-tensor global scales (`weight_scale_2`, `input_scale`, `*_global_scale`) are read whole
 
 
 def _linear_tensor(name: str) -> bool:

@@ -56,4 +56,4 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def make_mlp(config: Any, layer_id: int) -> nn.Module:
-        return Qwen3MoeSparseBlock(config, f"model.layers.{layer_id}.mlp") if is_sparse_layer(config, layer_id) else LlamaMLP(config)
+        return Qwen3MoeSparseBlock(config, f"model.layers.{layer_id}.mlp") if is_sparse_layer(config, layer_id) else LlamaMLP(config, prefix=f"model.layers.{layer_id}.mlp")

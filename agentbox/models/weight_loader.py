@@ -31,6 +31,9 @@ from agentbox.models.base import CausalLM, ExpertWeight
 log = logging.getLogger(__name__)
 
 DEFAULT_SKIPS = ("rotary_emb.inv_freq",)
+# FP8 KV-cache scales (ModelOpt's `k_proj.k_scale` / `v_proj.v_scale`, kv_cache_quant_algo FP8): the KV cache here
+# stays in the compute dtype, which needs no scale; the load logs how many it left.
+KV_CACHE_SCALES = (".k_scale", ".v_scale")
 
 
 def _expert_match(
@@ -58,6 +61,9 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
         if hit := next((s for s in skips if s in name), None):
             skipped[hit] += 1
             continue
+        if name.endswith(KV_CACHE_SCALES):
+            skipped["kv-cache scales"] += 1
+            continue
         if name == "lm_head.weight" and tied:
             continue  # some tied checkpoints still carry a copy
         if (hit := _expert_match(name, experts)) is not None:
@@ -78,6 +84,8 @@ def load_weights(model: CausalLM, weights: Iterable[tuple[str, Any]]) -> None:
         with torch.no_grad():
             load_weight(param, tensor, *shard)
         loaded.add(name)
+    if n := skipped.get("kv-cache scales"):
+        log.info("skipped %d FP8 KV-cache scales: the KV cache stays in the compute dtype", n)
     for skip, n in skipped.items():
         if skip in model.skip_checkpoint_names:
             log.info("skipped %d checkpoint tensors under %r: %s", n, skip, model.skip_checkpoint_names[skip])

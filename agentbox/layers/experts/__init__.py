@@ -1,7 +1,7 @@
 """Mixture-of-experts layers, laid out as layers/quant/ is: the interface, the registry and what every format
 shares (base.py), routing (routing.py), the FusedMoE layer (layer.py), and one file per storage format of the
 experts' weights: unquantised (unquantized.py), canonical int4 (int4.py) and the checkpoints converted into it
-(awq.py, gptq.py), FP8 block (fp8.py), k-bit (bits.py), GGUF (gguf.py), MXFP4 (mxfp4.py), plus the CPU
+(awq.py, gptq.py), FP8 block (fp8.py), k-bit (bits.py), GGUF (gguf.py), NVFP4 (nvfp4.py), MXFP4 (mxfp4.py), plus the CPU
 kernels' repacked form (cpu.py, made by a load step). A format is an `ExpertMethod`; the checkpoint's
 QuantConfig picks it from the registry filled here. MXFP4 is not in it: gpt-oss's model picks it from its
 config (its quantization_config names only the experts).
@@ -22,6 +22,7 @@ from agentbox.layers.experts.fp8 import Fp8BlockExperts
 from agentbox.layers.experts.gguf import GGUFExperts
 from agentbox.layers.experts.gptq import GptqExperts
 from agentbox.layers.experts.layer import FusedMoE
+from agentbox.layers.experts.nvfp4 import NvFp4Experts
 from agentbox.layers.experts.routing import select_experts
 from agentbox.layers.experts.unquantized import UnquantizedExperts
 from agentbox.layers.quant.formats import QuantMethod
@@ -31,6 +32,7 @@ register_expert_method(QuantMethod.FP8_BLOCK, Fp8BlockExperts)
 register_expert_method(QuantMethod.AWQ, AwqExperts)
 register_expert_method(QuantMethod.GPTQ, GptqExperts)
 register_expert_method(QuantMethod.GGUF, lambda config: GGUFExperts())
+register_expert_method(QuantMethod.NVFP4, NvFp4Experts)
 
 __all__ = [
     "ExpertMethod",

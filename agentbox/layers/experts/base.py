@@ -205,7 +205,8 @@ def registered_expert_methods() -> frozenset[QuantMethod]:
 def expert_method(prefix: str = "") -> ExpertMethod:
     """The experts' method from the QuantConfig the linear methods use (skip_modules respected)."""
     config = quant_base.current_config()
-    if config.method is not QuantMethod.UNQUANTIZED and any(s and s in prefix for s in config.skip_modules):
+    if config.method is not QuantMethod.UNQUANTIZED and quant_base.module_skipped(prefix, config.skip_modules):
+        quant_base.log.info("%s: experts left unquantised by the %s checkpoint", prefix, config.method.value)
         config = QuantConfig()
     factory = _EXPERT_METHODS.get(config.method)
     if factory is None:

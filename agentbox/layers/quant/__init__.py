@@ -6,6 +6,7 @@ from agentbox.layers.quant import (  # noqa: F401  (registers the methods)
     fp8,
     gguf,
     gptq,
+    nvfp4,
     unquantized,
 )
 from agentbox.layers.quant.base import (

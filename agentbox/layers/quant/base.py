@@ -14,6 +14,9 @@ narrows every layout. A shard that does not fall on a pack or group boundary is 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import logging
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,8 +25,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from agentbox.layers.quant.formats import QuantMethod
+from agentbox.layers.quant.formats import NvFp4Layout, QuantMethod
 from agentbox.layers.quant.lazy import materialize
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,17 +41,27 @@ class QuantConfig:
     sym: bool = True  # GPTQ: symmetric (zero point 8 implied; qzeros still stored)
     desc_act: bool = False  # GPTQ act-order: g_idx permutes the groups
     block_size: tuple[int, int] = (128, 128)  # FP8: [out, in] elements per weight_scale_inv entry
-    skip_modules: tuple[str, ...] = field(default_factory=tuple)  # modules_to_not_convert
+    # modules_to_not_convert / ignore / exclude_modules: a substring of the module name, an fnmatch pattern
+    # (ModelOpt's `*.mlp.gate`) or compressed-tensors' `re:<regex>`
+    skip_modules: tuple[str, ...] = field(default_factory=tuple)
+    nvfp4_layout: NvFp4Layout = NvFp4Layout.MODELOPT  # NVFP4: which tensor names the checkpoint uses
+    input_scales: bool = False  # NVFP4: the checkpoint stores activation global scales (W4A4 as made)
     kernel: Any = None  # an int4.Int4Kernel to force (benchmarks); None: the device's default
 
     @staticmethod
-    def of(hf_config: Any) -> QuantConfig:
-        """The checkpoint's method. Unknown methods are refused by name rather than run unquantised."""
+    def of(hf_config: Any, hf_quant_config: dict[str, Any] | None = None) -> QuantConfig:
+        """The checkpoint's method. Unknown methods are refused by name rather than run unquantised.
+        `hf_quant_config`: ModelOpt's hf_quant_config.json, read where config.json carries no
+        quantization_config (older ModelOpt exports keep it only there)."""
         raw = getattr(hf_config, "quantization_config", None)
+        if raw is None and hf_quant_config is not None:
+            return _modelopt({**hf_quant_config.get("quantization", hf_quant_config), "quant_method": "modelopt"})
         if raw is None:
             return QuantConfig()
         q = raw if isinstance(raw, dict) else raw.to_dict()
         name = str(q.get("quant_method", "")).lower()
+        if name == "modelopt":
+            return _modelopt(q)
         skip = tuple(q.get("modules_to_not_convert") or ())
         if name == "fp8":
             block = q.get("weight_block_size")
@@ -80,14 +95,64 @@ class QuantConfig:
             return QuantConfig(skip_modules=skip)
         raise ValueError(
             f"quantization_config.quant_method {name!r} is not supported "
-            "(fp8, awq, gptq, compressed-tensors, gguf, mxfp4)"
+            "(fp8, awq, gptq, compressed-tensors, gguf, mxfp4, modelopt)"
         )
+
+
+NVFP4_GROUP = 16  # values per e4m3 block scale: the format's, every release's
+
+
+def _modelopt(q: dict[str, Any]) -> QuantConfig:
+    """NVIDIA ModelOpt's export: quant_algo NVFP4 (the FP8 and mixed algorithms are refused by name)."""
+    what = "quantization_config"
+    algo = str(q.get("quant_algo", "")).upper()
+    if algo != "NVFP4":
+        raise ValueError(f"{what}.quant_algo {q.get('quant_algo')!r} is not supported (ModelOpt NVFP4 only)")
+    group = int(q.get("group_size", NVFP4_GROUP))
+    if group != NVFP4_GROUP:
+        raise ValueError(f"{what}.group_size {group} is not supported (NVFP4 scales every {NVFP4_GROUP} values)")
+    kv = q.get("kv_cache_quant_algo")
+    if kv not in (None, "none", "None", "FP8"):
+        raise ValueError(f"{what}.kv_cache_quant_algo {kv!r} is not supported (none, or FP8: its scales are not used)")
+    skip = tuple(q.get("exclude_modules") or q.get("ignore") or ())
+    return QuantConfig(QuantMethod.NVFP4, 4, NVFP4_GROUP, skip_modules=skip, input_scales=True)
+
+
+def _nvfp4_scheme(scheme: dict[str, Any] | None, at: str) -> None:
+    if (
+        not scheme or int(scheme.get("num_bits", 0)) != 4 or scheme.get("type") != "float"
+        or scheme.get("strategy") != "tensor_group" or scheme.get("group_size") != NVFP4_GROUP
+    ):
+        raise ValueError(f"{at}: {scheme!r} is not NVFP4 (4-bit float, tensor_group, group_size {NVFP4_GROUP})")
+
+
+def _compressed_tensors_nvfp4(q: dict[str, Any]) -> QuantConfig:
+    """compressed-tensors `nvfp4-pack-quantized` (llm-compressor's NVFP4 and NVFP4A16 schemes): every group
+    must be NVFP4 weights; activations NVFP4 too (W4A4, `input_global_scale` stored) or none (A16)."""
+    what = "quantization_config"
+    inputs = set()
+    for key, group in (q.get("config_groups") or {}).items():
+        at = f"{what}.config_groups.{key}"
+        if (group.get("format") or q.get("format")) != "nvfp4-pack-quantized":
+            raise ValueError(f"{at}.format: NVFP4 groups mixed with {group.get('format')!r} are not supported")
+        _nvfp4_scheme(group.get("weights"), f"{at}.weights")
+        if group.get("input_activations") is not None:
+            _nvfp4_scheme(group["input_activations"], f"{at}.input_activations")
+        inputs.add(group.get("input_activations") is not None)
+    if len(inputs) != 1:
+        raise ValueError(f"{what}.config_groups: NVFP4 needs at least one group, all with or all without activations")
+    return QuantConfig(
+        QuantMethod.NVFP4, 4, NVFP4_GROUP, skip_modules=tuple(q.get("ignore") or ()),
+        nvfp4_layout=NvFp4Layout.COMPRESSED_TENSORS, input_scales=inputs.pop(),
+    )
 
 
 def _compressed_tensors(q: dict[str, Any]) -> QuantConfig:
     """llm-compressor's config: W4A16 `pack-quantized` over every Linear, the LM head left out. Other schemes
     (W8A8, FP8, NVFP4, sparsity, per-module targets) are refused by the field that says so."""
     what = "quantization_config"
+    if q.get("format") == "nvfp4-pack-quantized":
+        return _compressed_tensors_nvfp4(q)
     groups = q.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{what}.config_groups: compressed-tensors needs at least one config group")
@@ -248,9 +313,35 @@ def current_config() -> QuantConfig:
     return _current
 
 
+# Our fused modules and the checkpoint modules they hold: a skip entry may name either.
+_FUSED_NAMES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def module_skipped(prefix: str, skip: tuple[str, ...]) -> bool:
+    """Whether the checkpoint leaves the module `prefix` unquantised (QuantConfig.skip_modules' forms)."""
+    if not prefix or not skip:
+        return False
+    names = [prefix]
+    for fused, parts in _FUSED_NAMES.items():
+        if prefix.endswith(fused):
+            names += [prefix.removesuffix(fused) + part for part in parts]
+    for entry in filter(None, skip):
+        if entry.startswith("re:"):
+            hit = any(re.match(entry[3:], n) for n in names)
+        elif any(c in entry for c in "*?["):
+            hit = any(fnmatch.fnmatchcase(n, entry) or fnmatch.fnmatchcase(n, f"{entry}.*") for n in names)  # or a parent
+        else:  # whole dotted components: `mlp.gate` (a router) must not match `mlp.gate_up_proj`
+            pattern = re.compile(rf"(^|\.){re.escape(entry)}($|\.)")
+            hit = any(pattern.search(n) for n in names)
+        if hit:
+            return True
+    return False
+
+
 def linear_method(prefix: str = "") -> LinearMethod:
     config = _current
-    if config.method is not QuantMethod.UNQUANTIZED and any(s in prefix for s in config.skip_modules):
+    if config.method is not QuantMethod.UNQUANTIZED and module_skipped(prefix, config.skip_modules):
+        log.info("%s: left unquantised by the %s checkpoint", prefix, config.method.value)
         config = QuantConfig()
     if config.method not in _REGISTRY:
         raise ValueError(f"no linear method registered for {config.method.value}")

@@ -19,6 +19,23 @@ class QuantMethod(Enum):
     AWQ = "awq"
     GPTQ = "gptq"
     COMPRESSED_TENSORS = "compressed-tensors"  # W4A16 pack-quantized
+    NVFP4 = "nvfp4"  # e2m1 + e4m3 scale per 16 + fp32 global (ModelOpt or compressed-tensors nvfp4-pack-quantized)
+
+
+class NvFp4Layout(Enum):
+    """The two on-disk layouts of the same NVFP4 numbers (layers/quant/nvfp4.py reads both)."""
+
+    MODELOPT = "modelopt"  # `weight`, `weight_scale`, `weight_scale_2` (a multiplier), `input_scale`
+    COMPRESSED_TENSORS = "compressed-tensors"  # `weight_packed`, `weight_scale`, `weight_global_scale` (a divisor)
+
+
+# Compute capabilities with FP4 (e2m1) tensor cores: datacenter Blackwell (sm_100, B300 sm_103) and consumer
+# Blackwell (sm_120: RTX 5090 / 5080; sm_121: GB10). Hopper and Ada have FP8 tensor cores but no FP4.
+FP4_TENSOR_CORE_CAPABILITIES: frozenset[tuple[int, int]] = frozenset({(10, 0), (10, 3), (12, 0), (12, 1)})
+
+
+def has_fp4_tensor_cores(capability: tuple[int, int] | None) -> bool:
+    return capability is not None and capability in FP4_TENSOR_CORE_CAPABILITIES
 
 
 class KernelStatus(Enum):
@@ -55,6 +72,9 @@ FP8_BYTES = 1 + 4 / (128 * 128)
 INT4_FILE_BYTES = 0.5 + (2 + 0.5) / 128
 INT4_RESIDENT_BYTES = 0.5 + (2 + 2) / 128
 INT4_CPU_BYTES = 0.5 + (4 + 4) / 128  # fp32 scale and offset
+# NVFP4: a 4-bit e2m1 code and one e4m3 byte per 16 weights (4.5 bits); the fp32 global scale per tensor is
+# nothing per weight. Resident on GPU as stored (the W4A16 kernel and the FP4 GEMM both read that form).
+NVFP4_BYTES = 0.5 + 1 / 16
 
 # Only methods with a registered implementation appear here (tests/test_quant_registry.py checks it).
 METHODS: dict[QuantMethod, MethodInfo] = {
@@ -82,6 +102,13 @@ METHODS: dict[QuantMethod, MethodInfo] = {
     QuantMethod.COMPRESSED_TENSORS: MethodInfo(
         ("w4a16",), True, KernelStatus.INTERPRETER_ONLY, INT4_FILE_BYTES, INT4_RESIDENT_BYTES,
         cpu_bytes_per_weight=INT4_CPU_BYTES,
+    ),
+    # NVFP4: W4A4 FP4 GEMM on sm_100 / sm_120 where flashinfer imports, the Triton W4A16 kernel on other GPUs
+    # (kernels/nvfp4.py), dequantised at load on CPU (cpu_bytes 0). Experts stay 4.5-bit on every device, through
+    # the fused-MoE kernel on GPU (kernels/fused_moe_quant.py fused_moe_nvfp4, weight-only).
+    QuantMethod.NVFP4: MethodInfo(
+        ("nvfp4",), True, KernelStatus.INTERPRETER_ONLY, NVFP4_BYTES, NVFP4_BYTES, KernelStatus.INTERPRETER_ONLY,
+        NVFP4_BYTES,
     ),
 }
 
