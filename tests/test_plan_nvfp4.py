@@ -48,9 +48,11 @@ def test_on_a_4090_the_plan_names_the_w4a16_path_and_its_cost() -> None:
 
 
 def test_an_nvfp4_moe_on_a_4090_runs_its_experts_through_the_fused_kernel() -> None:
-    """Qwen3-Coder-30B-A3B on a 4090: the NVFP4 experts have the fused (weight-only) kernel, so the 4.5-bit release
-    ranks by its bits, above the 4-bit AWQ one, and the plan says which path the linears take."""
-    p = plan(find_profile("Qwen3-Coder-30B-A3B-Instruct"), Probe.load(HW / "1x-rtx4090.json"), PlanConfig())
+    """Qwen3-Coder-30B-A3B on a 4090, GPU only: the NVFP4 experts have the fused (weight-only) kernel, so the 4.5-bit
+    release ranks by its bits, above the 4-bit AWQ one, and the plan says which path the linears take. (With
+    experts in host RAM allowed, Q4_K_M with 2 layers' experts in RAM ranks above both: tests/test_plan_offload.py.)"""
+    p = plan(find_profile("Qwen3-Coder-30B-A3B-Instruct"), Probe.load(HW / "1x-rtx4090.json"),
+             PlanConfig(experts_in_ram=False))
     assert p.chosen is not None and p.chosen.variant.name == "nvfp4"
     assert any(n.startswith("nvfp4 MoE experts: our fused Triton kernel is verified only under") for n in p.chosen.notes)
     assert any(n.startswith("nvfp4 on sm_89 (no FP4 tensor cores): the Triton W4A16 path") for n in p.chosen.notes)

@@ -84,14 +84,14 @@ def test_qwen3_coder_next_chooses_the_split_the_cpu_kernels_run() -> None:
 
 
 def test_a_better_quant_in_ram_beats_a_worse_one_on_the_gpu_above_the_floor() -> None:
-    # Qwen3-Coder-30B-A3B on a 24 GB card: Q4_K_M (4.8 bits) with 2 layers' experts in RAM over AWQ (4.25) that
-    # fits the card alone, while its bound is above the floor; past the bound the GPU-only AWQ wins
+    # Qwen3-Coder-30B-A3B on a 24 GB card: Q4_K_M (4.8 bits) with 2 layers' experts in RAM over NVFP4 (4.5) and
+    # AWQ (4.25) that fit the card alone, while its bound is above the floor; past the bound the best GPU-only wins
     p = run("Qwen3-Coder-30B-A3B-Instruct", "1x-rtx4090")
     c = p.chosen
     assert c is not None and c.variant.name == "q4_k_m" and c.split is not None and c.split.in_ram == 2
-    assert cand(p, "awq").ok and cand(p, "awq").split is None
+    assert all(cand(p, name).ok and cand(p, name).split is None for name in ("nvfp4", "awq"))
     high = run("Qwen3-Coder-30B-A3B-Instruct", "1x-rtx4090", min_tok_s=c.split.tok_s + 1)
-    assert high.chosen is not None and high.chosen.variant.name == "awq"
+    assert high.chosen is not None and high.chosen.variant.name == "nvfp4"
     q4 = cand(high, "q4_k_m")
     assert q4.slow and any("below the" in n and "floor" in n for n in q4.notes)
 
