@@ -9,6 +9,7 @@ from agentbox.models.deepseek_v4 import DeepseekV4ForCausalLM
 from agentbox.models.gemma4 import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
+from agentbox.models.glm5_next import Glm5NextForConditionalGeneration
 from agentbox.models.gpt_oss import GptOssForCausalLM
 from agentbox.models.llama import LlamaForCausalLM
 from agentbox.models.qwen3_5 import Qwen3_5ForConditionalGeneration, Qwen3HybridGGUF, Qwen3NextForCausalLM
@@ -23,6 +24,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "Glm5NextForConditionalGeneration": Glm5NextForConditionalGeneration,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
