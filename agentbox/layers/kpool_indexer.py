@@ -10,8 +10,9 @@ its last complete pool, itself included), always.
 
 Causality: a query at position p may use only pools whose every token is at or before p, and its tail is the
 tokens from the last multiple of kpool through p. That is what transformers' token-by-token decode computes;
-its full forward over a long prompt does not agree with it there (docs/models-and-formats.md says what we
-measured), and we serve the causal computation, so a prompt's answer does not depend on how it was chunked.
+its full forward agrees with it (we found no key reaching past a query), except where two pools' scores tie
+exactly, which topk breaks by the width of the row (docs/models-and-formats.md says what we measured). We break
+ties by pool order, so a prompt's answer does not depend on how it was chunked.
 
 What it caches: k and c per token ([2 Dk], one paged entry a token, replicated over tensor-parallel ranks); the
 pooled keys are recomputed from them each step (cheap beside the attention; a token-granular entry is what
@@ -79,7 +80,10 @@ class KPoolIndexer(nn.Module):
         chosen = torch.zeros_like(complete)
         k = min(self.topk // self.kpool, pools)
         if k:
-            best = scores.topk(k, dim=-1).indices
+            # A stable sort, not topk: scores tie exactly (at 0, every head's ReLU off) often with few heads, and
+            # topk breaks ties by where they sit in a row whose width is the step's pool count, so the same
+            # query would pick differently prefilled whole, chunked or decoded. Ties go to the earlier pool.
+            best = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
             chosen.scatter_(-1, best, True)
         chosen &= complete  # fewer complete pools than k: the rest of the top-k are not pools
         tokens = chosen.repeat_interleave(self.kpool, dim=-1)[..., :max_kv]
