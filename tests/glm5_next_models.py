@@ -53,9 +53,14 @@ def randomize(hf: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return hf
 
 
-def save_glm5_next(path: Path, config: Glm5NextConfig | None = None, seed: int = 0) -> torch.nn.Module:
+def save_glm5_next(path: Path, config: Glm5NextConfig | None = None, seed: int = 0,
+                   random: bool = True) -> torch.nn.Module:
+    """random=False keeps transformers' own initialisation (seeded): pooling logits all equal and small weights,
+    where the indexer's ReLU'd scores tie exactly."""
+    torch.manual_seed(seed)
     hf = transformers.Glm5NextForConditionalGeneration(config or tiny_config()).float().eval()
-    randomize(hf, seed)
+    if random:
+        randomize(hf, seed)
     hf.save_pretrained(path)
     return hf
 
@@ -67,7 +72,7 @@ def hf_causal_logits(hf: torch.nn.Module, tokens: list[int], chunk: int = 1) -> 
     with torch.no_grad():
         for lo in range(0, len(tokens), chunk):
             ids = torch.tensor([tokens[lo : lo + chunk]])
-            out.append(hf(ids, past_key_values=cache, use_cache=True).logits[0].float())
+            out.append(hf(ids, cache=cache, use_cache=True).logits[0].float())
     return torch.cat(out)
 
 
@@ -82,10 +87,10 @@ def hf_causal_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int
     with torch.no_grad():
         logits = None
         for t in tokens:
-            logits = hf(torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = hf(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1]
         for _ in range(n):
             assert logits is not None
             nxt = int(logits.argmax())
             out.append(nxt)
-            logits = hf(torch.tensor([[nxt]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = hf(torch.tensor([[nxt]]), cache=cache, use_cache=True).logits[0, -1]
     return out

@@ -42,7 +42,12 @@ from agentbox.layers.experts.routing import select_experts_grouped
 from agentbox.layers.hyper_connection import HyperConnection
 from agentbox.layers.kda import KimiDeltaAttention
 from agentbox.layers.kpool_indexer import KPoolIndexer
-from agentbox.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from agentbox.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from agentbox.layers.norm import RMSNorm
 from agentbox.models.base import AttentionShape, CausalLM, per_expert_weights
 from agentbox.models.glm4_moe_lite import NoAuxRouter
