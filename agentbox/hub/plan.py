@@ -49,6 +49,7 @@ ENGINE_ARCHITECTURES = frozenset(
         "Qwen3NextForCausalLM",
         "Glm4MoeLiteForCausalLM",
         "DeepseekV4ForCausalLM",
+        "Glm5NextForConditionalGeneration",
     }
 )
 QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)
