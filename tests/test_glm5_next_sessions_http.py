@@ -1,7 +1,7 @@
 """GLM-5.3-Flash sessions over HTTP, the way agents talk: a tiny random GLM-5.3-Flash (KDA state, latents and
 pooled indexer keys; tests/glm5_next_models.py) behind a real server with a GLM-4.7-style chat template
 (tests/glm_template.py: GLM-5.3-Flash's own template is not available offline). 4 conversations at once, 8 turns
-each, the whole history sent every turn; the four system prompts are about 200, 600, 1k and 1.4k tokens, and every
+each, the whole history sent every turn; the four system prompts are about 1k, 1.5k, 2k and 2.5k tokens, and every
 turn ends where the answer and a tool result of its own length put it (not on 4-token pool boundaries). Run twice: with snapshots off (`--state-snapshots 0`: a later
 turn resumes nothing, as a stateful model must when no snapshot describes its state, so every answer there is a
 cold run), then with snapshots on: each later turn's cached share, and every answer against the cold run's."""
@@ -29,7 +29,7 @@ TOOLS = "You are a coding agent. Tools: read_file(path), write_file(path, text),
 
 
 def system(k: int) -> str:
-    return f"Agent {k} of 4. " + TOOLS * (10 + 20 * k)  # about 200, 600, 1k, 1.4k tokens
+    return f"Agent {k} of 4. " + TOOLS * (50 + 25 * k)  # about 1k, 1.5k, 2k, 2.5k tokens
 
 
 def tool_result(k: int, turn: int) -> str:
@@ -105,7 +105,7 @@ def test_glm5_next_sessions_over_http(tmp_path: Path, smollm2_tokenizer) -> None
     print(f"\nprompts {min(lengths)}..{max(lengths)} tokens; later turns' cached share: snapshots on min {min(on):.3f} "
           f"mean {sum(on) / len(on):.3f}; off max {max(off):.3f} mean {sum(off) / len(off):.3f}; answers unlike the "
           f"cold run: {unlike} of {len(cold)}")
-    assert min(lengths) >= 150 and max(lengths) >= 1400 and len(cold) == len(warm) == 32
+    assert min(lengths) >= 1000 and max(lengths) >= 2500 and len(cold) == len(warm) == 32
     assert sum(n % 4 != 0 for n in lengths) >= len(lengths) // 2  # turns end off the 4-token pool grid
     assert unlike == 0
     assert min(on) >= 0.9
