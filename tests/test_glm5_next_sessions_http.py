@@ -1,10 +1,11 @@
 """GLM-5.3-Flash sessions over HTTP, the way agents talk: a tiny random GLM-5.3-Flash (KDA state, latents and
 pooled indexer keys; tests/glm5_next_models.py) behind a real server with a GLM-4.7-style chat template
 (tests/glm_template.py: GLM-5.3-Flash's own template is not available offline). 4 conversations at once, 8 turns
-each, the whole history sent every turn; the four system prompts are about 1k, 1.5k, 2k and 2.5k tokens (prompts of 1.3k to 3.9k), and every
-turn ends where the answer and a tool result of its own length put it (not on 4-token pool boundaries). Run twice: with snapshots off (`--state-snapshots 0`: a later
-turn resumes nothing, as a stateful model must when no snapshot describes its state, so every answer there is a
-cold run), then with snapshots on: each later turn's cached share, and every answer against the cold run's."""
+each, the whole history sent every turn; the four system prompts are about 1k, 1.5k, 2k and 2.5k tokens (prompts
+of 1.3k to 3.9k), and every turn ends where the answer and a tool result of its own length put it (not on 4-token
+pool boundaries). Run twice: with snapshots off (`--state-snapshots 0`: a later turn resumes nothing, as a
+stateful model must when no snapshot describes its state, so every answer there is a cold run), then with
+snapshots on: each later turn's cached share, and every answer against the cold run's."""
 
 from __future__ import annotations
 
