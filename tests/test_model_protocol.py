@@ -14,6 +14,7 @@ import torch
 from deepseek_v4_models import tiny_config as deepseek_v4_config
 from gemma4_models import configs as gemma4_configs
 from gemma4_models import unified_config as gemma4_unified_config
+from glm5_next_models import tiny_config as glm5_next_config
 from glm_models import tiny_config as glm_config
 from hybrid_models import configs as hybrid_configs
 from laguna_models import tiny_config as laguna_config
@@ -29,10 +30,11 @@ from agentbox.layers.backends.base import KVCache, KVLayerSpec
 from agentbox.layers.cache_layout import CacheLayout
 from agentbox.layers.compressor import Compressor
 from agentbox.layers.gated_deltanet import GatedDeltaNet
+from agentbox.layers.kda import KimiDeltaAttention
 from agentbox.layers.mamba2 import Mamba2Mixer
 from agentbox.layers.window_entry_attention import WindowEntryAttention
 from agentbox.layers.window_kv import WindowAttention
-from agentbox.models import deepseek_v4
+from agentbox.models import deepseek_v4, glm5_next
 from agentbox.models.base import CausalLM
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.glm4_moe_lite import MLAttention, kv_spec
@@ -54,6 +56,7 @@ TINY_BY_ARCH: dict[str, Callable[[], PretrainedConfig]] = {
     "GptOssForCausalLM": lambda: GPT_OSS_CONFIG,
     "Glm4MoeLiteForCausalLM": glm_config,
     "DeepseekV4ForCausalLM": deepseek_v4_config,
+    "Glm5NextForConditionalGeneration": glm5_next_config,
     "Gemma4ForCausalLM": lambda: gemma4_configs()["moe"],
     "Gemma4ForConditionalGeneration": lambda: gemma4_configs()["dense"],
     "Gemma4UnifiedForConditionalGeneration": gemma4_unified_config,
@@ -87,14 +90,20 @@ def test_the_declared_layout_is_the_built_one(arch: str) -> None:
                and m.compressor is not None]
     keys = [(m.index_layer, m.indexer.head_dim) for m in model.modules() if isinstance(m, deepseek_v4.Attention)
             and m.indexer is not None]
-    assert sorted([m.layer_id for m in pool] + [i for i, _ in entries + keys]) == list(range(len(specs))), arch
+    # GLM-5.3-Flash's indexed layers write a latent, and those that run their indexer its entries too
+    indexed = [m for m in model.modules() if isinstance(m, glm5_next.IndexedAttention)]
+    latents = [(m.latent_layer, m.rank) for m in indexed]
+    entries += [(m.index_layer, 2 * m.indexer.dim) for m in indexed if m.indexer is not None]
+    assert sorted([m.layer_id for m in pool] + [i for i, _ in entries + keys + latents]) == list(range(len(specs))), arch
+    assert all(specs[i] == KVLayerSpec(1, d, d, tied=True) for i, d in latents), arch
     for m in pool:
         want = kv_spec(config) if isinstance(m, MLAttention) else KVLayerSpec(m.num_kv_heads, m.head_dim)
         assert specs[m.layer_id] == want, (arch, m.layer_id)
     assert all(specs[i] == KVLayerSpec(1, d, tied=True) for i, d in entries + keys), arch
     # Every module with per-sequence state has its place in the state group, and that place describes it.
     stateful = [m for m in model.modules()
-                if isinstance(m, WindowAttention | GatedDeltaNet | Mamba2Mixer | WindowEntryAttention | Compressor)]
+                if isinstance(m, WindowAttention | GatedDeltaNet | Mamba2Mixer | KimiDeltaAttention | WindowEntryAttention
+                              | Compressor)]
     if not stateful:
         assert layout.state is None
     else:

@@ -55,6 +55,7 @@ ENGINE_ARCHITECTURES = frozenset(
         "Qwen3NextForCausalLM",
         "Glm4MoeLiteForCausalLM",
         "DeepseekV4ForCausalLM",
+        "Glm5NextForConditionalGeneration",
         "LagunaForCausalLM",
         "NemotronHForCausalLM",
     }

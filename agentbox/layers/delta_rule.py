@@ -15,6 +15,11 @@ chunks and then decoded token by token with the same result (the engine relies o
 
 Layout: heads first, one sequence: q, k [H, L, Dk]; v [H, L, Dv]; g, beta [H, L]; state [H, Dk, Dv]; all fp32
 (the state accumulates over the whole context, so it is kept and computed in fp32 whatever the model dtype).
+
+Kimi Delta Attention (KDA: Kimi Linear, GLM-5.3-Flash) is the same rule with a decay per key channel: g is
+[H, L, Dk] and S = diag(exp(g_t)) S. `recurrent` takes either shape of g; `chunked_per_channel` is the chunked
+form for it (the decay between two tokens of a chunk is then a vector, so the chunk's score and write matrices
+sum over the key channels instead of scaling one dot product).
 """
 
 from __future__ import annotations
@@ -39,12 +44,14 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token by token over a batch: q, k [B, H, L, Dk] (prepared), v [B, H, L, Dv], g, beta [B, H, L],
-    state [B, H, Dk, Dv]. Returns (out [B, H, L, Dv], final state); `state` is not modified."""
+    """Token by token over a batch: q, k [B, H, L, Dk] (prepared), v [B, H, L, Dv], g [B, H, L] (or
+    [B, H, L, Dk] per key channel), beta [B, H, L], state [B, H, Dk, Dv]. Returns (out [B, H, L, Dv], final state); `state` is not modified."""
     s = state.float()
     outs = []
+    per_channel = g.dim() == 4  # KDA: g [B, H, L, Dk] decays each key channel (row of S) on its own
     for t in range(q.shape[2]):
-        s = s * g[:, :, t].exp()[..., None, None]
+        decay = g[:, :, t].exp()
+        s = s * (decay[..., None] if per_channel else decay[..., None, None])
         predicted = torch.einsum("bhkv,bhk->bhv", s, k[:, :, t])
         delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
         s = s + k[:, :, t, :, None] * delta[:, :, None, :]
@@ -89,6 +96,42 @@ def chunked(
         out[:, c] = q_decayed[:, c] @ s + scores[:, c] @ v_new
         s = s * last[:, c].exp()[..., None] + k_to_end[:, c].transpose(-1, -2) @ v_new
     return out.reshape(h, n * chunk, -1)[:, :length], s
+
+
+def chunked_per_channel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`chunked` with a decay per key channel (KDA): q, k [H, L, Dk] (prepared), v [H, L, Dv], g [H, L, Dk],
+    beta [H, L], state [H, Dk, Dv]. Returns (out [H, L, Dv], final state). One chunk at a time, so the
+    [H, C, C, Dk] pairwise decays of only one chunk are ever held."""
+    h, length, dk = k.shape
+    pad = -length % chunk
+    if pad:  # padded tokens have k = v = 0 and g = 0: they change neither the outputs nor the state
+        q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    eye = torch.eye(chunk, dtype=torch.float32, device=q.device)
+    s = state.float()
+    out = torch.empty_like(v)
+    for lo in range(0, length + pad, chunk):
+        sl = slice(lo, lo + chunk)
+        qc, kc, vc, bc = q[:, sl], k[:, sl], v[:, sl], beta[:, sl]
+        cum = g[:, sl].cumsum(1)  # [h, C, Dk]: log decay of each channel from the chunk's start
+        # decay[i, j, d] = exp(cum_i,d - cum_j,d) for j <= i (0 above the diagonal, never overflowing)
+        diff = (cum[:, :, None, :] - cum[:, None, :, :]).masked_fill(~causal[None, :, :, None], float("-inf"))
+        decay = diff.exp()
+        kb = kc * bc[..., None]
+        a = torch.einsum("hid,hjd,hijd->hij", kb, kc, decay)
+        system = a.tril(-1) + eye
+        u = torch.linalg.solve_triangular(system, vc * bc[..., None], upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, kb * cum.exp(), upper=False, unitriangular=True)
+        scores = torch.einsum("hid,hjd,hijd->hij", qc, kc, decay)
+        v_new = u - w @ s  # what the chunk writes, less what the incoming state predicts
+        out[:, sl] = (qc * cum.exp()) @ s + scores @ v_new
+        last = cum[:, -1:]  # [h, 1, Dk]
+        s = s * last.transpose(1, 2).exp() + (kc * (last - cum).exp()).transpose(1, 2) @ v_new
+    return out[:, :length], s
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from agentbox.models.gemma4 import (
 )
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
+from agentbox.models.glm5_next import Glm5NextForConditionalGeneration
 from agentbox.models.gpt_oss import GptOssForCausalLM
 from agentbox.models.laguna import LagunaForCausalLM
 from agentbox.models.llama import LlamaForCausalLM
@@ -29,6 +30,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "Glm5NextForConditionalGeneration": Glm5NextForConditionalGeneration,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "LagunaForCausalLM": LagunaForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
