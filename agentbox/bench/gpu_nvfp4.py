@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from agentbox.kernels.nvfp4 import nvfp4_w4a16_matmul, nvfp4_w4a16_matmul_ref
+from agentbox.kernels.nvfp4_codes import dequantize_nvfp4
 from agentbox.layers.quant.formats import has_fp4_tensor_cores
-from agentbox.layers.quant.nvfp4 import dequantize_nvfp4, flashinfer_fp4_available
+from agentbox.layers.quant.nvfp4 import flashinfer_fp4_available
 
 SHAPES = ((4096, 24576), (4112, 4096))  # (K, N)
 BATCHES = (1, 32)

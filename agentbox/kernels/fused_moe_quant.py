@@ -286,7 +286,7 @@ def fused_moe_nvfp4_ref(
     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     act: Act = silu_and_mul, b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    from agentbox.layers.quant.nvfp4 import dequantize_nvfp4
+    from agentbox.kernels.nvfp4_codes import dequantize_nvfp4
 
     def dequant(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(dequantize_nvfp4(c[ids], s[ids], g[ids]) for c, s, g in (w13, w2))  # type: ignore[return-value]

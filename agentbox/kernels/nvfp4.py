@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from agentbox.kernels._quant_triton import WeightFormat, check_runnable, dequant_gemm
-from agentbox.layers.quant.nvfp4 import GROUP, dequantize_nvfp4
+from agentbox.kernels.nvfp4_codes import GROUP, dequantize_nvfp4
 
 BLOCK_K = 64  # a tile spans four scale groups; the kernel reads a scale per element row, so any K % 16 == 0 works
 

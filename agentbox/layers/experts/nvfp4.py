@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from agentbox.kernels.nvfp4_codes import GROUP, dequantize_nvfp4
 from agentbox.layers.experts.base import (
     ExpertLayer,
     ExpertMethod,
@@ -23,7 +24,7 @@ from agentbox.layers.experts.base import (
     moe_ref,
 )
 from agentbox.layers.quant.base import QuantConfig, Sharding
-from agentbox.layers.quant.nvfp4 import GROUP, NAMES, dequantize_nvfp4, global_multiplier
+from agentbox.layers.quant.nvfp4 import NAMES, global_multiplier
 from agentbox.layers.weight_loading import set_weight_loader
 
 

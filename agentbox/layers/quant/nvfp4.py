@@ -31,16 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentbox.kernels.nvfp4_codes import GROUP, dequantize_nvfp4
 from agentbox.layers.quant.base import LinearMethod, QuantLayer, Sharding, quant_param, register
 from agentbox.layers.quant.formats import NvFp4Layout, QuantMethod, has_fp4_tensor_cores
 from agentbox.layers.quant.lazy import materialize
 
 log = logging.getLogger(__name__)
-
-GROUP = 16
-# e2m1 magnitudes by code & 7 (the format's table); code & 8 is the sign.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
 
 class NvFp4Kernel(Enum):
     DENSE = "dense"  # dequantised once at load to the compute dtype (CPU; exact)
@@ -65,23 +61,6 @@ def nvfp4_kernel_for(device_type: str, capability: tuple[int, int] | None, fp4_g
     if fp4_gemm and has_fp4_tensor_cores(capability):
         return NvFp4Kernel.FP4_GEMM
     return NvFp4Kernel.TRITON_W4A16
-
-
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., n / 2] -> float32 [..., n]: the e2m1 values, low nibble first."""
-    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=packed.device)
-    b = packed.to(torch.int64)
-    codes = torch.stack((b & 15, b >> 4), dim=-1).flatten(-2)
-    return table[codes]
-
-
-def dequantize_nvfp4(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
-    """The reference: uint8 [out, in / 2], e4m3 [out, >= in / 16], fp32 multiplier [out] (or scalar) -> fp32
-    [out, in]. e2m1 x e4m3 is exact in fp32; the global scale is the one rounding."""
-    values = unpack_e2m1(packed)
-    scale = block_scale.float().repeat_interleave(GROUP, dim=-1)[..., : values.shape[-1]]
-    gs = global_scale.float()
-    return values * scale * (gs[..., None] if gs.dim() else gs)
 
 
 # Checkpoint names by role, per layout; the global scales of compressed-tensors are divisors.
