@@ -1,7 +1,7 @@
 """Agents over HTTP for the session tests of a stateful model: a real server (`agentbox serve`) on an ephemeral
 port, 4 conversations at once, 8 turns each, the whole history sent every turn with a system prompt of about 1.4k,
-2.8k, 4.2k and 5.6k tokens and tool results of their own lengths. Shared by tests/test_laguna_sessions_http.py and
-tests/test_nemotron_h_sessions_http.py."""
+2.8k, 4.2k and 5.6k tokens (other sizes by `base` and `step`: TOOLS repeated base + step x k times) and tool results
+of their own lengths. Shared by the session tests of Laguna, Nemotron-H, DeepSeek-V4 and GLM-5.3-Flash."""
 
 from __future__ import annotations
 
@@ -17,20 +17,20 @@ from agents import run_agents
 TOOLS = "You are a coding agent. Tools: read_file(path), write_file(path, text), run(cmd). "  # ~20 tokens
 
 
-def system(k: int) -> str:
-    return f"Agent {k} of 4. " + TOOLS * (60 + 53 * k)  # about 1.4k, 2.8k, 4.2k, 5.6k tokens
+def system(k: int, base: int = 60, step: int = 53) -> str:
+    return f"Agent {k} of 4. " + TOOLS * (base + step * k)  # by default about 1.4k, 2.8k, 4.2k, 5.6k tokens
 
 
 def tool_result(k: int, turn: int) -> str:
     return "".join(f"test_{k}_{turn}_{i}: {'ok' if i % 3 else 'FAILED'}\n" for i in range(5 + (k + 2 * turn) % 7))
 
 
-def serve(model: Path, home: Path, *flags: str) -> tuple[str, dict]:
+def serve(model: Path, home: Path, *flags: str, pages: int = 2200) -> tuple[str, dict]:
     port = int(subprocess.check_output([sys.executable, "-c", "import socket; s=socket.socket(); "
                                         "s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"]))
     env = {**os.environ, "AGENTBOX_HOME": str(home)}
     cmd = [sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(port),
-           "--num-pages", "2200", "--max-model-len", "8192", "--exact-cpu", "--host-cache-gb", "0", *flags]
+           "--num-pages", str(pages), "--max-model-len", "8192", "--exact-cpu", "--host-cache-gb", "0", *flags]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     return f"http://127.0.0.1:{port}", env
@@ -43,7 +43,7 @@ def stop(env: dict) -> None:
 Answers = dict[tuple[int, int], str]
 
 
-def conversations(url: str) -> tuple[list[float], list[int], Answers, list[int]]:
+def conversations(url: str, base: int = 60, step: int = 53) -> tuple[list[float], list[int], Answers, list[int]]:
     """Each later turn's cached share of its prompt, every turn's prompt length, every answer by (agent, turn), and
     each later turn's cached tokens less its previous prompt's length."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
@@ -54,7 +54,7 @@ def conversations(url: str) -> tuple[list[float], list[int], Answers, list[int]]
     lock = threading.Lock()
 
     def agent(k: int) -> None:
-        messages = [{"role": "system", "content": system(k)}, {"role": "user", "content": f"Task {k}: fix test {k}."}]
+        messages = [{"role": "system", "content": system(k, base, step)}, {"role": "user", "content": f"Task {k}: fix test {k}."}]
         previous = 0
         for turn in range(8):
             r = client.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0,
@@ -74,15 +74,16 @@ def conversations(url: str) -> tuple[list[float], list[int], Answers, list[int]]
     return shares, lengths, answers, beyond
 
 
-def cold_and_warm(model: Path, tmp: Path) -> dict[str, tuple[list[float], list[int], Answers, list[int]]]:
+def cold_and_warm(model: Path, tmp: Path, base: int = 60, step: int = 53,
+                  pages: int = 2200) -> dict[str, tuple[list[float], list[int], Answers, list[int]]]:
     """The conversations served twice: "off" with snapshots off (`--state-snapshots 0`: a later turn resumes
     nothing, as a stateful model must when no snapshot describes its state, so every answer is a cold run), "on"
     with them on."""
     results = {}
     for name, flags in (("off", ("--state-snapshots", "0")), ("on", ("--state-snapshots", "32"))):
-        url, env = serve(model, tmp / f"home-{name}", *flags)
+        url, env = serve(model, tmp / f"home-{name}", *flags, pages=pages)
         try:
-            results[name] = conversations(url)
+            results[name] = conversations(url, base, step)
         finally:
             stop(env)
     return results

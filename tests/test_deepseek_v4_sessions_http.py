@@ -9,31 +9,17 @@ cold run), then with snapshots on: each later turn's cached share, and every ans
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-import threading
 from pathlib import Path
 
-import openai
 import pytest
 import torch
 import transformers
-from agents import run_agents
 from deepseek_v4_models import CSA, HCA, randomize, tiny_config
+from http_sessions import cold_and_warm, report
 
 pytestmark = pytest.mark.slow
 TEMPLATE = (Path(__file__).parent / "fixtures" / "deepseek_v4_chat_template.jinja").read_text()
 SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"]
-TOOLS = "You are a coding agent. Tools: read_file(path), write_file(path, text), run(cmd). "  # ~20 tokens
-
-
-def system(k: int) -> str:
-    return f"Agent {k} of 4. " + TOOLS * (40 + 53 * k)  # about 1k, 2.4k, 3.8k, 5.2k tokens
-
-
-def tool_result(k: int, turn: int) -> str:
-    return "".join(f"test_{k}_{turn}_{i}: {'ok' if i % 3 else 'FAILED'}\n" for i in range(5 + (k + 2 * turn) % 7))
 
 
 def save_model(d: Path, smollm2_tokenizer) -> Path:  # noqa: ANN001
@@ -47,65 +33,11 @@ def save_model(d: Path, smollm2_tokenizer) -> Path:  # noqa: ANN001
     return d
 
 
-def serve(model: Path, home: Path, *flags: str) -> tuple[str, dict]:
-    port = int(subprocess.check_output([sys.executable, "-c", "import socket; s=socket.socket(); "
-                                        "s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"]))
-    env = {**os.environ, "AGENTBOX_HOME": str(home)}
-    cmd = [sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(port),
-           "--num-pages", "2200", "--max-model-len", "8192", "--exact-cpu", "--host-cache-gb", "0", *flags]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    return f"http://127.0.0.1:{port}", env
-
-
-def stop(env: dict) -> None:
-    subprocess.run([sys.executable, "-m", "agentbox.cli.main", "stop"], env=env, capture_output=True, timeout=60)
-
-
-Answers = dict[tuple[int, int], str]
-
-
-def conversations(url: str) -> tuple[list[float], list[int], Answers]:
-    """Each later turn's cached share of its prompt, every turn's prompt length, every answer by (agent, turn)."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
-    shares: list[float] = []
-    lengths: list[int] = []
-    answers: Answers = {}
-    lock = threading.Lock()
-
-    def agent(k: int) -> None:
-        messages = [{"role": "system", "content": system(k)}, {"role": "user", "content": f"Task {k}: fix test {k}."}]
-        for turn in range(8):
-            r = client.chat.completions.create(model="default", messages=messages, max_tokens=8, temperature=0,
-                                               extra_headers={"X-Session-Id": f"agent-{k}"})
-            text, usage = r.choices[0].message.content or "", r.usage.model_dump()
-            with lock:
-                answers[k, turn] = text
-                lengths.append(usage["prompt_tokens"])
-                if turn:
-                    shares.append(usage["prompt_tokens_details"]["cached_tokens"] / usage["prompt_tokens"])
-            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": tool_result(k, turn)}]
-
-    run_agents(agent, 4)
-    return shares, lengths, answers
-
-
 def test_deepseek_v4_sessions_over_http(tmp_path: Path, smollm2_tokenizer) -> None:  # noqa: ANN001
     torch.manual_seed(0)
     model = save_model(tmp_path / "deepseek-v4-tiny", smollm2_tokenizer)
-    results = {}
-    for name, flags in (("off", ("--state-snapshots", "0")), ("on", ("--state-snapshots", "32"))):
-        url, env = serve(model, tmp_path / f"home-{name}", *flags)
-        try:
-            results[name] = conversations(url)
-        finally:
-            stop(env)
-    (off, _, cold), (on, lengths, warm) = results["off"], results["on"]
-    unlike = sum(warm[key] != cold[key] for key in cold)
-    print(f"\nprompts {min(lengths)}..{max(lengths)} tokens; later turns' cached share: snapshots on min {min(on):.3f} "
-          f"mean {sum(on) / len(on):.3f}; off max {max(off):.3f} mean {sum(off) / len(off):.3f}; answers unlike the "
-          f"cold run: {unlike} of {len(cold)}")
-    assert min(lengths) >= 1000 and max(lengths) >= 5500 and len(cold) == len(warm) == 32
+    on, off, unlike, lengths = report(cold_and_warm(model, tmp_path, base=40, step=53))  # ~1k to 5.2k of system
+    assert min(lengths) >= 1000 and max(lengths) >= 5500
     assert sum(n % 4 != 0 for n in lengths) >= len(lengths) // 2  # turns end off the 4- (and so 128-) token grid
     assert unlike == 0
     assert min(on) >= 0.9
