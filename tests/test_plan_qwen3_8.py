@@ -59,7 +59,9 @@ def test_a_variant_is_chosen_on_one_4090_and_one_5090() -> None:
 def test_plan_command_names_the_mtp_layer_where_the_chosen_files_carry_it() -> None:
     out = CliRunner().invoke(app, ["plan", "Qwen3.8-27B", "--hardware", str(HW / "1x-rtx4090.json")])
     assert out.exit_code == 0, out.output
-    assert "KV 64 KiB/token = 2 x 16 attention layers" in out.output and "Qwen3.8-27B:ud-q4_k_m" in out.output
+    text = " ".join(out.output.split())  # the plan wraps at the terminal's width (80 columns without one)
+    assert "KV 64 KiB/token = 2 x 16 attention layers" in text and "Qwen3.8-27B:ud-q4_k_m" in text
     big = CliRunner().invoke(app, ["plan", "Qwen3.8-27B", "--hardware", str(HW / "1x-h100.json")])
     assert big.exit_code == 0, big.output
-    assert "KV 68 KiB/token = 2 x (16 attention layers + 1 MTP)" in big.output and "Qwen3.8-27B:bf16" in big.output
+    text = " ".join(big.output.split())
+    assert "KV 68 KiB/token = 2 x (16 attention layers + 1 MTP)" in text and "Qwen3.8-27B:bf16" in text
