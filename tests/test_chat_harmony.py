@@ -130,7 +130,7 @@ def test_prepare_messages_is_pure_and_keeps_unmatched_results() -> None:
 @pytest.mark.parametrize("name", ["gpt-oss-20b", "gpt-oss-120b", "Qwen3-Coder-30B-A3B-Instruct"])
 def test_moe_profiles_name_what_exists(name: str) -> None:
     from agentbox.chat.reasoning import get_reasoning_splitter
-    from agentbox.hub.plan import engine_runs
+    from agentbox.hub.engine_support import engine_runs
     from agentbox.hub.profiles import find_profile
     from agentbox.models.registry import MODEL_REGISTRY
 

@@ -91,7 +91,7 @@ def test_gptq_act_order_down_shard_splitting_groups_is_refused_by_name(rank1_of_
 
 def test_planner_moe_formats_are_the_registered_expert_methods() -> None:
     import agentbox.models.loader  # noqa: F401 - imports every module that registers an expert method
-    from agentbox.hub.plan import MOE_EXPERT_FORMATS
+    from agentbox.hub.engine_support import MOE_EXPERT_FORMATS
     from agentbox.layers.experts import registered_expert_methods
     from agentbox.layers.quant.formats import METHODS
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agentbox.hub.plan import Candidate, Plan, PlanConfig, engine_runs, plan, tp_sizes
+from agentbox.hub.engine_support import engine_runs
+from agentbox.hub.plan import Candidate, Plan, PlanConfig, plan, tp_sizes
 from agentbox.hub.profiles import find_profile
 from agentbox.hub.weight_bytes import resident_weight_bytes as plan_resident_bytes
 from agentbox.hw.probe import Probe

@@ -8,7 +8,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from agentbox.cli.main import app
-from agentbox.hub.plan import PlanConfig, engine_rejection, plan
+from agentbox.hub.engine_support import engine_rejection
+from agentbox.hub.plan import PlanConfig, plan
 from agentbox.hub.profiles import find_profile
 from agentbox.hub.weight_bytes import resident_weight_bytes
 from agentbox.hw.probe import Probe

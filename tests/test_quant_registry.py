@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from agentbox.hub.plan import ENGINE_FORMATS
+from agentbox.hub.engine_support import ENGINE_FORMATS
 from agentbox.layers.linear import ColumnParallelLinear
 from agentbox.layers.quant import QuantConfig, QuantMethod, quant_context, registered, resident_weight_bytes
 from agentbox.layers.quant.formats import METHODS

@@ -14,8 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentbox.config import PLAN_CONTEXT, PLAN_MIN_TOK_S, PLAN_SESSIONS
+from agentbox.hub.engine_support import (
+    QUANTISED_METHODS,
+    engine_rejection,
+    gguf_note,
+    kernel_caveat,
+    moe_kernel_caveat,
+    nvfp4_path,
+    other_scheme,
+)
 from agentbox.hub.offload import ExpertSplit, can_split, fewest_layers, sides, split_at
-from agentbox.hub.profiles import KnownBad, Profile, Variant
+from agentbox.hub.profiles import Profile, Variant
 from agentbox.hub.weight_bytes import (
     active_weight_bytes,
     cpu_quantised_experts,
@@ -27,57 +36,9 @@ from agentbox.hub.weight_bytes import (
 )
 from agentbox.hw.probe import GIB, Probe
 from agentbox.layers.quant.formats import (
-    GGUF_MIXES,
-    METHODS,
-    KernelStatus,
     QuantMethod,
-    QuantScheme,
-    engine_formats,
-    has_fp4_tensor_cores,
     method_of_format,
-    moe_expert_formats,
 )
-
-# What agentbox's engine runs today (models/ and layers/). Grow these as kernels land.
-ENGINE_ARCHITECTURES = frozenset(
-    {
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "Qwen3MoeForCausalLM",
-        "GptOssForCausalLM",
-        "Gemma4ForCausalLM",
-        "Gemma4ForConditionalGeneration",
-        "Gemma4UnifiedForConditionalGeneration",
-        "Qwen3_5ForConditionalGeneration",
-        "Qwen3_5MoeForConditionalGeneration",
-        "Qwen3NextForCausalLM",
-        "Glm4MoeLiteForCausalLM",
-        "DeepseekV4ForCausalLM",
-        "Glm5NextForConditionalGeneration",
-        "LagunaForCausalLM",
-        "NemotronHForCausalLM",
-    }
-)
-QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)
-ENGINE_FORMATS = engine_formats()  # the linear-method registry's formats (layers/quant/formats.py)
-# Formats one architecture runs beyond those: gpt-oss's MXFP4 experts stay resident (layers/experts/mxfp4.py).
-ARCHITECTURE_FORMATS: dict[str, frozenset[str]] = {"GptOssForCausalLM": frozenset({"mxfp4"})}
-# Formats the MoE layer's experts load (layers/experts/__init__.py): the expert methods' registry.
-MOE_EXPERT_FORMATS = moe_expert_formats()
-# Architectures known and deliberately not run, with the missing piece named.
-ARCHITECTURE_GAPS: dict[str, str] = {}
-# Formats an architecture cannot load yet although the engine has their kernels.
-FORMAT_GAPS: dict[tuple[str, str], str] = {
-    ("DeepseekV4ForCausalLM", "fp8"): "DeepSeek-V4's release (FP8 with E8M0 block scales, FP4 experts) is not "
-                                      "loaded yet: serve a GGUF or a bf16 conversion",
-    ("NemotronHForCausalLM", "fp8"): "Nemotron-H's experts are un-gated relu^2 MLPs, which run unquantised only "
-                                     "(the expert methods are gated): serve bf16",
-    ("NemotronHForCausalLM", "gguf"): "Nemotron-H's experts are un-gated relu^2 MLPs, which run unquantised only "
-                                      "(the expert methods are gated): a GGUF's experts are dequantised at load, so "
-                                      "the file's size is not what it takes; serve bf16",
-}
 
 
 @dataclass(frozen=True)
@@ -96,28 +57,6 @@ class PlanConfig:
     # DDR5 reach about this much; a card the name table does not know gets this.
     assumed_ram_bandwidth_gbs: float = 50.0
     assumed_gpu_bandwidth_gbs: float = 500.0
-
-
-def engine_rejection(profile: Profile, variant: Variant) -> str | None:
-    """Why our engine cannot run this variant today, or None when it can."""
-    arch = profile.architecture
-    if arch in ARCHITECTURE_GAPS:
-        return f"engine: {arch}: {ARCHITECTURE_GAPS[arch]}"
-    if arch not in ENGINE_ARCHITECTURES:
-        return f"engine: architecture {arch} not implemented yet"
-    if (gap := FORMAT_GAPS.get((arch, variant.format))) is not None:
-        return f"engine: {gap}"
-    if variant.format not in ENGINE_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
-        return f"engine: no {variant.format} kernels yet"
-    if profile.moe and variant.format not in MOE_EXPERT_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
-        # The linear-method registry quantises dense linears; the MoE layer's experts have their own formats.
-        runs = "/".join(sorted(MOE_EXPERT_FORMATS))
-        return f"engine: no {variant.format} MoE expert kernels yet (experts run {runs}, gpt-oss mxfp4)"
-    return None
-
-
-def engine_runs(profile: Profile) -> bool:
-    return any(engine_rejection(profile, v) is None for v in profile.variants)
 
 
 @dataclass
@@ -284,7 +223,7 @@ def _candidate(
     for bad in profile.known_bad:
         if bad.matches(variant.format, probe.min_sm):
             where = f"sm_{probe.min_sm}" if bad.sm else "every GPU"
-            if (other := _other_scheme(bad, variant)) is not None:
+            if (other := other_scheme(bad, variant)) is not None:
                 notes.append(f"known bad on {where} ({bad.kernel}): {bad.reason}; {other}")
             else:
                 reasons.append(f"known bad on {where} ({bad.kernel}): {bad.reason}")
@@ -453,79 +392,6 @@ def fitting_context(cand: Candidate, profile: Profile, probe: Probe, sessions: i
     room = (cand.available_bytes - cand.reserve_bytes - cand.weights_bytes // cand.tp) * (1 if cand.kv_replicated else cand.tp)
     room -= profile.live_state_bytes() * sessions  # the snapshots in host memory (engine/exec/runner.py)
     return max(0, room // per_token // 1024 * 1024)
-
-
-def gguf_note(variant: Variant, mix: str, weights: int, device: str = "cuda") -> str:
-    types = " + ".join(f"{int(share * 100)} % {t.upper()}" for t, share in GGUF_MIXES[mix])
-    return (
-        f"{variant.format} {mix.upper()} on {'GPU' if device == 'cuda' else 'CPU'}: stays quantised ({types}, by the name): "
-        f"{_gb(variant.size)} on disk, {_gb(weights)} resident"
-    )
-
-
-def _other_scheme(bad: KnownBad, variant: Variant) -> str | None:
-    """Why a known-bad entry does not apply: it names a compute scheme that our kernel for this format is
-    not (the fp8 w8a8 MoE kernel vs our weight-only one). None: it applies."""
-    method = method_of_format(variant.format)
-    if not bad.scheme or method is None:
-        return None
-    ours = METHODS[method].scheme
-    if QuantScheme(bad.scheme) is ours:
-        return None
-    return (
-        f"agentbox runs {variant.format} {ours.value} (16-bit activations, the weights dequantised for the "
-        f"matmul), not {bad.scheme}: a different kernel, itself not verified on this GPU family"
-    )
-
-
-def kernel_caveat(variant: Variant, device: str) -> str | None:
-    """What is not verified about the kernel this variant would run on (the canary checks it first)."""
-    method = method_of_format(variant.format)
-    if method is None or device != "cuda":
-        return None
-    status = METHODS[method].gpu
-    if status is KernelStatus.INTERPRETER_ONLY:
-        return (
-            f"{variant.format}: our Triton kernel is verified only under Triton's CPU interpreter, not on this "
-            f"GPU family; the canary runs before the first serve"
-        )
-    if status is KernelStatus.DEQUANT_FALLBACK:
-        return f"{variant.format}: no fused GPU kernel yet; weights dequantised per matmul (slow decode)"
-    return None
-
-
-def nvfp4_path(variant: Variant, sm: int | None, weights: int, decode: int) -> str:
-    """Which NVFP4 path a GPU takes (layers/quant/nvfp4.py nvfp4_kernel_for) and what it costs."""
-    capability = None if sm is None else (sm // 10, sm % 10)
-    cost = f"weights stay 4.5 bits: {_gb(weights)} resident, {_gb(decode)} read per decode step"
-    if has_fp4_tensor_cores(capability):
-        return (
-            f"{variant.format} on sm_{sm} (FP4 tensor cores): W4A4 through flashinfer's FP4 GEMM (activations "
-            f"quantised per 16 with the checkpoint's input scales) where flashinfer is installed, else the Triton "
-            f"W4A16 kernel; {cost}"
-        )
-    return (
-        f"{variant.format} on sm_{sm} (no FP4 tensor cores): the Triton W4A16 path, each tile's e2m1 codes and "
-        f"e4m3 scales decoded in registers and multiplied in bf16 (16-bit tensor-core speed, no FP4 speed-up); {cost}"
-    )
-
-
-def moe_kernel_caveat(variant: Variant, device: str) -> str | None:
-    """What is not verified about the MoE experts' GPU path of this variant's format."""
-    method = method_of_format(variant.format)
-    if method is None or device != "cuda" or (status := METHODS[method].moe_gpu) is None:
-        return None
-    if status is KernelStatus.INTERPRETER_ONLY:
-        return (
-            f"{variant.format} MoE experts: our fused Triton kernel is verified only under Triton's CPU "
-            f"interpreter, not on this GPU family; the canary runs before the first serve"
-        )
-    if status is KernelStatus.DEQUANT_FALLBACK:
-        return (
-            f"{variant.format} MoE experts: no fused GPU kernel in this build; the routed experts are "
-            f"dequantised per step (torch reference, slower decode); the canary runs before the first serve"
-        )
-    return None
 
 
 def tp_sizes(profile: Profile, num_gpus: int) -> list[int]:

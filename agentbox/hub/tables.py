@@ -10,7 +10,8 @@ from rich.table import Table
 from rich.text import Text
 
 from agentbox.config import EngineConfig
-from agentbox.hub.plan import Plan, describe_machine, engine_runs
+from agentbox.hub.engine_support import engine_runs
+from agentbox.hub.plan import Plan, describe_machine
 from agentbox.hub.profiles import Profile
 from agentbox.hub.pull import LocalModel
 from agentbox.hw.probe import GIB
