@@ -225,8 +225,10 @@ def _converted(hf_dir: str) -> str:
     target = llama_server.cache_root() / "converted" / f"{src.resolve().name}-f16.gguf"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
+        # --no-mtp: the draft layers stay out of the comparison (agentbox drafts from GGUF with suffix only), and
+        # the converter refuses a Qwen3.5 whose config names no MTP layer without it.
         done = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(src), "--outfile", str(target),
-                               "--outtype", "f16"], capture_output=True, text=True)
+                               "--outtype", "f16", "--no-mtp"], capture_output=True, text=True)
         if done.returncode:
             fail(f"llama.cpp's converter failed on {src}:\n{(done.stdout + done.stderr)[-2000:]}")
     return str(target)
