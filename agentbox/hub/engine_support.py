@@ -38,6 +38,7 @@ ENGINE_ARCHITECTURES = frozenset(
         "Glm5NextForConditionalGeneration",
         "LagunaForCausalLM",
         "NemotronHForCausalLM",
+        "Qwen4ExpForConditionalGeneration",  # Qwen3.8-Flash-Next (issue 46)
     }
 )
 QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)

@@ -38,7 +38,9 @@ def render_plan(p: Plan, width: int | None = None) -> Group:
     fit, else on the lines under it; reasons and notes always go under the row, wrapped at spaces."""
     prof = p.profile
     kv_tok = p.to_dict()["kv_bytes_per_token"]
-    lines = _wrapped(f"{prof.name} ({prof.architecture}, {prof.params / 1e9:.1f}B params{', MoE' if prof.moe else ''})"
+    table = f" + a {prof.ngram_table_params / 1e9:.1f}B n-gram table in host RAM" if prof.ngram_table_params else ""
+    lines = _wrapped(f"{prof.name} ({prof.architecture}, {prof.params / 1e9:.1f}B params{table}"
+                     f"{', MoE' if prof.moe else ''})"
                      f" on {describe_machine(p.probe)}", width, 0)
     lines[0].stylize("bold", 0, len(prof.name))
     lines += _wrapped(
