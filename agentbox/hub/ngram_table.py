@@ -59,8 +59,8 @@ class TablePlacement:
 
     @property
     def arithmetic(self) -> str:
-        head = (f"n-gram table in host RAM, memory-mapped, never on the GPU (a token gathers {self.rows_per_token} "
-                f"rows): {_gib(self.table_bytes)} + {_gib(self.others_bytes)} {self.others} = "
+        head = (f"n-gram table in host RAM (memory-mapped from the checkpoint, never copied to a GPU; a token gathers "
+                f"{self.rows_per_token} rows): {_gib(self.table_bytes)} + {_gib(self.others_bytes)} {self.others} = "
                 f"{_gib(self.table_bytes + self.others_bytes)} GiB")
         if self.in_ram:
             return f"{head} <= {_gib(self.ram_bytes)} GiB of RAM"
