@@ -117,7 +117,9 @@ def test_one_5090_with_128g_runs_nvfp4_with_the_table_in_ram(profile: Profile) -
     assert fp8.table.short == fp8.split.host_need + profile.ngram_table_bytes - probe.host.ram_total  # type: ignore[union-attr]
     # with RAM for fp8's table as well (not bf16's), the ranking is by bits again: the table arithmetic alone moved it
     roomy = plan(profile, machine("1x-rtx5090-128g", ram_gib=192), PlanConfig())
-    assert roomy.chosen is not None and roomy.chosen.variant.name == "fp8" and roomy.chosen.table.in_ram  # type: ignore[union-attr]
+    f, n = cand(roomy, "fp8"), cand(roomy, "nvfp4")
+    assert f.ok and f.table is not None and f.table.in_ram and n.table is not None and n.table.in_ram
+    assert (roomy.candidates.index(f) < roomy.candidates.index(n)) == (f.slow == n.slow)
 
 
 def test_plan_command_shows_the_table_in_the_arithmetic(profile: Profile) -> None:
