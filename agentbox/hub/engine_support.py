@@ -122,10 +122,12 @@ def kernel_caveat(variant: Variant, device: str) -> str | None:
     return None
 
 
-def nvfp4_path(variant: Variant, sm: int | None, weights: int, decode: int) -> str:
-    """Which NVFP4 path a GPU takes (layers/quant/nvfp4.py nvfp4_kernel_for) and what it costs."""
+def nvfp4_path(variant: Variant, sm: int | None, weights: int, decode: int, split: bool = False) -> str:
+    """Which NVFP4 path a GPU takes (layers/quant/nvfp4.py nvfp4_kernel_for) and what it costs. split: some
+    experts are in host RAM, so `weights` is what the GPU and the RAM hold together."""
     capability = None if sm is None else (sm // 10, sm % 10)
-    cost = f"weights stay 4.5 bits: {_gb(weights)} resident, {_gb(decode)} read per decode step"
+    where = " on the GPU and in host RAM" if split else ""
+    cost = f"weights stay 4.5 bits: {_gb(weights)} resident{where}, {_gb(decode)} read per decode step"
     if has_fp4_tensor_cores(capability):
         return (
             f"{variant.format} on sm_{sm} (FP4 tensor cores): W4A4 through flashinfer's FP4 GEMM (activations "

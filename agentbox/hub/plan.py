@@ -180,6 +180,7 @@ class Plan:
             "state_bytes_per_session": self.profile.state_bytes_per_session(),
             "params": self.profile.params,
             "active_params": self.profile.active_params,
+            "ngram_table_bytes": self.profile.ngram_table_bytes,  # in host RAM, never in a GPU's weights
             "chosen": chosen.variant.name if chosen else None,
             "candidates": [c.to_dict() for c in self.candidates],
             "notes": self.notes,
@@ -295,7 +296,8 @@ def _candidate(
     if (caveat := kernel_caveat(variant, device)) is not None:
         notes.append(caveat)
     if method is QuantMethod.NVFP4 and device == "cuda":
-        notes.append(nvfp4_path(variant, probe.min_sm, weights, active_weight_bytes(profile, variant, device, cpu_kernels)))
+        notes.append(nvfp4_path(variant, probe.min_sm, weights, active_weight_bytes(profile, variant, device, cpu_kernels),
+                                cand.split is not None))
     if profile.moe and (caveat := moe_kernel_caveat(variant, device)) is not None:
         notes.append(caveat)
     if profile.moe:
