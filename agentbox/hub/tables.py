@@ -138,8 +138,11 @@ def _kv_formula(prof: Profile, dtype_bytes: int, mtp: bool = True) -> str:
         page = EngineConfig.page_size
         groups = " + ".join(f"{g.layers} layers x {g.values} / {min(g.tokens_per_entry, page)} tokens"
                             for g in prof.paged_groups)
-        return (f"({groups}) x {dtype_bytes} bytes: compressed entries (a slot per page of {page} at most), the whole "
-                f"cache on every tensor-parallel rank")
+        # Groups of one entry a token (GLM-5.3's latents and indexer keys, Qwen3.8-Flash-Next's K, V and indexer
+        # key) are not compressed: only say so where a group pools tokens.
+        what = (f"compressed entries (a slot per page of {page} at most)"
+                if any(g.tokens_per_entry > 1 for g in prof.paged_groups) else "entries every token")
+        return f"({groups}) x {dtype_bytes} bytes: {what}, the whole cache on every tensor-parallel rank"
     if prof.mla:
         return (f"{layers} x ({prof.kv_lora_rank} latent + {prof.qk_rope_head_dim} rope key) x {dtype_bytes} bytes, "
                 f"the whole latent cache on every tensor-parallel rank")
