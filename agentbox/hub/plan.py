@@ -297,7 +297,7 @@ def _candidate(
         notes.append(caveat)
     if method is QuantMethod.NVFP4 and device == "cuda":
         notes.append(nvfp4_path(variant, probe.min_sm, weights, active_weight_bytes(profile, variant, device, cpu_kernels),
-                                cand.split is not None))
+                                cand.split is not None, probe.software.flashinfer_ok))
     if profile.moe and (caveat := moe_kernel_caveat(variant, device)) is not None:
         notes.append(caveat)
     if profile.moe:
