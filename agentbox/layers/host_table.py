@@ -12,6 +12,7 @@ parts, `split_ngram_parts`): `HostTable` stitches them into one row space.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,9 @@ class HostTable:
         np_dtype, self.dtype = _DTYPES[kind]
         self.dim = dims.pop()
         self._maps = [np.memmap(s.path, dtype=np_dtype, mode="r", offset=s.offset, shape=s.shape) for s in shards]
+        for m in self._maps:
+            # Rows are read at random: the kernel's readahead would pull 128 KiB or more around each row into RAM.
+            m._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]
         sizes = [s.shape[0] for s in shards]
         self._starts = np.cumsum([0, *sizes])  # shard i holds rows [starts[i], starts[i + 1])
         self.rows = int(self._starts[-1])
