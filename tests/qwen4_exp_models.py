@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import DynamicCache, Qwen4ExpConfig
+from transformers import DynamicCache, Qwen4ExpConfig, Qwen4ExpTextConfig
 
 LINEAR, INDEXED = "linear_attention", "indexed_attention"
 EOS = 2
@@ -41,6 +41,11 @@ VISION: dict[str, Any] = dict(depth=1, hidden_size=32, intermediate_size=32, num
 def tiny_config(**text: Any) -> Qwen4ExpConfig:
     return Qwen4ExpConfig(text_config={**TEXT, **text}, vision_config=VISION,
                           architectures=["Qwen4ExpForConditionalGeneration"])
+
+
+def text_only_config(**text: Any) -> Qwen4ExpTextConfig:
+    """The text-only layout (`Qwen4ExpForCausalLM`: the text model under `model.`)."""
+    return Qwen4ExpTextConfig(**{**TEXT, **text}, architectures=["Qwen4ExpForCausalLM"])
 
 
 def randomize(hf: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

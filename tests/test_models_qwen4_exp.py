@@ -20,7 +20,9 @@ from qwen4_exp_models import (
     hf_causal_greedy,
     hf_causal_logits,
     hf_full_logits,
+    randomize,
     save_qwen4_exp,
+    text_only_config,
     tiny_config,
 )
 
@@ -144,3 +146,14 @@ def test_engine_greedy_and_session_turns(tiny: tuple[Path, torch.nn.Module, Load
     assert stats is not None and stats.hits >= 6
     with LLM(config, loaded=loaded) as cold:
         assert [o.token_ids for o in cold.generate([p for p, _ in asked], sp)] == [t for _, t in asked]
+
+
+def test_the_text_only_layout_loads(tmp_path: Path) -> None:
+    """`Qwen4ExpForCausalLM`: the same text model under `model.` (no vision tower), n-gram tables included."""
+    torch.manual_seed(1)
+    hf = randomize(transformers.Qwen4ExpForCausalLM(text_only_config()).float().eval(), seed=1)
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), torch.float32, "cpu")
+    assert len(loaded.model.host_tables()) == 2
+    got = _steps(PagedRunner(loaded, page_size=8), 0, OTHER, [17, 1, 11])
+    torch.testing.assert_close(got, hf_full_logits(hf, OTHER), atol=2e-5, rtol=2e-5)
