@@ -9,6 +9,7 @@ state, the PLE rings) with the answers of a cold run."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,17 @@ def test_drafts_verified_through_the_states_equal_plain_greedy(tiny: tuple[Path,
     drafted, accepted = counts["suffix"]
     assert drafted > accepted >= 0  # drafts ran, and some were rejected: the partial commit ran
     assert got["suffix"] == got["off"]
+
+
+def test_hash_constants_unlike_the_config_are_refused(tiny: tuple[Path, torch.nn.Module, LoadedModel],
+                                                      tmp_path: Path) -> None:
+    """The checkpoint's saved multipliers are checked against the config's: another seed is an error at load, not
+    a model that reads the wrong rows."""
+    path, _, _ = tiny
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["seed"] = 4321
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="layer_multipliers"):
+        load_model(str(tmp_path), torch.float32, "cpu")

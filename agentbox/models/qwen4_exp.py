@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from torch import nn
 
 from agentbox.layers.backends.base import KVLayerSpec
@@ -44,7 +45,7 @@ from agentbox.layers.gated_deltanet import GatedDeltaNet
 from agentbox.layers.gated_residual import GatedResidual
 from agentbox.layers.host_table import HostTable, TensorLocation
 from agentbox.layers.linear import RowParallelLinear
-from agentbox.layers.ngram_embedding import PLELayer
+from agentbox.layers.ngram_embedding import NGramIds, PLELayer
 from agentbox.layers.qsa_indexer import QSAIndexer
 from agentbox.layers.recurrent_state import StateSpec
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
@@ -180,8 +181,8 @@ class Qwen4ExpForConditionalGeneration(CausalLM):
     skip_checkpoint_names = {
         "model.visual.": "vision tower (agentbox serves the text model)",
         "mtp.": "multi-token-prediction layers (a draft model, unused)",
-        "ple.ple_embedding.layer_multipliers": "n-gram hash constants (recomputed from the config)",
-        "ple.ple_embedding.ngram_heads_": "n-gram hash constants (recomputed from the config)",
+        "ple.ple_embedding.layer_multipliers": "n-gram hash constants (recomputed from the config, checked)",
+        "ple.ple_embedding.ngram_heads_": "n-gram hash constants (recomputed from the config, checked)",
     }
     host_table_names = (NGRAM_TABLE,)
     # The indexed layers build masks from host-side lengths, and PLE and the delta net loop over sequences.
@@ -232,6 +233,7 @@ class Qwen4ExpForConditionalGeneration(CausalLM):
                 raise ValueError(f"layer {i}'s n-gram table has {table.rows} rows; the config hashes into "
                                  f"{layer.ple.ids.rows}")
             layer.ple.table = table
+            check_hash_constants(layer.ple.ids, f"{self.text_prefix}.layers.{i}.ple.ple_embedding.", locations)
 
     def host_tables(self) -> list[HostTable]:
         return [b.ple.table for b in self.language_model.layers if b.ple is not None and b.ple.table is not None]
@@ -251,6 +253,21 @@ class Qwen4ExpForConditionalGeneration(CausalLM):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+def check_hash_constants(ids: NGramIds, prefix: str, locations: Mapping[str, TensorLocation]) -> None:
+    """The multipliers, head offsets and head sizes the checkpoint saved (where it did) equal those computed from
+    the config: a table read with other hashes would give plausible-looking nonsense, never an error."""
+    for suffix, ours in (("layer_multipliers", ids.multipliers), ("ngram_heads_offsets", ids.offsets),
+                         ("ngram_heads_vocab_sizes", ids.sizes)):
+        loc = locations.get(prefix + suffix)
+        if loc is None:
+            continue
+        with safe_open(str(loc.path), framework="pt") as f:
+            saved = f.get_tensor(prefix + suffix)
+        if not torch.equal(saved.to(torch.int64), ours.cpu()):
+            raise ValueError(f"{prefix + suffix} in the checkpoint is {saved.tolist()}; the config (seed, "
+                             f"ngram_vocab_size_base, vocab_size) gives {ours.tolist()}")
 
 
 class Qwen4ExpForCausalLM(Qwen4ExpForConditionalGeneration):
