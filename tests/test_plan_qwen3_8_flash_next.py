@@ -23,7 +23,8 @@ from agentbox.hub.profiles import Profile, find_profile
 from agentbox.hub.weight_bytes import resident_weight_bytes
 from agentbox.hw.probe import GIB, Probe
 from agentbox.layers.backends.base import KVCache, KVLayerSpec
-from agentbox.layers.recurrent_state import LinearStateSpec
+from agentbox.layers.recurrent_state import LinearStateSpec, StateCache
+from agentbox.models.qwen4_exp import Qwen4ExpForCausalLM as EngineModel
 
 HW = Path(__file__).parents[1] / "profiles" / "hardware"
 NAME = "Qwen3.8-Flash-Next"
@@ -157,3 +158,17 @@ def test_one_4090_with_64g_reads_the_table_from_disk_and_names_the_w4a16_path(pr
 def test_models_without_a_table_plan_none() -> None:
     p = plan(find_profile("Qwen3.8-27B"), machine("1x-rtx5090"), PlanConfig())
     assert p.candidates and all(c.table is None and not c.table_on_disk for c in p.candidates)
+
+
+def test_profile_counts_what_the_engine_allocates(profile: Profile) -> None:
+    """The engine's own model of the reference shape (agentbox's Qwen4ExpForCausalLM on the meta device) declares
+    the cache the profile plans: its pages' bytes a token and its state group's bytes a slot."""
+    cfg = reference_config(profile)
+    with torch.device("meta"):
+        model = EngineModel(cfg)
+    layout = model.cache_layout()
+    page = EngineConfig.page_size
+    per_page = KVCache.bytes_per_page(layout.kv_specs, page, torch.bfloat16, layout.tokens_per_entry)
+    assert profile.kv_bytes_per_token(2) == per_page / page
+    assert layout.state is not None
+    assert profile.state_bytes == StateCache.bytes_per_slot(list(layout.state.specs), torch.bfloat16)
