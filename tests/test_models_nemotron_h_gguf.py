@@ -3,7 +3,7 @@ the llama-cpp-python 0.3.36 sdist vendors, run from the unpacked sdist: tests/de
 through the GGUF family table (models/gguf_nemotron_h.py): the layer kinds read back from the tensors, A back from
 -exp(A_log), and fp32 logits of a prefill, a chunked prefill and decodes equal the transformers twin's; greedy through
 the engine too. The converter's Q8_0 file keeps its un-gated experts quantised (the k-bit expert form, up alone in
-w13) and equals transformers with the file's dequantised weights."""
+w13) and equals transformers with the file's dequantised weights, with its experts on the device or in host RAM."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 from agentbox.layers.experts import FusedMoE
 from agentbox.layers.experts.bits import BitsExperts
+from agentbox.layers.experts.placement import ExpertHome, ExpertPlacement
 from agentbox.models.gguf_file import gguf_config
 from agentbox.models.gguf_nemotron_h import nemotron_h_weights
 from agentbox.models.gguf_reader import GGUFFile
@@ -93,3 +94,7 @@ def test_converter_q8_0_experts_stay_quantised(llama_cpp: Path, tmp_path: Path, 
     llm = LLM(EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch"), loaded=ours)
     got = llm.generate([LONG[:25]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
     assert got.token_ids == hf_greedy(twin, LONG[:25], 8)
+    # the experts in host RAM (`--cpu-moe`): a FusedMoE the loader places, computing the same
+    host = load_model(str(path), torch.float32, "cpu", ExpertPlacement.of(True, 0))
+    assert [m.home for m in host.model.modules() if isinstance(m, FusedMoE)] == [ExpertHome.HOST]
+    torch.testing.assert_close(PagedRunner(host, page_size=4).step({0: LONG})[0], expected, atol=2e-4, rtol=2e-4)

@@ -1,7 +1,8 @@
 """Un-gated experts (Nemotron-H's relu^2: w13 is the up projection alone, `MoEActivation.RELU2`) in the quantised
 expert methods, at the layer level against relu^2 experts on the dequantised weights: GGUF experts in each form
 the file's types lead to (Q4_K: the int4 form; Q8_0 and Q4_K up with a Q6_K down: the k-bit form; F32: dense),
-FP8 block-128 experts, and tensor parallelism's shard of an un-gated w13 (rows of up, from row 0)."""
+FP8 block-128 experts, the CPU kernels' repack of them (layers/experts/cpu.py) against its twin, and tensor
+parallelism's shard of an un-gated w13 (rows of up, from row 0)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from test_quant_gguf import quantise
 
+from agentbox.kernels import cpu_gemv
 from agentbox.layers.experts import ExpertShard, FusedMoE, MoEActivation, moe_ref, select_experts
+from agentbox.layers.experts import cpu as moe_cpu
 from agentbox.layers.experts.bits import BitsExperts
 from agentbox.layers.experts.fp8 import Fp8BlockExperts
 from agentbox.layers.experts.gguf import GGUFExperts
@@ -41,12 +44,8 @@ def _gguf(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> GGUFBlocks | tor
     return GGUFBlocks(qtype, w.shape, quantise(w, qtype, rng))
 
 
-@pytest.mark.usefixtures("exact_cpu_kernels")  # the forms themselves (the CPU kernels' repack is a load step)
-@pytest.mark.parametrize(("up_type", "down_type", "form"), [
-    (Q.Q4_K, Q.Q4_K, Int4Experts), (Q.Q8_0, Q.Q8_0, BitsExperts), (Q.Q4_K, Q.Q6_K, BitsExperts),
-    (Q.F32, Q.F32, UnquantizedExperts),
-])
-def test_ungated_gguf_experts_match_relu2_on_the_dequantised_weights(up_type: Q, down_type: Q, form: type) -> None:
+def _gguf_layer(up_type: Q, down_type: Q) -> tuple[FusedMoE, torch.Tensor, torch.Tensor]:
+    """An un-gated GGUF expert layer, loaded and post-processed, and its dense (up, down)."""
     rng = np.random.default_rng(0)
     layer = FusedMoE(E, K, H, FFN, renormalize=True, activation=MoEActivation.RELU2, method=GGUFExperts())
     up, down = torch.empty(E, FFN, H), torch.empty(E, H, FFN)
@@ -57,9 +56,35 @@ def test_ungated_gguf_experts_match_relu2_on_the_dequantised_weights(up_type: Q,
             load_weight(param, w, e, shard)
             dense[e] = w.dequantize() if isinstance(w, GGUFBlocks) else w
     layer.process_weights_after_loading()
+    return layer, up, down
+
+
+@pytest.mark.usefixtures("exact_cpu_kernels")  # the forms themselves (the CPU kernels' repack is a load step)
+@pytest.mark.parametrize(("up_type", "down_type", "form"), [
+    (Q.Q4_K, Q.Q4_K, Int4Experts), (Q.Q8_0, Q.Q8_0, BitsExperts), (Q.Q4_K, Q.Q6_K, BitsExperts),
+    (Q.F32, Q.F32, UnquantizedExperts),
+])
+def test_ungated_gguf_experts_match_relu2_on_the_dequantised_weights(up_type: Q, down_type: Q, form: type) -> None:
+    layer, up, down = _gguf_layer(up_type, down_type)
     assert type(layer.method) is form
     got, ref = _routed(layer, up, down)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize(("up_type", "down_type"), [(Q.Q4_K, Q.Q4_K), (Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q8_0)])
+def test_ungated_experts_on_the_cpu_kernels_equal_their_twin(up_type: Q, down_type: Q) -> None:
+    layer, up, down = _gguf_layer(up_type, down_type)
+    assert moe_cpu.install(layer) and isinstance(layer.method, moe_cpu.CpuExperts)
+    gen = torch.Generator().manual_seed(3)
+    x, ids = torch.randn(3, H, generator=gen), torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(3)])
+    weights = torch.rand(3, K, generator=gen)
+    got = layer.method.apply(layer, x, weights, ids)
+    twin = layer.method.apply(layer, x, weights, ids, linear=moe_cpu._linear_ref)
+    ref = moe_ref(x, weights, ids, lambda e: (up[e], down[e]), MoEActivation.RELU2)
+    # each projection equals its twin to summation order; the twin rounds activations to int8 (llama.cpp's way)
+    assert (got - twin).abs().max() < 1e-2 * twin.abs().max()
+    assert (twin - ref).abs().max() < 5e-2 * ref.abs().max()
 
 
 def test_ungated_fp8_experts_match_relu2_on_the_dequantised_weights() -> None:
