@@ -95,9 +95,9 @@ def round_experts(hf: torch.nn.Module) -> None:
                     p[e] = fp4_round(p[e])[2]
 
 
-def convert(release: Path, gguf_file: Path, llama_cpp: Path) -> Path:
+def convert(release: Path, gguf_file: Path, llama_cpp: Path, outtype: str = "f32") -> Path:
     r = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(release), "--outfile",
-                        str(gguf_file), "--outtype", "f32"], capture_output=True, text=True, timeout=600)
+                        str(gguf_file), "--outtype", outtype], capture_output=True, text=True, timeout=600)
     if r.returncode:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{r.stderr[-4000:]}")
     return gguf_file

@@ -65,16 +65,18 @@ EXPERT_TENSOR_NAMES = (
 
 
 def per_expert_weights(
-    gate: str, up: str, down: str, shards: tuple[ExpertShard, ExpertShard, ExpertShard]
+    gate: str | None, up: str, down: str, shards: tuple[ExpertShard, ExpertShard, ExpertShard]
 ) -> tuple[ExpertWeight, ...]:
     """Rows for checkpoints with one tensor per expert and projection (`experts.{e}.gate_proj.qweight`):
     each name maps onto the layer's `w13_<name>` (gate, up) or `w2_<name>` (down). `shards`: the layer's
-    (gate, up, down) shard ids. A method holds only the names of its own format; others never match."""
+    (gate, up, down) shard ids; `gate` None: un-gated experts (up alone). A method holds only the names of its
+    own format; others never match."""
     g, u, d = shards
+    projections = [(gate, "w13", g)] if gate is not None else []
     return tuple(
         ExpertWeight(f"experts.{{e}}.{proj}.{name}", f"experts.{param}_{name}", shard)
         for name in EXPERT_TENSOR_NAMES
-        for proj, param, shard in ((gate, "w13", g), (up, "w13", u), (down, "w2", d))
+        for proj, param, shard in (*projections, (up, "w13", u), (down, "w2", d))
     )
 
 

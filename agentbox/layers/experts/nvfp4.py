@@ -47,7 +47,7 @@ class NvFp4Experts(ExpertMethod):
         check_dims(layer, GROUP, "NVFP4")
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_local
         n, u8, f8 = self.names, torch.uint8, torch.float8_e4m3fn
-        for w, rows, cols in (("w13", 2 * i, h), ("w2", h, i)):
+        for w, rows, cols in (("w13", layer.w13_rows, h), ("w2", h, i)):
             add_sharded_param(layer, f"{w}_{n['codes']}", torch.empty(e, rows, cols // 2, dtype=u8), Sharding(0, 1, 1, 2))
             add_sharded_param(layer, f"{w}_{n['scale']}", torch.empty(e, rows, cols // GROUP, dtype=f8), Sharding(0, 1, 1, GROUP))
             layer.add_expert_param(f"{w}_{n['global']}", torch.zeros(e, rows))
@@ -59,7 +59,8 @@ class NvFp4Experts(ExpertMethod):
     def load_global(self, layer: ExpertLayer, param: nn.Parameter, loaded: Any, expert_id: int, shard: ExpertShard) -> None:
         what = f"{layer.prefix or 'experts'}.{expert_id}.{shard.value} global scale"
         i = layer.intermediate_local
-        rows = {ExpertShard.GATE: (0, i), ExpertShard.UP: (i, i), ExpertShard.DOWN: (0, param.shape[1])}.get(shard)
+        up = i if layer.activation.gated else 0  # un-gated: w13 is the up rows alone
+        rows = {ExpertShard.GATE: (0, i), ExpertShard.UP: (up, i), ExpertShard.DOWN: (0, param.shape[1])}.get(shard)
         if rows is None:
             raise ValueError(f"{what}: {shard.value} experts are not supported in NVFP4")
         param.data[expert_id].narrow(0, *rows).fill_(global_multiplier(loaded, self.layout, what))
