@@ -1,0 +1,93 @@
+"""NVFP4 experts on the CPU kernel (layers/experts/nvfp4_cpu.py, kernels/cpu_nvfp4.c): a tiny Qwen3-MoE NVFP4
+checkpoint (tests/nvfp4_reference.py's quantiser) with its experts in host RAM (`--cpu-moe`) computes what it
+computes without, on the kernel; the kernel's int8-rounded activations stay within a small bound of the exact
+path (--exact-cpu: the dequantising reference, itself equal to transformers on the dequantised twin), whose
+greedy tokens --cpu-moe does not change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from moe_harness import PROMPT, hf_logits, paged_logits, save_random
+from nvfp4_reference import quantise_saved
+from test_quant_nvfp4 import MOE
+
+from agentbox.config import EngineConfig
+from agentbox.engine.llm import LLM
+from agentbox.engine.sampling import SamplingParams
+from agentbox.kernels import cpu_nvfp4
+from agentbox.layers.experts import FusedMoE, nvfp4_cpu
+from agentbox.layers.experts.nvfp4 import NvFp4Experts
+from agentbox.layers.experts.placement import ExpertHome, ExpertPlacement
+from agentbox.layers.quant import int4
+from agentbox.models.loader import load_model
+
+pytestmark = pytest.mark.skipif(not cpu_nvfp4.available(), reason="the CPU NVFP4 kernel does not build here")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("nvfp4-moe") / "modelopt"
+    save_random(MOE, path)
+    return path, quantise_saved(path, "modelopt")
+
+
+def _experts(loaded) -> list[FusedMoE]:  # noqa: ANN001 - LoadedModel
+    return [m for m in loaded.model.modules() if isinstance(m, FusedMoE)]
+
+
+def test_cpu_moe_equals_without_on_the_kernel_and_stays_near_the_exact_path(checkpoint, monkeypatch) -> None:  # noqa: ANN001
+    path, twin = checkpoint
+    calls = []
+    kernel = cpu_nvfp4.nvfp4_matmul
+    monkeypatch.setattr(cpu_nvfp4, "nvfp4_matmul", lambda *a: calls.append(1) or kernel(*a))
+    plain = paged_logits(load_model(str(path), torch.float32, "cpu"))
+    assert calls  # the experts ran on the kernel, not the reference
+    placement = ExpertPlacement.of(True, 0)
+    host = load_model(str(path), torch.float32, "cpu", placement)
+    layers = _experts(host)
+    assert layers and all(m.home is ExpertHome.HOST and isinstance(m.method, NvFp4Experts) for m in layers)
+    assert all(m.w13_weight.dtype is torch.uint8 for m in layers)  # 4.5 bits in RAM, as loaded
+    torch.testing.assert_close(paged_logits(host), plain, atol=1e-5, rtol=1e-5)
+    assert placement.clock.calls > 0
+    with int4.cpu_kernel(int4.Int4Kernel.DENSE):  # --exact-cpu: the reference, equal to transformers' twin
+        exact = paged_logits(load_model(str(path), torch.float32, "cpu", ExpertPlacement.of(True, 0)))
+    torch.testing.assert_close(exact, hf_logits(twin), atol=1e-4, rtol=1e-4)
+    # int8 activations per 32 (the kernels' rounding): a bound, not identity. A random router near a tie may pick
+    # another expert at a position (this checkpoint: the last decode step's second MoE layer), so one position may
+    # leave the bound; every other stays within 1 % and keeps its greedy token.
+    close = (plain - exact).abs().amax(-1) < 0.01 * exact.abs().max()
+    assert int(close.sum()) >= len(close) - 1
+    assert torch.equal(plain.argmax(-1)[close], exact.argmax(-1)[close])
+
+
+def test_engine_greedy_tokens_with_cpu_moe_equal_without(checkpoint) -> None:  # noqa: ANN001
+    path, _ = checkpoint
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for exact in (True, False):
+        for cpu_moe in (False, True):
+            config = EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch", cpu_moe=cpu_moe,
+                                  exact_cpu=exact)
+            with LLM(config) as llm:
+                tokens[exact, cpu_moe] = llm.generate([PROMPT], params)[0].token_ids
+    assert tokens[True, True] == tokens[True, False]  # the exact path: --cpu-moe changes nothing
+    assert tokens[False, True] == tokens[False, False]  # the kernel path: neither
+
+
+def test_the_layer_equals_its_twin_on_few_and_many_rows(checkpoint, monkeypatch) -> None:  # noqa: ANN001
+    path, _ = checkpoint
+    layer = _experts(load_model(str(path), torch.float32, "cpu", ExpertPlacement.of(True, 0)))[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, layer.hidden_size, generator=g)
+    ids = torch.randint(0, layer.num_experts, (6, 2), generator=g)
+    weights = torch.rand(6, 2, generator=g)
+    assert nvfp4_cpu.runs(layer, x)
+    twin = nvfp4_cpu.apply(layer, x, weights, ids, linear=nvfp4_cpu._linear_ref)
+    torch.testing.assert_close(layer.forward_routed(x, weights, ids), twin, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(int4, "CPU_SIMD_MAX_ROWS", 0)  # every expert over the row limit: dequantise + sgemm
+    torch.testing.assert_close(nvfp4_cpu.apply(layer, x, weights, ids), twin, atol=1e-5, rtol=1e-5)
+    with int4.cpu_kernel(int4.Int4Kernel.DENSE):
+        assert not nvfp4_cpu.runs(layer, x)  # --exact-cpu keeps the reference
