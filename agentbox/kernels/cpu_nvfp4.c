@@ -124,6 +124,30 @@ static inline __attribute__((always_inline)) void rows(const act_t *a, int64_t m
     }
 }
 
+/* A row's block scales as sv [K/32][4] = [s0 s0 s1 s1] (the lanes of a block's two groups, see the top), 8 blocks
+ * (16 e4m3 bytes) at a time through two table gathers: a scalar loop of two lookups and four stores a block was
+ * most of the time of a one-row product once the row was cached. */
+static inline void block_scales(const uint8_t *s, int64_t nb, float *sv) {
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const __m128i raw = _mm_loadu_si128((const __m128i *)(s + 2 * b));
+        const __m256 lo = _mm256_i32gather_ps(e4m3, _mm256_cvtepu8_epi32(raw), 4);  /* groups 0..7 */
+        const __m256 hi = _mm256_i32gather_ps(e4m3, _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8)), 4);
+        const __m256 l0 = _mm256_unpacklo_ps(lo, lo), l1 = _mm256_unpackhi_ps(lo, lo); /* 0 0 1 1 4 4 5 5 | 2 2 3 3 6 6 7 7 */
+        const __m256 h0 = _mm256_unpacklo_ps(hi, hi), h1 = _mm256_unpackhi_ps(hi, hi);
+        float *d = sv + 4 * b;
+        _mm256_storeu_ps(d, _mm256_permute2f128_ps(l0, l1, 0x20));
+        _mm256_storeu_ps(d + 8, _mm256_permute2f128_ps(l0, l1, 0x31));
+        _mm256_storeu_ps(d + 16, _mm256_permute2f128_ps(h0, h1, 0x20));
+        _mm256_storeu_ps(d + 24, _mm256_permute2f128_ps(h0, h1, 0x31));
+    }
+    for (; b < nb; b++) {
+        const float s0 = e4m3[s[2 * b]], s1 = e4m3[s[2 * b + 1]];
+        sv[4 * b] = sv[4 * b + 1] = s0;
+        sv[4 * b + 2] = sv[4 * b + 3] = s1;
+    }
+}
+
 /* x [M][K] fp32 times the NVFP4 weight (codes [N][K/2], e4m3 scales [N][K/16], global [N]) transposed: out [M][N].
  * K a multiple of 32. */
 int ab_nvfp4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, const uint8_t *scales,
@@ -146,12 +170,7 @@ int ab_nvfp4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, 
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < n; j++) {
             if (!sv) continue;
-            const uint8_t *s = scales + j * (k / 16);
-            for (int64_t b = 0; b < nb; b++) { /* [s0 s0 s1 s1]: the lanes of a block's groups, see the top */
-                const float s0 = e4m3[s[2 * b]], s1 = e4m3[s[2 * b + 1]];
-                sv[4 * b] = sv[4 * b + 1] = s0;
-                sv[4 * b + 2] = sv[4 * b + 3] = s1;
-            }
+            block_scales(scales + j * (k / 16), nb, sv);
             const uint8_t *w = codes + j * (k / 2);
             const float g = 0.5f * global[j]; /* the table holds twice each value */
             int64_t i = 0; /* chunks of 8, then 4, 2, 1: a literal each, so the accumulators stay in registers */
