@@ -91,3 +91,19 @@ def test_the_layer_equals_its_twin_on_few_and_many_rows(checkpoint, monkeypatch)
     torch.testing.assert_close(nvfp4_cpu.apply(layer, x, weights, ids), twin, atol=1e-5, rtol=1e-5)
     with int4.cpu_kernel(int4.Int4Kernel.DENSE):
         assert not nvfp4_cpu.runs(layer, x)  # --exact-cpu keeps the reference
+
+
+def test_host_experts_of_a_bf16_model_run_the_kernel_in_float32(checkpoint) -> None:  # noqa: ANN001
+    """A bf16 model (what a GPU runs) with its NVFP4 experts on the host: the globals stay float32 there, the
+    hidden state crosses in bf16 and the kernel's output comes back in bf16, as the float32 model's rounded."""
+    path, _ = checkpoint
+    layer = _experts(load_model(str(path), torch.bfloat16, "cpu", ExpertPlacement.of(True, 0)))[0]
+    assert layer.host_dtype is torch.float32 and layer.w13_weight_scale_2.dtype is torch.float32
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, layer.hidden_size, generator=g).bfloat16()
+    ids = torch.randint(0, layer.num_experts, (4, 2), generator=g)
+    weights = torch.rand(4, 2, generator=g)
+    out = layer.forward_routed(x, weights, ids)
+    assert out.dtype is torch.bfloat16
+    twin = nvfp4_cpu.apply(layer, x.float(), weights, ids, linear=nvfp4_cpu._linear_ref)
+    torch.testing.assert_close(out.float(), twin, atol=1e-2, rtol=1e-2)
