@@ -62,3 +62,19 @@ def test_zero_activations_and_zero_rows() -> None:
     codes, scale, gs = _weight(5, 64, seed=7)
     assert torch.equal(nv.nvfp4_matmul(torch.zeros(2, 64), codes, scale, gs), torch.zeros(2, 5))
     assert nv.nvfp4_matmul(torch.zeros(0, 64), codes, scale, gs).shape == (0, 5)
+
+
+@pytest.mark.parametrize("isa", RUNNABLE, ids=[i.value for i in RUNNABLE])
+def test_every_e4m3_scale_decodes_as_torchs(isa: cg.Isa) -> None:
+    """Row r's every block scale is the byte r (both NaNs and the subnormals among them), its codes all 1.0: K 544
+    runs two 8-block chunks of the vector decoding and one block of the table's."""
+    n, k = 256, 544
+    codes = torch.full((n, k // 2), 0x22, dtype=torch.uint8)  # code 2 (1.0) in both nibbles
+    scale = torch.arange(256, dtype=torch.uint8)[:, None].expand(n, k // 16).contiguous().view(torch.float8_e4m3fn)
+    gs = torch.ones(n)
+    x = torch.ones(1, k)
+    with cg.use_isa(isa):
+        got = nv.nvfp4_matmul(x, codes, scale, gs)
+    want = F.linear(nv.round_activations(x), dequantize_nvfp4(codes, scale, gs))
+    assert int(want.isnan().sum()) == 2  # 0x7F and 0xFF
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True)
