@@ -2,7 +2,9 @@
 checkpoint (tests/nvfp4_reference.py's quantiser) with its experts in host RAM (`--cpu-moe`) computes what it
 computes without, on the kernel; the kernel's int8-rounded activations stay within a small bound of the exact
 path (--exact-cpu: the dequantising reference, itself equal to transformers on the dequantised twin), whose
-greedy tokens --cpu-moe does not change."""
+greedy tokens --cpu-moe does not change. A tiny GLM-5.3-Flash with NVFP4 routed experts (the profile's estimated
+variant: experts quantised, the rest bf16) does the same with its experts in RAM, its exact path equal to
+transformers on the dequantised twin."""
 
 from __future__ import annotations
 
@@ -107,3 +109,57 @@ def test_host_experts_of_a_bf16_model_run_the_kernel_in_float32(checkpoint) -> N
     assert out.dtype is torch.bfloat16
     twin = nvfp4_cpu.apply(layer, x.float(), weights, ids, linear=nvfp4_cpu._linear_ref)
     torch.testing.assert_close(out.float(), twin, atol=1e-2, rtol=1e-2)
+
+
+def _glm_nvfp4(path: Path) -> torch.nn.Module:
+    """A tiny GLM-5.3-Flash with its routed experts in NVFP4 (ModelOpt layout) and the rest bf16, as the profile's
+    estimated release; returns transformers' model of the dequantised twin."""
+    import json
+    import re
+
+    import transformers
+    from glm5_next_models import save_glm5_next
+    from nvfp4_reference import INPUT_AMAX, modelopt_config, pack, quantise
+    from safetensors.torch import load_file, save_file
+
+    save_glm5_next(path)
+    state = load_file(str(path / "model.safetensors"))
+    out, twin = {}, {}
+    for name, t in state.items():
+        out[name] = twin[name] = t
+        if re.search(r"\.mlp\.experts\.\d+\.\w+_proj\.weight$", name):
+            codes, scale, stored, twin[name] = quantise(t.float(), "modelopt")
+            base = name.removesuffix(".weight")
+            out[name], out[f"{base}.weight_scale"] = pack(codes), scale
+            out[f"{base}.weight_scale_2"] = torch.tensor(stored)
+            out[f"{base}.input_scale"] = torch.tensor(INPUT_AMAX / 2688)
+    twin_dir = path.with_name(path.name + "-twin")
+    twin_dir.mkdir()
+    save_file(twin, str(twin_dir / "model.safetensors"))
+    (twin_dir / "config.json").write_text((path / "config.json").read_text())
+    save_file(out, str(path / "model.safetensors"))
+    unquantised = ["lm_head", "*.mlp.gate", "*self_attn*", "*shared_experts*", "*layers.0.mlp*", "*visual*"]
+    (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.33.0"},
+                                                           "quantization": modelopt_config(unquantised)}))
+    return transformers.Glm5NextForConditionalGeneration.from_pretrained(twin_dir, dtype=torch.float32).eval()
+
+
+def test_glm_5_3_flash_with_nvfp4_experts_in_ram(tmp_path: Path) -> None:
+    """Issue 47's model as its planned variant runs it: NVFP4 routed experts in host RAM on the kernel."""
+    from glm5_next_models import hf_causal_logits
+    from moe_harness import DECODE
+
+    twin = _glm_nvfp4(tmp_path / "glm")
+    path = str(tmp_path / "glm")
+    placement = ExpertPlacement.of(True, 0)
+    host = load_model(path, torch.float32, "cpu", placement)
+    layers = _experts(host)
+    assert len(layers) == 4 and all(isinstance(m.method, NvFp4Experts) and m.home is ExpertHome.HOST for m in layers)
+    got = paged_logits(host)
+    assert placement.clock.calls > 0 and nvfp4_cpu.runs(layers[0], torch.zeros(1, layers[0].hidden_size))
+    torch.testing.assert_close(got, paged_logits(load_model(path, torch.float32, "cpu")), atol=1e-5, rtol=1e-5)
+    with int4.cpu_kernel(int4.Int4Kernel.DENSE):
+        exact = paged_logits(load_model(path, torch.float32, "cpu", ExpertPlacement.of(True, 0)))
+    torch.testing.assert_close(exact, hf_causal_logits(twin, PROMPT + DECODE), atol=1e-4, rtol=1e-4)
+    close = (got - exact).abs().amax(-1) < 0.02 * exact.abs().max()
+    assert int(close.sum()) >= len(close) - 1
