@@ -38,6 +38,7 @@ ENGINE_ARCHITECTURES = frozenset(
         "Glm5NextForConditionalGeneration",
         "LagunaForCausalLM",
         "NemotronHForCausalLM",
+        "Qwen4ExpForConditionalGeneration",  # Qwen3.8-Flash-Next (issue 46)
     }
 )
 QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)
@@ -121,19 +122,31 @@ def kernel_caveat(variant: Variant, device: str) -> str | None:
     return None
 
 
-def nvfp4_path(variant: Variant, sm: int | None, weights: int, decode: int) -> str:
-    """Which NVFP4 path a GPU takes (layers/quant/nvfp4.py nvfp4_kernel_for) and what it costs."""
+def nvfp4_path(
+    variant: Variant, sm: int | None, weights: int, decode: int, split: bool = False, flashinfer: bool | None = None
+) -> str:
+    """Which NVFP4 path a GPU takes (layers/quant/nvfp4.py nvfp4_kernel_for, as `agentbox doctor` says) and what
+    it costs. split: some experts are in host RAM, so `weights` is what the GPU and the RAM hold together.
+    flashinfer: the probe's flashinfer_ok (None: not installed), which the FP4 GEMM needs."""
     capability = None if sm is None else (sm // 10, sm % 10)
-    cost = f"weights stay 4.5 bits: {_gb(weights)} resident, {_gb(decode)} read per decode step"
-    if has_fp4_tensor_cores(capability):
+    where = " on the GPU and in host RAM" if split else ""
+    cost = f"weights stay 4.5 bits: {_gb(weights)} resident{where}, {_gb(decode)} read per decode step"
+    w4a16 = "each tile's e2m1 codes and e4m3 scales decoded in registers and multiplied in bf16"
+    if has_fp4_tensor_cores(capability) and flashinfer:
         return (
             f"{variant.format} on sm_{sm} (FP4 tensor cores): W4A4 through flashinfer's FP4 GEMM (activations "
-            f"quantised per 16 with the checkpoint's input scales) where flashinfer is installed, else the Triton "
-            f"W4A16 kernel; {cost}"
+            f"quantised per 16 with the checkpoint's input scales; a release without them takes the Triton W4A16 "
+            f"kernel); {cost}"
+        )
+    if has_fp4_tensor_cores(capability):
+        why = "does not import" if flashinfer is False else "is not installed"
+        return (
+            f"{variant.format} on sm_{sm} (FP4 tensor cores): the Triton W4A16 path here, {w4a16}, because "
+            f"flashinfer {why} (16-bit tensor-core speed; with flashinfer, W4A4 on the FP4 tensor cores); {cost}"
         )
     return (
-        f"{variant.format} on sm_{sm} (no FP4 tensor cores): the Triton W4A16 path, each tile's e2m1 codes and "
-        f"e4m3 scales decoded in registers and multiplied in bf16 (16-bit tensor-core speed, no FP4 speed-up); {cost}"
+        f"{variant.format} on sm_{sm} (no FP4 tensor cores): the Triton W4A16 path, {w4a16} (16-bit tensor-core "
+        f"speed, no FP4 speed-up); {cost}"
     )
 
 

@@ -35,27 +35,33 @@ def trunk_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kern
     the kernels cannot build and for --exact-cpu; where they build, AWQ / GPTQ / W4A16 linears stay 4-bit
     (fp32 scale and offset). MoE experts stay quantised on CPU either way."""
     method = method_of_format(variant.format)
+    size = files_on_device(profile, variant)
     if method is None and variant.format in QUANTISED_FORMATS:
-        return variant.size  # not runnable here anyway: planned as an engine that keeps it quantised
+        return size  # not runnable here anyway: planned as an engine that keeps it quantised
     if (experts := gguf_experts(profile, variant, device)) is not None:
         if device != "cuda":
             return experts.resident + (profile.params - profile.expert_params) * 4
         mix = gguf_mix(variant.name, *variant.files)
-        rest = variant.size - experts.file  # attention, router, norms, tables: the file's mix (experts' aside)
+        rest = size - experts.file  # attention, router, norms, tables: the file's mix (experts' aside)
         return experts.resident + int(rest * (gguf_resident_ratio(mix) if mix is not None else 1.0))
     if (mix := gguf_gpu_mix(profile, variant, device, cpu_kernels)) is not None:
-        return int(variant.size * gguf_resident_ratio(mix, device))
+        return int(size * gguf_resident_ratio(mix, device))
     # Other GGUF files (types the name does not tell or the linears do not keep, Q2_K / Q3_K / IQ*) are
     # planned dequantised, below.
     if method is not None and METHODS[method].stays_quantised and device == "cuda" and not variant.is_gguf:
         info = METHODS[method]
         extra = max(0.0, info.resident_bytes_per_weight - info.file_bytes_per_weight)
-        return variant.size + int(profile.params * extra)
+        return size + int(profile.params * extra)
     if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
         return int(experts * METHODS[method].moe_cpu_bytes_per_weight) + (profile.params - experts) * 4  # type: ignore[index]
     if device == "cpu" and cpu_kernels and method is not None and (cpu := METHODS[method].cpu_bytes_per_weight):
-        return variant.size + int(profile.params * max(0.0, cpu - METHODS[method].file_bytes_per_weight))
+        return size + int(profile.params * max(0.0, cpu - METHODS[method].file_bytes_per_weight))
     return profile.params * (2 if device == "cuda" else 4)
+
+
+def files_on_device(profile: Profile, variant: Variant) -> int:
+    """The variant's bytes on disk less its n-gram table, which stays memory-mapped in host RAM (hub/ngram_table.py)."""
+    return variant.size - profile.ngram_table_bytes
 
 
 def gguf_experts(profile: Profile, variant: Variant, device: str) -> ExpertBytes | None:
