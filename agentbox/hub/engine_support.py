@@ -36,6 +36,8 @@ ENGINE_ARCHITECTURES = frozenset(
         "Glm4MoeLiteForCausalLM",
         "DeepseekV4ForCausalLM",
         "Glm5NextForConditionalGeneration",
+        "Qwen4ExpForConditionalGeneration",
+        "Qwen4ExpForCausalLM",
         "LagunaForCausalLM",
         "NemotronHForCausalLM",
         "Qwen4ExpForConditionalGeneration",  # Qwen3.8-Flash-Next (issue 46)
