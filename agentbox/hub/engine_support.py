@@ -36,11 +36,10 @@ ENGINE_ARCHITECTURES = frozenset(
         "Glm4MoeLiteForCausalLM",
         "DeepseekV4ForCausalLM",
         "Glm5NextForConditionalGeneration",
-        "Qwen4ExpForConditionalGeneration",
+        "Qwen4ExpForConditionalGeneration",  # Qwen3.8-Flash-Next (issue 46)
         "Qwen4ExpForCausalLM",
         "LagunaForCausalLM",
         "NemotronHForCausalLM",
-        "Qwen4ExpForConditionalGeneration",  # Qwen3.8-Flash-Next (issue 46)
     }
 )
 QUANTISED_METHODS = frozenset(m for m in METHODS if m is not QuantMethod.UNQUANTIZED)

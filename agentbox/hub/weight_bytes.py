@@ -111,11 +111,12 @@ def expert_resident_bytes(profile: Profile, variant: Variant, device: str) -> in
 
 def cpu_expert_kernel(profile: Profile, variant: Variant) -> bool:
     """Whether the CPU expert kernels run this variant's experts in host RAM (layers/experts/cpu.py: the int4
-    and k-bit forms, i.e. GGUF Q4_0 to Q8_0 and the K-quants between, AWQ, GPTQ, W4A16); the others (bf16, FP8,
-    MXFP4, GGUF types without a form) run the torch reference, which dequantises each routed expert per step."""
+    and k-bit forms, i.e. GGUF Q4_0 to Q8_0 and the K-quants between, AWQ, GPTQ, W4A16; layers/experts/nvfp4_cpu.py:
+    NVFP4 at 4.5 bits as loaded); the others (bf16, FP8, MXFP4, GGUF types without a form) run the torch
+    reference, which dequantises each routed expert per step."""
     if variant.is_gguf:
         return gguf_experts(profile, variant, "cpu") is not None
-    return variant.format in ("awq", "gptq", "w4a16")
+    return variant.format in ("awq", "gptq", "w4a16", "nvfp4")
 
 
 def experts_kept_quantised(profile: Profile, variant: Variant) -> bool:

@@ -3,7 +3,9 @@ memory on every device: per expert and projection the codes (uint8 [out, in / 2]
 (uint8-sized [out, in / 16]) and the global scale, kept per output row as the dense layers keep it
 (layers/quant/nvfp4.py: gate and up have a global scale each). The torch reference dequantises only the experts
 a forward routes to; on CUDA with Triton the grouped fused-MoE kernel decodes the codes and scales tile by tile
-(kernels/fused_moe_quant.py fused_moe_nvfp4, weight-only: activations stay 16-bit)."""
+(kernels/fused_moe_quant.py fused_moe_nvfp4, weight-only: activations stay 16-bit); on a CPU (experts in host
+RAM, or a CPU-only machine) the CPU kernel multiplies them as loaded (layers/experts/nvfp4_cpu.py,
+kernels/cpu_nvfp4.c), the reference staying the --exact-cpu path."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from agentbox.kernels.nvfp4_codes import GROUP, dequantize_nvfp4
+from agentbox.layers.experts import nvfp4_cpu
 from agentbox.layers.experts.base import (
     ExpertLayer,
     ExpertMethod,
@@ -84,6 +87,8 @@ class NvFp4Experts(ExpertMethod):
 
             return fused_moe_nvfp4(x, self.projection(layer, "w13"), self.projection(layer, "w2"), topk_weights,
                                    topk_ids, expert_activation(layer), b13, b2)
+        if nvfp4_cpu.runs(layer, x):
+            return nvfp4_cpu.apply(layer, x, topk_weights, topk_ids)
 
         def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
             return self.weights(layer, "w13", e, x.dtype), self.weights(layer, "w2", e, x.dtype)
