@@ -181,7 +181,7 @@ def bench_llamacpp(
     out: str | None = typer.Option(None, "--out", help="--server: folder for the servers' logs and per-run records"),  # noqa: UP007
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """Our engine against llama.cpp's own llama-server on the same GGUF.
+    """Our engine against llama.cpp's llama-server on one GGUF.
 
     Single stream: prefill and decode per kernel at the same thread count. With --server: the agent workload
     (1 and 4 sessions x 8 turns over a 2,000-token prompt) against llama-server with -np N, its default slot
