@@ -83,8 +83,11 @@ def render_plan(p: Plan, width: int | None = None) -> Group:
         pull = f"(agentbox pull {spec})"
         if width is None or len(verdict) + 2 + len(pull) <= width:
             lines.append(verdict + f"  {pull}")
-        else:  # the command whole on its own line, never split
+        elif len(verdict) <= width:  # the command whole on its own line, never split
             lines += [verdict, Text(f"  {pull}")]
+        else:  # the split's flag on a line of its own too: a line cut at the terminal's edge would hide it
+            lines += [Text.assemble(("plan:", "bold green"), f" {spec} at tp={chosen.tp}"), Text(f"  {split.strip()}"),
+                      Text(f"  {pull}")]
     else:
         lines.append(Text.assemble(("no variant runs on this machine", "bold red"), " — see the reasons above"))
     for line in lines:
