@@ -1,4 +1,4 @@
-"""k-bit (5, 6, 8) weights on AVX2 CPUs (cpu_bits.c, built into cpu_gemv's library), and their torch twins.
+"""k-bit (2, 3, 5, 6, 8) weights on AVX2 CPUs (cpu_bits.c, built into cpu_gemv's library), and their torch twins.
 
 The form is the shared k-bit contract (layers/quant/gguf.py `bits_groups`): codes q in [0, 2^bits) per
 element, per (row, group of 16 or 32 columns) a scale and optionally an offset; w = q * scale + offset, or
@@ -8,7 +8,9 @@ scales then its codes (planes of high bits, nibble pairs; or int8). Scales are k
 holds them exactly:
 
 - I8: one fp32 per record and int8 multiples of it (the K-quants: Q5_K's d * sc and dmin * m, Q6_K's
-  d * sc, over GGUF's 256-column super-blocks): Q5_K 5.75 bits per weight (its file: 5.5), Q6_K 6.625 (6.5625);
+  d * sc, over GGUF's 256-column super-blocks): Q5_K 5.75 bits per weight (its file: 5.5), Q6_K 6.625 (6.5625),
+  Q2_K 3.25 (2.625: d * sc and -dmin * m, a byte each per 16 where the file packs both in one), Q3_K 3.625
+  (3.4375: 6-bit scales in a byte each);
 - F16: fp16 per group (Q5_0 5.5, Q5_1 6.0, Q8_0 8.5 bits, exactly the file's);
 - F32: anything else (a weight quantised here rather than read from a GGUF file).
 
@@ -61,11 +63,45 @@ class BitsCPU:
         return {ScaleForm.F32: 4 * g, ScaleForm.F16: 2 * g, ScaleForm.I8: 4 + g}[self.form] * parts
 
     def body_bytes(self, p: int) -> int:
+        if self.bits <= 3:
+            return _plane_bytes(self.bits, p)
         return 32 * p if self.bits == 8 else _plane_bytes(self.bits, p) + 32 * ((p + 1) // 2)
 
 
 def _plane_bytes(bits: int, p: int) -> int:
-    return (32 if p > 4 else 16) if bits == 5 else 32 * ((p + 3) // 4)
+    """A record's bytes of bit planes: 1-bit (5 bits' high bit, 3 bits' top bit: 16 bytes for 4 blocks or
+    fewer) and 2-bit ones (6 bits' high bits, the low bits of 2 and 3: 32 bytes per 4 blocks)."""
+    one, two = (32 if p > 4 else 16), 32 * ((p + 3) // 4)
+    return {5: one, 6: two, 2: two, 3: two + one}[bits]
+
+
+def _one_plane(bit: torch.Tensor) -> torch.Tensor:
+    """[N, R, p, 32] bits -> [N, R, 32 or 16] bytes, byte e: bit j = block j's element e (16 bytes for p <= 4:
+    element j + 16's bits in byte j's high nibble)."""
+    p = bit.shape[2]
+    planes = (bit << torch.arange(p, dtype=torch.uint8).view(p, 1)).sum(2, dtype=torch.uint8)
+    return planes[..., :16] | planes[..., 16:] << 4 if p <= 4 else planes
+
+
+def _two_planes(pairs: torch.Tensor) -> torch.Tensor:
+    """[N, R, p, 32] 2-bit values -> [N, R, 32 per 4 blocks] bytes, byte e: bits 2j, 2j + 1 = block 4i + j's."""
+    n, r, p, _ = pairs.shape
+    quads = -(-p // 4) * 4
+    pad = torch.zeros(n, r, quads - p, BLOCK, dtype=torch.uint8)
+    pairs = torch.cat([pairs, pad], dim=2).reshape(n, r, -1, 4, BLOCK)
+    return (pairs << (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1)).sum(3, dtype=torch.uint8).reshape(n, r, -1)
+
+
+def _unplane_one(planes: torch.Tensor, p: int) -> torch.Tensor:
+    plane = planes if p > 4 else torch.cat([planes & 15, planes >> 4], dim=-1)
+    return (plane.unsqueeze(2) >> torch.arange(p, dtype=torch.uint8).view(p, 1)) & 1
+
+
+def _unplane_two(planes: torch.Tensor, p: int) -> torch.Tensor:
+    n, r = planes.shape[:2]
+    j = torch.arange(p)
+    planes = planes.reshape(n, r, -1, BLOCK)
+    return (planes[:, :, j // 4] >> (2 * (j % 4)).to(torch.uint8).view(p, 1)) & 3
 
 
 def resident_bytes(w: BitsCPU) -> int:
@@ -117,6 +153,10 @@ def _body(b: torch.Tensor, bits: int) -> torch.Tensor:
     n, r, p, _ = b.shape
     if bits == 8:
         return (b.to(torch.int16) - 128).to(torch.int8).view(torch.uint8).reshape(n, r, -1)
+    if bits == 2:
+        return _two_planes(b)
+    if bits == 3:
+        return torch.cat([_two_planes(b & 3), _one_plane(b >> 2)], dim=-1)
     nib = b & 15
     if p % 2:
         nib = torch.cat([nib, torch.zeros_like(nib[:, :, :1])], dim=2)
@@ -146,11 +186,13 @@ def pack_bits_cpu(codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: t
     """Codes [N, K] uint8 in [0, 2^bits), scale (and offset) [N, K / group] -> the CPU form. `form` None picks
     the smallest exact scale form (I8, then F16, then F32); a named form that is not exact raises ValueError."""
     n, k = codes.shape
-    if bits not in (5, 6, 8):
-        raise ValueError(f"bits must be 5, 6 or 8, got {bits}")
+    if bits not in (2, 3, 5, 6, 8):
+        raise ValueError(f"bits must be 2, 3, 5, 6 or 8, got {bits}")
     group = k // scale.shape[1] if scale.shape[1] else 0
     if group not in (16, 32) or k % BLOCK or group * scale.shape[1] != k:
         raise ValueError(f"scale groups must be 16 or 32 columns of K (a multiple of 32): K {k}, {scale.shape[1]} groups")
+    if bits <= 3 and group != 16:  # GGUF Q2_K / Q3_K's groups: the kernel is built for those alone
+        raise ValueError(f"{bits}-bit codes take scale groups of 16 columns, got {group}")
     if offset is not None and offset.shape != scale.shape:
         raise ValueError(f"offset shape {tuple(offset.shape)} differs from scale's {tuple(scale.shape)}")
     if int(codes.max()) >= 1 << bits:
@@ -197,6 +239,11 @@ def unpack_bits_cpu(w: BitsCPU) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         tables.append(vals.transpose(1, 2).reshape(n, parts, -1))
         if w.bits == 8:
             q = (body.view(torch.int8).to(torch.int16) + 128).to(torch.uint8).reshape(n, recs, p, BLOCK)
+        elif w.bits <= 3:
+            two = 32 * ((p + 3) // 4)
+            q = _unplane_two(body[..., :two], p)
+            if w.bits == 3:
+                q = q | _unplane_one(body[..., two:], p) << 2
         else:
             pb = _plane_bytes(w.bits, p)
             pairs = body[..., pb:].reshape(n, recs, -1, BLOCK)
@@ -223,7 +270,7 @@ def _args(w: BitsCPU) -> tuple[int, ...]:
 
 def _check(rc: int, what: str) -> None:
     if rc != 0:
-        raise RuntimeError(f"{what} failed (code {rc}: bits 5 / 6 / 8, groups of 16 / 32, K a multiple of 32)")
+        raise RuntimeError(f"{what} failed (code {rc}: bits 2 / 3 (groups of 16), 5 / 6 / 8 (16 / 32), K a multiple of 32)")
 
 
 def bits_matmul(x: torch.Tensor, w: BitsCPU) -> torch.Tensor:

@@ -150,8 +150,15 @@ def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
     return ((words >> np.arange(count, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
+def _two_bit_rows(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K's [..., 64] bytes of 2-bit fields -> [..., 256]: halves of 128 elements, byte l of a half's 32
+    holding elements l, l + 32, l + 64, l + 96 at shifts 0, 2, 4, 6."""
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    return ((qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3).reshape(*qs.shape[:-1], 256)
+
+
 def bits_groups(b: GGUFBlocks) -> BitsGroups:
-    """Q5_0 / Q5_1 / Q8_0 (groups of 32), Q5_K (8 groups of 32 per 256), Q6_K (16 groups of 16 per 256)."""
+    """Q5_0 / Q5_1 / Q8_0 (groups of 32), Q5_K (8 groups of 32 per 256), Q6_K, Q2_K, Q3_K (16 groups of 16)."""
     n, k = b.shape
     bs, ts = b.block
     raw = np.ascontiguousarray(b.data).reshape(n, k // bs, ts)
@@ -178,6 +185,22 @@ def bits_groups(b: GGUFBlocks) -> BitsGroups:
         low = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F).reshape(n, k // bs, 8, 32)
         high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
         bits, q = 5, low | (high << 4)
+    elif b.qtype is Q.Q2_K:
+        # scales[16] (4-bit scale | 4-bit min << 4 per 16), qs[64], fp16 d, dmin: w = d sc q - dmin m
+        sc = raw[..., :16]
+        d, dmin = (raw[..., at : at + 2].copy().view(np.float16).astype(np.float32) for at in (80, 82))
+        scale, offset = d * (sc & 0x0F).astype(np.float32), -(dmin * (sc >> 4).astype(np.float32))
+        bits, q = 2, _two_bit_rows(raw[..., 16:80])
+    elif b.qtype is Q.Q3_K:
+        # hmask[32], qs[64], 12 bytes of 6-bit scales, fp16 d: w = d (sc - 32) (q - 4), q = low 2 bits | the
+        # hmask bit << 2 (gguf subtracts 4 where the bit is clear: the same integer)
+        d = raw[..., 108:110].copy().view(np.float16).astype(np.float32)
+        low, high = raw[..., 96:104], raw[..., 104:108]  # scale j: low nibble of byte j % 8 (j >= 8: >> 4), 2 bits
+        lsc = (low[..., None, :] >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)).reshape(n, k // bs, 16) & 0x0F
+        hsc = (high[..., None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)).reshape(n, k // bs, 16) & 3
+        scale = d * ((lsc | hsc << 4).astype(np.float32) - 32)
+        hm = (raw[..., None, :32] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # bit i: rows of 32 i
+        bits, q = 3, _two_bit_rows(raw[..., 32:96]) | (hm.reshape(n, k // bs, 256) << 2)
     elif b.qtype is Q.Q6_K:
         ql, qh = raw[..., :128], raw[..., 128:192]
         sc = raw[..., 192:208].copy().view(np.int8).astype(np.float32)
