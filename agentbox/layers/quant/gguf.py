@@ -1,8 +1,9 @@
 """GGUF weights kept as the file's blocks until the layer knows its whole shard, then turned into what this
 device runs: Q4_0 / Q4_1 / Q4_K map exactly onto 4-bit codes with a scale and an offset per 32 columns
 (`int4.py`), Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K onto 5/6/8-bit codes with a scale (and an offset) per 32 or 16
-(`bits.py`); other types (Q2_K, Q3_K, IQ*) are dequantised by `gguf`'s own kernels, which are the reference
-for all. A merged layer (qkv, gate_up) may hold shards of different types (Q4_K_M files put some attn_v in
+(`bits.py`), and on CPU Q2_K / Q3_K onto 2/3-bit codes with a scale (and an offset) per 16 (the CPU kernel's
+alone); other types (IQ*, and Q2_K / Q3_K on a GPU) are dequantised by `gguf`'s own kernels, which are the
+reference for all. A merged layer (qkv, gate_up) may hold shards of different types (Q4_K_M files put some attn_v in
 Q6_K beside Q4_K q/k): each run of rows of one form keeps it, and the layer concatenates their outputs.
 """
 
@@ -114,6 +115,10 @@ def q4k_scales(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
 
 BITS_OF = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.Q5_K: 5, Q.Q6_K: 6}  # the k-bit form's width of each type
 BITS_TYPES = frozenset(BITS_OF)
+# Q2_K / Q3_K map onto the k-bit form too (bits 2 / 3, groups of 16), but only the CPU kernel (kernels/cpu_bits.c)
+# runs them: on a GPU they are dequantised, as before.
+CPU_BITS_OF = {Q.Q2_K: 2, Q.Q3_K: 3}
+CPU_BITS_TYPES = frozenset(CPU_BITS_OF)
 
 
 @dataclass(frozen=True)
@@ -299,7 +304,9 @@ class _Form(Enum):
 
     INT4 = "int4"  # Q4_0 / Q4_1 / Q4_K: int4.py's form
     DENSE = "dense"  # dequantised (float shards, other types, or a dense kernel)
-    BITS_5 = 5  # bits.py's form; one per width, so runs of different widths stay apart
+    BITS_2 = 2  # bits.py's form (2 and 3: its CPU kernel only); one per width, so runs of different widths stay apart
+    BITS_3 = 3
+    BITS_5 = 5
     BITS_6 = 6
     BITS_8 = 8
 
@@ -309,6 +316,8 @@ def _form(p: GGUFBlocks | torch.Tensor, int4_kernel: int4.Int4Kernel, bits_kerne
         return _Form.INT4
     if isinstance(p, GGUFBlocks) and p.qtype in BITS_TYPES and bits_kernel is not bits.BitsKernel.DENSE:
         return _Form(BITS_OF[p.qtype])
+    if isinstance(p, GGUFBlocks) and p.qtype in CPU_BITS_TYPES and bits_kernel is bits.BitsKernel.CPU_SIMD:
+        return _Form(CPU_BITS_OF[p.qtype])
     return _Form.DENSE
 
 
