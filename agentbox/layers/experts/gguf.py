@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, ExpertShard
@@ -143,7 +144,7 @@ class GGUFExperts(ExpertMethod):
         raise RuntimeError("GGUF experts run only after process_weights_after_loading (the loader calls it)")
 
 
-def _bits_types(device: torch.device) -> frozenset:
+def _bits_types(device: torch.device) -> frozenset[GGMLQuantizationType]:
     """The types that take the k-bit expert form on `device`: Q2_K / Q3_K only where the CPU kernel runs them."""
     return BITS_TYPES | CPU_BITS_TYPES if device.type == "cpu" else BITS_TYPES
 
