@@ -60,6 +60,9 @@ def test_plan_on_1x_rtx_5090_with_128_gib_ram_choosing_experts_in_host_ram() -> 
     assert c is not None and c.variant.name == "q3_k_s" and c.tp == 1
     s = c.split
     assert s is not None and s.host_kernel and s.host_fits and c.gpu_fits and s.tok_s > 8 and not c.slow
+    # the GPU dequantises Q2_K / Q3_K: the other 7.3B parameters and its layers of experts at bf16
+    assert c.weights_bytes == (profile.params - profile.expert_params) * 2 + s.gpu_experts_bytes
+    assert s.gpu_experts_bytes == profile.expert_params * 2 * (43 - s.in_ram) // 43
     by_name = {x.variant.name: x for x in p.candidates}
     bits = {"q3_k_s": 3.625, "q2_k": 2 / 3 * 3.25 + 1 / 3 * 3.625}  # the kernel form's bits a weight, by mix
     for name, per in bits.items():
