@@ -23,12 +23,16 @@ FORMS = list(cb.ScaleForm)
 
 
 def _scales(n: int, k: int, group: int, form: cb.ScaleForm, g: torch.Generator) -> torch.Tensor:
-    """Scales exact in `form`: I8 as a record's fp16 super-scale times int8 multiples (as the K-quants)."""
-    if form is cb.ScaleForm.I8:  # per record of 8 blocks (and the row's shorter last one)
+    """Scales exact in `form`: I8 as a record's fp16 super-scale times int8 multiples (as the K-quants), U4 times
+    4-bit ones (as Q2_K), of one sign per record (negative in odd records: Q2_K's offsets are -dmin * m)."""
+    if form in (cb.ScaleForm.I8, cb.ScaleForm.U4):  # per record of 8 blocks (and the row's shorter last one)
         parts = []
         for _, recs, p in cb._chunks(k):
             d = torch.rand(n, recs, 1, generator=g).half().float() / 64
-            parts.append((d * torch.randint(-128, 128, (n, recs, p * 32 // group), generator=g)).reshape(n, -1))
+            if form is cb.ScaleForm.U4:
+                d = d * (1 - 2 * (torch.arange(recs) % 2)).view(1, recs, 1)
+            lo, hi = (-128, 128) if form is cb.ScaleForm.I8 else (0, 16)
+            parts.append((d * torch.randint(lo, hi, (n, recs, p * 32 // group), generator=g)).reshape(n, -1))
         return torch.cat(parts, dim=1)
     s = torch.randn(n, k // group, generator=g) / 8
     return s.half().float() if form is cb.ScaleForm.F16 else s
@@ -46,8 +50,9 @@ def _weight(n: int, k: int, bits: int, group: int, offset: bool, form: cb.ScaleF
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("bits", [5, 6, 8])
 def test_matmul_and_dequant_equal_their_twins(bits: int, group: int, offset: bool, form: cb.ScaleForm) -> None:
-    # odd N: rows past the 4-row tiles; K 576: two records of 8 blocks and one of 2, K 224: one of 7
-    n, k = 13, 224 if form is cb.ScaleForm.F32 else 576
+    # odd N: rows past the 4-row tiles; K 576: two records of 8 blocks and one of 2, K 224: one of 7, K 480: one
+    # of 8 and one of 7 (U4: an odd count of 4-bit scales in groups of 32)
+    n, k = 13, {cb.ScaleForm.F32: 224, cb.ScaleForm.U4: 480}.get(form, 576)
     codes, scale, off = _weight(n, k, bits, group, offset, form, seed=bits * group + offset)
     w = cb.pack_bits_cpu(codes, bits, scale, off, form)
     assert w.form is form and cb.pack_bits_cpu(codes, bits, scale, off).form is form  # the smallest exact form
@@ -72,9 +77,10 @@ def test_matmul_and_dequant_equal_their_twins(bits: int, group: int, offset: boo
 def test_two_and_three_bit_codes_equal_their_twins(bits: int, offset: bool, isa: cg.Isa | None) -> None:
     # groups of 16 only (GGUF Q2_K / Q3_K); K 608: two records of 8 blocks and one of 3 (the 16-byte plane)
     n, k = 11, 608
-    codes, scale, off = _weight(n, k, bits, 16, offset, cb.ScaleForm.I8, seed=bits + 2 * offset)
+    form = cb.ScaleForm.U4 if offset else cb.ScaleForm.I8  # Q2_K's 4-bit scales and mins, Q3_K's 6-bit scales
+    codes, scale, off = _weight(n, k, bits, 16, offset, form, seed=bits + 2 * offset)
     w = cb.pack_bits_cpu(codes, bits, scale, off)
-    assert w.form is cb.ScaleForm.I8
+    assert w.form is form
     back = cb.unpack_bits_cpu(w)
     assert torch.equal(back[0], codes) and torch.equal(back[1], scale)
     with cg.use_isa(isa) if isa else contextlib.nullcontext():
@@ -143,9 +149,9 @@ def test_bad_input_is_named() -> None:
 BITS = {T.Q5_0: 5, T.Q5_1: 5, T.Q8_0: 8, T.Q5_K: 5, T.Q6_K: 6, T.Q2_K: 2, T.Q3_K: 3}
 D_AT = {T.Q5_K: (slice(0, 2), slice(2, 4)), T.Q6_K: (slice(208, 210),),  # fp16 d (and dmin) bytes of a block
         T.Q2_K: (slice(80, 82), slice(82, 84)), T.Q3_K: (slice(108, 110),)}
-# The CPU form's bits per weight where it is not within 10 % of the file's: one byte per int8 sub-scale (and min)
-# of 16 weights, where Q2_K's file packs a 4-bit scale and min in one byte (its file: 2.625 bits).
-CPU_BITS = {T.Q2_K: 3.25, T.Q3_K: 3.625}
+# The CPU form's bits per weight for the 2- and 3-bit types (their files': 2.625, 3.4375): Q2_K's fp32 d and dmin
+# per 256 where the file has fp16, Q3_K's 6-bit scales a byte each.
+CPU_BITS = {T.Q2_K: 2.75, T.Q3_K: 3.625}
 
 
 def _dequant(blocks: np.ndarray, t: T) -> np.ndarray:
@@ -174,7 +180,8 @@ def test_gguf_blocks_stay_quantised_and_exact(t: T) -> None:
     n, k = 9, 512 if t not in CPU_BITS else 768  # Q2_K / Q3_K: three super-blocks
     blocks = _blocks(t, n, k, np.random.default_rng(int(t)))
     w = _cpu(blocks, t, k)
-    assert w.form is (cb.ScaleForm.I8 if t in (T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K) else cb.ScaleForm.F16)
+    forms = {T.Q5_K: cb.ScaleForm.I8, T.Q6_K: cb.ScaleForm.I8, T.Q3_K: cb.ScaleForm.I8, T.Q2_K: cb.ScaleForm.U4}
+    assert w.form is forms.get(t, cb.ScaleForm.F16)
     size, nbytes = gguf.GGML_QUANT_SIZES[t]
     expect = torch.from_numpy(_dequant(blocks, t))
     assert torch.equal(cb.bits_dequant(w), expect.reshape(n, k))

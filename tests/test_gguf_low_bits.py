@@ -63,8 +63,8 @@ def test_q2_k_q3_k_experts_with_cpu_moe_run_the_kernel(tiny_moe) -> None:  # noq
     # Q3_K is symmetric in the kernel's form (its offset was its centre); Q2_K keeps its mins
     assert [m.method.forms["w2"].has_offset for m in layers] == [False, False, True, False]
     assert layers[3].method.forms["w13"].has_offset  # the merged w13: Q2_K's mins, Q3_K's centre as an offset
-    # resident at the kernel form's bits: 3.25 (Q2_K) and 3.625 (Q3_K) a weight, 2 x 256 x 256 + 256 x 256 each
-    per_expert = {2: 3.25, 3: 3.625}
+    # resident at the kernel form's bits: 2.75 (Q2_K) and 3.625 (Q3_K) a weight, 2 x 256 x 256 + 256 x 256 each
+    per_expert = {2: 2.75, 3: 3.625}
     for m, (b13, b2) in zip(layers[:3], forms, strict=False):
         want = m.num_experts * 256 * 256 * (2 * per_expert[b13] + per_expert[b2]) / 8
         assert sum(p.numel() for p in m.parameters() if p.dtype is torch.uint8) == want
@@ -105,7 +105,7 @@ def test_dense_linears_in_q2_k_q3_k_run_the_cpu_kernel(qtype: Q, tmp_path: Path)
     assert layers and all(m.bits_kernel is bits.BitsKernel.CPU_SIMD and m.bits == CPU_BITS_OF[qtype] for m in layers)
     assert all(isinstance(m.bits_cpu, cpu_bits.BitsCPU) for m in layers)
     weights = sum(m.input_size * m.output_size for m in layers)
-    assert sum(resident_weight_bytes(m) for m in layers) * 8 == weights * {Q.Q2_K: 3.25, Q.Q3_K: 3.625}[qtype]
+    assert sum(resident_weight_bytes(m) for m in layers) * 8 == weights * {Q.Q2_K: 2.75, Q.Q3_K: 3.625}[qtype]
     prompt = torch.tensor([[5, 17, 100, 3, 99, 42, 7, 120]])
     with torch.no_grad():
         expected = hf(prompt).logits[0]

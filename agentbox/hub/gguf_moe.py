@@ -4,7 +4,7 @@ Every quantised GGUF expert type stays quantised (layers/experts/gguf.py): 4-bit
 form (4-bit codes, a scale and an offset per 32 weights), Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K in the k-bit form
 (layers/experts/bits.py: codes at their width, a scale and, for Q5_1 / Q5_K, an offset per group of 32, 16 for
 Q6_K), the scales in bf16 on GPU; on CPU the CPU kernels' forms (layers/experts/cpu.py, formats.GGUF_CPU_BYTES).
-Q2_K / Q3_K experts stay quantised on CPU alone (the k-bit form at 2 / 3 bits, 3.25 / 3.625 bits a weight): on
+Q2_K / Q3_K experts stay quantised on CPU alone (the k-bit form at 2 / 3 bits, 2.75 / 3.625 bits a weight): on
 a GPU they are dequantised to bf16, so a plan for them keeps their experts in host RAM. tests/test_plan_gguf_moe.py measures
 each number below on loaded layers. A profile does not list its file's tensor types, so a variant named
 after a llama.cpp file type gets that type's expert mix.

@@ -8,6 +8,8 @@
  * A row is records of 8 blocks of 32 columns (the last may have fewer); a record is a header of its
  * G = 32 p / group scales (and offsets), then a body of its p blocks' codes:
  *   header F32: s[G] fp32, o[G] fp32 | F16: s[G] fp16, o[G] fp16 (where fp16 is exact: Q5_0, Q5_1, Q8_0)
+ *          U4:  as I8 with 4-bit c and m, two a byte (byte i: element 2i low, 2i + 1 high): GGUF Q2_K's own
+ *               4-bit scales and mins (s = d sc, o = -dmin m)
  *          I8:  d fp32, [dm fp32], c[G] int8, [m[G] int8]; s = d * c, o = dm * m (the K-quants' 6/8-bit
  *               sub-scales of one fp16 super-scale, exact in fp32; 8 blocks are GGUF's 256-column super-block)
  *   body 8-bit: p x 32 int8 codes q - 128 (GGUF Q8_0's own bytes)
@@ -18,9 +20,9 @@
  *        2-bit: planes only, the 6-bit layout's (32 bytes per 4 blocks, bits 2j, 2j + 1 = block 4i + j)
  *        3-bit: those 2-bit planes of the low bits, then one 1-bit plane as the 5-bit layout's (bit b =
  *               block b's bit 2; 16 bytes for a record of 4 blocks or fewer)
- *   (GGUF Q2_K / Q3_K, groups of 16 only: I8 headers per 256 columns of 40 / 20 bytes and bodies of 64 / 96
- *   bytes are 3.25 / 3.625 bits per weight against the files' 2.625 / 3.4375: the int8 sub-scales (Q2_K's
- *   4-bit scale and min, Q3_K's 6-bit scale) take a byte each where the file packs them.)
+ *   (GGUF Q2_K / Q3_K, groups of 16 only: a U4 header of 24 bytes per 256 columns and a 64-byte body are Q2_K's
+ *   2.75 bits per weight (file 2.625: fp32 d and dmin where it has fp16), an I8 header of 20 bytes and a 96-byte
+ *   body Q3_K's 3.625 (file 3.4375: its 6-bit scales take a byte each).)
  *   so a block's codes are one load, AND (and shift) for the nibbles and one shift, AND, OR for the high
  *   bits, where per-block bit fields (GGUF's own) cost twice that: the kernel was compute-bound, not
  *   byte-bound. Bits per weight: Q5_0 / Q5_1 / Q8_0 their file's (5.5 / 6 / 8.5; a row ending in a short
@@ -47,7 +49,7 @@
 #define PB 8    /* blocks per record (256 columns: a GGUF K-quant super-block); a row's last may have fewer */
 #define GM 16   /* most groups in a record (8 blocks of two groups of 16) */
 
-enum { F32 = 0, F16 = 1, I8 = 2 };
+enum { F32 = 0, F16 = 1, I8 = 2, U4 = 3 };
 
 typedef struct {
     int bits, group, form, off;
@@ -70,7 +72,8 @@ static inline int64_t body_bytes(int bits, int p) {
 }
 static inline int64_t header_bytes(const shape_t *s, int p, int group) {
     const int64_t g = p * QB / group, parts = 1 + s->off;
-    return s->form == F32 ? 4 * g * parts : s->form == F16 ? 2 * g * parts : (4 + g) * parts;
+    return s->form == F32 ? 4 * g * parts : s->form == F16 ? 2 * g * parts : s->form == I8 ? (4 + g) * parts
+                                                                                         : (4 + (g + 1) / 2) * parts;
 }
 static inline int64_t record_bytes(const shape_t *s, int p, int group) {
     return header_bytes(s, p, group) + body_bytes(s->bits, p);
@@ -127,6 +130,16 @@ static void release(act_t *a) {
     free(a->gs);
 }
 
+/* U4's g nibbles (byte i: element 2i low, 2i + 1 high) as bytes; a full record's 16 in one unpack. */
+static inline __attribute__((always_inline)) void nibbles(const uint8_t *p, const int g, int8_t *out) {
+    if (g == GM) {
+        const __m128i raw = _mm_loadl_epi64((const __m128i *)p), low = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+        _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi8(lo, hi));
+    } else
+        for (int i = 0; i < g; i++) out[i] = (int8_t)((p[i / 2] >> (4 * (i & 1))) & 15);
+}
+
 /* A record's g scales (and offsets) as fp32, zero from g to the next multiple of 8. */
 static inline __attribute__((always_inline)) void header(const uint8_t *h, const shape_t *s, const int g, float *sc,
                                                           float *of) {
@@ -146,11 +159,18 @@ static inline __attribute__((always_inline)) void header(const uint8_t *h, const
             sc[i] = _cvtsh_ss(p[i]);
             if (off) of[i] = _cvtsh_ss(p[g + i]);
         }
-    } else {
+    } else { /* I8, or U4 unpacked to I8's bytes: the same products */
         float d, dm = 0.0f;
         memcpy(&d, h, 4);
         if (off) memcpy(&dm, h + 4, 4);
         const int8_t *c = (const int8_t *)(h + 4 * (1 + off)), *mm = c + g;
+        int8_t un[2 * GM];
+        if (s->form == U4) {
+            nibbles(h + 4 * (1 + off), g, un);
+            if (off) nibbles(h + 4 * (1 + off) + (g + 1) / 2, g, un + GM);
+            c = un;
+            mm = un + GM;
+        }
         int i = 0;
         for (; i + 8 <= g; i += 8) {
             __m256 cv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + i))));
@@ -385,7 +405,7 @@ static int check(const shape_t *s) {
         (s->group != 16 && s->group != 32))
         return -3;
     if (s->bits <= 3 && s->group != 16) return -3; /* only GGUF Q2_K / Q3_K have them: groups of 16 */
-    if (s->k % QB || s->k <= 0 || s->form < F32 || s->form > I8) return -2;
+    if (s->k % QB || s->k <= 0 || s->form < F32 || s->form > U4) return -2;
     return 0;
 }
 

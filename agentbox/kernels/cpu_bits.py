@@ -7,10 +7,11 @@ w = (q - 2^(bits-1)) * scale without offsets. `pack_bits_cpu` lays a weight out 
 scales then its codes (planes of high bits, nibble pairs; or int8). Scales are kept in the smallest form that
 holds them exactly:
 
+- U4: one fp32 per record and 4-bit multiples of it, two a byte (Q2_K's d * sc and -dmin * m): Q2_K 2.75 bits
+  per weight (its file: 2.625, fp16 d and dmin);
 - I8: one fp32 per record and int8 multiples of it (the K-quants: Q5_K's d * sc and dmin * m, Q6_K's
   d * sc, over GGUF's 256-column super-blocks): Q5_K 5.75 bits per weight (its file: 5.5), Q6_K 6.625 (6.5625),
-  Q2_K 3.25 (2.625: d * sc and -dmin * m, a byte each per 16 where the file packs both in one), Q3_K 3.625
-  (3.4375: 6-bit scales in a byte each);
+  Q3_K 3.625 (3.4375: 6-bit scales in a byte each);
 - F16: fp16 per group (Q5_0 5.5, Q5_1 6.0, Q8_0 8.5 bits, exactly the file's);
 - F32: anything else (a weight quantised here rather than read from a GGUF file).
 
@@ -34,10 +35,11 @@ __all__ = ["BitsCPU", "ScaleForm", "bits_dequant", "bits_dequant_ref", "bits_mat
 RECORD = 8  # 32-column blocks per record: 256 columns, a GGUF K-quant super-block; a row's last may have fewer
 
 
-class ScaleForm(enum.IntEnum):  # values are cpu_bits.c's
+class ScaleForm(enum.IntEnum):  # values are cpu_bits.c's; a larger value holds a record in fewer bytes
     F32 = 0
     F16 = 1
     I8 = 2
+    U4 = 3
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class BitsCPU:
 
     def header_bytes(self, p: int) -> int:
         g, parts = p * BLOCK // self.group, 1 + self.has_offset
-        return {ScaleForm.F32: 4 * g, ScaleForm.F16: 2 * g, ScaleForm.I8: 4 + g}[self.form] * parts
+        return {ScaleForm.F32: 4 * g, ScaleForm.F16: 2 * g, ScaleForm.I8: 4 + g, ScaleForm.U4: 4 + (g + 1) // 2}[self.form] * parts
 
     def body_bytes(self, p: int) -> int:
         if self.bits <= 3:
@@ -108,38 +110,58 @@ def resident_bytes(w: BitsCPU) -> int:
     return w.data.numel() * w.data.element_size()
 
 
-def _factor(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _factor(v: torch.Tensor, unsigned4: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """v [..., G] fp32 as d [...] fp32 times c [..., G] int8, exactly, or None. The largest |v| is t * d for
     some t <= 128; trying t from 128 down settles GGUF's own records at once (its quantisers put the largest
-    sub-scale at -128 for Q6_K, 63 for Q5_K: t = 126 with d / 2)."""
+    sub-scale at -128 for Q6_K, 63 for Q5_K: t = 126 with d / 2). `unsigned4`: c in 0..15 (t <= 15), d taking
+    the sign the record's values share (Q2_K's offsets -dmin * m are all <= 0)."""
     flat = v.reshape(-1, v.shape[-1])
     amax = flat.abs().amax(-1)
+    if unsigned4:
+        if ((flat > 0).any(-1) & (flat < 0).any(-1)).any():
+            return None
+        amax = torch.where(flat.amin(-1) < 0, -amax, amax)  # d carries the sign
+    lo, hi, top = (0, 15, 15) if unsigned4 else (-128, 127, 128)
     d = torch.zeros_like(amax)
     c = torch.zeros(flat.shape, dtype=torch.int8)
-    todo = (amax > 0).nonzero().squeeze(1)
-    for t in range(128, 0, -1):
+    todo = (amax != 0).nonzero().squeeze(1)
+    for t in range(top, 0, -1):
         if len(todo) == 0:
             break
         vals, dt = flat[todo], amax[todo] / t
         ct = torch.round(vals / dt.unsqueeze(-1))
-        ok = ((ct >= -128) & (ct <= 127) & (ct * dt.unsqueeze(-1) == vals)).all(-1)
+        ok = ((ct >= lo) & (ct <= hi) & (ct * dt.unsqueeze(-1) == vals)).all(-1)
         d[todo[ok]], c[todo[ok]] = dt[ok], ct[ok].to(torch.int8)
         todo = todo[~ok]
     return None if len(todo) else (d.reshape(v.shape[:-1]), c.reshape(v.shape))
 
 
+def _pack_nibbles(c: torch.Tensor) -> torch.Tensor:
+    """[..., G] values 0..15 -> [..., ceil(G / 2)] bytes, byte i: element 2i low, 2i + 1 high."""
+    c = c.view(torch.uint8)
+    if c.shape[-1] % 2:
+        c = torch.cat([c, torch.zeros_like(c[..., :1])], dim=-1)
+    return c[..., 0::2] | c[..., 1::2] << 4
+
+
+def _unpack_nibbles(b: torch.Tensor, g: int) -> torch.Tensor:
+    return torch.stack([b & 15, b >> 4], dim=-1).reshape(*b.shape[:-1], -1)[..., :g]
+
+
 def _header(parts: list[torch.Tensor], form: ScaleForm) -> torch.Tensor | None:
     """Scale (and offset) [N, R, G] fp32 -> [N, R, header bytes] uint8 in `form`, or None where not exact."""
-    if form is ScaleForm.I8:
+    if form in (ScaleForm.I8, ScaleForm.U4):
         # a few rows first: per-group fp16 scales (Q5_0 / Q5_1 / Q8_0) never factor, and proving that costs
         # all 128 tries per record (3 s for 16 M weights)
-        if any(_factor(p[:2, :4]) is None for p in parts):
+        u4 = form is ScaleForm.U4
+        if any(_factor(p[:2, :4], u4) is None for p in parts):
             return None
-        factored = [_factor(p) for p in parts]
+        factored = [_factor(p, u4) for p in parts]
         if any(f is None for f in factored):
             return None
         ds = [f[0].unsqueeze(-1).contiguous().view(torch.uint8) for f in factored]
-        return torch.cat([*ds, *(f[1].view(torch.uint8) for f in factored)], dim=-1)
+        cs = [_pack_nibbles(f[1]) if u4 else f[1].view(torch.uint8) for f in factored]
+        return torch.cat([*ds, *cs], dim=-1)
     if form is ScaleForm.F16:
         halves = [p.half() for p in parts]
         if not all(torch.equal(h.float(), p) for h, p in zip(halves, parts, strict=True)):
@@ -229,9 +251,13 @@ def unpack_bits_cpu(w: BitsCPU) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         rec = w.data[:, at:at + recs * (hb + bb)].reshape(n, recs, hb + bb)
         at += recs * (hb + bb)
         head, body = rec[..., :hb], rec[..., hb:]
-        if w.form is ScaleForm.I8:
+        if w.form in (ScaleForm.I8, ScaleForm.U4):
             d = head[..., :4 * parts].contiguous().view(torch.float32)  # [N, R, parts]
-            c = head[..., 4 * parts:].contiguous().view(torch.int8).reshape(n, recs, parts, g).float()
+            if w.form is ScaleForm.U4:
+                packed = head[..., 4 * parts:].reshape(n, recs, parts, (g + 1) // 2)
+                c = _unpack_nibbles(packed, g).float()
+            else:
+                c = head[..., 4 * parts:].contiguous().view(torch.int8).reshape(n, recs, parts, g).float()
             vals = d.unsqueeze(-1) * c
         else:
             dtype = torch.float32 if w.form is ScaleForm.F32 else torch.float16

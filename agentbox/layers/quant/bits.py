@@ -9,7 +9,7 @@ file's Q5_0 0.6875 (same), Q5_1 0.75 (same), Q8_0 1.0625 (same), Q5_K 0.6875 (ou
 file packs 6-bit scales per 32 under one fp16 per 256), Q6_K 0.8203 (ours 0.875: fp16 per 16 where the file
 has int8 per 16) - within 10 % of the file for every type. On CPU (kernels/cpu_bits.c) per 256 columns:
 Q5_0 / Q5_1 / Q8_0 exactly the file's bytes (fp16 scales), Q5_K 5.75 bits (file 5.5), Q6_K 6.625 (6.5625),
-Q2_K 3.25 (2.625), Q3_K 3.625 (3.4375). Q2_K / Q3_K have no GPU kernel here: the GGUF loader keeps them in this
+Q2_K 2.75 (2.625), Q3_K 3.625 (3.4375). Q2_K / Q3_K have no GPU kernel here: the GGUF loader keeps them in this
 form only for CPU_SIMD (and dequantises them elsewhere).
 """
 
