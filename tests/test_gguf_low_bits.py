@@ -25,6 +25,7 @@ from agentbox.layers.experts.cpu import CpuExperts, _linear_ref
 from agentbox.layers.experts.placement import ALL_LAYERS, ExpertPlacement
 from agentbox.layers.quant import bits, int4, resident_weight_bytes
 from agentbox.layers.quant.gguf import CPU_BITS_OF, GGUFBlocks, GGUFLinearMethod, bits_groups
+from agentbox.layers.quant.quant_rows import BitsRows
 from agentbox.models.loader import load_model
 
 Q = GGMLQuantizationType
@@ -99,13 +100,23 @@ def test_q2_k_q3_k_experts_with_cpu_moe_exact_path(tiny_moe) -> None:  # noqa: A
 @pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K], ids=lambda q: q.name)
 def test_dense_linears_in_q2_k_q3_k_run_the_cpu_kernel(qtype: Q, tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
-    hf = llama_twin(write_quantised(path, qtype))
+    tables = {"embed_tokens": qtype, "lm_head": Q.Q3_K if qtype is Q.Q2_K else Q.Q2_K}
+    state = write_quantised(path, qtype, overrides=tables)
+    hf = llama_twin(state)
     ours = load_model(str(path), torch.float32, "cpu")
     layers = [m for m in ours.model.modules() if isinstance(getattr(m, "quant_method", None), GGUFLinearMethod)]
     assert layers and all(m.bits_kernel is bits.BitsKernel.CPU_SIMD and m.bits == CPU_BITS_OF[qtype] for m in layers)
     assert all(isinstance(m.bits_cpu, cpu_bits.BitsCPU) for m in layers)
     weights = sum(m.input_size * m.output_size for m in layers)
     assert sum(resident_weight_bytes(m) for m in layers) * 8 == weights * {Q.Q2_K: 2.75, Q.Q3_K: 3.625}[qtype]
+    # the vocabulary tables stay quantised too, in the same kernel's rows: a lookup is the file's rows exactly
+    embed, head = ours.model.model.embed_tokens, ours.model.lm_head
+    assert isinstance(embed.quant, BitsRows) and isinstance(head.quant, BitsRows)
+    ids = torch.tensor([[3, 127], [0, 64]])
+    assert torch.equal(embed(ids), state["model.embed_tokens.weight"][ids])
+    x = torch.randn(3, 256)
+    ref = torch.nn.functional.linear(cpu_gemv.round_activations(x), state["lm_head.weight"])
+    torch.testing.assert_close(head(x), ref, atol=1e-5 * ref.abs().max(), rtol=1e-5)
     prompt = torch.tensor([[5, 17, 100, 3, 99, 42, 7, 120]])
     with torch.no_grad():
         expected = hf(prompt).logits[0]
