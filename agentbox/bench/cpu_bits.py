@@ -45,19 +45,20 @@ TYPES = (
     BitsType("Q8_0", 8, 32, False, cb.ScaleForm.F16, 8.5),
     BitsType("Q5_K", 5, 32, True, cb.ScaleForm.I8, 5.5),
     BitsType("Q6_K", 6, 16, False, cb.ScaleForm.I8, 6.5625),
-    BitsType("Q2_K", 2, 16, True, cb.ScaleForm.I8, 2.625),
+    BitsType("Q2_K", 2, 16, True, cb.ScaleForm.U4, 2.625),
     BitsType("Q3_K", 3, 16, False, cb.ScaleForm.I8, 3.4375),
 )
 SHAPES = ((1536, 576), (576, 1536))  # (N out, K in): gate/up and down of SmolLM2-135M
 
 
 def _scales(n: int, k: int, t: BitsType, g: torch.Generator) -> torch.Tensor:
-    if t.form is cb.ScaleForm.I8:  # a record's fp16 super-scale times 6-bit multiples, as the K-quants
-        parts = []
+    if t.form in (cb.ScaleForm.I8, cb.ScaleForm.U4):  # a record's fp16 super-scale times 6-bit (Q2_K: 4-bit)
+        parts = []  # multiples, as the K-quants
+        top = 15 if t.form is cb.ScaleForm.U4 else 63
         for _, recs, p in cb._chunks(k):
             d = torch.rand(n, recs, 1, generator=g).half().float() / 64
-            c = torch.randint(0, 64, (n, recs, p * 32 // t.group), generator=g)
-            c[..., 0] = 63  # llama.cpp's quantisers scale the largest sub-scale to the top of its range
+            c = torch.randint(0, top + 1, (n, recs, p * 32 // t.group), generator=g)
+            c[..., 0] = top  # llama.cpp's quantisers scale the largest sub-scale to the top of its range
             parts.append((d * c).reshape(n, -1))
         return torch.cat(parts, dim=1)
     return (torch.rand(n, k // t.group, generator=g) / 32).half().float()
