@@ -122,3 +122,28 @@ def test_dense_linears_in_q2_k_q3_k_run_the_cpu_kernel(qtype: Q, tmp_path: Path)
         expected = hf(prompt).logits[0]
     got = PagedRunner(ours, page_size=4).step({0: prompt[0].tolist()})[0]
     assert (got - expected).abs().max() < 0.02 * expected.abs().max()
+
+
+def test_each_rank_holds_its_half_of_every_q2_k_q3_k_expert(tiny_moe) -> None:  # noqa: ANN001
+    """tp 2 without processes: rank r's Q2_K / Q3_K experts (on CPU, the k-bit form at 2 / 3 bits) dequantise to
+    rows [r I/2, (r+1) I/2) of the twin's gate and up and the same columns of its down (128 of a super-block's
+    256, cut at a 16-column group)."""
+    from agentbox.parallel.state import set_tp_state
+
+    path, hf = tiny_moe
+    half = 256 // 2
+    try:
+        for rank in (0, 1):
+            set_tp_state(rank, 2)
+            with int4.cpu_kernel(int4.Int4Kernel.DENSE):
+                ours = load_model(str(path), torch.float32, "cpu")
+            for layer, (moe, ref) in enumerate(zip(_experts(ours), hf.model.layers, strict=True)):
+                assert isinstance(moe.method, BitsExperts) and moe.method.forms["w13"].bits in (2, 3)
+                gate_up, down = ref.mlp.experts.gate_up_proj, ref.mlp.experts.down_proj
+                rows = torch.cat([torch.arange(half) + rank * half, 256 + torch.arange(half) + rank * half])
+                for e in range(moe.num_experts):
+                    w13, w2 = moe.method.dequantized_expert(moe, e, torch.float32)
+                    assert torch.equal(w13, gate_up[e, rows]), f"layer {layer} w13"
+                    assert torch.equal(w2, down[e, :, rank * half : (rank + 1) * half]), f"layer {layer} w2"
+    finally:
+        set_tp_state(0, 1)
