@@ -14,42 +14,21 @@ into the cache; with none of those (no network) the GGUF tests skip, naming what
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-SDIST = "llama_cpp_python-0.3.36"
+from agentbox.bench.llama_server import vendored_tree
+
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 def converter_dir(cache: Path) -> Path | None:
     """The vendored llama.cpp directory of the sdist (holding convert_hf_to_gguf.py), or None."""
-    given = os.environ.get("AGENTBOX_LLAMA_CPP_SDIST")
-    archive = Path(given) if given else None
-    if archive is not None and archive.is_dir():
-        found = next(archive.rglob("convert_hf_to_gguf.py"), None)
-        return found.parent if found else None
-    unpacked = cache / SDIST / "vendor" / "llama.cpp"
-    if (unpacked / "convert_hf_to_gguf.py").is_file():
-        return unpacked
-    if archive is None:
-        archive = cache / f"{SDIST}.tar.gz"
-        if not archive.is_file():
-            r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                                "llama-cpp-python==0.3.36", "-d", str(cache)], capture_output=True, timeout=600)
-            if r.returncode or not archive.is_file():
-                return None
-    wanted = (f"{SDIST}/vendor/llama.cpp/convert_hf_to_gguf.py", f"{SDIST}/vendor/llama.cpp/conversion/",
-              f"{SDIST}/vendor/llama.cpp/gguf-py/", f"{SDIST}/vendor/llama.cpp/models/templates/")
-    with tarfile.open(archive) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(wanted)]
-        tar.extractall(cache, members=members, filter="data")
-    return unpacked if (unpacked / "convert_hf_to_gguf.py").is_file() else None
+    return vendored_tree(cache, converter_only=True)
 
 
 def fp4_round(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,9 +95,9 @@ def round_experts(hf: torch.nn.Module) -> None:
                     p[e] = fp4_round(p[e])[2]
 
 
-def convert(release: Path, gguf_file: Path, llama_cpp: Path) -> Path:
+def convert(release: Path, gguf_file: Path, llama_cpp: Path, outtype: str = "f32") -> Path:
     r = subprocess.run([sys.executable, str(llama_cpp / "convert_hf_to_gguf.py"), str(release), "--outfile",
-                        str(gguf_file), "--outtype", "f32"], capture_output=True, text=True, timeout=600)
+                        str(gguf_file), "--outtype", outtype], capture_output=True, text=True, timeout=600)
     if r.returncode:
         raise RuntimeError(f"convert_hf_to_gguf.py failed:\n{r.stderr[-4000:]}")
     return gguf_file

@@ -48,10 +48,11 @@ def configs() -> dict[str, PretrainedConfig]:
     }
 
 
-def unified_config() -> Gemma4UnifiedConfig:
+def unified_config(**text: object) -> Gemma4UnifiedConfig:
     """Gemma 4 12B's layout (`gemma4_unified`): the dense text model (K=V globals, soft-capped logits, no per-layer
-    inputs) inside the unified checkpoint, with tiny audio and vision embedders the loader must skip."""
-    text = dict(TEXT, attention_k_eq_v=True, final_logit_softcapping=30.0)
+    inputs) inside the unified checkpoint, with tiny audio and vision embedders the loader must skip; `text`
+    overrides the text config (a real tokenizer's vocabulary, a longer context)."""
+    text = dict(TEXT, attention_k_eq_v=True, final_logit_softcapping=30.0, **text)
     vision = dict(patch_size=4, pooling_kernel_size=2, mm_embed_dim=32, mm_posemb_size=16, output_proj_dims=64)
     return Gemma4UnifiedConfig(text_config=text, vision_config=vision, audio_config=dict(audio_embed_dim=16),
                                architectures=["Gemma4UnifiedForConditionalGeneration"])

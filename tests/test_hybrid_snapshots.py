@@ -95,3 +95,26 @@ def test_a_full_store_drops_shared_prefixes_before_sessions() -> None:
     assert store.find("a", a, 64) is not None and store.session_bytes("a") == 100
     store.save("d", SnapshotPoint.TURN, [5] * 32, 0)  # then the least recently used session's
     assert store.find("a", a, 64) is None and store.stats().dropped == 2
+
+
+def test_a_ring_snapshot_taken_exactly_resumes_a_page_back() -> None:
+    """A ring keeps a page of slack: its snapshot of a state that stands exactly at its position (a prompt's chunk
+    ended there) also resumes a page earlier, as a view of the same slot; one whose ring ran past it (a turn's end)
+    does not, nor does a store of states without slack (back 0)."""
+    from agentbox.engine.cache.state_snapshots import SnapshotPoint, SnapshotStore
+
+    ring = SnapshotStore(num_rows=2, num_snapshots=4, slot_bytes=100, in_place=True, back=16)
+    prompt = list(range(48))
+    assert ring.save("a", SnapshotPoint.PROMPT, prompt, 0, exact=True)
+    diverged = prompt[:40] + [999] * 8  # the next turn drops the prompt's last 8 tokens
+    view = ring.find_any(diverged, 32)
+    slot = ring.find("a", prompt, 48).slot  # type: ignore[union-attr]
+    assert view is not None and (view.num_tokens, view.slot) == (32, slot)
+    ring.used(view)
+    assert ring.stats().hits == 1
+    assert ring.find_any(diverged[:20] + [7] * 28, 32) is None  # a page back is as far as the slack reaches
+    ring.save("b", SnapshotPoint.TURN, [5] * 48, 0)  # a turn's ring ran past its position: no earlier resume
+    assert ring.find_any([5] * 40 + [6] * 8, 32) is None
+    plain = SnapshotStore(num_rows=2, num_snapshots=4, slot_bytes=100)
+    plain.save("a", SnapshotPoint.PROMPT, prompt, 0, exact=True)
+    assert plain.find_any(diverged, 32) is None

@@ -19,6 +19,8 @@ from glm_models import tiny_config as glm_config
 from hybrid_models import configs as hybrid_configs
 from laguna_models import tiny_config as laguna_config
 from nemotron_h_models import tiny_config as nemotron_h_config
+from qwen4_exp_models import text_only_config as qwen4_exp_text_config
+from qwen4_exp_models import tiny_config as qwen4_exp_config
 from test_models import TINY, TINY_CONFIGS
 from test_models_gpt_oss import CONFIG as GPT_OSS_CONFIG
 from test_models_qwen3_moe import CONFIGS as QWEN3_MOE_CONFIGS
@@ -32,9 +34,10 @@ from agentbox.layers.compressor import Compressor
 from agentbox.layers.gated_deltanet import GatedDeltaNet
 from agentbox.layers.kda import KimiDeltaAttention
 from agentbox.layers.mamba2 import Mamba2Mixer
+from agentbox.layers.ngram_embedding import PLELayer
 from agentbox.layers.window_entry_attention import WindowEntryAttention
 from agentbox.layers.window_kv import WindowAttention
-from agentbox.models import deepseek_v4, glm5_next
+from agentbox.models import deepseek_v4, glm5_next, qwen4_exp
 from agentbox.models.base import CausalLM
 from agentbox.models.gguf_hybrid import HYBRID_CLASS
 from agentbox.models.glm4_moe_lite import MLAttention, kv_spec
@@ -65,6 +68,8 @@ TINY_BY_ARCH: dict[str, Callable[[], PretrainedConfig]] = {
     "Qwen3NextForCausalLM": lambda: hybrid_configs()["qwen3_next"],
     "LagunaForCausalLM": laguna_config,
     "NemotronHForCausalLM": nemotron_h_config,
+    "Qwen4ExpForConditionalGeneration": qwen4_exp_config,
+    "Qwen4ExpForCausalLM": qwen4_exp_text_config,
     HYBRID_CLASS: lambda: _named(hybrid_configs()["qwen3_next"], HYBRID_CLASS),
 }
 
@@ -94,7 +99,12 @@ def test_the_declared_layout_is_the_built_one(arch: str) -> None:
     indexed = [m for m in model.modules() if isinstance(m, glm5_next.IndexedAttention)]
     latents = [(m.latent_layer, m.rank) for m in indexed]
     entries += [(m.index_layer, 2 * m.indexer.dim) for m in indexed if m.indexer is not None]
-    assert sorted([m.layer_id for m in pool] + [i for i, _ in entries + keys + latents]) == list(range(len(specs))), arch
+    # Qwen3.8-Flash-Next's QSA layers write their K and V, and their indexer's raw key per token
+    qsa = [m for m in model.modules() if isinstance(m, qwen4_exp.QSAAttention)]
+    keys += [(m.index_layer, m.indexer.dim) for m in qsa]
+    written = [m.layer_id for m in pool] + [m.kv_layer for m in qsa] + [i for i, _ in entries + keys + latents]
+    assert sorted(written) == list(range(len(specs))), arch
+    assert all(specs[m.kv_layer] == KVLayerSpec(m.num_kv_heads, m.head_dim) for m in qsa), arch
     assert all(specs[i] == KVLayerSpec(1, d, d, tied=True) for i, d in latents), arch
     for m in pool:
         want = kv_spec(config) if isinstance(m, MLAttention) else KVLayerSpec(m.num_kv_heads, m.head_dim)
@@ -104,12 +114,16 @@ def test_the_declared_layout_is_the_built_one(arch: str) -> None:
     stateful = [m for m in model.modules()
                 if isinstance(m, WindowAttention | GatedDeltaNet | Mamba2Mixer | KimiDeltaAttention | WindowEntryAttention
                               | Compressor)]
+    # A PLE layer keeps two rings: its token ids at its state_index, its conv inputs at the next
+    ples = [m for m in model.modules() if isinstance(m, PLELayer)]
     if not stateful:
-        assert layout.state is None
+        assert layout.state is None and not ples
     else:
         assert layout.state is not None
-        assert sorted(m.state_index for m in stateful) == list(range(len(layout.state.specs)))
+        places = [m.state_index for m in stateful] + [m.state_index + j for m in ples for j in range(2)]
+        assert sorted(places) == list(range(len(layout.state.specs)))
         assert all(layout.state.specs[m.state_index] == m.state_spec() for m in stateful), arch
+        assert all(list(layout.state.specs[m.state_index : m.state_index + 2]) == m.state_specs() for m in ples), arch
     # The attention backend's default shape is the first paged attention layer's (MLA layers carry their own).
     first = min((m for m in pool if isinstance(m, Attention)), key=lambda m: m.layer_id, default=None)
     if first is not None:

@@ -18,6 +18,7 @@ from agentbox.hub.weight_bytes import expert_resident_bytes, resident_weight_byt
 from agentbox.hw.bandwidth import gpu_bandwidth
 from agentbox.hw.hardware import load_hardware
 from agentbox.hw.probe import GIB, Probe
+from agentbox.layers.quant.formats import NVFP4_BYTES
 
 HW = Path(__file__).parents[1] / "profiles" / "hardware"
 
@@ -190,3 +191,17 @@ def test_serve_refuses_a_negative_n_cpu_moe() -> None:
 
     out = CliRunner().invoke(app, ["serve", "--model", "x.gguf", "--n-cpu-moe", "-1"])
     assert out.exit_code != 0 and "--n-cpu-moe must be 0 or more" in out.output
+
+
+def test_nvfp4_experts_in_ram_count_as_kernel_run_at_4_5_bits() -> None:
+    """NVFP4's experts run on the CPU kernel in RAM (kernels/cpu_nvfp4.c) at the bytes they hold on the GPU, so an
+    NVFP4 split is ranked by its bound like a Q4_K_M one; MXFP4's and FP8's still are not."""
+    prof = find_profile("Qwen3-Coder-30B-A3B-Instruct")
+    nvfp4 = prof.variant("nvfp4")
+    s = sides(prof, nvfp4, resident_weight_bytes(prof, nvfp4, "cuda"))
+    assert s.host_kernel and s.experts_cpu == s.experts_gpu == round(prof.expert_params * NVFP4_BYTES)
+    c = cand(run("Qwen3-Coder-30B-A3B-Instruct", "1x-rtx4080"), "nvfp4")  # 16 GB: a split
+    assert c.ok and c.split is not None and c.split.host_kernel and c.split.preferred
+    assert not any("no CPU expert kernel" in n for n in c.notes)
+    mx = find_profile("gpt-oss-120b")
+    assert not sides(mx, mx.variant("mxfp4"), resident_weight_bytes(mx, mx.variant("mxfp4"), "cuda")).host_kernel

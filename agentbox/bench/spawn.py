@@ -1,4 +1,5 @@
-"""Targets of a comparison: external servers by URL, agentbox started once per cache policy, llama.cpp.
+"""Targets of a comparison: external servers by URL, agentbox started once per cache policy, llama-server
+(bench/llama_server.py).
 
 A spawned server gets a free loopback port, its output goes to a log file under the output folder, and it
 is stopped (SIGTERM, then SIGKILL) when its replay ends, whatever happened.
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import os
 import signal
 import socket
@@ -73,32 +73,6 @@ def with_speculation_off(targets: list[Target]) -> list[Target]:
             out.append(dataclasses.replace(t, name=f"{t.name}-spec-off", command=[*t.command, "--speculative", "off"],
                                            meta={**t.meta, "speculative": "off"}))
     return out
-
-
-def llamacpp_target(gguf: str, n_ctx: int) -> Target:
-    if importlib.util.find_spec("llama_cpp") is None:
-        return Target(
-            name="llama.cpp", note="llama_cpp is not importable (pip install 'llama-cpp-python[server]')"
-        )
-    cmd = [
-        sys.executable,
-        "-m",
-        "llama_cpp.server",
-        "--model",
-        gguf,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "{port}",
-        "--n_ctx",
-        str(n_ctx),
-        # By default a new request cuts off the stream in flight: concurrent sessions would get empty answers.
-        "--interrupt_requests",
-        "false",
-    ]
-    # Its single llama context serves one request at a time and keeps only the last prompt's KV; it does not
-    # honour ignore_eos/min_tokens nor send usage in streams: its row has timings, not token counts.
-    return Target(name="llama.cpp", command=cmd, ready_paths=("/v1/models",))
 
 
 def parse_target(spec: str) -> Target:

@@ -169,18 +169,69 @@ def bench_llamacpp(
     model: str | None = typer.Option(None, "--model", help="a .gguf (default: the embedded SmolLM2)"),  # noqa: UP007
     tokens: int = typer.Option(64, "--tokens", min=2, help="tokens generated per request"),
     prompt_len: int = typer.Option(128, "--prompt-len", min=1, help="prompt tokens per request"),
-    threads: int = typer.Option(1, "--threads", min=1, help="CPU threads for both engines"),
+    threads: int = typer.Option(1, "--threads", min=1, help="CPU threads for both engines (--server: llama-server's)"),
     repeats: int = typer.Option(2, "--repeats", min=1, help="requests per side; the fastest is kept"),
     default_only: bool = typer.Option(False, "--default-only", help="time only our default kernel, not dense / int4-cpu"),
+    llama_server_path: str | None = typer.Option(None, "--llama-server", help="llama.cpp's llama-server binary (default: $AGENTBOX_LLAMA_SERVER, PATH, or one --build-server made)"),  # noqa: UP007
+    build_server: bool = typer.Option(False, "--build-server", help="build llama-server from llama.cpp's source first (cmake; a few minutes)"),
+    server: bool = typer.Option(False, "--server", help="the agent workload over HTTP instead: sessions x turns over a shared prompt, against llama-server's slots"),
+    sessions: list[int] = typer.Option([1, 4], "--sessions", help="--server: session counts to run (repeatable)"),
+    turns: int = typer.Option(8, "--turns", min=2, help="--server: turns per session"),
+    convert: str | None = typer.Option(None, "--convert", help="an HF checkpoint folder to convert with llama.cpp's own converter (f16) and compare on"),  # noqa: UP007
+    out: str | None = typer.Option(None, "--out", help="--server: folder for the servers' logs and per-run records"),  # noqa: UP007
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """Our GGUF kernels against llama.cpp's server, single stream.
+    """Our engine against llama.cpp's llama-server on one GGUF.
 
-    Prefill and decode on the same file and thread count."""
-    from agentbox.bench.llamacpp import compare_llamacpp
+    Single stream: prefill and decode per kernel at the same thread count. With --server: the agent workload
+    (1 and 4 sessions x 8 turns over a 2,000-token prompt) against llama-server with -np N, its default slot
+    matching and -sps 0: wall time, history reused, later-turn first token, decode tok/s."""
+    import time
 
-    report = compare_llamacpp(_bench_model(model), prompt_len, tokens, threads, repeats, default_only=default_only)
+    from agentbox.bench import llama_server
+
+    try:
+        binary = llama_server.build() if build_server else llama_server.find_binary(llama_server_path)
+    except (FileNotFoundError, RuntimeError) as e:
+        fail(str(e))
+    gguf = _converted(convert) if convert else _bench_model(model)
+    if server:
+        from agentbox.bench.llamacpp_agents import AgentWorkload, compare_agents
+
+        workload = AgentWorkload(sessions=tuple(sorted(set(sessions))), turns=turns)
+        out_dir = Path(out or f"bench/results/llamacpp-agents-{time.strftime('%Y%m%d-%H%M%S')}")
+        report = compare_agents(gguf, binary, out_dir, workload, threads=threads)
+    else:
+        from agentbox.bench.llamacpp import compare_llamacpp
+
+        report = compare_llamacpp(gguf, prompt_len, tokens, threads, repeats, default_only=default_only, binary=binary)
     _print_json(report, json_out)
+
+
+def _converted(hf_dir: str) -> str:
+    """`hf_dir` written as an f16 GGUF by llama.cpp's converter (cached beside it in the llama.cpp cache)."""
+    import subprocess
+    import sys
+
+    from agentbox.bench import llama_server
+
+    src = Path(hf_dir).expanduser()
+    if not (src / "config.json").is_file():
+        fail(f"--convert {hf_dir}: no config.json there (an HF checkpoint folder is needed)")
+    tree = llama_server.vendored_tree(llama_server.cache_root(), converter_only=True)
+    if tree is None:
+        fail("llama.cpp's converter is not here and pip could not download the llama-cpp-python 0.3.36 sdist; "
+             f"set {llama_server.ENV_SDIST} to a copy")
+    target = llama_server.cache_root() / "converted" / f"{src.resolve().name}-f16.gguf"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # --no-mtp: the draft layers stay out of the comparison (agentbox drafts from GGUF with suffix only), and
+        # the converter refuses a Qwen3.5 whose config names no MTP layer without it.
+        done = subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(src), "--outfile", str(target),
+                               "--outtype", "f16", "--no-mtp"], capture_output=True, text=True)
+        if done.returncode:
+            fail(f"llama.cpp's converter failed on {src}:\n{(done.stdout + done.stderr)[-2000:]}")
+    return str(target)
 
 
 @bench_app.command("spec")
@@ -285,8 +336,12 @@ def bench_replay(
     policies: str = typer.Option(",".join(p.value for p in CachePolicy), help="Cache policies for --spawn, comma separated."),
     num_pages: int = typer.Option(None, help="--spawn: KV pool pages (set it so histories do not all fit)."),
     serve_arg: list[str] = typer.Option(None, "--serve-arg", help="--spawn: extra `serve` argument (repeatable)."),
-    llamacpp: str = typer.Option(None, help="Also start llama-cpp-python's server on this GGUF."),
-    llamacpp_ctx: int = typer.Option(8192, help="n_ctx of the llama.cpp server."),
+    llamacpp: str = typer.Option(None, help="Also start llama.cpp's llama-server on this GGUF (once per --llamacpp-sps value)."),
+    llamacpp_ctx: int = typer.Option(8192, help="llama-server context per slot."),
+    llamacpp_slots: int = typer.Option(None, help="llama-server -np (default: one slot per session)."),
+    llamacpp_sps: str = typer.Option("0,default", help="llama-server -sps values, comma separated ('default': its own 0.10)."),
+    llama_server_path: str = typer.Option(None, "--llama-server", help="llama-server binary (default: $AGENTBOX_LLAMA_SERVER or PATH)."),
+    llamacpp_threads: int = typer.Option(None, help="llama-server -t (default: every core)."),
     served_model: str = typer.Option(None, help="Model name to request (default: the server's first)."),
     flatten_tools: bool = typer.Option(False, help="Send tools and tool turns as plain text, for every engine."),
     force_length: bool = typer.Option(True, help="Send ignore_eos/min_tokens so answers have the recorded length."),
@@ -357,7 +412,19 @@ def bench_replay(
     if compare_spec:
         targets = spawning.with_speculation_off(targets)
     if llamacpp:
-        targets.append(spawning.llamacpp_target(llamacpp, llamacpp_ctx))
+        import os
+
+        from agentbox.bench import llama_server
+
+        try:
+            binary = llama_server.find_binary(llama_server_path)
+            similarities = llama_server.parse_similarities(llamacpp_sps)
+        except (FileNotFoundError, ValueError) as e:
+            raise typer.BadParameter(str(e)) from e
+        for similarity in similarities:
+            slots = llama_server.Slots(llamacpp_slots or len(sessions_list), similarity)
+            targets.append(llama_server.target(binary, llamacpp, llamacpp_ctx, llamacpp_threads or os.cpu_count() or 1,
+                                               slots) if binary is not None else llama_server.missing_target(slots))
     if not targets:
         raise typer.BadParameter("nothing to replay against: pass --url, --target, --spawn, --tiny or --llamacpp")
 

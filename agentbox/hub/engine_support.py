@@ -36,6 +36,8 @@ ENGINE_ARCHITECTURES = frozenset(
         "Glm4MoeLiteForCausalLM",
         "DeepseekV4ForCausalLM",
         "Glm5NextForConditionalGeneration",
+        "Qwen4ExpForConditionalGeneration",  # Qwen3.8-Flash-Next (issue 46)
+        "Qwen4ExpForCausalLM",
         "LagunaForCausalLM",
         "NemotronHForCausalLM",
     }
@@ -52,11 +54,10 @@ ARCHITECTURE_GAPS: dict[str, str] = {}
 FORMAT_GAPS: dict[tuple[str, str], str] = {
     ("DeepseekV4ForCausalLM", "fp8"): "DeepSeek-V4's release (FP8 with E8M0 block scales, FP4 experts) is not "
                                       "loaded yet: serve a GGUF or a bf16 conversion",
-    ("NemotronHForCausalLM", "fp8"): "Nemotron-H's experts are un-gated relu^2 MLPs, which run unquantised only "
-                                     "(the expert methods are gated): serve bf16",
-    ("NemotronHForCausalLM", "gguf"): "Nemotron-H's experts are un-gated relu^2 MLPs, which run unquantised only "
-                                      "(the expert methods are gated): a GGUF's experts are dequantised at load, so "
-                                      "the file's size is not what it takes; serve bf16",
+    # Its experts' intermediate size (1,856) is not a multiple of the 128-wide FP8 blocks the expert method holds,
+    # and the release's own FP8 scale layout is not verified here.
+    ("NemotronHForCausalLM", "fp8"): "Nemotron-H's experts (1,856 wide) do not fall on FP8 block-128 boundaries: "
+                                     "serve a GGUF or bf16",
 }
 
 
@@ -121,19 +122,31 @@ def kernel_caveat(variant: Variant, device: str) -> str | None:
     return None
 
 
-def nvfp4_path(variant: Variant, sm: int | None, weights: int, decode: int) -> str:
-    """Which NVFP4 path a GPU takes (layers/quant/nvfp4.py nvfp4_kernel_for) and what it costs."""
+def nvfp4_path(
+    variant: Variant, sm: int | None, weights: int, decode: int, split: bool = False, flashinfer: bool | None = None
+) -> str:
+    """Which NVFP4 path a GPU takes (layers/quant/nvfp4.py nvfp4_kernel_for, as `agentbox doctor` says) and what
+    it costs. split: some experts are in host RAM, so `weights` is what the GPU and the RAM hold together.
+    flashinfer: the probe's flashinfer_ok (None: not installed), which the FP4 GEMM needs."""
     capability = None if sm is None else (sm // 10, sm % 10)
-    cost = f"weights stay 4.5 bits: {_gb(weights)} resident, {_gb(decode)} read per decode step"
-    if has_fp4_tensor_cores(capability):
+    where = " on the GPU and in host RAM" if split else ""
+    cost = f"weights stay 4.5 bits: {_gb(weights)} resident{where}, {_gb(decode)} read per decode step"
+    w4a16 = "each tile's e2m1 codes and e4m3 scales decoded in registers and multiplied in bf16"
+    if has_fp4_tensor_cores(capability) and flashinfer:
         return (
             f"{variant.format} on sm_{sm} (FP4 tensor cores): W4A4 through flashinfer's FP4 GEMM (activations "
-            f"quantised per 16 with the checkpoint's input scales) where flashinfer is installed, else the Triton "
-            f"W4A16 kernel; {cost}"
+            f"quantised per 16 with the checkpoint's input scales; a release without them takes the Triton W4A16 "
+            f"kernel); {cost}"
+        )
+    if has_fp4_tensor_cores(capability):
+        why = "does not import" if flashinfer is False else "is not installed"
+        return (
+            f"{variant.format} on sm_{sm} (FP4 tensor cores): the Triton W4A16 path here, {w4a16}, because "
+            f"flashinfer {why} (16-bit tensor-core speed; with flashinfer, W4A4 on the FP4 tensor cores); {cost}"
         )
     return (
-        f"{variant.format} on sm_{sm} (no FP4 tensor cores): the Triton W4A16 path, each tile's e2m1 codes and "
-        f"e4m3 scales decoded in registers and multiplied in bf16 (16-bit tensor-core speed, no FP4 speed-up); {cost}"
+        f"{variant.format} on sm_{sm} (no FP4 tensor cores): the Triton W4A16 path, {w4a16} (16-bit tensor-core "
+        f"speed, no FP4 speed-up); {cost}"
     )
 
 

@@ -133,13 +133,10 @@ def sides(profile: Profile, variant: Variant, gpu_weights: int) -> Sides:
                  profile.routed_share, cpu_expert_kernel(profile, variant))
 
 
-# Architectures whose routed experts are not FusedMoE layers, the only ones layers/experts/placement.py can put in
-# host RAM: Nemotron-H's un-gated relu² experts run in a module of their own (models/nemotron_h.py).
-UNPLACEABLE = frozenset({"NemotronHForCausalLM"})
-
-
 def can_split(profile: Profile) -> bool:
-    return profile.moe and profile.expert_params > 0 and profile.architecture not in UNPLACEABLE
+    """Every MoE model's routed experts are FusedMoE layers (Nemotron-H's un-gated ones too), which
+    layers/experts/placement.py can put in host RAM."""
+    return profile.moe and profile.expert_params > 0
 
 
 def split_at(

@@ -5,7 +5,8 @@ this GPU's compute capability, and (3) it fits: per device, weights / tp + KV ca
 / tp + a reserve must stay within free memory. Every candidate carries that arithmetic and its reasons.
 CPU-only machines plan the same way against available RAM. A MoE model that fits no GPU set may still fit
 with the routed experts of its first N MoE layers in host RAM (hub/offload.py): then the candidate carries
-that split, the RAM it needs and a decode-speed bound from each side's memory bandwidth.
+that split, the RAM it needs and a decode-speed bound from each side's memory bandwidth. A model with a hashed
+n-gram table (hub/ngram_table.py) keeps it in host RAM beside all that, or reads what does not fit from disk.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from agentbox.hub.engine_support import (
     other_scheme,
 )
 from agentbox.hub.gguf_moe import cpu_only_types
+from agentbox.hub.ngram_table import TablePlacement, place_table
 from agentbox.hub.offload import ExpertSplit, can_split, fewest_layers, sides, split_at
 from agentbox.hub.profiles import Profile, Variant
 from agentbox.hub.weight_bytes import (
@@ -58,6 +60,9 @@ class PlanConfig:
     # DDR5 reach about this much; a card the name table does not know gets this.
     assumed_ram_bandwidth_gbs: float = 50.0
     assumed_gpu_bandwidth_gbs: float = 500.0
+    # One random 4 KiB read from an NVMe disk at queue depth 1 (a page fault reads one page at a time): what a
+    # row of an n-gram table that does not fit RAM costs (hub/ngram_table.py).
+    assumed_disk_read_ms: float = 0.1
 
 
 @dataclass
@@ -74,6 +79,7 @@ class Candidate:
     decode_weight_bytes: int = 0  # weights one decoded token reads (MoE: the active parameters only)
     kv_replicated: bool = False  # MLA: every rank keeps the whole latent cache (kv_bytes is then per rank)
     split: ExpertSplit | None = None  # routed experts of some MoE layers in host RAM (weights_bytes: the GPUs' part)
+    table: TablePlacement | None = None  # an n-gram table in host RAM (never in weights_bytes)
 
     @property
     def ok(self) -> bool:
@@ -83,6 +89,11 @@ class Candidate:
     def need_per_device(self) -> int:
         kv = self.kv_bytes if self.kv_replicated else self.kv_bytes // self.tp
         return self.weights_bytes // self.tp + kv + self.reserve_bytes
+
+    @property
+    def table_on_disk(self) -> bool:
+        """Part of its n-gram table does not fit RAM beside the rest: those rows are read from disk."""
+        return self.table is not None and not self.table.in_ram
 
     @property
     def gpu_fits(self) -> bool:
@@ -130,6 +141,7 @@ class Candidate:
             "arithmetic": self.arithmetic,
             "decode_weight_bytes": self.decode_weight_bytes,
             "split": self.split.to_dict() if self.split else None,
+            "table": self.table.to_dict() if self.table else None,
             "reasons": self.reasons,
             "notes": self.notes,
         }
@@ -169,6 +181,7 @@ class Plan:
             "state_bytes_per_session": self.profile.state_bytes_per_session(),
             "params": self.profile.params,
             "active_params": self.profile.active_params,
+            "ngram_table_bytes": self.profile.ngram_table_bytes,  # in host RAM, never in a GPU's weights
             "chosen": chosen.variant.name if chosen else None,
             "candidates": [c.to_dict() for c in self.candidates],
             "notes": self.notes,
@@ -249,6 +262,9 @@ def _candidate(
             gpu_only = cand
             cand = _split_candidate(profile, probe, variant, weights, kv, config)
             notes += _split_notes(cand, gpu_only, profile, variant)
+    cand.table = _table(profile, cand, probe, config, context)
+    if cand.table is not None:
+        notes.append(cand.table.arithmetic)
     if cand.split is not None:
         reasons += _split_reasons(cand)
         if cand.fits and cand.split.host_need > probe.host.ram_free:  # as a CPU plan: RAM that is not free now
@@ -289,7 +305,8 @@ def _candidate(
     if (caveat := kernel_caveat(variant, device)) is not None:
         notes.append(caveat)
     if method is QuantMethod.NVFP4 and device == "cuda":
-        notes.append(nvfp4_path(variant, probe.min_sm, weights, active_weight_bytes(profile, variant, device, cpu_kernels)))
+        notes.append(nvfp4_path(variant, probe.min_sm, weights, active_weight_bytes(profile, variant, device, cpu_kernels),
+                                cand.split is not None, probe.software.flashinfer_ok))
     if profile.moe and (caveat := moe_kernel_caveat(variant, device)) is not None:
         notes.append(caveat)
     if profile.moe:
@@ -306,6 +323,18 @@ def _candidate(
     cand.decode_weight_bytes = (cand.split.ram_step_bytes + cand.split.gpu_step_bytes if cand.split
                                 else active_weight_bytes(profile, variant, device, cpu_kernels))
     return cand
+
+
+def _table(profile: Profile, cand: Candidate, probe: Probe, config: PlanConfig, context: int) -> TablePlacement | None:
+    """The n-gram table beside what else the candidate keeps in host RAM: a CPU plan's everything, a split's
+    experts and reserve, else the reserve."""
+    if cand.device == "cpu":
+        others, what = cand.need_per_device, "weights, KV and reserve"
+    elif cand.split is not None:
+        others, what = cand.split.host_need, "experts in RAM and reserve"
+    else:
+        others, what = int(config.cpu_reserve_gib * GIB), "reserve"
+    return place_table(profile, others, what, probe.host.ram_total, config.assumed_disk_read_ms / 1e3, context)
 
 
 def _split_candidate(
@@ -348,7 +377,7 @@ def _split_notes(cand: Candidate, gpu_only: Candidate, profile: Profile, variant
         notes.append(f"below the {split.min_tok_s:g} tok/s floor: ranked after the variants that fit the GPU alone")
     elif cand.ok and not split.host_kernel:
         notes.append(f"{variant.format} experts in RAM: no CPU expert kernel for them yet (layers/experts/cpu.py runs "
-                     "GGUF Q4_0-Q8_0 and K-quants, AWQ, GPTQ); the torch reference runs each routed expert per step: "
+                     "GGUF Q4_0-Q8_0 and K-quants, AWQ, GPTQ, NVFP4); the torch reference runs each routed expert per step: "
                      "ranked after the variants that fit the GPU alone or have one")
     if not experts_kept_quantised(profile, variant) and variant.format not in ("bf16", "fp16", "fp32"):
         notes.append(f"{variant.name}: no expert kernel keeps its experts' types quantised as far as its name tells "
@@ -390,7 +419,7 @@ def _moved_by_free_ram(candidates: list[Candidate], best: Candidate | None, prob
 
 
 def _quality(c: Candidate) -> tuple[Any, ...]:
-    return (c.slow, -c.variant.bits, c.tp, c.need_per_device, c.variant.name)
+    return (c.slow, c.table_on_disk, -c.variant.bits, c.tp, c.need_per_device, c.variant.name)
 
 
 MIN_USEFUL_CONTEXT = 4096  # below this an agent's system prompt alone does not fit
@@ -433,9 +462,12 @@ def _best_tp(
 
 
 def _rank(c: Candidate) -> tuple[Any, ...]:
-    # Accepted first; a split below the speed floor after the others; then the most bits per weight (quality),
-    # the GPU alone before a split of the same bits, the fewest ranks, the least memory.
-    return (not c.ok, c.slow, -c.variant.bits, c.split is not None, c.tp, c.need_per_device, c.variant.name)
+    # Accepted first; a split below the speed floor after the others; one that reads its n-gram table from disk
+    # after those that keep it in RAM (its prefill pays a disk read per missing row, hub/ngram_table.py); then the
+    # most bits per weight (quality), the GPU alone before a split of the same bits, the fewest ranks, the least
+    # memory.
+    return (not c.ok, c.slow, c.table_on_disk, -c.variant.bits, c.split is not None, c.tp, c.need_per_device,
+            c.variant.name)
 
 
 def _kv_dtype_bytes(probe: Probe) -> int:

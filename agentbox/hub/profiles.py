@@ -17,6 +17,8 @@ from agentbox.config import EngineConfig
 # Everything else the engine converts at load: safetensors to the compute dtype, GGUF dequantised.
 QUANTISED_FORMATS = ("fp8", "awq", "gptq", "nvfp4", "mxfp4")
 UNQUANTISED_FORMATS = ("bf16", "fp16", "fp32")
+# An n-gram embedding table (Qwen3.8-Flash-Next's PLE) is an embedding, which every release keeps bf16.
+NGRAM_TABLE_BYTES_PER_PARAM = 2
 
 
 class ProfileError(ValueError):
@@ -127,6 +129,10 @@ class Profile:
     mtp_layers: int = 0
     # The effort a request that names none is rendered at; None: the template's own default.
     reasoning_effort: ReasoningEffort | None = None
+    # Hashed n-gram embedding tables (Qwen3.8-Flash-Next's PLE), not in `params`: memory-mapped from the checkpoint
+    # into host RAM, never resident in VRAM (a token gathers a few rows, which alone go to the GPU).
+    ngram_table_params: int = 0
+    ngram_rows_per_token: int = 0  # rows of it one token gathers: hashed heads x PLE layers
 
     @property
     def active_params(self) -> int:
@@ -174,6 +180,11 @@ class Profile:
         if self.mla:
             return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         return 2 * layers * self.kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def ngram_table_bytes(self) -> int:
+        """The n-gram table's bytes in the files and in host RAM (bf16 in every release)."""
+        return self.ngram_table_params * NGRAM_TABLE_BYTES_PER_PARAM
 
     def state_bytes_per_session(self) -> int:
         """A hybrid model's recurrent state a session holds (state_slots 4): while it runs, its live state and
@@ -285,6 +296,8 @@ def _profile(data: dict[str, Any], path: Path) -> Profile:
         mtp_params=int(data.get("mtp_params", 0)),
         mtp_layers=int(data.get("mtp_layers", 0)),
         reasoning_effort=ReasoningEffort(data["reasoning_effort"]) if "reasoning_effort" in data else None,
+        ngram_table_params=int(data.get("ngram_table_params", 0)),
+        ngram_rows_per_token=int(data.get("ngram_rows_per_token", 0)),
     )
 
 

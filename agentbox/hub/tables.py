@@ -38,7 +38,9 @@ def render_plan(p: Plan, width: int | None = None) -> Group:
     fit, else on the lines under it; reasons and notes always go under the row, wrapped at spaces."""
     prof = p.profile
     kv_tok = p.to_dict()["kv_bytes_per_token"]
-    lines = _wrapped(f"{prof.name} ({prof.architecture}, {prof.params / 1e9:.1f}B params{', MoE' if prof.moe else ''})"
+    table = f" + a {prof.ngram_table_params / 1e9:.1f}B n-gram table in host RAM" if prof.ngram_table_params else ""
+    lines = _wrapped(f"{prof.name} ({prof.architecture}, {prof.params / 1e9:.1f}B params{table}"
+                     f"{', MoE' if prof.moe else ''})"
                      f" on {describe_machine(p.probe)}", width, 0)
     lines[0].stylize("bold", 0, len(prof.name))
     lines += _wrapped(
@@ -136,8 +138,11 @@ def _kv_formula(prof: Profile, dtype_bytes: int, mtp: bool = True) -> str:
         page = EngineConfig.page_size
         groups = " + ".join(f"{g.layers} layers x {g.values} / {min(g.tokens_per_entry, page)} tokens"
                             for g in prof.paged_groups)
-        return (f"({groups}) x {dtype_bytes} bytes: compressed entries (a slot per page of {page} at most), the whole "
-                f"cache on every tensor-parallel rank")
+        # Groups of one entry a token (GLM-5.3's latents and indexer keys, Qwen3.8-Flash-Next's K, V and indexer
+        # key) are not compressed: only say so where a group pools tokens.
+        what = (f"compressed entries (a slot per page of {page} at most)"
+                if any(g.tokens_per_entry > 1 for g in prof.paged_groups) else "entries every token")
+        return f"({groups}) x {dtype_bytes} bytes: {what}, the whole cache on every tensor-parallel rank"
     if prof.mla:
         return (f"{layers} x ({prof.kv_lora_rank} latent + {prof.qk_rope_head_dim} rope key) x {dtype_bytes} bytes, "
                 f"the whole latent cache on every tensor-parallel rank")

@@ -35,8 +35,9 @@ def trunk_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kern
     the kernels cannot build and for --exact-cpu; where they build, AWQ / GPTQ / W4A16 linears stay 4-bit
     (fp32 scale and offset). MoE experts stay quantised on CPU either way."""
     method = method_of_format(variant.format)
+    size = files_on_device(profile, variant)
     if method is None and variant.format in QUANTISED_FORMATS:
-        return variant.size  # not runnable here anyway: planned as an engine that keeps it quantised
+        return size  # not runnable here anyway: planned as an engine that keeps it quantised
     if (experts := gguf_experts(profile, variant, device)) is not None:
         if device != "cuda":
             return experts.resident + (profile.params - profile.expert_params) * 4
@@ -45,21 +46,26 @@ def trunk_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kern
             # bf16 (an upper bound by a few %: its Q4_K attn_v and Q6_K output stay quantised)
             return experts.resident + (profile.params - profile.expert_params) * 2
         mix = gguf_mix(variant.name, *variant.files)
-        rest = variant.size - experts.file  # attention, router, norms, tables: the file's mix (experts' aside)
+        rest = size - experts.file  # attention, router, norms, tables: the file's mix (experts' aside)
         return experts.resident + int(rest * (gguf_resident_ratio(mix) if mix is not None else 1.0))
     if (mix := gguf_gpu_mix(profile, variant, device, cpu_kernels)) is not None:
-        return int(variant.size * gguf_resident_ratio(mix, device))
+        return int(size * gguf_resident_ratio(mix, device))
     # Other GGUF files (types the name does not tell or the linears do not keep: IQ*, dense Q2_K / Q3_K) are
     # planned dequantised, below.
     if method is not None and METHODS[method].stays_quantised and device == "cuda" and not variant.is_gguf:
         info = METHODS[method]
         extra = max(0.0, info.resident_bytes_per_weight - info.file_bytes_per_weight)
-        return variant.size + int(profile.params * extra)
+        return size + int(profile.params * extra)
     if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
         return int(experts * METHODS[method].moe_cpu_bytes_per_weight) + (profile.params - experts) * 4  # type: ignore[index]
     if device == "cpu" and cpu_kernels and method is not None and (cpu := METHODS[method].cpu_bytes_per_weight):
-        return variant.size + int(profile.params * max(0.0, cpu - METHODS[method].file_bytes_per_weight))
+        return size + int(profile.params * max(0.0, cpu - METHODS[method].file_bytes_per_weight))
     return profile.params * (2 if device == "cuda" else 4)
+
+
+def files_on_device(profile: Profile, variant: Variant) -> int:
+    """The variant's bytes on disk less its n-gram table, which stays memory-mapped in host RAM (hub/ngram_table.py)."""
+    return variant.size - profile.ngram_table_bytes
 
 
 def gguf_experts(profile: Profile, variant: Variant, device: str) -> ExpertBytes | None:
@@ -110,11 +116,12 @@ def expert_resident_bytes(profile: Profile, variant: Variant, device: str) -> in
 
 def cpu_expert_kernel(profile: Profile, variant: Variant) -> bool:
     """Whether the CPU expert kernels run this variant's experts in host RAM (layers/experts/cpu.py: the int4
-    and k-bit forms, i.e. GGUF Q4_0 to Q8_0 and the K-quants between, AWQ, GPTQ, W4A16); the others (bf16, FP8,
-    MXFP4, GGUF types without a form) run the torch reference, which dequantises each routed expert per step."""
+    and k-bit forms, i.e. GGUF Q4_0 to Q8_0 and the K-quants between, AWQ, GPTQ, W4A16; layers/experts/nvfp4_cpu.py:
+    NVFP4 at 4.5 bits as loaded); the others (bf16, FP8, MXFP4, GGUF types without a form) run the torch
+    reference, which dequantises each routed expert per step."""
     if variant.is_gguf:
         return gguf_experts(profile, variant, "cpu") is not None
-    return variant.format in ("awq", "gptq", "w4a16")
+    return variant.format in ("awq", "gptq", "w4a16", "nvfp4")
 
 
 def experts_kept_quantised(profile: Profile, variant: Variant) -> bool:

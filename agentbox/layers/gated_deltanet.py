@@ -63,18 +63,25 @@ def split_rows(param: nn.Parameter, segments: list[int], loaded: Any) -> None:
     param.data.copy_(value)
 
 
-class GatedRMSNorm(nn.Module):
-    """RMSNorm over each head's values, then times SiLU(z): the output gate of the delta rule."""
+GATE_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
 
-    def __init__(self, dim: int, eps: float) -> None:
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's values, then times act(z): the output gate of the delta rule (SiLU; Qwen3.8-Flash-
+    Next's `output_gate_type` may name sigmoid)."""
+
+    def __init__(self, dim: int, eps: float, activation: str = "silu") -> None:
         super().__init__()
+        if activation not in GATE_ACTIVATIONS:
+            raise ValueError(f"output gate {activation!r} is not supported (only {', '.join(GATE_ACTIVATIONS)})")
         self.eps = eps
+        self.act = GATE_ACTIVATIONS[activation]
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
-        return (self.weight * normed.to(dtype) * F.silu(z.float())).to(dtype)
+        return (self.weight * normed.to(dtype) * self.act(z.float())).to(dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -113,7 +120,8 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         for p in (self.A_log, self.dt_bias):
             set_weight_loader(p, lambda p, w, _=None: split_rows(p, [hv], w))
-        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps)
+        gate = getattr(config, "output_gate_type", None) or config.hidden_act
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps, gate)
         self.out_proj = RowParallelLinear(value_dim, hidden, prefix=f"{prefix}.out_proj")
 
     def state_spec(self) -> LinearStateSpec:

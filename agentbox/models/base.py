@@ -10,6 +10,8 @@ the model asks it whether it has something.
   `fused_cpu_decode_target` (the decoder stack the CPU fused decode of engine/exec/cpu_decode.py runs, if any).
 - The step itself: `forward(input_ids, positions)` -> hidden states, `compute_logits(hidden)` -> fp32 logits.
 - A draft head the checkpoint ships (`add_mtp_head`, then `mtp`: models/mtp.py), built only when asked for.
+- Tables too large to load (`host_table_names`, `map_host_tables`, `host_tables`: layers/host_table.py): the
+  loader never reads those tensors; the model maps them from the checkpoint's files after the load.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from agentbox.layers.cache_layout import CacheLayout
 from agentbox.layers.experts import ExpertShard
+from agentbox.layers.host_table import HostTable, TensorLocation
 from agentbox.parallel.state import head_shard
 
 
@@ -62,16 +65,18 @@ EXPERT_TENSOR_NAMES = (
 
 
 def per_expert_weights(
-    gate: str, up: str, down: str, shards: tuple[ExpertShard, ExpertShard, ExpertShard]
+    gate: str | None, up: str, down: str, shards: tuple[ExpertShard, ExpertShard, ExpertShard]
 ) -> tuple[ExpertWeight, ...]:
     """Rows for checkpoints with one tensor per expert and projection (`experts.{e}.gate_proj.qweight`):
     each name maps onto the layer's `w13_<name>` (gate, up) or `w2_<name>` (down). `shards`: the layer's
-    (gate, up, down) shard ids. A method holds only the names of its own format; others never match."""
+    (gate, up, down) shard ids; `gate` None: un-gated experts (up alone). A method holds only the names of its
+    own format; others never match."""
     g, u, d = shards
+    projections = [(gate, "w13", g)] if gate is not None else []
     return tuple(
         ExpertWeight(f"experts.{{e}}.{proj}.{name}", f"experts.{param}_{name}", shard)
         for name in EXPERT_TENSOR_NAMES
-        for proj, param, shard in ((gate, "w13", g), (up, "w13", u), (down, "w2", d))
+        for proj, param, shard in (*projections, (up, "w13", u), (down, "w2", d))
     )
 
 
@@ -99,6 +104,9 @@ class CausalLM(nn.Module, ABC):
     tie_word_embeddings: bool = False
     # Decode may run under CUDA graphs (an attention that reads host-side lengths cannot be captured)
     supports_cuda_graphs: ClassVar[bool] = True
+    # Substrings of checkpoint names the loader leaves in the file: tables the model memory-maps itself
+    # (`map_host_tables`), read a few rows a step (Qwen3.8-Flash-Next's n-gram tables, ~95 GiB)
+    host_table_names: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -110,6 +118,16 @@ class CausalLM(nn.Module, ABC):
         its attention layer joins `cache_layout`); False when this model has none. Called by the loader inside
         the model's device and dtype."""
         return False
+
+    def map_host_tables(self, locations: Mapping[str, TensorLocation]) -> None:
+        """Maps the tensors named by `host_table_names` (`locations`: where every checkpoint tensor sits) once the
+        weights are loaded. Nothing to do for a model that names none."""
+        if self.host_table_names:
+            raise NotImplementedError(f"{type(self).__name__} names host tables but does not map them")
+
+    def host_tables(self) -> list[HostTable]:
+        """The tables this model reads from mapped files (host RAM's page cache, never the accelerator)."""
+        return []
 
     @abstractmethod
     def cache_layout(self) -> CacheLayout:

@@ -10,9 +10,8 @@ What the converter wrote, read back here:
 - the scan's chunk size and dt limits are not written (the defaults; the scan's result does not depend on the chunk);
 - MoE: `expert_weights_scale` the routed scaling, `expert_group_count` / `expert_group_used_count`, the correction
   bias `exp_probs_b.bias`, the shared expert `*_shexp`.
-The experts are un-gated, which no expert method of layers/experts/ runs: they are read dense (a quantised file's
-experts dequantised at load), so a GGUF here is a layout test and a small-model path, not a way onto a small card
-(hub/plan.py refuses the format by name).
+The experts are un-gated (`ffn_up_exps`, `ffn_down_exps`, no gate): they stay the file's blocks and the GGUF expert
+method keeps them quantised as it does gated ones (layers/experts/gguf.py, up alone in w13).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import numpy as np
 import torch
 from transformers import NemotronHConfig, PretrainedConfig
 
-from agentbox.layers.quant.gguf import GGUFBlocks
 from agentbox.models.gguf_family import (
     BLOCK_RE,
     GLOBAL_NAMES,
@@ -132,19 +130,14 @@ def nemotron_h_config(reader: GGUFFile, arch: str) -> PretrainedConfig:
     return NemotronHConfig(**kwargs)
 
 
-def _dense(w: torch.Tensor | GGUFBlocks) -> torch.Tensor:
-    return w.dequantize() if isinstance(w, GGUFBlocks) else w
-
-
 def nemotron_h_weights(reader: GGUFFile, config: PretrainedConfig, keep_quantised: bool) -> Weights:
-    """Our checkpoint's names; the Mamba parameters back in the checkpoint's shapes, the experts dense."""
+    """Our checkpoint's names; the Mamba parameters back in the checkpoint's shapes."""
     for tensor in reader.tensors:
         name = nemotron_h_tensor_name(tensor.name)
         if name is None:
             continue
         if "{e}" in name:
-            for sub, w in stacked_experts(reader, tensor, name, keep_quantised):
-                yield sub, _dense(w)
+            yield from stacked_experts(reader, tensor, name, keep_quantised)
             continue
         if keep_quantised and kept_quantised(name, tensor):
             yield name, blocks(tensor, reader.raw(tensor))

@@ -27,6 +27,7 @@ from agentbox.layers.cache_layout import CacheLayout
 from agentbox.layers.experts import FusedMoE
 from agentbox.layers.experts import cpu as cpu_experts
 from agentbox.layers.experts.placement import ExpertHome, ExpertPlacement, placement_context
+from agentbox.layers.host_table import tensor_locations
 from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
 from agentbox.layers.quant.lazy import LazySlice
 from agentbox.models.base import CausalLM
@@ -87,27 +88,33 @@ def load_config(src: ModelSource) -> PretrainedConfig:
     return AutoConfig.from_pretrained(src.path)
 
 
+def safetensors_paths(src: ModelSource) -> list[Path]:
+    """The checkpoint's safetensors files (those its index names, when it has one)."""
+    index = src.path / "model.safetensors.index.json"
+    if index.is_file():
+        return [src.path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return sorted(src.path.glob("*.safetensors"))
+
+
 def iter_weights(
-    src: ModelSource, config: PretrainedConfig | None = None, for_engine: bool = False
+    src: ModelSource, config: PretrainedConfig | None = None, for_engine: bool = False, unread: tuple[str, ...] = ()
 ) -> Iterator[tuple[str, Any]]:
     """HF-named full tensors, one at a time (a shard is open only while it is read). `for_engine`: what our
     layers' loaders take besides plain tensors: a GGUF's linear weights as `GGUFBlocks`, and under tensor
-    parallelism linear weights as `LazySlice`s each rank narrows before reading. Otherwise dense tensors."""
+    parallelism linear weights as `LazySlice`s each rank narrows before reading. Otherwise dense tensors.
+    `unread`: substrings of names never read nor yielded (the model's host tables, mapped instead)."""
     if src.kind == "gguf":
         yield from gguf_weights(src.path, config if config is not None else load_config(src), for_engine)
         return
-    index = src.path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        paths = [src.path / f for f in files]
-    else:
-        paths = sorted(src.path.glob("*.safetensors"))
+    paths = safetensors_paths(src)
     # Under tensor parallelism a linear layer's weights come as lazy slices: each rank reads only the rows or
     # columns of its shard. Everything else (embeddings, norms, MoE experts) is read whole, as before.
     sliced = for_engine and tp_size() > 1
     for path in paths:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
+                if any(u in name for u in unread):
+                    continue
                 if sliced and _linear_tensor(name):
                     yield name, LazySlice.of(f.get_slice(name))
                 else:
@@ -236,7 +243,11 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device, placem
                 model.add_mtp_head()
     finally:
         torch.set_default_dtype(previous_dtype)
-    load_weights(model, iter_weights(src, config, for_engine=True))
+    load_weights(model, iter_weights(src, config, for_engine=True, unread=model.host_table_names))
+    if model.host_table_names:
+        if src.kind != "hf":
+            raise ValueError(f"{type(model).__name__} maps its tables from safetensors files, not a {src.kind} file")
+        model.map_host_tables(tensor_locations(safetensors_paths(src)))
     for step in LOAD_STEPS:
         step(model)
     model.eval().requires_grad_(False)

@@ -8,8 +8,9 @@ Unlike a Llama layer, each layer is one mixer behind one pre-norm and a residual
   the paged group;
 - "mlp": up_proj, relu(x)^2, down_proj (no gate);
 - "moe": DeepSeek-V3's routing (sigmoid scores, a correction bias that only chooses, groups, renormalised weights
-  times `routed_scaling_factor`) over experts that are themselves un-gated relu^2 MLPs, optionally inside a latent
-  projection (`moe_latent_size`), plus a shared expert MLP.
+  times `routed_scaling_factor`) over experts that are themselves un-gated relu^2 MLPs (a FusedMoE of
+  `MoEActivation.RELU2`: w13 is up alone, in every expert format), optionally inside a latent projection
+  (`moe_latent_size`), plus a shared expert MLP.
 Norms multiply by their weight in fp32 before casting back. The checkpoint's names start with `backbone.`
 (transformers' in-memory `model.` loads too); its multi-token-prediction layers (`mtp.*`, `num_nextn_predict_layers`)
 are skipped at load.
@@ -27,7 +28,7 @@ from agentbox.layers.attention import Attention
 from agentbox.layers.backends.base import KVLayerSpec
 from agentbox.layers.cache_layout import CacheLayout, PagedGroup, StateGroup
 from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from agentbox.layers.experts import ExpertShard
+from agentbox.layers.experts import ExpertShard, FusedMoE, MoEActivation
 from agentbox.layers.experts.routing import select_experts_grouped
 from agentbox.layers.linear import (
     ColumnParallelLinear,
@@ -38,9 +39,7 @@ from agentbox.layers.linear import (
 from agentbox.layers.mamba2 import Mamba2Mixer
 from agentbox.layers.norm import Fp32RMSNorm
 from agentbox.layers.quant import QuantConfig, quant_context
-from agentbox.layers.weight_loading import set_weight_loader
-from agentbox.models.base import AttentionShape, CausalLM, ExpertWeight
-from agentbox.parallel.state import all_reduce, tp_rank, tp_size
+from agentbox.models.base import AttentionShape, CausalLM, ExpertWeight, per_expert_weights
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 
@@ -80,33 +79,6 @@ class NemotronHAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class ReluSquaredExperts(nn.Module):
-    """Un-gated experts, up [E, I, D] and down [E, D, I] with I split over the tensor-parallel ranks (unquantised:
-    the fused expert methods of layers/experts/ are gated). Partial sums are all-reduced here."""
-
-    def __init__(self, num_experts: int, dim: int, intermediate: int) -> None:
-        super().__init__()
-        if intermediate % tp_size():
-            raise ValueError(f"moe_intermediate_size ({intermediate}) is not divisible by the tensor-parallel size")
-        self.local = intermediate // tp_size()
-        self.w1 = nn.Parameter(torch.empty(num_experts, self.local, dim), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, dim, self.local), requires_grad=False)
-        set_weight_loader(self.w1, self._load)
-        set_weight_loader(self.w2, self._load)
-
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, expert: int, shard: ExpertShard) -> None:
-        dim = 0 if shard is ExpertShard.UP else 1  # up [I, D] rows, down [D, I] columns
-        param.data[expert].copy_(loaded.narrow(dim, tp_rank() * self.local, self.local))
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            token, k = torch.where(ids == e)
-            y = F.linear(relu2(F.linear(x[token], self.w1[e])), self.w2[e])
-            out.index_add_(0, token, (y * weights[token, k, None]).to(out.dtype))
-        return all_reduce(out)
-
-
 class NemotronHMoE(nn.Module):
     def __init__(self, config: Any, prefix: str) -> None:
         super().__init__()
@@ -122,7 +94,9 @@ class NemotronHMoE(nn.Module):
             with quant_context(QuantConfig()):
                 self.fc1_latent_proj = ReplicatedLinear(config.hidden_size, latent, bool(config.mlp_bias))
                 self.fc2_latent_proj = ReplicatedLinear(latent, config.hidden_size, bool(config.mlp_bias))
-        self.experts = ReluSquaredExperts(e, latent or config.hidden_size, config.moe_intermediate_size)
+        # un-gated relu^2 experts: every expert method of layers/experts/ runs them (w13 holds up alone)
+        self.experts = FusedMoE(e, self.top_k, latent or config.hidden_size, config.moe_intermediate_size,
+                                renormalize=False, activation=MoEActivation.RELU2, prefix=f"{prefix}.experts")
         self.shared_experts = ReluSquaredMLP(config, config.moe_shared_expert_intermediate_size,
                                              f"{prefix}.shared_experts")
 
@@ -131,7 +105,7 @@ class NemotronHMoE(nn.Module):
         weights, ids = select_experts_grouped(logits, self.top_k, self.gate.e_score_correction_bias, self.n_group,
                                               self.topk_group, self.renormalize, self.scaling)
         h = self.fc1_latent_proj(x) if self.latent else x
-        routed = self.experts(h, weights, ids)
+        routed = self.experts.forward_routed(h, weights, ids)
         if self.latent:
             routed = self.fc2_latent_proj(routed)
         return routed + self.shared_experts(x)
@@ -185,10 +159,9 @@ class NemotronHForCausalLM(CausalLM):
     checkpoint_renames = ((r"^model\.", "backbone."),)
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
     expert_mapping = (
-        ExpertWeight("experts.{e}.up_proj.weight", "experts.w1", ExpertShard.UP),
-        ExpertWeight("experts.{e}.down_proj.weight", "experts.w2", ExpertShard.DOWN),
-        ExpertWeight("experts.up_proj", "experts.w1", ExpertShard.UP),  # transformers' in-memory stack
-        ExpertWeight("experts.down_proj", "experts.w2", ExpertShard.DOWN),
+        *per_expert_weights(None, "up_proj", "down_proj", (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN)),
+        ExpertWeight("experts.up_proj", "experts.w13_weight", ExpertShard.UP),  # transformers' in-memory stack
+        ExpertWeight("experts.down_proj", "experts.w2_weight", ExpertShard.DOWN),
     )
     skip_checkpoint_names = {"mtp.": "multi-token-prediction layers (a draft model, unused)"}
     # The Mamba layers' prefill runs one sequence at a time on host-side lengths.

@@ -20,6 +20,7 @@ from agentbox.models.llama import LlamaForCausalLM
 from agentbox.models.nemotron_h import NemotronHForCausalLM
 from agentbox.models.qwen3_5 import Qwen3_5ForConditionalGeneration, Qwen3HybridGGUF, Qwen3NextForCausalLM
 from agentbox.models.qwen3_moe import Qwen3MoeForCausalLM
+from agentbox.models.qwen4_exp import Qwen4ExpForCausalLM, Qwen4ExpForConditionalGeneration
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -39,6 +40,8 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5ForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen4ExpForConditionalGeneration": Qwen4ExpForConditionalGeneration,
+    "Qwen4ExpForCausalLM": Qwen4ExpForCausalLM,
     HYBRID_CLASS: Qwen3HybridGGUF,
 }
 

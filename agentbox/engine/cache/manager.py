@@ -281,7 +281,8 @@ class CacheManager:
         for seq in running:
             h = seq.cache_handle
             if h is not None:
-                self._state.save_prompt(h, seq.session_id, seq.all_token_ids, seq.num_prompt_tokens)
+                self._state.save_prompt(h, seq.session_id, seq.all_token_ids, seq.num_prompt_tokens,
+                                        seq.num_computed_tokens)
 
     def step_copies(self, handles: Sequence[SeqCache]) -> list[tuple[int, int]]:
         """The state-slot copies (src, dst) to run before the next step, in order: the snapshots decided since
@@ -390,8 +391,9 @@ def build_cache(config: EngineConfig, shape: CacheShape, clock: Callable[[], flo
     pages = kv_manager(config, pool, shape.kv, clock, state=shape.state)
     state = None
     if shape.state is not None:
+        # rings (in place) hold a page of slack: their snapshots resume a page back too
         store = SnapshotStore(shape.num_rows, shape.num_snapshots, shape.state.slot_bytes(), shape.state_in_place,
-                              shape.num_host_snapshots)
+                              shape.num_host_snapshots, shape.page_size if shape.state_in_place else 0)
         if shape.num_snapshots > 0:
             pages.keep_states(store)
         tier = pages.disk.tier if pages.disk is not None else None

@@ -117,21 +117,24 @@ class StateGroupCache:
         if self.store.save(session, SnapshotPoint.TURN, tokens, src) and self.disk is not None:
             self.disk.write_behind(tokens, src)  # with the turn's pages (radix_disk.py): a crash loses neither
 
-    def save_prompt(self, h: SeqCache, session: str | None, tokens: Sequence[int], num_prompt: int) -> None:
+    def save_prompt(self, h: SeqCache, session: str | None, tokens: Sequence[int], num_prompt: int,
+                    computed: int) -> None:
         """A running sequence whose last step ended on its prompt's last page boundary: that state becomes the
         session's prompt snapshot (copied before the next step can overwrite it); one whose last step ended at
-        its shared point: a shared snapshot."""
+        its shared point: a shared snapshot. `computed`: where the sequence stands (a ring's state is exactly at
+        the snapshot's position when it is that position)."""
         store = self.store
         at = h.share_at
         if at and h.aligned_at == at:
             h.share_at = 0
-            store.save_shared(tokens[:at], store.aligned_slot(h.row))
+            store.save_shared(tokens[:at], store.aligned_slot(h.row), computed == at)
         boundary = num_prompt // self.ps * self.ps
         if h.prompt_saved or boundary == 0 or h.aligned_at != boundary:
             return
         h.prompt_saved = True
         if session is not None:
-            store.save(session, SnapshotPoint.PROMPT, tokens[:boundary], store.aligned_slot(h.row))
+            store.save(session, SnapshotPoint.PROMPT, tokens[:boundary], store.aligned_slot(h.row),
+                       computed == boundary)
 
     def take_copies(self) -> list[tuple[int, int]]:
         return self.store.take_copies()

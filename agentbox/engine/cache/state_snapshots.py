@@ -31,6 +31,15 @@ Slots (layers/recurrent_state.py's StateCache): [0, rows) live state of running 
 page-aligned copies, then the device snapshots (on a small card the last of them in host memory), then the host
 snapshots (host RAM, `host_state_snapshots`). Sliding-window rings (layers/window_kv.py) keep a page of slack and
 are their own page-aligned copies (`in_place`): [0, rows) live rings, then the snapshots.
+
+A ring's snapshot taken where its ring stands exactly (`exact`: a prompt's or a shared point's chunk ended there)
+resumes a page before its own position too (`back`: its slack holds every position a sequence resuming there
+reads), so it carries the digest of that shorter prefix beside its own. A turn's snapshot does not: its ring ran on
+past the position (the answer's last partial page), which already spends the slack. That is what a next turn
+needs when its template drops the end of the last prompt (Gemma 4's generation prompt closes an empty thought
+channel that the history does not repeat): the turn diverges a few tokens before the prompt's snapshot, and
+without this the turn would resume from the previous turn's snapshot or from nothing (tests/test_gemma4_sessions_http.py:
+a later turn 0 % cached when the prompt ended just past a page boundary).
 The store decides, the runner copies: every move is a (src, dst) slot pair, taken with `take_copies` into the
 next step, in order. A full device store demotes its first victim to host (history points, then shared
 prefixes, then the least recently used session's); a full host store drops its own first victim. A match that
@@ -92,6 +101,19 @@ class Snapshot:
     num_tokens: int  # the position the state describes (page-aligned)
     digest: bytes  # of the tokens [0, num_tokens)
     tier: Tier = Tier.GPU
+    back_digest: bytes | None = None  # a ring's: of the tokens [0, num_tokens - back), where it resumes too
+
+
+def _digests(tokens: Sequence[int], back: int) -> tuple[bytes, bytes | None]:
+    """(digest of tokens, digest of all but their last `back`) in one pass; the second None without `back`."""
+    h = hashlib.blake2b(digest_size=16)
+    cut = len(tokens) - back
+    if not back or cut <= 0:
+        return digest(tokens), None
+    h.update(np.asarray(tokens[:cut], dtype=np.int64).tobytes())
+    shorter = h.copy().digest()
+    h.update(np.asarray(tokens[cut:], dtype=np.int64).tobytes())
+    return h.digest(), shorter
 
 
 class SnapshotListener(Protocol):
@@ -110,27 +132,32 @@ _OWN = (SnapshotPoint.TURN, SnapshotPoint.PROMPT, SnapshotPoint.HISTORY)  # a se
 _VICTIMS = (SnapshotPoint.HISTORY, SnapshotPoint.SHARED, None)  # the order a full tier gives up; None: any
 
 
-def _longest(found: list[Snapshot], tokens: Sequence[int], limit: int) -> Snapshot | None:
-    """The longest of `found` whose digest is that of tokens' prefix of its length. The prefixes' digests come
+def _longest(found: list[Snapshot], tokens: Sequence[int], limit: int, back: int) -> Snapshot | None:
+    """The longest of `found` whose digest is that of tokens' prefix of its length, or a ring's resumed `back`
+    positions before its own (then a view of it at that position: the same slot). The prefixes' digests come
     from one pass over the tokens (a lookup over every snapshot held reads the tokens once, not once each)."""
-    candidates = sorted((s for s in found if 0 < s.num_tokens <= limit), key=lambda s: s.num_tokens)
+    points = [(s.num_tokens, s.digest, s) for s in found]
+    points += [(s.num_tokens - back, s.back_digest, s) for s in found if s.back_digest is not None]
+    candidates = sorted((p for p in points if 0 < p[0] <= limit), key=lambda p: p[0])
     h, at, best = hashlib.blake2b(digest_size=16), 0, None
-    for snap in candidates:
-        h.update(np.asarray(tokens[at : snap.num_tokens], dtype=np.int64).tobytes())
-        at = snap.num_tokens
-        if h.copy().digest() == snap.digest:
-            best = snap
+    for n, d, snap in candidates:
+        h.update(np.asarray(tokens[at:n], dtype=np.int64).tobytes())
+        at = n
+        if h.copy().digest() == d:
+            best = snap if n == snap.num_tokens else replace(snap, num_tokens=n, digest=d, back_digest=None)
     return best
 
 
 class SnapshotStore:
     def __init__(self, num_rows: int, num_snapshots: int, slot_bytes: int = 0, in_place: bool = False,
-                 num_host: int = 0) -> None:
+                 num_host: int = 0, back: int = 0) -> None:
+        """back: positions before its own a snapshot also resumes at (a ring's slack, a page; 0: none)."""
         self.num_rows = num_rows
         self.capacity = num_snapshots
         self.host_capacity = num_host
         self.slot_bytes = slot_bytes  # one slot of the state cache (StateCache.slot_bytes)
         self.in_place = in_place
+        self.back = back
         first = self.num_slots(num_rows, 0, in_place)
         self._free = {Tier.GPU: list(range(first + num_snapshots - 1, first - 1, -1)),
                       Tier.HOST: list(range(first + num_snapshots + num_host - 1, first + num_snapshots - 1, -1))}
@@ -177,17 +204,18 @@ class SnapshotStore:
         """The session's longest snapshot that describes a prefix of `tokens` no longer than `limit`. Pure."""
         if session is None:
             return None
-        return _longest([self._by_key[k] for k in self._own(session)], tokens, limit)
+        return _longest([self._by_key[k] for k in self._own(session)], tokens, limit, self.back)
 
     def find_shared(self, tokens: Sequence[int], limit: int) -> Snapshot | None:
         """The longest shared-prefix snapshot that describes a prefix of `tokens` no longer than `limit`. Pure."""
-        return _longest([s for k, s in self._by_key.items() if k[1] is SnapshotPoint.SHARED], tokens, limit)
+        return _longest([s for k, s in self._by_key.items() if k[1] is SnapshotPoint.SHARED], tokens, limit,
+                        self.back)
 
     def find_any(self, tokens: Sequence[int], limit: int) -> Snapshot | None:
         """The longest snapshot of any owner (a session's points, a shared prefix) that describes a prefix of
         `tokens` no longer than `limit`: the digest is the proof, whoever saved it. A new session sending the
         prompt another session sent resumes at that session's prompt snapshot. Pure."""
-        return _longest(list(self._by_key.values()), tokens, limit)
+        return _longest(list(self._by_key.values()), tokens, limit, self.back)
 
     def after(self, position: int) -> list[Snapshot]:
         """Every snapshot held at a position past `position` (state_units.py: which ones a node's pages resume)."""
@@ -207,23 +235,24 @@ class SnapshotStore:
     # ---- changes ----
 
     def used(self, snap: Snapshot) -> None:
-        """`snap` (found by `find` or `find_shared`) is resumed from: it, and its session's other snapshots,
-        become the most recently used."""
-        owner = next(k for k, s in self._by_key.items() if s is snap)
+        """`snap` (found by `find` or `find_shared`, or a view of it a page back) is resumed from: it, and its
+        session's other snapshots, become the most recently used."""
+        owner = next(k for k, s in self._by_key.items() if s.slot == snap.slot)
         for key in [owner] if owner[1] is SnapshotPoint.SHARED else self._own(owner[0]):
             self._by_key.move_to_end(key)
         self.hits += 1
         self.promoted += snap.tier is Tier.HOST
 
-    def save_shared(self, tokens: Sequence[int], src: int) -> bool:
+    def save_shared(self, tokens: Sequence[int], src: int, exact: bool = False) -> bool:
         """Keep the state in slot `src` as the snapshot of the shared prefix `tokens` (as `save`)."""
-        return self.save(digest(tokens).hex(), SnapshotPoint.SHARED, tokens, src)
+        return self.save(digest(tokens).hex(), SnapshotPoint.SHARED, tokens, src, exact)
 
-    def save(self, owner: str, point: SnapshotPoint, tokens: Sequence[int], src: int) -> bool:
+    def save(self, owner: str, point: SnapshotPoint, tokens: Sequence[int], src: int, exact: bool = False) -> bool:
         """Keep the state in slot `src` (the caller's page-aligned copy) as the session's snapshot of `tokens`
         at `point`, in a device slot: its old one's, a free one, or its first victim's (demoted to host where
-        it has room). The copy is queued for the next step. False when no slot could be had."""
-        d = digest(tokens)
+        it has room). The copy is queued for the next step. False when no slot could be had. `exact`: the state
+        stands at exactly len(tokens) (a ring's then also resumes `back` positions earlier)."""
+        d, back = _digests(tokens, self.back if exact else 0)
         old = self._by_key.pop((owner, point, 0), None)
         if old is not None and point is not SnapshotPoint.SHARED and _prefix_of(old, tokens):
             hist = (owner, SnapshotPoint.HISTORY, old.num_tokens)
@@ -235,7 +264,7 @@ class SnapshotStore:
         slot = self._slot(Tier.GPU)
         if slot is None:
             return False
-        self._by_key[(owner, point, 0)] = Snapshot(slot, len(tokens), d)
+        self._by_key[(owner, point, 0)] = Snapshot(slot, len(tokens), d, back_digest=back)
         self._copies.append((src, slot))
         self.saved += 1
         if self.listener is not None:

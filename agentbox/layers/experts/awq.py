@@ -32,7 +32,7 @@ class AwqExperts(Int4CheckpointExperts):
     def createraw_tensor(self, layer: ExpertLayer) -> None:
         e, h, i, g = layer.num_experts, layer.hidden_size, layer.intermediate_local, self.group
         i32, f16 = torch.int32, torch.float16
-        for w, k, n in (("w13", h, 2 * i), ("w2", i, h)):
+        for w, k, n in (("w13", h, layer.w13_rows), ("w2", i, h)):
             add_sharded_param(layer, f"{w}_qweight", torch.empty(e, k, n // 8, dtype=i32), Sharding(1, 0, 8, 1))
             add_sharded_param(layer, f"{w}_qzeros", torch.empty(e, k // g, n // 8, dtype=i32), Sharding(1, 0, 8, g))
             add_sharded_param(layer, f"{w}_scales", torch.empty(e, k // g, n, dtype=f16), Sharding(1, 0, 1, g))

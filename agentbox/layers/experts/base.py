@@ -8,6 +8,10 @@ the one the current QuantConfig names (`expert_method`), as the linear layers do
 
 Quantised layouts share one loader: every expert parameter records where the logical [out, in] dims sit in
 its per-expert layout (`Sharding`), so `load_expert_shard` narrows every layout to this rank's shard.
+
+Gated and un-gated experts are one layout: w13 holds the gate rows, then the up rows, of a gated activation and
+only the up rows of an un-gated one (Nemotron-H's relu^2: `MoEActivation.gated`); every method sizes w13 by
+`ExpertLayer.w13_rows` and the activation takes w13's output as it is, so each format runs both.
 """
 
 from __future__ import annotations
@@ -43,10 +47,18 @@ class MoEActivation(Enum):
     SWIGLU_OAI = "swiglu_oai"  # gpt-oss: clamped gate * sigmoid(alpha * gate) * (clamped up + 1)
     GELU_TANH = "gelu_tanh"  # Gemma 4: gelu(gate, tanh approximation) * up
     SILU_CLAMPED = "silu_clamped"  # DeepSeek-V4: silu(gate clamped above at the limit) * (up clamped to +-limit)
+    RELU2 = "relu2"  # Nemotron-H: relu(up)^2, no gate projection
+
+    @property
+    def gated(self) -> bool:
+        """Whether w13 holds a gate projection beside the up projection (its output is [N, 2I], else [N, I])."""
+        return self is not MoEActivation.RELU2
 
 
 def activate(gate_up: torch.Tensor, activation: MoEActivation, alpha: float, limit: float) -> torch.Tensor:
-    """[N, 2I] (gate rows first, then up) -> [N, I]."""
+    """[N, 2I] (gate rows first, then up) -> [N, I]; un-gated: [N, I] -> [N, I]."""
+    if activation is MoEActivation.RELU2:
+        return torch.square(F.relu(gate_up))
     gate, up = gate_up.chunk(2, dim=-1)
     if activation is MoEActivation.SILU:
         return F.silu(gate) * up
@@ -101,6 +113,11 @@ class ExpertLayer(nn.Module, ABC):
     w13_bias: nn.Parameter | None
     w2_bias: nn.Parameter | None
 
+    @property
+    def w13_rows(self) -> int:
+        """Rows of each expert's w13 on this rank: gate and up of a gated activation, up alone of an un-gated one."""
+        return (2 if self.activation.gated else 1) * self.intermediate_local
+
     @abstractmethod
     def add_expert_param(self, name: str, data: torch.Tensor) -> None:
         """Register `data` [E, ...] as the parameter `name`, loaded one expert's tensor at a time."""
@@ -134,7 +151,8 @@ def add_sharded_param(layer: ExpertLayer, name: str, data: torch.Tensor, shardin
 def load_expert_shard(
     layer: ExpertLayer, name: str, param: nn.Parameter, loaded: Any, expert_id: int, shard: ExpertShard
 ) -> None:
-    """Gate/up: this rank's rows of the output dim, into the gate or up half of w13. Down: this rank's
+    """Gate/up: this rank's rows of the output dim, into the gate or up half of w13 (un-gated: up is all of
+    w13). Down: this rank's
     columns of the input dim. A parameter without an output axis (GPTQ g_idx of w13) is written whole by
     gate and by up, which must agree. A shard off a pack/group boundary is refused, naming the tensor."""
     if not 0 <= expert_id < layer.num_experts:
@@ -145,9 +163,12 @@ def load_expert_shard(
     if shard is ExpertShard.DOWN:
         if sh.in_axis is not None:
             src = quant_base.narrow_shard(src, sh.in_axis, r * i, i, sh.in_pack, what)
+    elif shard is ExpertShard.GATE and not layer.activation.gated:
+        raise ValueError(f"{what}: the layer's {layer.activation.value} experts have no gate projection")
     elif shard in (ExpertShard.GATE, ExpertShard.UP):
         if sh.out_axis is not None:
-            dst = quant_base.narrow_shard(dst, sh.out_axis, 0 if shard is ExpertShard.GATE else i, i, sh.out_pack, what)
+            start = i if shard is ExpertShard.UP and layer.activation.gated else 0
+            dst = quant_base.narrow_shard(dst, sh.out_axis, start, i, sh.out_pack, what)
             src = quant_base.narrow_shard(src, sh.out_axis, r * i, i, sh.out_pack, what)
         else:  # one tensor for gate and up (they read one input): whichever comes second must agree
             written: set[int] = param.__dict__.setdefault("written_experts", set())
@@ -186,7 +207,7 @@ def check_dims(layer: ExpertLayer, unit: int, what: str) -> None:
 
 
 def expert_activation(layer: ExpertLayer) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The layer's activation as the fused kernels take it: [N, 2I] -> [N, I]."""
+    """The layer's activation as the fused kernels take it: [N, 2I] (un-gated: [N, I]) -> [N, I]."""
     return lambda gate_up: activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
 
 

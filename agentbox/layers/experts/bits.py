@@ -81,7 +81,7 @@ class BitsExperts(ExpertMethod):
     def create_weights(self, layer: ExpertLayer) -> None:
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_local
         dtype = torch.get_default_dtype()
-        for w, (k, n) in (("w13", (h, 2 * i)), ("w2", (i, h))):
+        for w, (k, n) in (("w13", (h, layer.w13_rows)), ("w2", (i, h))):
             form = self.forms[w]
             if k % form.group or k % form.rows_per_word:
                 raise ValueError(

@@ -169,17 +169,24 @@ class CpuExperts(ExpertMethod):
         linear: Linear = _linear,
     ) -> torch.Tensor:
         """Each routed expert over its tokens; `linear=_linear_ref` is the twin (dequantised weights)."""
-        b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
-        xf = x.float()
-        out = torch.zeros_like(xf)
-        for e in torch.unique(topk_ids).tolist():
-            token, slot = torch.where(topk_ids == e)
-            gate_up = linear(xf[token], layer, "w13", e)
-            if b13 is not None:
-                gate_up = gate_up + b13[e]
-            act = activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
-            y = linear(act, layer, "w2", e)
-            if b2 is not None:
-                y = y + b2[e]
-            out.index_add_(0, token, y * topk_weights[token, slot, None].float())
-        return out.to(x.dtype)
+        return run_routed(layer, x, topk_weights, topk_ids, linear)
+
+
+def run_routed(layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               linear: Linear) -> torch.Tensor:
+    """Each routed expert over its tokens in fp32, `linear` its projections (CpuExperts' and NVFP4's on CPU:
+    layers/experts/nvfp4_cpu.py)."""
+    b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
+    xf = x.float()
+    out = torch.zeros_like(xf)
+    for e in torch.unique(topk_ids).tolist():
+        token, slot = torch.where(topk_ids == e)
+        gate_up = linear(xf[token], layer, "w13", e)
+        if b13 is not None:
+            gate_up = gate_up + b13[e]
+        act = activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
+        y = linear(act, layer, "w2", e)
+        if b2 is not None:
+            y = y + b2[e]
+        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+    return out.to(x.dtype)

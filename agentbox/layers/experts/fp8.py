@@ -36,9 +36,9 @@ class Fp8BlockExperts(ExpertMethod):
         check_dims(layer, bo, f"FP8 block-{bo}")
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_local
         f8 = torch.float8_e4m3fn
-        add_sharded_param(layer, "w13_weight", torch.empty(e, 2 * i, h, dtype=f8), Sharding(0, 1))
+        add_sharded_param(layer, "w13_weight", torch.empty(e, layer.w13_rows, h, dtype=f8), Sharding(0, 1))
         add_sharded_param(
-            layer, "w13_weight_scale_inv", torch.empty(e, 2 * i // bo, h // bi), Sharding(0, 1, bo, bi)
+            layer, "w13_weight_scale_inv", torch.empty(e, layer.w13_rows // bo, h // bi), Sharding(0, 1, bo, bi)
         )
         add_sharded_param(layer, "w2_weight", torch.empty(e, h, i, dtype=f8), Sharding(0, 1))
         add_sharded_param(layer, "w2_weight_scale_inv", torch.empty(e, h // bo, i // bi), Sharding(0, 1, bo, bi))

@@ -1,4 +1,4 @@
-"""GGUF experts (qwen3moe `ffn_{gate,up,down}_exps`): the file's blocks until the layer has every expert, then
+"""GGUF experts (qwen3moe `ffn_{gate,up,down}_exps`; un-gated ones, Nemotron-H's, without gate): the file's blocks until the layer has every expert, then
 the form this layer runs, decided per layer from its tensor types, each kept quantised:
 
 - Q4_0 / Q4_1 / Q4_K experts map exactly onto 4-bit codes with a scale and an offset per 32 input columns
@@ -85,6 +85,8 @@ class GGUFExperts(ExpertMethod):
                 raise ValueError(f"expert id {expert_id} out of range (the layer has {layer.num_experts})")
             if shard not in (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN):
                 raise ValueError(f"GGUF experts: unexpected expert shard {shard!r}")
+            if shard is ExpertShard.GATE and not layer.activation.gated:
+                raise ValueError(f"GGUF experts: the layer's {layer.activation.value} experts have no gate projection")
             i, h, r = layer.intermediate_local, layer.hidden_size, layer.tp_rank
             want = (h, i * layer.tp_size) if shard is ExpertShard.DOWN else (i * layer.tp_size, h)
             if tuple(loaded.shape) != want:
@@ -103,24 +105,25 @@ class GGUFExperts(ExpertMethod):
         return load
 
     def process_weights_after_loading(self, layer: ExpertLayer) -> None:
-        shards = (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN)
+        # w13's projections: gate then up, or up alone for un-gated experts (ffn_up_exps without ffn_gate_exps)
+        w13_shards = (ExpertShard.GATE, ExpertShard.UP) if layer.activation.gated else (ExpertShard.UP,)
+        shards = (*w13_shards, ExpertShard.DOWN)
         stacks = [self._stack(layer, s) for s in shards]
         device = layer.w13_weight.device
         del layer.w13_weight, layer.w2_weight
         types = [p[0].data.qtype if isinstance(p[0].data, GGUFBlocks) else None for p in stacks]
         kbit = _bits_types(device)
         if layer.intermediate_local % GROUP == 0 and all(t in INT4_TYPES for t in types):
-            (q1, s1, o1), (q3, s3, o3), (q2, s2, o2) = (_int4(p, layer.num_experts) for p in stacks)
+            *w13_parts, w2 = (_int4(p, layer.num_experts) for p in stacks)
             method = Int4Experts(GROUP)
             with _building(device, self.dtype):  # post-processing runs outside the loader's device/dtype
                 method.create_canonical(layer)
-            w13 = (torch.cat(t, dim=1) for t in ((q1, q3), (s1, s3), (o1, o3)))  # gate rows first, then up
-            _fill_int4(layer, "w13", *w13)
-            _fill_int4(layer, "w2", q2, s2, o2)
+            _fill_int4(layer, "w13", *(torch.cat(t, dim=1) for t in zip(*w13_parts, strict=True)))  # gate, then up
+            _fill_int4(layer, "w2", *w2)
             layer.method = method
         elif all(t in INT4_TYPES | kbit for t in types) and any(t in kbit for t in types):
-            gate, up, down = (_codes(layer, p, s) for p, s in zip(stacks, shards, strict=True))
-            w13 = _merge(gate, up)
+            *w13_codes, down = (_codes(layer, p, s) for p, s in zip(stacks, shards, strict=True))
+            w13 = _merge(*w13_codes) if len(w13_codes) == 2 else w13_codes[0]
             method = BitsExperts(w13.form, down.form)
             with _building(device, self.dtype):
                 method.create_weights(layer)
@@ -128,8 +131,8 @@ class GGUFExperts(ExpertMethod):
             method.install(layer, "w2", down)
             layer.method = method
         else:
-            gate, up, down = (_dense(p, layer.num_experts, self.dtype) for p in stacks)
-            layer.add_expert_param("w13_weight", torch.cat([gate, up], dim=1).to(device))
+            *w13_dense, down = (_dense(p, layer.num_experts, self.dtype) for p in stacks)
+            layer.add_expert_param("w13_weight", torch.cat(w13_dense, dim=1).to(device))
             layer.add_expert_param("w2_weight", down.to(device))
             layer.method = UnquantizedExperts()
         self.parts = {}

@@ -23,7 +23,7 @@ class GptqExperts(Int4CheckpointExperts):
     def createraw_tensor(self, layer: ExpertLayer) -> None:
         e, h, i, g = layer.num_experts, layer.hidden_size, layer.intermediate_local, self.group
         i32, f16 = torch.int32, torch.float16
-        for w, k, n in (("w13", h, 2 * i), ("w2", i, h)):
+        for w, k, n in (("w13", h, layer.w13_rows), ("w2", i, h)):
             # With act-order a down shard's rows belong to groups anywhere in the table: keep it whole.
             whole = self.config.desc_act and w == "w2"
             groups, group_axis = (k * layer.tp_size // g, None) if whole else (k // g, 0)

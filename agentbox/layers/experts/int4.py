@@ -76,9 +76,9 @@ class Int4Experts(ExpertMethod):
         dtype = torch.get_default_dtype()
         layer.int4_group = g
         # per expert [K/8, N] and [K/g, N]: out axis 1, in axis 0
-        add_sharded_param(layer, "w13_qweight", torch.empty(e, h // 8, 2 * i, dtype=torch.int32), Sharding(1, 0, 1, 8))
-        add_sharded_param(layer, "w13_scale", torch.empty(e, h // g, 2 * i, dtype=dtype), Sharding(1, 0, 1, g))
-        add_sharded_param(layer, "w13_offset", torch.empty(e, h // g, 2 * i, dtype=dtype), Sharding(1, 0, 1, g))
+        add_sharded_param(layer, "w13_qweight", torch.empty(e, h // 8, layer.w13_rows, dtype=torch.int32), Sharding(1, 0, 1, 8))
+        add_sharded_param(layer, "w13_scale", torch.empty(e, h // g, layer.w13_rows, dtype=dtype), Sharding(1, 0, 1, g))
+        add_sharded_param(layer, "w13_offset", torch.empty(e, h // g, layer.w13_rows, dtype=dtype), Sharding(1, 0, 1, g))
         add_sharded_param(layer, "w2_qweight", torch.empty(e, i // 8, h, dtype=torch.int32), Sharding(1, 0, 1, 8))
         add_sharded_param(layer, "w2_scale", torch.empty(e, i // g, h, dtype=dtype), Sharding(1, 0, 1, g))
         add_sharded_param(layer, "w2_offset", torch.empty(e, i // g, h, dtype=dtype), Sharding(1, 0, 1, g))

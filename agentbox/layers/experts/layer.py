@@ -70,7 +70,7 @@ class FusedMoE(ExpertLayer, ConvertsAfterLoading):
         with building_on(self.home, self.host_dtype):
             self.method.create_weights(self)
             if bias:
-                self.add_expert_param("w13_bias", torch.empty(num_experts, 2 * self.intermediate_local))
+                self.add_expert_param("w13_bias", torch.empty(num_experts, self.w13_rows))
                 self.add_expert_param("w2_bias", torch.empty(num_experts, hidden_size))
 
     def add_expert_param(self, name: str, data: torch.Tensor) -> None:
@@ -80,7 +80,8 @@ class FusedMoE(ExpertLayer, ConvertsAfterLoading):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard: ExpertShard) -> None:
         """Copy this rank's slice of one expert's tensor. Gate/up split their rows (dim 0), down its dim 1;
-        a 1-D down bias is replicated. Works for any storage whose dims follow [out, in, ...] (MXFP4 blocks)."""
+        a 1-D down bias is replicated. Works for any storage whose dims follow [out, in, ...] (MXFP4 blocks).
+        Un-gated experts (relu^2) have only up, which fills w13."""
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert id {expert_id} out of range (the layer has {self.num_experts})")
         dst = param.data[expert_id]
@@ -90,6 +91,10 @@ class FusedMoE(ExpertLayer, ConvertsAfterLoading):
                 return _copy(dst, loaded, "down bias")
             size = dst.size(1)
             return _copy(dst, loaded.narrow(1, r * size, size), "down")
+        if not self.activation.gated:
+            if shard is not ExpertShard.UP:
+                raise ValueError(f"FusedMoE: {self.activation.value} experts have no gate projection ({shard.value})")
+            return _copy(dst, loaded.narrow(0, r * dst.size(0), dst.size(0)), shard.value)
         half = dst.size(0) // 2
         if shard is ExpertShard.GATE_UP_INTERLEAVED:
             parts = [(dst[:half], loaded[0::2]), (dst[half:], loaded[1::2])]

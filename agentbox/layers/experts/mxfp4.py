@@ -43,8 +43,8 @@ class Mxfp4Experts(ExpertMethod):
             if n % BLOCK:
                 raise ValueError(f"MXFP4 experts need the {what} ({n}) to be a multiple of {BLOCK}")
         u8 = torch.uint8
-        layer.add_expert_param("w13_blocks", torch.empty(e, 2 * i, h // BLOCK, BLOCK // 2, dtype=u8))
-        layer.add_expert_param("w13_scales", torch.empty(e, 2 * i, h // BLOCK, dtype=u8))
+        layer.add_expert_param("w13_blocks", torch.empty(e, layer.w13_rows, h // BLOCK, BLOCK // 2, dtype=u8))
+        layer.add_expert_param("w13_scales", torch.empty(e, layer.w13_rows, h // BLOCK, dtype=u8))
         layer.add_expert_param("w2_blocks", torch.empty(e, h, i // BLOCK, BLOCK // 2, dtype=u8))
         layer.add_expert_param("w2_scales", torch.empty(e, h, i // BLOCK, dtype=u8))
 

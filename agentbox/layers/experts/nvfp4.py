@@ -3,7 +3,9 @@ memory on every device: per expert and projection the codes (uint8 [out, in / 2]
 (uint8-sized [out, in / 16]) and the global scale, kept per output row as the dense layers keep it
 (layers/quant/nvfp4.py: gate and up have a global scale each). The torch reference dequantises only the experts
 a forward routes to; on CUDA with Triton the grouped fused-MoE kernel decodes the codes and scales tile by tile
-(kernels/fused_moe_quant.py fused_moe_nvfp4, weight-only: activations stay 16-bit)."""
+(kernels/fused_moe_quant.py fused_moe_nvfp4, weight-only: activations stay 16-bit); on a CPU (experts in host
+RAM, or a CPU-only machine) the CPU kernel multiplies them as loaded (layers/experts/nvfp4_cpu.py,
+kernels/cpu_nvfp4.c), the reference staying the --exact-cpu path."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from agentbox.kernels.nvfp4_codes import GROUP, dequantize_nvfp4
+from agentbox.layers.experts import nvfp4_cpu
 from agentbox.layers.experts.base import (
     ExpertLayer,
     ExpertMethod,
@@ -47,7 +50,7 @@ class NvFp4Experts(ExpertMethod):
         check_dims(layer, GROUP, "NVFP4")
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_local
         n, u8, f8 = self.names, torch.uint8, torch.float8_e4m3fn
-        for w, rows, cols in (("w13", 2 * i, h), ("w2", h, i)):
+        for w, rows, cols in (("w13", layer.w13_rows, h), ("w2", h, i)):
             add_sharded_param(layer, f"{w}_{n['codes']}", torch.empty(e, rows, cols // 2, dtype=u8), Sharding(0, 1, 1, 2))
             add_sharded_param(layer, f"{w}_{n['scale']}", torch.empty(e, rows, cols // GROUP, dtype=f8), Sharding(0, 1, 1, GROUP))
             layer.add_expert_param(f"{w}_{n['global']}", torch.zeros(e, rows))
@@ -59,7 +62,8 @@ class NvFp4Experts(ExpertMethod):
     def load_global(self, layer: ExpertLayer, param: nn.Parameter, loaded: Any, expert_id: int, shard: ExpertShard) -> None:
         what = f"{layer.prefix or 'experts'}.{expert_id}.{shard.value} global scale"
         i = layer.intermediate_local
-        rows = {ExpertShard.GATE: (0, i), ExpertShard.UP: (i, i), ExpertShard.DOWN: (0, param.shape[1])}.get(shard)
+        up = i if layer.activation.gated else 0  # un-gated: w13 is the up rows alone
+        rows = {ExpertShard.GATE: (0, i), ExpertShard.UP: (up, i), ExpertShard.DOWN: (0, param.shape[1])}.get(shard)
         if rows is None:
             raise ValueError(f"{what}: {shard.value} experts are not supported in NVFP4")
         param.data[expert_id].narrow(0, *rows).fill_(global_multiplier(loaded, self.layout, what))
@@ -83,6 +87,8 @@ class NvFp4Experts(ExpertMethod):
 
             return fused_moe_nvfp4(x, self.projection(layer, "w13"), self.projection(layer, "w2"), topk_weights,
                                    topk_ids, expert_activation(layer), b13, b2)
+        if nvfp4_cpu.runs(layer, x):
+            return nvfp4_cpu.apply(layer, x, topk_weights, topk_ids)
 
         def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
             return self.weights(layer, "w13", e, x.dtype), self.weights(layer, "w2", e, x.dtype)

@@ -12,7 +12,7 @@ class UnquantizedExperts(ExpertMethod):
 
     def create_weights(self, layer: ExpertLayer) -> None:
         e, h, i = layer.num_experts, layer.hidden_size, layer.intermediate_local
-        layer.add_expert_param("w13_weight", torch.empty(e, 2 * i, h))
+        layer.add_expert_param("w13_weight", torch.empty(e, layer.w13_rows, h))
         layer.add_expert_param("w2_weight", torch.empty(e, h, i))
 
     def apply(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""llama.cpp's own `llama-server`: the CPU engine agentbox's numbers are compared with (DESIGN.md, "the CPU peer
+to beat"), not llama-cpp-python's server, which decodes 3-4x slower than it on the same file.
+
+Found, not bundled: `--llama-server PATH`, `$AGENTBOX_LLAMA_SERVER`, `llama-server` on PATH, or a copy `build()`
+made. `build()` compiles it from the llama.cpp tree that the llama-cpp-python 0.3.36 sdist vendors (the tree whose
+converter the GGUF tests run), native to this CPU (`-march=native`), into the user's cache: one `cmake` away, a few
+minutes on two cores. Its multi-session settings name every result: `-np N` slots, and `-sps 0` (a request then
+goes to the slot whose cached prompt it shares most; its default similarity threshold, 0.10, sends a session's
+next turn to whichever slot is free and loses its history when sessions interleave).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentbox.bench.spawn import Target
+
+SDIST = "llama_cpp_python-0.3.36"
+ENV_BINARY = "AGENTBOX_LLAMA_SERVER"
+ENV_SDIST = "AGENTBOX_LLAMA_CPP_SDIST"  # a .tar.gz or an unpacked directory of the sdist: no download then
+DEFAULT_SIMILARITY = 0.10  # llama-server's own `-sps` default
+NOT_FOUND = (f"no llama-server: pass --llama-server PATH, set {ENV_BINARY}, put it on PATH, or build it here "
+             "with `agentbox bench llamacpp --build-server` (needs cmake and a C++ compiler)")
+# What the converter needs of the tree (the whole tree is unpacked only to build the server).
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/templates/")
+
+
+def cache_root() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "agentbox" / "llama.cpp"
+
+
+def built_binary(cache: Path | None = None) -> Path:
+    return (cache or cache_root()) / SDIST / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
+
+
+def find_binary(explicit: str | None = None) -> Path | None:
+    """The llama-server to compare with: the one named, else $AGENTBOX_LLAMA_SERVER, else PATH's, else ours."""
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise FileNotFoundError(f"--llama-server {explicit}: not an executable file")
+        return path
+    for candidate in (os.environ.get(ENV_BINARY), shutil.which("llama-server"), str(built_binary())):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return Path(candidate)
+    return None
+
+
+def vendored_tree(cache: Path, converter_only: bool = False) -> Path | None:
+    """The sdist's vendored llama.cpp directory, unpacked under `cache` (whole, or only what its converter
+    reads); from $AGENTBOX_LLAMA_CPP_SDIST, a cached archive, or `pip download`. None without any of them."""
+    given = os.environ.get(ENV_SDIST)
+    archive = Path(given) if given else None
+    if archive is not None and archive.is_dir():
+        found = next(archive.rglob("convert_hf_to_gguf.py"), None)
+        return found.parent if found else None
+    tree = cache / SDIST / "vendor" / "llama.cpp"
+    marker = "convert_hf_to_gguf.py" if converter_only else "CMakeLists.txt"
+    if (tree / marker).is_file():
+        return tree
+    if archive is None:
+        archive = cache / f"{SDIST}.tar.gz"
+        if not archive.is_file():
+            done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                   "llama-cpp-python==0.3.36", "-d", str(cache)], capture_output=True, timeout=600)
+            if done.returncode or not archive.is_file():
+                return None
+    prefix = f"{SDIST}/vendor/llama.cpp/"
+    wanted = tuple(prefix + part for part in CONVERTER_PARTS) if converter_only else (prefix,)
+    with tarfile.open(archive) as tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(wanted)]
+        tar.extractall(cache, members=members, filter="data")
+    return tree if (tree / marker).is_file() else None
+
+
+def build(cache: Path | None = None, jobs: int | None = None) -> Path:
+    """Compile llama-server from the vendored tree, native to this CPU; returns the binary. Errors name what is
+    missing (cmake, a compiler, the sdist) and where the build's output went."""
+    cache = cache or cache_root()
+    if shutil.which("cmake") is None:
+        raise RuntimeError("building llama-server needs cmake: `pip install cmake` or your package manager's")
+    cache.mkdir(parents=True, exist_ok=True)
+    tree = vendored_tree(cache)
+    if tree is None:
+        raise RuntimeError(f"the llama-cpp-python 0.3.36 sdist is not in {cache} and pip could not download it; "
+                           f"set {ENV_SDIST} to a copy")
+    log = cache / "build.log"
+    steps = (
+        ["cmake", "-S", str(tree), "-B", str(tree / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
+        ["cmake", "--build", str(tree / "build"), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 2)],
+    )
+    with open(log, "w") as out:
+        for cmd in steps:
+            out.write(" ".join(cmd) + "\n")
+            out.flush()
+            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode:
+                raise RuntimeError(f"building llama-server failed; see {log}:\n{log.read_text()[-2000:]}")
+    binary = tree / "build" / "bin" / "llama-server"
+    if not binary.is_file():
+        raise RuntimeError(f"the build finished without {binary}; see {log}")
+    return binary
+
+
+@dataclass(frozen=True)
+class Slots:
+    """llama-server's multi-session settings: `-np count`, and `-sps similarity` (None: its default)."""
+
+    count: int
+    similarity: float | None = None
+
+    @property
+    def name(self) -> str:
+        sps = "" if self.similarity is None else f" -sps {self.similarity:g}"
+        return f"llama-server -np {self.count}{sps}"
+
+    def args(self) -> list[str]:
+        return ["-np", str(self.count), *([] if self.similarity is None else ["-sps", f"{self.similarity:g}"])]
+
+
+def parse_similarities(spec: str) -> list[float | None]:
+    """`0,default` (the CLI's form) as [0.0, None]."""
+    out: list[float | None] = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        try:
+            out.append(None if part == "default" else float(part))
+        except ValueError as e:
+            raise ValueError(f"--llamacpp-sps wants numbers or 'default', comma separated; got {part!r}") from e
+    return out
+
+
+def target(binary: Path, gguf: str, ctx_per_slot: int, threads: int, slots: Slots) -> Target:
+    """A llama-server on `gguf` to start on the placeholder port: each slot holds `ctx_per_slot` tokens."""
+    cmd = [str(binary), "-m", gguf, "--host", "127.0.0.1", "--port", "{port}", "-c", str(ctx_per_slot * slots.count),
+           "-t", str(threads), "-tb", str(threads), *slots.args(), "--no-webui"]
+    return Target(name=slots.name, command=cmd, ready_paths=("/health",),
+                  meta={"engine": "llama-server", "slots": str(slots.count), "threads": str(threads),
+                        "slot_prompt_similarity": "default" if slots.similarity is None else f"{slots.similarity:g}"})
+
+
+def missing_target(slots: Slots) -> Target:
+    return Target(name=slots.name, note=NOT_FOUND)
+
+
+def build_info(binary: Path) -> dict[str, str]:
+    """`llama-server --version`: its version and commit, and the compiler and target it was built with."""
+    try:
+        done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"binary": str(binary), "skipped": f"{type(exc).__name__}: {exc}"}
+    lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    return {"binary": str(binary), "version": " / ".join(lines[-2:])}
