@@ -4,8 +4,9 @@ dimensions with 2-4 of the 48 layers. Written the way llama.cpp's converter lays
 a layer in one 3-D `ffn_*_exps` tensor, `ffn_gate_inp` router, q/k norms), so both agentbox and llama.cpp's
 own `llama-server` load the same file.
 
-Types: `q8_0` (every matrix Q8_0, norms and router F32) or `q4_k_m` (llama.cpp's Q4_K_M mix: Q4_K, with
-ffn_down_exps and attn_v in Q6_K in the use_more_bits layers, the output table in Q6_K). The weights are random
+Types: `q8_0` (every matrix Q8_0, norms and router F32), `q4_k_m` (llama.cpp's Q4_K_M mix: Q4_K, with
+ffn_down_exps and attn_v in Q6_K in the use_more_bits layers, the output table in Q6_K) or `q2_k` (llama.cpp's
+Q2_K mix: Q2_K, with ffn_down_exps in Q3_K and attn_v in Q4_K; the tables as q4_k_m's). The weights are random
 blocks with small valid scales (Q8_0: int8 codes and an fp16 scale per 32; the K-quants: random codes, 6-bit
 scales and fp16 d / dmin per 256): what a random model is, without a quantiser, in seconds. Its vocabulary is
 a synthetic SentencePiece one (byte tokens and made-up pieces): prompts are sent as token ids.
@@ -41,9 +42,15 @@ def _q8_0(rows: int, cols: int, rng: np.random.Generator, std: float) -> np.ndar
 
 
 def _k_quant(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Q4_K / Q6_K blocks with random codes and small valid scales (weights of about 0.01-0.05)."""
+    """Q4_K / Q6_K / Q2_K / Q3_K blocks with random codes and small valid scales (weights of about 0.01-0.05)."""
     bs, ts = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // bs, ts), dtype=np.uint8)
+    if qtype in (Q.Q2_K, Q.Q3_K):  # fp16 d (Q2_K: then dmin) last; their codes x scales reach 45 d / 128 d
+        low = 5e-4 if qtype is Q.Q2_K else 2e-4
+        n = 2 if qtype is Q.Q2_K else 1
+        d = rng.uniform(low, 2 * low, size=(*raw.shape[:2], n)).astype(np.float16).view(np.uint8)
+        raw[..., ts - 2 * n:] = d.reshape(*raw.shape[:2], 2 * n)
+        return raw.reshape(rows, -1)
     low = 1e-5 if qtype is Q.Q6_K else 1e-4  # Q6_K's int8 scales reach 127
     d = rng.uniform(low, 3 * low, size=raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
     if qtype is Q.Q6_K:
@@ -69,6 +76,8 @@ def more_bits(layer: int, layers: int) -> bool:
 def types_of(file_type: str, layer: int, layers: int) -> dict[str, Q]:
     if file_type == "q8_0":
         return dict.fromkeys(("attn", "attn_v", "gate_up", "down"), Q.Q8_0)
+    if file_type == "q2_k":  # llama_tensor_get_type: ffn_down Q3_K, attn_v Q4_K at 8 query heads a KV head
+        return {"attn": Q.Q2_K, "attn_v": Q.Q4_K, "gate_up": Q.Q2_K, "down": Q.Q3_K}
     wide = Q.Q6_K if more_bits(layer, layers) else Q.Q4_K
     return {"attn": Q.Q4_K, "attn_v": wide, "gate_up": Q.Q4_K, "down": wide}
 
@@ -90,12 +99,13 @@ def _vocab(writer: gguf.GGUFWriter) -> None:
 
 
 def write(path: Path, file_type: str = "q8_0", layers: int = 4, seed: int = 0) -> None:
-    if file_type not in ("q8_0", "q4_k_m"):
-        raise ValueError(f"--type must be q8_0 or q4_k_m (got {file_type})")
+    if file_type not in ("q8_0", "q4_k_m", "q2_k"):
+        raise ValueError(f"--type must be q8_0, q4_k_m or q2_k (got {file_type})")
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "qwen3moe")
     writer.add_name(f"Qwen3-30B-A3B-shaped random {layers} layers {file_type.upper()}")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if file_type == "q8_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    writer.add_file_type({"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+                          "q2_k": gguf.LlamaFileType.MOSTLY_Q2_K}[file_type])
     for key, value in (
         ("block_count", layers), ("context_length", CONTEXT), ("embedding_length", HIDDEN),
         ("feed_forward_length", 6144), ("head_count", HEADS), ("head_count_kv", KV_HEADS), ("key_length", HEAD_DIM),
@@ -140,7 +150,7 @@ def write(path: Path, file_type: str = "q8_0", layers: int = 4, seed: int = 0) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="the .gguf file to write")
-    ap.add_argument("--type", default="q8_0", choices=("q8_0", "q4_k_m"))
+    ap.add_argument("--type", default="q8_0", choices=("q8_0", "q4_k_m", "q2_k"))
     ap.add_argument("--layers", type=int, default=4, help="2-4 of Qwen3-30B-A3B's 48 (default 4)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

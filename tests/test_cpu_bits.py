@@ -1,8 +1,10 @@
 """The AVX2 k-bit kernels (kernels/cpu_bits.c) against their torch twins, and GGUF's Q5_0 / Q5_1 / Q8_0 /
-Q5_K / Q6_K blocks through `bits_groups` and the CPU form: exact, and resident near the file's bytes."""
+Q5_K / Q6_K / Q2_K / Q3_K blocks through `bits_groups` and the CPU form: exact, and resident near the file's
+bytes (Q2_K / Q3_K: at the kernel form's stated bits)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import gguf
@@ -21,12 +23,16 @@ FORMS = list(cb.ScaleForm)
 
 
 def _scales(n: int, k: int, group: int, form: cb.ScaleForm, g: torch.Generator) -> torch.Tensor:
-    """Scales exact in `form`: I8 as a record's fp16 super-scale times int8 multiples (as the K-quants)."""
-    if form is cb.ScaleForm.I8:  # per record of 8 blocks (and the row's shorter last one)
+    """Scales exact in `form`: I8 as a record's fp16 super-scale times int8 multiples (as the K-quants), U4 times
+    4-bit ones (as Q2_K), of one sign per record (negative in odd records: Q2_K's offsets are -dmin * m)."""
+    if form in (cb.ScaleForm.I8, cb.ScaleForm.U4):  # per record of 8 blocks (and the row's shorter last one)
         parts = []
         for _, recs, p in cb._chunks(k):
             d = torch.rand(n, recs, 1, generator=g).half().float() / 64
-            parts.append((d * torch.randint(-128, 128, (n, recs, p * 32 // group), generator=g)).reshape(n, -1))
+            if form is cb.ScaleForm.U4:
+                d = d * (1 - 2 * (torch.arange(recs) % 2)).view(1, recs, 1)
+            lo, hi = (-128, 128) if form is cb.ScaleForm.I8 else (0, 16)
+            parts.append((d * torch.randint(lo, hi, (n, recs, p * 32 // group), generator=g)).reshape(n, -1))
         return torch.cat(parts, dim=1)
     s = torch.randn(n, k // group, generator=g) / 8
     return s.half().float() if form is cb.ScaleForm.F16 else s
@@ -44,8 +50,9 @@ def _weight(n: int, k: int, bits: int, group: int, offset: bool, form: cb.ScaleF
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("bits", [5, 6, 8])
 def test_matmul_and_dequant_equal_their_twins(bits: int, group: int, offset: bool, form: cb.ScaleForm) -> None:
-    # odd N: rows past the 4-row tiles; K 576: two records of 8 blocks and one of 2, K 224: one of 7
-    n, k = 13, 224 if form is cb.ScaleForm.F32 else 576
+    # odd N: rows past the 4-row tiles; K 576: two records of 8 blocks and one of 2, K 224: one of 7, K 480: one
+    # of 8 and one of 7 (U4: an odd count of 4-bit scales in groups of 32)
+    n, k = 13, {cb.ScaleForm.F32: 224, cb.ScaleForm.U4: 480}.get(form, 576)
     codes, scale, off = _weight(n, k, bits, group, offset, form, seed=bits * group + offset)
     w = cb.pack_bits_cpu(codes, bits, scale, off, form)
     assert w.form is form and cb.pack_bits_cpu(codes, bits, scale, off).form is form  # the smallest exact form
@@ -64,10 +71,37 @@ def test_matmul_and_dequant_equal_their_twins(bits: int, group: int, offset: boo
         assert (got - x @ dense.t()).abs().max() < 0.02 * scale_of  # int8 activations: well under a percent
 
 
-@pytest.mark.parametrize("bits", [5, 6, 8])
+@pytest.mark.parametrize("isa", [None, cg.Isa.AVX2], ids=["best", "avx2"])
+@pytest.mark.parametrize("offset", [False, True], ids=["symmetric", "offset"])
+@pytest.mark.parametrize("bits", [2, 3])
+def test_two_and_three_bit_codes_equal_their_twins(bits: int, offset: bool, isa: cg.Isa | None) -> None:
+    # groups of 16 only (GGUF Q2_K / Q3_K); K 608: two records of 8 blocks and one of 3 (the 16-byte plane)
+    n, k = 11, 608
+    form = cb.ScaleForm.U4 if offset else cb.ScaleForm.I8  # Q2_K's 4-bit scales and mins, Q3_K's 6-bit scales
+    codes, scale, off = _weight(n, k, bits, 16, offset, form, seed=bits + 2 * offset)
+    w = cb.pack_bits_cpu(codes, bits, scale, off)
+    assert w.form is form
+    back = cb.unpack_bits_cpu(w)
+    assert torch.equal(back[0], codes) and torch.equal(back[1], scale)
+    with cg.use_isa(isa) if isa else contextlib.nullcontext():
+        dense = cb.bits_dequant(w)
+        assert torch.equal(dense, cb.bits_dequant_ref(w))
+        for m in (1, 5, 11):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            ref = cb.bits_matmul_ref(x, w)
+            got = cb.bits_matmul(x, w)
+            torch.testing.assert_close(got, ref, atol=2e-6 * ref.abs().max(), rtol=1e-5)
+            torch.testing.assert_close(got, F.linear(cg.round_activations(x), dense), atol=2e-6 * ref.abs().max(),
+                                       rtol=1e-5)
+    with pytest.raises(ValueError, match="groups of 16"):
+        cb.pack_bits_cpu(codes, bits, scale[:, ::2], None)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 5, 6, 8])
 def test_every_short_last_record(bits: int) -> None:
     for blocks in range(9, 16):  # one record of 8, then 1..7 blocks (the specialised 2 / 4 / 6 and the others)
-        codes, scale, off = _weight(5, 32 * blocks, bits, 16, blocks % 2 == 0, cb.ScaleForm.F16, seed=blocks)
+        form = cb.ScaleForm.I8 if bits <= 3 else cb.ScaleForm.F16
+        codes, scale, off = _weight(5, 32 * blocks, bits, 16, blocks % 2 == 0, form, seed=blocks)
         w = cb.pack_bits_cpu(codes, bits, scale, off)
         assert torch.equal(cb.unpack_bits_cpu(w)[0], codes)
         assert torch.equal(cb.bits_dequant(w), cb.bits_dequant_ref(w))
@@ -98,6 +132,8 @@ def test_bad_input_is_named() -> None:
     codes, scale, _ = _weight(4, 64, 5, 32, False, cb.ScaleForm.F32, seed=0)
     with pytest.raises(ValueError, match="bits must be"):
         cb.pack_bits_cpu(codes, 4, scale, None)
+    with pytest.raises(ValueError, match="exceed 2 bits"):
+        cb.pack_bits_cpu(codes, 2, torch.cat([scale, scale], dim=1), None)
     with pytest.raises(ValueError, match="exceed 5 bits"):
         cb.pack_bits_cpu(codes | 32, 5, scale, None)
     with pytest.raises(ValueError, match="16 or 32 columns"):
@@ -110,8 +146,12 @@ def test_bad_input_is_named() -> None:
 
 # ---- GGUF blocks, through the production converter (layers/quant/gguf.py bits_groups) --------------------
 
-BITS = {T.Q5_0: 5, T.Q5_1: 5, T.Q8_0: 8, T.Q5_K: 5, T.Q6_K: 6}
-D_AT = {T.Q5_K: (slice(0, 2), slice(2, 4)), T.Q6_K: (slice(208, 210),)}  # fp16 d (and dmin) bytes of a block
+BITS = {T.Q5_0: 5, T.Q5_1: 5, T.Q8_0: 8, T.Q5_K: 5, T.Q6_K: 6, T.Q2_K: 2, T.Q3_K: 3}
+D_AT = {T.Q5_K: (slice(0, 2), slice(2, 4)), T.Q6_K: (slice(208, 210),),  # fp16 d (and dmin) bytes of a block
+        T.Q2_K: (slice(80, 82), slice(82, 84)), T.Q3_K: (slice(108, 110),)}
+# The CPU form's bits per weight for the 2- and 3-bit types (their files': 2.625, 3.4375): Q2_K's fp32 d and dmin
+# per 256 where the file has fp16, Q3_K's 6-bit scales a byte each.
+CPU_BITS = {T.Q2_K: 2.75, T.Q3_K: 3.625}
 
 
 def _dequant(blocks: np.ndarray, t: T) -> np.ndarray:
@@ -137,14 +177,18 @@ def _cpu(blocks: np.ndarray, t: T, k: int) -> cb.BitsCPU:
 
 @pytest.mark.parametrize("t", list(BITS), ids=[t.name for t in BITS])
 def test_gguf_blocks_stay_quantised_and_exact(t: T) -> None:
-    n, k = 9, 512
+    n, k = 9, 512 if t not in CPU_BITS else 768  # Q2_K / Q3_K: three super-blocks
     blocks = _blocks(t, n, k, np.random.default_rng(int(t)))
     w = _cpu(blocks, t, k)
-    assert w.form is (cb.ScaleForm.I8 if t in (T.Q5_K, T.Q6_K) else cb.ScaleForm.F16)
+    forms = {T.Q5_K: cb.ScaleForm.I8, T.Q6_K: cb.ScaleForm.I8, T.Q3_K: cb.ScaleForm.I8, T.Q2_K: cb.ScaleForm.U4}
+    assert w.form is forms.get(t, cb.ScaleForm.F16)
     size, nbytes = gguf.GGML_QUANT_SIZES[t]
     expect = torch.from_numpy(_dequant(blocks, t))
     assert torch.equal(cb.bits_dequant(w), expect.reshape(n, k))
-    assert cb.resident_bytes(w) / (n * k) <= 1.10 * nbytes / size  # within 10 % of the file's bytes
+    if t in CPU_BITS:
+        assert cb.resident_bytes(w) * 8 == CPU_BITS[t] * n * k
+    else:
+        assert cb.resident_bytes(w) / (n * k) <= 1.10 * nbytes / size  # within 10 % of the file's bytes
     x = torch.randn(2, k)
     torch.testing.assert_close(cb.bits_matmul(x, w), F.linear(cg.round_activations(x), expect.reshape(n, k)),
                                atol=1e-4, rtol=1e-5)

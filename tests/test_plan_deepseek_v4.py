@@ -42,3 +42,43 @@ def test_plan_shows_the_compressed_kv_arithmetic() -> None:
     p = plan(profile, Probe.load(HW / "1x-rtx5090.json"), PlanConfig(context=65536, sessions=2))
     for c in p.candidates:  # every rank keeps all of it: the KV term is per device whatever the tp
         assert c.kv_bytes == (7872 * 65536 + 4 * profile.state_bytes) * 2 and c.kv_replicated
+
+
+def test_plan_on_1x_rtx_5090_with_128_gib_ram_choosing_experts_in_host_ram() -> None:
+    """Issue 44: Q2_K / Q3_K experts stay quantised in host RAM on the CPU kernel (2.75 / 3.625 bits a weight), so a
+    llama.cpp Q3_K_S or Q2_K file fits 128 GiB with the rest on one 5090, above the 8 tok/s floor. Q3_K_S (more
+    bits) is chosen; Q2_K runs too; Q3_K_M's Q4_K downs (6 bits in the 4-bit kernel's form) miss RAM."""
+    from typer.testing import CliRunner
+
+    from agentbox.cli.main import app
+    from agentbox.hub.weight_bytes import expert_resident_bytes
+    from agentbox.hw.probe import GIB
+
+    profile = find_profile("DeepSeek-V4-Flash")
+    p = plan(profile, Probe.load(HW / "1x-rtx5090-128g.json"))
+    c = p.chosen
+    assert c is not None and c.variant.name == "q3_k_s" and c.tp == 1
+    s = c.split
+    assert s is not None and s.host_kernel and s.host_fits and c.gpu_fits and s.tok_s > 8 and not c.slow
+    # the GPU dequantises Q2_K / Q3_K: the other 7.3B parameters and its layers of experts at bf16
+    assert c.weights_bytes == (profile.params - profile.expert_params) * 2 + s.gpu_experts_bytes
+    assert s.gpu_experts_bytes == profile.expert_params * 2 * (43 - s.in_ram) // 43
+    by_name = {x.variant.name: x for x in p.candidates}
+    bits = {"q3_k_s": 3.625, "q2_k": 2 / 3 * 2.75 + 1 / 3 * 3.625}  # the kernel form's bits a weight, by mix
+    for name, per in bits.items():
+        x = by_name[name]
+        assert x.ok and x.split is not None and x.split.host_kernel
+        cpu = expert_resident_bytes(profile, x.variant, "cpu")
+        assert cpu == round(profile.expert_params * per / 8)
+        assert x.split.host_bytes == cpu * x.split.in_ram // profile.moe_layers
+        assert x.split.host_need <= 128 * GIB
+    q3m = by_name["q3_k_m"]
+    assert q3m.split is not None and not q3m.split.host_fits
+    runner = CliRunner()
+    out = runner.invoke(app, ["plan", "DeepSeek-V4-Flash", "--hardware", str(HW / "1x-rtx5090-128g.json")])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())  # the plan wraps at the terminal's width
+    assert f"q3_k_s {c.variant.size / GIB:.1f} GiB tp 1" in text and "chosen" in text
+    assert f"experts of {s.in_ram} of 43 MoE layers in RAM: {s.host_bytes / GIB:.1f} + 2.0 reserve" in text
+    assert f"decode <= {s.tok_s:.1f} tok/s" in text and "above the 8 tok/s floor" in text
+    assert "Q3_K experts stay quantised in host RAM only (the CPU kernel" in text

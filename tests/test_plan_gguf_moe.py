@@ -44,3 +44,17 @@ def test_qwen3_coder_q4_k_m_experts() -> None:
     assert cpu == ExpertBytes(17_553_162_240, 22_120_759_296)
     assert cuda.file < variant.size
     assert expert_bytes("iq2_xxs", profile.expert_params, "cuda") is None
+
+
+def test_q2_k_q3_k_experts_are_planned_at_the_cpu_kernels_form(tmp_path: Path) -> None:
+    """Q2_K / Q3_K experts stay quantised on CPU only (2.75 / 3.625 bits a weight in kernels/cpu_bits' form, what
+    an fp32 load holds); a GPU dequantises them, so the table plans them at bf16 there."""
+    types = [Q.Q2_K, Q.Q3_K]
+    path = tmp_path / "low.gguf"
+    write_qwen3moe(path, layer_types=[(t,) * 3 for t in types])
+    moes = [m for m in load_model(str(path), torch.float32, "cpu").model.modules() if isinstance(m, FusedMoE)]
+    held = {t.name: resident_weight_bytes(m) / (3 * E * FFN * H) for t, m in zip(types, moes, strict=True)}
+    assert held == {"Q2_K": 2.75 / 8, "Q3_K": 3.625 / 8} == {t.name: EXPERT_TYPE_BYTES[t.name].cpu for t in types}
+    for t in types:
+        block, size = GGML_QUANT_SIZES[t]
+        assert EXPERT_TYPE_BYTES[t.name].file == size / block and EXPERT_TYPE_BYTES[t.name].cuda == 2.0

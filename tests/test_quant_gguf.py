@@ -39,10 +39,15 @@ PROMPT = [5, 17, 100, 3, 99, 42, 7, 120, 64, 1, 33, 8]
 def quantise(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     """The raw blocks of `w` in `qtype`: gguf's quantiser where it has one; for the K-quants (gguf has no
     quantiser for them) random codes with small, valid scales in the published block layout."""
-    if qtype not in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+    if qtype not in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K):
         return gguf.quants.quantize(w, qtype)
     bs, ts = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(w.shape[0], w.shape[1] // bs, ts), dtype=np.uint8)
+    if qtype in (Q.Q2_K, Q.Q3_K):  # fp16 d (and dmin) last; Q2_K's 4-bit scale x 2-bit code reaches 45 d, Q3_K's 128 d
+        low = 1e-3 if qtype is Q.Q2_K else 4e-4
+        d = rng.uniform(low, 2 * low, size=(*raw.shape[:2], 2)).astype(np.float16).view(np.uint8)
+        raw[..., ts - (4 if qtype is Q.Q2_K else 2) :] = d.reshape(*raw.shape[:2], -1)[..., : 4 if qtype is Q.Q2_K else 2]
+        return raw.reshape(w.shape[0], -1)
     low = 1e-5 if qtype is Q.Q6_K else 1e-4  # Q6_K's int8 scales reach 127: keep its weights ~0.05 too
     d = rng.uniform(low, 3 * low, size=raw.shape[:2]).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
     if qtype is Q.Q6_K:

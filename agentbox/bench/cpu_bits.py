@@ -1,7 +1,7 @@
 """Decode speed of the k-bit CPU kernels (kernels/cpu_bits.c): one JSON object (`python -m
 agentbox.bench.cpu_bits`).
 
-Per GGUF type (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K) and layer shape (SmolLM2's 576 -> 1536 and 1536 -> 576), at
+Per GGUF type (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, Q2_K, Q3_K) and layer shape (SmolLM2's 576 -> 1536 and 1536 -> 576), at
 one token: time per call of `bits_matmul` against the dense fp32 `F.linear` of its dequantised weight and
 against the 4-bit kernel (cpu_gemv's q4, Q4_1's 5 bits a weight) on the same shape, and the weight bytes
 read per second, against a plain streaming read (`torch.sum` of a large fp32 tensor) in the same run.
@@ -45,17 +45,20 @@ TYPES = (
     BitsType("Q8_0", 8, 32, False, cb.ScaleForm.F16, 8.5),
     BitsType("Q5_K", 5, 32, True, cb.ScaleForm.I8, 5.5),
     BitsType("Q6_K", 6, 16, False, cb.ScaleForm.I8, 6.5625),
+    BitsType("Q2_K", 2, 16, True, cb.ScaleForm.U4, 2.625),
+    BitsType("Q3_K", 3, 16, False, cb.ScaleForm.I8, 3.4375),
 )
 SHAPES = ((1536, 576), (576, 1536))  # (N out, K in): gate/up and down of SmolLM2-135M
 
 
 def _scales(n: int, k: int, t: BitsType, g: torch.Generator) -> torch.Tensor:
-    if t.form is cb.ScaleForm.I8:  # a record's fp16 super-scale times 6-bit multiples, as the K-quants
-        parts = []
+    if t.form in (cb.ScaleForm.I8, cb.ScaleForm.U4):  # a record's fp16 super-scale times 6-bit (Q2_K: 4-bit)
+        parts = []  # multiples, as the K-quants
+        top = 15 if t.form is cb.ScaleForm.U4 else 63
         for _, recs, p in cb._chunks(k):
             d = torch.rand(n, recs, 1, generator=g).half().float() / 64
-            c = torch.randint(0, 64, (n, recs, p * 32 // t.group), generator=g)
-            c[..., 0] = 63  # llama.cpp's quantisers scale the largest sub-scale to the top of its range
+            c = torch.randint(0, top + 1, (n, recs, p * 32 // t.group), generator=g)
+            c[..., 0] = top  # llama.cpp's quantisers scale the largest sub-scale to the top of its range
             parts.append((d * c).reshape(n, -1))
         return torch.cat(parts, dim=1)
     return (torch.rand(n, k // t.group, generator=g) / 32).half().float()
@@ -104,8 +107,8 @@ def layer(t: BitsType, n: int, k: int, repeats: int, min_seconds: float) -> dict
     dense = cb.bits_dequant(w)
     denses = [dense] + [dense.clone() for _ in range(_copies(dense.numel() * 4) - 1)]
     g = torch.Generator().manual_seed(1)
-    q4 = (cg.pack_q4(torch.randint(0, 16, (n, k), generator=g)), *cg.exact_half(
-        (torch.rand(n, k // 32, generator=g) / 32).half().float(), (torch.randn(n, k // 32, generator=g) / 32).half().float()))
+    q4 = cg.pack_q4(torch.randint(0, 16, (n, k), generator=g), (torch.rand(n, k // 32, generator=g) / 32).half().float(),
+                    (torch.randn(n, k // 32, generator=g) / 32).half().float())
     q4_bytes = sum(x.numel() * x.element_size() for x in q4)
     q4s = [q4] + [tuple(x.clone() for x in q4) for _ in range(_copies(q4_bytes) - 1)]
     x = torch.randn(1, k)
@@ -114,7 +117,7 @@ def layer(t: BitsType, n: int, k: int, repeats: int, min_seconds: float) -> dict
     for where, ws, ds, qs in (("cold", weights, denses, q4s), ("hot", weights[:1], denses[:1], q4s[:1])):
         kb = _time([lambda v=v: cb.bits_matmul(x, v) for v in ws], repeats, min_seconds)
         fd = _time([lambda v=v: F.linear(x, v) for v in ds], repeats, min_seconds)
-        q = _time([lambda v=v: cg.q4_matmul(x, *v) for v in qs], repeats, min_seconds)
+        q = _time([lambda v=v: cg.q4_matmul(x, *v, n) for v in qs], repeats, min_seconds)
         out[where] = {
             "bits_us": round(kb[0] * 1e6, 1), "bits_us_median": round(kb[1] * 1e6, 1),
             "dense_fp32_us": round(fd[0] * 1e6, 1), "q4_us": round(q[0] * 1e6, 1),

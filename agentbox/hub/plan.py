@@ -24,6 +24,7 @@ from agentbox.hub.engine_support import (
     nvfp4_path,
     other_scheme,
 )
+from agentbox.hub.gguf_moe import cpu_only_types
 from agentbox.hub.ngram_table import TablePlacement, place_table
 from agentbox.hub.offload import ExpertSplit, can_split, fewest_layers, sides, split_at
 from agentbox.hub.profiles import Profile, Variant
@@ -284,7 +285,15 @@ def _candidate(
             f"{variant.format} on CPU: the experts stay quantised, the other {(profile.params - experts) / 1e9:.1f}B "
             f"params are dequantised to fp32 at load: {_gb(variant.size)} on disk, {_gb(weights)} resident"
         )
-    elif (gexp := gguf_experts(profile, variant, device)) is not None:
+    elif (gexp := gguf_experts(profile, variant, device)) is not None and (cpu_only := cpu_only_types(variant.name)):
+        host = gguf_experts(profile, variant, "cpu")
+        assert host is not None  # the same mix
+        notes.append(
+            f"{variant.format} {variant.name.upper()} MoE: {' / '.join(cpu_only)} experts stay quantised in host RAM "
+            f"only (the CPU kernel, {_gb(host.resident)} for all of them there; {_gb(gexp.file)} of the file); on the "
+            f"GPU they are dequantised to bf16 ({_gb(gexp.resident)} if all were there)"
+        )
+    elif gexp is not None:
         notes.append(
             f"{variant.format} {variant.name.upper()} MoE: the experts stay quantised ({_gb(gexp.file)} of the file, "
             f"{_gb(gexp.resident)} resident); {_gb(variant.size)} on disk, {_gb(weights)} resident"
@@ -371,8 +380,9 @@ def _split_notes(cand: Candidate, gpu_only: Candidate, profile: Profile, variant
                      "GGUF Q4_0-Q8_0 and K-quants, AWQ, GPTQ, NVFP4); the torch reference runs each routed expert per step: "
                      "ranked after the variants that fit the GPU alone or have one")
     if not experts_kept_quantised(profile, variant) and variant.format not in ("bf16", "fp16", "fp32"):
-        notes.append(f"{variant.name}: no expert kernel keeps its experts' types quantised yet (GGUF Q2_K, Q3_K, "
-                     f"IQ* are dequantised at load, layers/experts/gguf.py): planned at bf16, which is what is missing")
+        notes.append(f"{variant.name}: no expert kernel keeps its experts' types quantised as far as its name tells "
+                     f"(IQ* types are dequantised at load, layers/experts/gguf.py; llama.cpp's Q2_K to Q8_0 file "
+                     f"types stay quantised): planned at bf16, which is what is missing")
     return notes
 
 

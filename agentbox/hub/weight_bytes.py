@@ -3,7 +3,7 @@ weights term (hub/plan.py), by format, device and whether the CPU kernels build.
 
 from __future__ import annotations
 
-from agentbox.hub.gguf_moe import ExpertBytes, expert_bytes
+from agentbox.hub.gguf_moe import ExpertBytes, cpu_only_types, expert_bytes
 from agentbox.hub.profiles import QUANTISED_FORMATS, Profile, Variant
 from agentbox.layers.quant.formats import METHODS, gguf_mix, gguf_resident_ratio, method_of_format
 
@@ -41,12 +41,16 @@ def trunk_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kern
     if (experts := gguf_experts(profile, variant, device)) is not None:
         if device != "cuda":
             return experts.resident + (profile.params - profile.expert_params) * 4
+        if cpu_only_types(variant.name):
+            # a llama.cpp Q2_K / Q3_K_* file's other linears are mostly Q2_K / Q3_K too, which a GPU dequantises:
+            # bf16 (an upper bound by a few %: its Q4_K attn_v and Q6_K output stay quantised)
+            return experts.resident + (profile.params - profile.expert_params) * 2
         mix = gguf_mix(variant.name, *variant.files)
         rest = size - experts.file  # attention, router, norms, tables: the file's mix (experts' aside)
         return experts.resident + int(rest * (gguf_resident_ratio(mix) if mix is not None else 1.0))
     if (mix := gguf_gpu_mix(profile, variant, device, cpu_kernels)) is not None:
         return int(size * gguf_resident_ratio(mix, device))
-    # Other GGUF files (types the name does not tell or the linears do not keep, Q2_K / Q3_K / IQ*) are
+    # Other GGUF files (types the name does not tell or the linears do not keep: IQ*, dense Q2_K / Q3_K) are
     # planned dequantised, below.
     if method is not None and METHODS[method].stays_quantised and device == "cuda" and not variant.is_gguf:
         info = METHODS[method]
@@ -95,7 +99,8 @@ def expert_resident_bytes(profile: Profile, variant: Variant, device: str) -> in
     """Bytes the routed experts hold once loaded on `device` of a GPU machine ("cuda", or "cpu" for experts
     kept in host RAM beside it: hub/offload.py). GGUF experts by their type's form there (hub/gguf_moe.py);
     fp8 / awq / gptq in their resident form (the CPU kernels' on "cpu"); MXFP4 as stored; anything else at
-    the model's compute dtype on a GPU machine, bf16 (GGUF types no expert kernel keeps: Q2_K, Q3_K, IQ*)."""
+    the model's compute dtype on a GPU machine, bf16 (GGUF types no expert kernel keeps: IQ*; Q2_K and Q3_K on
+    the GPU, hub/gguf_moe.py)."""
     if (experts := gguf_experts(profile, variant, device)) is not None:
         return experts.resident
     if variant.format == "mxfp4":

@@ -23,18 +23,27 @@ from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, expert_activ
 class BitsForm:
     """How one projection of every expert is stored."""
 
-    bits: int  # 4 (the int4 form), 5, 6 or 8
+    bits: int  # 4 (the int4 form), 5, 6 or 8; 2 or 3 (GGUF Q2_K / Q3_K, groups of 16): the int4 layout
     group: int  # inputs per scale: 16 or 32
     has_offset: bool  # w = q * scale + offset; else (q - 2^(bits-1)) * scale
 
     def __post_init__(self) -> None:
-        if self.bits not in (4, 5, 6, 8) or self.group not in (16, 32) or (self.bits == 4 and not self.has_offset):
+        narrow = self.bits in (2, 3) and self.group == 16
+        if (self.bits not in (4, 5, 6, 8) and not narrow) or self.group not in (16, 32) or (
+            self.bits <= 4 and not self.has_offset
+        ):
             raise ValueError(f"k-bit experts: no form for {self}")
+
+    @property
+    def layout_bits(self) -> int:
+        """The width the layout stores: codes below 4 bits sit in the int4 layout's nibbles (with an offset,
+        so the kernels read them as 4-bit codes; only the CPU repack uses their real width)."""
+        return max(self.bits, 4)
 
     @property
     def rows_per_word(self) -> int:
         """K rows each int32 word of the layout packs: inputs per rank must be a multiple of it."""
-        return 8 if self.bits == 4 else max(8, 32 // (self.bits - 4))
+        return 8 if self.bits <= 4 else max(8, 32 // (self.bits - 4))
 
 
 @dataclass(frozen=True)
@@ -127,7 +136,7 @@ class BitsExperts(ExpertMethod):
             from agentbox.kernels.fused_moe_quant import BitsWeights  # fused_kernel imported it
 
             act = expert_activation(layer)
-            w13, w2 = (BitsWeights(*self.tensors(layer, w), f.group, f.bits) for w, f in self.forms.items())
+            w13, w2 = (BitsWeights(*self.tensors(layer, w), f.group, f.layout_bits) for w, f in self.forms.items())
             return kernel(x, w13, w2, topk_weights, topk_ids, act, b13, b2)
         return moe_ref(
             x, topk_weights, topk_ids, lambda e: self.dequantized_expert(layer, e, x.dtype), layer.activation,

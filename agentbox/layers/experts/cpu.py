@@ -1,5 +1,5 @@
-"""Quantised MoE experts on CPU through the CPU kernels: kernels/cpu_gemv (4-bit) and kernels/cpu_bits (5,
-6 and 8 bits).
+"""Quantised MoE experts on CPU through the CPU kernels: kernels/cpu_gemv (4-bit) and kernels/cpu_bits (2, 3,
+5, 6 and 8 bits: GGUF Q2_K / Q3_K experts only ever run here).
 
 The canonical int4 experts (layers/experts/int4.py: AWQ, GPTQ, GGUF Q4_0 / Q4_1 / Q4_K) and the k-bit ones
 (layers/experts/bits.py: GGUF Q5_* / Q6_K / Q8_0, and Q4_K_M's Q4_K gate/up with a Q6_K down) are K-major for
@@ -39,7 +39,7 @@ class CpuProjection:
     k: int
     bits: int  # 4: cpu_gemv; 5, 6, 8: cpu_bits
     group: int
-    scale_form: int = 0  # cpu_bits.ScaleForm (bits > 4)
+    scale_form: int = 0  # cpu_bits.ScaleForm (bits other than 4)
     has_offset: bool = True
 
 
@@ -50,9 +50,10 @@ def _layer_codes(layer: ExpertLayer, w: str) -> tuple[torch.Tensor, int, torch.T
     qweight, scale = getattr(layer, f"{w}_qweight").data, getattr(layer, f"{w}_scale").data
     offset = getattr(layer, f"{w}_offset", None)
     qhigh = getattr(layer, f"{w}_qhigh", None)
-    if qhigh is None:
+    if qhigh is None:  # the int4 layout: 4-bit codes, or 2 / 3-bit ones (BitsForm.bits says which)
         codes = torch.stack([unpack_rows_bytes(qweight[e]) for e in range(qweight.shape[0])])
-        return codes, 4, scale, None if offset is None else offset.data
+        b = layer.method.forms[w].bits if isinstance(layer.method, BitsExperts) else 4
+        return codes, b, scale, None if offset is None else offset.data
     b = layer.method.forms[w].bits
     return unpack_bits(qweight, qhigh.data, b).to(torch.uint8), b, scale, None if offset is None else offset.data
 
@@ -70,7 +71,7 @@ def eligible(layer: ExpertLayer) -> bool:
         return False
     if isinstance(layer.method, Int4Experts):
         return layer.int4_group % 32 == 0 and layer.w13_perm is None and layer.w2_perm is None
-    return all(f.bits > 4 or f.group % 32 == 0 for f in layer.method.forms.values())
+    return all(f.bits != 4 or f.group % 32 == 0 for f in layer.method.forms.values())
 
 
 def _exact_half(*tensors: torch.Tensor | None) -> bool:
@@ -88,6 +89,9 @@ def _pack(codes: torch.Tensor, b: int, scale: torch.Tensor, offset: torch.Tensor
         packed = [cpu_gemv.pack_q4(codes[x].t(), scale[x].t(), offset[x].t()) for x in range(e)]  # type: ignore[index]
         so = [s.to(torch.float16 if half else torch.float32) for _, s in packed]  # an fp16 pack is exact
         return [torch.stack([c for c, _ in packed]), torch.stack(so)], CpuProjection(n, k, 4, group)
+
+    if b < 4 and offset is not None and torch.equal(offset, scale * -float(1 << (b - 1))):
+        offset = None  # Q3_K's offset is its centre: the kernel's symmetric form holds 20 bytes less per 256
 
     def one(x: int, form: cpu_bits.ScaleForm | None) -> cpu_bits.BitsCPU:
         return cpu_bits.pack_bits_cpu(codes[x].t(), b, scale[x].t(), None if offset is None else offset[x].t(), form)

@@ -9,6 +9,9 @@ the form this layer runs, decided per layer from its tensor types, each kept qua
   with a Q6_K ffn_down_exps keep Q4_K gate/up at 4 bits and the down at 6. A w13 whose gate and up differ
   in type is promoted exactly to the wider form (widest bits, smallest group, an offset if either has one),
   as merged dense layers are;
+- Q2_K / Q3_K experts on a CPU device (host experts, `--cpu-moe`, or a CPU-only machine) take the k-bit form at
+  bits 2 / 3 with an offset per 16 (Q3_K's is -4 scale, exact: (q - 4) s needs 20 bits), which the CPU kernel
+  runs (layers/experts/cpu.py repacks them); on a GPU no kernel runs them yet, so they are dequantised there;
 - F16 / F32 / BF16 experts and types with no such map are held dequantised (`UnquantizedExperts`), and so
   is an all-4-bit layer whose per-rank intermediate size is not a multiple of 32; a k-bit layer whose
   down shard does not fall on its groups is refused, naming the tensor.
@@ -27,13 +30,21 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, ExpertShard
 from agentbox.layers.experts.bits import BitsCodes, BitsExperts, BitsForm, pack_k
 from agentbox.layers.experts.int4 import Int4Experts
 from agentbox.layers.experts.unquantized import UnquantizedExperts
-from agentbox.layers.quant.gguf import BITS_TYPES, INT4_TYPES, GGUFBlocks, bits_groups, int4_groups
+from agentbox.layers.quant.gguf import (
+    BITS_TYPES,
+    CPU_BITS_TYPES,
+    INT4_TYPES,
+    GGUFBlocks,
+    bits_groups,
+    int4_groups,
+)
 from agentbox.layers.weight_loading import set_weight_loader
 
 GROUP = 32  # input columns per scale of every int4-mapped GGUF type (Q4_K: its 8 sub-blocks of a 256 block)
@@ -101,6 +112,7 @@ class GGUFExperts(ExpertMethod):
         device = layer.w13_weight.device
         del layer.w13_weight, layer.w2_weight
         types = [p[0].data.qtype if isinstance(p[0].data, GGUFBlocks) else None for p in stacks]
+        kbit = _bits_types(device)
         if layer.intermediate_local % GROUP == 0 and all(t in INT4_TYPES for t in types):
             *w13_parts, w2 = (_int4(p, layer.num_experts) for p in stacks)
             method = Int4Experts(GROUP)
@@ -109,7 +121,7 @@ class GGUFExperts(ExpertMethod):
             _fill_int4(layer, "w13", *(torch.cat(t, dim=1) for t in zip(*w13_parts, strict=True)))  # gate, then up
             _fill_int4(layer, "w2", *w2)
             layer.method = method
-        elif all(t in INT4_TYPES | BITS_TYPES for t in types) and any(t in BITS_TYPES for t in types):
+        elif all(t in INT4_TYPES | kbit for t in types) and any(t in kbit for t in types):
             *w13_codes, down = (_codes(layer, p, s) for p, s in zip(stacks, shards, strict=True))
             w13 = _merge(*w13_codes) if len(w13_codes) == 2 else w13_codes[0]
             method = BitsExperts(w13.form, down.form)
@@ -133,6 +145,11 @@ class GGUFExperts(ExpertMethod):
 
     def apply(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("GGUF experts run only after process_weights_after_loading (the loader calls it)")
+
+
+def _bits_types(device: torch.device) -> frozenset[GGMLQuantizationType]:
+    """The types that take the k-bit expert form on `device`: Q2_K / Q3_K only where the CPU kernel runs them."""
+    return BITS_TYPES | CPU_BITS_TYPES if device.type == "cpu" else BITS_TYPES
 
 
 @contextlib.contextmanager
@@ -181,6 +198,8 @@ def _codes(layer: ExpertLayer, parts: list[_Part], shard: ExpertShard) -> BitsCo
     else:
         g = bits_groups(blocks)
         q, scale, offset, bits = g.codes, g.scale, g.offset, g.bits
+        if bits < 4 and offset is None:  # Q3_K: the nibble layout below 4 bits always has an offset (BitsForm)
+            offset = scale * -float(1 << (bits - 1))
     group = q.shape[1] // scale.shape[1]
     trim, cols = parts[0].trim, parts[0].cols
     if trim % group or cols % group:

@@ -1,4 +1,5 @@
-"""5-, 6- and 8-bit weights in one form (GGUF Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K; 4-bit weights take int4.py's):
+"""2-, 3-, 5-, 6- and 8-bit weights in one form (GGUF Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K, and on CPU Q2_K / Q3_K;
+4-bit weights take int4.py's):
 codes q in [0, 2^bits) per element, and per (row, group of 16 or 32 input columns) a scale and optionally an
 offset, so that w = q * scale + offset, or w = (q - 2^(bits-1)) * scale for the symmetric types. The GGUF
 loader converts the file's blocks into this (`gguf.bits_groups`, exact); the kernels take it from here.
@@ -7,7 +8,9 @@ Resident bytes per weight on GPU (16-bit scales): bits / 8 + 2 (or 4 with an off
 file's Q5_0 0.6875 (same), Q5_1 0.75 (same), Q8_0 1.0625 (same), Q5_K 0.6875 (ours 0.75: fp16 per 32 where the
 file packs 6-bit scales per 32 under one fp16 per 256), Q6_K 0.8203 (ours 0.875: fp16 per 16 where the file
 has int8 per 16) - within 10 % of the file for every type. On CPU (kernels/cpu_bits.c) per 256 columns:
-Q5_0 / Q5_1 / Q8_0 exactly the file's bytes (fp16 scales), Q5_K 5.75 bits (file 5.5), Q6_K 6.625 (6.5625).
+Q5_0 / Q5_1 / Q8_0 exactly the file's bytes (fp16 scales), Q5_K 5.75 bits (file 5.5), Q6_K 6.625 (6.5625),
+Q2_K 2.75 (2.625), Q3_K 3.625 (3.4375). Q2_K / Q3_K have no GPU kernel here: the GGUF loader keeps them in this
+form only for CPU_SIMD (and dequantises them elsewhere).
 """
 
 from __future__ import annotations

@@ -132,11 +132,15 @@ GGUF_TYPE_BYTES: dict[str, tuple[float, float]] = {
 GGUF_LINEAR_GPU_BYTES: dict[str, float] = {"q4_k": 0.5 + 2 / 32 + 4 / 256}
 # On CPU, where kernels/cpu_gemv builds: the 4-bit kernel's tiles (Q4_0 / Q4_1 keep their fp16 scale and
 # offset, Q4_K's products of two scales need fp32) and kernels/cpu_bits' rows (fp16 scales for Q5_0 / Q5_1 /
-# Q8_0: the file's bytes; an fp32 per 256 times int8 sub-scales for Q5_K 5.75 bits, Q6_K 6.625).
+# Q8_0: the file's bytes; an fp32 per 256 times int8 sub-scales for Q5_K 5.75 bits, Q6_K 6.625, Q3_K 3.625 (file
+# 3.4375), times Q2_K's own 4-bit scales and mins 2.75 (file 2.625)). Q2_K / Q3_K run only there:
+# on a GPU they are dequantised (hub/gguf_moe.py counts their GPU experts at bf16).
 GGUF_CPU_BYTES: dict[str, float] = {
     "q4_0": 20 / 32, "q4_1": 20 / 32, "q4_k": 24 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32, "q5_k": 5.75 / 8,
-    "q6_k": 6.625 / 8, "q8_0": 34 / 32,
+    "q6_k": 6.625 / 8, "q8_0": 34 / 32, "q2_k": 2.75 / 8, "q3_k": 3.625 / 8,
 }
+# GGUF types only the CPU kernels keep quantised: (bytes per weight in the file, on a GPU: dequantised to bf16).
+GGUF_CPU_ONLY_TYPE_BYTES: dict[str, tuple[float, float]] = {"q2_k": (84 / 256, 2.0), "q3_k": (110 / 256, 2.0)}
 # A GGUF file's weights by GGUF type, from the llama.cpp type name its variant or file carries
 # (llama_tensor_get_type): the single-type files hold every linear in that type; Q4_K_M / Q5_K_M put attn_v
 # and ffn_down of half the layers (use_more_bits) in Q6_K, which is 14-15 % of a GQA transformer's linear

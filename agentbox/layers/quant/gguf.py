@@ -1,8 +1,9 @@
 """GGUF weights kept as the file's blocks until the layer knows its whole shard, then turned into what this
 device runs: Q4_0 / Q4_1 / Q4_K map exactly onto 4-bit codes with a scale and an offset per 32 columns
 (`int4.py`), Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K onto 5/6/8-bit codes with a scale (and an offset) per 32 or 16
-(`bits.py`); other types (Q2_K, Q3_K, IQ*) are dequantised by `gguf`'s own kernels, which are the reference
-for all. A merged layer (qkv, gate_up) may hold shards of different types (Q4_K_M files put some attn_v in
+(`bits.py`), and on CPU Q2_K / Q3_K onto 2/3-bit codes with a scale (and an offset) per 16 (the CPU kernel's
+alone); other types (IQ*, and Q2_K / Q3_K on a GPU) are dequantised by `gguf`'s own kernels, which are the
+reference for all. A merged layer (qkv, gate_up) may hold shards of different types (Q4_K_M files put some attn_v in
 Q6_K beside Q4_K q/k): each run of rows of one form keeps it, and the layer concatenates their outputs.
 """
 
@@ -114,6 +115,10 @@ def q4k_scales(b: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
 
 BITS_OF = {Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.Q5_K: 5, Q.Q6_K: 6}  # the k-bit form's width of each type
 BITS_TYPES = frozenset(BITS_OF)
+# Q2_K / Q3_K map onto the k-bit form too (bits 2 / 3, groups of 16), but only the CPU kernel (kernels/cpu_bits.c)
+# runs them: on a GPU they are dequantised, as before.
+CPU_BITS_OF = {Q.Q2_K: 2, Q.Q3_K: 3}
+CPU_BITS_TYPES = frozenset(CPU_BITS_OF)
 
 
 @dataclass(frozen=True)
@@ -150,8 +155,15 @@ def _high_bits(qh: np.ndarray, count: int) -> np.ndarray:
     return ((words >> np.arange(count, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
+def _two_bit_rows(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K's [..., 64] bytes of 2-bit fields -> [..., 256]: halves of 128 elements, byte l of a half's 32
+    holding elements l, l + 32, l + 64, l + 96 at shifts 0, 2, 4, 6."""
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    return ((qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3).reshape(*qs.shape[:-1], 256)
+
+
 def bits_groups(b: GGUFBlocks) -> BitsGroups:
-    """Q5_0 / Q5_1 / Q8_0 (groups of 32), Q5_K (8 groups of 32 per 256), Q6_K (16 groups of 16 per 256)."""
+    """Q5_0 / Q5_1 / Q8_0 (groups of 32), Q5_K (8 groups of 32 per 256), Q6_K, Q2_K, Q3_K (16 groups of 16)."""
     n, k = b.shape
     bs, ts = b.block
     raw = np.ascontiguousarray(b.data).reshape(n, k // bs, ts)
@@ -178,6 +190,22 @@ def bits_groups(b: GGUFBlocks) -> BitsGroups:
         low = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F).reshape(n, k // bs, 8, 32)
         high = (qh[..., None, :] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
         bits, q = 5, low | (high << 4)
+    elif b.qtype is Q.Q2_K:
+        # scales[16] (4-bit scale | 4-bit min << 4 per 16), qs[64], fp16 d, dmin: w = d sc q - dmin m
+        sc = raw[..., :16]
+        d, dmin = (raw[..., at : at + 2].copy().view(np.float16).astype(np.float32) for at in (80, 82))
+        scale, offset = d * (sc & 0x0F).astype(np.float32), -(dmin * (sc >> 4).astype(np.float32))
+        bits, q = 2, _two_bit_rows(raw[..., 16:80])
+    elif b.qtype is Q.Q3_K:
+        # hmask[32], qs[64], 12 bytes of 6-bit scales, fp16 d: w = d (sc - 32) (q - 4), q = low 2 bits | the
+        # hmask bit << 2 (gguf subtracts 4 where the bit is clear: the same integer)
+        d = raw[..., 108:110].copy().view(np.float16).astype(np.float32)
+        low, high = raw[..., 96:104], raw[..., 104:108]  # scale j: low nibble of byte j % 8 (j >= 8: >> 4), 2 bits
+        lsc = (low[..., None, :] >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)).reshape(n, k // bs, 16) & 0x0F
+        hsc = (high[..., None, :] >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)).reshape(n, k // bs, 16) & 3
+        scale = d * ((lsc | hsc << 4).astype(np.float32) - 32)
+        hm = (raw[..., None, :32] >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1  # bit i: rows of 32 i
+        bits, q = 3, _two_bit_rows(raw[..., 32:96]) | (hm.reshape(n, k // bs, 256) << 2)
     elif b.qtype is Q.Q6_K:
         ql, qh = raw[..., :128], raw[..., 128:192]
         sc = raw[..., 192:208].copy().view(np.int8).astype(np.float32)
@@ -276,7 +304,9 @@ class _Form(Enum):
 
     INT4 = "int4"  # Q4_0 / Q4_1 / Q4_K: int4.py's form
     DENSE = "dense"  # dequantised (float shards, other types, or a dense kernel)
-    BITS_5 = 5  # bits.py's form; one per width, so runs of different widths stay apart
+    BITS_2 = 2  # bits.py's form (2 and 3: its CPU kernel only); one per width, so runs of different widths stay apart
+    BITS_3 = 3
+    BITS_5 = 5
     BITS_6 = 6
     BITS_8 = 8
 
@@ -286,6 +316,8 @@ def _form(p: GGUFBlocks | torch.Tensor, int4_kernel: int4.Int4Kernel, bits_kerne
         return _Form.INT4
     if isinstance(p, GGUFBlocks) and p.qtype in BITS_TYPES and bits_kernel is not bits.BitsKernel.DENSE:
         return _Form(BITS_OF[p.qtype])
+    if isinstance(p, GGUFBlocks) and p.qtype in CPU_BITS_TYPES and bits_kernel is bits.BitsKernel.CPU_SIMD:
+        return _Form(CPU_BITS_OF[p.qtype])
     return _Form.DENSE
 
 

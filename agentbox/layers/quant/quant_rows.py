@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from agentbox.kernels.cpu_bits import BitsCPU
-from agentbox.layers.quant.gguf import BITS_TYPES, INT4_TYPES, GGUFBlocks, bits_groups, int4_groups
+from agentbox.layers.quant.gguf import (
+    BITS_TYPES,
+    CPU_BITS_TYPES,
+    INT4_TYPES,
+    GGUFBlocks,
+    bits_groups,
+    int4_groups,
+)
 
 MAX_KERNEL_ROWS = 32  # as int4.CPU_SIMD_MAX_ROWS: beyond it one dequantise + sgemm is faster
 
@@ -70,7 +77,7 @@ class QuantRows:
 
 @dataclass
 class BitsRows:
-    """A Q5_* / Q6_K / Q8_0-as-k-bit table on CPU in kernels/cpu_bits' form (Q4_K_M's Q6_K LM head): one
+    """A Q5_* / Q6_K / Q8_0 / Q2_K / Q3_K table on CPU in kernels/cpu_bits' form (Q4_K_M's Q6_K LM head): one
     byte stream per row, so a lookup dequantises only its rows."""
 
     w: BitsCPU
@@ -150,7 +157,7 @@ def quant_rows(
             q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
             scale, offset = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, offset))
         codes, packed = cpu_gemv.pack_q4(q, scale, offset)
-    elif part.qtype in BITS_TYPES:  # Q4_K_M's LM head is Q6_K
+    elif part.qtype in BITS_TYPES | CPU_BITS_TYPES:  # Q4_K_M's LM head is Q6_K; llama.cpp's Q2_K embedding Q2_K
         from agentbox.kernels.cpu_bits import pack_bits_cpu
 
         g = bits_groups(part)
