@@ -197,3 +197,8 @@ def moe_expert_formats() -> frozenset[str]:
 
 def method_of_format(fmt: str) -> QuantMethod | None:
     return next((m for m, info in METHODS.items() if fmt in info.formats), None)
+
+
+def expert_info(fmt: str) -> MethodInfo | None:
+    """What the planner reads of a format's MoE experts (a linear method's, or an expert-only method's)."""
+    return next((info for info in (*METHODS.values(), *EXPERT_METHODS.values()) if fmt in info.formats), None)
