@@ -3,7 +3,8 @@ release quantises, bf16/fp32 for the ones it keeps, routed experts as FP4 with a
 (MXFP4), quantization_config fp8 with `scale_fmt: ue8m0` and `expert_dtype: fp4` (tests/deepseek_v4_gguf.py
 `write_release(..., fp8=True)`). The twin's weights are rounded in place to what the file holds, so fp32 logits of
 the engine on the release equal transformers' on the twin (prefill, chunked prefill, decode) and the greedy tokens
-do, with the experts in host RAM (`--cpu-moe`) too. What the loader cannot hold is refused, naming the tensor.
+do, with the experts in host RAM (`--cpu-moe`) too, and at tensor parallel 2. What the loader cannot hold is
+refused, naming the tensor.
 The experts are 128 wide here (32 in the other tests): the shared expert's gate and up, merged into one FP8 linear,
 must each start on a 128-row block, as the release's 2,048 do."""
 
@@ -127,3 +128,22 @@ def test_the_release_config_is_what_transformers_reads(release: tuple[Path, torc
     config = transformers.AutoConfig.from_pretrained(path)
     assert config.quantization_config["expert_dtype"] == "fp4"  # transformers moves V4's into quantization_config
     assert json.loads((path / "config.json").read_text())["expert_dtype"] == "fp4"
+
+
+@pytest.mark.slow
+def test_release_tp2_greedy_equals_transformers(tmp_path: Path) -> None:
+    """Tensor parallel 2 splits wq_b's rows, wo_a's groups, wo_b's and the shared expert's inputs and the experts'
+    intermediate size: each FP8 shard must be whole 128-blocks, so the dims here are twice the release's block
+    (heads x head_dim 256, o_groups x o_lora_rank 256, experts 256 wide)."""
+    config = tiny_config(head_dim=64, o_lora_rank=128, moe_intermediate_size=256)
+    hf = randomize(transformers.DeepseekV4ForCausalLM(config).float().eval())
+    round_experts(hf)
+    round_fp8(hf)
+    hf.save_pretrained(tmp_path / "hf")
+    path = write_release(hf, tmp_path / "hf", tmp_path / "release", fp8=True)
+    prompts = [PROMPT[:29], PROMPT]
+    engine = EngineConfig(model=str(path), device="cpu", dtype="float32", num_pages=128, page_size=8,
+                          tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=48, speculative="off")
+    with LLM(engine) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
