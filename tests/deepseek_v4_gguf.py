@@ -110,12 +110,12 @@ def write_release(hf: torch.nn.Module, hf_dir: Path, out: Path, tokenizer=None, 
         name = name.replace(".attn.norm.weight", ".attn.kv_norm.weight")
         if ".ffn.experts." in name and fp4:
             packed, scale, _ = fp4_round(t)
-            tensors[name] = packed
+            tensors[name] = packed.view(torch.int8)  # the release's dtype (transformers reads it as int8 too)
             tensors[name.removesuffix(".weight") + ".scale"] = scale
             continue
         if fp8 and FP8_RELEASE.search(name):
-            codes, scale, _ = fp8_round(t)
-            tensors[name], tensors[name.removesuffix(".weight") + ".scale"] = codes, scale
+            codes, scale, _ = fp8_round(t)  # the scale as transformers keeps ue8m0 (F8_E8M0; the experts' stay U8)
+            tensors[name], tensors[name.removesuffix(".weight") + ".scale"] = codes, scale.view(torch.float8_e8m0fnu)
             continue
         tensors[name] = t.contiguous()
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})

@@ -111,9 +111,9 @@ def _fp8(q: dict[str, Any], expert_dtype: Any, skip: tuple[str, ...]) -> QuantCo
     block = q.get("weight_block_size")
     if not block or len(block) != 2:
         raise ValueError(f"{what}.weight_block_size: FP8 needs a [out, in] block size")
-    if str(q.get("fmt", "e4m3")).lower() != "e4m3":
+    if str(q.get("fmt") or "e4m3").lower() != "e4m3":
         raise ValueError(f"{what}.fmt {q.get('fmt')!r} is not supported (e4m3 only)")
-    if str(q.get("scale_fmt", "float")).lower() not in ("float", "ue8m0"):  # ue8m0: scales stored as E8M0 bytes
+    if str(q.get("scale_fmt") or "float").lower() not in ("float", "ue8m0"):  # ue8m0: scales stored as E8M0 bytes
         raise ValueError(f"{what}.scale_fmt {q.get('scale_fmt')!r} is not supported (float or ue8m0)")
     experts_dtype = str(q.get("expert_dtype") or expert_dtype or "fp8").lower()
     if experts_dtype not in EXPERT_DTYPES:
