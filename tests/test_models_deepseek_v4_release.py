@@ -31,6 +31,8 @@ from agentbox.layers.experts.placement import ExpertHome
 from agentbox.layers.quant import QuantConfig, QuantMethod
 from agentbox.layers.quant.fp8 import FP8BlockLinearMethod
 from agentbox.layers.quant.unquantized import UnquantizedLinearMethod
+from agentbox.models.checkpoint_scan import TensorInfo, unquantised_linears
+from agentbox.models.deepseek_v4 import DeepseekV4ForCausalLM
 from agentbox.models.loader import LoadedModel, load_model
 
 PROMPT = [(7 * i + 3) % 251 + 1 for i in range(101)]
@@ -110,6 +112,20 @@ def test_what_cannot_be_held_is_refused_by_name(release: tuple[Path, torch.nn.Mo
     scale = _rewrite(path, tmp_path / "scale", "layers.1.ffn.experts.3.w1.scale", torch.ones(128, 2))
     with pytest.raises(ValueError, match=r"layers\.1\.ffn\.experts\.3 \(gate\) scale: .*not torch\.float32"):
         load_model(str(scale), torch.float32, "cpu")
+
+
+def test_unquantised_linears_are_read_off_the_tensors() -> None:
+    fp8, scale = TensorInfo("F8_E4M3", 2), TensorInfo("F8_E8M0", 2)
+    infos = {
+        "layers.0.attn.wq_a.weight": fp8, "layers.0.attn.wq_a.scale": scale,
+        "layers.0.attn.compressor.wkv.weight": TensorInfo("F32", 2),
+        "model.layers.0.ffn.shared_experts.w1.weight": TensorInfo("BF16", 2),  # transformers' names, a fused part
+        "layers.0.attn.wo_b.weight": fp8,  # FP8 without its scale stays FP8: the load names the missing scale
+        "layers.0.attn_norm.weight": TensorInfo("F32", 1),
+        "layers.0.ffn.experts.0.w1.weight": TensorInfo("I8", 2),  # the experts' method decides those
+    }
+    assert unquantised_linears(infos, DeepseekV4ForCausalLM) == {"layers.0.attn.compressor.wkv",
+                                                                  "layers.0.ffn.shared_experts.w13"}
 
 
 def test_the_config_chooses_the_methods() -> None:
