@@ -75,7 +75,7 @@ def test_q2_k_q3_k_experts_with_cpu_moe_run_the_kernel(tiny_moe) -> None:  # noq
     assert (got - expected).abs().max() < 0.02 * expected.abs().max()
     assert placement.clock.calls > 0
     # the twin of the kernel path: the same loop over the dequantised experts, on the same rounded activations
-    x = torch.randn(5, 256)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))  # seeded: a tie in int8 rounding is rare, not never
     ids, weights = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1]]), torch.rand(5, 2)
     for m in layers:
         ref = m.method.apply(m, x, weights, ids, linear=_linear_ref)

@@ -93,11 +93,12 @@ def test_planner_moe_formats_are_the_registered_expert_methods() -> None:
     import agentbox.models.loader  # noqa: F401 - imports every module that registers an expert method
     from agentbox.hub.engine_support import MOE_EXPERT_FORMATS
     from agentbox.layers.experts import registered_expert_methods
-    from agentbox.layers.quant.formats import METHODS
+    from agentbox.layers.quant.formats import EXPERT_METHODS, METHODS
 
-    with_experts = {m for m, info in METHODS.items() if info.moe_gpu is not None} | {QuantMethod.UNQUANTIZED}
+    infos = METHODS | EXPERT_METHODS
+    with_experts = {m for m, info in infos.items() if info.moe_gpu is not None} | {QuantMethod.UNQUANTIZED}
     assert with_experts == registered_expert_methods()
-    assert MOE_EXPERT_FORMATS == {f for m in with_experts for f in METHODS[m].formats}
+    assert MOE_EXPERT_FORMATS == {f for m in with_experts for f in infos[m].formats}
     assert {"fp8", "awq", "gptq"} <= MOE_EXPERT_FORMATS
 
 

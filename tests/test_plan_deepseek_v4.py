@@ -1,7 +1,8 @@
 """The planner counts DeepSeek-V4's cache as the engine lays it out: the profile's paged groups (compressed entries
 and indexer keys per 4 tokens, HCA entries per 128 kept a slot per page) give the bytes a token that the engine's
 pool allocates for a model of the profile's shape (transformers' DeepseekV4Config defaults, built on the meta
-device), and its state bytes are the rings the engine allocates per sequence."""
+device), and its state bytes are the rings the engine allocates per sequence. The release (FP8 with FP4 experts)
+is planned with its experts at MXFP4's 4.25 bits on either side of a split and FP8 for the rest."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 from transformers import DeepseekV4Config
 
 from agentbox.config import EngineConfig
+from agentbox.hub.engine_support import engine_rejection
 from agentbox.hub.plan import PlanConfig, plan
 from agentbox.hub.profiles import find_profile
+from agentbox.hub.weight_bytes import expert_resident_bytes, resident_weight_bytes
 from agentbox.hw.probe import Probe
 from agentbox.layers.backends.base import KVCache
 from agentbox.layers.recurrent_state import StateCache
@@ -82,3 +85,19 @@ def test_plan_on_1x_rtx_5090_with_128_gib_ram_choosing_experts_in_host_ram() -> 
     assert f"experts of {s.in_ram} of 43 MoE layers in RAM: {s.host_bytes / GIB:.1f} + 2.0 reserve" in text
     assert f"decode <= {s.tok_s:.1f} tok/s" in text and "above the 8 tok/s floor" in text
     assert "Q3_K experts stay quantised in host RAM only (the CPU kernel" in text
+
+
+def test_the_release_is_planned_with_mxfp4_experts_and_fp8_elsewhere() -> None:
+    profile = find_profile("DeepSeek-V4-Flash")
+    v = next(v for v in profile.variants if v.name == "fp8")
+    assert v.format == "fp8" and v.expert_format == "mxfp4" and engine_rejection(profile, v) is None
+    experts = expert_resident_bytes(profile, v, "cuda")
+    assert experts == profile.expert_params * 17 // 32 == expert_resident_bytes(profile, v, "cpu")  # 4.25 bits
+    others = profile.params - profile.expert_params
+    assert others < v.size - experts < 2 * others  # FP8 linears, bf16 tables (and the MTP layer the file carries)
+    assert resident_weight_bytes(profile, v, "cuda") == v.size  # kept as stored on a GPU
+    assert resident_weight_bytes(profile, v, "cpu") == experts + others * 4  # the rest dequantised to fp32 on a CPU
+    p = plan(profile, Probe.load(HW / "2x-rtx5090-192g.json"), PlanConfig(context=32768, sessions=1))
+    fp8 = next(c for c in p.candidates if c.variant.name == "fp8")
+    assert fp8.ok and fp8.split is not None and fp8.split.host_bytes == fp8.split.in_ram * experts // profile.layers
+    assert any(n.startswith("mxfp4 experts in RAM: no CPU expert kernel") for n in fp8.notes)

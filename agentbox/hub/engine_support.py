@@ -13,6 +13,7 @@ from agentbox.layers.quant.formats import (
     QuantMethod,
     QuantScheme,
     engine_formats,
+    expert_info,
     has_fp4_tensor_cores,
     method_of_format,
     moe_expert_formats,
@@ -52,8 +53,6 @@ MOE_EXPERT_FORMATS = moe_expert_formats()
 ARCHITECTURE_GAPS: dict[str, str] = {}
 # Formats an architecture cannot load yet although the engine has their kernels.
 FORMAT_GAPS: dict[tuple[str, str], str] = {
-    ("DeepseekV4ForCausalLM", "fp8"): "DeepSeek-V4's release (FP8 with E8M0 block scales, FP4 experts) is not "
-                                      "loaded yet: serve a GGUF or a bf16 conversion",
     # Its experts' intermediate size (1,856) is not a multiple of the 128-wide FP8 blocks the expert method holds,
     # and the release's own FP8 scale layout is not verified here.
     ("NemotronHForCausalLM", "fp8"): "Nemotron-H's experts (1,856 wide) do not fall on FP8 block-128 boundaries: "
@@ -72,10 +71,11 @@ def engine_rejection(profile: Profile, variant: Variant) -> str | None:
         return f"engine: {gap}"
     if variant.format not in ENGINE_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
         return f"engine: no {variant.format} kernels yet"
-    if profile.moe and variant.format not in MOE_EXPERT_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
+    experts = variant.expert_format
+    if profile.moe and experts not in MOE_EXPERT_FORMATS | ARCHITECTURE_FORMATS.get(arch, frozenset()):
         # The linear-method registry quantises dense linears; the MoE layer's experts have their own formats.
         runs = "/".join(sorted(MOE_EXPERT_FORMATS))
-        return f"engine: no {variant.format} MoE expert kernels yet (experts run {runs}, gpt-oss mxfp4)"
+        return f"engine: no {experts} MoE expert kernels yet (experts run {runs})"
     return None
 
 
@@ -151,18 +151,19 @@ def nvfp4_path(
 
 
 def moe_kernel_caveat(variant: Variant, device: str) -> str | None:
-    """What is not verified about the MoE experts' GPU path of this variant's format."""
-    method = method_of_format(variant.format)
-    if method is None or device != "cuda" or (status := METHODS[method].moe_gpu) is None:
+    """What is not verified about the MoE experts' GPU path of this variant's experts' format."""
+    fmt = variant.expert_format
+    info = expert_info(fmt)
+    if info is None or device != "cuda" or (status := info.moe_gpu) is None:
         return None
     if status is KernelStatus.INTERPRETER_ONLY:
         return (
-            f"{variant.format} MoE experts: our fused Triton kernel is verified only under Triton's CPU "
+            f"{fmt} MoE experts: our fused Triton kernel is verified only under Triton's CPU "
             f"interpreter, not on this GPU family; the canary runs before the first serve"
         )
     if status is KernelStatus.DEQUANT_FALLBACK:
         return (
-            f"{variant.format} MoE experts: no fused GPU kernel in this build; the routed experts are "
+            f"{fmt} MoE experts: no fused GPU kernel in this build; the routed experts are "
             f"dequantised per step (torch reference, slower decode); the canary runs before the first serve"
         )
     return None

@@ -376,7 +376,7 @@ def _split_notes(cand: Candidate, gpu_only: Candidate, profile: Profile, variant
     if cand.ok and split.slow:
         notes.append(f"below the {split.min_tok_s:g} tok/s floor: ranked after the variants that fit the GPU alone")
     elif cand.ok and not split.host_kernel:
-        notes.append(f"{variant.format} experts in RAM: no CPU expert kernel for them yet (layers/experts/cpu.py runs "
+        notes.append(f"{variant.expert_format} experts in RAM: no CPU expert kernel for them yet (layers/experts/cpu.py runs "
                      "GGUF Q4_0-Q8_0 and K-quants, AWQ, GPTQ, NVFP4); the torch reference runs each routed expert per step: "
                      "ranked after the variants that fit the GPU alone or have one")
     if not experts_kept_quantised(profile, variant) and variant.format not in ("bf16", "fp16", "fp32"):

@@ -34,6 +34,11 @@ class Variant:
     files: tuple[str, ...]  # every file to fetch (common files included)
     size: int  # bytes on disk of all files (approximate where the profile says so)
     source: str = "hub"  # hub | embedded
+    experts: str = ""  # the routed experts' format where it is not `format` (DeepSeek-V4's release: fp8 + mxfp4)
+
+    @property
+    def expert_format(self) -> str:
+        return self.experts or self.format
 
     @property
     def is_gguf(self) -> bool:
@@ -321,6 +326,7 @@ def _variant(v: dict[str, Any], common: tuple[str, ...]) -> Variant:
         files=tuple(files),
         size=int(v["size"]),
         source=v.get("source", "hub"),
+        experts=v.get("experts_format", ""),
     )
 
 

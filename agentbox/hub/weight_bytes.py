@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from agentbox.hub.gguf_moe import ExpertBytes, cpu_only_types, expert_bytes
 from agentbox.hub.profiles import QUANTISED_FORMATS, Profile, Variant
-from agentbox.layers.quant.formats import METHODS, gguf_mix, gguf_resident_ratio, method_of_format
+from agentbox.layers.quant.formats import (
+    METHODS,
+    MXFP4_BYTES,
+    expert_info,
+    gguf_mix,
+    gguf_resident_ratio,
+    method_of_format,
+)
 
 
 def active_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kernels: bool = True) -> int:
@@ -57,7 +64,9 @@ def trunk_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kern
         extra = max(0.0, info.resident_bytes_per_weight - info.file_bytes_per_weight)
         return size + int(profile.params * extra)
     if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
-        return int(experts * METHODS[method].moe_cpu_bytes_per_weight) + (profile.params - experts) * 4  # type: ignore[index]
+        info = expert_info(variant.expert_format)
+        assert info is not None  # cpu_quantised_experts found it
+        return int(experts * info.moe_cpu_bytes_per_weight) + (profile.params - experts) * 4
     if device == "cpu" and cpu_kernels and method is not None and (cpu := METHODS[method].cpu_bytes_per_weight):
         return size + int(profile.params * max(0.0, cpu - METHODS[method].file_bytes_per_weight))
     return profile.params * (2 if device == "cuda" else 4)
@@ -86,13 +95,10 @@ def gguf_gpu_mix(profile: Profile, variant: Variant, device: str, cpu_kernels: b
 
 def cpu_quantised_experts(profile: Profile, variant: Variant) -> int | None:
     """The expert parameters that stay quantised on CPU (layers/experts/int4.py keeps them so), or None."""
-    method = method_of_format(variant.format)
-    if not profile.moe or not profile.expert_params or method is None or not METHODS[method].moe_cpu_bytes_per_weight:
+    info = expert_info(variant.expert_format)
+    if not profile.moe or not profile.expert_params or info is None or not info.moe_cpu_bytes_per_weight:
         return None
     return profile.expert_params
-
-
-MXFP4_BYTES = 4.25 / 8  # E2M1 codes and an E8M0 exponent per 32, kept as stored (layers/experts/mxfp4.py)
 
 
 def expert_resident_bytes(profile: Profile, variant: Variant, device: str) -> int:
@@ -103,7 +109,7 @@ def expert_resident_bytes(profile: Profile, variant: Variant, device: str) -> in
     the GPU, hub/gguf_moe.py)."""
     if (experts := gguf_experts(profile, variant, device)) is not None:
         return experts.resident
-    if variant.format == "mxfp4":
+    if variant.expert_format == "mxfp4":  # E2M1 codes and an E8M0 exponent per 32, kept as stored
         return round(profile.expert_params * MXFP4_BYTES)
     method = method_of_format(variant.format)
     if method is not None and not variant.is_gguf and METHODS[method].moe_cpu_bytes_per_weight:
@@ -126,7 +132,7 @@ def cpu_expert_kernel(profile: Profile, variant: Variant) -> bool:
 
 def experts_kept_quantised(profile: Profile, variant: Variant) -> bool:
     """Whether a kernel keeps this variant's experts in their quantised form (else bf16, expert_resident_bytes)."""
-    if gguf_experts(profile, variant, "cuda") is not None or variant.format == "mxfp4":
+    if gguf_experts(profile, variant, "cuda") is not None or variant.expert_format == "mxfp4":
         return True
     method = method_of_format(variant.format)
     return method is not None and not variant.is_gguf and bool(METHODS[method].moe_cpu_bytes_per_weight)

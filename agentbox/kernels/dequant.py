@@ -10,6 +10,7 @@ flag is read at decoration). Each function takes any leading dims (experts) and 
 - FP8 block: `weight` e4m3 [..., N, K], `scale_inv` [..., ceil(N/bo), ceil(K/bi)] float32. -> [..., N, K]
 - MXFP4 (OCP microscaling, gpt-oss): `blocks` uint8 [..., N, K/32, 16] (two FP4 E2M1 codes a byte, low
   nibble first), `scales` uint8 [..., N, K/32] (a power-of-two exponent biased by 127). -> [..., N, K]
+- E8M0 (ue8m0: MXFP4's scales, DeepSeek-V4's FP8 block scales): one byte b a value, 2^(b - 127); 255 is NaN.
 - k-bit (bits 5, 6, 8; GGUF Q5_0 / Q5_1 / Q8_0 / Q5_K / Q6_K): codes q in [0, 2^bits), the low 4 bits as
   int4's `qweight` [..., K/8, N] and the high (bits - 4) bits in `qhigh` [..., K (bits-4) / 32, N] int32,
   32 / (bits - 4) consecutive rows of K per word, row k at bit (bits - 4) (k % (32 / (bits - 4))); `scale`
@@ -23,6 +24,24 @@ import torch
 
 MXFP4_BLOCK = 32  # values per MXFP4 scale
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+E8M0_DTYPES = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+
+
+def e8m0_bytes(t: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales as their biased exponent bytes (uint8), from either dtype a checkpoint stores them in."""
+    if t.dtype not in E8M0_DTYPES:
+        raise ValueError(f"E8M0 scales are stored as uint8 or float8_e8m0fnu, not {t.dtype}")
+    return t.view(torch.uint8)
+
+
+def e8m0_to_float(t: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales as fp32 2^(b - 127): exact (every power of two from 2^-127 to 2^127 is an fp32 value; 2^-127
+    is a subnormal), so an FP8 block method holding fp32 scales holds the same numbers."""
+    b = e8m0_bytes(t)
+    out = torch.ldexp(torch.ones(b.shape, dtype=torch.float32, device=b.device), b.to(torch.int32) - 127)
+    return out.masked_fill(b == 255, float("nan"))
 
 
 def dequant_int4(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group: int) -> torch.Tensor:

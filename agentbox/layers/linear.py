@@ -39,6 +39,7 @@ class LinearBase(QuantLayer):
         self.tp_rank = tp_rank()
         self.tp_size = tp_size()
         self.input_size, self.output_size = input_size, output_size  # this rank's
+        self.prefix = prefix
         self.register_parameter("act_perm", None)
         self.quant_method = linear_method(prefix)
         self.quant_method.create_weights(self, input_size, output_size, torch.get_default_dtype())

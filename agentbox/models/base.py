@@ -96,8 +96,9 @@ class CausalLM(nn.Module, ABC):
     checkpoint_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     # HF checkpoint module name -> (our fused module, shard id passed to its parameter's loader)
     packed_modules_mapping: ClassVar[Mapping[str, tuple[str, str | int]]] = {}
-    # MoE experts: checkpoint names -> the FusedMoE parameters (`ExpertWeight` rows, above)
-    expert_mapping: ClassVar[tuple[ExpertWeight, ...]] = ()
+    # MoE experts: checkpoint names -> the FusedMoE parameters (`ExpertWeight` rows, above); an instance whose
+    # experts' tensors are named by their format (DeepSeek-V4's FP4 release) sets its own
+    expert_mapping: tuple[ExpertWeight, ...] = ()
     # Substrings of checkpoint names that have no parameter -> what they are (the load logs what it skipped)
     skip_checkpoint_names: Mapping[str, str] = {}
     # The LM head is the embedding's table (a tied checkpoint's `lm_head.weight`, if any, is not loaded)

@@ -25,7 +25,12 @@ Tensor parallel: query heads split (wq_b by rows, the sinks, wo_a by whole group
 the K=V head, the compressors and the indexer are replicated, so every rank keeps the whole cache and state.
 Checkpoints: DeepSeek's release layout (`layers.0.attn.wq_a.weight`, `embed.weight`, `hc_head_fn`) and the one
 transformers' save_pretrained writes (`model.` prefixed, `model.embed_tokens.weight`, `attn.norm` for kv_norm)
-both load (`checkpoint_renames`); the MTP layer (`mtp.`) is skipped.
+both load (`checkpoint_renames`); the MTP layer (`mtp.`) is skipped. The release as DeepSeek ships it is FP8
+(quantization_config fp8, `scale_fmt: ue8m0`): an FP8 weight's `scale` (one E8M0 byte per 128 x 128 block) is the
+FP8 block method's `weight_scale_inv` (layers/quant/fp8.py converts it); the linears it keeps bf16 or fp32 have no
+`scale` and load unquantised (the loader reads which: models/checkpoint_scan.py); its routed experts
+(`expert_dtype: fp4`) are MXFP4 per expert, `experts.3.w1.weight` packed codes and `experts.3.w1.scale` E8M0, loaded
+into layers/experts/mxfp4.py's blocks (`RELEASE_FP4_EXPERTS`).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from agentbox.layers.compressor import Compressor, Indexer
 from agentbox.layers.context import get_forward_context
 from agentbox.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from agentbox.layers.experts import ExpertShard, FusedMoE, MoEActivation
+from agentbox.layers.experts.mxfp4 import Mxfp4Experts
 from agentbox.layers.experts.routing import Scoring, weigh_chosen
 from agentbox.layers.hyper_connection import HyperConnection, HyperHead, unweighted_rms_norm
 from agentbox.layers.linear import (
@@ -58,7 +64,7 @@ from agentbox.layers.recurrent_state import StateSpec
 from agentbox.layers.rotary import InterleavedRope, rotate_interleaved
 from agentbox.layers.weight_loading import ConvertsAfterLoading, set_weight_loader
 from agentbox.layers.window_entry_attention import SeqEntries, WindowEntryAttention
-from agentbox.models.base import AttentionShape, CausalLM, per_expert_weights
+from agentbox.models.base import AttentionShape, CausalLM, ExpertWeight, per_expert_weights
 from agentbox.parallel.state import tp_rank, tp_size
 
 
@@ -250,8 +256,19 @@ class Block(nn.Module):
         return HyperConnection.merge(streams, self.ffn(self.ffn_norm(x), input_ids), post, comb)
 
 
+_SHARDS = (("w1", "w13", ExpertShard.GATE), ("w3", "w13", ExpertShard.UP), ("w2", "w2", ExpertShard.DOWN))
+# The release's FP4 experts onto the MXFP4 method's parameters (its PACKED_ROWS layout views them as it loads).
+RELEASE_FP4_EXPERTS = tuple(
+    ExpertWeight(f"experts.{{e}}.{proj}.{src}", f"experts.{param}_{dst}", shard)
+    for proj, param, shard in _SHARDS for src, dst in (("weight", "blocks"), ("scale", "scales"))
+)
+
+
 class DeepseekV4ForCausalLM(CausalLM):
     checkpoint_renames = (
+        # the release's FP8 block scale of a linear (wq_a ... w3, weights_proj; not hc_*.scale, and a routed
+        # expert's `scale` is its FP4 method's: kept)
+        (r"^(?!.*\.experts\.\d+\.)(.*\.w\w*)\.scale$", r"\1.weight_scale_inv"),
         (r"^model\.", ""),  # transformers' save: `model.` before everything but the head
         (r"^embed_tokens\.", "embed."),
         (r"^hc_head[._]hc_(fn|base|scale)$", r"hc_head.\1"),
@@ -277,6 +294,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         with quant_context(QuantConfig()):  # the release keeps the head unquantised
             self.head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.hc_mult = int(config.hc_mult)
+        if isinstance(self.layers[0].ffn.experts.method, Mxfp4Experts):  # the release's expert_dtype fp4
+            self.expert_mapping = RELEASE_FP4_EXPERTS
         n = config.num_hidden_layers
         hash_layers = [i for i, k in enumerate(config.mlp_layer_types) if MlpKind(k) is MlpKind.HASH]
         self.skip_checkpoint_names = {

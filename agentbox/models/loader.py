@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,9 +28,10 @@ from agentbox.layers.experts import FusedMoE
 from agentbox.layers.experts import cpu as cpu_experts
 from agentbox.layers.experts.placement import ExpertHome, ExpertPlacement, placement_context
 from agentbox.layers.host_table import tensor_locations
-from agentbox.layers.quant import QuantConfig, process_weights_after_loading, quant_context
+from agentbox.layers.quant import QuantConfig, QuantMethod, process_weights_after_loading, quant_context
 from agentbox.layers.quant.lazy import LazySlice
 from agentbox.models.base import CausalLM
+from agentbox.models.checkpoint_scan import tensor_infos, unquantised_linears
 from agentbox.models.gguf_file import gguf_config, gguf_metadata, gguf_quant_config, gguf_weights, open_gguf
 from agentbox.models.mtp import mtp_loadable
 from agentbox.models.registry import model_class
@@ -73,13 +74,18 @@ def resolve_model(path: str) -> ModelSource:
     )
 
 
-def quant_config(src: ModelSource, config: PretrainedConfig) -> QuantConfig:
+def quant_config(src: ModelSource, config: PretrainedConfig, cls: type[CausalLM] | None = None) -> QuantConfig:
     """The checkpoint's quantisation: config.json's quantization_config (ModelOpt's hf_quant_config.json where
-    config.json has none), or a GGUF file's tensor types."""
+    config.json has none), or a GGUF file's tensor types. With the model class: an FP8 checkpoint's linears
+    stored unquantised, read off its tensors (models/checkpoint_scan.py)."""
     if src.kind == "gguf":
         return gguf_quant_config(src.path)
     modelopt = src.path / "hf_quant_config.json"
-    return QuantConfig.of(config, json.loads(modelopt.read_text()) if modelopt.is_file() else None)
+    quant = QuantConfig.of(config, json.loads(modelopt.read_text()) if modelopt.is_file() else None)
+    if cls is not None and quant.method is QuantMethod.FP8_BLOCK:
+        found = unquantised_linears(tensor_infos(safetensors_paths(src)), cls)
+        quant = replace(quant, unquantised=quant.unquantised | found)
+    return quant
 
 
 def load_config(src: ModelSource) -> PretrainedConfig:
@@ -228,7 +234,7 @@ def load_model(path: str, dtype: torch.dtype, device: str | torch.device, placem
     src = resolve_model(path)
     config = load_config(src)
     cls = model_class(config)
-    quant = quant_config(src, config)
+    quant = quant_config(src, config, cls)
     if with_mtp and not mtp_loadable(quant):
         log.info("the MTP head of a %s checkpoint is not loaded: drafts come from the text alone", quant.method.value)
         with_mtp = False

@@ -122,6 +122,11 @@ class ExpertLayer(nn.Module, ABC):
     def add_expert_param(self, name: str, data: torch.Tensor) -> None:
         """Register `data` [E, ...] as the parameter `name`, loaded one expert's tensor at a time."""
 
+    @abstractmethod
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard: ExpertShard) -> None:
+        """The loader `add_expert_param` gives a parameter: this rank's slice of one expert's [out, in, ...] tensor
+        (a method whose checkpoint differs only by a view hands it the viewed tensor)."""
+
 
 class ExpertMethod(ABC):
     """How a FusedMoE layer stores its experts' weights and runs them (one per weight format)."""
@@ -229,7 +234,8 @@ def expert_method(prefix: str = "") -> ExpertMethod:
     if config.method is not QuantMethod.UNQUANTIZED and quant_base.module_skipped(prefix, config.skip_modules):
         quant_base.log.info("%s: experts left unquantised by the %s checkpoint", prefix, config.method.value)
         config = QuantConfig()
-    factory = _EXPERT_METHODS.get(config.method)
+    kind = config.experts or config.method  # DeepSeek-V4's release: FP8 linears, MXFP4 experts
+    factory = _EXPERT_METHODS.get(kind)
     if factory is None:
-        raise ValueError(f"MoE experts in {config.method.value} are not supported")
+        raise ValueError(f"MoE experts in {kind.value} are not supported")
     return factory(config)

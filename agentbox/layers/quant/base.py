@@ -47,6 +47,10 @@ class QuantConfig:
     nvfp4_layout: NvFp4Layout = NvFp4Layout.MODELOPT  # NVFP4: which tensor names the checkpoint uses
     input_scales: bool = False  # NVFP4: the checkpoint stores activation global scales (W4A4 as made)
     kernel: Any = None  # an int4.Int4Kernel to force (benchmarks); None: the device's default
+    # Linears the checkpoint's tensors leave unquantised, by our module name (the loader reads it off the files:
+    # models/checkpoint_scan.py), beside the config's skip_modules
+    unquantised: frozenset[str] = frozenset()
+    experts: QuantMethod | None = None  # the MoE experts' format where it differs from `method`
 
     @staticmethod
     def of(hf_config: Any, hf_quant_config: dict[str, Any] | None = None) -> QuantConfig:
@@ -64,10 +68,7 @@ class QuantConfig:
             return _modelopt(q)
         skip = tuple(q.get("modules_to_not_convert") or ())
         if name == "fp8":
-            block = q.get("weight_block_size")
-            if not block or len(block) != 2:
-                raise ValueError("quantization_config.weight_block_size: FP8 needs a [out, in] block size")
-            return QuantConfig(QuantMethod.FP8_BLOCK, 8, block_size=(int(block[0]), int(block[1])), skip_modules=skip)
+            return _fp8(q, getattr(hf_config, "expert_dtype", None), skip)
         if name in ("awq", "gptq"):
             bits = int(q.get("bits", q.get("w_bit", 4)))
             if bits != 4:
@@ -97,6 +98,28 @@ class QuantConfig:
             f"quantization_config.quant_method {name!r} is not supported "
             "(fp8, awq, gptq, compressed-tensors, gguf, mxfp4, modelopt)"
         )
+
+
+# DeepSeek-V4's `expert_dtype` (transformers' FP8 config; V4 has it beside quantization_config, V4.1 inside):
+# "fp4" is e2m1 packed two a byte with an E8M0 exponent per 32 values, i.e. MXFP4.
+EXPERT_DTYPES = {"fp8": None, "fp4": QuantMethod.MXFP4}
+
+
+def _fp8(q: dict[str, Any], expert_dtype: Any, skip: tuple[str, ...]) -> QuantConfig:
+    """Block FP8 (Qwen3-*-FP8, DeepSeek-V3; DeepSeek-V4's release with `scale_fmt: ue8m0` and FP4 experts)."""
+    what = "quantization_config"
+    block = q.get("weight_block_size")
+    if not block or len(block) != 2:
+        raise ValueError(f"{what}.weight_block_size: FP8 needs a [out, in] block size")
+    if str(q.get("fmt") or "e4m3").lower() != "e4m3":
+        raise ValueError(f"{what}.fmt {q.get('fmt')!r} is not supported (e4m3 only)")
+    if str(q.get("scale_fmt") or "float").lower() not in ("float", "ue8m0"):  # ue8m0: scales stored as E8M0 bytes
+        raise ValueError(f"{what}.scale_fmt {q.get('scale_fmt')!r} is not supported (float or ue8m0)")
+    experts_dtype = str(q.get("expert_dtype") or expert_dtype or "fp8").lower()
+    if experts_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"{what}.expert_dtype {experts_dtype!r} is not supported (fp8 or fp4)")
+    return QuantConfig(QuantMethod.FP8_BLOCK, 8, block_size=(int(block[0]), int(block[1])), skip_modules=skip,
+                       experts=EXPERT_DTYPES[experts_dtype])
 
 
 NVFP4_GROUP = 16  # values per e4m3 block scale: the format's, every release's
@@ -211,6 +234,7 @@ class QuantLayer(nn.Module):
     how tensor parallelism splits it, and where one checkpoint tensor's shard lands (`out_range`, `in_range`, in
     logical [out, in] coordinates). Declared here, apart from the layer, so the methods need not import it."""
 
+    prefix: str  # the module's name in the model (what errors and the unquantised set name)
     tp_dim: int | None  # 0: output rows split over the ranks, 1: input columns, None: replicated
     tp_rank: int
     tp_size: int
@@ -340,7 +364,9 @@ def module_skipped(prefix: str, skip: tuple[str, ...]) -> bool:
 
 def linear_method(prefix: str = "") -> LinearMethod:
     config = _current
-    if config.method is not QuantMethod.UNQUANTIZED and module_skipped(prefix, config.skip_modules):
+    if config.method is not QuantMethod.UNQUANTIZED and (
+        prefix in config.unquantised or module_skipped(prefix, config.skip_modules)
+    ):
         log.info("%s: left unquantised by the %s checkpoint", prefix, config.method.value)
         config = QuantConfig()
     if config.method not in _REGISTRY:

@@ -20,6 +20,9 @@ class QuantMethod(Enum):
     GPTQ = "gptq"
     COMPRESSED_TENSORS = "compressed-tensors"  # W4A16 pack-quantized
     NVFP4 = "nvfp4"  # e2m1 + e4m3 scale per 16 + fp32 global (ModelOpt or compressed-tensors nvfp4-pack-quantized)
+    # e2m1 + an E8M0 exponent per 32: MoE experts only (layers/experts/mxfp4.py), no linear method; DeepSeek-V4's
+    # release names it for its experts (`expert_dtype: fp4`) beside FP8 linears
+    MXFP4 = "mxfp4"
 
 
 class NvFp4Layout(Enum):
@@ -112,6 +115,18 @@ METHODS: dict[QuantMethod, MethodInfo] = {
     ),
 }
 
+# MXFP4: an e2m1 code and an E8M0 exponent per 32 weights (4.25 bits), resident as stored on every device.
+MXFP4_BYTES = 0.5 + 1 / 32
+# Methods of MoE experts alone (no linear method: kept out of METHODS, which is the linear registry's), keyed
+# as the expert registry is (layers/experts/__init__.py). DeepSeek-V4's release names MXFP4 for its experts
+# beside FP8 linears (a profile variant's `experts_format`); the CPU runs the torch reference on them.
+EXPERT_METHODS: dict[QuantMethod, MethodInfo] = {
+    QuantMethod.MXFP4: MethodInfo(
+        ("mxfp4",), True, KernelStatus.INTERPRETER_ONLY, MXFP4_BYTES, MXFP4_BYTES, KernelStatus.INTERPRETER_ONLY,
+        MXFP4_BYTES,
+    ),
+}
+
 
 # GGUF types the linears keep quantised on GPU: (bytes per weight in the file, resident with bf16 scales).
 # Q4_*: int4's form (4-bit codes, a scale and an offset per 32); the rest the k-bit form of
@@ -179,9 +194,15 @@ def engine_formats() -> frozenset[str]:
 
 def moe_expert_formats() -> frozenset[str]:
     """Formats whose MoE experts load (the registry in layers/experts/__init__.py); bf16 / fp16 / fp32 always do."""
-    quantised = (f for info in METHODS.values() if info.moe_gpu is not None for f in info.formats)
+    methods = [*METHODS.values(), *EXPERT_METHODS.values()]
+    quantised = (f for info in methods if info.moe_gpu is not None for f in info.formats)
     return frozenset({"bf16", "fp16", "fp32", *quantised})
 
 
 def method_of_format(fmt: str) -> QuantMethod | None:
     return next((m for m, info in METHODS.items() if fmt in info.formats), None)
+
+
+def expert_info(fmt: str) -> MethodInfo | None:
+    """What the planner reads of a format's MoE experts (a linear method's, or an expert-only method's)."""
+    return next((info for info in (*METHODS.values(), *EXPERT_METHODS.values()) if fmt in info.formats), None)

@@ -4,7 +4,8 @@
 - w[o, i] = weight[o, i] * weight_scale_inv[o // bo, i // bi], with (bo, bi) = `weight_block_size`
   (128, 128 in every release so far);
 config.json: quantization_config = {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
-weight_block_size: [128, 128]}.
+weight_block_size: [128, 128]}. DeepSeek-V4's release (scale_fmt: ue8m0) stores each block's scale as one E8M0
+byte in `scale` (the model renames it): a power of two, converted exactly to the fp32 scale at load.
 
 TP shards must fall on block boundaries (the shared loader refuses others). Where the hardware has no FP8
 matmul (CPU, Ampere) the weight is used weight-only: dequantised once at load on CPU (faster than
@@ -18,12 +19,16 @@ choice only.
 from __future__ import annotations
 
 from enum import Enum
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from agentbox.kernels.dequant import E8M0_DTYPES, e8m0_to_float
 from agentbox.layers.quant.base import LinearMethod, QuantLayer, Sharding, quant_param, register
 from agentbox.layers.quant.formats import QuantMethod
+from agentbox.layers.quant.lazy import materialize
 
 
 class FP8Kernel(Enum):
@@ -61,6 +66,21 @@ class FP8BlockLinearMethod(LinearMethod):
         layer.weight = quant_param(torch.empty(output_size, input_size, dtype=torch.float8_e4m3fn), Sharding(0, 1))
         scale = torch.empty(-(-output_size // bo), -(-input_size // bi), dtype=torch.float32)
         layer.weight_scale_inv = quant_param(scale, Sharding(0, 1, bo, bi))
+
+    def load(
+        self, layer: QuantLayer, param: nn.Parameter, loaded: Any, shard_id: str | int | None, name: str
+    ) -> None:
+        """As every method loads, after two checks: the weight must be e4m3 (a bf16 tensor would be rounded to fp8
+        without its scale), and E8M0 scales become their fp32 values (scales are 1/16384 of the weight: read
+        whole)."""
+        dtype = getattr(loaded, "dtype", None)  # a LazySlice (tensor parallel) has none: its file said fp8
+        if param is layer.weight and dtype is not None and dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{layer.prefix}.{name}: {dtype} where an FP8 block checkpoint holds float8_e4m3fn")
+        if param is getattr(layer, "weight_scale_inv", None):
+            loaded = materialize(loaded)
+            if loaded.dtype in E8M0_DTYPES:
+                loaded = e8m0_to_float(loaded)
+        super().load(layer, param, loaded, shard_id, name)
 
     def dequantized_weight(self, layer: QuantLayer) -> torch.Tensor:
         return dequantize_block_fp8(layer.weight.data, layer.weight_scale_inv.data, self.config.block_size)
