@@ -101,3 +101,10 @@ def test_the_release_is_planned_with_mxfp4_experts_and_fp8_elsewhere() -> None:
     fp8 = next(c for c in p.candidates if c.variant.name == "fp8")
     assert fp8.ok and fp8.split is not None and fp8.split.host_bytes == fp8.split.in_ram * experts // profile.layers
     assert any(n.startswith("mxfp4 experts in RAM: no CPU expert kernel") for n in fp8.notes)
+
+
+def test_the_issues_command_on_1x_rtx5090_json() -> None:
+    """`agentbox plan DeepSeek-V4-Flash --hardware profiles/hardware/1x-rtx5090.json` (its description carries the
+    128 GiB of RAM the issue plans for) chooses a variant with the experts in host RAM."""
+    c = plan(find_profile("DeepSeek-V4-Flash"), Probe.load(HW / "1x-rtx5090.json")).chosen
+    assert c is not None and c.split is not None and c.split.in_ram > 0 and c.split.host_kernel

@@ -152,7 +152,7 @@ def test_plan_command_shows_the_split_and_the_flag() -> None:
 
 
 def test_bandwidth_comes_from_the_description_or_the_name() -> None:
-    probe = load_hardware("1x-rtx5090")  # the older description carries no bandwidths
+    probe = load_hardware("1x-rtx5090")  # a description without bandwidths (the -128g one has them)
     assert probe.host.ram_bandwidth is None and gpu_bandwidth(probe.gpus[0]) == 1792 * 10**9
     p = plan(find_profile("gpt-oss-120b"), probe)
     c = p.chosen

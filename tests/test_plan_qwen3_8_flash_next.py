@@ -172,3 +172,11 @@ def test_profile_counts_what_the_engine_allocates(profile: Profile) -> None:
     assert profile.kv_bytes_per_token(2) == per_page / page
     assert layout.state is not None
     assert profile.state_bytes == StateCache.bytes_per_slot(list(layout.state.specs), torch.bfloat16)
+
+
+def test_the_issues_command_on_1x_rtx5090_json(profile: Profile) -> None:
+    """`agentbox plan Qwen3.8-Flash-Next --hardware profiles/hardware/1x-rtx5090.json` (128 GiB of RAM in its
+    description) chooses nvfp4 with the whole table in RAM."""
+    c = plan(profile, Probe.load(HW / "1x-rtx5090.json"), PlanConfig()).chosen
+    assert c is not None and c.variant.name == "nvfp4" and c.table is not None
+    assert c.split is not None and c.split.host_need + profile.ngram_table_bytes <= 128 * GIB
