@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from agentbox.engine.exec.cpu_decode import CpuDecode
+from agentbox.engine.exec.cpu_hybrid import HybridCpuDecode
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, KVCache
 from agentbox.layers.backends.torch_backend import TorchAttention
 from agentbox.layers.context import forward_context
@@ -40,7 +41,8 @@ class PagedRunner:
         self.backend = backend_cls(
             self.cache, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, loaded.head_dim**-0.5
         )
-        self.cpu_decode = CpuDecode.build(self.model, torch.device(device))  # as the engine's runner chooses
+        dev = torch.device(device)  # as the engine's runner chooses
+        self.cpu_decode = CpuDecode.build(self.model, dev) or HybridCpuDecode.build(self.model, dev)
         self.free_pages = list(range(num_pages))
         # Hybrid models: a recurrent-state slot per sequence (sequence ids are small ints: the slot is the id)
         state = loaded.layout.state
