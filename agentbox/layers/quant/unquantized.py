@@ -18,7 +18,8 @@ from agentbox.layers.quant.formats import QuantMethod
 from agentbox.layers.quant.lazy import materialize
 
 
-def _keeps_f16(dst: torch.Tensor, src: torch.Tensor) -> bool:
+def keeps_f16(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether `src` (a shard of the weight `dst`) is kept fp16 (see the module notes)."""
     from agentbox.kernels import cpu_f16
     from agentbox.layers.quant import int4
 
@@ -39,7 +40,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def load(self, layer: QuantLayer, param: nn.Parameter, loaded: Any, shard_id: str | int | None, name: str) -> None:
         if param is layer.weight and self.dtype == torch.float32:
             loaded = materialize(loaded)
-            if _keeps_f16(param.data, loaded):
+            if keeps_f16(param.data, loaded):
                 if param.dtype != torch.float16:  # the first shard: the fp32 placeholder is never filled
                     param.data = torch.empty(param.shape, dtype=torch.float16)
             elif param.dtype == torch.float16:  # a shard that is not fp16 after fp16 ones: widen (exactly)
