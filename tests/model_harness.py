@@ -50,8 +50,9 @@ class PagedRunner:
         self.pages: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
-    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """chunks: sequence id -> its new token ids this step. Returns sequence id -> logits [n_new, vocab]."""
+    def step(self, chunks: dict[int, list[int]], verifies: frozenset[int] = frozenset()) -> dict[int, torch.Tensor]:
+        """chunks: sequence id -> its new token ids this step; verifies: indices (in `chunks` order) of sequences
+        whose state waits for a commit (a speculative verify). Returns sequence id -> logits [n_new, vocab]."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -80,7 +81,7 @@ class PagedRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        state = None if self.state is None else StateStep.of(self.state, list(chunks), query_lens, kv_lens)
+        state = None if self.state is None else StateStep.of(self.state, list(chunks), query_lens, kv_lens, verifies)
         with forward_context(self.backend, meta, state=state, entries=self._entries(chunks, meta)):
             if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.cache):
                 hidden = self.cpu_decode.run(input_ids, pos_t)

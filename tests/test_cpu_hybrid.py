@@ -65,3 +65,27 @@ def test_exact_cpu_keeps_fp32_weights_and_the_torch_layers(hybrid_f16: Path) -> 
         loaded = load_model(str(hybrid_f16), torch.float32, "cpu")
     assert loaded.model.language_model.layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.float32
     assert PagedRunner(loaded).cpu_decode is None
+
+
+def _verify_run(loaded: LoadedModel, kept: int) -> list[dict[int, torch.Tensor]]:
+    runner = PagedRunner(loaded, num_pages=48, page_size=4)
+    out = [runner.step({0: list(range(3, 30)), 1: [9, 8, 7]})]
+    out.append(runner.step({0: [31], 1: [6]}))
+    out.append(runner.step({0: [32, 33, 34, 35], 1: [5]}, verifies=frozenset({0})))  # sequence 0 verifies 3 drafts
+    assert runner.state is not None
+    runner.state.commit([(0, kept, 0)], None)  # what the sampler kept, as the runner commits it the next step
+    runner.lens[0] -= 4 - kept
+    out += [runner.step({0: [40 + i], 1: [60 + i]}) for i in range(3)]
+    return out
+
+
+@pytest.mark.parametrize("kept", [2, 4])
+def test_fused_verify_stashes_what_the_torch_layers_stash(hybrid_f16: Path, kept: int) -> None:
+    """A verify's slot is left as it was and its stash commits any prefix: the decodes after it match."""
+    loaded = load_model(str(hybrid_f16), torch.float32, "cpu")
+    fused = _verify_run(loaded, kept)
+    with cpu_hybrid.disabled():
+        eager = _verify_run(loaded, kept)
+    for f, e in zip(fused[1:], eager[1:], strict=True):
+        for s in (0, 1):
+            assert (f[s] - e[s]).abs().max() < 1e-4 * e[s].abs().max()

@@ -8,7 +8,8 @@
  * than the layer's matmuls. The weights stay fp16 as the GGUF stores them (half the bytes a decode step streams);
  * F16C widens 8 of them at a time inside the dot product.
  *
- * A row is one decoding sequence (one token, a state slot of its own); verifies and extends take the torch layers.
+ * A row is a token; a sequence's rows (a decode's one, a verify's 1 + k, a short extend's few) run in order over its
+ * state (hstep_t), and attend up to their own positions as in cpu_decode.c.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -87,6 +88,18 @@ typedef struct {
     float eps, scale;
 } hdims_t;
 
+/* The step's rows: a sequence's rows are consecutive (a decode's one, a verify's 1 + k, a short extend's few) and run
+ * in order. A row reads and writes its sequence's state slot in place, or (work >= 0: a verify, whose slot must wait
+ * for the sampler) working copies this call's caller allocated, seeded from the slot at the sequence's first row; the
+ * verify's per-position inputs go to the stash buffers (NULL when no sequence of the step is a verify). */
+typedef struct {
+    const int64_t *positions, *state_slots, *work, *kv_slots, *kv_lens; /* [m] */
+    const int32_t *page_table;                                          /* [m][pt_stride]: each row its sequence's */
+    int64_t pt_stride, page_size;
+    float *conv_work, *matrix_work;            /* [verifies][C][K-1], [verifies][Hv][Dk][Dv] */
+    float *stash_x, *stash_k, *stash_v, *stash_g, *stash_b; /* [m][C], [m][Hk Dk], [m][Hv Dv], [m][Hv], [m][Hv] */
+} hstep_t;
+
 static int mm(const f16w_t *w, const float *x, int64_t m, float *out, int threads) {
     return ab_f16_matmul(x, m, w->k, w->w, w->n, out, threads);
 }
@@ -132,10 +145,11 @@ static void delta_step(float *S, const float *q, const float *k, const float *v,
     }
 }
 
-/* the delta-net mixer for m rows (normed [m][H]) into mixed_out [m][Hv * Dv] (before out_proj) */
-static int delta_net(const hlayer_t *L, const hdims_t *d, const float *normed, int64_t m, const int64_t *slots,
+/* the delta-net mixer for m rows (normed [m][H]) into out [m][Hv * Dv] (before out_proj) */
+static int delta_net(const hlayer_t *L, const hdims_t *d, const hstep_t *st, const float *normed, int64_t m,
                      float *out, int threads) {
     const int64_t kd = d->hk * d->dk, vd = d->hv * d->dv, c = 2 * kd + vd, kk = d->kernel, r = d->hv / d->hk;
+    const int64_t conv_n = c * (kk - 1), mat_n = d->hv * d->dk * d->dv;
     float *mixed = malloc(sizeof(float) * m * c), *z = malloc(sizeof(float) * m * vd);
     float *b = malloc(sizeof(float) * m * d->hv), *a = malloc(sizeof(float) * m * d->hv);
     float *scratch = malloc(sizeof(float) * 2 * d->dv);
@@ -144,25 +158,40 @@ static int delta_net(const hlayer_t *L, const hdims_t *d, const float *normed, i
     if ((rc = mm(&L->in_qkv, normed, m, mixed, threads)) || (rc = mm(&L->in_z, normed, m, z, threads)) ||
         (rc = mm(&L->in_b, normed, m, b, threads)) || (rc = mm(&L->in_a, normed, m, a, threads)))
         goto done;
-    for (int64_t t = 0; t < m; t++) {
-        float *x = mixed + t * c, *conv = L->conv_state + slots[t] * c * (kk - 1);
+    for (int64_t t = 0; t < m; t++) { /* in order: a sequence's rows each read the state the row before left */
+        float *x = mixed + t * c, *conv = L->conv_state + st->state_slots[t] * conv_n;
+        float *S = L->matrix + st->state_slots[t] * mat_n;
+        const int64_t w = st->work[t];
+        if (w >= 0) {
+            float *cw = st->conv_work + w * conv_n, *mw = st->matrix_work + w * mat_n;
+            if (t == 0 || st->work[t - 1] != w) { /* the verify's first row: its working state from the slot */
+                memcpy(cw, conv, sizeof(float) * conv_n);
+                memcpy(mw, S, sizeof(float) * mat_n);
+            }
+            conv = cw, S = mw;
+        }
+        if (st->stash_x) memcpy(st->stash_x + t * c, x, sizeof(float) * c); /* the conv's inputs, for the commit */
         for (int64_t ch = 0; ch < c; ch++) { /* causal_conv_step: sum over [state | x] in order, then SiLU */
             const float *wc = L->conv_w + ch * kk;
-            float *st = conv + ch * (kk - 1), acc = 0.0f;
-            for (int64_t j = 0; j < kk - 1; j++) acc += st[j] * wc[j];
+            float *cs = conv + ch * (kk - 1), acc = 0.0f;
+            for (int64_t j = 0; j < kk - 1; j++) acc += cs[j] * wc[j];
             acc += x[ch] * wc[kk - 1];
-            for (int64_t j = 0; j + 1 < kk - 1; j++) st[j] = st[j + 1];
-            st[kk - 2] = x[ch];
+            for (int64_t j = 0; j + 1 < kk - 1; j++) cs[j] = cs[j + 1];
+            cs[kk - 2] = x[ch];
             x[ch] = silu(acc);
         }
         for (int64_t h = 0; h < d->hk; h++) {
             l2norm(x + h * d->dk, d->dk, 1.0f / sqrtf((float)d->dk));
             l2norm(x + kd + h * d->dk, d->dk, 1.0f);
         }
-        float *S = L->matrix + slots[t] * d->hv * d->dk * d->dv;
+        if (st->stash_k) {
+            memcpy(st->stash_k + t * kd, x + kd, sizeof(float) * kd);
+            memcpy(st->stash_v + t * vd, x + 2 * kd, sizeof(float) * vd);
+        }
         for (int64_t h = 0; h < d->hv; h++) { /* value head h reads key head h / r */
             const float beta = sigmoid(b[t * d->hv + h]);
             const float g = -expf(L->a_log[h]) * softplus(a[t * d->hv + h] + L->dt_bias[h]);
+            if (st->stash_g) st->stash_g[t * d->hv + h] = g, st->stash_b[t * d->hv + h] = beta;
             float *o = out + t * vd + h * d->dv;
             delta_step(S + h * d->dk * d->dv, x + (h / r) * d->dk, x + kd + (h / r) * d->dk, x + 2 * kd + h * d->dv,
                        g, beta, d->dk, d->dv, scratch, o);
@@ -188,9 +217,9 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
 }
 
 /* the gated attention mixer: out [m][Hq * D] (attention times sigmoid of its gate, before o_proj) */
-static int gated_attention(const hlayer_t *L, const hdims_t *d, const float *normed, int64_t m,
-                           const int64_t *positions, const int64_t *kv_slots, const int32_t *page_table,
-                           int64_t pt_stride, int64_t page_size, const int64_t *kv_lens, float *out, int threads) {
+static int gated_attention(const hlayer_t *L, const hdims_t *d, const hstep_t *st, const float *normed, int64_t m,
+                           float *out, int threads) {
+    const int64_t *positions = st->positions, *kv_slots = st->kv_slots;
     const int64_t hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, rd = d->rotary_dim;
     const int64_t raw_n = (2 * hq + 2 * hkv) * hd, qkv_n = (hq + 2 * hkv) * hd;
     float *raw = malloc(sizeof(float) * m * raw_n), *qkv = malloc(sizeof(float) * m * qkv_n);
@@ -211,8 +240,8 @@ static int gated_attention(const hlayer_t *L, const hdims_t *d, const float *nor
             memcpy(L->v_cache + kv_slots[t] * hkv * hd, row + (hq + hkv) * hd, sizeof(float) * hkv * hd);
         }
     }
-    rc = ab_attend(L->k_cache, L->v_cache, hq, hkv, hd, d->scale, qkv, m, page_table, pt_stride, page_size, kv_lens,
-                   out, threads);
+    rc = ab_attend(L->k_cache, L->v_cache, hq, hkv, hd, d->scale, qkv, m, st->page_table, st->pt_stride, st->page_size,
+                   st->kv_lens, out, threads);
     if (rc) goto done;
     for (int64_t t = 0; t < m; t++)
         for (int64_t h = 0; h < hq; h++) {
@@ -226,10 +255,8 @@ done:
 }
 
 /* hidden / residual as models/qwen3_5.py's HybridDecoderLayer leaves them (first: residual = hidden) */
-int ab_hybrid_layer(const hlayer_t *L, const hdims_t *d, float *hidden, float *residual, int first, int64_t m,
-                    const int64_t *positions, const int64_t *state_slots, const int64_t *kv_slots,
-                    const int32_t *page_table, int64_t pt_stride, int64_t page_size, const int64_t *kv_lens,
-                    int threads) {
+int ab_hybrid_layer(const hlayer_t *L, const hdims_t *d, const hstep_t *st, float *hidden, float *residual, int first,
+                    int64_t m, int threads) {
     const int64_t h = d->hidden, in = d->inter;
     const int64_t mix = L->linear ? d->hv * d->dv : d->heads * d->head_dim;
     float *normed = malloc(sizeof(float) * m * h), *mixed = malloc(sizeof(float) * m * mix);
@@ -241,9 +268,7 @@ int ab_hybrid_layer(const hlayer_t *L, const hdims_t *d, float *hidden, float *r
         for (int64_t i = 0; i < h; i++) res[i] = first ? hid[i] : hid[i] + res[i];
         rmsnorm(res, L->ln1, h, d->eps, normed + t * h);
     }
-    rc = L->linear ? delta_net(L, d, normed, m, state_slots, mixed, threads)
-                   : gated_attention(L, d, normed, m, positions, kv_slots, page_table, pt_stride, page_size, kv_lens,
-                                     mixed, threads);
+    rc = L->linear ? delta_net(L, d, st, normed, m, mixed, threads) : gated_attention(L, d, st, normed, m, mixed, threads);
     if (rc || (rc = mm(L->linear ? &L->out : &L->o, mixed, m, o, threads))) goto done;
     for (int64_t t = 0; t < m; t++) {
         float *res = residual + t * h;

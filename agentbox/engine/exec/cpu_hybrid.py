@@ -6,9 +6,15 @@ time than the matmuls at hidden 512, so a decode step runs each layer as one cal
 (`fused_cpu_hybrid_target`); `eligible` checks each layer once: a delta-net layer in the Qwen3.5 layout (z, b and a
 apart from [q | k | v]) with a SiLU output gate, a gated attention layer without a window or sinks, a dense SiLU
 MLP, every linear an fp16 weight the CPU reads as fp16 (kernels/cpu_f16.py; an fp32 or `--exact-cpu` model runs
-the torch layers), tensor-parallel size 1. A step qualifies when every sequence decodes one token from a state it
-already has (no prefill, no verify: their chunked form and the verify's stash stay with the torch layers, which
-define the numbers this path must match: tests/test_cpu_hybrid.py).
+the torch layers), tensor-parallel size 1. A step qualifies when every sequence brings at most MAX_QUERY tokens (a
+decode, a speculative verify, a short extend); longer prefills take the torch layers, which define the numbers this
+path must match (tests/test_cpu_hybrid.py).
+
+A sequence's rows run in order over its state: in its slot, or for a verify (whose slot waits for the sampler's
+verdict) over a working copy, with what the torch layer stashes for the next step's commit (the conv inputs,
+prepared k, v, decay and beta of each position, the final state) written beside it: the commit then runs as it
+does after a torch verify. An extend runs the recurrent form token by token where the torch layers run the
+chunked one: the same sums, in another order.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from agentbox.models.qwen3_5 import HybridDecoderLayer
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _enabled = True
+# Tokens of one sequence the fused path takes in a step (cpu_decode.py's bound: a verify of the largest draft, a
+# warm turn's few new tokens); a longer prefill runs the torch layers' chunked delta rule and sgemm.
+MAX_QUERY = 32
 
 
 class _F16(ctypes.Structure):
@@ -47,6 +56,13 @@ class _Dims(ctypes.Structure):
     _fields_ = [("hidden", _i64), ("inter", _i64), ("hk", _i64), ("hv", _i64), ("dk", _i64), ("dv", _i64),
                 ("kernel", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("rotary_dim", _i64),
                 ("cos", _ptr), ("sin", _ptr), ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("positions", _ptr), ("state_slots", _ptr), ("work", _ptr), ("kv_slots", _ptr), ("kv_lens", _ptr),
+                ("page_table", _ptr), ("pt_stride", _i64), ("page_size", _i64), ("conv_work", _ptr),
+                ("matrix_work", _ptr), ("stash_x", _ptr), ("stash_k", _ptr), ("stash_v", _ptr), ("stash_g", _ptr),
+                ("stash_b", _ptr)]
 
 
 @contextlib.contextmanager
@@ -177,12 +193,11 @@ class HybridCpuDecode:
         return HybridCpuDecode(inner) if probe.dtype == torch.float32 else None
 
     def fits(self, meta: AttentionMetadata, kv: KVCache) -> bool:
-        """Whether this step runs fused: every sequence decodes one token from its own state, fp32 KV and state."""
+        """Whether this step runs fused: every sequence brings at most MAX_QUERY tokens, fp32 KV and state."""
         state = get_forward_context().state
-        if not _enabled or state is None or not meta.is_decode_only or (kv.k and kv.k[0].dtype != torch.float32):
+        if not _enabled or state is None or meta.max_query_len > MAX_QUERY or (kv.k and kv.k[0].dtype != torch.float32):
             return False
-        return (all(n == 1 for n in state.query_lens) and not any(state.fresh) and not any(state.pending)
-                and all(t.dtype == torch.float32 for ts in state.cache.layers for t in ts))
+        return all(t.dtype == torch.float32 for ts in state.cache.layers for t in ts)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -194,22 +209,98 @@ class HybridCpuDecode:
         kv, state, meta = ctx.backend.kv_cache, ctx.state, ctx.meta
         if self._plan is None or self._plan.cache_key != _cache_key(kv, state):
             self._plan = _plan(model, kv, state)
+        plan = self._plan
         hidden = model.embed_tokens(input_ids).contiguous()  # the embedding's fresh output: updated in place
+        m = hidden.shape[0]
+        if m != sum(meta.query_lens):
+            raise ValueError(f"the step has {m} tokens, its metadata {sum(meta.query_lens)}")
         residual = torch.empty_like(hidden)
+        rows = _Rows.of(meta, state)
+        for i, fresh in enumerate(state.fresh):
+            if fresh:  # a sequence that starts here starts from zeros, as the torch layers do
+                for tensors in state.cache.layers:
+                    for t in tensors:
+                        t[state.slots[i]].zero_()
         pos = positions.to(torch.int64).contiguous()
-        slots = torch.tensor(state.slots, dtype=torch.int64)
         kv_slots = meta.slot_mapping.to(torch.int64).contiguous()
-        table = meta.page_table.to(torch.int32).contiguous()
-        kv_lens = torch.tensor(meta.kv_lens, dtype=torch.int64)
+        step = _Step(pos.data_ptr(), rows.slots.data_ptr(), rows.work.data_ptr(), kv_slots.data_ptr(),
+                     rows.kv_lens.data_ptr(), rows.table.data_ptr(), rows.table.shape[1], meta.page_size)
         lib, threads = cpu_gemv._lib(), cpu_gemv.threads()
-        dims = ctypes.addressof(self._plan.dims)
-        for i, layer in enumerate(self._plan.layers):
-            rc = lib.ab_hybrid_layer(
-                ctypes.addressof(layer), dims, hidden.data_ptr(), residual.data_ptr(), int(i == 0), hidden.shape[0],
-                pos.data_ptr(), slots.data_ptr(), kv_slots.data_ptr(), table.data_ptr(), table.shape[1],
-                meta.page_size, kv_lens.data_ptr(), threads,
-            )
+        dims = ctypes.addressof(plan.dims)
+        for i, (layer, module) in enumerate(zip(plan.layers, model.layers, strict=True)):
+            stash = _Stash.of(module, m, rows.verifies) if layer.linear and rows.verifies else None
+            if stash is not None:
+                stash.point(step)
+            rc = lib.ab_hybrid_layer(ctypes.addressof(layer), dims, ctypes.addressof(step), hidden.data_ptr(),
+                                     residual.data_ptr(), int(i == 0), m, threads)
             if rc != 0:
                 raise RuntimeError(f"the CPU hybrid layer {i} failed (code {rc})")
+            if stash is not None:
+                stash.keep(module.linear_attn, state, rows)
         hidden, _ = model.norm(hidden, residual)
         return hidden
+
+
+@dataclass
+class _Rows:
+    """Per row of the step: its sequence's state slot, its verify's working-state index (-1: the slot in place),
+    its sequence's page-table row and the keys it attends to (up to its own position)."""
+
+    slots: torch.Tensor
+    work: torch.Tensor
+    table: torch.Tensor
+    kv_lens: torch.Tensor
+    verifies: list[tuple[int, int, int]]  # (sequence, first row, end row) of each verify, in work-index order
+
+    @staticmethod
+    def of(meta: AttentionMetadata, state: Any) -> _Rows:
+        slots, work, verifies, lo = [], [], [], 0
+        for i, (n, slot, pending) in enumerate(zip(meta.query_lens, state.slots, state.pending, strict=True)):
+            slots += [slot] * n
+            work += [len(verifies) if pending else -1] * n
+            if pending:
+                verifies.append((i, lo, lo + n))
+            lo += n
+        lens = torch.tensor(meta.query_lens)
+        table = meta.page_table.to(torch.int32)
+        if not meta.is_decode_only:
+            table = table.repeat_interleave(lens, dim=0)
+        kv_lens = [kv - q + 1 + j for q, kv in zip(meta.query_lens, meta.kv_lens, strict=True) for j in range(q)]
+        return _Rows(torch.tensor(slots, dtype=torch.int64), torch.tensor(work, dtype=torch.int64),
+                     table.contiguous(), torch.tensor(kv_lens, dtype=torch.int64), verifies)
+
+
+@dataclass
+class _Stash:
+    """One delta-net layer's verify outputs: the working states and each row's conv inputs, prepared k, v, decay and
+    beta (what the torch layer stashes for the next step's commit, layers/recurrent_state.py)."""
+
+    conv: torch.Tensor  # [verifies, C, K-1]
+    matrix: torch.Tensor  # [verifies, Hv, Dk, Dv]
+    x: torch.Tensor  # [m, C]
+    k: torch.Tensor  # [m, Hk Dk]
+    v: torch.Tensor  # [m, Hv Dv]
+    g: torch.Tensor  # [m, Hv]
+    beta: torch.Tensor  # [m, Hv]
+
+    @staticmethod
+    def of(layer: nn.Module, m: int, verifies: list[tuple[int, int, int]]) -> _Stash:
+        net = layer.linear_attn
+        c, n = net.conv1d.weight.shape[0], len(verifies)
+        return _Stash(torch.empty(n, c, net.kernel - 1), torch.empty(n, net.hv, net.dk, net.dv), torch.empty(m, c),
+                      torch.empty(m, net.hk * net.dk), torch.empty(m, net.hv * net.dv), torch.empty(m, net.hv),
+                      torch.empty(m, net.hv))
+
+    def point(self, step: _Step) -> None:
+        step.conv_work, step.matrix_work = self.conv.data_ptr(), self.matrix.data_ptr()
+        step.stash_x, step.stash_k, step.stash_v = self.x.data_ptr(), self.k.data_ptr(), self.v.data_ptr()
+        step.stash_g, step.stash_b = self.g.data_ptr(), self.beta.data_ptr()
+
+    def keep(self, net: nn.Module, state: Any, rows: _Rows) -> None:
+        r = net.hv // net.hk
+        for w, (i, lo, hi) in enumerate(rows.verifies):
+            n = hi - lo
+            k = self.k[lo:hi].view(n, net.hk, net.dk).repeat_interleave(r, dim=1).transpose(0, 1)
+            v = self.v[lo:hi].view(n, net.hv, net.dv).transpose(0, 1)
+            state.keep(net.state_index, i, (self.x[lo:hi].t(), k, v, self.g[lo:hi].t(), self.beta[lo:hi].t(),
+                                            self.matrix[w], self.conv[w]))
