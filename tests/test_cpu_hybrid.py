@@ -21,8 +21,8 @@ pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="CPU kernels un
 @pytest.mark.parametrize("rows", [1, 3, 8, cpu_f16.MAX_ROWS + 1])
 def test_f16_matmul_matches_its_twin(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 136, generator=gen)
-    w = (0.1 * torch.randn(37, 136, generator=gen)).half()  # 37 rows: a last pass of one weight row
+    x = torch.randn(rows, 144, generator=gen)
+    w = (0.1 * torch.randn(37, 144, generator=gen)).half()  # 144 = 4 x 32 + 16: both column loops
     got, expected = cpu_f16.f16_matmul(x, w), cpu_f16.f16_matmul_ref(x, w)
     assert got.shape == expected.shape == (rows, 37)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # the same products, summed in another order

@@ -23,11 +23,11 @@ def f16_matmul_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def supported(w: torch.Tensor) -> bool:
-    """Whether the kernel takes this weight (fp16, contiguous, on the CPU, k a multiple of 8)."""
+    """Whether the kernel takes this weight (fp16, contiguous, on the CPU, k a multiple of 16)."""
     from agentbox.kernels import cpu_gemv
 
     return (w.dtype == torch.float16 and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
-            and w.shape[1] % 8 == 0 and cpu_gemv.available())
+            and w.shape[1] % 16 == 0 and cpu_gemv.available())
 
 
 def f16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

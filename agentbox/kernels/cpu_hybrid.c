@@ -29,48 +29,47 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* Rows ahead that each of a pass's four weight rows prefetches (two passes on): four row streams at once left the
- * hardware prefetcher behind (6.5-7 GB/s of fp16 weights on one core; 8-12.7 with this, measured on the shared
- * AMD EPYC; cpu_gemv.c's tiled 4-bit streams reach 14-16). */
-#define AHEAD 8
+static inline __m256 w8(const uint16_t *w) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)); }
 
-/* out[t][j] = x[t] . w[j] for m rows of x [m][k] (fp32) and w [n][k] (fp16); k a multiple of 8. Four weight rows a
- * pass, two activation rows at a time against them: the four rows' fp16 stay in L1 while every activation row
- * reads them, so a step of several sequences still streams the weights from memory once. */
+/* out[t][j] = x[t] . w[j] for m rows of x [m][k] (fp32) and w [n][k] (fp16); k a multiple of 16. One weight row a
+ * pass, read front to back, so the whole matrix is one sequential stream (four rows read side by side, four streams
+ * 1-3 KB apart, left the hardware prefetcher behind: 6.5-7 GB/s of weights on one core against 9-13 this way, on the
+ * shared AMD EPYC); every activation row of the step reads the row while it sits in L1, four at a time. */
 int ab_f16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *out, int threads) {
-    if (k % 8) return -2;
+    if (k % 16) return -2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t j0 = 0; j0 < n; j0 += 4) {
-        const int64_t nj = n - j0 < 4 ? n - j0 : 4;
-        const uint16_t *wr[4];
-        for (int64_t r = 0; r < 4; r++) wr[r] = w + (j0 + (r < nj ? r : 0)) * k;
-        for (int64_t t = 0; t < m; t += 2) {
-            const float *x0 = x + t * k, *x1 = x + (t + 1 < m ? t + 1 : t) * k;
+    for (int64_t j = 0; j < n; j++) {
+        const uint16_t *wr = w + j * k;
+        _mm_prefetch((const char *)(wr + 8 * k), _MM_HINT_T0); /* a few rows on: the stream's next pages */
+        if (m == 1) { /* a decode step's one sequence: four chains over the row */
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            int64_t i = 0;
+            for (; i + 32 <= k; i += 32) {
+                a0 = _mm256_fmadd_ps(w8(wr + i), _mm256_loadu_ps(x + i), a0);
+                a1 = _mm256_fmadd_ps(w8(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+                a2 = _mm256_fmadd_ps(w8(wr + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+                a3 = _mm256_fmadd_ps(w8(wr + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+            }
+            for (; i < k; i += 16) {
+                a0 = _mm256_fmadd_ps(w8(wr + i), _mm256_loadu_ps(x + i), a0);
+                a1 = _mm256_fmadd_ps(w8(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+            }
+            out[j] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+            continue;
+        }
+        for (int64_t t = 0; t < m; t += 4) { /* four activation rows (the last repeated), two chains each */
+            const float *xs[4];
+            for (int r = 0; r < 4; r++) xs[r] = x + (t + r < m ? t + r : t) * k;
             __m256 a[8];
             for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-            if (t + 1 < m) {
-                for (int64_t i = 0; i < k; i += 8) {
-                    const __m256 v0 = _mm256_loadu_ps(x0 + i), v1 = _mm256_loadu_ps(x1 + i);
-                    for (int r = 0; r < 4; r++) {
-                        if (t == 0 && (i & 31) == 0) _mm_prefetch((const char *)(wr[r] + i + AHEAD * k), _MM_HINT_T0);
-                        const __m256 wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wr[r] + i)));
-                        a[r] = _mm256_fmadd_ps(wv, v0, a[r]);
-                        a[4 + r] = _mm256_fmadd_ps(wv, v1, a[4 + r]);
-                    }
-                }
-            } else { /* a last (or only) row alone: a decode step's one sequence */
-                for (int64_t i = 0; i < k; i += 8) {
-                    const __m256 v0 = _mm256_loadu_ps(x0 + i);
-                    for (int r = 0; r < 4; r++) {
-                        if (t == 0 && (i & 31) == 0) _mm_prefetch((const char *)(wr[r] + i + AHEAD * k), _MM_HINT_T0);
-                        a[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wr[r] + i))), v0, a[r]);
-                    }
+            for (int64_t i = 0; i < k; i += 16) {
+                const __m256 u = w8(wr + i), v = w8(wr + i + 8);
+                for (int r = 0; r < 4; r++) {
+                    a[r] = _mm256_fmadd_ps(u, _mm256_loadu_ps(xs[r] + i), a[r]);
+                    a[4 + r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs[r] + i + 8), a[4 + r]);
                 }
             }
-            for (int64_t r = 0; r < nj; r++) {
-                out[t * n + j0 + r] = hsum8(a[r]);
-                if (t + 1 < m) out[(t + 1) * n + j0 + r] = hsum8(a[4 + r]);
-            }
+            for (int r = 0; r < 4 && t + r < m; r++) out[(t + r) * n + j] = hsum8(_mm256_add_ps(a[r], a[4 + r]));
         }
     }
     return 0;

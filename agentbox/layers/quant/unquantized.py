@@ -25,7 +25,7 @@ def keeps_f16(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
     if src.dtype != torch.float16 or dst.device.type != "cpu" or dst.dtype not in (torch.float32, torch.float16):
         return False
-    return (int4.default_cpu_kernel() is int4.Int4Kernel.CPU_SIMD and dst.dim() == 2 and dst.shape[1] % 8 == 0
+    return (int4.default_cpu_kernel() is int4.Int4Kernel.CPU_SIMD and dst.dim() == 2 and dst.shape[1] % 16 == 0
             and cpu_f16.supported(torch.empty(1, dst.shape[1], dtype=torch.float16)))
 
 
