@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from agentbox.engine.exec.cpu_decode import CpuDecode
+from agentbox.engine.exec.cpu_hybrid import HybridCpuDecode
 from agentbox.layers.backends.base import AttentionBackend, AttentionMetadata, KVCache
 from agentbox.layers.backends.torch_backend import TorchAttention
 from agentbox.layers.context import forward_context
@@ -40,7 +41,8 @@ class PagedRunner:
         self.backend = backend_cls(
             self.cache, loaded.num_heads, loaded.num_kv_heads, loaded.head_dim, loaded.head_dim**-0.5
         )
-        self.cpu_decode = CpuDecode.build(self.model, torch.device(device))  # as the engine's runner chooses
+        dev = torch.device(device)  # as the engine's runner chooses
+        self.cpu_decode = CpuDecode.build(self.model, dev) or HybridCpuDecode.build(self.model, dev)
         self.free_pages = list(range(num_pages))
         # Hybrid models: a recurrent-state slot per sequence (sequence ids are small ints: the slot is the id)
         state = loaded.layout.state
@@ -48,8 +50,9 @@ class PagedRunner:
         self.pages: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
-    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """chunks: sequence id -> its new token ids this step. Returns sequence id -> logits [n_new, vocab]."""
+    def step(self, chunks: dict[int, list[int]], verifies: frozenset[int] = frozenset()) -> dict[int, torch.Tensor]:
+        """chunks: sequence id -> its new token ids this step; verifies: indices (in `chunks` order) of sequences
+        whose state waits for a commit (a speculative verify). Returns sequence id -> logits [n_new, vocab]."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -78,7 +81,7 @@ class PagedRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        state = None if self.state is None else StateStep.of(self.state, list(chunks), query_lens, kv_lens)
+        state = None if self.state is None else StateStep.of(self.state, list(chunks), query_lens, kv_lens, verifies)
         with forward_context(self.backend, meta, state=state, entries=self._entries(chunks, meta)):
             if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.cache):
                 hidden = self.cpu_decode.run(input_ids, pos_t)

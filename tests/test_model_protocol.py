@@ -142,6 +142,15 @@ def test_only_llama_stacks_offer_the_cpu_fused_decode() -> None:
         assert isinstance(target, LlamaModel) if llama_family else target is None, arch
 
 
+def test_only_qwen3_5_layout_hybrids_offer_the_cpu_hybrid_decode() -> None:
+    from agentbox.models.qwen3_5 import HybridModel
+
+    for arch, make in TINY_BY_ARCH.items():
+        target = MODEL_REGISTRY[arch](make()).fused_cpu_hybrid_target()
+        qwen3_5_layout = arch.startswith("Qwen3_5") or arch == HYBRID_CLASS  # z, b and a apart (not Qwen3-Next's)
+        assert isinstance(target, HybridModel) if qwen3_5_layout else target is None, arch
+
+
 # Where engine/ and models/ may call getattr / hasattr: on a config (a Hugging Face config's optional fields).
 CONFIG_NAMES = {"config", "text", "cfg", "self.config", "self.text_config"}
 # Calls on something other than a config that probe no model or module (file, call as ast.unparse writes it)

@@ -231,6 +231,17 @@ static int attention(const layer_t *L, const dims_t *d, const float *qkv, int64_
     return 0;
 }
 
+/* The attention above for another layer's struct (cpu_hybrid.c's gated attention): q | k | v rows in, o rows out. */
+int ab_attend(float *k_cache, float *v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
+              const float *qkv, int64_t m, const int32_t *page_table, int64_t pt_stride, int64_t page_size,
+              const int64_t *kv_lens, float *attn, int threads) {
+    layer_t L = {0};
+    dims_t d = {0};
+    L.k_cache = k_cache, L.v_cache = v_cache;
+    d.heads = heads, d.kv_heads = kv_heads, d.head_dim = head_dim, d.scale = scale;
+    return attention(&L, &d, qkv, m, page_table, pt_stride, page_size, kv_lens, attn, threads);
+}
+
 int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *residual, int first, int64_t m,
                     const int64_t *positions, const int64_t *slots, const int32_t *page_table, int64_t pt_stride,
                     int64_t page_size, const int64_t *kv_lens, int threads) {

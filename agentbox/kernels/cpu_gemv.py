@@ -36,7 +36,8 @@ import torch
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_decode.c"), SOURCE.with_name("cpu_bits.c"))  # one library; cpu_gemv.h: shared
+# one library; cpu_gemv.h: shared
+SOURCES = tuple(SOURCE.with_name(n) for n in ("cpu_gemv.c", "cpu_decode.c", "cpu_bits.c", "cpu_hybrid.c"))
 BLOCK = 32
 # fp-contract off: every variant must round the same products the same way (a fused a * b + c is one rounding)
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -148,7 +149,11 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     lib.ab_bits_dequant.argtypes = [_c_ptr, *[_c_int] * 4, _c_i64, _c_i64, _c_ptr, _c_int]
     lib.ab_bits_row_bytes.argtypes = [*[_c_int] * 4, _c_i64]
     lib.ab_bits_row_bytes.restype = _c_i64
-    for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_bits_matmul, lib.ab_bits_dequant):
+    # cpu_hybrid.c: (x, m, k, w fp16, n, out, threads); (layer*, dims*, step*, hidden, residual, first, m, threads)
+    lib.ab_f16_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_int]
+    lib.ab_hybrid_layer.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_int]
+    for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_bits_matmul, lib.ab_bits_dequant,
+              lib.ab_f16_matmul, lib.ab_hybrid_layer):
         f.restype = _c_int
     return lib, ""
 

@@ -8,7 +8,9 @@ A GGUF table arrives as the file's blocks. On a CPU where kernels/cpu_gemv build
 stay quantised (`QuantRows`): lookups dequantise only the rows asked for, and the LM head, which reads the
 whole table every decode step (113 MB in fp32 for SmolLM2's 49152 x 576, 30 MB as Q8_0), runs the kernel.
 On GPU the tables of every type the linear layers keep stay in those layers' form (`PackedRows`); other
-types, and CPUs without the kernel, dequantise the blocks to the dense weight at load.
+types, and CPUs without the kernel, dequantise the blocks to the dense weight at load. An F16 table of an fp32
+model on the CPU stays fp16 (layers/quant/unquantized.py's rule): lookups widen the rows asked for, the head reads
+it through kernels/cpu_f16.py (half the bytes a decode step streams).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentbox.kernels import cpu_f16
 from agentbox.layers.quant.base import Sharding, quant_param
 from agentbox.layers.quant.quant_rows import BitsRows, PackedRows, QuantRows, quant_rows
+from agentbox.layers.quant.unquantized import keeps_f16
 from agentbox.layers.weight_loading import ConvertsAfterLoading, set_weight_loader
 from agentbox.parallel.state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 
@@ -64,11 +68,16 @@ class VocabParallelEmbedding(nn.Module):
                 return
             loaded_weight = loaded_weight.narrow((start, rows), None).dequantize()
             start = 0
+        if self.tp_size == 1 and keeps_f16(param.data, loaded_weight):  # read as fp16 (kernels/cpu_f16.py)
+            param.data = torch.empty(param.shape, dtype=torch.float16)
         param.data.zero_()
         param.data[:rows].copy_(loaded_weight[start : start + rows])
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight) if self.quant is None else self.quant.rows(ids)
+        if self.quant is not None:
+            return self.quant.rows(ids)
+        out = F.embedding(ids, self.weight)
+        return out.float() if self.weight.dtype == torch.float16 and self.weight.device.type == "cpu" else out
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -95,6 +104,11 @@ class ParallelLMHead(VocabParallelEmbedding, ConvertsAfterLoading):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         quant = self.quant or getattr(getattr(self, "tied_to", None), "quant", None)
-        local = F.linear(hidden, self.weight) if quant is None else quant.matmul(hidden)
+        if quant is not None:
+            local = quant.matmul(hidden)
+        elif self.weight.dtype == torch.float16 and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            local = cpu_f16.f16_matmul(hidden, self.weight)  # a GGUF f16 table kept as it is stored
+        else:
+            local = F.linear(hidden, self.weight)
         logits = all_gather_last_dim(local)
         return logits[..., : self.num_embeddings] if self.tp_size > 1 else logits

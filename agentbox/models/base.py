@@ -7,7 +7,8 @@ the model asks it whether it has something.
 - What it caches (`cache_layout`, layers/cache_layout.py): the engine sizes its pools, page tables and state
   slots from it. The attention backend's default shape is `attention_shape`.
 - How the runner may run a step: `supports_cuda_graphs` (decode captured in CUDA graphs), and
-  `fused_cpu_decode_target` (the decoder stack the CPU fused decode of engine/exec/cpu_decode.py runs, if any).
+  `fused_cpu_decode_target` (the decoder stack the CPU fused decode of engine/exec/cpu_decode.py runs, if any),
+  `fused_cpu_hybrid_target` (the Qwen3.5-style hybrid stack engine/exec/cpu_hybrid.py runs, if any).
 - The step itself: `forward(input_ids, positions)` -> hidden states, `compute_logits(hidden)` -> fp32 logits.
 - A draft head the checkpoint ships (`add_mtp_head`, then `mtp`: models/mtp.py), built only when asked for.
 - Tables too large to load (`host_table_names`, `map_host_tables`, `host_tables`: layers/host_table.py): the
@@ -143,6 +144,12 @@ class CausalLM(nn.Module, ABC):
     def fused_cpu_decode_target(self) -> nn.Module | None:
         """The Llama-family decoder stack (`LlamaModel`) the CPU fused decode may run in one C call a layer;
         None: this model's layers are not Llama's. The runner still checks each layer (cpu_decode.eligible)."""
+        return None
+
+    def fused_cpu_hybrid_target(self) -> nn.Module | None:
+        """The Qwen3.5-layout hybrid stack (Gated DeltaNet and gated attention layers, models/qwen3_5.py) the CPU
+        fused decode of engine/exec/cpu_hybrid.py may run in one C call a layer; None: not such a model. The runner
+        still checks each layer (cpu_hybrid.eligible)."""
         return None
 
     @abstractmethod

@@ -56,8 +56,11 @@ def blocks(tensor: GGUFTensor, raw: np.ndarray) -> GGUFBlocks:
     return GGUFBlocks(tensor.qtype, (tensor.shape[0], tensor.shape[1]), raw)
 
 
-def dense(reader: GGUFFile, tensor: GGUFTensor) -> torch.Tensor:
-    """The tensor dequantised to fp32, in its own memory."""
+def dense(reader: GGUFFile, tensor: GGUFTensor, keep_f16: bool = False) -> torch.Tensor:
+    """The tensor dequantised to fp32, in its own memory; an F16 one stays fp16 with `keep_f16` (a linear's weight:
+    the CPU reads it as fp16, layers/quant/unquantized.py; any other method widens it as it copies)."""
+    if keep_f16 and tensor.qtype == gguf.GGMLQuantizationType.F16:
+        return torch.from_numpy(np.array(reader.raw(tensor)).view(np.float16).reshape(tensor.shape))
     data = gguf.quants.dequantize(reader.raw(tensor), tensor.qtype).reshape(tensor.shape)
     if not data.flags.writeable:  # F32 tensors come back as a view of the read-only file map
         data = data.copy()

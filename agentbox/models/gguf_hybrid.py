@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, Qwen3NextConfig
 from agentbox.models.gguf_family import (
     BLOCK_RE,
     GLOBAL_NAMES,
+    VOCAB_TABLES,
     GGUFFamily,
     Weights,
     blocks,
@@ -154,7 +155,7 @@ def hybrid_weights(reader: GGUFFile, config: PretrainedConfig, keep_quantised: b
                 raw = _untile(raw, 0, hk, r)
             yield name, blocks(tensor, raw)
             continue
-        w = dense(reader, tensor)
+        w = dense(reader, tensor, keep_f16=name in VOCAB_TABLES or ("_proj" in name and name.endswith(".weight")))
         parts = tensor.name.split(".")
         if (parts[2] if parts[0] == "blk" else parts[0]) in _SHIFTED_NORMS:
             w = w - 1.0

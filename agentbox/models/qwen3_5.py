@@ -214,6 +214,10 @@ class Qwen3NextForCausalLM(CausalLM):
         self.skip_checkpoint_names = {k: v for k, v in self.skip_checkpoint_names.items() if k != MTP_PREFIX}
         return True
 
+    def fused_cpu_hybrid_target(self) -> HybridModel | None:
+        # Qwen3-Next's grouped in_proj_qkvz is not the C layer's layout (it reads [q | k | v] rows, z apart)
+        return None if self.fused_qkvz else self.language_model
+
     def cache_layout(self) -> CacheLayout:
         """The attention layers' KV in pages (the MTP head's last, when built); each Gated DeltaNet layer's state,
         in layer order (its `state_index`)."""

@@ -16,6 +16,7 @@ import torch
 
 from agentbox.config import HOST_STATE_GB, PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
 from agentbox.engine.exec.cpu_decode import CpuDecode
+from agentbox.engine.exec.cpu_hybrid import HybridCpuDecode
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.exec.logprob import TokenLogprob
 from agentbox.engine.exec.mtp import MtpDraft, MtpDrafter, MtpStep
@@ -200,7 +201,9 @@ class ModelRunner:
                 self.device,
             ),
         )
-        self.cpu_decode = CpuDecode.build(lm.model, self.device)  # None on GPU and for models it cannot run
+        # None on GPU and for models neither can run (what the model declares: a Llama-family or a hybrid stack)
+        self.cpu_decode: CpuDecode | HybridCpuDecode | None = (
+            CpuDecode.build(lm.model, self.device) or HybridCpuDecode.build(lm.model, self.device))
         self.mtp = (MtpDrafter(lm.model, self.backend, self.page_table, self.page_size, config.spec_mtp_tokens,
                                self.max_model_len)
                     if lm.model.mtp is not None and config.speculative.uses_mtp else None)

@@ -1,0 +1,302 @@
+/* One decoder layer of a Qwen3.5 / Qwen3.6 hybrid's decode step in one call (CPU, fp32 activations, fp16 weights
+ * read as fp16): a Gated DeltaNet layer or a gated attention layer, then the SiLU MLP. The torch layers
+ * (models/qwen3_5.py, layers/gated_deltanet.py, layers/delta_rule.py) are the reference; engine/exec/cpu_hybrid.py
+ * wires it and tests/test_cpu_hybrid.py compares the two.
+ *
+ * Eager PyTorch spends ~40 small ops on a delta-net layer's decode (the conv's concat and sum, two l2 norms, the
+ * decay and beta, the state's decay / read / write / read, the gated norm): at hidden 512 their dispatch costs more
+ * than the layer's matmuls. The weights stay fp16 as the GGUF stores them (half the bytes a decode step streams);
+ * F16C widens 8 of them at a time inside the dot product.
+ *
+ * A row is a token; a sequence's rows (a decode's one, a verify's 1 + k, a short extend's few) run in order over its
+ * state (hstep_t), and attend up to their own positions as in cpu_decode.c.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* cpu_decode.c's paged attention over a sequence's pages (q | k | v rows of (heads + 2 kv_heads) * head_dim) */
+int ab_attend(float *k_cache, float *v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
+              const float *qkv, int64_t m, const int32_t *page_table, int64_t pt_stride, int64_t page_size,
+              const int64_t *kv_lens, float *attn, int threads);
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256 w8(const uint16_t *w) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)); }
+
+/* out[t][j] = x[t] . w[j] for m rows of x [m][k] (fp32) and w [n][k] (fp16); k a multiple of 16. One weight row a
+ * pass, read front to back, so the whole matrix is one sequential stream (four rows read side by side, four streams
+ * 1-3 KB apart, left the hardware prefetcher behind: 6.5-7 GB/s of weights on one core against 9-13 this way, on the
+ * shared AMD EPYC); every activation row of the step reads the row while it sits in L1, four at a time. */
+int ab_f16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *out, int threads) {
+    if (k % 16) return -2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t j = 0; j < n; j++) {
+        const uint16_t *wr = w + j * k;
+        _mm_prefetch((const char *)(wr + 8 * k), _MM_HINT_T0); /* a few rows on: the stream's next pages */
+        if (m == 1) { /* a decode step's one sequence: four chains over the row */
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            int64_t i = 0;
+            for (; i + 32 <= k; i += 32) {
+                a0 = _mm256_fmadd_ps(w8(wr + i), _mm256_loadu_ps(x + i), a0);
+                a1 = _mm256_fmadd_ps(w8(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+                a2 = _mm256_fmadd_ps(w8(wr + i + 16), _mm256_loadu_ps(x + i + 16), a2);
+                a3 = _mm256_fmadd_ps(w8(wr + i + 24), _mm256_loadu_ps(x + i + 24), a3);
+            }
+            for (; i < k; i += 16) {
+                a0 = _mm256_fmadd_ps(w8(wr + i), _mm256_loadu_ps(x + i), a0);
+                a1 = _mm256_fmadd_ps(w8(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+            }
+            out[j] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+            continue;
+        }
+        for (int64_t t = 0; t < m; t += 4) { /* four activation rows (the last repeated), two chains each */
+            const float *xs[4];
+            for (int r = 0; r < 4; r++) xs[r] = x + (t + r < m ? t + r : t) * k;
+            __m256 a[8];
+            for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+            for (int64_t i = 0; i < k; i += 16) {
+                const __m256 u = w8(wr + i), v = w8(wr + i + 8);
+                for (int r = 0; r < 4; r++) {
+                    a[r] = _mm256_fmadd_ps(u, _mm256_loadu_ps(xs[r] + i), a[r]);
+                    a[4 + r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs[r] + i + 8), a[4 + r]);
+                }
+            }
+            for (int r = 0; r < 4 && t + r < m; r++) out[(t + r) * n + j] = hsum8(_mm256_add_ps(a[r], a[4 + r]));
+        }
+    }
+    return 0;
+}
+
+typedef struct {
+    const uint16_t *w; /* [n][k] fp16 */
+    int64_t n, k;
+} f16w_t;
+
+/* The layer's weights; norms are the zero-centred checkpoints' 1 + w, widened at plan time. */
+typedef struct {
+    f16w_t in_qkv, in_z, in_b, in_a, out;  /* delta net (in_qkv: [q | k | v] of every head) */
+    f16w_t qkv, o;                          /* gated attention (qkv: [q | gate] per head, then k, then v) */
+    f16w_t gate_up, down;
+    const float *ln1, *ln2;                 /* [H], 1 + w */
+    const float *conv_w;                    /* [C][K] */
+    const float *a_log, *dt_bias;           /* [Hv] */
+    const float *gdn_norm;                  /* [Dv]: the gated norm's weight as stored (not zero-centred) */
+    float *conv_state, *matrix;             /* [slots][C][K-1], [slots][Hv][Dk][Dv] */
+    const float *q_norm, *k_norm;           /* [D], 1 + w */
+    float *k_cache, *v_cache;               /* [slots][Hkv][D] */
+    int64_t linear;                         /* 1: a delta-net layer; 0: gated attention */
+} hlayer_t;
+
+typedef struct {
+    int64_t hidden, inter;
+    int64_t hk, hv, dk, dv, kernel;         /* delta net */
+    int64_t heads, kv_heads, head_dim, rotary_dim;
+    const float *cos, *sin;                 /* [positions][rotary_dim], cat(freqs, freqs) */
+    float eps, scale;
+} hdims_t;
+
+/* The step's rows: a sequence's rows are consecutive (a decode's one, a verify's 1 + k, a short extend's few) and run
+ * in order. A row reads and writes its sequence's state slot in place, or (work >= 0: a verify, whose slot must wait
+ * for the sampler) working copies this call's caller allocated, seeded from the slot at the sequence's first row; the
+ * verify's per-position inputs go to the stash buffers (NULL when no sequence of the step is a verify). */
+typedef struct {
+    const int64_t *positions, *state_slots, *work, *kv_slots, *kv_lens; /* [m] */
+    const int32_t *page_table;                                          /* [m][pt_stride]: each row its sequence's */
+    int64_t pt_stride, page_size;
+    float *conv_work, *matrix_work;            /* [verifies][C][K-1], [verifies][Hv][Dk][Dv] */
+    float *stash_x, *stash_k, *stash_v, *stash_g, *stash_b; /* [m][C], [m][Hk Dk], [m][Hv Dv], [m][Hv], [m][Hv] */
+} hstep_t;
+
+static int mm(const f16w_t *w, const float *x, int64_t m, float *out, int threads) {
+    return ab_f16_matmul(x, m, w->k, w->w, w->n, out, threads);
+}
+
+static void rmsnorm(const float *x, const float *w, int64_t h, float eps, float *out) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
+    const float r = 1.0f / sqrtf(ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) out[i] = w[i] * (x[i] * r);
+}
+
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's threshold */
+
+/* x * rsqrt(sum x^2 + 1e-6) (delta_rule.l2norm), times `mul` */
+static void l2norm(float *x, int64_t d, float mul) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < d; i++) ss += x[i] * x[i];
+    const float r = mul / sqrtf(ss + 1e-6f);
+    for (int64_t i = 0; i < d; i++) x[i] *= r;
+}
+
+/* One token of one value head: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q. S [dk][dv] in place. */
+static void delta_step(float *S, const float *q, const float *k, const float *v, float g, float beta, int64_t dk,
+                       int64_t dv, float *pred, float *o) {
+    const float decay = expf(g);
+    for (int64_t j = 0; j < dv; j++) pred[j] = 0.0f, o[j] = 0.0f;
+    for (int64_t i = 0; i < dk; i++) {
+        float *row = S + i * dv;
+        for (int64_t j = 0; j < dv; j++) {
+            row[j] *= decay;
+            pred[j] += row[j] * k[i];
+        }
+    }
+    for (int64_t j = 0; j < dv; j++) pred[j] = (v[j] - pred[j]) * beta;
+    for (int64_t i = 0; i < dk; i++) {
+        float *row = S + i * dv;
+        for (int64_t j = 0; j < dv; j++) {
+            row[j] += k[i] * pred[j];
+            o[j] += row[j] * q[i];
+        }
+    }
+}
+
+/* the delta-net mixer for m rows (normed [m][H]) into out [m][Hv * Dv] (before out_proj) */
+static int delta_net(const hlayer_t *L, const hdims_t *d, const hstep_t *st, const float *normed, int64_t m,
+                     float *out, int threads) {
+    const int64_t kd = d->hk * d->dk, vd = d->hv * d->dv, c = 2 * kd + vd, kk = d->kernel, r = d->hv / d->hk;
+    const int64_t conv_n = c * (kk - 1), mat_n = d->hv * d->dk * d->dv;
+    float *mixed = malloc(sizeof(float) * m * c), *z = malloc(sizeof(float) * m * vd);
+    float *b = malloc(sizeof(float) * m * d->hv), *a = malloc(sizeof(float) * m * d->hv);
+    float *scratch = malloc(sizeof(float) * 2 * d->dv);
+    int rc = -1;
+    if (!mixed || !z || !b || !a || !scratch) goto done;
+    if ((rc = mm(&L->in_qkv, normed, m, mixed, threads)) || (rc = mm(&L->in_z, normed, m, z, threads)) ||
+        (rc = mm(&L->in_b, normed, m, b, threads)) || (rc = mm(&L->in_a, normed, m, a, threads)))
+        goto done;
+    for (int64_t t = 0; t < m; t++) { /* in order: a sequence's rows each read the state the row before left */
+        float *x = mixed + t * c, *conv = L->conv_state + st->state_slots[t] * conv_n;
+        float *S = L->matrix + st->state_slots[t] * mat_n;
+        const int64_t w = st->work[t];
+        if (w >= 0) {
+            float *cw = st->conv_work + w * conv_n, *mw = st->matrix_work + w * mat_n;
+            if (t == 0 || st->work[t - 1] != w) { /* the verify's first row: its working state from the slot */
+                memcpy(cw, conv, sizeof(float) * conv_n);
+                memcpy(mw, S, sizeof(float) * mat_n);
+            }
+            conv = cw, S = mw;
+        }
+        if (st->stash_x) memcpy(st->stash_x + t * c, x, sizeof(float) * c); /* the conv's inputs, for the commit */
+        for (int64_t ch = 0; ch < c; ch++) { /* causal_conv_step: sum over [state | x] in order, then SiLU */
+            const float *wc = L->conv_w + ch * kk;
+            float *cs = conv + ch * (kk - 1), acc = 0.0f;
+            for (int64_t j = 0; j < kk - 1; j++) acc += cs[j] * wc[j];
+            acc += x[ch] * wc[kk - 1];
+            for (int64_t j = 0; j + 1 < kk - 1; j++) cs[j] = cs[j + 1];
+            cs[kk - 2] = x[ch];
+            x[ch] = silu(acc);
+        }
+        for (int64_t h = 0; h < d->hk; h++) {
+            l2norm(x + h * d->dk, d->dk, 1.0f / sqrtf((float)d->dk));
+            l2norm(x + kd + h * d->dk, d->dk, 1.0f);
+        }
+        if (st->stash_k) {
+            memcpy(st->stash_k + t * kd, x + kd, sizeof(float) * kd);
+            memcpy(st->stash_v + t * vd, x + 2 * kd, sizeof(float) * vd);
+        }
+        for (int64_t h = 0; h < d->hv; h++) { /* value head h reads key head h / r */
+            const float beta = sigmoid(b[t * d->hv + h]);
+            const float g = -expf(L->a_log[h]) * softplus(a[t * d->hv + h] + L->dt_bias[h]);
+            if (st->stash_g) st->stash_g[t * d->hv + h] = g, st->stash_b[t * d->hv + h] = beta;
+            float *o = out + t * vd + h * d->dv;
+            delta_step(S + h * d->dk * d->dv, x + (h / r) * d->dk, x + kd + (h / r) * d->dk, x + 2 * kd + h * d->dv,
+                       g, beta, d->dk, d->dv, scratch, o);
+            const float *zh = z + t * vd + h * d->dv; /* GatedRMSNorm: w * rmsnorm(o) * silu(z) */
+            float ss = 0.0f;
+            for (int64_t j = 0; j < d->dv; j++) ss += o[j] * o[j];
+            const float rs = 1.0f / sqrtf(ss / (float)d->dv + d->eps);
+            for (int64_t j = 0; j < d->dv; j++) o[j] = L->gdn_norm[j] * (o[j] * rs) * silu(zh[j]);
+        }
+    }
+done:
+    free(mixed), free(z), free(b), free(a), free(scratch);
+    return rc;
+}
+
+static void rope(float *x, const float *cos, const float *sin, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* the gated attention mixer: out [m][Hq * D] (attention times sigmoid of its gate, before o_proj) */
+static int gated_attention(const hlayer_t *L, const hdims_t *d, const hstep_t *st, const float *normed, int64_t m,
+                           float *out, int threads) {
+    const int64_t *positions = st->positions, *kv_slots = st->kv_slots;
+    const int64_t hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, rd = d->rotary_dim;
+    const int64_t raw_n = (2 * hq + 2 * hkv) * hd, qkv_n = (hq + 2 * hkv) * hd;
+    float *raw = malloc(sizeof(float) * m * raw_n), *qkv = malloc(sizeof(float) * m * qkv_n);
+    int rc = -1;
+    if (!raw || !qkv) goto done;
+    if ((rc = mm(&L->qkv, normed, m, raw, threads))) goto done;
+    for (int64_t t = 0; t < m; t++) {
+        const float *src = raw + t * raw_n;
+        float *row = qkv + t * qkv_n;
+        const float *c = d->cos + positions[t] * rd, *s = d->sin + positions[t] * rd;
+        for (int64_t h = 0; h < hq; h++) rmsnorm(src + 2 * h * hd, L->q_norm, hd, d->eps, row + h * hd);
+        for (int64_t h = 0; h < hkv; h++)
+            rmsnorm(src + 2 * hq * hd + h * hd, L->k_norm, hd, d->eps, row + (hq + h) * hd);
+        memcpy(row + (hq + hkv) * hd, src + (2 * hq + hkv) * hd, sizeof(float) * hkv * hd);
+        for (int64_t h = 0; h < hq + hkv; h++) rope(row + h * hd, c, s, rd); /* the first rd channels of a head */
+        if (kv_slots[t] >= 0) {
+            memcpy(L->k_cache + kv_slots[t] * hkv * hd, row + hq * hd, sizeof(float) * hkv * hd);
+            memcpy(L->v_cache + kv_slots[t] * hkv * hd, row + (hq + hkv) * hd, sizeof(float) * hkv * hd);
+        }
+    }
+    rc = ab_attend(L->k_cache, L->v_cache, hq, hkv, hd, d->scale, qkv, m, st->page_table, st->pt_stride, st->page_size,
+                   st->kv_lens, out, threads);
+    if (rc) goto done;
+    for (int64_t t = 0; t < m; t++)
+        for (int64_t h = 0; h < hq; h++) {
+            const float *gate = raw + t * raw_n + (2 * h + 1) * hd;
+            float *o = out + t * hq * hd + h * hd;
+            for (int64_t j = 0; j < hd; j++) o[j] *= sigmoid(gate[j]);
+        }
+done:
+    free(raw), free(qkv);
+    return rc;
+}
+
+/* hidden / residual as models/qwen3_5.py's HybridDecoderLayer leaves them (first: residual = hidden) */
+int ab_hybrid_layer(const hlayer_t *L, const hdims_t *d, const hstep_t *st, float *hidden, float *residual, int first,
+                    int64_t m, int threads) {
+    const int64_t h = d->hidden, in = d->inter;
+    const int64_t mix = L->linear ? d->hv * d->dv : d->heads * d->head_dim;
+    float *normed = malloc(sizeof(float) * m * h), *mixed = malloc(sizeof(float) * m * mix);
+    float *o = malloc(sizeof(float) * m * h), *gu = malloc(sizeof(float) * m * 2 * in);
+    int rc = -1;
+    if (!normed || !mixed || !o || !gu) goto done;
+    for (int64_t t = 0; t < m; t++) {
+        float *res = residual + t * h, *hid = hidden + t * h;
+        for (int64_t i = 0; i < h; i++) res[i] = first ? hid[i] : hid[i] + res[i];
+        rmsnorm(res, L->ln1, h, d->eps, normed + t * h);
+    }
+    rc = L->linear ? delta_net(L, d, st, normed, m, mixed, threads) : gated_attention(L, d, st, normed, m, mixed, threads);
+    if (rc || (rc = mm(L->linear ? &L->out : &L->o, mixed, m, o, threads))) goto done;
+    for (int64_t t = 0; t < m; t++) {
+        float *res = residual + t * h;
+        for (int64_t i = 0; i < h; i++) res[i] += o[t * h + i];
+        rmsnorm(res, L->ln2, h, d->eps, normed + t * h);
+    }
+    if ((rc = mm(&L->gate_up, normed, m, gu, threads))) goto done;
+    for (int64_t t = 0; t < m; t++) { /* SiLU(gate) * up, into the gate half (down reads [m][in] rows of it) */
+        float *g = gu + t * 2 * in;
+        for (int64_t i = 0; i < in; i++) gu[t * in + i] = silu(g[i]) * g[in + i];
+    }
+    rc = mm(&L->down, gu, m, hidden, threads);
+done:
+    free(normed), free(mixed), free(o), free(gu);
+    return rc;
+}
