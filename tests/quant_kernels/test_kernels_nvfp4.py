@@ -56,7 +56,7 @@ def test_nvfp4_model_through_the_kernel_keeps_fp4_resident(tmp_path: Path, monke
     save_random(DENSE, tmp_path / "m")
     twin = quantise_saved(tmp_path / "m", "compressed-tensors")
     real = loader.quant_config
-    monkeypatch.setattr(loader, "quant_config", lambda src, cfg: replace(real(src, cfg), kernel=NvFp4Kernel.TRITON_W4A16))
+    monkeypatch.setattr(loader, "quant_config", lambda src, cfg, cls=None: replace(real(src, cfg, cls), kernel=NvFp4Kernel.TRITON_W4A16))
     ours = loader.load_model(str(tmp_path / "m"), torch.float32, "cpu")
     qkv = ours.model.model.layers[0].self_attn.qkv_proj
     assert qkv.quant_method.kernel is NvFp4Kernel.TRITON_W4A16 and qkv.weight.dtype is torch.uint8

@@ -35,7 +35,7 @@ def test_w8a16_matches_its_twin(m: int, n: int, k: int, dtype: torch.dtype) -> N
 def test_fp8_model_through_the_kernel_keeps_fp8_resident(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hf = write_fp8(tmp_path)
     real = loader.quant_config
-    monkeypatch.setattr(loader, "quant_config", lambda src, cfg: replace(real(src, cfg), kernel=FP8Kernel.TRITON))
+    monkeypatch.setattr(loader, "quant_config", lambda src, cfg, cls=None: replace(real(src, cfg, cls), kernel=FP8Kernel.TRITON))
     ours = loader.load_model(str(tmp_path), torch.float32, "cpu")
     layers = [m for m in ours.model.modules() if getattr(getattr(m, "quant_method", None), "kind", None)
               is QuantMethod.FP8_BLOCK]

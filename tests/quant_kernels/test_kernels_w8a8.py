@@ -94,7 +94,7 @@ def test_w8a8_is_chosen_only_where_the_gpu_has_fp8() -> None:
 def test_fp8_model_through_the_w8a8_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hf = write_fp8(tmp_path)
     real = loader.quant_config
-    monkeypatch.setattr(loader, "quant_config", lambda src, cfg: replace(real(src, cfg), kernel=FP8Kernel.W8A8))
+    monkeypatch.setattr(loader, "quant_config", lambda src, cfg, cls=None: replace(real(src, cfg, cls), kernel=FP8Kernel.W8A8))
     ours = loader.load_model(str(tmp_path), torch.float32, DEVICE)
     layers = [m for m in ours.model.modules() if getattr(getattr(m, "quant_method", None), "kind", None)
               is QuantMethod.FP8_BLOCK]
