@@ -29,7 +29,7 @@ from agentbox.bench import llama_server
 from agentbox.bench.cpu_rows import cpu_info
 from agentbox.bench.spawn import spawned
 from agentbox.bench.throughput import Rates, engine_rates, random_prompts
-from agentbox.config import EngineConfig
+from agentbox.config import EngineConfig, Speculative
 from agentbox.engine.llm import LLM
 from agentbox.kernels import cpu_gemv
 from agentbox.layers.quant import int4, resident_weight_bytes
@@ -38,7 +38,9 @@ from agentbox.models.loader import load_tokenizer, resolve_model
 
 def _load(gguf: str, kernel: int4.Int4Kernel, threads: int) -> LLM:
     with int4.cpu_kernel(kernel):
-        llm = LLM(EngineConfig(model=gguf, device="cpu", cpu_threads=threads, cache_policy="none", num_pages=64))
+        # drafts off: this compares kernels and the decode loop, and llama-server drafts nothing here either
+        llm = LLM(EngineConfig(model=gguf, device="cpu", cpu_threads=threads, cache_policy="none", num_pages=64,
+                               speculative=Speculative.OFF))
     engine_rates(llm, random_prompts(1, 8, llm.loaded.vocab_size, 0), 2)  # warm-up
     return llm
 
