@@ -161,8 +161,7 @@ class EngineClient:
     def _on_dead(self, why: str, conn: Connection) -> None:
         if conn is not self._conn or self.dead is not None:
             return  # an older engine's last words, or the EOF that follows its failure message
-        if self._proc is None:  # the EOF of a shutdown we asked for (`agentbox stop`, Ctrl-C): not a failure
-            log.info("engine stopped")
+        if self._proc is None:  # the EOF of a shutdown we asked for (`agentbox stop`, Ctrl-C): `shutdown` says so
             return
         self.dead = why
         log.error("engine failed: %s", why)
@@ -343,6 +342,8 @@ class EngineClient:
         if proc.is_alive():
             proc.terminate()
             proc.join(5)
+        # Logged here, not from the reader's EOF: that is posted to the event loop, which may close before it runs
+        log.info("engine stopped")
 
     @property
     def pid(self) -> int | None:
