@@ -4,6 +4,8 @@ tiles, split-bf16 products) against the same twin, and which calls take it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -166,13 +168,13 @@ def test_torch_backend_takes_the_kernel_and_plans_only_for_a_window() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_step_that_only_extends_long_prompts_gives_attention_every_core(smollm2_loaded, smollm2_path) -> None:  # noqa: ANN001
-    """The API process's core joins the attention only when nothing streams (no sequence decodes or verifies)
-    and the step's query x key pairs are many; an explicit cpu_threads is kept."""
+def test_a_step_that_is_mostly_prompt_takes_every_core(smollm2_loaded, smollm2_path) -> None:  # noqa: ANN001
+    """The API process's core joins a step of many tokens (even beside decodes), or one that only extends
+    prompts (nothing streams) with many query x key pairs; an explicit cpu_threads is kept."""
     import os
 
     from agentbox.config import EngineConfig
-    from agentbox.engine.exec.runner import LONG_ATTENTION
+    from agentbox.engine.exec.cpu_threads import LONG_ATTENTION, WIDE_STEP_TOKENS, Spare, step_threads
     from agentbox.engine.exec.step_inputs import StepInputs
     from agentbox.engine.llm import LLM
 
@@ -183,15 +185,23 @@ def test_a_step_that_only_extends_long_prompts_gives_attention_every_core(smollm
                           torch.arange(samples), 1)
 
     long_kv = LONG_ATTENTION // 30 + 1
+    idle = Spare(Path("/nonexistent"))  # no /proc/stat: the other cores count as free
     for threads in (None, 1):
         llm = LLM(EngineConfig(model=str(smollm2_path), num_pages=64, cpu_threads=threads), loaded=smollm2_loaded)
         try:
             runner, cores = llm.core.runner, os.cpu_count() or 1
             every = cores if threads is None and cores > torch.get_num_threads() else None
-            assert runner._attention_threads(step([30], [long_kv], 1)) == every  # a warm turn at long context
-            assert runner._attention_threads(step([30, 1], [long_kv, long_kv], 2)) is None  # one decodes
-            assert runner._attention_threads(step([5], [long_kv * 6], 5)) is None  # a verify samples every row
-            assert runner._attention_threads(step([30], [long_kv // 2], 1)) is None  # short: one thread is quicker
+
+            def of(s: StepInputs, r: object = runner) -> int | None:
+                return step_threads(s, r.device, r.config.cpu_threads, r.tp, idle)
+
+            assert of(step([30], [long_kv], 1)) == every  # a warm turn at long context
+            assert of(step([30, 1], [long_kv, long_kv], 2)) is None  # one decodes
+            assert of(step([5], [long_kv * 6], 5)) is None  # a verify samples every row
+            assert of(step([30], [long_kv // 2], 1)) is None  # short: one thread is quicker
+            wide = WIDE_STEP_TOKENS
+            assert of(step([wide - 3, 1, 1, 1], [wide, 90, 90, 90], 4)) == every  # a tool result beside 3 decodes
+            assert of(step([wide - 4, 1, 1, 1], [wide, 90, 90, 90], 4)) is None
         finally:
             llm.close()
 

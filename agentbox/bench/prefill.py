@@ -88,7 +88,7 @@ def prefill_report(short: int = 2048, long: int = 32768, layers: int = 1, chunk:
 
     `engine_threads` is the engine as `agentbox serve` runs it (cpu_threads unset): its linear layers on all
     cores but one (the other is the API process's), the attention of a step with at least LONG_ATTENTION query x
-    key pairs on every core (engine/exec/runner.py `_attention_threads`: the API process only waits then).
+    key pairs on every core (engine/exec/cpu_threads.py: the API process only waits then).
     `one_thread` pins both to one core: the kernels' own rates, the ratio the tiles alone reach."""
     settings = {"engine_threads": None, "one_thread": 1}
     out: dict[str, Any] = {"what": f"cold chunked prefill, {layers} SmolLM2-shaped layers, chunk {chunk}, "

@@ -150,6 +150,7 @@ def serve(
     speculative: Speculative = typer.Option(_E.speculative, help="drafts: the session's text, the model's MTP head"),
     cpu_moe: bool = typer.Option(_E.cpu_moe, "--cpu-moe", help="MoE: all routed experts in host RAM (CPU)"),
     n_cpu_moe: int = typer.Option(_E.n_cpu_moe, "--n-cpu-moe", help="MoE: the first N layers' experts in RAM", show_default=False),
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads of every step (default: all cores but one, all for prompt-heavy steps)"),  # noqa: UP007
 ) -> None:
     """Start the server (in the background unless --foreground)."""
     from agentbox.cli import daemon
@@ -161,6 +162,8 @@ def serve(
         fail(f"--page-size must be a power of two (got {page_size})")
     if n_cpu_moe < 0:
         fail(f"--n-cpu-moe must be 0 or more (got {n_cpu_moe})")
+    if threads is not None and threads < 1:
+        fail(f"--threads must be 1 or more (got {threads})")
     from agentbox.server.guard import is_loopback
 
     if not is_loopback(host) and not api_key and not allow_unauthenticated:
@@ -184,7 +187,7 @@ def serve(
         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
         host_cache_gb=host_cache_gb, disk_cache_gb=disk_cache_gb, disk_restore=restore, seed=seed,
         tensor_parallel_size=tp, loop_guard=loop_guard, state_snapshots=state_snapshots, speculative=speculative,
-        cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
+        cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, cpu_threads=threads,
     )
     config = ServerConfig(host=host, port=port, served_model_name=served_model_name, api_key=api_key,
                           allow_unauthenticated=allow_unauthenticated, max_body_mb=max_body_mb, engine=engine,

@@ -17,6 +17,7 @@ import torch
 from agentbox.config import HOST_STATE_GB, PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
 from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.engine.exec.cpu_hybrid import HybridCpuDecode
+from agentbox.engine.exec.cpu_threads import Spare, step_threads, torch_threads
 from agentbox.engine.exec.graph_runner import DecodeGraphs, build_decode_graphs
 from agentbox.engine.exec.logprob import TokenLogprob
 from agentbox.engine.exec.mtp import MtpDraft, MtpDrafter, MtpStep
@@ -36,15 +37,12 @@ from agentbox.layers.window_kv import page_slack
 from agentbox.models.loader import LoadedModel, host_expert_bytes, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 
-# Query x key pairs from which a prompt-extending step's CPU attention takes every core (~1 ms of one core's
-# kernel at head size 16): below it, waking a second thread costs more than it saves.
-LONG_ATTENTION = 1 << 20
-
 if TYPE_CHECKING:  # the core's types, for hints only: exec must not import the core at run time
     from agentbox.engine.cache.seq_cache import SeqCache
     from agentbox.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Share of free GPU memory the KV pool takes when no size is given: most of it (weights are already loaded).
@@ -100,6 +98,7 @@ class ModelRunner:
         self.dtype = DTYPES[config.resolved_dtype]
         torch.manual_seed(config.seed)
         self._set_threads()
+        self.spare = Spare()  # whether a prompt-heavy step may take the API process's core (cpu_threads.py)
         if loaded is None:
             exact = int4.cpu_kernel(int4.Int4Kernel.DENSE) if config.exact_cpu else contextlib.nullcontext()
             with exact:
@@ -134,19 +133,6 @@ class ModelRunner:
             from agentbox.kernels import cpu_gemv
 
             log.info("CPU kernels: %s", cpu_gemv.describe())
-
-    def _attention_threads(self, step: StepInputs) -> int | None:
-        """Every core for the attention of a step that only extends prompts over long contexts (a warm agent
-        turn's ~30 tokens over 121k keys: 8 ms of one core, 60 % of that turn's time to first token). The core
-        left to the API process is idle then: it streams nothing (no sequence decodes or verifies) and waits
-        for this step's token. An explicit `cpu_threads` is kept, and tensor-parallel ranks keep their share."""
-        if self.device.type != "cpu" or self.config.cpu_threads is not None or self.tp > 1:
-            return None
-        if min(step.query_lens) == 1 or int(step.sample_rows.numel()) > len(step.query_lens):
-            return None  # a decode (or a verify, which samples every row): the API process streams its tokens
-        work = sum(q * kv for q, kv in zip(step.query_lens, step.kv_lens, strict=True))
-        cores = os.cpu_count() or 1
-        return cores if work >= LONG_ATTENTION and cores > torch.get_num_threads() else None
 
     def _set_threads(self) -> None:
         if self.device.type == "cpu":
@@ -393,7 +379,7 @@ class ModelRunner:
             page_table=self.page_table.rows(step.table_rows, step.num_table_cols),
             slot_mapping=step.slot_mapping.to(dev),
             page_size=self.page_size,
-            cpu_threads=self._attention_threads(step),
+            cpu_threads=step_threads(step, self.device, self.config.cpu_threads, self.tp, self.spare),
         )
         state = None
         if self.state_cache is not None:
@@ -406,7 +392,7 @@ class ModelRunner:
         entries = {t: EntryStep(t, self._entries_per_page(t), self.page_size, step.entry_slots[j].to(dev),
                                 meta.page_table, step.query_lens, step.kv_lens)
                    for j, t in enumerate(self.entry_groups)}
-        with forward_context(self.backend, meta, state=state, entries=entries):
+        with forward_context(self.backend, meta, state=state, entries=entries), torch_threads(meta.cpu_threads):
             if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.kv_cache):
                 hidden = self.cpu_decode.run(step.input_ids.to(dev), step.positions.to(dev))
             else:
