@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import DynamicCache, Glm5NextConfig
+from transformers import Glm5NextConfig
 
 KDA, INDEXED = "linear_attention", "indexed_attention"
 TEXT: dict[str, Any] = dict(
@@ -64,33 +64,3 @@ def save_glm5_next(path: Path, config: Glm5NextConfig | None = None, seed: int =
     hf.save_pretrained(path)
     return hf
 
-
-def hf_causal_logits(hf: torch.nn.Module, tokens: list[int], chunk: int = 1) -> torch.Tensor:
-    """[len(tokens), vocab] fp32 from transformers fed `chunk` tokens at a time through its cache (1: the decode
-    path generate() takes after its first token)."""
-    cache, out = DynamicCache(config=hf.config), []
-    with torch.no_grad():
-        for lo in range(0, len(tokens), chunk):
-            ids = torch.tensor([tokens[lo : lo + chunk]])
-            out.append(hf(ids, cache=cache, use_cache=True).logits[0].float())
-    return torch.cat(out)
-
-
-def hf_full_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([tokens])).logits[0].float()
-
-
-def hf_causal_greedy(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """Greedy tokens on the causal computation: the prompt token by token, then each new token."""
-    cache, tokens, out = DynamicCache(config=hf.config), list(prompt), []
-    with torch.no_grad():
-        logits = None
-        for t in tokens:
-            logits = hf(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1]
-        for _ in range(n):
-            assert logits is not None
-            nxt = int(logits.argmax())
-            out.append(nxt)
-            logits = hf(torch.tensor([[nxt]]), cache=cache, use_cache=True).logits[0, -1]
-    return out

@@ -146,7 +146,7 @@ def _glm_nvfp4(path: Path) -> torch.nn.Module:
 
 def test_glm_5_3_flash_with_nvfp4_experts_in_ram(tmp_path: Path) -> None:
     """Issue 47's model as its planned variant runs it: NVFP4 routed experts in host RAM on the kernel."""
-    from glm5_next_models import hf_causal_logits
+    from hf_reference import hf_causal_logits
     from moe_harness import DECODE
 
     twin = _glm_nvfp4(tmp_path / "glm")

@@ -13,6 +13,7 @@ import pytest
 import torch
 from deepseek_v4_gguf import write_release
 from deepseek_v4_models import hf_greedy, hf_logits, save_deepseek_v4
+from hf_reference import chunked_steps, session_turns
 from model_harness import PagedRunner
 from safetensors import safe_open
 
@@ -34,14 +35,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modul
     return path, hf, load_model(str(path), torch.float32, "cpu")
 
 
-def _steps(runner: PagedRunner, seq: int, tokens: list[int], chunks: list[int]) -> torch.Tensor:
-    out, pos = [], 0
-    for n in chunks:
-        out.append(runner.step({seq: tokens[pos : pos + n]})[seq])
-        pos += n
-    return torch.cat(out)
-
-
 def test_prefill_chunks_and_decode_match_transformers(tiny: tuple[Path, torch.nn.Module, LoadedModel]) -> None:
     _, hf, loaded = tiny
     ref = hf_logits(hf, PROMPT)
@@ -49,9 +42,9 @@ def test_prefill_chunks_and_decode_match_transformers(tiny: tuple[Path, torch.nn
     prefill = PagedRunner(loaded, page_size=8).step({0: PROMPT})[0]
     torch.testing.assert_close(prefill, ref, atol=2e-5, rtol=2e-5)
     for chunks in ([5, 8, 3, 13, 31, 41], [33, 30, 38], [1] * 40 + [61]):
-        got = _steps(PagedRunner(loaded, page_size=8), 0, PROMPT, chunks)
+        got = chunked_steps(PagedRunner(loaded, page_size=8), 0, PROMPT, chunks)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5, msg=lambda m, c=chunks: f"chunks {c}: {m}")
-    decode = _steps(PagedRunner(loaded, page_size=16), 0, PROMPT, [20] + [1] * 81)
+    decode = chunked_steps(PagedRunner(loaded, page_size=16), 0, PROMPT, [20] + [1] * 81)
     torch.testing.assert_close(decode, ref, atol=2e-5, rtol=2e-5)
 
 
@@ -62,7 +55,7 @@ def test_query_blocks_equal_one_block(tiny: tuple[Path, torch.nn.Module, LoadedM
     _, hf, loaded = tiny
     monkeypatch.setattr(window_entry_attention, "QUERY_BLOCK", 7)
     monkeypatch.setattr(compressor, "SCORE_BUDGET", 500)
-    got = _steps(PagedRunner(loaded, page_size=8), 0, PROMPT, [45, 56])
+    got = chunked_steps(PagedRunner(loaded, page_size=8), 0, PROMPT, [45, 56])
     torch.testing.assert_close(got, hf_logits(hf, PROMPT), atol=2e-5, rtol=2e-5)
 
 
@@ -107,15 +100,7 @@ def test_engine_greedy_and_session_turns(tiny: tuple[Path, torch.nn.Module, Load
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     history = {f"s{k}": [(k * 7 + i * 5 + 1) % 250 + 1 for i in range(57 + 11 * k)] for k in range(3)}
     with LLM(config, loaded=loaded) as llm:
-        for turn in range(3):
-            sids = list(history)
-            outs = llm.generate(list(history.values()), sp, session_ids=sids)
-            for sid, out in zip(sids, outs, strict=True):
-                prompt = history[sid]
-                assert out.token_ids == hf_greedy(hf, prompt, 6), (sid, turn)
-                if turn:  # resumed at the last page boundary of the last turn: < 8 tokens and the new ones recomputed
-                    assert out.num_cached_tokens >= len(prompt) - 8 - (3 + turn), (sid, turn, out.num_cached_tokens)
-                history[sid] = prompt + out.token_ids + [(turn * 3 + len(prompt) + j) % 250 + 1 for j in range(2 + turn)]
-            llm.core.check_integrity()
+        for prompt, answer in session_turns(llm, history, sp, first_id=1):  # later turns at their last page boundary
+            assert answer == hf_greedy(hf, prompt, 6), len(prompt)
         stats = llm.core.cache.snapshot_stats()
     assert stats is not None and stats.hits >= 6

@@ -16,12 +16,10 @@ from glm5_next_models import (
     INDEXED,
     KDA,
     TEXT,
-    hf_causal_greedy,
-    hf_causal_logits,
-    hf_full_logits,
     save_glm5_next,
     tiny_config,
 )
+from hf_reference import chunked_steps, hf_causal_greedy, hf_causal_logits, hf_full_logits, session_turns
 from model_harness import PagedRunner
 
 from agentbox.config import EngineConfig
@@ -44,14 +42,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modul
 @pytest.fixture(scope="module")
 def ref(tiny: tuple[Path, torch.nn.Module, LoadedModel]) -> torch.Tensor:
     return hf_causal_logits(tiny[1], PROMPT)
-
-
-def _steps(runner: PagedRunner, seq: int, tokens: list[int], chunks: list[int]) -> torch.Tensor:
-    out, pos = [], 0
-    for n in chunks:
-        out.append(runner.step({seq: tokens[pos : pos + n]})[seq])
-        pos += n
-    return torch.cat(out)
 
 
 def test_the_release_layout_loads(tiny: tuple[Path, torch.nn.Module, LoadedModel]) -> None:
@@ -81,9 +71,9 @@ def test_prefill_chunks_and_decode_match_transformers(tiny: tuple[Path, torch.nn
     prefill = PagedRunner(loaded, page_size=8).step({0: PROMPT})[0]
     torch.testing.assert_close(prefill, ref, atol=2e-5, rtol=2e-5)
     for chunks in ([5, 8, 3, 13, 31, 1], [33, 28], [1] * 20 + [41]):
-        got = _steps(PagedRunner(loaded, page_size=8), 0, PROMPT, chunks)
+        got = chunked_steps(PagedRunner(loaded, page_size=8), 0, PROMPT, chunks)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5, msg=lambda m, c=chunks: f"chunks {c}: {m}")
-    decode = _steps(PagedRunner(loaded, page_size=16), 0, PROMPT, [10] + [1] * 51)
+    decode = chunked_steps(PagedRunner(loaded, page_size=16), 0, PROMPT, [10] + [1] * 51)
     torch.testing.assert_close(decode, ref, atol=2e-5, rtol=2e-5)
     # transformers fed in chunks of 7 through its cache agrees too
     torch.testing.assert_close(hf_causal_logits(hf, PROMPT, chunk=7), ref, atol=2e-5, rtol=2e-5)
@@ -127,7 +117,7 @@ def test_tied_scores_pick_the_same_pools_however_the_prompt_is_chunked(tmp_path:
     assert (full - causal)[21:].abs().max() > 0.1  # transformers' two paths break the ties differently
     loaded = load_model(str(tmp_path), torch.float32, "cpu")
     whole = PagedRunner(loaded, page_size=8).step({0: prompt})[0]
-    decoded = _steps(PagedRunner(loaded, page_size=8), 0, prompt, [1] * 40)
+    decoded = chunked_steps(PagedRunner(loaded, page_size=8), 0, prompt, [1] * 40)
     torch.testing.assert_close(decoded, whole, atol=2e-5, rtol=2e-5)
 
 
@@ -139,16 +129,8 @@ def test_engine_greedy_and_session_turns(tiny: tuple[Path, torch.nn.Module, Load
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     history = {f"s{k}": [(k * 7 + i * 5 + 1) % 250 + 1 for i in range(37 + 11 * k)] for k in range(3)}
     with LLM(config, loaded=loaded) as llm:
-        for turn in range(3):
-            sids = list(history)
-            outs = llm.generate(list(history.values()), sp, session_ids=sids)
-            for sid, out in zip(sids, outs, strict=True):
-                prompt = history[sid]
-                assert out.token_ids == hf_causal_greedy(hf, prompt, 6), (sid, turn)
-                if turn:  # resumed from the last turn's snapshot: only the new tokens recomputed
-                    assert out.num_cached_tokens >= len(prompt) - 8 - (3 + turn), (sid, turn, out.num_cached_tokens)
-                history[sid] = prompt + out.token_ids + [(turn * 3 + len(prompt) + j) % 250 + 1 for j in range(2 + turn)]
-            llm.core.check_integrity()
+        for prompt, answer in session_turns(llm, history, sp, first_id=1):  # later turns from their KDA snapshots
+            assert answer == hf_causal_greedy(hf, prompt, 6), len(prompt)
         stats = llm.core.cache.snapshot_stats()
     assert stats is not None and stats.hits >= 6
 

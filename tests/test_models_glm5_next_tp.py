@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from glm5_next_models import hf_causal_greedy, save_glm5_next
+from glm5_next_models import save_glm5_next
+from hf_reference import hf_causal_greedy
 
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM

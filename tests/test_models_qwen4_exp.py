@@ -15,12 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from hf_reference import chunked_steps, hf_causal_greedy, hf_causal_logits, hf_full_logits, session_turns
 from model_harness import PagedRunner
 from qwen4_exp_models import (
     EOS,
-    hf_causal_greedy,
-    hf_causal_logits,
-    hf_full_logits,
     randomize,
     save_qwen4_exp,
     text_only_config,
@@ -49,14 +47,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modul
 @pytest.fixture(scope="module")
 def ref(tiny: tuple[Path, torch.nn.Module, LoadedModel]) -> torch.Tensor:
     return hf_causal_logits(tiny[1], PROMPT)
-
-
-def _steps(runner: PagedRunner, seq: int, tokens: list[int], chunks: list[int]) -> torch.Tensor:
-    out, pos = [], 0
-    for n in chunks:
-        out.append(runner.step({seq: tokens[pos : pos + n]})[seq])
-        pos += n
-    return torch.cat(out)
 
 
 def test_the_release_layout_loads(tiny: tuple[Path, torch.nn.Module, LoadedModel]) -> None:
@@ -96,9 +86,9 @@ def test_prefill_chunks_and_decode_match_transformers(tiny: tuple[Path, torch.nn
     prefill = PagedRunner(loaded, page_size=8).step({0: PROMPT})[0]
     torch.testing.assert_close(prefill, ref, atol=2e-5, rtol=2e-5)
     for chunks in ([5, 8, 3, 1, 13, 10], [18, 22], [1] * 11 + [29]):
-        got = _steps(PagedRunner(loaded, page_size=8), 0, PROMPT, chunks)
+        got = chunked_steps(PagedRunner(loaded, page_size=8), 0, PROMPT, chunks)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5, msg=lambda m, c=chunks: f"chunks {c}: {m}")
-    decode = _steps(PagedRunner(loaded, page_size=16), 0, PROMPT, [10] + [1] * 30)
+    decode = chunked_steps(PagedRunner(loaded, page_size=16), 0, PROMPT, [10] + [1] * 30)
     torch.testing.assert_close(decode, ref, atol=2e-5, rtol=2e-5)
 
 
@@ -131,18 +121,8 @@ def test_engine_greedy_and_session_turns(tiny: tuple[Path, torch.nn.Module, Load
     assert [o.token_ids for o in outs] == [hf_causal_greedy(hf, p, 5) for p in (PROMPT, OTHER)]
     history = {f"s{k}": [(k * 7 + i * 5 + 1) % 250 + 3 for i in range(21 + 6 * k)] for k in range(3)}
     history["s1"][9] = EOS
-    asked: list[tuple[list[int], list[int]]] = []
     with LLM(config, loaded=loaded) as llm:
-        for turn in range(3):
-            sids = list(history)
-            outs = llm.generate(list(history.values()), sp, session_ids=sids)
-            for sid, out in zip(sids, outs, strict=True):
-                prompt = history[sid]
-                asked.append((list(prompt), out.token_ids))
-                if turn:  # resumed from the last turn's snapshot: only the new tokens recomputed
-                    assert out.num_cached_tokens >= len(prompt) - 8 - (3 + turn), (sid, turn, out.num_cached_tokens)
-                history[sid] = prompt + out.token_ids + [(turn * 3 + len(prompt) + j) % 250 + 3 for j in range(2 + turn)]
-            llm.core.check_integrity()
+        asked = session_turns(llm, history, sp, first_id=3)  # later turns from their snapshots
         stats = llm.core.cache.snapshot_stats()
     assert stats is not None and stats.hits >= 6
     with LLM(config, loaded=loaded) as cold:
@@ -156,7 +136,7 @@ def test_the_text_only_layout_loads(tmp_path: Path) -> None:
     hf.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path), torch.float32, "cpu")
     assert len(loaded.model.host_tables()) == 2
-    got = _steps(PagedRunner(loaded, page_size=8), 0, OTHER, [17, 1, 11])
+    got = chunked_steps(PagedRunner(loaded, page_size=8), 0, OTHER, [17, 1, 11])
     torch.testing.assert_close(got, hf_full_logits(hf, OTHER), atol=2e-5, rtol=2e-5)
 
 

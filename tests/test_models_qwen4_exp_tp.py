@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from qwen4_exp_models import EOS, hf_causal_greedy, save_qwen4_exp
+from hf_reference import hf_causal_greedy
+from qwen4_exp_models import EOS, save_qwen4_exp
 
 from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
