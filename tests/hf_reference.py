@@ -1,13 +1,17 @@
 """What the per-model parity tests share: transformers' causal computation fed through its cache (the reference
 for models whose full forward and decode may break score ties differently), the paged runner stepped in chunks,
-and an engine's interleaved session turns."""
+and an engine's interleaved session turns, and the tensor-parallel greedy and session check."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from model_harness import PagedRunner
 from transformers import DynamicCache
 
+from agentbox.config import EngineConfig
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 
@@ -70,3 +74,24 @@ def session_turns(llm: LLM, history: dict[str, list[int]], sp: SamplingParams, f
             history[sid] = prompt + out.token_ids + new
         llm.core.check_integrity()
     return asked
+
+
+def tp2_greedy_and_turns(path: Path, prompts: list[list[int]], reference: Callable[[list[int], int], list[int]],
+                         max_tokens: int, batched: int, first_id: int) -> None:
+    """The engine at tensor parallel 2 (two gloo ranks on CPU): the greedy tokens of `prompts`, prefilled in chunks
+    of `batched` beside decodes, equal `reference`'s; then the last prompt as a session of 3 turns, each later turn
+    resumed from what the last one left on both ranks (at most a page and the 3 new ids recomputed)."""
+    engine = EngineConfig(model=str(path), device="cpu", dtype="float32", num_pages=256, page_size=8,
+                          tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=batched, speculative="off")
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    with LLM(engine) as llm:
+        outs = llm.generate(prompts, greedy)
+        history, cached, answers = list(prompts[-1]), [], []
+        for turn in range(3):
+            out = llm.generate([history], greedy, session_ids=["agent"])[0]
+            answers.append((list(history), out.token_ids))
+            cached.append(out.num_cached_tokens)
+            history += out.token_ids + [(turn * 7 + k) % 250 + first_id for k in range(3)]
+    assert [o.token_ids for o in outs] == [reference(p, max_tokens) for p in prompts]
+    assert all(got == reference(prompt, max_tokens) for prompt, got in answers)
+    assert all(c >= len(p) - 8 - 3 for c, (p, _) in zip(cached[1:], answers[1:], strict=True)), cached
