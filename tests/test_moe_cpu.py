@@ -58,6 +58,27 @@ def test_cpu_experts_equal_their_twin(tiny_gguf, tokens: int, index: int) -> Non
     assert (a_wrong_expert - ref).abs().max() > 0.1 * ref.abs().max()
 
 
+@pytest.mark.parametrize("index", [3, 4], ids=["q4_k+q6_k", "q8_0"])
+def test_one_token_takes_its_own_path_with_the_batch_numbers(tiny_gguf, index: int) -> None:  # noqa: ANN001
+    # A decode step's single token skips the gathers (run_routed's one-token loop): its output is bit for bit
+    # its row of a batch of a few tokens (the kernel's path too), and its twin's.
+    ours = load_model(str(tiny_gguf[0]), torch.float32, "cpu")
+    layer = _experts(ours)[index]
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, layer.hidden_size, generator=gen)
+    topk_ids = torch.stack([torch.randperm(layer.num_experts, generator=gen)[:4] for _ in range(3)])
+    topk_weights = torch.rand(3, 4, generator=gen)
+    batch = layer.method.apply(layer, x, topk_weights, topk_ids)
+    for row in range(3):
+        one = layer.method.apply(layer, x[row:row + 1], topk_weights[row:row + 1], topk_ids[row:row + 1])
+        assert torch.equal(one, batch[row:row + 1])
+        ref = layer.method.apply(layer, x[row:row + 1], topk_weights[row:row + 1], topk_ids[row:row + 1],
+                                 linear=moe_cpu._linear_ref)
+        assert (one - ref).abs().max() < 1e-2 * ref.abs().max()
+        swapped = layer.method.apply(layer, x[row:row + 1], topk_weights[row:row + 1].flip(-1), topk_ids[row:row + 1])
+        assert (swapped - one).abs().max() > 1e-3 * one.abs().max()  # each weight goes with its own expert
+
+
 def test_the_model_predicts_as_the_exact_path(tiny_gguf) -> None:  # noqa: ANN001
     path, hf = tiny_gguf
     fast = paged_logits(load_model(str(path), torch.float32, "cpu"))
