@@ -15,6 +15,7 @@ from top_tokens import assert_top_tokens_agree
 
 from agentbox.kernels import cpu_gemv
 from agentbox.layers.experts import cpu as moe_cpu
+from agentbox.layers.quant import bits as kbits
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import load_model
 
@@ -41,8 +42,12 @@ def test_int4_experts_take_the_cpu_kernel_at_the_file_size(tiny_gguf) -> None:  
 
 
 @pytest.mark.parametrize("index", [1, 3, 4], ids=["q4_1", "q4_k+q6_k", "q8_0"])
-@pytest.mark.parametrize("tokens", [3, 40])  # the kernel for a few rows; dequantise + sgemm for many
-def test_cpu_experts_equal_their_twin(tiny_gguf, tokens: int, index: int) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("tokens", [3, 40, -40])  # the kernel for a few rows and for many; -40: dequantise + sgemm
+def test_cpu_experts_equal_their_twin(tiny_gguf, tokens: int, index: int, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    if tokens < 0:  # every expert over the row limits: the dequantise + sgemm path
+        tokens = -tokens
+        monkeypatch.setattr(int4, "CPU_SIMD_MAX_ROWS", 0)
+        monkeypatch.setattr(kbits, "CPU_SIMD_MAX_ROWS", 0)
     ours = load_model(str(tiny_gguf[0]), torch.float32, "cpu")
     layer = _experts(ours)[index]
     gen = torch.Generator().manual_seed(tokens)
