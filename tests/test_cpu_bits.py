@@ -201,3 +201,19 @@ def test_smollm2_q8_0_embedding_rows(smollm2_path: Path) -> None:
     w = _cpu(blocks, T.Q8_0, 576)
     assert w.form is cb.ScaleForm.F16 and cb.resident_bytes(w) == blocks.size  # Q8_0's own 8.5 bits
     assert torch.equal(cb.bits_dequant(w), torch.from_numpy(_dequant(blocks, T.Q8_0)).reshape(64, -1))
+
+
+@pytest.mark.parametrize("bits,group", [(8, 32), (6, 16)])
+def test_many_rows_run_in_slices_with_each_rows_own_numbers(bits: int, group: int) -> None:
+    # ab_bits_matmul takes many rows in slices (K 2048: 32 rows; K 576: 112), each a full pass over the tiles: 75
+    # rows at K 2048 are slices of 32, 32 and 11, 120 at K 576 of 112 and 8; every row's result is its result alone
+    for k, m in ((2048, 75), (576, 120)):
+        form = cb.ScaleForm.I8 if bits == 6 else cb.ScaleForm.F16
+        codes, scale, _ = _weight(9, k, bits, group, False, form, seed=k + bits)
+        w = cb.pack_bits_cpu(codes, bits, scale, None, form)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+        got = cb.bits_matmul(x, w)
+        alone = torch.cat([cb.bits_matmul(x[i:i + 1], w) for i in range(m)])
+        assert torch.equal(got, alone)
+        ref = cb.bits_matmul_ref(x, w)
+        torch.testing.assert_close(got, ref, atol=2e-6 * ref.abs().max(), rtol=1e-5)

@@ -15,6 +15,7 @@ from top_tokens import assert_top_tokens_agree
 
 from agentbox.kernels import cpu_gemv
 from agentbox.layers.experts import cpu as moe_cpu
+from agentbox.layers.quant import bits as kbits
 from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import load_model
 
@@ -41,8 +42,12 @@ def test_int4_experts_take_the_cpu_kernel_at_the_file_size(tiny_gguf) -> None:  
 
 
 @pytest.mark.parametrize("index", [1, 3, 4], ids=["q4_1", "q4_k+q6_k", "q8_0"])
-@pytest.mark.parametrize("tokens", [3, 40])  # the kernel for a few rows; dequantise + sgemm for many
-def test_cpu_experts_equal_their_twin(tiny_gguf, tokens: int, index: int) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("tokens", [3, 40, -40])  # the kernel for a few rows and for many; -40: dequantise + sgemm
+def test_cpu_experts_equal_their_twin(tiny_gguf, tokens: int, index: int, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    if tokens < 0:  # every expert over the row limits: the dequantise + sgemm path
+        tokens = -tokens
+        monkeypatch.setattr(int4, "CPU_SIMD_MAX_ROWS", 0)
+        monkeypatch.setattr(kbits, "CPU_SIMD_MAX_ROWS", 0)
     ours = load_model(str(tiny_gguf[0]), torch.float32, "cpu")
     layer = _experts(ours)[index]
     gen = torch.Generator().manual_seed(tokens)
@@ -56,6 +61,27 @@ def test_cpu_experts_equal_their_twin(tiny_gguf, tokens: int, index: int) -> Non
     assert (got - ref).abs().max() < 1e-2 * ref.abs().max()
     a_wrong_expert = layer.method.apply(layer, x, topk_weights, (topk_ids + 1) % layer.num_experts)
     assert (a_wrong_expert - ref).abs().max() > 0.1 * ref.abs().max()
+
+
+@pytest.mark.parametrize("index", [3, 4], ids=["q4_k+q6_k", "q8_0"])
+def test_one_token_takes_its_own_path_with_the_batch_numbers(tiny_gguf, index: int) -> None:  # noqa: ANN001
+    # A decode step's single token skips the gathers (run_routed's one-token loop): its output is bit for bit
+    # its row of a batch of a few tokens (the kernel's path too), and its twin's.
+    ours = load_model(str(tiny_gguf[0]), torch.float32, "cpu")
+    layer = _experts(ours)[index]
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, layer.hidden_size, generator=gen)
+    topk_ids = torch.stack([torch.randperm(layer.num_experts, generator=gen)[:4] for _ in range(3)])
+    topk_weights = torch.rand(3, 4, generator=gen)
+    batch = layer.method.apply(layer, x, topk_weights, topk_ids)
+    for row in range(3):
+        one = layer.method.apply(layer, x[row:row + 1], topk_weights[row:row + 1], topk_ids[row:row + 1])
+        assert torch.equal(one, batch[row:row + 1])
+        ref = layer.method.apply(layer, x[row:row + 1], topk_weights[row:row + 1], topk_ids[row:row + 1],
+                                 linear=moe_cpu._linear_ref)
+        assert (one - ref).abs().max() < 1e-2 * ref.abs().max()
+        swapped = layer.method.apply(layer, x[row:row + 1], topk_weights[row:row + 1].flip(-1), topk_ids[row:row + 1])
+        assert (swapped - one).abs().max() > 1e-3 * one.abs().max()  # each weight goes with its own expert
 
 
 def test_the_model_predicts_as_the_exact_path(tiny_gguf) -> None:  # noqa: ANN001

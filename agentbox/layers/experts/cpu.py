@@ -176,17 +176,30 @@ def run_routed(layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, 
                linear: Linear) -> torch.Tensor:
     """Each routed expert over its tokens in fp32, `linear` its projections (CpuExperts' and NVFP4's on CPU:
     layers/experts/nvfp4_cpu.py)."""
-    b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
     xf = x.float()
     out = torch.zeros_like(xf)
+    if x.shape[0] == 1:
+        # A decode step's one token: its experts straight from the lists, no gathers or scatters (torch.where, the
+        # row index, index_add_ and the weight's indexing were ~half the torch ops of each expert). The same
+        # experts in the same (sorted) order and the same products and sums as the loop below, so a token's
+        # numbers do not depend on whether it ran alone.
+        for e, weight in sorted(zip(topk_ids[0].tolist(), topk_weights[0].float().tolist(), strict=True)):
+            out += _expert(layer, xf, e, linear) * weight
+        return out.to(x.dtype)
     for e in torch.unique(topk_ids).tolist():
         token, slot = torch.where(topk_ids == e)
-        gate_up = linear(xf[token], layer, "w13", e)
-        if b13 is not None:
-            gate_up = gate_up + b13[e]
-        act = activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
-        y = linear(act, layer, "w2", e)
-        if b2 is not None:
-            y = y + b2[e]
-        out.index_add_(0, token, y * topk_weights[token, slot, None].float())
+        out.index_add_(0, token, _expert(layer, xf[token], e, linear) * topk_weights[token, slot, None].float())
     return out.to(x.dtype)
+
+
+def _expert(layer: ExpertLayer, x: torch.Tensor, e: int, linear: Linear) -> torch.Tensor:
+    """Expert e's output for rows x (fp32), unweighted."""
+    b13, b2 = layer.w13_bias, layer.w2_bias if layer.tp_rank == 0 else None
+    gate_up = linear(x, layer, "w13", e)
+    if b13 is not None:
+        gate_up = gate_up + b13[e]
+    act = activate(gate_up, layer.activation, layer.swiglu_alpha, layer.swiglu_limit)
+    y = linear(act, layer, "w2", e)
+    if b2 is not None:
+        y = y + b2[e]
+    return y

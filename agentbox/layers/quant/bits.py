@@ -26,9 +26,12 @@ class BitsKernel(Enum):
     CPU_SIMD = "cpu-simd"  # kernels/cpu_bits.c: one byte stream per row (scales, high bits, nibbles)
 
 
-# Rows of x above which a CPU_SIMD layer dequantises once and runs one sgemm (measured on 1536 x 576 Q5_0:
-# 8 rows 430 us in the kernel vs 564 dequantised, 16 rows 841 vs 718).
-CPU_SIMD_MAX_ROWS = 8
+# Rows of x above which a CPU_SIMD layer dequantises once and runs one sgemm. It was 8 (1536 x 576 Q5_0, AVX2:
+# 16 rows 841 us in the kernel vs 718 dequantised); since the kernel takes many rows in slices that stay in the L2
+# cache (cpu_bits.c, ab_bits_matmul), a Qwen3-30B-A3B expert's prompt rows cost 0.34-0.80 of dequantise + sgemm at
+# 128 and 512 rows (Q8_0 and Q6_K, 1536 x 2048 and 2048 x 768, one thread of the shared AVX-512 VNNI EPYC), so
+# prefill takes the kernel too, as the 4-bit one does (int4.CPU_SIMD_MAX_ROWS).
+CPU_SIMD_MAX_ROWS = 4096
 
 
 def default_kernel(device: torch.device) -> BitsKernel:
