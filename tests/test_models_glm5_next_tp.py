@@ -22,7 +22,8 @@ PROMPTS = [[(5 * i + 11 * j) % 250 + 1 for j in range(n)] for i, n in enumerate(
 def test_tp2_greedy_equals_transformers_and_resumes_sessions(tmp_path: Path) -> None:
     hf = save_glm5_next(tmp_path)
     engine = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_pages=256, page_size=8,
-                          tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=48, speculative="off")
+                          tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=48, speculative="off",
+                          kv_dtype="float32")  # transformers' greedy tokens: not the default fp16 CPU pool
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     with LLM(engine) as llm:
         outs = llm.generate(PROMPTS, greedy)

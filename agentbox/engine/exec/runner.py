@@ -107,8 +107,10 @@ class ModelRunner:
                                     ExpertPlacement.of(config.cpu_moe, config.n_cpu_moe),
                                     with_mtp=config.speculative.uses_mtp)
         self.loaded = loaded
-        # The KV pool's: fp16 on CPU by default (EngineConfig.kv_dtype says why), unless the model reads it raw
-        self.kv_dtype = DTYPES[config.resolved_kv_dtype] if loaded.model.narrow_cpu_kv else self.dtype
+        # The KV pool's: fp16 on CPU by default (EngineConfig.kv_dtype says why), unless the model reads it raw or
+        # keeps compressed entries (several tokens an entry: their layers read them as stored)
+        narrow = loaded.model.narrow_cpu_kv and not loaded.layout.entry_groups
+        self.kv_dtype = DTYPES[config.resolved_kv_dtype] if narrow else self.dtype
         self.placement = loaded.placement
         self.host_expert_bytes = host_expert_bytes(loaded.model)
         self.expert_times = ExpertTimes()
