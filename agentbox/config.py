@@ -85,6 +85,11 @@ class EngineConfig:
     # True: quantised layers dequantised on CPU (exact fp32 numbers; no int8-rounded activations, no fused
     # decode layers: kernels/cpu_gemv.c, cpu_decode.c), at 2-3x the decode time and the fp32 weight bytes.
     exact_cpu: bool = False
+    # The paged KV cache's element type. auto: fp16 on CPU when the model runs in fp32 and not exact_cpu (a decode
+    # step over a 2-5k-token agent history reads its whole KV: fp16 halves those bytes, llama.cpp's default f16
+    # cache does the same), else the model's dtype. Models whose attention has not been checked on a narrower
+    # cache keep the model's dtype (CausalLM.narrow_cpu_kv).
+    kv_dtype: str = "auto"
     tensor_parallel_size: int = 1
     # MoE models: the routed experts of every MoE layer (cpu_moe) or of the first n_cpu_moe in host RAM, run by
     # the CPU expert kernels while the device runs the rest (layers/experts/placement.py; llama.cpp's flags).
@@ -161,6 +166,8 @@ class EngineConfig:
             choices = ", ".join(p.value for p in Speculative)
             raise ValueError(f"speculative must be one of {choices} (got {self.speculative!r})") from None
         object.__setattr__(self, "speculative", spec)
+        if self.kv_dtype not in DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(DTYPES)} (got {self.kv_dtype!r})")
         if self.spec_mtp_tokens < 1:
             raise ValueError(f"spec_mtp_tokens must be at least 1 (got {self.spec_mtp_tokens})")
 
@@ -177,6 +184,14 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.resolved_device.startswith("cuda") else "float32"
+
+    @property
+    def resolved_kv_dtype(self) -> str:
+        """The KV cache's dtype name (see `kv_dtype`), before a model's own refusal of a narrower one."""
+        if self.kv_dtype != "auto":
+            return self.kv_dtype
+        cpu_fp32 = self.resolved_device == "cpu" and self.resolved_dtype == "float32"
+        return "float16" if cpu_fp32 and not self.exact_cpu else self.resolved_dtype
 
 
 @dataclass(frozen=True)

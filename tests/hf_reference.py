@@ -82,7 +82,8 @@ def tp2_greedy_and_turns(path: Path, prompts: list[list[int]], reference: Callab
     of `batched` beside decodes, equal `reference`'s; then the last prompt as a session of 3 turns, each later turn
     resumed from what the last one left on both ranks (at most a page and the 3 new ids recomputed)."""
     engine = EngineConfig(model=str(path), device="cpu", dtype="float32", num_pages=256, page_size=8,
-                          tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=batched, speculative="off")
+                          tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=batched, speculative="off",
+                          kv_dtype="float32")  # transformers' greedy tokens: not the default fp16 CPU pool
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     with LLM(engine) as llm:
         outs = llm.generate(prompts, greedy)

@@ -29,13 +29,14 @@ class PagedRunner:
         page_size: int = 4,
         backend_cls: type[AttentionBackend] = TorchAttention,
         device: str = "cpu",
+        kv_dtype: torch.dtype | None = None,  # None: the model's dtype (the engine's default CPU pool is fp16)
     ) -> None:
         self.model = loaded.model
         self.device = device
         self.page_size = page_size
         dtype = loaded.dtype
         layout = loaded.layout
-        self.cache = KVCache(loaded.kv_specs, num_pages, page_size, dtype, device,
+        self.cache = KVCache(loaded.kv_specs, num_pages, page_size, kv_dtype or dtype, device,
                              tokens_per_entry=layout.tokens_per_entry)
         self.entry_groups = layout.entry_groups
         self.backend = backend_cls(

@@ -1,4 +1,5 @@
-"""A decode step through kernels/cpu_decode.c (one C call per layer) against the torch layers it replaces."""
+"""A decode step through kernels/cpu_decode.c (one C call per layer) against the torch layers it replaces, over an
+fp32 or an fp16 KV pool (the default CPU one)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from agentbox.models.loader import LoadedModel, load_model
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="CPU kernels unavailable")
 
 
-def _decode_logits(loaded: LoadedModel, prompts: dict[int, list[int]], steps: list[dict[int, int]]) -> list[dict[int, torch.Tensor]]:
-    runner = PagedRunner(loaded, num_pages=48, page_size=16)
+def _decode_logits(loaded: LoadedModel, prompts: dict[int, list[int]], steps: list[dict[int, int]],
+                   kv_dtype: torch.dtype | None = None) -> list[dict[int, torch.Tensor]]:
+    runner = PagedRunner(loaded, num_pages=48, page_size=16, kv_dtype=kv_dtype)
     runner.step(prompts)  # prefill: the torch layers either way
     return [runner.step({s: [t] for s, t in tokens.items()}) for tokens in steps]
 
@@ -86,10 +88,12 @@ def test_fused_decode_covers_qkv_bias_and_qk_norm(family: str, tmp_path: Path) -
             assert (f[s] - e[s]).abs().max() < 0.03 * e[s].abs().max()
 
 
-def test_verify_rows_are_one_row_decodes_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_verify_rows_are_one_row_decodes_bit_for_bit(kv_dtype: torch.dtype, tmp_path: Path) -> None:
     """Two sequences' several rows in one step (a verify each; the C attention reads each block of keys once
     for a sequence's rows and a GQA group's heads, rows ending at their own positions, one across a page
-    boundary) leave exactly the hidden states of decoding the same tokens one step at a time."""
+    boundary) leave exactly the hidden states of decoding the same tokens one step at a time; over an fp16
+    pool too (each block widened once for every row that shares it)."""
     _qwen3(tmp_path)
     loaded = load_model(str(tmp_path), torch.float32, "cpu")
     assert cpu_decode.eligible(loaded.model.model)
@@ -98,17 +102,51 @@ def test_verify_rows_are_one_row_decodes_bit_for_bit(tmp_path: Path) -> None:
     loaded.model.model.norm.register_forward_pre_hook(lambda _, args: seen.append(torch.cat(args[:2], 1).clone()))
     prompts = {0: PROMPT * 2, 1: PROMPT[:5]}
     drafts = {0: [7 + i for i in range(10)], 1: [90, 91, 92, 93]}  # sequence 0: positions 24-33 (pages of 16)
-    together = PagedRunner(loaded, num_pages=16, page_size=16)
+    together = PagedRunner(loaded, num_pages=16, page_size=16, kv_dtype=kv_dtype)
     together.step(prompts)
     together.step(drafts)
     got = seen[-1]
-    alone = PagedRunner(loaded, num_pages=16, page_size=16)
+    alone = PagedRunner(loaded, num_pages=16, page_size=16, kv_dtype=kv_dtype)
     alone.step(prompts)
     for i in range(10):
         alone.step({s: [d[i]] for s, d in drafts.items() if i < len(d)})
     steps = seen[-10:]
     assert torch.equal(got[:10], torch.stack([steps[i][0] for i in range(10)]))
     assert torch.equal(got[10:], torch.stack([steps[i][1] for i in range(4)]))
+
+
+def test_fused_decode_over_an_fp16_pool(tmp_path: Path) -> None:
+    """The C layer stores k/v into an fp16 pool and widens it to attend: the torch layers' logits over the same
+    fp16 pool (their store rounds with .to(fp16), cpu_attention.c widens), and close to the fp32 pool's."""
+    _qwen3(tmp_path)
+    loaded = load_model(str(tmp_path), torch.float32, "cpu")
+    prompts = {0: PROMPT * 2, 1: PROMPT[:5]}
+    steps = [{0: 7 + i, 1: 90 - i} for i in range(6)]
+    fused = _decode_logits(loaded, prompts, steps, torch.float16)
+    with cpu_decode.disabled():
+        eager = _decode_logits(loaded, prompts, steps, torch.float16)
+    wide = _decode_logits(loaded, prompts, steps, torch.float32)
+    for f, e, w in zip(fused, eager, wide, strict=True):
+        for s in (0, 1):
+            # as over fp32 (test_fused_decode_covers_qkv_bias_and_qk_norm); fp16 bits read as fp32 are ~100 %
+            assert (f[s] - e[s]).abs().max() < 0.03 * e[s].abs().max()
+            assert (f[s] - w[s]).abs().max() < 0.03 * w[s].abs().max()
+
+
+def test_kv_store_rounds_to_nearest_even_as_torch() -> None:
+    """cpu_decode.c's KV store (the fused Llama and hybrid layers') writes torch's .half() bits: ties to even,
+    subnormals, overflow to inf; truncation differs in about half of these values, a raw fp32 copy in all."""
+    gen = torch.Generator().manual_seed(3)
+    ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, -(2 + 2**-10), 1e-6, -3e-7, 7e4, 65519.0, 65520.0])
+    src = torch.cat([ties, torch.randn(248, generator=gen) * 10.0 ** torch.randint(-5, 4, (248,), generator=gen)])
+    lib = cpu_gemv._lib()
+    cache = torch.zeros(2 * 256, dtype=torch.float16)
+    lib.ab_store_kv(cache.data_ptr(), 1, 256, src.data_ptr(), 256)
+    assert torch.equal(cache[256:].view(torch.int16), src.half().view(torch.int16))
+    assert not cache[:256].any()  # nothing before `at`
+    wide = torch.zeros(256)
+    lib.ab_store_kv(wide.data_ptr(), 0, 0, src.data_ptr(), 256)
+    assert torch.equal(wide, src)
 
 
 def _runner_step(runner: ModelRunner, tokens: list[int], start: int, pages: list[int]) -> torch.Tensor:
@@ -133,13 +171,13 @@ def test_the_engine_runner_picks_the_fused_decode(smollm2_path: Path, smollm2_fa
     config = EngineConfig(model=str(smollm2_path), num_pages=8, page_size=16, device="cpu", attention="torch")
     assert ModelRunner(config, loaded=smollm2_loaded).cpu_decode is None
     runner = ModelRunner(config, loaded=smollm2_fast)
-    assert runner.cpu_decode is not None
+    assert runner.cpu_decode is not None and runner.kv_cache.dtype == torch.float16  # the default CPU pool
     prompt, pages = PROMPT * 3, [3, 1, 5, 2]
     _runner_step(runner, prompt, 0, pages)  # prefill: the torch layers
     got = _runner_step(runner, [42], len(prompt), pages)
-    fused = _decode_logits(smollm2_fast, {0: prompt}, [{0: 42}])[0][0][0]
+    fused = _decode_logits(smollm2_fast, {0: prompt}, [{0: 42}], torch.float16)[0][0][0]
     with cpu_decode.disabled():
-        eager = _decode_logits(smollm2_fast, {0: prompt}, [{0: 42}])[0][0][0]
+        eager = _decode_logits(smollm2_fast, {0: prompt}, [{0: 42}], torch.float16)[0][0][0]
     scale = eager.abs().max()
     assert (fused - eager).abs().max() > 1e-4 * scale  # the two paths differ in their last bits (int8 rounding)
     assert (got - fused).abs().max() < 1e-5 * scale  # the same C layers on the same cache contents

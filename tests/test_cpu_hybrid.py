@@ -35,13 +35,17 @@ def hybrid_f16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _decode(loaded: LoadedModel, steps: list[dict[int, list[int]]]) -> list[dict[int, torch.Tensor]]:
-    runner = PagedRunner(loaded, num_pages=48, page_size=4)
+def _decode(loaded: LoadedModel, steps: list[dict[int, list[int]]],
+            kv_dtype: torch.dtype | None = None) -> list[dict[int, torch.Tensor]]:
+    runner = PagedRunner(loaded, num_pages=48, page_size=4, kv_dtype=kv_dtype)
     runner.step({0: list(range(3, 40)), 1: [9, 8, 7, 6, 5]})  # prefill: the torch layers either way
     return [runner.step(chunk) for chunk in steps]
 
 
-def test_fused_hybrid_decode_matches_the_torch_layers(hybrid_f16: Path) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_fused_hybrid_decode_matches_the_torch_layers(kv_dtype: torch.dtype, hybrid_f16: Path) -> None:
+    """Over an fp32 pool and the default CPU one, fp16 (the gated attention's store rounds, its attention widens; the
+    torch layers' store rounds with .to(fp16) and cpu_attention.c widens)."""
     loaded = load_model(str(hybrid_f16), torch.float32, "cpu")
     inner = loaded.model.fused_cpu_hybrid_target()
     assert inner is not None and cpu_hybrid.eligible(inner)
@@ -50,9 +54,9 @@ def test_fused_hybrid_decode_matches_the_torch_layers(hybrid_f16: Path) -> None:
     # decodes of both sequences, then an extend of one (the torch layers), then decodes from the state it left
     steps = [{0: [11 + i], 1: [70 - i]} for i in range(4)] + [{0: [1, 2, 3], 1: [44]}]
     steps += [{0: [20 + i], 1: [50 + i]} for i in range(3)]
-    fused = _decode(loaded, steps)
+    fused = _decode(loaded, steps, kv_dtype)
     with cpu_hybrid.disabled():
-        eager = _decode(loaded, steps)
+        eager = _decode(loaded, steps, kv_dtype)
     for f, e in zip(fused, eager, strict=True):
         for s in (0, 1):
             # The same fp32 products in another order: ~1e-6 of the largest logit. A wrong gate, decay, conv tap or

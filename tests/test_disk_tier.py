@@ -186,6 +186,8 @@ def test_a_model_change_never_reuses_a_namespace(tmp_path: Path) -> None:
         namespace_for(EngineConfig(model=str(model), dtype="bfloat16", device="cpu"), kv).key,
         namespace_for(cfg, KVCache.uniform(2, 12, 8, 2, 4, torch.float32, "cpu")).key,  # page size
         namespace_for(cfg, KVCache.uniform(2, 12, PS, 2, 4, torch.bfloat16, "cpu")).key,  # KV dtype
+        # the default CPU pool (fp16) against --exact-cpu's or an older release's fp32 one: never read as the other
+        namespace_for(cfg, KVCache.uniform(2, 12, PS, 2, 4, torch.float16, "cpu")).key,
         namespace_for(cfg, KVCache.uniform(3, 12, PS, 2, 4, torch.float32, "cpu")).key,  # layout
         namespace_for(cfg, kv, tp=2).key,
         namespace_for(EngineConfig(model=str(model), dtype="float32", device="cpu", exact_cpu=True), kv).key,
@@ -194,7 +196,7 @@ def test_a_model_change_never_reuses_a_namespace(tmp_path: Path) -> None:
     keys.add(namespace_for(cfg, kv).key)
     (model / "model.safetensors").write_bytes(b"v" * 65)  # other weights
     keys.add(namespace_for(cfg, kv).key)
-    assert base not in keys and len(keys) == 8
+    assert base not in keys and len(keys) == 9
 
 
 def test_a_garbled_index_is_rebuilt_from_the_chunks_headers(tmp_path: Path,

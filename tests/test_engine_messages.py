@@ -54,9 +54,9 @@ def test_query_answers_are_typed_and_keep_their_json(smollm2_loaded, smollm2_pat
     assert set(st["admission"]) == {"queued_new_sessions", "timeouts", "rejections"}
     assert set(st["sessions"]) == {"count", "live_leases"}
     assert st["parallel"]["tensor_parallel_size"] == 1
-    # K and V of every layer, fp32: 2 x layers x kv heads x head dim x 4 bytes
+    # K and V of every layer, fp16 (the default CPU pool): 2 x layers x kv heads x head dim x 2 bytes
     lm = smollm2_loaded
-    assert st["pool"]["kv_bytes_per_token"] == 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * 4
+    assert st["pool"]["kv_bytes_per_token"] == 2 * lm.num_layers * lm.num_kv_heads * lm.head_dim * 2
     assert st["cache"]["policy"] == "session" and st["sessions"]["count"] == 1
     assert st["counters"]["requests"] == 2 and st["counters"]["cached_tokens"] == second.num_cached_tokens
     assert st["counters"]["generated_tokens"] == 6

@@ -23,7 +23,7 @@ def _page(kv: KVCache, page: int) -> list[torch.Tensor]:
     return [t[page * ps : (page + 1) * ps].cpu().clone() for t in (*kv.k, *kv.v)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])  # fp16: the default CPU pool
 def test_round_trip_gpu_pool_host_gpu_pool_is_exact(dtype: torch.dtype) -> None:
     gpu = _random_cache(9, 4, dtype)
     host = HostTier.like(gpu, 6)
@@ -51,6 +51,8 @@ def test_copy_rejects_mismatched_shapes() -> None:
         copy_pages(a, [1], a, [1, 2])
     with pytest.raises(ValueError):
         copy_pages(a, [1], b, [1])
+    with pytest.raises(ValueError, match="dtype"):  # an fp32 page is not fp16 bytes (--exact-cpu's pool vs the default)
+        copy_pages(a, [1], _random_cache(4, 2, torch.float16), [1])
     copy_pages(a, [], a, [])  # nothing to move is fine
 
 

@@ -96,8 +96,9 @@ def test_session_turns_past_window_reuse_and_pool_bytes(tiny) -> None:  # noqa: 
     pool = llm.core.stats().pool
     assert ours.layout.state is not None
     rings = ours.layout.state.specs
-    sliding = KVCache.bytes_per_page([KVLayerSpec(s.num_kv_heads, s.head_dim) for s in rings], 4, torch.float32)
-    every_layer = KVCache.bytes_per_page(ours.kv_specs, 4, torch.float32) + sliding
+    kv_dtype = llm.core.runner.kv_dtype  # fp16: the default CPU pool
+    sliding = KVCache.bytes_per_page([KVLayerSpec(s.num_kv_heads, s.head_dim) for s in rings], 4, kv_dtype)
+    every_layer = KVCache.bytes_per_page(ours.kv_specs, 4, kv_dtype) + sliding
     assert pool.used_pages > 0 and pool.page_bytes == every_layer - sliding
 
 

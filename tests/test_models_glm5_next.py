@@ -148,7 +148,10 @@ def test_drafts_verified_through_kda_equal_plain_greedy(tiny: tuple[Path, torch.
     for spec in ("off", "suffix"):
         config = EngineConfig(model=str(path), page_size=8, attention="torch", num_pages=300, max_num_seqs=4,
                               max_num_batched_tokens=64, host_cache_gb=0.0, disk_cache_gb=0.0, cpu_threads=1,
-                              speculative=spec, spec_row_cost=0.0)
+                              speculative=spec, spec_row_cost=0.0,
+                              # the fp32 pool: on it these prompts' greedy text repeats, so suffix drafts run (over
+                              # the default fp16 pool this tiny model's text parts from it and nothing is drafted)
+                              kv_dtype="float32")
         with LLM(config, loaded=loaded) as llm:
             got[spec] = [o.token_ids for o in llm.generate(prompts, sp)]
             counts[spec] = (llm.core.counters.drafted_tokens, llm.core.counters.accepted_tokens)

@@ -24,7 +24,8 @@ def test_tp2_greedy_stats_and_session_reuse(tmp_path: Path) -> None:
     config = tiny_config()
     hf = save_glm(config, tmp_path)
     engine = EngineConfig(model=str(tmp_path), device="cpu", dtype="float32", num_pages=256, page_size=4,
-                          tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=48)
+                          tensor_parallel_size=2, cpu_threads=1, max_num_batched_tokens=48,
+                          kv_dtype="float32")  # transformers' logits to 2e-4: not the default fp16 CPU pool
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     with LLM(engine) as llm:
         logits = llm.logits(PROMPTS[2])

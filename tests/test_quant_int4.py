@@ -66,7 +66,8 @@ def test_the_engine_serves_a_gptq_checkpoint(tmp_path: Path) -> None:
     from agentbox.engine.llm import LLM
 
     hf = write_int4(tmp_path, "gptq", sym=True)
-    llm = LLM(EngineConfig(model=str(tmp_path), device="cpu", num_pages=16))
+    # an fp32 pool: transformers' logits to 1e-4 (the default fp16 CPU pool rounds keys and values: ~1e-3)
+    llm = LLM(EngineConfig(model=str(tmp_path), device="cpu", num_pages=16, kv_dtype="float32"))
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPT])).logits[0, -1]
     torch.testing.assert_close(llm.logits(PROMPT), expected, atol=1e-4, rtol=1e-4)

@@ -41,8 +41,9 @@ def _save(arch: str, path: Path) -> Path:
 
 
 def _config(model: str, tp: int, **kw: object) -> EngineConfig:
+    # an fp32 pool: tp 2 equals tp 1 to 1e-4, and the fp16 pool's rounding turns their last-bit differences into 1e-3
     return EngineConfig(model=model, device="cpu", dtype="float32", num_pages=256, tensor_parallel_size=tp,
-                        cpu_threads=1, **kw)  # type: ignore[arg-type]
+                        cpu_threads=1, **{"kv_dtype": "float32", **kw})  # type: ignore[arg-type]
 
 
 def _run(model: str, tp: int) -> dict:

@@ -471,7 +471,10 @@ def _rank(c: Candidate) -> tuple[Any, ...]:
 
 
 def _kv_dtype_bytes(probe: Probe) -> int:
-    return 4 if probe.cpu_only else 2
+    """bf16 on a GPU; fp16 on CPU too, the default CPU pool (EngineConfig.kv_dtype; --exact-cpu's fp32 is the
+    exception, not the plan)."""
+    del probe
+    return 2
 
 
 def describe_machine(probe: Probe) -> str:

@@ -3,8 +3,10 @@
  * cpu_attention.py; its torch twin is there too).
  *
  * Sequence s has q_lens[s] new tokens, the last of its kv_lens[s] positions; its keys sit in the cache
- * slots page_table[s][pos / page_size] * page_size + pos % page_size (k/v [slots, hkv, hd] fp32, written
- * before this call). Nothing of the prefix is gathered or copied: keys are read in place, page by page.
+ * slots page_table[s][pos / page_size] * page_size + pos % page_size (k/v [slots, hkv, hd], written before this
+ * call). Nothing of the prefix is gathered or copied: keys are read in place, page by page. The cache is fp32, or
+ * fp16 (the default CPU pool: half the bytes a decode step reads, llama.cpp's default too): a tile's keys and values
+ * are widened with F16C as they are loaded, once for every row of the item, and the arithmetic stays fp32.
  *
  * Work: an item is (sequence, kv head, a range of the keys). Its rows are the kv head's query group for
  * every new token (row i * g + j: token i, query head kvh * g + j), so a key tile loaded once serves all of
@@ -116,7 +118,9 @@ static inline float hsum(vf v) {
 #define SC (2 * VL) /* keys per scores() call: two vectors a row */
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const char *k, *v; /* the cache's [slots][hkv][hd] elements of `esize` bytes: fp32 (4) or fp16 (2) */
+    int64_t esize;
     const int32_t *pages; /* the sequence's row of the page table */
     int64_t page_size, hq, hkv, hd, g;
     int64_t q_start, n_q, kv_len, kvh;
@@ -161,21 +165,33 @@ static inline void values(float *const *acc, const float *alpha, float p[RB][TK]
     }
 }
 
-/* Tile t0 .. t0 + nk of the item's keys: transposed into kt [hd][TK] (zeros past nk), values' rows in vrow.
- * The keys and values SB positions further on (up to `end`) are prefetched: a sequence's pages lie anywhere
+/* Row `slot` of the item's kv head in the cache `base` as fp32: in place, or an fp16 row widened into buf. */
+static inline const float *cache_row(const item_t *it, const char *base, int64_t slot, float *buf) {
+    const int64_t at = (slot * it->hkv + it->kvh) * it->hd;
+    if (it->esize == 4) return (const float *)base + at;
+    const uint16_t *h = (const uint16_t *)base + at;
+    for (int64_t d = 0; d < it->hd; d += 8) /* hd is a multiple of 8 */
+        _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
+    return buf;
+}
+
+/* Tile t0 .. t0 + nk of the item's keys: transposed into kt [hd][TK] (zeros past nk), values' rows in vrow (an fp16
+ * cache's widened into vt [TK][hd]). The keys and values SB positions further on (up to `end`) are prefetched: a sequence's pages lie anywhere
  * in the pool, so the hardware prefetcher loses the stream at every page; a warm 128k turn's step waited on
  * those misses for ~a fifth of its time. */
-static void load_tile(const item_t *it, int64_t t0, int64_t nk, int64_t end, float *kt, const float **vrow) {
-    const int64_t hd = it->hd, kv_stride = it->hkv * hd, head = it->kvh * hd, ps = it->page_size;
+static void load_tile(const item_t *it, int64_t t0, int64_t nk, int64_t end, float *kt, float *vt, const float **vrow) {
+    const int64_t hd = it->hd, row_bytes = it->hkv * hd * it->esize, head = it->kvh * hd * it->esize;
+    const int64_t ps = it->page_size;
+    float key_buf[256];
     int64_t pg = t0 / ps, off = t0 % ps; /* walk the pages: no division per key */
     const int64_t ahead = t0 + SB, n_ahead = end - ahead < TK ? end - ahead : TK;
     int64_t apg = ahead / ps, aoff = ahead % ps;
     for (int64_t o = 0; o < n_ahead; o++) {
         const int64_t slot = (int64_t)it->pages[apg] * ps + aoff;
         if (++aoff == ps) apg++, aoff = 0;
-        for (int64_t d = 0; d < hd; d += 16) { /* a 64-byte line per 16 floats */
-            _mm_prefetch((const char *)(it->k + slot * kv_stride + head + d), _MM_HINT_T0);
-            _mm_prefetch((const char *)(it->v + slot * kv_stride + head + d), _MM_HINT_T0);
+        for (int64_t b = 0; b < hd * it->esize; b += 64) { /* a 64-byte line at a time */
+            _mm_prefetch(it->k + slot * row_bytes + head + b, _MM_HINT_T0);
+            _mm_prefetch(it->v + slot * row_bytes + head + b, _MM_HINT_T0);
         }
     }
     for (int64_t o = 0; o < TK; o++) {
@@ -186,9 +202,9 @@ static void load_tile(const item_t *it, int64_t t0, int64_t nk, int64_t end, flo
         }
         const int64_t slot = (int64_t)it->pages[pg] * ps + off;
         if (++off == ps) pg++, off = 0;
-        const float *key = it->k + slot * kv_stride + head;
+        const float *key = cache_row(it, it->k, slot, key_buf);
         for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = key[d];
-        vrow[o] = it->v + slot * kv_stride + head;
+        vrow[o] = cache_row(it, it->v, slot, vt + o * hd);
     }
 }
 
@@ -199,11 +215,15 @@ static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
     const int64_t hd = it->hd, g = it->g, rows = it->r_hi, first_pos = it->kv_len - it->n_q;
     const int64_t stride = hd + 2;
     float *kts = aligned_alloc(64, sizeof(float) * SB * hd); /* [SB / TK][hd][TK] */
+    float *vts = it->esize == 4 ? NULL : malloc(sizeof(float) * SB * hd); /* an fp16 span's values, widened */
     const float *vrows[SB];
     float p[RB][TK] __attribute__((aligned(64)));
     float scratch[RB][258]; /* the state of padding rows of a short last block */
     const vf sc2 = V_SET1(it->scale2);
-    if (!kts) return 2;
+    if (!kts || (it->esize != 4 && !vts)) {
+        free(kts), free(vts);
+        return 2;
+    }
     for (int64_t r = 0; r < it->r_hi - it->r_lo; r++) {
         state[r * stride] = -INFINITY;
         state[r * stride + 1] = 0.0f;
@@ -213,7 +233,8 @@ static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
         const int64_t s1 = b - s0 < SB ? b : s0 + SB, ntiles = (s1 - s0 + TK - 1) / TK;
         for (int64_t t = 0; t < ntiles; t++) {
             const int64_t t0 = s0 + t * TK;
-            load_tile(it, t0, s1 - t0 < TK ? s1 - t0 : TK, b, kts + t * hd * TK, vrows + t * TK);
+            load_tile(it, t0, s1 - t0 < TK ? s1 - t0 : TK, b, kts + t * hd * TK, vts ? vts + t * TK * hd : NULL,
+                      vrows + t * TK);
         }
         /* rows before a tile's first key see none of it (rows ascend in position, g rows per token) */
         int64_t b0 = s0 > first_pos ? (s0 - first_pos) * g : 0;
@@ -274,16 +295,17 @@ static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
             }
         }
     }
-    free(kts);
+    free(kts), free(vts);
     return 0;
 }
 
-/* q [T, hq, hd] -> out [T, hq, hd]; sequence s's queries are rows q_starts[s] .. + q_lens[s] of q.
- * Returns 0, or 1 for shapes it does not take (hd a multiple of 8 up to 256, hq a multiple of hkv). */
+/* q [T, hq, hd] -> out [T, hq, hd]; sequence s's queries are rows q_starts[s] .. + q_lens[s] of q; kv_f16: the
+ * cache's elements are fp16 (else fp32). Returns 0, or 1 for shapes it does not take (hd a multiple of 8 up to
+ * 256, hq a multiple of hkv). */
 int ab_paged_attention(const float *q, int64_t n_seqs, const int64_t *q_starts, const int64_t *q_lens,
                        const int64_t *kv_lens, const int32_t *page_table, int64_t pt_stride, int64_t page_size,
-                       const float *k_cache, const float *v_cache, int64_t hq, int64_t hkv, int64_t hd, float scale,
-                       float *out, int threads) {
+                       const void *k_cache, const void *v_cache, int64_t hq, int64_t hkv, int64_t hd, float scale,
+                       float *out, int threads, int kv_f16) {
     if (hd % 8 || hd > 256 || hkv < 1 || hq % hkv || page_size < 1) return 1;
     const int64_t g = hq / hkv, stride = hd + 2;
     threads = threads < 1 ? 1 : threads;
@@ -332,8 +354,8 @@ int ab_paged_attention(const float *q, int64_t n_seqs, const int64_t *q_starts, 
         int64_t a = rg * per * TK, b = (rg + 1) * per * TK;
         b = b < kv_lens[s] ? b : kv_lens[s];
         a = a < b ? a : b;
-        const item_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd, g,
-                           q_starts[s], q_lens[s], kv_lens[s], kvh, r_lo, r_hi, scale * LOG2E};
+        const item_t it = {q, k_cache, v_cache, kv_f16 ? 2 : 4, page_table + s * pt_stride, page_size, hq, hkv, hd,
+                           g, q_starts[s], q_lens[s], kv_lens[s], kvh, r_lo, r_hi, scale * LOG2E};
         if (run_item(&it, a, b, state + state_at[i])) failed = 1;
     }
     if (failed) {

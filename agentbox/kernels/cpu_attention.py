@@ -10,14 +10,17 @@ gather path copies the whole history per layer.
 Built on first use like cpu_gemv's library (the system `cc`, cached under ~/.cache/agentbox/kernels by the
 source's digest), its own small library so it builds and loads apart from the weight kernels. `available()`
 is False without a compiler, AVX2 + FMA or a successful build (callers keep the torch path); `supports`
-says which layers it takes (fp32 cache, head size a multiple of 8 up to 256, no window, no sinks).
+says which layers it takes (an fp32 or fp16 cache, head size a multiple of 8 up to 256, no window, no sinks).
+An fp16 cache (the default CPU pool, engine/exec/runner.py) is widened to fp32 tile by tile as it is read: a decode
+step over a long history is bound by the bytes of keys and values it reads, and fp16 halves them.
 
 On CPUs with AMX (amx_tile + amx_bf16) whose OS grants the tile state, the sequences of a call with at least
 AMX_MIN_TOKENS new tokens and AMX_MIN_ROWS query rows a kv head (prefill chunks and warm turns) and a head size a
 multiple of 16 go to cpu_attention_amx.c instead: the same attention with split-bf16 ("bf16x3") tile products,
 ~16 significant bits a product, 2.4x / 2.7x the fp32 kernel on a 1024-token chunk at 2k / 32k context on one
 Xeon core, 1.3x on a 30-token warm turn at 121k. Decode and spec verify (few tokens) stay on the fp32 kernel, and
-so does every call with `amx=False` (the engine's --exact-cpu).
+so does every call with `amx=False` (the engine's --exact-cpu) and every call over an fp16 cache (the AMX kernel
+reads fp32 keys only; not measured on fp16, as no AMX machine is at hand).
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ _c_i64, _c_ptr, _c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # (q, seqs, q_starts, q_lens, kv_lens, page_table, its stride, page size, k, v, hq, hkv, hd, scale, out, threads)
 _ARGS = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64,
          ctypes.c_float, _c_ptr, _c_int]
+# The cache's element types the fp32-arithmetic kernel reads (passed as its last argument, kv_f16); AMX: fp32 only.
+KV_DTYPES = (torch.float32, torch.float16)
 
 
 def _build(avx512: bool) -> tuple[Path | None, str]:
@@ -80,7 +85,7 @@ def _library(avx512: bool | None = None) -> tuple[ctypes.CDLL | None, str]:
     if target is None:
         return None, why
     lib = ctypes.CDLL(str(target))
-    lib.ab_paged_attention.argtypes = _ARGS
+    lib.ab_paged_attention.argtypes = [*_ARGS, _c_int]  # kv_f16
     lib.ab_paged_attention.restype = _c_int
     return lib, ""
 
@@ -121,7 +126,7 @@ def unavailable_reason() -> str:
 def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Shapes and dtypes the kernel takes (the caller checks window and sinks)."""
     hd, hkv = k_cache.shape[-1], k_cache.shape[-2]
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and k_cache.dtype in KV_DTYPES
             and k_cache.is_contiguous() and hd % 8 == 0 and hd <= 256 and q.shape[1] % hkv == 0)
 
 
@@ -129,7 +134,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     page_size: int, query_lens: list[int], kv_lens: list[int], scale: float,
                     n_threads: int | None = None, avx512: bool | None = None, amx: bool | None = None) -> torch.Tensor:
     """q [T, H, D] fp32 (each sequence's new tokens in order: the last query_lens[s] of its kv_lens[s]
-    positions), k/v cache [slots, Hkv, D] fp32 holding every position already, page_table [B, P] (its
+    positions), k/v cache [slots, Hkv, D] fp32 or fp16 (one dtype) holding every position already, page_table [B, P] (its
     pages) -> [T, H, D]: causal attention. `avx512` picks a build (tests); None: this CPU's best. `amx`:
     None sends sequences of AMX_MIN_TOKENS tokens and AMX_MIN_ROWS rows or more to the AMX kernel where it runs,
     False none, True all
@@ -137,6 +142,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     lib, why = _library(avx512)
     if lib is None:
         raise RuntimeError(f"the CPU attention kernel is unavailable: {why}")
+    if k_cache.dtype not in KV_DTYPES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"paged_attention reads an fp32 or fp16 cache, not k {k_cache.dtype} / v {v_cache.dtype}")
+    kv_f16 = k_cache.dtype == torch.float16
     q = q.contiguous()
     table = page_table.to(torch.int32).contiguous()
     out = torch.empty_like(q)
@@ -144,8 +152,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     hkv = k_cache.shape[1]
     q_lens = torch.tensor(query_lens, dtype=torch.int64)
     starts = torch.cumsum(q_lens, 0) - q_lens
-    tiled = _tiled(query_lens, h // hkv, d, amx)
-    parts = [(lib.ab_paged_attention, [s for s, t in enumerate(tiled) if not t])]
+    if kv_f16 and amx:
+        raise RuntimeError("the AMX attention kernel reads an fp32 cache only")
+    tiled = _tiled(query_lens, h // hkv, d, False if kv_f16 else amx)
+    parts = [(lambda *args: lib.ab_paged_attention(*args, int(kv_f16)), [s for s, t in enumerate(tiled) if not t])]
     if any(tiled):
         parts.append((_amx_library()[0].ab_paged_attention_amx, [s for s, t in enumerate(tiled) if t]))
     for kernel, seqs in parts:

@@ -7,6 +7,10 @@
  * RMSNorm, rotary embedding, the paged KV store, attention over the sequence's pages, SiLU-and-mul.
  * A row is a query token; a sequence's rows (a verify) share a page-table row and each attends up to its own
  * position; k/v go to the cache before attention, so a token sees itself and the rows before it. The runner checks that a model fits (models/cpu_decode.py) and otherwise runs the torch path.
+ * The KV cache is fp32 or fp16 (kv_f16, the default CPU pool: a decode step at a few thousand tokens of history is
+ * bound by the keys and values it reads, and fp16 halves them, as llama.cpp's default f16 cache does): the store
+ * rounds to nearest even as torch's .half() does, and attention widens each block of keys or values with F16C once for
+ * every query that shares it.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -29,7 +33,8 @@ typedef struct {
     const float *ln1, *ln2; /* [H] */
     const float *qkv_bias;  /* [(Hq + 2 Hkv) D] or NULL (Qwen2) */
     const float *q_norm, *k_norm; /* [D] or NULL (Qwen3) */
-    float *k_cache, *v_cache; /* [slots][Hkv][D] */
+    void *k_cache, *v_cache; /* [slots][Hkv][D], fp32 or (kv_f16) fp16 */
+    int64_t kv_f16;
 } layer_t;
 
 typedef struct {
@@ -85,13 +90,49 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
  * pass, so a verified row is bit for bit a one-row decode at that position. */
 #define GROUP_ROWS 32 /* rows of one group at most (the wrapper's MAX_QUERY): bounds the scores scratch */
 #define V_BLOCK 32    /* keys whose V rows stay in L1 while every query of the group adds them (8 KiB at 64) */
+#define KEYS_AHEAD 32 /* keys prefetched ahead of the block being scored */
 
-/* pointers to cnt consecutive keys' rows of kv head kvh, from key j0 (one division per call, not per key) */
-static inline void kv_rows(const float *cache, const int32_t *pages, int64_t page_size, int64_t j0, int64_t cnt,
-                           int64_t hkv, int64_t kvh, int64_t hd, const float **out) {
+/* n values (a multiple of 8) into the cache at element `at`: copied, or (f16) rounded to nearest even, as torch's
+ * .half() rounds; the torch layers' store (index_copy_ of k.to(cache.dtype)) writes the same bits. */
+void ab_store_kv(void *cache, int f16, int64_t at, const float *src, int64_t n) {
+    if (!f16) {
+        memcpy((float *)cache + at, src, sizeof(float) * n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + at;
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* pointers to cnt consecutive keys' rows of kv head kvh as fp32, from key j0 (one division per call, not per key):
+ * into the cache, or (f16) rows widened into buf [cnt][hd] */
+static inline void kv_rows(const void *cache, int f16, const int32_t *pages, int64_t page_size, int64_t j0,
+                           int64_t cnt, int64_t hkv, int64_t kvh, int64_t hd, float *buf, const float **out) {
     int64_t pg = j0 / page_size, off = j0 % page_size;
     for (int64_t c = 0; c < cnt; c++) {
-        out[c] = cache + (((int64_t)pages[pg] * page_size + off) * hkv + kvh) * hd;
+        const int64_t at = (((int64_t)pages[pg] * page_size + off) * hkv + kvh) * hd;
+        if (f16) {
+            const uint16_t *h = (const uint16_t *)cache + at;
+            for (int64_t i = 0; i < hd; i += 8)
+                _mm256_storeu_ps(buf + c * hd + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+            out[c] = buf + c * hd;
+        } else {
+            out[c] = (const float *)cache + at;
+        }
+        if (++off == page_size) off = 0, pg++;
+    }
+}
+
+/* Prefetch cnt keys' rows (of kv head kvh) from key j0: a sequence's pages lie anywhere in the pool, so the hardware
+ * prefetcher loses the stream at every page, and without this a decode's attention waited on one block of keys at a
+ * time: at 4k tokens of SmolLM2 an fp16 cache (half the lines) was no faster than fp32. */
+static inline void prefetch_rows(const void *cache, int64_t esize, const int32_t *pages, int64_t page_size, int64_t j0,
+                                 int64_t cnt, int64_t hkv, int64_t kvh, int64_t hd) {
+    int64_t pg = j0 / page_size, off = j0 % page_size;
+    for (int64_t c = 0; c < cnt; c++) {
+        const char *row = (const char *)cache + (((int64_t)pages[pg] * page_size + off) * hkv + kvh) * hd * esize;
+        for (int64_t b = 0; b < hd * esize; b += 64) /* asm: GCC 12 dropped _mm_prefetch here as dead code */
+            __asm__ volatile("prefetcht0 %0" : : "m"(row[b]));
         if (++off == page_size) off = 0, pg++;
     }
 }
@@ -142,19 +183,23 @@ static inline void add_values64(float *out, const float *p, const float *const *
 }
 
 /* queries i0 .. i1 - 1 of kv head kvh for a group's rows from t0 (query i: row t0 + i / group, its head i % group
- * of the kv head's); scores: [queries][stride] scratch */
+ * of the kv head's); scores: [queries][stride] scratch; widened: [V_BLOCK][hd] scratch for an fp16 cache's rows */
 static void attend_group(const layer_t *L, const dims_t *d, const float *qkv, int64_t t0, int64_t i0, int64_t i1,
                          int64_t kvh, const int32_t *pages, int64_t page_size, const int64_t *kv_lens, float *scores,
-                         int64_t stride, float *attn) {
+                         int64_t stride, float *widened, float *attn) {
     const int64_t hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, group = hq / hkv;
     const int64_t qkv_n = (hq + 2 * hkv) * hd;
     const __m256 scale = _mm256_set1_ps(d->scale);
     int64_t n_max = 0;
     for (int64_t i = i0; i < i1; i++) n_max = kv_lens[t0 + i / group] > n_max ? kv_lens[t0 + i / group] : n_max;
     const float *rows_of[V_BLOCK];
+    const int64_t esize = L->kv_f16 ? 2 : 4;
     for (int64_t j0 = 0; j0 < n_max; j0 += 8) { /* past n_max a block repeats its first key: scores never read */
         const int64_t cnt = n_max - j0 < 8 ? n_max - j0 : 8;
-        kv_rows(L->k_cache, pages, page_size, j0, cnt, hkv, kvh, hd, rows_of);
+        if (j0 + KEYS_AHEAD < n_max) /* the block KEYS_AHEAD keys on */
+            prefetch_rows(L->k_cache, esize, pages, page_size, j0 + KEYS_AHEAD,
+                          n_max - j0 - KEYS_AHEAD < 8 ? n_max - j0 - KEYS_AHEAD : 8, hkv, kvh, hd);
+        kv_rows(L->k_cache, (int)L->kv_f16, pages, page_size, j0, cnt, hkv, kvh, hd, widened, rows_of);
         for (int64_t c = cnt; c < 8; c++) rows_of[c] = rows_of[0];
         for (int64_t i = i0; i < i1; i++) {
             const int64_t t = t0 + i / group;
@@ -164,8 +209,13 @@ static void attend_group(const layer_t *L, const dims_t *d, const float *qkv, in
         }
     }
     for (int64_t i = i0; i < i1; i++) softmax(scores + i * stride, kv_lens[t0 + i / group]);
+    prefetch_rows(L->v_cache, esize, pages, page_size, 0, n_max < V_BLOCK ? n_max : V_BLOCK, hkv, kvh, hd);
     for (int64_t j0 = 0; j0 < n_max; j0 += V_BLOCK) {
-        kv_rows(L->v_cache, pages, page_size, j0, n_max - j0 < V_BLOCK ? n_max - j0 : V_BLOCK, hkv, kvh, hd, rows_of);
+        if (j0 + V_BLOCK < n_max) /* the next block's values, while this one's are added */
+            prefetch_rows(L->v_cache, esize, pages, page_size, j0 + V_BLOCK,
+                          n_max - j0 - V_BLOCK < V_BLOCK ? n_max - j0 - V_BLOCK : V_BLOCK, hkv, kvh, hd);
+        kv_rows(L->v_cache, (int)L->kv_f16, pages, page_size, j0, n_max - j0 < V_BLOCK ? n_max - j0 : V_BLOCK, hkv,
+                kvh, hd, widened, rows_of);
         for (int64_t i = i0; i < i1; i++) {
             const int64_t t = t0 + i / group, n = kv_lens[t];
             if (n <= j0) continue;
@@ -209,7 +259,8 @@ static int attention(const layer_t *L, const dims_t *d, const float *qkv, int64_
     starts[ng] = m;
     for (int64_t t = 0; t < m; t++) stride = kv_lens[t] > stride ? kv_lens[t] : stride;
     stride = (stride + 7) / 8 * 8;
-    const int64_t per = max_rows * group * stride, nth = threads > 1 ? threads : 1;
+    const int64_t scores_n = max_rows * group * stride, per = scores_n + V_BLOCK * d->head_dim;
+    const int64_t nth = threads > 1 ? threads : 1;
     float *scratch = malloc(sizeof(float) * per * nth);
     if (!scratch) {
         free(starts);
@@ -224,20 +275,21 @@ static int attention(const layer_t *L, const dims_t *d, const float *qkv, int64_
         float *scores = scratch + (threads > 1 ? omp_get_thread_num() : 0) * per;
         if (i0 < i1)
             attend_group(L, d, qkv, t0, i0, i1, kvh, page_table + t0 * pt_stride, page_size, kv_lens, scores, stride,
-                         attn);
+                         scores + scores_n, attn);
     }
     free(starts);
     free(scratch);
     return 0;
 }
 
-/* The attention above for another layer's struct (cpu_hybrid.c's gated attention): q | k | v rows in, o rows out. */
-int ab_attend(float *k_cache, float *v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
+/* The attention above for another layer's struct (cpu_hybrid.c's gated attention): q | k | v rows in, o rows out;
+ * kv_f16: the cache is fp16 (else fp32). */
+int ab_attend(void *k_cache, void *v_cache, int kv_f16, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
               const float *qkv, int64_t m, const int32_t *page_table, int64_t pt_stride, int64_t page_size,
               const int64_t *kv_lens, float *attn, int threads) {
     layer_t L = {0};
     dims_t d = {0};
-    L.k_cache = k_cache, L.v_cache = v_cache;
+    L.k_cache = k_cache, L.v_cache = v_cache, L.kv_f16 = kv_f16;
     d.heads = heads, d.kv_heads = kv_heads, d.head_dim = head_dim, d.scale = scale;
     return attention(&L, &d, qkv, m, page_table, pt_stride, page_size, kv_lens, attn, threads);
 }
@@ -269,8 +321,8 @@ int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *res
                 rmsnorm(row + head * hd, head < hq ? L->q_norm : L->k_norm, hd, d->eps, row + head * hd);
         for (int64_t head = 0; head < hq + hkv; head++) rope(row + head * hd, c, s, hd); /* q and k heads */
         if (slots[t] >= 0) {
-            memcpy(L->k_cache + slots[t] * hkv * hd, row + hq * hd, sizeof(float) * hkv * hd);
-            memcpy(L->v_cache + slots[t] * hkv * hd, row + (hq + hkv) * hd, sizeof(float) * hkv * hd);
+            ab_store_kv(L->k_cache, (int)L->kv_f16, slots[t] * hkv * hd, row + hq * hd, hkv * hd);
+            ab_store_kv(L->v_cache, (int)L->kv_f16, slots[t] * hkv * hd, row + (hq + hkv) * hd, hkv * hd);
         }
     }
     if ((rc = attention(L, d, qkv, m, page_table, pt_stride, page_size, kv_lens, attn, threads))) goto done;

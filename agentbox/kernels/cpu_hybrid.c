@@ -18,8 +18,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* cpu_decode.c's paged attention over a sequence's pages (q | k | v rows of (heads + 2 kv_heads) * head_dim) */
-int ab_attend(float *k_cache, float *v_cache, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
+/* cpu_decode.c's paged attention over a sequence's pages (q | k | v rows of (heads + 2 kv_heads) * head_dim), and its
+ * KV store (fp32, or fp16 rounded to nearest even) */
+void ab_store_kv(void *cache, int f16, int64_t at, const float *src, int64_t n);
+int ab_attend(void *k_cache, void *v_cache, int kv_f16, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale,
               const float *qkv, int64_t m, const int32_t *page_table, int64_t pt_stride, int64_t page_size,
               const int64_t *kv_lens, float *attn, int threads);
 
@@ -91,8 +93,9 @@ typedef struct {
     const float *gdn_norm;                  /* [Dv]: the gated norm's weight as stored (not zero-centred) */
     float *conv_state, *matrix;             /* [slots][C][K-1], [slots][Hv][Dk][Dv] */
     const float *q_norm, *k_norm;           /* [D], 1 + w */
-    float *k_cache, *v_cache;               /* [slots][Hkv][D] */
+    void *k_cache, *v_cache;                /* [slots][Hkv][D]: fp32, or fp16 (kv_f16) */
     int64_t linear;                         /* 1: a delta-net layer; 0: gated attention */
+    int64_t kv_f16;
 } hlayer_t;
 
 typedef struct {
@@ -251,11 +254,11 @@ static int gated_attention(const hlayer_t *L, const hdims_t *d, const hstep_t *s
         memcpy(row + (hq + hkv) * hd, src + (2 * hq + hkv) * hd, sizeof(float) * hkv * hd);
         for (int64_t h = 0; h < hq + hkv; h++) rope(row + h * hd, c, s, rd); /* the first rd channels of a head */
         if (kv_slots[t] >= 0) {
-            memcpy(L->k_cache + kv_slots[t] * hkv * hd, row + hq * hd, sizeof(float) * hkv * hd);
-            memcpy(L->v_cache + kv_slots[t] * hkv * hd, row + (hq + hkv) * hd, sizeof(float) * hkv * hd);
+            ab_store_kv(L->k_cache, (int)L->kv_f16, kv_slots[t] * hkv * hd, row + hq * hd, hkv * hd);
+            ab_store_kv(L->v_cache, (int)L->kv_f16, kv_slots[t] * hkv * hd, row + (hq + hkv) * hd, hkv * hd);
         }
     }
-    rc = ab_attend(L->k_cache, L->v_cache, hq, hkv, hd, d->scale, qkv, m, st->page_table, st->pt_stride, st->page_size,
+    rc = ab_attend(L->k_cache, L->v_cache, (int)L->kv_f16, hq, hkv, hd, d->scale, qkv, m, st->page_table, st->pt_stride, st->page_size,
                    st->kv_lens, out, threads);
     if (rc) goto done;
     for (int64_t t = 0; t < m; t++)

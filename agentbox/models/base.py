@@ -106,6 +106,9 @@ class CausalLM(nn.Module, ABC):
     tie_word_embeddings: bool = False
     # Decode may run under CUDA graphs (an attention that reads host-side lengths cannot be captured)
     supports_cuda_graphs: ClassVar[bool] = True
+    # The KV pool may be narrower than the compute dtype (fp16 under fp32 on CPU, EngineConfig.kv_dtype): every
+    # read of the cache widens it (`.to(q.dtype)`, the C kernels). False where a layer reads the cache raw.
+    narrow_cpu_kv: ClassVar[bool] = True
     # Substrings of checkpoint names the loader leaves in the file: tables the model memory-maps itself
     # (`map_host_tables`), read a few rows a step (Qwen3.8-Flash-Next's n-gram tables, ~95 GiB)
     host_table_names: ClassVar[tuple[str, ...]] = ()

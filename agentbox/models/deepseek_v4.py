@@ -265,6 +265,7 @@ RELEASE_FP4_EXPERTS = tuple(
 
 
 class DeepseekV4ForCausalLM(CausalLM):
+    narrow_cpu_kv = False  # the compressor and indexer read compressed entries raw; not checked on an fp16 pool
     checkpoint_renames = (
         # the release's FP8 block scale of a linear (wq_a ... w3, weights_proj; not hc_*.scale, and a routed
         # expert's `scale` is its FP4 method's: kept)

@@ -174,6 +174,7 @@ class Qwen4ExpModel(nn.Module):
 
 
 class Qwen4ExpForConditionalGeneration(CausalLM):
+    narrow_cpu_kv = False  # the indexer scores the raw index cache against fp32 queries
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     expert_mapping = per_expert_weights(
         "gate_proj", "up_proj", "down_proj", (ExpertShard.GATE, ExpertShard.UP, ExpertShard.DOWN)

@@ -27,7 +27,7 @@ def copy_pages(src: KVCache, src_pages: list[int], dst: KVCache, dst_pages: list
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"copy of {len(src_pages)} pages into {len(dst_pages)}")
     if not src.same_layout(dst):
-        raise ValueError("the two caches differ in page size, layer shapes or entry sizes")
+        raise ValueError("the two caches differ in page size, layer shapes, entry sizes or dtype")
     if not src_pages:
         return
     src_dev, dst_dev = src.k[0].device, dst.k[0].device

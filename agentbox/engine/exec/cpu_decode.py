@@ -49,7 +49,10 @@ class _Q4(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Q4), ("o", _Q4), ("gate_up", _Q4), ("down", _Q4), ("ln1", _ptr), ("ln2", _ptr),
-                ("qkv_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("qkv_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
+                ("kv_f16", _i64)]
+# The KV pool's element types the C layer stores and reads (kv_f16 says which): fp16 is the default CPU pool.
+KV_DTYPES = (torch.float32, torch.float16)
 
 
 class _Dims(ctypes.Structure):
@@ -125,7 +128,7 @@ def _plan(model: nn.Module, kv: Any) -> _Plan:
         qn, kn = (attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()) if attn.qk_norm else (None, None)
         layers.append(_Layer(qkv, o, gu, down, layer.input_layernorm.weight.data_ptr(),
                              layer.post_attention_layernorm.weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                             qn, kn, kv.k[i].data_ptr(), kv.v[i].data_ptr()))
+                             qn, kn, kv.k[i].data_ptr(), kv.v[i].data_ptr(), int(kv.k[i].dtype == torch.float16)))
     dims = _Dims(model.layers[0].input_layernorm.weight.numel(), first.num_heads, first.num_kv_heads, first.head_dim,
                  mlp.down_proj.input_size, rotary.cos_cached.data_ptr(), rotary.sin_cached.data_ptr(),
                  model.layers[0].input_layernorm.eps, first.attn.scale)
@@ -154,8 +157,9 @@ class CpuDecode:
         return CpuDecode(inner) if probe.dtype == torch.float32 else None  # the C layer reads fp32 hidden states
 
     def fits(self, meta: AttentionMetadata, kv: KVCache) -> bool:
-        """Whether this step runs fused: every sequence brings at most MAX_QUERY tokens, into an fp32 KV pool."""
-        return _enabled and meta.max_query_len <= MAX_QUERY and kv.k[0].dtype == torch.float32
+        """Whether this step runs fused: every sequence brings at most MAX_QUERY tokens, into an fp32 or fp16 KV
+        pool."""
+        return _enabled and meta.max_query_len <= MAX_QUERY and kv.k[0].dtype in KV_DTYPES
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

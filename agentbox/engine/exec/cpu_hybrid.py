@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from agentbox.engine.exec.cpu_decode import KV_DTYPES
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import get_forward_context
 from agentbox.models.base import CausalLM
@@ -49,7 +50,8 @@ class _Layer(ctypes.Structure):
     _fields_ = [("in_qkv", _F16), ("in_z", _F16), ("in_b", _F16), ("in_a", _F16), ("out", _F16), ("qkv", _F16),
                 ("o", _F16), ("gate_up", _F16), ("down", _F16), ("ln1", _ptr), ("ln2", _ptr), ("conv_w", _ptr),
                 ("a_log", _ptr), ("dt_bias", _ptr), ("gdn_norm", _ptr), ("conv_state", _ptr), ("matrix", _ptr),
-                ("q_norm", _ptr), ("k_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("linear", _i64)]
+                ("q_norm", _ptr), ("k_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("linear", _i64),
+                ("kv_f16", _i64)]
 
 
 class _Dims(ctypes.Structure):
@@ -167,7 +169,8 @@ def _plan(model: nn.Module, kv: Any, state: Any) -> _Plan:
             layers.append(_Layer(
                 in_qkv=none, in_z=none, in_b=none, in_a=none, out=none, qkv=_f16(attn.qkv_proj), o=_f16(attn.o_proj),
                 **common, q_norm=ptr(1.0 + attn.q_norm.weight), k_norm=ptr(1.0 + attn.k_norm.weight),
-                k_cache=kv.k[i].data_ptr(), v_cache=kv.v[i].data_ptr(), linear=0))
+                k_cache=kv.k[i].data_ptr(), v_cache=kv.v[i].data_ptr(), linear=0,
+                kv_f16=int(kv.k[i].dtype == torch.float16)))
             dims.heads, dims.kv_heads, dims.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
             dims.rotary_dim, dims.scale = attn.rotary_dim, attn.attn.scale
             dims.cos, dims.sin = attn.rotary.cos_cached.data_ptr(), attn.rotary.sin_cached.data_ptr()
@@ -193,9 +196,10 @@ class HybridCpuDecode:
         return HybridCpuDecode(inner) if probe.dtype == torch.float32 else None
 
     def fits(self, meta: AttentionMetadata, kv: KVCache) -> bool:
-        """Whether this step runs fused: every sequence brings at most MAX_QUERY tokens, fp32 KV and state."""
+        """Whether this step runs fused: every sequence brings at most MAX_QUERY tokens, fp32 or fp16 KV (cpu_decode.c's
+        store and attention take either), fp32 state."""
         state = get_forward_context().state
-        if not _enabled or state is None or meta.max_query_len > MAX_QUERY or (kv.k and kv.k[0].dtype != torch.float32):
+        if not _enabled or state is None or meta.max_query_len > MAX_QUERY or (kv.k and kv.k[0].dtype not in KV_DTYPES):
             return False
         return all(t.dtype == torch.float32 for ts in state.cache.layers for t in ts)
 

@@ -106,6 +106,10 @@ class ModelRunner:
                                     ExpertPlacement.of(config.cpu_moe, config.n_cpu_moe),
                                     with_mtp=config.speculative.uses_mtp)
         self.loaded = loaded
+        # The KV pool's: fp16 on CPU by default (EngineConfig.kv_dtype says why), unless the model reads it raw or
+        # keeps compressed entries (several tokens an entry: their layers read them as stored)
+        narrow = loaded.model.narrow_cpu_kv and not loaded.layout.entry_groups
+        self.kv_dtype = DTYPES[config.resolved_kv_dtype] if narrow else self.dtype
         self.placement = loaded.placement
         self.host_expert_bytes = host_expert_bytes(loaded.model)
         self.expert_times = ExpertTimes()
@@ -125,9 +129,10 @@ class ModelRunner:
         page_bytes = self._make_pool()
         self._make_execution()
         log.info(
-            "rank %d/%d: weights %.1f MiB, KV pool %d pages of %d tokens (%.1f MiB), attention backend %s, "
+            "rank %d/%d: weights %.1f MiB, KV pool %d pages of %d tokens (%.1f MiB, %s), attention backend %s, "
             "max_model_len %d", self.rank, self.tp, self.weight_bytes / 2**20, self.num_pages, self.page_size,
-            self.num_pages * page_bytes / 2**20, self.backend.name, self.max_model_len,
+            self.num_pages * page_bytes / 2**20, str(self.kv_dtype).removeprefix("torch."), self.backend.name,
+            self.max_model_len,
         )
         if self.device.type == "cpu":
             from agentbox.kernels import cpu_gemv
@@ -147,10 +152,10 @@ class ModelRunner:
         """The KV pool and the context length it allows; returns the bytes of one page."""
         config, lm = self.config, self.loaded
         layout = self.layout
-        page_bytes = KVCache.bytes_per_page(layout.kv_specs, self.page_size, self.dtype, layout.tokens_per_entry)
+        page_bytes = KVCache.bytes_per_page(layout.kv_specs, self.page_size, self.kv_dtype, layout.tokens_per_entry)
         # Page ids mean the same slots on every rank, so every rank's pool has the smallest rank's size.
         self.num_pages = min(control_all_gather(config.num_pages or self._auto_num_pages(page_bytes)))
-        self.kv_cache = KVCache(layout.kv_specs, self.num_pages, self.page_size, self.dtype, self.device,
+        self.kv_cache = KVCache(layout.kv_specs, self.num_pages, self.page_size, self.kv_dtype, self.device,
                                 tokens_per_entry=layout.tokens_per_entry)
         # The pool must hold at least one full-length request, or such a request could never run.
         pool_tokens = (self.num_pages - 1) * self.page_size
@@ -281,7 +286,7 @@ class ModelRunner:
 
     def _bytes_per_token(self) -> float:
         layout = self.layout
-        return KVCache.bytes_per_page(layout.kv_specs, self.page_size, self.dtype,
+        return KVCache.bytes_per_page(layout.kv_specs, self.page_size, self.kv_dtype,
                                       layout.tokens_per_entry) / self.page_size
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:

@@ -138,8 +138,9 @@ class KVCache:
                        pin_memory=pin_memory, tokens_per_entry=self.tokens_per_entry)
 
     def same_layout(self, other: KVCache) -> bool:
-        return (self.page_size, self.specs, self.tokens_per_entry) == (other.page_size, other.specs,
-                                                                       other.tokens_per_entry)
+        """Pages of one may be copied into the other as they are: the dtype too (an fp32 page is not fp16 bytes)."""
+        return (self.page_size, self.specs, self.tokens_per_entry, self.dtype) == (
+            other.page_size, other.specs, other.tokens_per_entry, other.dtype)
 
     @property
     def dtype(self) -> torch.dtype:

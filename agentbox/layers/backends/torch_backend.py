@@ -22,12 +22,13 @@ thread, 4 heads on 2 kv heads x 64: 32 decodes at 64 tokens 2.0 ms views vs 1.8 
 at 128 tokens 3.6 vs 4.2, at 256 tokens 3.6 vs 15.3). Both give the same numbers
 (tests/test_layers.py compares them on ragged batches with chunked prefill, sinks and windows).
 
-On an AVX2 CPU with an fp32 cache, layers without a window or sinks skip all of that: kernels/cpu_attention.c
+On an AVX2 CPU with an fp32 or fp16 cache (fp16: the default CPU pool; the store below rounds into it, the kernel
+widens as it reads), layers without a window or sinks skip all of that: kernels/cpu_attention.c
 takes the whole step in one call, reading keys in place through the page table (any page order), the key
 range of a long sequence split across the threads (a warm turn's ~25 tokens over 121k keys: 38-53 ms in
 torch's fused kernel on one thread, ~12 ms of CPU in the kernel, split over the engine's threads). On CPUs
 with AMX it sends a step's prefill chunks and longer warm turns to cpu_attention_amx.c (split-bf16 tile products,
-~2.7x at 32k context); `exact_cpu` (--exact-cpu) keeps them on the fp32 kernel.
+~2.7x at 32k context) when the cache is fp32; `exact_cpu` (--exact-cpu) keeps them on the fp32 kernel.
 """
 
 from __future__ import annotations
