@@ -22,8 +22,8 @@ gen = torch.Generator().manual_seed(0)
 caches = {dt: [tuple(torch.randn((pages + 1) * ps, hkv, hd, generator=gen).to(dt) for _ in "kv") for _ in range(layers)]
           for dt in (torch.float32, torch.float16)}
 lib = cpu_gemv._lib()
-P, I = ctypes.c_void_p, ctypes.c_int64
-lib.ab_attend.argtypes = [P, P, ctypes.c_int, I, I, I, ctypes.c_float, P, I, P, I, I, P, P, ctypes.c_int]
+P, I64 = ctypes.c_void_p, ctypes.c_int64
+lib.ab_attend.argtypes = [P, P, ctypes.c_int, I64, I64, I64, ctypes.c_float, P, I64, P, I64, I64, P, P, ctypes.c_int]
 qkv, out = torch.randn(1, (hq + 2 * hkv) * hd), torch.empty(1, hq * hd)
 kv_lens, q = torch.tensor([n], dtype=torch.int64), torch.randn(1, hq, hd)
 

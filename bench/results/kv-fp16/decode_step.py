@@ -3,13 +3,19 @@ qualifies): an fp32 KV pool against an fp16 one holding the same history, rounds
 
     PYTHONPATH=. python bench/results/kv-fp16/decode_step.py MODEL.gguf 4096 [threads]
 """
-import sys, time, statistics
+import statistics
+import sys
+import time
+
 import torch
+
 sys.path.insert(0, 'tests')
 from model_harness import PagedRunner
+
 from agentbox.models.loader import load_model
 
-path = sys.argv[1]; ctx = int(sys.argv[2]); threads = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+path, ctx = sys.argv[1], int(sys.argv[2])
+threads = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 torch.set_num_threads(threads)
 lm = load_model(path, torch.float32, 'cpu')
 gen = torch.Generator().manual_seed(0)
@@ -21,11 +27,11 @@ for i in range(0, ctx, 512):  # chunked prefill, as the engine does
     r32.step({0: prompt[i:i + 512]})
 print(f'prefill {ctx} tokens: {time.perf_counter() - t:.1f}s; fused decode: {type(r32.cpu_decode).__name__}', flush=True)
 r16 = PagedRunner(lm, num_pages=pages, page_size=16, kv_dtype=torch.float16)
-for a, b in zip(r16.cache.tensors(), r32.cache.tensors()):
+for a, b in zip(r16.cache.tensors(), r32.cache.tensors(), strict=True):
     a.copy_(b)  # the same history, rounded
 if r32.state is not None:
-    for la, lb in zip(r16.state.layers, r32.state.layers):
-        for a, b in zip(la, lb):
+    for la, lb in zip(r16.state.layers, r32.state.layers, strict=True):
+        for a, b in zip(la, lb, strict=True):
             a.copy_(b)
 r16.pages, r16.lens, r16.free_pages = {0: list(r32.pages[0])}, dict(r32.lens), list(r32.free_pages)
 times = {'fp32': [], 'fp16': []}
