@@ -12,6 +12,7 @@ from glm_models import save_glm, tiny_config
 from hybrid_models import hf_greedy, hf_logits
 from model_harness import PagedRunner
 
+from agentbox.layers.backends import mla
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.backends.mla import MLAWeights, absorbed_reference, expanded_reference
 from agentbox.layers.linear import ReplicatedLinear
@@ -49,9 +50,12 @@ def test_prefill_and_decode_match_transformers(tiny) -> None:  # noqa: ANN001
     torch.testing.assert_close(torch.cat(out), hf_logits(hf, PROMPT + DECODE), atol=ATOL, rtol=ATOL)
 
 
-def test_chunked_prefill_and_mixed_batch_match_transformers(tiny) -> None:  # noqa: ANN001
-    """Chunks over a cached prefix (the expanded form reads earlier chunks' latents from the pool), and a
-    step mixing a prefill chunk with decodes (the expanded form serves the decodes of that step too)."""
+@pytest.mark.parametrize("absorb_max_query", [0, mla.ABSORB_MAX_QUERY])
+def test_chunked_prefill_and_mixed_batch_match_transformers(tiny, absorb_max_query: int,  # noqa: ANN001
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks over a cached prefix (either form reads earlier chunks' latents from the pool), and a step mixing
+    a prefill chunk with decodes (that step's form serves its decodes too); 0: every chunk expanded."""
+    monkeypatch.setattr(mla, "ABSORB_MAX_QUERY", absorb_max_query)
     _, hf, ours = tiny
     runner = PagedRunner(ours, num_pages=64, page_size=4)
     cuts = [0, 1, 30, 53, 70]

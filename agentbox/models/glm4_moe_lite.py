@@ -30,8 +30,8 @@ from agentbox.layers.backends.base import KVLayerSpec
 from agentbox.layers.backends.mla import (
     MLAWeights,
     expanded_reference,
-    has_kernels,
     mla_absorbed,
+    takes_absorbed,
     write_latent,
 )
 from agentbox.layers.cache_layout import CacheLayout, PagedGroup
@@ -123,7 +123,7 @@ class MLAttention(nn.Module):
         k_pe = self._rope(positions, kv[:, None, self.rank :])[:, 0]
         ctx = get_forward_context()
         cache = write_latent(ctx.backend, self.layer_id, torch.cat([latent, k_pe], dim=-1))
-        if ctx.meta.is_decode_only or has_kernels(ctx.backend):
+        if takes_absorbed(ctx.backend, ctx.meta):
             out = mla_absorbed(ctx.backend, q_nope, q_pe, cache, self._weights(), self.scale)
         else:
             dims = (self.rank, self.nope, self.v_dim)

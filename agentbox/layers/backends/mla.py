@@ -15,7 +15,8 @@ Two ways to attend, the same numbers:
 
 The triton backend runs both steps in the absorbed form with kernels/mla_attention.py (decode: one query row
 per sequence; prefill chunks: one row per new token over its visible prefix); other backends run the torch
-references below (any device): expanded for steps with a prefill chunk, absorbed for decode-only steps.
+references below (any device): expanded for steps with a long prefill chunk, absorbed for the others
+(`takes_absorbed`).
 """
 
 from __future__ import annotations
@@ -89,10 +90,16 @@ def absorbed_reference(
     Returns the attended latent [T, H, kv_lora_rank]."""
     lay = _memo.get(meta, cache.device)
     keys = cache[lay.kv_slots].to(q.dtype).transpose(1, 2)  # [B, 1, max_kv, 576]
+    padded = _padded(q, lay)
+    b, h, max_q, d = padded.shape
+    # One kv head: every head's query rows attend as rows of that one head, the mask repeated per head. SDPA's
+    # enable_gqa copies the keys once per query head instead: 145 ms against 2.5 a layer at 1,500 keys and 20
+    # heads on one core of an EPYC, the copies growing with the history (505 ms against 9.6 at 6,000).
     out = F.scaled_dot_product_attention(
-        _padded(q, lay), keys, keys[..., :kv_lora_rank], attn_mask=lay.mask, scale=scale, enable_gqa=True
+        padded.reshape(b, 1, h * max_q, d), keys, keys[..., :kv_lora_rank], attn_mask=lay.mask.repeat(1, 1, h, 1),
+        scale=scale,
     )
-    return _unpadded(out, lay)
+    return _unpadded(out.view(b, h, max_q, kv_lora_rank), lay)
 
 
 def expanded_reference(
@@ -115,6 +122,20 @@ def expanded_reference(
     values = kv_up[..., nope:].transpose(1, 2)
     out = F.scaled_dot_product_attention(_padded(q, lay), keys, values, attn_mask=lay.mask, scale=scale)
     return _unpadded(out, lay)
+
+
+# Longest new-token run a step may give a sequence for the torch reference to take the absorbed form: expanding
+# costs kv_b_proj over every visible key (kv x rank x H x (nope + v)) whatever the new tokens, absorbing costs
+# each new token's H rows over every key (x (rank + rope + rank)), so absorbing is cheaper below
+# 448 x 512 / 576 ~ 400 new tokens at GLM-4.7-Flash's dims (measured on one EPYC core at 5,000 keys, 20 heads:
+# 32 new tokens 120 ms absorbed against 805 expanded; 300 new tokens 1.33 s both ways).
+ABSORB_MAX_QUERY = 256
+
+
+def takes_absorbed(backend: AttentionBackend, meta: AttentionMetadata) -> bool:
+    """Whether a step's MLA runs in the absorbed form: with the backend's kernels always, on the references for
+    decodes, verifies and short extends (ABSORB_MAX_QUERY)."""
+    return has_kernels(backend) or meta.is_decode_only or meta.max_query_len <= ABSORB_MAX_QUERY
 
 
 def has_kernels(backend: AttentionBackend) -> bool:
