@@ -495,3 +495,18 @@ def bench_grammar_cmd(
 
     tok = load_tokenizer(resolve_model(_bench_model(model))) if model else None
     typer.echo(json.dumps(bench_grammar(tok, parser=parser, num_tools=num_tools, tokens=tokens), indent=2))
+
+
+@bench_app.command("agreement")
+def bench_agreement(
+    arch: list[str] = typer.Option([], "--arch", help="architectures to run (repeatable; default all: bench/agreement.py ARCHS)"),
+    positions: int = typer.Option(256, "--positions", min=1, help="teacher-forced positions per architecture"),
+    models_dir: Path | None = typer.Option(None, "--models-dir", help="keep the tiny models here (default: a temporary dir)"),  # noqa: UP007
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Top-1 agreement of the default CPU path with --exact-cpu per architecture, as JSON."""
+    from agentbox.bench.agreement import ARCHS, agreement_report
+
+    if unknown := set(arch) - set(ARCHS):
+        fail(f"unknown --arch {sorted(unknown)}: one of {', '.join(ARCHS)}")
+    _print_json(agreement_report(arch or list(ARCHS), positions, models_dir), json_out)
