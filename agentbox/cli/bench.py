@@ -178,6 +178,7 @@ def bench_llamacpp(
     sessions: list[int] = typer.Option([1, 4], "--sessions", help="--server: session counts to run (repeatable)"),
     turns: int = typer.Option(8, "--turns", min=2, help="--server: turns per session"),
     convert: str | None = typer.Option(None, "--convert", help="an HF checkpoint folder to convert with llama.cpp's own converter (f16) and compare on"),  # noqa: UP007
+    serve_arg: list[str] = typer.Option([], "--serve-arg", help="--server: an argument for agentbox serve (repeatable), e.g. --serve-arg=--speculative=off"),
     out: str | None = typer.Option(None, "--out", help="--server: folder for the servers' logs and per-run records"),  # noqa: UP007
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
@@ -200,7 +201,7 @@ def bench_llamacpp(
 
         workload = AgentWorkload(sessions=tuple(sorted(set(sessions))), turns=turns)
         out_dir = Path(out or f"bench/results/llamacpp-agents-{time.strftime('%Y%m%d-%H%M%S')}")
-        report = compare_agents(gguf, binary, out_dir, workload, threads=threads)
+        report = compare_agents(gguf, binary, out_dir, workload, threads=threads, serve_args=serve_arg)
     else:
         from agentbox.bench.llamacpp import compare_llamacpp
 
@@ -504,7 +505,9 @@ def bench_agreement(
     models_dir: Path | None = typer.Option(None, "--models-dir", help="keep the tiny models here (default: a temporary dir)"),  # noqa: UP007
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
-    """Top-1 agreement of the default CPU path with --exact-cpu per architecture, as JSON."""
+    """Default CPU path against --exact-cpu: top-1 agreement.
+
+    Per architecture, teacher-forced over the same positions, as JSON."""
     from agentbox.bench.agreement import ARCHS, agreement_report
 
     if unknown := set(arch) - set(ARCHS):
