@@ -5,11 +5,9 @@ llama.cpp's llama-server (issue 52): llama.cpp's own converter writes it as an f
     python bench/qwen3_5_hybrid_hf.py /tmp/q35-hybrid --gguf /tmp/q35-hybrid-f16.gguf
     agentbox bench llamacpp --server --model /tmp/q35-hybrid-f16.gguf --threads 2 --json-out hybrid.json
 
-The tokenizer is SmolLM2's as agentbox reads it from the embedded GGUF; llama.cpp's converter identifies a BPE
-pre-tokenizer by a hash of how it splits a check text, and this re-derived copy splits runs of newlines and
-spaces differently from the hub's SmolLM2 tokenizer (229 against llama.cpp's 230 tokens on that text), so the
-converter is told it is "smollm" (what SmolLM2's own GGUF says): both engines then tokenize as each does for
-SmolLM2. Everything else is the converter's own work.
+The tokenizer is SmolLM2's as agentbox reads it from the embedded GGUF, named "smollm" to the converter
+(agentbox.bench.llama_server.convert_hf says why): both engines then tokenize as each does for SmolLM2.
+Everything else is the converter's own work.
 
 Random weights: the answers are noise, which the workload does not read (every turn's answer has the recorded
 length: ignore_eos with max_tokens), so the timings are those of the real layer shapes.
@@ -18,14 +16,12 @@ length: ignore_eos with max_tokens), so the timings are those of the real layer 
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-from agentbox.bench.llama_server import cache_root, vendored_tree
+from agentbox.bench.llama_server import convert_hf
 from agentbox.bench.tiny_models import smollm2_tokenizer
 
 TEXT = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2,
@@ -52,17 +48,6 @@ def write(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def convert(hf_dir: Path, gguf_file: Path, llama_cpp: Path) -> Path:
-    """llama.cpp's converter on hf_dir, f16, draft layers left out, its pre-tokenizer named "smollm" (above)."""
-    code = ("import runpy, sys; sys.path.insert(0, sys.argv[1]); from conversion import base; "
-            "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'smollm'; "
-            "sys.argv = sys.argv[1:]; sys.argv[0] = sys.argv[0] + '/convert_hf_to_gguf.py'; "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
-    subprocess.run([sys.executable, "-c", code, str(llama_cpp), str(hf_dir), "--outfile", str(gguf_file),
-                    "--outtype", "f16", "--no-mtp"], check=True)
-    return gguf_file
-
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -70,7 +55,4 @@ if __name__ == "__main__":
     args = ap.parse_args()
     print(write(args.out))
     if args.gguf:
-        tree = vendored_tree(cache_root(), converter_only=True)
-        if tree is None:
-            raise SystemExit("llama.cpp's converter is not here and pip could not download its sdist")
-        print(convert(args.out, args.gguf, tree))
+        print(convert_hf(args.out, args.gguf, no_mtp=True))

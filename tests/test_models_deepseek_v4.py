@@ -104,3 +104,14 @@ def test_engine_greedy_and_session_turns(tiny: tuple[Path, torch.nn.Module, Load
             assert answer == hf_greedy(hf, prompt, 6), len(prompt)
         stats = llm.core.cache.snapshot_stats()
     assert stats is not None and stats.hits >= 6
+
+
+def test_an_fp16_checkpoint_runs_its_fp16_weights_on_the_default_path(tmp_path: Path) -> None:
+    """The default CPU path keeps an fp16 checkpoint's linears fp16 (quant/unquantized.py); the grouped output
+    projection widens its own for the batched matmul (it raised a dtype error at the first step). Its logits are
+    the fp32 model's on the same fp16 values up to summation order."""
+    hf = save_deepseek_v4(tmp_path / "fp32")
+    hf.half().save_pretrained(tmp_path / "fp16")
+    ours = PagedRunner(load_model(str(tmp_path / "fp16"), torch.float32, "cpu"), page_size=8).step({0: PROMPT[:20]})[0]
+    ref = hf_logits(hf.float(), PROMPT[:20])  # the same fp16-rounded weights, widened
+    assert (ours - ref).abs().max().item() < 1e-3

@@ -16,8 +16,10 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agentbox.bench.spawn import Target
 
@@ -107,6 +109,52 @@ def build(cache: Path | None = None, jobs: int | None = None) -> Path:
     if not binary.is_file():
         raise RuntimeError(f"the build finished without {binary}; see {log}")
     return binary
+
+
+
+def convert_hf(hf_dir: Path, gguf_file: Path, outtype: str = "f16", tree: Path | None = None,
+               no_mtp: bool = False, bpe_vocab: bool = False) -> Path:
+    """llama.cpp's own converter (the vendored tree's) on the checkpoint `hf_dir`, `outtype` (f16, q8_0, ...),
+    draft layers left out with `no_mtp` (the converter refuses the flag for an architecture without them).
+
+    The checkpoints written here carry SmolLM2's tokenizer as agentbox re-derives it from the embedded GGUF;
+    the converter identifies a BPE pre-tokenizer by a hash of how it splits a check text, and that copy splits
+    runs of newlines and spaces differently from the hub's (229 against llama.cpp's 230 tokens on that text),
+    so the converter is told it is "smollm" (what SmolLM2's own GGUF says). `bpe_vocab`: the converter writes
+    that byte-level BPE vocabulary as it does for any GPT-2-style model, where its architecture's own vocabulary
+    step expects another kind (Gemma 4's reads a SentencePiece-style byte-fallback tokenizer); the tensors and
+    every other key are still the converter's."""
+    tree = tree or vendored_tree(cache_root(), converter_only=True)
+    if tree is None:
+        raise FileNotFoundError("llama.cpp's converter is not here and pip could not download its sdist")
+    code = ("import runpy, sys; sys.path.insert(0, sys.argv[1]); from conversion import base; "
+            "base.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'smollm'; ")
+    if bpe_vocab:  # Gemma 4's is the only vocabulary step replaced so far (bench/arch_ggufs.py)
+        code += "import conversion.gemma as g; g.Gemma4Model.set_vocab = base.TextModel._set_vocab_gpt2; "
+    code += ("sys.argv = sys.argv[1:]; sys.argv[0] = sys.argv[0] + '/convert_hf_to_gguf.py'; "
+             "runpy.run_path(sys.argv[0], run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", code, str(tree), str(hf_dir), "--outfile", str(gguf_file),
+                           "--outtype", outtype, *(["--no-mtp"] if no_mtp else [])], capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"llama.cpp's converter failed on {hf_dir}: {done.stderr.strip().splitlines()[-1:]}")
+    return gguf_file
+
+
+# Added tokens llama.cpp's converter looks up by name in the tokenizer of an architecture (its special tokens):
+# a checkpoint carrying SmolLM2's tokenizer gets them added (`converter_tokenizer`).
+CONVERTER_TOKENS: dict[str, tuple[str, ...]] = {
+    "Glm4MoeLiteForCausalLM": ("[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"),
+}
+
+
+def converter_tokenizer(tokenizer: Any, architecture: str) -> Any:
+    """`tokenizer`, or a copy with the added tokens the converter needs for `architecture` (CONVERTER_TOKENS)."""
+    extra = [t for t in CONVERTER_TOKENS.get(architecture, ()) if t not in tokenizer.get_added_vocab()]
+    if not extra:
+        return tokenizer
+    copy = deepcopy(tokenizer)
+    copy.add_tokens(extra, special_tokens=True)
+    return copy
 
 
 @dataclass(frozen=True)

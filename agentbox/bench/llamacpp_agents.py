@@ -90,7 +90,7 @@ def compare_agents(gguf: str, binary: Path | None, out_dir: Path, workload: Agen
     """Each session count's replay against every target; `speedup` is a llama-server wall over agentbox's."""
     workload = workload or AgentWorkload()
     report: dict[str, Any] = {
-        "model": gguf, "workload": asdict(workload), "cpu": cpu_info(),
+        "model": gguf, "workload": asdict(workload), "cpu": cpu_info(), "agentbox_serve_args": serve_args or [],
         "llama_server": llama_server.build_info(binary) if binary is not None else {"skipped": llama_server.NOT_FOUND},
         "runs": {},
     }

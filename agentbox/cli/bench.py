@@ -178,6 +178,7 @@ def bench_llamacpp(
     sessions: list[int] = typer.Option([1, 4], "--sessions", help="--server: session counts to run (repeatable)"),
     turns: int = typer.Option(8, "--turns", min=2, help="--server: turns per session"),
     convert: str | None = typer.Option(None, "--convert", help="an HF checkpoint folder to convert with llama.cpp's own converter (f16) and compare on"),  # noqa: UP007
+    serve_arg: list[str] = typer.Option([], "--serve-arg", help="--server: an argument for agentbox serve (repeatable), e.g. --serve-arg=--speculative=off"),
     out: str | None = typer.Option(None, "--out", help="--server: folder for the servers' logs and per-run records"),  # noqa: UP007
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
@@ -200,7 +201,7 @@ def bench_llamacpp(
 
         workload = AgentWorkload(sessions=tuple(sorted(set(sessions))), turns=turns)
         out_dir = Path(out or f"bench/results/llamacpp-agents-{time.strftime('%Y%m%d-%H%M%S')}")
-        report = compare_agents(gguf, binary, out_dir, workload, threads=threads)
+        report = compare_agents(gguf, binary, out_dir, workload, threads=threads, serve_args=serve_arg)
     else:
         from agentbox.bench.llamacpp import compare_llamacpp
 
@@ -495,3 +496,20 @@ def bench_grammar_cmd(
 
     tok = load_tokenizer(resolve_model(_bench_model(model))) if model else None
     typer.echo(json.dumps(bench_grammar(tok, parser=parser, num_tools=num_tools, tokens=tokens), indent=2))
+
+
+@bench_app.command("agreement")
+def bench_agreement(
+    arch: list[str] = typer.Option([], "--arch", help="architectures to run (repeatable; default all: bench/agreement.py ARCHS)"),
+    positions: int = typer.Option(256, "--positions", min=1, help="teacher-forced positions per architecture"),
+    models_dir: Path | None = typer.Option(None, "--models-dir", help="keep the tiny models here (default: a temporary dir)"),  # noqa: UP007
+    json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
+) -> None:
+    """Default CPU path against --exact-cpu: top-1 agreement.
+
+    Per architecture, teacher-forced over the same positions, as JSON."""
+    from agentbox.bench.agreement import ARCHS, agreement_report
+
+    if unknown := set(arch) - set(ARCHS):
+        fail(f"unknown --arch {sorted(unknown)}: one of {', '.join(ARCHS)}")
+    _print_json(agreement_report(arch or list(ARCHS), positions, models_dir), json_out)

@@ -88,3 +88,19 @@ class LLM:
             out = core.runner.forward_logits(SchedulerOutput([ScheduledSeq(req, len(prompt_token_ids), True)], []))
             assert out is not None
             return out[0]
+
+    @torch.inference_mode()
+    def forced_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """float32 logits [len(token_ids), vocab], row i the next-token logits after token i, teacher-forced one
+        token a step in scratch pages: every step a decode step, so it takes the path a served decode takes
+        (the fused CPU decode where it fits), whatever the model samples."""
+        core = self.core
+        rows: list[torch.Tensor] = []
+        with core.cache.scratch(len(token_ids)) as handle:
+            req = Request(f"llm-forced-{next(self._ids)}", list(token_ids), SamplingParams(), cache_handle=handle)
+            for _ in token_ids:
+                out = core.runner.forward_logits(SchedulerOutput([ScheduledSeq(req, 1, True)], []))
+                assert out is not None
+                rows.append(out[0])
+                req.num_computed_tokens += 1
+        return torch.stack(rows)

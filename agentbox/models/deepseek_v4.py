@@ -104,7 +104,9 @@ class GroupedLinear(ColumnParallelLinear, ConvertsAfterLoading):
 
     def process_weights_after_loading(self) -> None:
         if isinstance(self.quant_method, UnquantizedLinearMethod):
-            w = self.weight.data
+            # an fp16 checkpoint's weight is kept fp16 on the CPU for the f16 kernel (quant/unquantized.py), which
+            # the batched matmul does not use: widened here, as the quantised ones are
+            w = self.weight.data.to(self.dtype)
         else:
             w = self.quant_method.dequantized_weight(self).to(self.dtype)
         self.dense = w.view(self.local_groups, self.out_per_group, -1)

@@ -19,7 +19,13 @@ from typing import Any, Literal
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from agentbox.config import state_dir
 from agentbox.layers.backends.base import KVLayerSpec
@@ -154,7 +160,7 @@ def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
                 why = f"does not load ({type(e).__name__})"
         log.warning("the cached tokenizer %s %s; rebuilding it from %s", cached, why, src.path)
         shutil.rmtree(cached, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(src.path.parent, gguf_file=src.path.name)
+    tokenizer = _gguf_tokenizer(src.path)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cached.parent))
     tokenizer.save_pretrained(tmp)
@@ -164,6 +170,20 @@ def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)  # another process won the race
     return tokenizer
+
+
+def _gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """The GGUF's vocabulary as a transformers tokenizer. AutoTokenizer first maps the file's architecture to a
+    config to pick a tokenizer class, and has no mapping for some served ones (`deepseek2`: GLM-4.7-Flash and the
+    other MLA files llama.cpp's converter writes); the vocabulary itself converts by its own kind
+    (tokenizer.ggml.model), which the fast tokenizer class reads without a config."""
+    try:
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except ValueError as e:
+        if "is not supported" not in str(e):
+            raise
+        log.info("tokenizer of %s without its architecture's config (%s)", path.name, e)
+        return PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
 
 
 def repack_experts_for_cpu(model: nn.Module) -> None:
