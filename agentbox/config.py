@@ -97,8 +97,8 @@ class EngineConfig:
     cpu_moe: bool = False
     n_cpu_moe: int = 0
     seed: int = 0
-    # None: all cores but one (the API process and the OS keep one), and every core for a step that is mostly
-    # prompt (engine/exec/cpu_threads.py); `serve --threads N`: N for every step
+    # None: every core while no other process keeps them busy, else all but one (engine/exec/cpu_threads.py);
+    # `serve --threads N`: N for every step
     cpu_threads: int | None = None
     cache_policy: CachePolicy = CachePolicy.SESSION
     host_cache_gb: float | None = None  # None: a share of free RAM

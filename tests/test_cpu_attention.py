@@ -4,8 +4,6 @@ tiles, split-bf16 products) against the same twin, and which calls take it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -166,44 +164,6 @@ def test_torch_backend_takes_the_kernel_and_plans_only_for_a_window() -> None:
         outs.append((plain, windowed))
     for got, want in zip(*outs, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_a_step_that_is_mostly_prompt_takes_every_core(smollm2_loaded, smollm2_path) -> None:  # noqa: ANN001
-    """The API process's core joins a step of many tokens (even beside decodes), or one that only extends
-    prompts (nothing streams) with many query x key pairs; an explicit cpu_threads is kept."""
-    import os
-
-    from agentbox.config import EngineConfig
-    from agentbox.engine.exec.cpu_threads import LONG_ATTENTION, WIDE_STEP_TOKENS, Spare, step_threads
-    from agentbox.engine.exec.step_inputs import StepInputs
-    from agentbox.engine.llm import LLM
-
-    def step(query_lens: list[int], kv_lens: list[int], samples: int) -> StepInputs:
-        t, none = sum(query_lens), torch.zeros(0, dtype=torch.int64)
-        ids = torch.zeros(t, dtype=torch.int64)
-        return StepInputs(ids, ids, ids, query_lens, kv_lens, torch.arange(len(query_lens)), none.reshape(0, 3),
-                          torch.arange(samples), 1)
-
-    long_kv = LONG_ATTENTION // 30 + 1
-    idle = Spare(Path("/nonexistent"))  # no /proc/stat: the other cores count as free
-    for threads in (None, 1):
-        llm = LLM(EngineConfig(model=str(smollm2_path), num_pages=64, cpu_threads=threads), loaded=smollm2_loaded)
-        try:
-            runner, cores = llm.core.runner, os.cpu_count() or 1
-            every = cores if threads is None and cores > torch.get_num_threads() else None
-
-            def of(s: StepInputs, r: object = runner) -> int | None:
-                return step_threads(s, r.device, r.config.cpu_threads, r.tp, idle)
-
-            assert of(step([30], [long_kv], 1)) == every  # a warm turn at long context
-            assert of(step([30, 1], [long_kv, long_kv], 2)) is None  # one decodes
-            assert of(step([5], [long_kv * 6], 5)) is None  # a verify samples every row
-            assert of(step([30], [long_kv // 2], 1)) is None  # short: one thread is quicker
-            wide = WIDE_STEP_TOKENS
-            assert of(step([wide - 3, 1, 1, 1], [wide, 90, 90, 90], 4)) == every  # a tool result beside 3 decodes
-            assert of(step([wide - 4, 1, 1, 1], [wide, 90, 90, 90], 4)) is None
-        finally:
-            llm.close()
 
 
 @needs_amx

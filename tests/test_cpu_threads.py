@@ -29,3 +29,30 @@ def test_spare_cores_follow_other_processes_cpu_time(tmp_path: Path) -> None:
         _stat(stat, busy, 5000)
         assert spare.free() is (not loaded), (loaded, spare.others)
     assert Spare(tmp_path / "missing").free()  # no /proc/stat: every core counts as free
+
+
+def test_a_step_takes_every_core_only_while_they_are_spare(smollm2_loaded, smollm2_path, tmp_path: Path) -> None:  # noqa: ANN001
+    """Unset cpu_threads: every core while other processes leave them free, the engine's count when they do not;
+    an explicit cpu_threads is kept either way."""
+    import torch
+
+    from agentbox.config import EngineConfig
+    from agentbox.engine.exec.cpu_threads import step_threads
+    from agentbox.engine.llm import LLM
+
+    idle = Spare(tmp_path / "missing")
+    stat, tick = tmp_path / "stat", os.sysconf("SC_CLK_TCK")
+    _stat(stat, 1000, 1000)
+    busy = Spare(stat)
+    time.sleep(LOOK_S * 1.2)
+    _stat(stat, 1000 + int(2 * LOOK_S * 1.2 * tick), 1000)  # others on two cores
+    assert not busy.free()
+    for threads in (None, 1):
+        llm = LLM(EngineConfig(model=str(smollm2_path), num_pages=64, cpu_threads=threads), loaded=smollm2_loaded)
+        try:
+            runner, cores = llm.core.runner, os.cpu_count() or 1
+            every = cores if threads is None and cores > torch.get_num_threads() else None
+            assert step_threads(runner.device, runner.config.cpu_threads, runner.tp, idle) == every
+            assert step_threads(runner.device, runner.config.cpu_threads, runner.tp, busy) is None
+        finally:
+            llm.close()

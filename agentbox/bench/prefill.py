@@ -86,9 +86,8 @@ def prefill_report(short: int = 2048, long: int = 32768, layers: int = 1, chunk:
     one unmeasured run of each setting: the process's first prefill builds and loads the attention kernels
     (~1.2 s), which counted against the 2k run and put its ratio at 4.5 instead of 0.48 here.
 
-    `engine_threads` is the engine as `agentbox serve` runs it (cpu_threads unset): its linear layers on all
-    cores but one (the other is the API process's), the attention of a step with at least LONG_ATTENTION query x
-    key pairs on every core (engine/exec/cpu_threads.py: the API process only waits then).
+    `engine_threads` is the engine as `agentbox serve` runs it (cpu_threads unset): every core while no other
+    process keeps them busy, all but one otherwise (engine/exec/cpu_threads.py).
     `one_thread` pins both to one core: the kernels' own rates, the ratio the tiles alone reach."""
     settings = {"engine_threads": None, "one_thread": 1}
     out: dict[str, Any] = {"what": f"cold chunked prefill, {layers} SmolLM2-shaped layers, chunk {chunk}, "

@@ -150,7 +150,7 @@ def serve(
     speculative: Speculative = typer.Option(_E.speculative, help="drafts: the session's text, the model's MTP head"),
     cpu_moe: bool = typer.Option(_E.cpu_moe, "--cpu-moe", help="MoE: all routed experts in host RAM (CPU)"),
     n_cpu_moe: int = typer.Option(_E.n_cpu_moe, "--n-cpu-moe", help="MoE: the first N layers' experts in RAM", show_default=False),
-    threads: int | None = typer.Option(None, "--threads", help="CPU threads of every step (default: all cores but one, all for prompt-heavy steps)"),  # noqa: UP007
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads of every step (default: every core while no other process keeps them busy, else all but one)"),  # noqa: UP007
 ) -> None:
     """Start the server (in the background unless --foreground)."""
     from agentbox.cli import daemon

@@ -98,7 +98,7 @@ class ModelRunner:
         self.dtype = DTYPES[config.resolved_dtype]
         torch.manual_seed(config.seed)
         self._set_threads()
-        self.spare = Spare()  # whether a prompt-heavy step may take the API process's core (cpu_threads.py)
+        self.spare = Spare()  # whether a step may take the API process's core too (cpu_threads.py)
         if loaded is None:
             exact = int4.cpu_kernel(int4.Int4Kernel.DENSE) if config.exact_cpu else contextlib.nullcontext()
             with exact:
@@ -384,7 +384,7 @@ class ModelRunner:
             page_table=self.page_table.rows(step.table_rows, step.num_table_cols),
             slot_mapping=step.slot_mapping.to(dev),
             page_size=self.page_size,
-            cpu_threads=step_threads(step, self.device, self.config.cpu_threads, self.tp, self.spare),
+            cpu_threads=step_threads(self.device, self.config.cpu_threads, self.tp, self.spare),
         )
         state = None
         if self.state_cache is not None:

@@ -52,6 +52,10 @@ def run_engine_process(conn: Connection, config: EngineConfig, log_level: int = 
         proc.send(EngineFailed(f"{type(e).__name__}: {e}"))
         return
     proc.core = core
+    try:  # before the ceiling and before ready: agents send tools with every turn
+        core.grammar_compiler()
+    except Exception as e:  # noqa: BLE001 - a request with a grammar then reports the cause itself
+        log.warning("grammar compiler not loaded at start (%s: %s)", type(e).__name__, e)
     memory_ceiling.apply(config)  # once loaded: no request can push the machine into its OOM killer
     proc.send(core.ready_message())
     collector.after_startup()  # collections run when the engine is idle (agentbox/collector.py)
