@@ -20,7 +20,7 @@ from agentbox.bench.cpu_rows import cpu_info
 from agentbox.bench.replay import ReplayOptions
 from agentbox.bench.spawn import Target, TargetRun, agentbox_command, run_targets
 from agentbox.bench.stats import TurnRecord, percentile
-from agentbox.trace import Session
+from agentbox.trace import Session, flatten_tools
 
 CTX_PER_SLOT = 8192  # the longest history of the default workload (~5k tokens) with room for its answer
 
@@ -36,8 +36,16 @@ class AgentWorkload:
     output_tokens: int = 60
     wait_s: float = 0.5  # the tool's time between turns (the median gap measured is about 0.42 s)
     seed: int = 0
+    # Tools and tool turns as plain text for both servers: a chat template without a tools section (SmolLM2's,
+    # which the test GGUFs carry) makes llama-server drop the tool definitions (1,468 prompt tokens where
+    # agentbox, which writes them into the system turn, computed 2,099), so the two did unequal work.
+    tools_as_text: bool = True
 
     def trace(self, sessions: int) -> list[Session]:
+        generated = self._generate(sessions)
+        return flatten_tools(generated) if self.tools_as_text else generated
+
+    def _generate(self, sessions: int) -> list[Session]:
         return synth.generate(synth.SynthConfig(
             sessions=sessions, turns=self.turns, turn_sigma=0.0, prefix_tokens=self.prefix_tokens,
             result_tokens_median=self.result_tokens, result_sigma=0.3, result_tokens_max=4 * self.result_tokens,
