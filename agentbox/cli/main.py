@@ -118,8 +118,8 @@ def serve(
     model: str | None = typer.Option(None, "--model", "-m", help="a path (HF dir or .gguf), a model name (Qwen3-8B) or a hub repo id (owner/name); default: chosen for this machine"),  # noqa: UP007
     host: str = typer.Option(_S.host, help="address to listen on"),
     port: int = typer.Option(_S.port, help="port to listen on"),
-    foreground: bool = typer.Option(False, "--foreground", help="run in this terminal instead of the background"),
-    served_model_name: str | None = typer.Option(None, help="model name clients use (default: from the path)"),  # noqa: UP007
+    foreground: bool = typer.Option(False, "--foreground", help="run in this terminal, not in the background"),
+    served_model_name: str | None = typer.Option(None, help="the name clients use (default: the file's)"),  # noqa: UP007
     api_key: str | None = typer.Option(None, envvar="AGENTBOX_API_KEY", help="require this key (Bearer or x-api-key); several: k1,k2. Prefer the AGENTBOX_API_KEY variable: a flag shows in ps"),  # noqa: UP007
     allow_unauthenticated: bool = typer.Option(_S.allow_unauthenticated, "--allow-unauthenticated", help="serve beyond loopback (--host) without an API key"),
     max_body_mb: float = typer.Option(_S.max_body_mb, "--max-body-mb", help="largest request body (MiB); larger ones are a 413"),
@@ -150,7 +150,7 @@ def serve(
     speculative: Speculative = typer.Option(_E.speculative, help="drafts: the session's text, the model's MTP head"),
     cpu_moe: bool = typer.Option(_E.cpu_moe, "--cpu-moe", help="MoE: all routed experts in host RAM (CPU)"),
     n_cpu_moe: int = typer.Option(_E.n_cpu_moe, "--n-cpu-moe", help="MoE: the first N layers' experts in RAM", show_default=False),
-    threads: int | None = typer.Option(None, "--threads", help="CPU threads of every step (default: every core while no other process keeps them busy, else all but one)"),  # noqa: UP007
+    threads: int | None = typer.Option(None, "--threads", help="CPU threads (default: all idle cores)"),  # noqa: UP007
 ) -> None:
     """Start the server (in the background unless --foreground)."""
     from agentbox.cli import daemon

@@ -102,5 +102,5 @@ class LLM:
                 out = core.runner.forward_logits(SchedulerOutput([ScheduledSeq(req, 1, True)], []))
                 assert out is not None
                 rows.append(out[0])
-                req.num_computed_tokens += 1
+                core.scheduler.computed(req, 1)  # the scheduler is the field's one writer
         return torch.stack(rows)

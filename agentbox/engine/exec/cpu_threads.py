@@ -33,7 +33,7 @@ class Spare:
     every core counts as free."""
 
     def __init__(self, stat: Path = Path("/proc/stat")) -> None:
-        self._stat, self._tick = stat, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._stat, self._tick = stat, os.sysconf("SC_CLK_TCK") if os.name == "posix" else 100
         self._last: tuple[float, float, float] | None = None
         self.others = 0.0  # cores other processes used over the last interval
         self.free()  # the first interval starts here (the engine's start), not at the first step

@@ -98,7 +98,6 @@ class ModelRunner:
         self.dtype = DTYPES[config.resolved_dtype]
         torch.manual_seed(config.seed)
         self._set_threads()
-        self.spare = Spare()  # whether a step may take the API process's core too (cpu_threads.py)
         if loaded is None:
             exact = int4.cpu_kernel(int4.Int4Kernel.DENSE) if config.exact_cpu else contextlib.nullcontext()
             with exact:
@@ -106,10 +105,7 @@ class ModelRunner:
                                     ExpertPlacement.of(config.cpu_moe, config.n_cpu_moe),
                                     with_mtp=config.speculative.uses_mtp)
         self.loaded = loaded
-        # The KV pool's: fp16 on CPU by default (EngineConfig.kv_dtype says why), unless the model reads it raw or
-        # keeps compressed entries (several tokens an entry: their layers read them as stored)
-        narrow = loaded.model.narrow_cpu_kv and not loaded.layout.entry_groups
-        self.kv_dtype = DTYPES[config.resolved_kv_dtype] if narrow else self.dtype
+        self.kv_dtype = self._kv_dtype()
         self.placement = loaded.placement
         self.host_expert_bytes = host_expert_bytes(loaded.model)
         self.expert_times = ExpertTimes()
@@ -139,7 +135,14 @@ class ModelRunner:
 
             log.info("CPU kernels: %s", cpu_gemv.describe())
 
+    def _kv_dtype(self) -> torch.dtype:
+        """The KV pool's: fp16 on CPU by default (EngineConfig.kv_dtype says why), unless the model reads it raw or
+        keeps compressed entries (several tokens an entry: their layers read them as stored)."""
+        narrow = self.loaded.model.narrow_cpu_kv and not self.loaded.layout.entry_groups
+        return DTYPES[self.config.resolved_kv_dtype] if narrow else self.dtype
+
     def _set_threads(self) -> None:
+        self.spare = Spare()  # whether a step may take the API process's core too (cpu_threads.py)
         if self.device.type == "cpu":
             # Oversubscribed threads are far slower than fewer threads on a small CPU (measured 5x at 2 vs 1
             # thread on 2 cores with the API process busy), so leave one core to everything else and split
