@@ -48,17 +48,18 @@ class Spare:
         return (sum(ticks) - ticks[3] - ticks[4]) / self._tick
 
     def free(self) -> bool:
+        """Reads /proc/stat at most once per LOOK_S (every step asks: a decode step is a few ms)."""
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < LOOK_S:
+            return self.others < BUSY_OTHERS
         busy = self._busy_s()
         if busy is None:
             return True
-        own, now = sum(os.times()[:2]), time.monotonic()
-        if self._last is None:
-            self._last = (now, busy, own)
-            return True
-        t0, busy0, own0 = self._last
-        if now - t0 >= LOOK_S:
+        own = sum(os.times()[:2])
+        if self._last is not None:
+            t0, busy0, own0 = self._last
             self.others = max(0.0, (busy - busy0) - (own - own0)) / (now - t0)
-            self._last = (now, busy, own)
+        self._last = (now, busy, own)
         return self.others < BUSY_OTHERS
 
 
