@@ -277,6 +277,12 @@ class ModelRunner:
             import psutil
 
             room = psutil.virtual_memory().available - HOST_HEADROOM  # the weights are loaded by now
+            if not self.config.max_model_len and context < PLAN_CONTEXT:
+                # A model whose whole context is shorter than the plan's still gets the plan's tokens where RAM
+                # has twice that to spare: four agents at 5k tokens each on SmolLM2 (8k) stay resident instead
+                # of taking turns in one context's pages.
+                planned = -(-PLAN_CONTEXT * PLAN_SESSIONS // self.page_size) + 1
+                pages = planned if 2 * planned * page_bytes <= room else pages
             if self.config.max_model_len and pages * page_bytes > room:
                 fits = max(0, room // page_bytes - 1) * self.page_size // PLAN_SESSIONS // 1024 * 1024
                 shorter = f"serve a shorter one (--max-model-len {fits}) or " if fits else ""
