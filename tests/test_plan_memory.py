@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from agentbox.config import EngineConfig
+from agentbox.config import PLAN_CONTEXT, EngineConfig
 from agentbox.hub.plan import plan
 from agentbox.hub.profiles import find_profile
 from agentbox.hw.hardware import load_hardware
@@ -52,7 +52,8 @@ def test_the_cpu_kv_pool_is_what_the_plan_counted(smollm2_path: Path, smollm2_fa
     with LLM(EngineConfig(model=str(smollm2_path)), loaded=smollm2_fast) as llm:  # type: ignore[arg-type]
         runner = llm.core.runner
         page_bytes = runner.kv_cache.page_bytes
-        # Page 0 is the pool's null page; the rest hold the plan's 8,192 tokens x 1 session exactly.
-        assert (runner.num_pages - 1) * page_bytes == cand.kv_bytes
+        # Page 0 is the pool's null page. The plan counts one 8,192-token context; the pool holds the plan's
+        # 32,768 tokens (PLAN_CONTEXT: several such sessions resident) where RAM has twice that to spare, as here.
+        assert (runner.num_pages - 1) * page_bytes == cand.kv_bytes * PLAN_CONTEXT // 8192
         assert runner.max_model_len == 8192
         assert llm.core.cache.page_cache.host is None  # on CPU a host tier would copy within the same RAM

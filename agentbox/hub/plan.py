@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentbox.config import PLAN_CONTEXT, PLAN_MIN_TOK_S, PLAN_SESSIONS
+from agentbox.hub.candidate import Candidate, PlanConfig, gib
 from agentbox.hub.engine_support import (
     QUANTISED_METHODS,
     engine_rejection,
@@ -26,7 +26,7 @@ from agentbox.hub.engine_support import (
 )
 from agentbox.hub.gguf_moe import cpu_only_types
 from agentbox.hub.ngram_table import TablePlacement, place_table
-from agentbox.hub.offload import ExpertSplit, can_split, fewest_layers, sides, split_at
+from agentbox.hub.offload import can_split, fewest_layers, sides, split_at
 from agentbox.hub.profiles import Profile, Variant
 from agentbox.hub.weight_bytes import (
     active_weight_bytes,
@@ -42,109 +42,6 @@ from agentbox.layers.quant.formats import (
     QuantMethod,
     method_of_format,
 )
-
-
-@dataclass(frozen=True)
-class PlanConfig:
-    context: int | None = None  # tokens per session; None: min(default_context, the model's context length)
-    sessions: int = PLAN_SESSIONS  # sessions whose KV stays resident at full context
-    reserve_gib: float = 1.0  # per GPU: CUDA context, activations, CUDA graphs
-    reserve_share: float = 0.04  # plus this share of the card (allocator fragmentation)
-    cpu_reserve_gib: float = 2.0  # host: the OS, Python, torch itself
-    default_context: int = PLAN_CONTEXT
-    # Experts in host RAM (hub/offload.py): a split variant decoding below this bound ranks after the variants
-    # that fit the GPU alone, whatever its bits
-    min_tok_s: float = PLAN_MIN_TOK_S
-    experts_in_ram: bool = True  # False: the GPUs alone (a MoE model that does not fit them does not run)
-    # Bandwidths assumed where the machine description carries none (the row says "assumed"): two channels of
-    # DDR5 reach about this much; a card the name table does not know gets this.
-    assumed_ram_bandwidth_gbs: float = 50.0
-    assumed_gpu_bandwidth_gbs: float = 500.0
-    # One random 4 KiB read from an NVMe disk at queue depth 1 (a page fault reads one page at a time): what a
-    # row of an n-gram table that does not fit RAM costs (hub/ngram_table.py).
-    assumed_disk_read_ms: float = 0.1
-
-
-@dataclass
-class Candidate:
-    variant: Variant
-    device: str  # "cuda" or "cpu"
-    tp: int
-    weights_bytes: int  # resident on the device(s), all ranks together
-    kv_bytes: int  # all ranks together
-    reserve_bytes: int  # per device
-    available_bytes: int  # per device: free memory of the emptiest device used (or available RAM)
-    reasons: list[str] = field(default_factory=list)  # empty: accepted
-    notes: list[str] = field(default_factory=list)
-    decode_weight_bytes: int = 0  # weights one decoded token reads (MoE: the active parameters only)
-    kv_replicated: bool = False  # MLA: every rank keeps the whole latent cache (kv_bytes is then per rank)
-    split: ExpertSplit | None = None  # routed experts of some MoE layers in host RAM (weights_bytes: the GPUs' part)
-    table: TablePlacement | None = None  # an n-gram table in host RAM (never in weights_bytes)
-
-    @property
-    def ok(self) -> bool:
-        return not self.reasons
-
-    @property
-    def need_per_device(self) -> int:
-        kv = self.kv_bytes if self.kv_replicated else self.kv_bytes // self.tp
-        return self.weights_bytes // self.tp + kv + self.reserve_bytes
-
-    @property
-    def table_on_disk(self) -> bool:
-        """Part of its n-gram table does not fit RAM beside the rest: those rows are read from disk."""
-        return self.table is not None and not self.table.in_ram
-
-    @property
-    def gpu_fits(self) -> bool:
-        return self.need_per_device <= self.available_bytes
-
-    @property
-    def fits(self) -> bool:
-        return self.gpu_fits and (self.split is None or self.split.host_fits)
-
-    @property
-    def slow(self) -> bool:
-        """Split to host RAM and not preferred: below the plan's floor, or its host experts have no CPU kernel
-        (ranked after the variants that fit the GPU alone)."""
-        return self.split is not None and not self.split.preferred
-
-    @property
-    def arithmetic(self) -> str:
-        # CPU plans against the machine's RAM (stable); a GPU's is its free memory
-        where = "free per GPU" if self.device == "cuda" else "of RAM"
-        op = "<=" if self.gpu_fits else ">"
-        split = f"/{self.tp}" if self.tp > 1 else ""  # weights and KV shared by the tp ranks (row: "tp N")
-        kv = (f"{_num(self.kv_bytes)} KV (every rank keeps the whole latent cache)" if self.kv_replicated
-              else f"{_num(self.kv_bytes)}{split} KV")
-        return (
-            f"{_num(self.weights_bytes)}{split} weights + {kv} + "
-            f"{_num(self.reserve_bytes)} reserve = {_gb(self.need_per_device)} {op} {_gb(self.available_bytes)} {where}"
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "variant": self.variant.name,
-            "format": self.variant.format,
-            "repo": self.variant.repo,
-            "download_bytes": self.variant.size,
-            "device": self.device,
-            "tp": self.tp,
-            "weights_bytes": self.weights_bytes,
-            "kv_bytes": self.kv_bytes,
-            "kv_replicated": self.kv_replicated,
-            "reserve_bytes": self.reserve_bytes,
-            "need_per_device": self.need_per_device,
-            "available_bytes": self.available_bytes,
-            "fits": self.fits,
-            "ok": self.ok,
-            "arithmetic": self.arithmetic,
-            "decode_weight_bytes": self.decode_weight_bytes,
-            "split": self.split.to_dict() if self.split else None,
-            "table": self.table.to_dict() if self.table else None,
-            "reasons": self.reasons,
-            "notes": self.notes,
-        }
 
 
 @dataclass
@@ -204,7 +101,7 @@ def plan(profile: Profile, probe: Probe, config: PlanConfig | None = None) -> Pl
         if with_head:
             notes.append(
                 f"its MTP head (the draft of --speculative mtp) is counted for {', '.join(v.name for v in with_head)}: "
-                f"{_gb(mtp_weight_bytes(profile, with_head[0], device))} of weights in the compute dtype, "
+                f"{gib(mtp_weight_bytes(profile, with_head[0], device))} of weights in the compute dtype, "
                 f"{profile.mtp_layers} more attention layer of KV; GGUF files carry no head agentbox loads (they draft "
                 f"from the text only)")
     candidates = [_candidate(profile, v, probe, context, sessions, config) for v in profile.variants]
@@ -256,7 +153,7 @@ def _candidate(
         lean = (per_token * context + profile.live_state_bytes()) * sessions
         if not cand.fits and lean < kv and (held := _best_tp(profile, probe, variant, weights, lean, config)).fits:
             cand = held  # the runner keeps snapshots in host memory when the card has no room for them
-            notes.append(f"state snapshots in host memory ({_gb(kv - lean)}): the card has room for the "
+            notes.append(f"state snapshots in host memory ({gib(kv - lean)}): the card has room for the "
                          "running sessions' state only")
         if not cand.fits and config.experts_in_ram and rejected is None and can_split(profile):
             gpu_only = cand
@@ -268,40 +165,40 @@ def _candidate(
     if cand.split is not None:
         reasons += _split_reasons(cand)
         if cand.fits and cand.split.host_need > probe.host.ram_free:  # as a CPU plan: RAM that is not free now
-            reasons.append(f"{SHORT_OF_FREE_RAM}: the experts in RAM need {_gb(cand.split.host_need)}, "
-                           f"{_gb(probe.host.ram_free)} free now")
+            reasons.append(f"{SHORT_OF_FREE_RAM}: the experts in RAM need {gib(cand.split.host_need)}, "
+                           f"{gib(probe.host.ram_free)} free now")
     elif not cand.fits:
         where = f"per GPU at tp={cand.tp}" if device == "cuda" else "of RAM"
         what = "free" if device == "cuda" else "in all"
         reasons.append(
-            f"does not fit: needs {_gb(cand.need_per_device)} {where}, {_gb(cand.available_bytes)} {what}"
+            f"does not fit: needs {gib(cand.need_per_device)} {where}, {gib(cand.available_bytes)} {what}"
         )
     elif device == "cpu" and cand.need_per_device > probe.host.ram_free:
-        reasons.append(f"{SHORT_OF_FREE_RAM}: needs {_gb(cand.need_per_device)}, {_gb(probe.host.ram_free)} free now")
+        reasons.append(f"{SHORT_OF_FREE_RAM}: needs {gib(cand.need_per_device)}, {gib(probe.host.ram_free)} free now")
     method = method_of_format(variant.format)
     weights -= mtp_weight_bytes(profile, variant, device)  # the notes below describe the model's own weights
     if device == "cpu" and (experts := cpu_quantised_experts(profile, variant)) is not None:
         notes.append(
             f"{variant.format} on CPU: the experts stay quantised, the other {(profile.params - experts) / 1e9:.1f}B "
-            f"params are dequantised to fp32 at load: {_gb(variant.size)} on disk, {_gb(weights)} resident"
+            f"params are dequantised to fp32 at load: {gib(variant.size)} on disk, {gib(weights)} resident"
         )
     elif (gexp := gguf_experts(profile, variant, device)) is not None and (cpu_only := cpu_only_types(variant.name)):
         host = gguf_experts(profile, variant, "cpu")
         assert host is not None  # the same mix
         notes.append(
             f"{variant.format} {variant.name.upper()} MoE: {' / '.join(cpu_only)} experts stay quantised in host RAM "
-            f"only (the CPU kernel, {_gb(host.resident)} for all of them there; {_gb(gexp.file)} of the file); on the "
-            f"GPU they are dequantised to bf16 ({_gb(gexp.resident)} if all were there)"
+            f"only (the CPU kernel, {gib(host.resident)} for all of them there; {gib(gexp.file)} of the file); on the "
+            f"GPU they are dequantised to bf16 ({gib(gexp.resident)} if all were there)"
         )
     elif gexp is not None:
         notes.append(
-            f"{variant.format} {variant.name.upper()} MoE: the experts stay quantised ({_gb(gexp.file)} of the file, "
-            f"{_gb(gexp.resident)} resident); {_gb(variant.size)} on disk, {_gb(weights)} resident"
+            f"{variant.format} {variant.name.upper()} MoE: the experts stay quantised ({gib(gexp.file)} of the file, "
+            f"{gib(gexp.resident)} resident); {gib(variant.size)} on disk, {gib(weights)} resident"
         )
     elif (mix := gguf_gpu_mix(profile, variant, device, cpu_kernels)) is not None:
         notes.append(gguf_note(variant, mix, weights, device))
     elif method is not None and method in QUANTISED_METHODS and weights > variant.size * 1.1:
-        notes.append(f"{variant.format} is dequantised at load: {_gb(variant.size)} on disk, {_gb(weights)} resident")
+        notes.append(f"{variant.format} is dequantised at load: {gib(variant.size)} on disk, {gib(weights)} resident")
     if (caveat := kernel_caveat(variant, device)) is not None:
         notes.append(caveat)
     if method is QuantMethod.NVFP4 and device == "cuda":
@@ -314,7 +211,7 @@ def _candidate(
         where = " (on the GPU and in host RAM)" if cand.split is not None else ""
         notes.append(
             f"MoE: all experts resident{where}; a token reads {profile.active_params / 1e9:.1f}B of "
-            f"{profile.params / 1e9:.1f}B params ({_gb(active_weight_bytes(profile, variant, device, cpu_kernels))} per decode step)"
+            f"{profile.params / 1e9:.1f}B params ({gib(active_weight_bytes(profile, variant, device, cpu_kernels))} per decode step)"
         )
     if (not cand.gpu_fits and (longest := fitting_context(cand, profile, probe, sessions)) >= MIN_USEFUL_CONTEXT
             and (cand.split is None or cand.split.host_fits)):
@@ -371,8 +268,8 @@ def _split_notes(cand: Candidate, gpu_only: Candidate, profile: Profile, variant
     split = cand.split
     assert split is not None
     notes = [split.arithmetic, split.speed,
-             f"GPU only it needs {_gb(gpu_only.need_per_device)} per GPU at tp={gpu_only.tp}, "
-             f"{_gb(gpu_only.available_bytes)} free"]
+             f"GPU only it needs {gib(gpu_only.need_per_device)} per GPU at tp={gpu_only.tp}, "
+             f"{gib(gpu_only.available_bytes)} free"]
     if cand.ok and split.slow:
         notes.append(f"below the {split.min_tok_s:g} tok/s floor: ranked after the variants that fit the GPU alone")
     elif cand.ok and not split.host_kernel:
@@ -393,11 +290,11 @@ def _split_reasons(c: Candidate) -> list[str]:
     reasons = []
     if not c.gpu_fits:
         reasons.append(f"does not fit: even with every MoE layer's experts in RAM the rest needs "
-                       f"{_gb(c.need_per_device)} per GPU at tp={c.tp}, {_gb(c.available_bytes)} free "
-                       f"({_gb(c.need_per_device - c.available_bytes)} missing)")
+                       f"{gib(c.need_per_device)} per GPU at tp={c.tp}, {gib(c.available_bytes)} free "
+                       f"({gib(c.need_per_device - c.available_bytes)} missing)")
     if not split.host_fits:
-        reasons.append(f"does not fit: the experts in RAM need {_gb(split.host_need)} of RAM, "
-                       f"{_gb(split.host_available)} in all ({_gb(split.host_need - split.host_available)} missing)")
+        reasons.append(f"does not fit: the experts in RAM need {gib(split.host_need)} of RAM, "
+                       f"{gib(split.host_available)} in all ({gib(split.host_need - split.host_available)} missing)")
     return reasons
 
 
@@ -413,8 +310,8 @@ def _moved_by_free_ram(candidates: list[Candidate], best: Candidate | None, prob
         ):
             instead = f"chose {best.variant.name} instead" if best else "nothing runs now"
             need = c.split.host_need if c.split else c.need_per_device
-            return (f"{c.variant.name} is the plan for this machine's RAM but needs {_gb(need)} and "
-                    f"{_gb(probe.host.ram_free)} is free now: {instead} (free memory to get {c.variant.name} back)")
+            return (f"{c.variant.name} is the plan for this machine's RAM but needs {gib(need)} and "
+                    f"{gib(probe.host.ram_free)} is free now: {instead} (free memory to get {c.variant.name} back)")
     return None
 
 
@@ -479,17 +376,9 @@ def _kv_dtype_bytes(probe: Probe) -> int:
 
 def describe_machine(probe: Probe) -> str:
     if probe.cpu_only:
-        return f"CPU only: {probe.host.cpu_model}, {_gb(probe.host.ram_total)} RAM ({_gb(probe.host.ram_free)} free)"
+        return f"CPU only: {probe.host.cpu_model}, {gib(probe.host.ram_total)} RAM ({gib(probe.host.ram_free)} free)"
     counts: dict[str, int] = {}
     for g in probe.gpus:
-        key = f"{g.name} ({g.arch}, {_gb(g.memory_total)})"
+        key = f"{g.name} ({g.arch}, {gib(g.memory_total)})"
         counts[key] = counts.get(key, 0) + 1
     return ", ".join(f"{n}x {k}" for k, n in counts.items())
-
-
-def _num(n: int) -> str:
-    return f"{n / GIB:.1f}"
-
-
-def _gb(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
