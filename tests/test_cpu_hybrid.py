@@ -18,11 +18,12 @@ from agentbox.models.loader import LoadedModel, load_model
 pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="CPU kernels unavailable")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8, cpu_f16.MAX_ROWS + 1])
-def test_f16_matmul_matches_its_twin(rows: int) -> None:
+def test_f16_matmul_matches_its_twin(rows: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 144, generator=gen)
-    w = (0.1 * torch.randn(37, 144, generator=gen)).half()  # 144 = 4 x 32 + 16: both column loops
+    w = (0.1 * torch.randn(37, 144, generator=gen)).to(dtype)  # 144 = 4 x 32 + 16: both column loops
     got, expected = cpu_f16.f16_matmul(x, w), cpu_f16.f16_matmul_ref(x, w)
     assert got.shape == expected.shape == (rows, 37)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # the same products, summed in another order
@@ -61,6 +62,23 @@ def test_fused_hybrid_decode_matches_the_torch_layers(kv_dtype: torch.dtype, hyb
         for s in (0, 1):
             # The same fp32 products in another order: ~1e-6 of the largest logit. A wrong gate, decay, conv tap or
             # rope is of the order of the logits themselves.
+            assert (f[s] - e[s]).abs().max() < 1e-4 * e[s].abs().max()
+
+
+def test_a_bf16_checkpoint_is_read_as_stored_and_decodes_as_the_widened_model(tmp_path: Path) -> None:
+    """A Hugging Face checkpoint's bf16 linears stay bf16 on the CPU (half the bytes a decode step streams), take the
+    fused decode, and give the logits of the same checkpoint widened to fp32 at load (what --exact-cpu loads)."""
+    save_hybrid(configs()["qwen3_5"], tmp_path).to(torch.bfloat16).save_pretrained(tmp_path)
+    kept = load_model(str(tmp_path), torch.float32, "cpu")
+    assert kept.model.language_model.layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.bfloat16
+    assert kept.model.language_model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert isinstance(PagedRunner(kept).cpu_decode, cpu_hybrid.HybridCpuDecode)
+    with int4.cpu_kernel(int4.Int4Kernel.DENSE):
+        widened = load_model(str(tmp_path), torch.float32, "cpu")
+    assert widened.model.language_model.layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.float32
+    steps = [{0: [11 + i], 1: [70 - i]} for i in range(3)] + [{0: [1, 2, 3], 1: [44]}]
+    for f, e in zip(_decode(kept, steps), _decode(widened, steps), strict=True):
+        for s in (0, 1):  # the same fp32 products (widening bf16 is exact) in another order
             assert (f[s] - e[s]).abs().max() < 1e-4 * e[s].abs().max()
 
 

@@ -149,14 +149,15 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     lib.ab_bits_dequant.argtypes = [_c_ptr, *[_c_int] * 4, _c_i64, _c_i64, _c_ptr, _c_int]
     lib.ab_bits_row_bytes.argtypes = [*[_c_int] * 4, _c_i64]
     lib.ab_bits_row_bytes.restype = _c_i64
-    # cpu_hybrid.c: (x, m, k, w fp16, n, out, threads); (layer*, dims*, step*, hidden, residual, first, m, threads)
+    # cpu_hybrid.c: (x, m, k, w fp16 / bf16, n, out, threads); (layer*, dims*, step*, hidden, residual, first, m, threads)
     lib.ab_f16_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_int]
+    lib.ab_bf16_matmul.argtypes = lib.ab_f16_matmul.argtypes
     lib.ab_hybrid_layer.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_int]
     # cpu_decode.c's KV store, for its test: (cache, f16, at, src fp32, n)
     lib.ab_store_kv.argtypes = [_c_ptr, _c_int, _c_i64, _c_ptr, _c_i64]
     lib.ab_store_kv.restype = None
     for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_bits_matmul, lib.ab_bits_dequant,
-              lib.ab_f16_matmul, lib.ab_hybrid_layer):
+              lib.ab_f16_matmul, lib.ab_bf16_matmul, lib.ab_hybrid_layer):
         f.restype = _c_int
     return lib, ""
 

@@ -31,55 +31,63 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-static inline __m256 w8(const uint16_t *w) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)); }
-
-/* out[t][j] = x[t] . w[j] for m rows of x [m][k] (fp32) and w [n][k] (fp16); k a multiple of 16. One weight row a
- * pass, read front to back, so the whole matrix is one sequential stream (four rows read side by side, four streams
- * 1-3 KB apart, left the hardware prefetcher behind: 6.5-7 GB/s of weights on one core against 9-13 this way, on the
- * shared AMD EPYC); every activation row of the step reads the row while it sits in L1, four at a time. */
-int ab_f16_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *out, int threads) {
-    if (k % 16) return -2;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t j = 0; j < n; j++) {
-        const uint16_t *wr = w + j * k;
-        _mm_prefetch((const char *)(wr + 8 * k), _MM_HINT_T0); /* a few rows on: the stream's next pages */
-        if (m == 1) { /* a decode step's one sequence: four chains over the row */
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            int64_t i = 0;
-            for (; i + 32 <= k; i += 32) {
-                a0 = _mm256_fmadd_ps(w8(wr + i), _mm256_loadu_ps(x + i), a0);
-                a1 = _mm256_fmadd_ps(w8(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-                a2 = _mm256_fmadd_ps(w8(wr + i + 16), _mm256_loadu_ps(x + i + 16), a2);
-                a3 = _mm256_fmadd_ps(w8(wr + i + 24), _mm256_loadu_ps(x + i + 24), a3);
-            }
-            for (; i < k; i += 16) {
-                a0 = _mm256_fmadd_ps(w8(wr + i), _mm256_loadu_ps(x + i), a0);
-                a1 = _mm256_fmadd_ps(w8(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);
-            }
-            out[j] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-            continue;
-        }
-        for (int64_t t = 0; t < m; t += 4) { /* four activation rows (the last repeated), two chains each */
-            const float *xs[4];
-            for (int r = 0; r < 4; r++) xs[r] = x + (t + r < m ? t + r : t) * k;
-            __m256 a[8];
-            for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < k; i += 16) {
-                const __m256 u = w8(wr + i), v = w8(wr + i + 8);
-                for (int r = 0; r < 4; r++) {
-                    a[r] = _mm256_fmadd_ps(u, _mm256_loadu_ps(xs[r] + i), a[r]);
-                    a[4 + r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs[r] + i + 8), a[4 + r]);
-                }
-            }
-            for (int r = 0; r < 4 && t + r < m; r++) out[(t + r) * n + j] = hsum8(_mm256_add_ps(a[r], a[4 + r]));
-        }
-    }
-    return 0;
+/* Eight 16-bit weights widened to fp32: fp16 by F16C; bf16 is fp32's top half, so a shift (both exact). */
+static inline __m256 f16x8(const uint16_t *w) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w)); }
+static inline __m256 bf16x8(const uint16_t *w) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
 }
 
+/* out[t][j] = x[t] . w[j] for m rows of x [m][k] (fp32) and w [n][k] (fp16, or bf16: a function each, one macro);
+ * k a multiple of 16. One weight row a pass, read front to back, so the whole matrix is one sequential stream (four rows read side by side, four streams
+ * 1-3 KB apart, left the hardware prefetcher behind: 6.5-7 GB/s of weights on one core against 9-13 this way, on the
+ * shared AMD EPYC); every activation row of the step reads the row while it sits in L1, four at a time. */
+#define HALF_MATMUL(NAME, WIDEN)                                                                                  \
+int NAME(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *out, int threads) {           \
+    if (k % 16) return -2;                                                                                        \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                            \
+    for (int64_t j = 0; j < n; j++) {                                                                             \
+        const uint16_t *wr = w + j * k;                                                                           \
+        _mm_prefetch((const char *)(wr + 8 * k), _MM_HINT_T0); /* a few rows on: the stream's next pages */       \
+        if (m == 1) { /* a decode step's one sequence: four chains over the row */                                \
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                           \
+            int64_t i = 0;                                                                                        \
+            for (; i + 32 <= k; i += 32) {                                                                        \
+                a0 = _mm256_fmadd_ps(WIDEN(wr + i), _mm256_loadu_ps(x + i), a0);                                  \
+                a1 = _mm256_fmadd_ps(WIDEN(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);                          \
+                a2 = _mm256_fmadd_ps(WIDEN(wr + i + 16), _mm256_loadu_ps(x + i + 16), a2);                        \
+                a3 = _mm256_fmadd_ps(WIDEN(wr + i + 24), _mm256_loadu_ps(x + i + 24), a3);                        \
+            }                                                                                                     \
+            for (; i < k; i += 16) {                                                                              \
+                a0 = _mm256_fmadd_ps(WIDEN(wr + i), _mm256_loadu_ps(x + i), a0);                                  \
+                a1 = _mm256_fmadd_ps(WIDEN(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);                          \
+            }                                                                                                     \
+            out[j] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));                          \
+            continue;                                                                                             \
+        }                                                                                                         \
+        for (int64_t t = 0; t < m; t += 4) { /* four activation rows (the last repeated), two chains each */      \
+            const float *xs[4];                                                                                   \
+            for (int r = 0; r < 4; r++) xs[r] = x + (t + r < m ? t + r : t) * k;                                  \
+            __m256 a[8];                                                                                          \
+            for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();                                               \
+            for (int64_t i = 0; i < k; i += 16) {                                                                 \
+                const __m256 u = WIDEN(wr + i), v = WIDEN(wr + i + 8);                                            \
+                for (int r = 0; r < 4; r++) {                                                                     \
+                    a[r] = _mm256_fmadd_ps(u, _mm256_loadu_ps(xs[r] + i), a[r]);                                  \
+                    a[4 + r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs[r] + i + 8), a[4 + r]);                      \
+                }                                                                                                 \
+            }                                                                                                     \
+            for (int r = 0; r < 4 && t + r < m; r++) out[(t + r) * n + j] = hsum8(_mm256_add_ps(a[r], a[4 + r])); \
+        }                                                                                                         \
+    }                                                                                                             \
+    return 0;                                                                                                     \
+}
+
+HALF_MATMUL(ab_f16_matmul, f16x8)
+HALF_MATMUL(ab_bf16_matmul, bf16x8)
+
 typedef struct {
-    const uint16_t *w; /* [n][k] fp16 */
-    int64_t n, k;
+    const uint16_t *w; /* [n][k] fp16, or bf16 when bf16 is set */
+    int64_t n, k, bf16;
 } f16w_t;
 
 /* The layer's weights; norms are the zero-centred checkpoints' 1 + w, widened at plan time. */
@@ -119,7 +127,7 @@ typedef struct {
 } hstep_t;
 
 static int mm(const f16w_t *w, const float *x, int64_t m, float *out, int threads) {
-    return ab_f16_matmul(x, m, w->k, w->w, w->n, out, threads);
+    return (w->bf16 ? ab_bf16_matmul : ab_f16_matmul)(x, m, w->k, w->w, w->n, out, threads);
 }
 
 static void rmsnorm(const float *x, const float *w, int64_t h, float eps, float *out) {

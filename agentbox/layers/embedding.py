@@ -8,8 +8,8 @@ A GGUF table arrives as the file's blocks. On a CPU where kernels/cpu_gemv build
 stay quantised (`QuantRows`): lookups dequantise only the rows asked for, and the LM head, which reads the
 whole table every decode step (113 MB in fp32 for SmolLM2's 49152 x 576, 30 MB as Q8_0), runs the kernel.
 On GPU the tables of every type the linear layers keep stay in those layers' form (`PackedRows`); other
-types, and CPUs without the kernel, dequantise the blocks to the dense weight at load. An F16 table of an fp32
-model on the CPU stays fp16 (layers/quant/unquantized.py's rule): lookups widen the rows asked for, the head reads
+types, and CPUs without the kernel, dequantise the blocks to the dense weight at load. An F16 or BF16 table of an
+fp32 model on the CPU stays as stored (layers/quant/unquantized.py's rule): lookups widen the rows asked for, the head reads
 it through kernels/cpu_f16.py (half the bytes a decode step streams).
 """
 
@@ -68,8 +68,8 @@ class VocabParallelEmbedding(nn.Module):
                 return
             loaded_weight = loaded_weight.narrow((start, rows), None).dequantize()
             start = 0
-        if self.tp_size == 1 and keeps_f16(param.data, loaded_weight):  # read as fp16 (kernels/cpu_f16.py)
-            param.data = torch.empty(param.shape, dtype=torch.float16)
+        if self.tp_size == 1 and keeps_f16(param.data, loaded_weight):  # read as stored (kernels/cpu_f16.py)
+            param.data = torch.empty(param.shape, dtype=loaded_weight.dtype)
         param.data.zero_()
         param.data[:rows].copy_(loaded_weight[start : start + rows])
 
@@ -77,7 +77,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.quant is not None:
             return self.quant.rows(ids)
         out = F.embedding(ids, self.weight)
-        return out.float() if self.weight.dtype == torch.float16 and self.weight.device.type == "cpu" else out
+        return out.float() if self.weight.dtype in cpu_f16.HALF_DTYPES and self.weight.device.type == "cpu" else out
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -106,8 +106,8 @@ class ParallelLMHead(VocabParallelEmbedding, ConvertsAfterLoading):
         quant = self.quant or getattr(getattr(self, "tied_to", None), "quant", None)
         if quant is not None:
             local = quant.matmul(hidden)
-        elif self.weight.dtype == torch.float16 and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            local = cpu_f16.f16_matmul(hidden, self.weight)  # a GGUF f16 table kept as it is stored
+        elif self.weight.dtype in cpu_f16.HALF_DTYPES and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            local = cpu_f16.f16_matmul(hidden, self.weight)  # an f16 / bf16 table kept as it is stored
         else:
             local = F.linear(hidden, self.weight)
         logits = all_gather_last_dim(local)

@@ -5,8 +5,8 @@ the torch layers spend ~40 dispatched ops on a delta-net layer's token and ~30 o
 time than the matmuls at hidden 512, so a decode step runs each layer as one call. The model declares the stack
 (`fused_cpu_hybrid_target`); `eligible` checks each layer once: a delta-net layer in the Qwen3.5 layout (z, b and a
 apart from [q | k | v]) with a SiLU output gate, a gated attention layer without a window or sinks, a dense SiLU
-MLP, every linear an fp16 weight the CPU reads as fp16 (kernels/cpu_f16.py; an fp32 or `--exact-cpu` model runs
-the torch layers), tensor-parallel size 1. A step qualifies when every sequence brings at most MAX_QUERY tokens (a
+MLP, every linear an fp16 or bf16 weight the CPU reads as stored (kernels/cpu_f16.py; an fp32 or `--exact-cpu`
+model runs the torch layers), tensor-parallel size 1. A step qualifies when every sequence brings at most MAX_QUERY tokens (a
 decode, a speculative verify, a short extend); longer prefills take the torch layers, which define the numbers this
 path must match (tests/test_cpu_hybrid.py).
 
@@ -43,7 +43,7 @@ MAX_QUERY = 32
 
 
 class _F16(ctypes.Structure):
-    _fields_ = [("w", _ptr), ("n", _i64), ("k", _i64)]
+    _fields_ = [("w", _ptr), ("n", _i64), ("k", _i64), ("bf16", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -132,7 +132,8 @@ class _Plan:
 
 
 def _f16(linear: nn.Module) -> _F16:
-    return _F16(linear.weight.data_ptr(), linear.weight.shape[0], linear.weight.shape[1])
+    w = linear.weight
+    return _F16(w.data_ptr(), w.shape[0], w.shape[1], int(w.dtype == torch.bfloat16))
 
 
 def _cache_key(kv: Any, state: Any) -> tuple[int, ...]:
@@ -147,7 +148,7 @@ def _plan(model: nn.Module, kv: Any, state: Any) -> _Plan:
         keep.append(t)
         return t.data_ptr()
 
-    none = _F16(None, 0, 0)
+    none = _F16(None, 0, 0, 0)
     layers, dims = [], _Dims()
     for layer in model.layers:
         mlp = layer.mlp
