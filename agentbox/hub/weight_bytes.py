@@ -40,7 +40,9 @@ def trunk_weight_bytes(profile: Profile, variant: Variant, device: str, cpu_kern
     kernels build (kernels/cpu_gemv, cpu_bits; `cpu_kernels`, from the probe). The rest become the compute
     dtype (bf16 on GPU, fp32 on CPU; EngineConfig.resolved_dtype): on CPU that is the bound for a CPU where
     the kernels cannot build and for --exact-cpu; where they build, AWQ / GPTQ / W4A16 linears stay 4-bit
-    (fp32 scale and offset). MoE experts stay quantised on CPU either way."""
+    (fp32 scale and offset). MoE experts stay quantised on CPU either way. A bf16 / fp16 checkpoint's weights stay
+    16-bit on such a CPU (layers/quant/unquantized.py) but are counted at fp32 here: counted at their size, a
+    32 GiB box would plan Qwen3-8B's bf16 over its q8_0, which decodes at half the speed."""
     method = method_of_format(variant.format)
     size = files_on_device(profile, variant)
     if method is None and variant.format in QUANTISED_FORMATS:
