@@ -155,3 +155,27 @@ def test_flush_step_runs_only_when_the_last_token_completes_a_page(smollm2_loade
         nxt = llm.generate([history + [7, 8, 9]], SamplingParams(max_tokens=1, temperature=0), ["s"])[0]
         assert nxt.num_cached_tokens == len(history) // PS * PS
         llm.core.check_integrity()
+
+
+def test_requests_that_start_together_share_a_prompt_computed_once(smollm2_loaded, smollm2_path, smollm2_tokenizer) -> None:  # noqa: ANN001
+    """Four agents start at once on one system prompt: the first's prompt chunks reach the cache as they are computed
+    (before its turn ends), so the others resume on them instead of computing the prompt again, with the logits of
+    a cold computation."""
+    tok = smollm2_tokenizer
+    system = tok.encode("You are a coding agent working in a repository of many files. " * 12)[:192]
+    prompts = [system + tok.encode(f" Task {i}: list the files.") for i in range(4)]
+    llm = make(smollm2_loaded, smollm2_path, max_num_batched_tokens=64)  # the first prompt takes several steps
+    sp = SamplingParams(max_tokens=2, temperature=0, logprobs=5)
+    out = llm.generate(prompts, sp, ["a", "b", "c", "d"])
+    cold = make(smollm2_loaded, smollm2_path, cache_policy="none")
+    computed = llm.core.counters.prefill_tokens
+    assert out[0].num_cached_tokens == 0
+    # Each later one resumes on at least the system prompt's whole pages the first had computed when it was admitted.
+    assert all(o.num_cached_tokens >= 64 for o in out[1:])
+    assert computed < sum(len(p) for p in prompts) - 3 * 64
+    for o, p in zip(out, prompts, strict=True):
+        c = cold.generate([p], sp)[0]
+        assert o.token_ids == c.token_ids
+        torch.testing.assert_close(torch.tensor([v for _, v in sorted(o.logprobs[0].top)]),
+                                   torch.tensor([v for _, v in sorted(c.logprobs[0].top)]), atol=2e-3, rtol=0)
+    llm.core.check_integrity()

@@ -133,8 +133,11 @@ class Scheduler:
         req.num_computed_tokens = 0
 
     def computed(self, req: Request, num_tokens: int) -> None:
-        """A step computed num_tokens more of req's tokens (the core tells it, token runs included)."""
+        """A step computed num_tokens more of req's tokens (the core tells it, token runs included). A prompt
+        chunk's pages are published to the cache while other requests wait or run (one may share the prefix)."""
         req.num_computed_tokens += num_tokens
+        if req.num_computed_tokens <= req.num_prompt_tokens and (self.waiting or self.waiting_new or len(self.running) > 1):
+            self.cache.publish(req)
 
     def start_flush(self, req: Request, reason: str) -> None:
         """req's answer is complete: one more step computes its last token's KV for the cache (or none, see

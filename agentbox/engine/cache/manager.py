@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
-from agentbox.config import EngineConfig
+from agentbox.config import CachePolicy, EngineConfig
 from agentbox.engine.cache.cache_policies import kv_manager
 from agentbox.engine.cache.disk_states import disk_states
 from agentbox.engine.cache.kv_pool import PagePool
@@ -265,6 +265,24 @@ class CacheManager:
             self._state.save_turn(h, seq.session_id, tokens)
         h.pages = []
         self._rows.give_back(h.row)
+
+    def publish(self, seq: CachedSeq) -> None:
+        """A prefilling request's computed whole prompt pages go to the tree now, beside its own references, so a
+        request admitted before it ends resumes on them: four agents that start together on one 2,000-token system
+        prompt computed it four times. The tree takes a reference of its own (a page a running request also holds is
+        locked: never evicted); the insert at `release` then finds them and drops the duplicate. Not for a model
+        with state: its prefixes resume only at snapshots (state_group.py)."""
+        h = seq.cache_handle
+        if h is None or self._state is not None or self._pages.policy is CachePolicy.NONE:
+            return  # NONE: nothing would match them
+        full = min(seq.num_computed_tokens, seq.num_prompt_tokens) // self.ps
+        if full <= h.published:
+            return
+        arr = seq.token_array(full * self.ps)
+        pages = h.pages[:full]
+        self._pool.incref(pages)
+        self._pages.insert(seq.all_token_ids[: full * self.ps] if arr is None else arr, pages)
+        h.published = full
 
     # ---- the state group: chunks, snapshots, copies ----
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 
 class SeqCache:
-    __slots__ = ("pages", "row", "generation", "seed", "aligned_at", "prompt_saved", "share_at")
+    __slots__ = ("pages", "row", "generation", "seed", "aligned_at", "prompt_saved", "share_at", "published")
 
     def __init__(self, pages: list[int], row: int) -> None:
         # One device page per page_size tokens: the request's locked prefix, then what it reserved since. Every
@@ -25,6 +25,7 @@ class SeqCache:
         self.aligned_at = 0
         self.prompt_saved = False  # its prompt snapshot is taken
         self.share_at = 0  # > 0: keep the state at this position as a shared-prefix snapshot
+        self.published = 0  # leading pages already in the tree while the request runs (CacheManager.publish)
 
     def cut(self, keep: int) -> list[int]:
         """Drops the pages past the first `keep` and returns them."""
