@@ -134,9 +134,10 @@ class Scheduler:
 
     def computed(self, req: Request, num_tokens: int) -> None:
         """A step computed num_tokens more of req's tokens (the core tells it, token runs included). A prompt
-        chunk's pages are published to the cache while other requests wait or run (one may share the prefix)."""
+        chunk's pages are published to the cache at once: a request that shares the prefix may already be on its
+        way (four agents' first turns arrive within milliseconds, after the first one's first step began)."""
         req.num_computed_tokens += num_tokens
-        if req.num_computed_tokens <= req.num_prompt_tokens and (self.waiting or self.waiting_new or len(self.running) > 1):
+        if req.num_computed_tokens <= req.num_prompt_tokens:
             self.cache.publish(req)
 
     def start_flush(self, req: Request, reason: str) -> None:
