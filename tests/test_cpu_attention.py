@@ -50,6 +50,47 @@ def test_kernel_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, thread
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize(
+    ("query_lens", "kv_lens", "hq", "hkv", "hd", "page_size", "threads"),
+    [
+        # 300 tokens from position 255: the block of tokens 0 and 1 straddles the span at 256 (token 0 sees none
+        # of it), the diagonal runs through every span after, 555 keys end on a short tile; blocks of 6 rows are
+        # 2 tokens of SmolLM2's group of 3
+        ([300], [555], 9, 3, 64, 16, 1),
+        ([300], [555], 9, 3, 64, 16, 2),  # the same split by rows across 2 threads (groups of 384, one short)
+        # groups of 5 rows: every tail of a row block (35, 5, 25, 15 and 10 rows: tails of 5, 5, 1, 3, 4), ragged,
+        # split by keys on 2 threads (1029 keys: 2 ranges)
+        ([7, 1, 5, 3, 2], [300, 70, 1029, 5, 2], 5, 1, 16, 16, 2),
+        ([50], [2100], 8, 2, 32, 8, 2),  # a group of 4: blocks of 6 rows end mid-token; 200 rows split by rows
+        ([40, 3], [1100, 700], 4, 2, 80, 16, 1),  # head 80: one 64-dim pass and one vector (AVX-512)
+        ([24], [600], 6, 3, 40, 16, 2),  # head 40: two vectors and a masked half (AVX-512), 48 rows by keys
+        ([70], [390], 4, 1, 128, 16, 2),  # head 128: two 64-dim passes; 280 rows by rows on 2 threads
+    ],
+)
+@pytest.mark.parametrize("avx512", [False, pytest.param(True, marks=pytest.mark.skipif(
+    "avx512f" not in cpu_attention.cpu_flags(), reason="no AVX-512F"))])
+def test_kernel_blocks_and_diagonals_match_twin(query_lens, kv_lens, hq, hkv, hd, page_size, threads, avx512) -> None:
+    """The register-blocked kernel's edges: blocks of 6 rows over GQA groups of 3, 4 and 5 and their short tails,
+    causal masking where a block's rows meet a span boundary or the diagonal, a last tile of fewer than 64 keys,
+    head sizes that end on a partial pass, and both thread splits (rows into groups, keys into ranges)."""
+    q, k, v, table = _case(sum(kv_lens) + hd, query_lens, kv_lens, hq, hkv, hd, page_size)
+    q = q * 4  # scores of a few units: the running max moves and the rescales matter
+    scale = hd ** -0.5
+    got = paged_attention(q, k, v, table, page_size, query_lens, kv_lens, scale, n_threads=threads, avx512=avx512,
+                          amx=False)
+    want = paged_attention_ref(q, k, v, table, page_size, query_lens, kv_lens, scale)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_kernel_is_deterministic_across_thread_counts() -> None:
+    """A sequence split by rows computes each row exactly as on one thread (no merge): bit for bit."""
+    q, k, v, table = _case(3, [200], [1000], 9, 3, 64, 16)
+    args = (q, k, v, table, 16, [200], [1000], 0.125)
+    one = paged_attention(*args, n_threads=1, amx=False)
+    assert torch.equal(one, paged_attention(*args, n_threads=2, amx=False))
+    assert torch.equal(one, paged_attention(*args, n_threads=3, amx=False))
+
+
 needs_amx = pytest.mark.skipif(not cpu_attention.amx_available(),
                                reason=f"no AMX attention here: {cpu_attention.amx_unavailable_reason()}")
 

@@ -21,6 +21,9 @@ pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no AVX2 b
         ([25], [3000], 2, 1, 16, 16, 2),  # a warm turn split into key ranges
         ([7, 1, 40], [7, 1100, 900], 9, 3, 64, 16, 2),  # SmolLM2's heads: fresh prompt, decode, an extend
         ([3, 20], [500, 20], 4, 1, 24, 8, 1),  # head size 24: a masked tail on AVX-512
+        # the agent workload's later turn: 512 new tokens over 4,096 cached keys, rows split across 2 threads
+        ([512], [4608], 9, 3, 64, 16, 2),
+        ([130, 1, 77], [3130, 5000, 1077], 9, 3, 64, 16, 2),  # extends of two sessions and a decode in one step
     ],
 )
 @pytest.mark.parametrize("avx512", [False, pytest.param(True, marks=pytest.mark.skipif(

@@ -4,18 +4,26 @@
  *
  * Sequence s has q_lens[s] new tokens, the last of its kv_lens[s] positions; its keys sit in the cache
  * slots page_table[s][pos / page_size] * page_size + pos % page_size (k/v [slots, hkv, hd], written before this
- * call). Nothing of the prefix is gathered or copied: keys are read in place, page by page. The cache is fp32, or
- * fp16 (the default CPU pool: half the bytes a decode step reads, llama.cpp's default too): a tile's keys and values
- * are widened with F16C as they are loaded, once for every row of the item, and the arithmetic stays fp32.
+ * call). Nothing of the prefix is gathered: keys are read in place, page by page. The cache is fp32, or fp16 (the
+ * default CPU pool: half the bytes a decode step reads, llama.cpp's default too); the arithmetic is fp32.
  *
- * Work: an item is (sequence, kv head, a range of the keys). Its rows are the kv head's query group for
- * every new token (row i * g + j: token i, query head kvh * g + j), so a key tile loaded once serves all of
- * them (no GQA copy). The item walks its keys in tiles of TK positions: the tile's keys are transposed into
- * [hd][TK] (scores vectorise across keys), then each row does an online softmax step (running max m, sum l,
- * unnormalised accumulator acc[hd]) in base 2 (q . k * scale * log2 e, exp2). Rows whose position is before
- * the tile skip it; keys past a row's position are masked. A long sequence's keys are split into ranges
- * so the engine's threads share one sequence (a warm turn: ~25 tokens over 121k keys), and the ranges'
- * (m, l, acc) merge by their maxima afterwards, which is exactly the softmax over the union.
+ * Work: an item is (sequence, kv head, a group of rows, a range of the keys). Its rows are the kv head's query
+ * group for every new token (row i * g + j: token i, query head kvh * g + j), so a key loaded once serves all of
+ * them (GQA: the g query heads of a kv head share every load, no copy). The item scales its rows' queries by
+ * scale * log2 e once, then walks its keys in spans of SB: the span's keys are widened (F16C) and transposed into
+ * [hd][TK] tiles (8 x 8 blocks in registers) and its values widened into [key][hd] rows, once per item (not per
+ * row), and every block of MR rows that sees the span runs (issue 52; cpu_attention.py has the numbers):
+ *   S = Q K^T   tile by tile, MR rows x TK keys in registers (AVX-512: 6 x 64, 24 accumulators: each key vector
+ *               loaded once per dim for the MR rows, each query element broadcast once for the 4 key vectors);
+ *   softmax     one online step per row over the span in base 2 (running max m, sum l): the span's max, exp2 by a
+ *               degree-6 polynomial (~1 ulp) on whole vectors, the block's rescale factors in one vector exp2;
+ *               masking only where a row's position (the diagonal) or the sequence's end falls inside the span;
+ *   O += P V    MR rows x 64 dims in registers (AVX-512: 24 accumulators; each value row loaded once for the MR
+ *               rows), over the keys some row of the block sees; the accumulators are rescaled once a span.
+ * Blocks of fewer rows (a decode's g rows, a group's tail) run kernels built for their count, not padded to MR.
+ * A chunk's rows are split into groups across the threads (items (kv head, query block), longest first); a sequence
+ * of few rows (decode, a warm turn: ~25 tokens over 121k keys) is split by keys into ranges instead, and the
+ * ranges' (m, l, acc) merge by their maxima afterwards, which is exactly the softmax over the union.
  */
 #include "omp_spread.h"
 #include <immintrin.h>
@@ -25,23 +33,31 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SB 256         /* keys per span (a multiple of TK) */
-#define RBLK 96        /* rows per block (a multiple of RB) */
-#define TK 64          /* keys per tile (a multiple of 16) */
-#define RB 6           /* rows per pass over a tile's keys (12 accumulators of the 16 vector registers) */
-#define ROW_GROUP 192  /* rows per item of a many-row sequence (a multiple of RBLK) */
+#define SB 256         /* keys per span (a multiple of TK): its fp32 keys and values ~128 KB at head size 64 (L2) */
+#define TK 64          /* keys per tile */
+#define MR 6           /* query rows per block (two tokens of a group of 3) */
+#define FEW_ROWS 192   /* a sequence of at most this many rows a kv head is split by keys (when threads share it) */
+/* Rows per item of a sequence split by rows: the largest of these giving the call 4 items a thread or more (each item
+ * widens every key its rows see, so fewer, larger groups widen less; enough of them keep the threads even). */
+static const int64_t ROW_GROUPS[] = {768, 384, 192, 96};
 #define MIN_RANGE 1024 /* fewest keys worth a range of their own (the merge and the item's setup) */
 #define LOG2E 1.4426950408889634f
+#define AI static inline __attribute__((always_inline))
 
-/* One source, two widths: built with -mavx512f the vectors are __m512 (16 lanes: a tile's scores and a head of
- * 16 in one register, half the instructions of the AVX2 build on a warm turn); otherwise __m256. */
+/* One source, two widths: built with -mavx512f the vectors are __m512 (16 lanes, 32 registers: a tile's 64 keys x 6
+ * rows of scores, or 64 dims x 6 rows of output, in 24 accumulators); otherwise __m256 (16 registers: 16 keys or
+ * dims x 6 rows, 12 accumulators). */
 #if defined(__AVX512F__)
 #define VL 16
+#define NVK 4 /* key vectors of an S pass: the whole tile */
+#define NVD 4 /* head vectors of a P V pass */
 typedef __m512 vf;
 #define V_ZERO() _mm512_setzero_ps()
 #define V_SET1(x) _mm512_set1_ps(x)
 #define V_LOAD(p) _mm512_load_ps(p)
+#define V_LOADU(p) _mm512_loadu_ps(p)
 #define V_STORE(p, v) _mm512_store_ps(p, v)
+#define V_STOREU(p, v) _mm512_storeu_ps(p, v)
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define V_MUL(a, b) _mm512_mul_ps(a, b)
 #define V_ADD(a, b) _mm512_add_ps(a, b)
@@ -52,30 +68,41 @@ typedef __m512 vf;
 #define V_LOADN(p, n) _mm512_maskz_loadu_ps((__mmask16)((1u << (n)) - 1), p)
 #define V_STOREN(p, n, v) _mm512_mask_storeu_ps(p, (__mmask16)((1u << (n)) - 1), v)
 
-static inline vf exp2_v(vf x) {
-    /* as the AVX2 one below, lane for lane */
-    const vf lo = V_SET1(-126.0f);
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    x = V_MAX(x, lo);
-    const vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vf f = V_SUB(x, n);
-    static const float c[8] = {1.0f, 0.69314718056f, 0.24022650695f, 0.05550410866f,
-                               0.00961812911f, 0.00133335581f, 0.00015403530f, 0.00001525273f};
-    vf p = V_SET1(c[7]);
-    for (int i = 6; i >= 0; i--) p = V_FMA(p, f, V_SET1(c[i]));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
+/* v with lanes n .. VL - 1 set to -inf (n in 0 .. VL) */
+AI vf keep_first(vf v, int64_t n) {
+    const __mmask16 m = n >= VL ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
+    return _mm512_mask_blend_ps(m, V_SET1(-INFINITY), v);
 }
 
-static inline float hmax(vf v) { return _mm512_reduce_max_ps(v); }
-static inline float hsum(vf v) { return _mm512_reduce_add_ps(v); }
+/* 2^x = 2^n * 2^f, n = round(x), |f| <= 0.5, 2^f by a degree-6 polynomial fitted to its relative error
+ * (< 1e-7, about an ulp), 2^n applied by vscalefps. x below -126 (keys masked with -inf) gives exactly 0. */
+AI vf exp2_v(vf x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, V_SET1(-126.0f), _CMP_GE_OQ);
+    const vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf f = V_SUB(x, n);
+    vf p = V_SET1(1.5345812e-4f);
+    p = V_FMA(p, f, V_SET1(1.3399931e-3f));
+    p = V_FMA(p, f, V_SET1(9.6184891e-3f));
+    p = V_FMA(p, f, V_SET1(5.5503286e-2f));
+    p = V_FMA(p, f, V_SET1(2.4022646e-1f));
+    p = V_FMA(p, f, V_SET1(6.9314718e-1f));
+    p = V_FMA(p, f, V_SET1(1.0f));
+    return _mm512_maskz_scalef_ps(keep, p, n);
+}
+
+AI float hmax(vf v) { return _mm512_reduce_max_ps(v); }
+AI float hsum(vf v) { return _mm512_reduce_add_ps(v); }
 #else
 #define VL 8
+#define NVK 2
+#define NVD 2
 typedef __m256 vf;
 #define V_ZERO() _mm256_setzero_ps()
 #define V_SET1(x) _mm256_set1_ps(x)
 #define V_LOAD(p) _mm256_load_ps(p)
+#define V_LOADU(p) _mm256_loadu_ps(p)
 #define V_STORE(p, v) _mm256_store_ps(p, v)
+#define V_STOREU(p, v) _mm256_storeu_ps(p, v)
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define V_MUL(a, b) _mm256_mul_ps(a, b)
 #define V_ADD(a, b) _mm256_add_ps(a, b)
@@ -85,37 +112,44 @@ typedef __m256 vf;
 #define V_LOADN(p, n) _mm256_loadu_ps(p) /* n is always 8: head sizes are multiples of 8 */
 #define V_STOREN(p, n, v) _mm256_storeu_ps(p, v)
 
-static inline vf exp2_v(vf x) {
-    /* 2^x = 2^n * 2^f, n = round(x), |f| <= 0.5; 2^f by its Taylor series to degree 7 (error < 1e-8). Keys
-     * masked with -inf (x < -126) give exactly 0. */
+AI vf keep_first(vf v, int64_t n) {
+    const __m256 idx = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 in = _mm256_cmp_ps(idx, _mm256_set1_ps((float)n), _CMP_LT_OQ);
+    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, in);
+}
+
+AI vf exp2_v(vf x) {
+    /* as the AVX-512 one above, lane for lane */
     const __m256 lo = _mm256_set1_ps(-126.0f);
     const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
     x = _mm256_max_ps(x, lo);
     const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, n);
-    static const float c[8] = {1.0f, 0.69314718056f, 0.24022650695f, 0.05550410866f,
-                               0.00961812911f, 0.00133335581f, 0.00015403530f, 0.00001525273f};
-    __m256 p = _mm256_set1_ps(c[7]);
-    for (int i = 6; i >= 0; i--) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c[i]));
+    __m256 p = V_SET1(1.5345812e-4f);
+    p = V_FMA(p, f, V_SET1(1.3399931e-3f));
+    p = V_FMA(p, f, V_SET1(9.6184891e-3f));
+    p = V_FMA(p, f, V_SET1(5.5503286e-2f));
+    p = V_FMA(p, f, V_SET1(2.4022646e-1f));
+    p = V_FMA(p, f, V_SET1(6.9314718e-1f));
+    p = V_FMA(p, f, V_SET1(1.0f));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
 }
 
-static inline float hmax(vf v) {
+AI float hmax(vf v) {
     __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_max_ps(a, _mm_movehl_ps(a, a));
     a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
     return _mm_cvtss_f32(a);
 }
 
-static inline float hsum(vf v) {
+AI float hsum(vf v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
     a = _mm_add_ss(a, _mm_shuffle_ps(a, a, 1));
     return _mm_cvtss_f32(a);
 }
 #endif
-#define SC (2 * VL) /* keys per scores() call: two vectors a row */
 
 typedef struct {
     const float *q;
@@ -124,179 +158,242 @@ typedef struct {
     const int32_t *pages; /* the sequence's row of the page table */
     int64_t page_size, hq, hkv, hd, g;
     int64_t q_start, n_q, kv_len, kvh;
-    int64_t r_lo, r_hi; /* the item's rows: state[0] is row r_lo's */
-    float scale2; /* scale * log2 e */
+    int64_t r_lo, r_hi; /* the item's rows */
+    float scale2;       /* scale * log2 e */
+    float *out;         /* the call's output: written here when the item holds all its rows' keys */
+    float *state;       /* else its rows' (m, l, acc[hd]) for the merge, hd + 2 floats a row */
 } item_t;
 
-/* Scores of RB rows over SC keys of a tile ([hd][TK] from column c0): 2 RB independent FMA chains. */
-static inline void scores(const float *const *qr, const float *kt, int64_t hd, int64_t c0, vf *s) {
-    for (int j = 0; j < 2 * RB; j++) s[j] = V_ZERO();
+/* Per item scratch: its rows' scaled queries, running (m, l) and accumulators, and a span's widened keys and values. */
+typedef struct {
+    float *qs, *acc, *m, *l; /* [rows][hd], [rows][hd], [rows], [rows] */
+    float *kts, *vts;        /* [SB / TK][hd][TK], [SB][hd] */
+} scratch_t;
+
+/* S pass: rows' scores over NV vectors of keys from column c0 of a tile kt [hd][TK], into p from column at + c0.
+ * NR x NV chains. */
+AI void qk_pass(const int NR, const int NV, const float *qs, int64_t hd, const float *kt, int c0,
+                float p[MR][SB], int64_t at) {
+    vf s[MR][NVK];
+    for (int j = 0; j < NR; j++)
+        for (int v = 0; v < NV; v++) s[j][v] = V_ZERO();
     for (int64_t d = 0; d < hd; d++) {
-        const vf k0 = V_LOAD(kt + d * TK + c0), k1 = V_LOAD(kt + d * TK + c0 + VL);
-        for (int j = 0; j < RB; j++) {
-            const vf qd = V_BCAST(qr[j] + d);
-            s[2 * j] = V_FMA(qd, k0, s[2 * j]);
-            s[2 * j + 1] = V_FMA(qd, k1, s[2 * j + 1]);
+        vf k[NVK];
+        for (int v = 0; v < NV; v++) k[v] = V_LOAD(kt + d * TK + c0 + v * VL);
+        for (int j = 0; j < NR; j++) {
+            const vf qd = V_BCAST(qs + j * hd + d);
+            for (int v = 0; v < NV; v++) s[j][v] = V_FMA(qd, k[v], s[j][v]);
         }
     }
+    for (int j = 0; j < NR; j++)
+        for (int v = 0; v < NV; v++) V_STORE(p[j] + at + c0 + v * VL, s[j][v]);
 }
 
-/* acc[j][d0 .. d0 + VL (w - 1) + n) = acc * alpha[j] + sum over keys o < nk of p[j][o] v[o]: RB x w chains;
- * n (<= VL) floats of the last vector. */
-static inline void values(float *const *acc, const float *alpha, float p[RB][TK], const float *const *vrow,
-                          int64_t nk, int64_t d0, int w, int n) {
-    vf a[RB][2];
-    const int n0 = w > 1 ? VL : n;
-    for (int j = 0; j < RB; j++) {
-        a[j][0] = V_MUL(V_LOADN(acc[j] + d0, n0), V_SET1(alpha[j]));
-        if (w > 1) a[j][1] = V_MUL(V_LOADN(acc[j] + d0 + VL, n), V_SET1(alpha[j]));
+/* P V pass over dims d0 .. d0 + VL (NV - 1) + n of the rows' accumulators (n <= VL floats of the last vector):
+ * acc = acc * alpha + sum over keys o < nk of p[o] v[o]. NR x NV chains. */
+AI void pv_pass(const int NR, const int NV, float *acc, int64_t hd, const float *alpha, float p[MR][SB],
+                const float *vt, int64_t nk, int64_t d0, int n) {
+    vf a[MR][NVD];
+    for (int j = 0; j < NR; j++) {
+        const vf al = V_SET1(alpha[j]);
+        for (int v = 0; v < NV; v++)
+            a[j][v] = V_MUL(v + 1 < NV || n == VL ? V_LOADU(acc + j * hd + d0 + v * VL)
+                                                  : V_LOADN(acc + j * hd + d0 + v * VL, n), al);
     }
     for (int64_t o = 0; o < nk; o++) {
-        const vf v0 = V_LOADN(vrow[o] + d0, n0), v1 = w > 1 ? V_LOADN(vrow[o] + d0 + VL, n) : v0;
-        for (int j = 0; j < RB; j++) {
+        vf x[NVD];
+        for (int v = 0; v < NV; v++)
+            x[v] = v + 1 < NV || n == VL ? V_LOADU(vt + o * hd + d0 + v * VL) : V_LOADN(vt + o * hd + d0 + v * VL, n);
+        for (int j = 0; j < NR; j++) {
             const vf pj = V_BCAST(&p[j][o]);
-            a[j][0] = V_FMA(pj, v0, a[j][0]);
-            if (w > 1) a[j][1] = V_FMA(pj, v1, a[j][1]);
+            for (int v = 0; v < NV; v++) a[j][v] = V_FMA(pj, x[v], a[j][v]);
         }
     }
-    for (int j = 0; j < RB; j++) {
-        V_STOREN(acc[j] + d0, n0, a[j][0]);
-        if (w > 1) V_STOREN(acc[j] + d0 + VL, n, a[j][1]);
+    for (int j = 0; j < NR; j++)
+        for (int v = 0; v < NV; v++) {
+            if (v + 1 < NV || n == VL) V_STOREU(acc + j * hd + d0 + v * VL, a[j][v]);
+            else V_STOREN(acc + j * hd + d0 + v * VL, n, a[j][v]);
+        }
+}
+
+/* One block of NR rows (local rows r0 ..) over one span (keys s0 .. s0 + nk of the sequence, widened into the
+ * scratch's tiles): S tile by tile up to the block's last position, then one online softmax step per row over the
+ * whole span (its max, exp2, the block's rescale factors), then P V over the keys some row of the block sees.
+ * Keys past a row's position (the diagonal) or the sequence's end are masked, on those spans only. */
+AI void block_span(const int NR, const item_t *it, scratch_t *sc, int64_t r0, int64_t s0, int64_t nk) {
+    const int64_t hd = it->hd, g = it->g, first_pos = it->kv_len - it->n_q;
+    const int64_t pos_hi = first_pos + (it->r_lo + r0 + NR - 1) / g; /* the block's last position */
+    const int64_t seen = pos_hi - s0 + 1 < nk ? pos_hi - s0 + 1 : nk; /* keys of the span some row sees */
+    if (seen <= 0) return;
+    const int64_t cols = (seen + TK - 1) / TK * TK; /* scores computed: whole tiles */
+    float p[MR][SB] __attribute__((aligned(64)));
+    float dm[VL] __attribute__((aligned(64)));
+    float alpha[MR], span_sum[MR];
+    const float *qs = sc->qs + r0 * hd;
+    for (int64_t t = 0; t * TK < cols; t++)
+        for (int c0 = 0; c0 < TK; c0 += NVK * VL) qk_pass(NR, NVK, qs, hd, sc->kts + t * hd * TK, c0, p, t * TK);
+    for (int j = 0; j < VL; j++) dm[j] = 0.0f;
+    for (int j = 0; j < NR; j++) {
+        const int64_t pos = first_pos + (it->r_lo + r0 + j) / g;
+        int64_t vis = pos - s0 + 1; /* keys s0 .. pos */
+        vis = vis < nk ? vis : nk;
+        float *pj = p[j];
+        if (vis <= 0) { /* a row whose token is before the span (the block's first token, on its second's diagonal) */
+            for (int64_t o = 0; o < cols; o += VL) V_STORE(pj + o, V_ZERO());
+            span_sum[j] = 0.0f; /* dm 0: alpha 1 */
+            continue;
+        }
+        if (vis < cols) /* the diagonal, or the sequence's last span: keys past the row's position masked */
+            for (int64_t o = vis / VL * VL; o < cols; o += VL) V_STORE(pj + o, keep_first(V_LOAD(pj + o), vis - o));
+        vf top = V_LOAD(pj);
+        for (int64_t o = VL; o < cols; o += VL) top = V_MAX(top, V_LOAD(pj + o));
+        float *mj = sc->m + r0 + j;
+        const float m_old = *mj, t = hmax(top), m_new = t > m_old ? t : m_old;
+        const vf mv = V_SET1(m_new);
+        vf sum = V_ZERO();
+        for (int64_t o = 0; o < cols; o += VL) {
+            const vf e = exp2_v(V_SUB(V_LOAD(pj + o), mv));
+            V_STORE(pj + o, e);
+            sum = V_ADD(sum, e);
+        }
+        dm[j] = m_old - m_new; /* -inf for a row's first keys: alpha 0 */
+        *mj = m_new;
+        span_sum[j] = hsum(sum);
+    }
+    V_STORE(dm, exp2_v(V_LOAD(dm))); /* the block's rescale factors 2^(m_old - m_new), one vector exp2 */
+    for (int j = 0; j < NR; j++) {
+        alpha[j] = dm[j];
+        sc->l[r0 + j] = sc->l[r0 + j] * alpha[j] + span_sum[j];
+    }
+    float *acc = sc->acc + r0 * hd;
+    const float *vt = sc->vts;
+    int64_t d0 = 0;
+    for (; d0 + NVD * VL <= hd; d0 += NVD * VL) pv_pass(NR, NVD, acc, hd, alpha, p, vt, seen, d0, VL);
+    for (; d0 + VL <= hd; d0 += VL) pv_pass(NR, 1, acc, hd, alpha, p, vt, seen, d0, VL);
+    if (d0 < hd) pv_pass(NR, 1, acc, hd, alpha, p, vt, seen, d0, (int)(hd - d0));
+}
+
+/* 8 x 8 transpose of r[0..8) (AVX, both builds) */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
     }
 }
 
-/* Row `slot` of the item's kv head in the cache `base` as fp32: in place, or an fp16 row widened into buf. */
-static inline const float *cache_row(const item_t *it, const char *base, int64_t slot, float *buf) {
-    const int64_t at = (slot * it->hkv + it->kvh) * it->hd;
-    if (it->esize == 4) return (const float *)base + at;
-    const uint16_t *h = (const uint16_t *)base + at;
-    for (int64_t d = 0; d < it->hd; d += 8) /* hd is a multiple of 8 */
-        _mm256_storeu_ps(buf + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
-    return buf;
+/* 8 elements of a cache row from element d, widened */
+static inline __m256 load8(const char *row, int64_t esize, int64_t d) {
+    if (esize == 4) return _mm256_loadu_ps((const float *)row + d);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
 }
 
-/* Tile t0 .. t0 + nk of the item's keys: transposed into kt [hd][TK] (zeros past nk), values' rows in vrow (an fp16
- * cache's widened into vt [TK][hd]). The keys and values SB positions further on (up to `end`) are prefetched: a sequence's pages lie anywhere
- * in the pool, so the hardware prefetcher loses the stream at every page; a warm 128k turn's step waited on
- * those misses for ~a fifth of its time. */
-static void load_tile(const item_t *it, int64_t t0, int64_t nk, int64_t end, float *kt, float *vt, const float **vrow) {
-    const int64_t hd = it->hd, row_bytes = it->hkv * hd * it->esize, head = it->kvh * hd * it->esize;
+/* Tile t0 .. t0 + nk of the item's keys: transposed into kt [hd][TK] (zeros past nk), values widened into vt
+ * [TK][hd]. The keys and values SB positions further on (up to `end`) are prefetched: a sequence's pages lie
+ * anywhere in the pool, so the hardware prefetcher loses the stream at every page; a warm 128k turn's step waited
+ * on those misses for ~a fifth of its time. */
+static void load_tile(const item_t *it, int64_t t0, int64_t nk, int64_t end, float *kt, float *vt) {
+    const int64_t hd = it->hd, es = it->esize, row_bytes = it->hkv * hd * es, head = it->kvh * hd * es;
     const int64_t ps = it->page_size;
-    float key_buf[256];
-    int64_t pg = t0 / ps, off = t0 % ps; /* walk the pages: no division per key */
     const int64_t ahead = t0 + SB, n_ahead = end - ahead < TK ? end - ahead : TK;
     int64_t apg = ahead / ps, aoff = ahead % ps;
     for (int64_t o = 0; o < n_ahead; o++) {
         const int64_t slot = (int64_t)it->pages[apg] * ps + aoff;
         if (++aoff == ps) apg++, aoff = 0;
-        for (int64_t b = 0; b < hd * it->esize; b += 64) { /* a 64-byte line at a time */
+        for (int64_t b = 0; b < hd * es; b += 64) { /* a 64-byte line at a time */
             _mm_prefetch(it->k + slot * row_bytes + head + b, _MM_HINT_T0);
             _mm_prefetch(it->v + slot * row_bytes + head + b, _MM_HINT_T0);
         }
     }
-    for (int64_t o = 0; o < TK; o++) {
-        if (o >= nk) {
-            for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = 0.0f;
-            vrow[o] = NULL;
-            continue;
+    int64_t pg = t0 / ps, off = t0 % ps; /* walk the pages: no division per key */
+    for (int64_t o0 = 0; o0 < TK; o0 += 8) {
+        const char *krow[8];
+        for (int i = 0; i < 8; i++) {
+            if (o0 + i >= nk) {
+                krow[i] = NULL;
+                continue;
+            }
+            const int64_t slot = (int64_t)it->pages[pg] * ps + off;
+            if (++off == ps) pg++, off = 0;
+            krow[i] = it->k + slot * row_bytes + head;
+            const char *vrow = it->v + slot * row_bytes + head;
+            for (int64_t d = 0; d < hd; d += 8) _mm256_storeu_ps(vt + (o0 + i) * hd + d, load8(vrow, es, d));
         }
-        const int64_t slot = (int64_t)it->pages[pg] * ps + off;
-        if (++off == ps) pg++, off = 0;
-        const float *key = cache_row(it, it->k, slot, key_buf);
-        for (int64_t d = 0; d < hd; d++) kt[d * TK + o] = key[d];
-        vrow[o] = cache_row(it, it->v, slot, vt + o * hd);
+        for (int64_t d = 0; d < hd; d += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) r[i] = krow[i] ? load8(krow[i], es, d) : _mm256_setzero_ps();
+            transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_store_ps(kt + (d + i) * TK + o0, r[i]);
+        }
     }
 }
 
-/* One item: keys [a, b) of its sequence for its kv head's rows; state[r] = (m, l, acc[hd]) per row. Keys go
- * in spans of SB (transposed once, ~64 KB at head size 64: L2), rows in blocks of RBLK whose states stay
- * in L1 while they walk the span's tiles (a prefill chunk's 3k rows of state would not fit L2). */
-static int run_item(const item_t *it, int64_t a, int64_t b, float *state) {
-    const int64_t hd = it->hd, g = it->g, rows = it->r_hi, first_pos = it->kv_len - it->n_q;
-    const int64_t stride = hd + 2;
-    float *kts = aligned_alloc(64, sizeof(float) * SB * hd); /* [SB / TK][hd][TK] */
-    float *vts = it->esize == 4 ? NULL : malloc(sizeof(float) * SB * hd); /* an fp16 span's values, widened */
-    const float *vrows[SB];
-    float p[RB][TK] __attribute__((aligned(64)));
-    float scratch[RB][258]; /* the state of padding rows of a short last block */
-    const vf sc2 = V_SET1(it->scale2);
-    if (!kts || (it->esize != 4 && !vts)) {
-        free(kts), free(vts);
-        return 2;
+/* One item: keys [a, b) of its sequence for its kv head's rows r_lo .. r_hi. */
+static int run_item(const item_t *it, int64_t a, int64_t b) {
+    const int64_t hd = it->hd, g = it->g, rows = it->r_hi - it->r_lo, first_pos = it->kv_len - it->n_q;
+    scratch_t sc;
+    sc.qs = aligned_alloc(64, sizeof(float) * (rows * hd + 16));
+    sc.acc = aligned_alloc(64, sizeof(float) * (rows * hd + 16));
+    sc.m = malloc(sizeof(float) * (rows + 1));
+    sc.l = malloc(sizeof(float) * (rows + 1));
+    sc.kts = aligned_alloc(64, sizeof(float) * SB * hd);
+    sc.vts = aligned_alloc(64, sizeof(float) * SB * hd);
+    int rc = 0;
+    if (!sc.qs || !sc.acc || !sc.m || !sc.l || !sc.kts || !sc.vts) {
+        rc = 2;
+        goto done;
     }
-    for (int64_t r = 0; r < it->r_hi - it->r_lo; r++) {
-        state[r * stride] = -INFINITY;
-        state[r * stride + 1] = 0.0f;
-        memset(state + r * stride + 2, 0, sizeof(float) * hd);
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t row = it->r_lo + r;
+        const float *src = it->q + (it->q_start + row / g) * it->hq * hd + (it->kvh * g + row % g) * hd;
+        for (int64_t d = 0; d < hd; d++) sc.qs[r * hd + d] = src[d] * it->scale2;
+        sc.m[r] = -INFINITY;
+        sc.l[r] = 0.0f;
     }
+    memset(sc.acc, 0, sizeof(float) * rows * hd);
     for (int64_t s0 = a; s0 < b; s0 += SB) {
-        const int64_t s1 = b - s0 < SB ? b : s0 + SB, ntiles = (s1 - s0 + TK - 1) / TK;
-        for (int64_t t = 0; t < ntiles; t++) {
-            const int64_t t0 = s0 + t * TK;
-            load_tile(it, t0, s1 - t0 < TK ? s1 - t0 : TK, b, kts + t * hd * TK, vts ? vts + t * TK * hd : NULL,
-                      vrows + t * TK);
-        }
-        /* rows before a tile's first key see none of it (rows ascend in position, g rows per token) */
-        int64_t b0 = s0 > first_pos ? (s0 - first_pos) * g : 0;
-        for (b0 = b0 > it->r_lo ? b0 : it->r_lo; b0 < rows; b0 += RBLK) {
-            const int64_t b1 = rows - b0 < RBLK ? rows : b0 + RBLK;
-            for (int64_t t = 0; t < ntiles; t++) {
-                const int64_t t0 = s0 + t * TK, nk = s1 - t0 < TK ? s1 - t0 : TK;
-                const float *kt = kts + t * hd * TK, *const *vrow = vrows + t * TK;
-                int64_t r0 = t0 > first_pos ? (t0 - first_pos) * g : 0;
-                for (r0 = r0 > b0 ? r0 : b0; r0 < b1; r0 += RB) {
-                    const int64_t nr = b1 - r0 < RB ? b1 - r0 : RB;
-                    const float *qr[RB];
-                    float *st[RB], *acc[RB], alpha[RB];
-                    int64_t seen = 0; /* keys of the tile any row of the block sees */
-                    for (int64_t j = 0; j < RB; j++) {
-                        const int64_t r = r0 + (j < nr ? j : 0);
-                        qr[j] = it->q + (it->q_start + r / g) * it->hq * hd + (it->kvh * g + r % g) * hd;
-                        st[j] = j < nr ? state + (r - it->r_lo) * stride : scratch[j];
-                        acc[j] = st[j] + 2;
-                    }
-                    for (int64_t c0 = 0; c0 < TK; c0 += SC) {
-                        vf s[2 * RB];
-                        scores(qr, kt, hd, c0, s);
-                        for (int j = 0; j < RB; j++) {
-                            V_STORE(p[j] + c0, V_MUL(s[2 * j], sc2));
-                            V_STORE(p[j] + c0 + VL, V_MUL(s[2 * j + 1], sc2));
-                        }
-                    }
-                    for (int64_t j = 0; j < RB; j++) {
-                        if (j >= nr) { /* padding rows: no weight */
-                            memset(p[j], 0, sizeof(p[j]));
-                            alpha[j] = 0.0f;
-                            continue;
-                        }
-                        const int64_t pos = first_pos + (r0 + j) / g;
-                        const int64_t visible = pos - t0 + 1 < nk ? pos - t0 + 1 : nk; /* keys t0 .. pos */
-                        seen = visible > seen ? visible : seen;
-                        for (int64_t o = visible; o < TK; o++) p[j][o] = -INFINITY;
-                        vf top = V_LOAD(p[j]);
-                        for (int64_t o = VL; o < TK; o += VL) top = V_MAX(top, V_LOAD(p[j] + o));
-                        const float m_old = st[j][0], t = hmax(top), m_new = t > m_old ? t : m_old;
-                        const vf mv = V_SET1(m_new);
-                        vf sum = V_ZERO();
-                        for (int64_t o = 0; o < TK; o += VL) {
-                            const vf e = exp2_v(V_SUB(V_LOAD(p[j] + o), mv));
-                            V_STORE(p[j] + o, e);
-                            sum = V_ADD(sum, e);
-                        }
-                        alpha[j] = m_old == -INFINITY ? 0.0f : exp2f(m_old - m_new);
-                        st[j][0] = m_new;
-                        st[j][1] = st[j][1] * alpha[j] + hsum(sum);
-                    }
-                    int64_t d0 = 0;
-                    for (; d0 + 2 * VL <= hd; d0 += 2 * VL) values(acc, alpha, p, vrow, seen, d0, 2, VL);
-                    if (hd - d0 > VL) values(acc, alpha, p, vrow, seen, d0, 2, (int)(hd - d0 - VL));
-                    else if (d0 < hd) values(acc, alpha, p, vrow, seen, d0, 1, (int)(hd - d0));
-                }
-            }
+        const int64_t s1 = b - s0 < SB ? b : s0 + SB;
+        for (int64_t t0 = s0, t = 0; t0 < s1; t0 += TK, t++)
+            load_tile(it, t0, s1 - t0 < TK ? s1 - t0 : TK, b, sc.kts + t * hd * TK, sc.vts + t * TK * hd);
+        /* blocks whose rows are all before the span see none of it (rows ascend in position, g rows per token) */
+        int64_t r0 = s0 > first_pos ? (s0 - first_pos) * g - it->r_lo : 0;
+        r0 = r0 > 0 ? r0 / MR * MR : 0;
+        for (; r0 + MR <= rows; r0 += MR) block_span(MR, it, &sc, r0, s0, s1 - s0);
+        switch (rows - r0) {
+        case 5: block_span(5, it, &sc, r0, s0, s1 - s0); break;
+        case 4: block_span(4, it, &sc, r0, s0, s1 - s0); break;
+        case 3: block_span(3, it, &sc, r0, s0, s1 - s0); break;
+        case 2: block_span(2, it, &sc, r0, s0, s1 - s0); break;
+        case 1: block_span(1, it, &sc, r0, s0, s1 - s0); break;
+        default: break;
         }
     }
-    free(kts), free(vts);
-    return 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t row = it->r_lo + r;
+        if (it->out) {
+            float *o = it->out + (it->q_start + row / g) * it->hq * hd + (it->kvh * g + row % g) * hd;
+            const float inv = sc.l[r] > 0.0f ? 1.0f / sc.l[r] : 0.0f;
+            for (int64_t d = 0; d < hd; d++) o[d] = sc.acc[r * hd + d] * inv;
+        } else {
+            float *st = it->state + r * (hd + 2);
+            st[0] = sc.m[r];
+            st[1] = sc.l[r];
+            memcpy(st + 2, sc.acc + r * hd, sizeof(float) * hd);
+        }
+    }
+done:
+    free(sc.qs), free(sc.acc), free(sc.m), free(sc.l), free(sc.kts), free(sc.vts);
+    return rc;
 }
 
 /* q [T, hq, hd] -> out [T, hq, hd]; sequence s's queries are rows q_starts[s] .. + q_lens[s] of q; kv_f16: the
@@ -312,71 +409,106 @@ int ab_paged_attention(const float *q, int64_t n_seqs, const int64_t *q_starts, 
     spread_workers(threads); /* omp_spread.h says why */
     /* ranges per sequence: enough items for the threads, none shorter than MIN_RANGE keys */
     const int64_t want = threads > 1 ? 4 * threads : 1;
-    /* A sequence of many rows (a prefill chunk) is split by rows, into groups of ROW_GROUP: no merge, state for
-     * its rows once. One of few rows (decode, a warm turn) is split by keys, into ranges merged afterwards. */
+    /* A sequence of many rows (a prefill chunk, a long extend) is split by rows into groups: no merge. One of few
+     * rows (decode, a warm turn) is split by keys, into ranges merged afterwards. */
     int64_t *n_ranges = malloc(sizeof(int64_t) * n_seqs), *n_groups = malloc(sizeof(int64_t) * n_seqs);
-    int64_t *first_item = malloc(sizeof(int64_t) * (n_seqs + 1)), *state_at = NULL;
+    int64_t *per_group = malloc(sizeof(int64_t) * n_seqs), *first_item = malloc(sizeof(int64_t) * (n_seqs + 1));
+    int64_t *state_at = NULL, *order = NULL, *cost = NULL;
+    if (!n_ranges || !n_groups || !per_group || !first_item) {
+        free(n_ranges), free(n_groups), free(per_group), free(first_item);
+        return 2;
+    }
+    int64_t group = ROW_GROUPS[0];
+    for (size_t k = 0; threads > 1 && k < sizeof ROW_GROUPS / sizeof ROW_GROUPS[0]; k++) {
+        group = ROW_GROUPS[k];
+        int64_t items = 0;
+        for (int64_t s = 0; s < n_seqs; s++) {
+            const int64_t rows = q_lens[s] * g;
+            items += hkv * (rows > FEW_ROWS ? (rows + group - 1) / group : 1);
+        }
+        if (items >= 4 * threads) break;
+    }
     int64_t n_items = 0;
-    for (int64_t s = 0; s < n_seqs && n_ranges && n_groups && first_item; s++) {
+    for (int64_t s = 0; s < n_seqs; s++) {
         const int64_t rows = q_lens[s] * g;
         int64_t by_len = (kv_lens[s] + MIN_RANGE - 1) / MIN_RANGE, by_threads = (want + n_seqs * hkv - 1) / (n_seqs * hkv);
-        n_ranges[s] = rows > ROW_GROUP || by_len < 1 ? 1 : by_len < by_threads ? by_len : by_threads;
-        n_groups[s] = threads > 1 ? (rows + ROW_GROUP - 1) / ROW_GROUP : 1;
+        n_ranges[s] = rows > FEW_ROWS || by_len < 1 ? 1 : by_len < by_threads ? by_len : by_threads;
+        n_groups[s] = threads > 1 && rows > FEW_ROWS ? (rows + group - 1) / group : 1;
+        /* rows per group in whole blocks of MR (the last group takes what is left) */
+        per_group[s] = ((rows + n_groups[s] - 1) / n_groups[s] + MR - 1) / MR * MR;
+        per_group[s] = per_group[s] < 1 ? 1 : per_group[s];
+        n_groups[s] = rows > 0 ? (rows + per_group[s] - 1) / per_group[s] : 1;
         first_item[s] = n_items;
         n_items += hkv * n_ranges[s] * n_groups[s];
     }
-    if (first_item) first_item[n_seqs] = n_items;
+    first_item[n_seqs] = n_items;
     state_at = malloc(sizeof(int64_t) * (n_items + 1));
+    order = malloc(sizeof(int64_t) * (n_items + 1));
+    cost = malloc(sizeof(int64_t) * (n_items + 1));
     int64_t total = 0;
-    for (int64_t s = 0; s < n_seqs && state_at; s++)
+    for (int64_t s = 0; s < n_seqs && state_at && order && cost; s++)
         for (int64_t i = first_item[s]; i < first_item[s + 1]; i++) {
             state_at[i] = total;
-            const int64_t gq = (i - first_item[s]) % n_groups[s], per = (q_lens[s] * g + n_groups[s] - 1) / n_groups[s];
-            const int64_t lo = gq * per, hi = (gq + 1) * per < q_lens[s] * g ? (gq + 1) * per : q_lens[s] * g;
-            total += (hi > lo ? hi - lo : 0) * stride;
+            const int64_t rows = q_lens[s] * g, gq = (i - first_item[s]) % n_groups[s];
+            const int64_t lo = gq * per_group[s], hi = lo + per_group[s] < rows ? lo + per_group[s] : rows;
+            if (n_ranges[s] > 1) total += (hi > lo ? hi - lo : 0) * stride;
+            /* rows x the keys the group's last row sees: the longest items first (dynamic schedule) */
+            const int64_t last = hi > lo ? kv_lens[s] - q_lens[s] + (hi - 1) / g + 1 : 0;
+            cost[i] = (hi > lo ? hi - lo : 0) * (last / n_ranges[s] + 1);
+            order[i] = i;
         }
     float *state = malloc(sizeof(float) * (total ? total : 1));
-    if (!n_ranges || !n_groups || !first_item || !state_at || !state) {
-        free(n_ranges), free(n_groups), free(first_item), free(state_at), free(state);
+    if (!state_at || !order || !cost || !state) {
+        free(n_ranges), free(n_groups), free(per_group), free(first_item), free(state_at), free(order), free(cost);
+        free(state);
         return 2;
     }
+    if (threads > 1) /* insertion sort by descending cost: a step holds at most a few hundred items */
+        for (int64_t i = 1; i < n_items; i++) {
+            const int64_t x = order[i];
+            int64_t j = i;
+            for (; j > 0 && cost[order[j - 1]] < cost[x]; j--) order[j] = order[j - 1];
+            order[j] = x;
+        }
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-    for (int64_t i = 0; i < n_items; i++) {
+    for (int64_t n = 0; n < n_items; n++) {
+        const int64_t i = order[n];
         int64_t s = 0;
         while (first_item[s + 1] <= i) s++;
         const int64_t local = i - first_item[s], gq = local % n_groups[s];
         const int64_t kvh = local / n_groups[s] / n_ranges[s], rg = local / n_groups[s] % n_ranges[s];
-        const int64_t rows = q_lens[s] * g, per_g = (rows + n_groups[s] - 1) / n_groups[s];
-        const int64_t r_lo = gq * per_g < rows ? gq * per_g : rows, r_hi = r_lo + per_g < rows ? r_lo + per_g : rows;
+        const int64_t rows = q_lens[s] * g;
+        const int64_t r_lo = gq * per_group[s] < rows ? gq * per_group[s] : rows;
+        const int64_t r_hi = r_lo + per_group[s] < rows ? r_lo + per_group[s] : rows;
+        if (r_hi <= r_lo) continue;
         /* ranges in whole tiles so only a sequence's last tile is short */
         const int64_t tiles = (kv_lens[s] + TK - 1) / TK, per = (tiles + n_ranges[s] - 1) / n_ranges[s];
         int64_t a = rg * per * TK, b = (rg + 1) * per * TK;
         b = b < kv_lens[s] ? b : kv_lens[s];
         a = a < b ? a : b;
         const item_t it = {q, k_cache, v_cache, kv_f16 ? 2 : 4, page_table + s * pt_stride, page_size, hq, hkv, hd,
-                           g, q_starts[s], q_lens[s], kv_lens[s], kvh, r_lo, r_hi, scale * LOG2E};
-        if (run_item(&it, a, b, state + state_at[i])) failed = 1;
+                           g, q_starts[s], q_lens[s], kv_lens[s], kvh, r_lo, r_hi, scale * LOG2E,
+                           n_ranges[s] > 1 ? NULL : out, state + state_at[i]};
+        if (run_item(&it, a, b)) failed = 1;
     }
-    if (failed) {
-        free(n_ranges), free(n_groups), free(first_item), free(state_at), free(state);
-        return 2;
-    }
-    /* merge each row's ranges: m = max m_r, l = sum l_r 2^(m_r - m), acc likewise; out = acc / l */
+    /* merge the rows' ranges of sequences split by keys (one group each): m = max m_r, l = sum l_r 2^(m_r - m),
+     * acc likewise; out = acc / l */
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
     for (int64_t s = 0; s < n_seqs; s++) {
-        const int64_t rows = q_lens[s] * g, per_g = (rows + n_groups[s] - 1) / n_groups[s];
+        if (failed || n_ranges[s] == 1) continue;
+        const int64_t rows = q_lens[s] * g;
         for (int64_t kvh = 0; kvh < hkv; kvh++)
             for (int64_t r = 0; r < rows; r++) {
                 float m = -INFINITY, l = 0.0f, acc[256];
-                const int64_t gq = r / per_g, at = first_item[s] + kvh * n_ranges[s] * n_groups[s] + gq;
+                const int64_t at = first_item[s] + kvh * n_ranges[s];
                 for (int64_t rg = 0; rg < n_ranges[s]; rg++) {
-                    const float *st = state + state_at[at + rg * n_groups[s]] + (r - gq * per_g) * stride;
+                    const float *st = state + state_at[at + rg] + r * stride;
                     m = st[0] > m ? st[0] : m;
                 }
                 for (int64_t d = 0; d < hd; d++) acc[d] = 0.0f;
                 for (int64_t rg = 0; rg < n_ranges[s]; rg++) {
-                    const float *st = state + state_at[at + rg * n_groups[s]] + (r - gq * per_g) * stride;
+                    const float *st = state + state_at[at + rg] + r * stride;
                     if (st[0] == -INFINITY) continue;
                     const float w = exp2f(st[0] - m);
                     l += st[1] * w;
@@ -388,6 +520,7 @@ int ab_paged_attention(const float *q, int64_t n_seqs, const int64_t *q_starts, 
                 for (int64_t d = 0; d < hd; d++) o[d] = acc[d] * inv;
             }
     }
-    free(n_ranges), free(n_groups), free(first_item), free(state_at), free(state);
-    return 0;
+    free(n_ranges), free(n_groups), free(per_group), free(first_item), free(state_at), free(order), free(cost);
+    free(state);
+    return failed ? 2 : 0;
 }
