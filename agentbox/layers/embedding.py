@@ -43,6 +43,7 @@ class VocabParallelEmbedding(nn.Module):
         )
         set_weight_loader(self.weight, self.weight_loader)
         self.quant: QuantRows | BitsRows | PackedRows | None = None  # the table kept quantised (GGUF), else None
+        self.widen_rows = False  # an fp32 model's table kept 16-bit (weight_loader): lookups widen to fp32
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: str | int | None = None) -> None:
         if tuple(loaded_weight.shape) != (self.num_embeddings, param.data.size(1)):
@@ -69,6 +70,8 @@ class VocabParallelEmbedding(nn.Module):
             loaded_weight = loaded_weight.narrow((start, rows), None).dequantize()
             start = 0
         if self.tp_size == 1 and keeps_f16(param.data, loaded_weight):  # read as stored (kernels/cpu_f16.py)
+            # An fp32 model's lookups widen the rows; a bf16 model's bf16 table is simply its dtype.
+            self.widen_rows = param.dtype == torch.float32
             param.data = torch.empty(param.shape, dtype=loaded_weight.dtype)
         param.data.zero_()
         param.data[:rows].copy_(loaded_weight[start : start + rows])
@@ -77,7 +80,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.quant is not None:
             return self.quant.rows(ids)
         out = F.embedding(ids, self.weight)
-        return out.float() if self.weight.dtype in cpu_f16.HALF_DTYPES and self.weight.device.type == "cpu" else out
+        return out.float() if self.widen_rows else out
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
