@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--json-out", help="also write the JSON here")
     args = ap.parse_args()
     from gguf import GGUFReader
 
@@ -155,6 +156,8 @@ def main() -> None:
     }
     json.dump(report, sys.stdout, indent=2)
     print()
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -36,13 +36,17 @@ from agentbox.layers.quant import int4, resident_weight_bytes
 from agentbox.models.loader import load_tokenizer, resolve_model
 
 
-def _load(gguf: str, kernel: int4.Int4Kernel, threads: int) -> LLM:
+def _load(gguf: str, kernel: int4.Int4Kernel, threads: int, context: int = 1008) -> LLM:
+    pages = max(64, -(-context // PAGE) + 2)  # the null page, and a page of slack: a prompt of `context` fits
     with int4.cpu_kernel(kernel):
         # drafts off: this compares kernels and the decode loop, and llama-server drafts nothing here either
-        llm = LLM(EngineConfig(model=gguf, device="cpu", cpu_threads=threads, cache_policy="none", num_pages=64,
-                               speculative=Speculative.OFF))
+        llm = LLM(EngineConfig(model=gguf, device="cpu", cpu_threads=threads, cache_policy="none", num_pages=pages,
+                               page_size=PAGE, speculative=Speculative.OFF))
     engine_rates(llm, random_prompts(1, 8, llm.loaded.vocab_size, 0), 2)  # warm-up
     return llm
+
+
+PAGE = 16
 
 
 def _best(runs: list[Rates]) -> dict[str, Any]:
@@ -111,7 +115,7 @@ def compare_llamacpp(gguf: str, prompt_len: int = 128, new_tokens: int = 64, thr
     theirs: list[Rates] = []
     resident: dict[int4.Int4Kernel, int] = {}
     try:
-        engines = {k: _load(gguf, k, threads) for k in kernels}
+        engines = {k: _load(gguf, k, threads, prompt_len + new_tokens) for k in kernels}
         resident = {k: resident_weight_bytes(llm.loaded.model) for k, llm in engines.items()}
         with _llama_server(binary, gguf, prompt_len + new_tokens + 64, threads) as server:
             for prompt in prompts:

@@ -11,8 +11,9 @@ whenever the checkout is on `sys.path`. pyproject.toml ships the C sources with 
   module imports where Triton is absent; on CPU their tests run under Triton's interpreter
   (`TRITON_INTERPRET=1`: fp32 and fp16 only, small shapes; tests/kernels, tests/quant_kernels).
 - CPU (C, one library built with the system `cc` on first use and loaded with ctypes by cpu_gemv.py): 4- and
-  8-bit GEMV (cpu_gemv.c, cpu_gemv.h; twins in cpu_gemv.py), k-bit weights (cpu_bits.c; cpu_bits.py) and the
-  fused decode layers (cpu_decode.c; the Qwen3.5 hybrid's and the fp16 matmul in cpu_hybrid.c, twin in cpu_f16.py
-  and the torch layers). Attention over the paged cache (cpu_attention.c, its own small library;
+  8-bit GEMV (cpu_gemv.c, cpu_gemv.h; twins in cpu_gemv.py), k-bit weights (cpu_bits.c's matmul, cpu_bits_dequant.c,
+  their layout in cpu_bits_layout.h; cpu_bits.py) and the fused decode layers (cpu_decode.c, with cpu_moe.c's
+  linears of either form and routed experts; the Qwen3.5 hybrid's and the fp16 matmul in cpu_hybrid.c, twin in
+  cpu_f16.py and the torch layers). Attention over the paged cache (cpu_attention.c, its own small library;
   twin and loader in cpu_attention.py). docs/cpu-kernels.md has the numbers.
 """

@@ -28,6 +28,7 @@ import torch
 
 from agentbox.kernels import cpu_gemv
 from agentbox.kernels.cpu_gemv import BLOCK, quantize_activations_ref, round_activations
+from agentbox.kernels.huge_pages import huge
 
 __all__ = ["BitsCPU", "ScaleForm", "bits_dequant", "bits_dequant_ref", "bits_matmul", "bits_matmul_ref",
            "bits_rows", "pack_bits_cpu", "resident_bytes", "round_activations", "unpack_bits_cpu"]
@@ -235,7 +236,7 @@ def pack_bits_cpu(codes: torch.Tensor, bits: int, scale: torch.Tensor, offset: t
     for head, (first, recs, p) in zip(heads, _chunks(k), strict=True):
         body = _body(q[:, first:first + recs * p].reshape(n, recs, p, BLOCK), bits)
         rows.append(torch.cat([head, body], dim=-1).reshape(n, -1))
-    w = BitsCPU(torch.cat(rows, dim=1).contiguous(), bits, group, k, candidate, offset is not None)
+    w = BitsCPU(huge(torch.cat(rows, dim=1).contiguous()), bits, group, k, candidate, offset is not None)
     expect = cpu_gemv._lib().ab_bits_row_bytes(bits, group, int(candidate), int(offset is not None), k)
     if w.data.shape[1] != expect:  # the two sides of the layout disagree: a bug here, not bad input
         raise RuntimeError(f"packed {w.data.shape[1]} bytes a row, cpu_bits.c reads {expect}")

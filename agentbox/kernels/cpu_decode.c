@@ -1,9 +1,11 @@
-/* One Llama-family decoder layer of a decode step in one call (CPU, fp32 activations, 4-bit weights):
- * Llama / SmolLM2 / Mistral, Qwen2 (a qkv bias) and Qwen3 (RMSNorm over each q and k head before rope).
+/* One Llama-family decoder layer of a decode step in one call (CPU, fp32 activations, quantised weights):
+ * Llama / SmolLM2 / Mistral, Qwen2 (a qkv bias) and Qwen3 (RMSNorm over each q and k head before rope), with a dense
+ * SiLU MLP or Qwen3-MoE's routed experts (cpu_moe.c).
  *
  * Eager PyTorch spends about 60 op dispatches per layer on a decode step; on SmolLM2 (30 layers) that is
  * more time than its 4-bit matmuls take. This is the same layer as models/llama.py's (and the same matmul
- * kernel, ab_q4_matmul, with its int8-rounded activations) with the small ops in plain C: the residual add,
+ * kernels, with their int8-rounded activations: a linear is cpu_gemv.c's 4-bit form or cpu_bits.c's k-bit one, or
+ * runs of both, ab_linear) with the small ops in plain C: the residual add,
  * RMSNorm, rotary embedding, the paged KV store, attention over the sequence's pages, SiLU-and-mul.
  * A row is a query token; a sequence's rows (a verify) share a page-table row and each attends up to its own
  * position; k/v go to the cache before attention, so a token sees itself and the rows before it. The runner checks that a model fits (models/cpu_decode.py) and otherwise runs the torch path.
@@ -22,19 +24,14 @@
 #include "cpu_gemv.h"
 
 typedef struct {
-    const uint8_t *codes;
-    const void *so; /* scales and offsets, as cpu_gemv.c tiles them */
-    int64_t n, k, group;
-    int64_t half;
-} q4w_t;
-
-typedef struct {
-    q4w_t qkv, o, gate_up, down;
+    ab_linear_t qkv, o, gate_up, down; /* gate_up and down unused where moe is set */
+    const ab_moe_t *moe;               /* routed experts in place of the dense MLP, or NULL */
     const float *ln1, *ln2; /* [H] */
     const float *qkv_bias;  /* [(Hq + 2 Hkv) D] or NULL (Qwen2) */
     const float *q_norm, *k_norm; /* [D] or NULL (Qwen3) */
     void *k_cache, *v_cache; /* [slots][Hkv][D], fp32 or (kv_f16) fp16 */
     int64_t kv_f16;
+    double *moe_seconds; /* where the routed experts add their time (the engine's expert clock), or NULL */
 } layer_t;
 
 typedef struct {
@@ -42,10 +39,6 @@ typedef struct {
     const float *cos, *sin; /* [positions][D], HF's cat(freqs, freqs) layout */
     float eps, scale;
 } dims_t;
-
-static int mm(const q4w_t *w, const float *x, int64_t m, float *out, int threads) {
-    return ab_q4_matmul(x, m, w->k, w->codes, w->so, w->n, w->group, out, threads, (int)w->half);
-}
 
 static void rmsnorm(const float *x, const float *w, int64_t h, float eps, float *out) {
     float ss = 0.0f;
@@ -72,6 +65,17 @@ static inline __m256 exp8(__m256 x) {
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+void ab_silu_mul(const float *gu, int64_t in, float *a) {
+    const float *g = gu, *up = gu + in;
+    int64_t i = 0;
+    for (; i + 8 <= in; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < in; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * up[i];
 }
 
 static void rope(float *x, const float *cos, const float *sin, int64_t d) {
@@ -294,6 +298,37 @@ int ab_attend(void *k_cache, void *v_cache, int kv_f16, int64_t heads, int64_t k
     return attention(&L, &d, qkv, m, page_table, pt_stride, page_size, kv_lens, attn, threads);
 }
 
+/* Each row's argmax, the first index of its maximum as torch's max(dim) gives it (the greedy sampler: torch took 170 us
+ * for a row of 151,936 logits, this ~20); -1 for a row holding a NaN, where the caller asks torch. */
+void ab_argmax(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *v = x + r * n;
+        __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        __m256i at = _mm256_setzero_si256(), idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        int64_t i = 0;
+        for (; i + 8 <= n && n < (1LL << 31); i += 8) { /* per lane: its first maximum (a strict >) */
+            const __m256 xv = _mm256_loadu_ps(v + i), gt = _mm256_cmp_ps(xv, best, _CMP_GT_OQ);
+            best = _mm256_blendv_ps(best, xv, gt);
+            at = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(at), _mm256_castsi256_ps(idx), gt));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+            idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+        }
+        float lane[8];
+        int32_t lane_at[8];
+        _mm256_storeu_ps(lane, best);
+        _mm256_storeu_si256((__m256i *)lane_at, at);
+        float top = -INFINITY;
+        int64_t top_at = 0, bad = _mm256_movemask_ps(nan) != 0;
+        for (int l = 0; l < 8 && i > 0; l++) /* the lanes' maxima: the largest, the first index among equals */
+            if (lane[l] > top || (lane[l] == top && lane_at[l] < top_at)) top = lane[l], top_at = lane_at[l];
+        for (; i < n; i++) {
+            if (v[i] > top) top = v[i], top_at = i;
+            bad |= v[i] != v[i];
+        }
+        out[r] = bad ? -1 : top_at;
+    }
+}
+
 int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *residual, int first, int64_t m,
                     const int64_t *positions, const int64_t *slots, const int32_t *page_table, int64_t pt_stride,
                     int64_t page_size, const int64_t *kv_lens, int threads) {
@@ -310,7 +345,7 @@ int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *res
         for (int64_t i = 0; i < h; i++) res[i] = first ? hid[i] : hid[i] + res[i];
         rmsnorm(res, L->ln1, h, d->eps, normed + t * h);
     }
-    if ((rc = mm(&L->qkv, normed, m, qkv, threads))) goto done;
+    if ((rc = ab_linear(&L->qkv, normed, m, qkv, threads))) goto done;
     for (int64_t t = 0; t < m; t++) {
         float *row = qkv + t * qkv_n;
         const float *c = d->cos + positions[t] * hd, *s = d->sin + positions[t] * hd;
@@ -326,25 +361,21 @@ int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *res
         }
     }
     if ((rc = attention(L, d, qkv, m, page_table, pt_stride, page_size, kv_lens, attn, threads))) goto done;
-    if ((rc = mm(&L->o, attn, m, o, threads))) goto done;
+    if ((rc = ab_linear(&L->o, attn, m, o, threads))) goto done;
     for (int64_t t = 0; t < m; t++) {
         float *res = residual + t * h;
         for (int64_t i = 0; i < h; i++) res[i] += o[t * h + i];
         rmsnorm(res, L->ln2, h, d->eps, normed + t * h);
     }
-    if ((rc = mm(&L->gate_up, normed, m, gu, threads))) goto done;
-    for (int64_t t = 0; t < m; t++) {
-        const float *g = gu + t * 2 * in, *up = g + in;
-        float *a = act + t * in;
-        int64_t i = 0;
-        for (; i + 8 <= in; i += 8) {
-            const __m256 gv = _mm256_loadu_ps(g + i);
-            const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
-            _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(up + i)));
-        }
-        for (; i < in; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * up[i];
+    if (L->moe) {
+        double seconds = 0.0;
+        rc = ab_moe(L->moe, normed, m, h, hidden, &seconds, threads);
+        if (L->moe_seconds) *L->moe_seconds += seconds;
+        goto done;
     }
-    rc = mm(&L->down, act, m, hidden, threads);
+    if ((rc = ab_linear(&L->gate_up, normed, m, gu, threads))) goto done;
+    for (int64_t t = 0; t < m; t++) ab_silu_mul(gu + t * 2 * in, in, act + t * in);
+    rc = ab_linear(&L->down, act, m, hidden, threads);
 done:
     free(normed);
     free(qkv);

@@ -613,28 +613,35 @@ int ab_q8_matmul(const float *x, int64_t m, int64_t k, const int8_t *codes, cons
     return 0;
 }
 
-/* Dense fp32 rows of a Q4 weight (prefill multiplies many rows: dequantise once, then one sgemm). */
-void ab_q4_dequant(const uint8_t *codes, const void *so, int64_t n, int64_t k, int64_t group, float *out,
-                   int threads, int half) {
-    const int64_t nb = k / QB, per = group / QB, gk = k / group;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int64_t j = 0; j < n; j++) {
-        const int64_t t = j / NR, r = j % NR;
-        for (int64_t b = 0; b < nb; b++) {
-            const int64_t sg = (t * gk + b / per) * 2 * NR + r;
-            const float s = ld(so, sg, half), o = ld(so, sg + NR, half);
-            float *dst = out + j * k + b * QB;
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *c = codes + (t * nb + b) * NR * 16 + h * 32 + r * 8; /* see the layout above */
-                const int lo = r % 2 ? 4 : 0;
-                for (int i = 0; i < 8; i++) {
-                    const int e = 16 * h + (i < 4 ? i : i + 4);
-                    dst[e + lo] = (float)(c[i] & 0x0F) * s + o;
-                    dst[e + 4 - lo] = (float)(c[i] >> 4) * s + o;
-                }
+/* Row j of a Q4 weight, dense fp32. */
+static void q4_row(const uint8_t *codes, const void *so, int64_t k, int64_t group, int64_t j, float *dst, int half) {
+    const int64_t nb = k / QB, per = group / QB, gk = k / group, t = j / NR, r = j % NR;
+    for (int64_t b = 0; b < nb; b++, dst += QB) {
+        const int64_t sg = (t * gk + b / per) * 2 * NR + r;
+        const float s = ld(so, sg, half), o = ld(so, sg + NR, half);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *c = codes + (t * nb + b) * NR * 16 + h * 32 + r * 8; /* see the layout above */
+            const int lo = r % 2 ? 4 : 0;
+            for (int i = 0; i < 8; i++) {
+                const int e = 16 * h + (i < 4 ? i : i + 4);
+                dst[e + lo] = (float)(c[i] & 0x0F) * s + o;
+                dst[e + 4 - lo] = (float)(c[i] >> 4) * s + o;
             }
         }
     }
+}
+
+/* Dense fp32 rows of a Q4 weight (prefill multiplies many rows: dequantise once, then one sgemm). */
+void ab_q4_dequant(const uint8_t *codes, const void *so, int64_t n, int64_t k, int64_t group, float *out,
+                   int threads, int half) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t j = 0; j < n; j++) q4_row(codes, so, k, group, j, out + j * k, half);
+}
+
+/* Dense fp32 rows `rows[0 .. r)` of a Q4 weight (an embedding lookup: only those rows). */
+void ab_q4_rows(const uint8_t *codes, const void *so, int64_t k, int64_t group, const int64_t *rows, int64_t r,
+                float *out, int half) {
+    for (int64_t i = 0; i < r; i++) q4_row(codes, so, k, group, rows[i], out + i * k, half);
 }
 
 /* Dense fp32 rows `rows[0 .. r)` of a Q8 weight (an embedding lookup). */

@@ -1,5 +1,5 @@
-/* Shared between cpu_gemv.c (the 4-bit and Q8 matmuls), cpu_bits.c (the 5-, 6- and 8-bit ones) and
- * cpu_decode.c (a whole decoder layer in one call). */
+/* Shared between cpu_gemv.c (the 4-bit and Q8 matmuls), cpu_bits.c (the 2- to 8-bit ones), cpu_decode.c (a whole
+ * decoder layer in one call) and cpu_moe.c (its linears in either form, and its routed experts). */
 #pragma once
 #include <immintrin.h>
 #include <math.h>
@@ -85,6 +85,41 @@ static inline float ab_round_block(const float *v, int8_t *q, int sums[2]) {
 
 int ab_q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *so, int64_t n,
                  int64_t group, float *out, int threads, int half);
+int ab_bits_matmul(const float *x, int64_t m, const uint8_t *w, int bits, int group, int form, int off, int64_t k,
+                   int64_t n, float *out, int threads);
+
+/* One run of a linear layer's output rows as a CPU kernel holds it: bits 4, cpu_gemv.c's tiles (w: codes, so: their
+ * scales and offsets, fp16 where `half`); 2, 3, 5, 6, 8, cpu_bits.c's rows (w; `form` its ScaleForm, `off` whether
+ * it has offsets). */
+typedef struct {
+    const void *w, *so;
+    int64_t n, k, group, bits, half, form, off;
+} ab_part_t;
+
+#define AB_PARTS 3 /* runs of rows a linear may have (GGUF's mixed qkv: q and k in one type, v in another) */
+
+/* A linear layer: its runs' outputs side by side ([m][sum of n]). */
+typedef struct {
+    ab_part_t part[AB_PARTS];
+    int64_t parts;
+} ab_linear_t;
+
+int ab_linear(const ab_linear_t *l, const float *x, int64_t m, float *out, int threads);
+
+/* Routed experts (Qwen3-MoE's MLP): a router [E][H] fp32, softmax over the E experts, the top k kept (renormalised
+ * to sum to one when `renorm`); each expert a gate_up [2I][H] and a down [H][I] in the CPU forms, expert e's at e
+ * strides (bytes) past expert 0's w and so. */
+typedef struct {
+    const float *router;
+    int64_t experts, top_k, renorm, inter;
+    ab_part_t w13, w2;
+    int64_t w13_stride, w13_so_stride, w2_stride, w2_so_stride;
+} ab_moe_t;
+
+int ab_moe(const ab_moe_t *e, const float *x, int64_t m, int64_t h, float *out, double *seconds, int threads);
+
+/* a[i] = silu(gu[i]) * gu[in + i] for i < in: SiLU-and-mul of one row of [gate | up] (cpu_decode.c). */
+void ab_silu_mul(const float *gu, int64_t in, float *a);
 
 /* The variant this library was built as (AB_ISA). */
 const char *ab_isa(void);

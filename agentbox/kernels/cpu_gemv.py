@@ -37,7 +37,8 @@ import torch
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 # one library; cpu_gemv.h: shared
-SOURCES = tuple(SOURCE.with_name(n) for n in ("cpu_gemv.c", "cpu_decode.c", "cpu_bits.c", "cpu_hybrid.c"))
+SOURCES = tuple(SOURCE.with_name(n) for n in ("cpu_gemv.c", "cpu_decode.c", "cpu_bits.c", "cpu_bits_dequant.c",
+                                              "cpu_hybrid.c", "cpu_moe.c"))
 BLOCK = 32
 # fp-contract off: every variant must round the same products the same way (a fused a * b + c is one rounding)
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -101,7 +102,8 @@ def cpu_model() -> str:
 def build(isa: Isa) -> tuple[Path | None, str]:
     """(the variant's shared library, "") or (None, why): compiled once per variant and source digest."""
     return compile_cached(f"cpu_gemv-{isa.value}", SOURCES, (*FLAGS, *isa.cc_flags),
-                          hashed=(SOURCE.with_name("cpu_gemv.h"),), label=f"{SOURCE.name} ({isa.value})")
+                          hashed=tuple(SOURCE.with_name(h) for h in ("cpu_gemv.h", "cpu_bits_layout.h")),
+                          label=f"{SOURCE.name} ({isa.value})")
 
 
 def compile_cached(name: str, sources: Sequence[Path], flags: Sequence[str],
@@ -141,6 +143,7 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     lib.ab_q8_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_int, _c_int]
     lib.ab_q4_dequant.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
     lib.ab_q8_rows.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_int]
+    lib.ab_q4_rows.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_int]
     # (layer*, dims*, hidden, residual, first, m, positions, slots, page_table, stride, page_size, kv_lens, threads)
     lib.ab_decode_layer.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_i64,
                                     _c_i64, _c_ptr, _c_int]
@@ -156,6 +159,8 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     # cpu_decode.c's KV store, for its test: (cache, f16, at, src fp32, n)
     lib.ab_store_kv.argtypes = [_c_ptr, _c_int, _c_i64, _c_ptr, _c_i64]
     lib.ab_store_kv.restype = None
+    lib.ab_argmax.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr]  # (logits fp32, rows, n, out int64)
+    lib.ab_argmax.restype = None
     for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_bits_matmul, lib.ab_bits_dequant,
               lib.ab_f16_matmul, lib.ab_bf16_matmul, lib.ab_hybrid_layer):
         f.restype = _c_int
@@ -346,11 +351,31 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int)
     return out
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int] | None:
+    """Each row's argmax of fp32 logits [B, V] on the CPU (the first index of its maximum), or None where a row
+    holds a NaN (torch's max propagates it: the caller asks torch)."""
+    x = logits.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().ab_argmax(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    ids = out.tolist()
+    return None if -1 in ids else ids
+
+
 def q4_dequant(codes: torch.Tensor, so: torch.Tensor, n: int) -> torch.Tensor:
     k = codes.shape[1] * BLOCK
     out = torch.empty(n, k, dtype=torch.float32)
     _lib().ab_q4_dequant(codes.data_ptr(), so.data_ptr(), n, k, k // so.shape[1], out.data_ptr(), threads(), _half(so))
     return out
+
+
+def q4_rows(codes: torch.Tensor, so: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Dense fp32 rows of a Q4 weight (tiled codes [N/4, K/32, 2, 4, 8]): an embedding lookup, those rows alone."""
+    idx = rows.reshape(-1).to(torch.int64).contiguous()
+    k = codes.shape[1] * BLOCK
+    out = torch.empty(idx.numel(), k, dtype=torch.float32)
+    _lib().ab_q4_rows(codes.data_ptr(), so.data_ptr(), k, k // so.shape[1], idx.data_ptr(), idx.numel(), out.data_ptr(),
+                      _half(so))
+    return out.reshape(*rows.shape, k)
 
 
 def q8_rows(codes: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,15 @@
 """Decode steps of a Llama-family model on CPU through kernels/cpu_decode.c: one C call per layer.
 
 What a CUDA graph is on a GPU, this is on a CPU: the step's small ops (residual adds, RMSNorm, rotary, the
-KV store, attention, SiLU) cost more in PyTorch's per-op dispatch than the 4-bit matmuls cost in arithmetic,
+KV store, attention, SiLU) cost more in PyTorch's per-op dispatch than the quantised matmuls cost in arithmetic,
 so the layer runs as one call. The runner chooses it (`CpuDecode.build` once per model, `fits` per step), as
 it chooses a CUDA graph; the model file knows nothing of it. A model qualifies when every layer is a
-Llama-family layer (Llama, Qwen2's qkv bias, Qwen3's q/k norm; no other biases, no sinks or windows, a dense
-SiLU MLP) whose four linears run kernels/cpu_gemv's 4-bit kernel, in fp32 at tensor-parallel size 1; a step
-qualifies when every sequence brings at most MAX_QUERY tokens (a decode, a speculative verify, a short
-extend). Anything else runs the torch layers, which define the numbers this path must match
-(tests/test_cpu_decode.py).
+Llama-family layer (Llama, Qwen2's qkv bias, Qwen3's q/k norm; no other biases, no sinks or windows) with a dense
+SiLU MLP or Qwen3-MoE's routed experts, whose linears run the CPU SIMD kernels (kernels/cpu_gemv's 4-bit one,
+kernels/cpu_bits' k-bit one, or runs of both: layers/quant/cpu_parts.py) and whose experts declare their CPU form
+(`ExpertMethod.cpu_parts`), in fp32 at tensor-parallel size 1; a step qualifies when every sequence brings at most
+MAX_QUERY tokens (a decode, a speculative verify, a short extend). Anything else runs the torch layers, which define
+the numbers this path must match (tests/test_cpu_decode.py, tests/test_cpu_decode_moe.py).
 
 A sequence's several tokens run as that many rows, each attending to the sequence's pages up to its own
 position: the C layer stores every row's k/v before any row attends, so a row sees the rows before it, and
@@ -31,9 +32,13 @@ from torch import nn
 
 from agentbox.layers.backends.base import AttentionMetadata, KVCache
 from agentbox.layers.context import get_forward_context
-from agentbox.layers.quant.int4 import Int4Kernel
+from agentbox.layers.experts import FusedMoE
+from agentbox.layers.experts.base import MoEActivation
+from agentbox.layers.experts.placement import ExpertClock, ExpertHome
+from agentbox.layers.quant.cpu_parts import CpuPart, cpu_parts
 from agentbox.models.base import CausalLM
 from agentbox.models.llama import LlamaDecoderLayer, LlamaMLP
+from agentbox.models.qwen3_moe import Qwen3MoeSparseBlock
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _enabled = True
@@ -43,14 +48,28 @@ _enabled = True
 MAX_QUERY = 32
 
 
-class _Q4(ctypes.Structure):
-    _fields_ = [("codes", _ptr), ("so", _ptr), ("n", _i64), ("k", _i64), ("group", _i64), ("half", _i64)]
+class _Part(ctypes.Structure):  # cpu_gemv.h's ab_part_t
+    _fields_ = [("w", _ptr), ("so", _ptr), ("n", _i64), ("k", _i64), ("group", _i64), ("bits", _i64), ("half", _i64),
+                ("form", _i64), ("off", _i64)]
+
+
+PARTS = 3  # AB_PARTS: runs of rows a linear may have
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("part", _Part * PARTS), ("parts", _i64)]
+
+
+class _Moe(ctypes.Structure):  # ab_moe_t
+    _fields_ = [("router", _ptr), ("experts", _i64), ("top_k", _i64), ("renorm", _i64), ("inter", _i64),
+                ("w13", _Part), ("w2", _Part), ("w13_stride", _i64), ("w13_so_stride", _i64), ("w2_stride", _i64),
+                ("w2_so_stride", _i64)]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Q4), ("o", _Q4), ("gate_up", _Q4), ("down", _Q4), ("ln1", _ptr), ("ln2", _ptr),
-                ("qkv_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr), ("k_cache", _ptr), ("v_cache", _ptr),
-                ("kv_f16", _i64)]
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("moe", _ptr),
+                ("ln1", _ptr), ("ln2", _ptr), ("qkv_bias", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
+                ("k_cache", _ptr), ("v_cache", _ptr), ("kv_f16", _i64), ("moe_seconds", _ptr)]
 # The KV pool's element types the C layer stores and reads (kv_f16 says which): fp16 is the default CPU pool.
 KV_DTYPES = (torch.float32, torch.float16)
 
@@ -71,13 +90,50 @@ def disabled() -> Iterator[None]:
         _enabled = previous
 
 
-def _q4(linear: nn.Module) -> _Q4:
-    return _Q4(linear.weight.data_ptr(), linear.scale.data_ptr(), linear.q4_rows, linear.input_size, linear.int4_group,
-               int(linear.scale.dtype == torch.float16))
+def _part(p: CpuPart) -> _Part:
+    return _Part(p.w.data_ptr(), None if p.so is None else p.so.data_ptr(), p.n, p.k, p.group, p.bits, int(p.half),
+                 p.form, int(p.off))
+
+
+def _linear(linear: nn.Module) -> _Linear:
+    parts = cpu_parts(linear)
+    assert parts is not None and len(parts) <= PARTS  # eligible() checked
+    out = _Linear()
+    for i, p in enumerate(parts):
+        out.part[i] = _part(p)
+    out.parts = len(parts)
+    return out
 
 
 def _linears(layer: nn.Module) -> list[nn.Module]:
-    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    attn = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+    return attn if type(layer.mlp) is Qwen3MoeSparseBlock else [*attn, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+
+def _stride(t: torch.Tensor | None) -> int:
+    """Bytes from one expert's tensor to the next's."""
+    return 0 if t is None else t[0].numel() * t.element_size()
+
+
+def _experts_eligible(mlp: Qwen3MoeSparseBlock) -> bool:
+    experts: FusedMoE = mlp.experts
+    if experts.tp_size != 1 or experts.w13_bias is not None or experts.w2_bias is not None:
+        return False
+    if experts.activation is not MoEActivation.SILU or experts.method.cpu_parts(experts) is None:
+        return False
+    router = mlp.gate.weight  # unquantised (qwen3_moe.py): a dense fp32 [E, H] table
+    return (router.dtype == torch.float32 and tuple(router.shape) == (experts.num_experts, experts.hidden_size)
+            and mlp.gate.bias is None and router.is_contiguous())
+
+
+def _moe(mlp: Qwen3MoeSparseBlock) -> _Moe:
+    experts: FusedMoE = mlp.experts
+    parts = experts.method.cpu_parts(experts)
+    assert parts is not None  # eligible() checked
+    w13, w2 = parts
+    return _Moe(mlp.gate.weight.data_ptr(), experts.num_experts, experts.top_k, int(experts.renormalize),
+                experts.intermediate_local, _part(w13), _part(w2), _stride(w13.w), _stride(w13.so), _stride(w2.w),
+                _stride(w2.so))
 
 
 def eligible(model: nn.Module) -> bool:
@@ -87,7 +143,12 @@ def eligible(model: nn.Module) -> bool:
     if not cpu_gemv.available():
         return False
     for layer in model.layers:
-        if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
+        if type(layer) is not LlamaDecoderLayer:
+            return False
+        if type(layer.mlp) is Qwen3MoeSparseBlock:
+            if not _experts_eligible(layer.mlp):
+                return False
+        elif type(layer.mlp) is not LlamaMLP:
             return False
         attn = layer.self_attn
         if attn.sinks is not None or attn.attn.sliding_window is not None or attn.qkv_proj.tp_size != 1:
@@ -95,12 +156,11 @@ def eligible(model: nn.Module) -> bool:
         if attn.head_dim % 8:
             return False  # the C attention reads a head in 8-lane vectors
         for lin in _linears(layer):
-            if lin.int4_kernel is not Int4Kernel.CPU_SIMD:
+            parts = cpu_parts(lin)
+            if parts is None or len(parts) > PARTS:
                 return False
             if lin.bias is not None and (lin is not attn.qkv_proj or lin.bias.dtype != torch.float32):
                 return False  # the layer adds a qkv bias (Qwen2) only
-            if lin.act_perm is not None or lin.weight.device.type != "cpu":
-                return False
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         if attn.qk_norm:
             norms += [attn.q_norm, attn.k_norm]
@@ -114,25 +174,36 @@ class _Plan:
     layers: list[_Layer]
     dims: _Dims
     cache_key: tuple[int, ...]  # the KV tensors the layer structs point into
+    moes: list[_Moe | None]  # what the layer structs' moe point to (kept alive here)
+    seconds: list[ctypes.c_double]  # per layer: its routed experts' time in the last step
+    clocks: list[ExpertClock | None]  # per layer: the engine's expert clock, for host experts
 
 
 def _plan(model: nn.Module, kv: Any) -> _Plan:
     first = model.layers[0].self_attn
-    mlp = model.layers[0].mlp
     rotary = model.rotary
-    layers = []
+    layers, moes, seconds, clocks = [], [], [], []
+    dense = [layer.mlp for layer in model.layers if type(layer.mlp) is LlamaMLP]
     for i, layer in enumerate(model.layers):
-        qkv, o, gu, down = (_q4(lin) for lin in _linears(layer))
         attn = layer.self_attn
+        moe = _moe(layer.mlp) if type(layer.mlp) is Qwen3MoeSparseBlock else None
+        mlp = (_Linear(), _Linear()) if moe is not None else (_linear(layer.mlp.gate_up_proj), _linear(layer.mlp.down_proj))
         bias = attn.qkv_proj.bias
         qn, kn = (attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()) if attn.qk_norm else (None, None)
-        layers.append(_Layer(qkv, o, gu, down, layer.input_layernorm.weight.data_ptr(),
+        moes.append(moe)
+        seconds.append(ctypes.c_double(0.0))
+        experts = layer.mlp.experts if moe is not None else None
+        clocks.append(experts.clock if experts is not None and experts.home is ExpertHome.HOST else None)
+        layers.append(_Layer(_linear(attn.qkv_proj), _linear(attn.o_proj), *mlp,
+                             None if moe is None else ctypes.addressof(moe), layer.input_layernorm.weight.data_ptr(),
                              layer.post_attention_layernorm.weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                             qn, kn, kv.k[i].data_ptr(), kv.v[i].data_ptr(), int(kv.k[i].dtype == torch.float16)))
+                             qn, kn, kv.k[i].data_ptr(), kv.v[i].data_ptr(), int(kv.k[i].dtype == torch.float16),
+                             ctypes.addressof(seconds[-1])))
+    inter = dense[0].down_proj.input_size if dense else 1  # the dense MLP's scratch (MoE layers use none)
     dims = _Dims(model.layers[0].input_layernorm.weight.numel(), first.num_heads, first.num_kv_heads, first.head_dim,
-                 mlp.down_proj.input_size, rotary.cos_cached.data_ptr(), rotary.sin_cached.data_ptr(),
+                 inter, rotary.cos_cached.data_ptr(), rotary.sin_cached.data_ptr(),
                  model.layers[0].input_layernorm.eps, first.attn.scale)
-    return _Plan(layers, dims, _cache_key(kv))
+    return _Plan(layers, dims, _cache_key(kv), moes, seconds, clocks)
 
 
 def _cache_key(kv: Any) -> tuple[int, ...]:
@@ -170,7 +241,12 @@ class CpuDecode:
         kv = ctx.backend.kv_cache
         if self._plan is None or self._plan.cache_key != _cache_key(kv):
             self._plan = _plan(model, kv)
-        hidden, residual = run_layers(self._plan, hidden, positions, ctx.meta)
+        plan = self._plan
+        hidden, residual = run_layers(plan, hidden, positions, ctx.meta)
+        for seconds, clock in zip(plan.seconds, plan.clocks, strict=True):
+            if clock is not None:  # host experts: the step's expert time, as FusedMoE's own path counts it
+                clock.add(seconds.value)
+            seconds.value = 0.0
         hidden, _ = model.norm(hidden, residual)
         return hidden
 

@@ -108,7 +108,15 @@ def sample_isolated(
 def greedy_ids(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first index of its maximum, as argmax). `max(dim).indices`, not `argmax`: torch's CPU
     argmax took 88 us a row of SmolLM2's 49,152 logits against 35 us (a speculative verify argmaxes every row of
-    its draft); the plain sampler and the verify both use this, so their choices are the same on every device."""
+    its draft); the plain sampler and the verify both use this, so their choices are the same on every device.
+    fp32 rows on a CPU with the C kernels take kernels/cpu_decode.c's argmax, the same index (170 us a row of a
+    151,936-token vocabulary in torch, ~20 there)."""
+    from agentbox.kernels import cpu_gemv
+
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and cpu_gemv.available():
+        ids = cpu_gemv.argmax_rows(logits)
+        if ids is not None:  # else a NaN: torch's max propagates it
+            return ids
     return logits.max(dim=-1).indices.tolist()
 
 

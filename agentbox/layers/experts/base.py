@@ -29,6 +29,7 @@ from torch import nn
 
 from agentbox.layers.quant import base as quant_base
 from agentbox.layers.quant.base import QuantConfig, Sharding
+from agentbox.layers.quant.cpu_parts import CpuPart
 from agentbox.layers.quant.formats import QuantMethod
 from agentbox.layers.quant.lazy import materialize
 from agentbox.layers.weight_loading import set_weight_loader
@@ -141,6 +142,11 @@ class ExpertMethod(ABC):
     @abstractmethod
     def apply(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's partial output [T, H] (bias of the down projection included on rank 0 only)."""
+
+    def cpu_parts(self, layer: ExpertLayer) -> tuple[CpuPart, CpuPart] | None:
+        """Every expert's (w13, w2) as the CPU SIMD kernels hold them, stacked [E, ...] (a fused decode runs them
+        from C: engine/exec/cpu_decode.py), or None where this format is not held so."""
+        return None
 
 
 def add_sharded_param(layer: ExpertLayer, name: str, data: torch.Tensor, sharding: Sharding) -> nn.Parameter:

@@ -21,11 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentbox.kernels.huge_pages import huge
 from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, activate
 from agentbox.layers.experts.bits import BitsExperts
 from agentbox.layers.experts.int4 import Int4Experts, unpack_rows_bytes
 from agentbox.layers.quant import bits as kbits
 from agentbox.layers.quant import int4
+from agentbox.layers.quant.cpu_parts import CpuPart
 
 PROJECTIONS = ("w13", "w2")
 
@@ -88,7 +90,7 @@ def _pack(codes: torch.Tensor, b: int, scale: torch.Tensor, offset: torch.Tensor
         half = _exact_half(scale, offset)
         packed = [cpu_gemv.pack_q4(codes[x].t(), scale[x].t(), offset[x].t()) for x in range(e)]  # type: ignore[index]
         so = [s.to(torch.float16 if half else torch.float32) for _, s in packed]  # an fp16 pack is exact
-        return [torch.stack([c for c, _ in packed]), torch.stack(so)], CpuProjection(n, k, 4, group)
+        return [huge(torch.stack([c for c, _ in packed])), huge(torch.stack(so))], CpuProjection(n, k, 4, group)
 
     if b < 4 and offset is not None and torch.equal(offset, scale * -float(1 << (b - 1))):
         offset = None  # Q3_K's offset is its centre: the kernel's symmetric form holds 20 bytes less per 256
@@ -99,7 +101,7 @@ def _pack(codes: torch.Tensor, b: int, scale: torch.Tensor, offset: torch.Tensor
     rows = [one(x, None) for x in range(e)]
     widest = min(r.form for r in rows)  # F32 < F16 < I8: an expert whose scales need more sets the form
     rows = [r if r.form == widest else one(x, widest) for x, r in enumerate(rows)]
-    return [torch.stack([r.data for r in rows])], CpuProjection(n, k, b, group, int(widest), offset is not None)
+    return [huge(torch.stack([r.data for r in rows]))], CpuProjection(n, k, b, group, int(widest), offset is not None)
 
 
 def install(layer: ExpertLayer) -> bool:
@@ -170,6 +172,18 @@ class CpuExperts(ExpertMethod):
     ) -> torch.Tensor:
         """Each routed expert over its tokens; `linear=_linear_ref` is the twin (dequantised weights)."""
         return run_routed(layer, x, topk_weights, topk_ids, linear)
+
+    def cpu_parts(self, layer: ExpertLayer) -> tuple[CpuPart, CpuPart]:
+        parts = []
+        for w in PROJECTIONS:
+            p: CpuProjection = self.forms[w]
+            codes = getattr(layer, f"{w}_codes")
+            if p.bits == 4:
+                so = getattr(layer, f"{w}_so")
+                parts.append(CpuPart(codes, so, p.n, p.k, p.group, 4, half=so.dtype == torch.float16))
+            else:
+                parts.append(CpuPart(codes, None, p.n, p.k, p.group, p.bits, form=p.scale_form, off=p.has_offset))
+        return parts[0], parts[1]
 
 
 def run_routed(layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

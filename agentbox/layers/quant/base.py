@@ -305,6 +305,11 @@ class LinearMethod(ABC):
         """This rank's loaded weight as a dense [out, in] fp32 tensor (the method's torch reference; read
         before post-processing, which may repack it)."""
 
+    def row_runs(self, layer: QuantLayer) -> list[nn.Module]:
+        """The modules holding the layer's output rows, in order, each in one form (layers/quant/cpu_parts.py reads
+        them): the layer itself, unless the method keeps runs of rows in different forms."""
+        return [layer]
+
 
 _REGISTRY: dict[QuantMethod, type[LinearMethod]] = {}
 

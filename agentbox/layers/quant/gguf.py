@@ -292,6 +292,9 @@ class GGUFLinearMethod(LinearMethod):
             self.kernel = None
         self.shards = {}
 
+    def row_runs(self, layer: QuantLayer) -> list[torch.nn.Module]:
+        return list(layer.segments) if self.kernel is None else [layer]
+
     def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel is None:
             out = torch.cat([apply_form(segment, x, None) for segment in layer.segments], dim=-1)

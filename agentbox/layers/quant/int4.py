@@ -133,7 +133,9 @@ def install(
         from agentbox.kernels.cpu_gemv import pack_q4
 
         codes, so = pack_q4(q, scale, offset)
-        layer.weight, layer.scale = quant_param(codes, none), quant_param(so, none)
+        from agentbox.kernels.huge_pages import huge
+
+        layer.weight, layer.scale = quant_param(huge(codes), none), quant_param(huge(so), none)
         layer.q4_rows = q.shape[0]
     elif kernel is Int4Kernel.DENSE:
         layer.weight = quant_param(dequantize(q, scale, offset).to(device=device, dtype=dtype), none)

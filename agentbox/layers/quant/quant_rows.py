@@ -52,11 +52,7 @@ class QuantRows:
             return cpu_gemv.q8_rows(self.codes, self.scale, ids)
         if ids is None:
             return cpu_gemv.q4_dequant(self.codes, self.scale, self.n)
-        flat = ids.reshape(-1).long()
-        tiles = flat // cpu_gemv.TILE  # the tiles holding the rows asked for, each dequantised whole
-        out = cpu_gemv.q4_dequant(self.codes[tiles].contiguous(), self.scale[tiles].contiguous(), tiles.numel() * cpu_gemv.TILE)
-        out = out.reshape(-1, cpu_gemv.TILE, out.shape[-1])[torch.arange(flat.numel()), flat % cpu_gemv.TILE]
-        return out.reshape(*ids.shape, -1)
+        return cpu_gemv.q4_rows(self.codes, self.scale, ids)  # the rows asked for, not their tiles
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.dense(ids)
@@ -170,4 +166,6 @@ def quant_rows(
         return BitsRows(pack_bits_cpu(q, g.bits, scale, offset))
     else:
         return None
-    return QuantRows(codes, packed, padded)
+    from agentbox.kernels.huge_pages import huge
+
+    return QuantRows(huge(codes), huge(packed), padded)  # the head streams them every decode step
