@@ -351,6 +351,45 @@ static inline __attribute__((always_inline)) void q4_tile_rows(const act_t *a, i
     }
 }
 
+#ifdef __AVX512VNNI__
+/* One activation row over one Q8 tile (a decode; a Q8_0 file's LM head is 330 MB a token): the tile's four rows
+ * of a block in two 512-bit registers against the row's block in both halves, the sign moved onto x (|w| as
+ * unsigned, x negated where w < 0: one vpdpbusd a register, where q8_tile spends two signs and a 256-bit product a
+ * row and three hadds), then two permute-and-add levels take the 4-lane sums to q8_tile's lanes (rows 0-3 over
+ * bytes 0-15, then over bytes 16-31). The integer sums are exact and the float steps q8_tile's, so are the bits.
+ * The LM head of a Q8_0 Qwen3-30B-A3B (151,936 x 2048, fp16 scales, 2 MiB pages, one thread on the EPYC):
+ * 12.5-14.8 ms with q8_tile, 10.5-12.9 with this (fastest of 20 calls, alternating builds, load 1-2). */
+static inline __attribute__((always_inline)) void q8_row(const act_t *a, int64_t k, const int8_t *codes,
+                                                         const void *scale, float *out, const int nr, const int half) {
+    const int64_t nb = k / QB;
+    const __m512i zero = _mm512_setzero_si512();
+    /* concat(p0, p1)'s 32 lanes, row r's bytes 0-15 in lanes 8r .. 8r+3 and 16-31 in 8r+4 .. 8r+7: adjacent pairs */
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    /* then row r's halves: lanes 4r, 4r+1 (bytes 0-15) and 4r+2, 4r+3 (16-31) of the pairs, in q8_tile's order */
+    const __m512i lo = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 10, 6, 2, 12, 8, 4, 0);
+    const __m512i hi = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 15, 11, 7, 3, 13, 9, 5, 1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const __m128 s4 = ld4(scale, b * NR, half);
+        const __m256 s8 = _mm256_set_m128(s4, s4);
+        _mm_prefetch((const char *)(codes + Q8_AHEAD * NR * k + b * NR * QB), _MM_HINT_T1);
+        _mm_prefetch((const char *)(codes + Q8_AHEAD * NR * k + b * NR * QB + 64), _MM_HINT_T1);
+        const __m512i w0 = _mm512_loadu_si512((const void *)(codes + b * NR * QB));
+        const __m512i w1 = _mm512_loadu_si512((const void *)(codes + b * NR * QB + 64));
+        const __m512i x = _mm512_broadcast_i64x4(_mm256_load_si256((const __m256i *)(a->q + b * QB)));
+        const __m512i p0 = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w0), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w0), zero, x));
+        const __m512i p1 = _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w1), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w1), zero, x));
+        const __m512i u = _mm512_add_epi32(_mm512_permutex2var_epi32(p0, even, p1), _mm512_permutex2var_epi32(p0, odd, p1));
+        const __m256i p = _mm512_castsi512_si256(_mm512_add_epi32(_mm512_permutexvar_epi32(lo, u), _mm512_permutexvar_epi32(hi, u)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(s8, _mm256_broadcast_ss(a->d + b)), acc);
+    }
+    float o[NR];
+    _mm_storeu_ps(o, _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)));
+    for (int j = 0; j < nr; j++) out[j] = o[j];
+}
+#endif
+
 static inline __attribute__((always_inline)) void q8_tile_rows(const act_t *a, int64_t m, int64_t k, const int8_t *codes,
                                                                const char *scale, int64_t n, float *out, int64_t t,
                                                                const int half) {
@@ -358,6 +397,12 @@ static inline __attribute__((always_inline)) void q8_tile_rows(const act_t *a, i
     const int nr = n - j < NR ? (int)(n - j) : NR;
     const int8_t *c = codes + t * NR * k;
     const char *s = scale + t * tile_scale;
+#ifdef __AVX512VNNI__
+    if (m == 1) {
+        q8_row(a, k, c, s, out + j, nr, half);
+        return;
+    }
+#endif
     for (int64_t i = 0; i < m; i += MR) {
         switch (m - i < MR ? m - i : MR) {
             case 1: q8_tile(a, i, 1, k, c, s, out + j, n, nr, half); break;
