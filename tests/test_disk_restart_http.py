@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 from rich.console import Console
 
-from agentbox.tui import panels
+from agentbox.tui import panels, session_table
 from tests.conftest import _free_port
 
 pytestmark = pytest.mark.slow
@@ -86,7 +86,7 @@ def test_a_session_survives_a_graceful_restart(smollm2_path: Path, tmp_path: Pat
         agent = next(s for s in sessions if s["id"] == "agent")
         assert agent["turns"] == 1 and agent["on_disk_tokens"] > 3000  # back under its id, on disk
         top = Console(width=200, record=True)  # what `agentbox top` draws from the same JSON
-        top.print(panels.sessions_table(sessions))
+        top.print(session_table.sessions_table(sessions))
         top.print(panels.pool_panel({"stats": httpx.get(f"{url}/v1/stats").json()}, 60))
         shown = top.export_text()
         assert "on disk" in shown and "torn 0" in shown, shown

@@ -14,7 +14,7 @@ from gemma4_models import WINDOW, configs, save_gemma4
 from hybrid_models import hf_greedy
 
 from agentbox.config import EngineConfig
-from agentbox.engine.exec.runner import ModelRunner
+from agentbox.engine.exec import memory_budget
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 from agentbox.layers.recurrent_state import StateCache
@@ -35,7 +35,7 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLM, torch
                           host_state_snapshots=0,
                           max_num_seqs=ROWS, state_snapshots=SNAPSHOTS)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ModelRunner, "_fit_state_slots", lambda self, per_row, per_slot: self.num_snapshots)
+        mp.setattr(memory_budget, "fit_state_slots", lambda r, per_row, per_slot: r.num_snapshots)
         llm = LLM(config)
     with llm:
         yield llm, hf
@@ -86,12 +86,10 @@ def test_held_snapshot_slots_copy_through_host_memory() -> None:
 def test_small_card_keeps_snapshots_in_host_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A card with room for the running requests' rings only: the snapshots go to host memory, and a new session
     still resumes at the shared prefix with the answer of a cold run."""
-    from agentbox.engine.exec import runner
-
     hf = save_gemma4(configs()["dense"], tmp_path)
     ring = 2 * 2 * (WINDOW + PAGE) * 2 * 16 * 4
     free = torch.cuda.mem_get_info()[0]
-    monkeypatch.setattr(runner, "GPU_STATE_SHARE", 2.5 * ring / free)  # two rings' room: the rows, no snapshot
+    monkeypatch.setattr(memory_budget, "GPU_STATE_SHARE", 2.5 * ring / free)  # two rings' room: the rows, no snapshot
     config = EngineConfig(model=str(tmp_path), device="cuda", dtype="float32", page_size=PAGE, attention="torch",
                           num_pages=128, host_cache_gb=0.0, max_num_seqs=2, state_snapshots=8,
                           host_state_snapshots=0)

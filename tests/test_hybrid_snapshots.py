@@ -16,7 +16,8 @@ from agentbox.engine.ipc.messages import Query, QueryKind
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 from agentbox.engine.stats import to_json
-from agentbox.tui.panels import pool_panel, sessions_table
+from agentbox.tui.panels import pool_panel
+from agentbox.tui.session_table import sessions_table
 
 PREFIX = [(i * 13 + 5) % 256 for i in range(100)]  # the shared system prompt + tools: 6 whole pages and 4 tokens
 SP = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agentbox.tui import panels
+from agentbox.tui import panels, session_table
 from agentbox.tui.app import ConfirmScreen, DetailScreen, TopApp
 from agentbox.tui.rates import Rates, sparkline
 from agentbox.tui.snapshot import render_summary, snapshot
@@ -69,21 +69,21 @@ def test_idle_cpu_alarm_only_when_no_request_runs() -> None:
 
 def test_columns_fit_the_width_most_wanted_first_and_say_where_the_kv_lives() -> None:
     keys = lambda cols: [c.key for c in cols]  # noqa: E731
-    cpu = panels.session_columns("cpu", None, frozenset())
+    cpu = session_table.session_columns("cpu", None, frozenset())
     titles = [c.title for c in cpu]
     assert "KV tok" in titles and "host tok" not in titles and "snapshot" not in titles  # no host tier on CPU
     assert len(titles) == len(set(titles))  # `--once` had two columns titled "state"
-    gpu = panels.session_columns("cuda:0", None)
+    gpu = session_table.session_columns("cuda:0", None)
     assert {"GPU tok", "host tok", "snapshot", "spec acc"} <= {c.title for c in gpu}
     # 80 columns: the cache story (resident, hit, recomputed, TTFT) and the lease; the client gives way
-    narrow = panels.session_columns("cpu", 78, frozenset())
+    narrow = session_table.session_columns("cpu", 78, frozenset())
     assert keys(narrow) == ["id", "turns", "state", "resident_tokens_gpu", "lease_expires_in_s",
                             "last_turn_hit_rate", "hit_rate", "recomputed_history_tokens", "last_ttft_s"]
-    assert sum(c.width + panels.CELL_PADDING for c in narrow) <= 78
-    wide = panels.session_columns("cpu", 118, frozenset())
-    assert keys(wide) == [c.key for c in panels.SESSION_COLUMNS if c.key not in panels.OPTIONAL]
+    assert sum(c.width + session_table.CELL_PADDING for c in narrow) <= 78
+    wide = session_table.session_columns("cpu", 118, frozenset())
+    assert keys(wide) == [c.key for c in session_table.SESSION_COLUMNS if c.key not in session_table.OPTIONAL]
     # the state the engine calls waiting_tool: the wait for the client's next turn, a tool's or a person's
-    assert panels.session_columns()[3].cell({"state": "waiting_tool"}).plain == "waiting"
+    assert session_table.session_columns()[3].cell({"state": "waiting_tool"}).plain == "waiting"
 
 
 def test_the_header_drops_what_is_least_needed_to_stay_one_line() -> None:

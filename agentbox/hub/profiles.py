@@ -201,7 +201,7 @@ class Profile:
 
     def live_state_bytes(self) -> int:
         """The state of a running session alone (hybrids: live and page-aligned copy; rings: the live ring),
-        what stays on a card whose snapshots are in host memory (engine/exec/runner.py _fit_state_slots)."""
+        what stays on a card whose snapshots are in host memory (engine/exec/memory_budget.py fit_state_slots)."""
         return self.live_state_slots * self.state_bytes
 
 

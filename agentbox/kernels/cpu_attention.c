@@ -24,8 +24,14 @@
  * A chunk's rows are split into groups across the threads (items (kv head, query block), longest first); a sequence
  * of few rows (decode, a warm turn: ~25 tokens over 121k keys) is split by keys into ranges instead, and the
  * ranges' (m, l, acc) merge by their maxima afterwards, which is exactly the softmax over the union.
+ *
+ * The vectors of either width are cpu_attention_vec.h's; the tiles' geometry (SB, TK, MR) and the S and P V passes
+ * cpu_attention_tiles.h's. This file walks an item's spans (load_tile, block_span, run_item) and splits and merges
+ * the call's work (ab_paged_attention).
  */
 #include "omp_spread.h"
+#include "cpu_attention_tiles.h"
+#include "cpu_attention_vec.h"
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -33,123 +39,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SB 256         /* keys per span (a multiple of TK): its fp32 keys and values ~128 KB at head size 64 (L2) */
-#define TK 64          /* keys per tile */
-#define MR 6           /* query rows per block (two tokens of a group of 3) */
 #define FEW_ROWS 192   /* a sequence of at most this many rows a kv head is split by keys (when threads share it) */
 /* Rows per item of a sequence split by rows: the largest of these giving the call 4 items a thread or more (each item
  * widens every key its rows see, so fewer, larger groups widen less; enough of them keep the threads even). */
 static const int64_t ROW_GROUPS[] = {768, 384, 192, 96};
 #define MIN_RANGE 1024 /* fewest keys worth a range of their own (the merge and the item's setup) */
 #define LOG2E 1.4426950408889634f
-#define AI static inline __attribute__((always_inline))
-
-/* One source, two widths: built with -mavx512f the vectors are __m512 (16 lanes, 32 registers: a tile's 64 keys x 6
- * rows of scores, or 64 dims x 6 rows of output, in 24 accumulators); otherwise __m256 (16 registers: 16 keys or
- * dims x 6 rows, 12 accumulators). */
-#if defined(__AVX512F__)
-#define VL 16
-#define NVK 4 /* key vectors of an S pass: the whole tile */
-#define NVD 4 /* head vectors of a P V pass */
-typedef __m512 vf;
-#define V_ZERO() _mm512_setzero_ps()
-#define V_SET1(x) _mm512_set1_ps(x)
-#define V_LOAD(p) _mm512_load_ps(p)
-#define V_LOADU(p) _mm512_loadu_ps(p)
-#define V_STORE(p, v) _mm512_store_ps(p, v)
-#define V_STOREU(p, v) _mm512_storeu_ps(p, v)
-#define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define V_MUL(a, b) _mm512_mul_ps(a, b)
-#define V_ADD(a, b) _mm512_add_ps(a, b)
-#define V_SUB(a, b) _mm512_sub_ps(a, b)
-#define V_MAX(a, b) _mm512_max_ps(a, b)
-#define V_BCAST(p) _mm512_set1_ps(*(p))
-/* n of the vector's floats (a head of 8 or 24 ends on half a vector): masked, nothing read past a row */
-#define V_LOADN(p, n) _mm512_maskz_loadu_ps((__mmask16)((1u << (n)) - 1), p)
-#define V_STOREN(p, n, v) _mm512_mask_storeu_ps(p, (__mmask16)((1u << (n)) - 1), v)
-
-/* v with lanes n .. VL - 1 set to -inf (n in 0 .. VL) */
-AI vf keep_first(vf v, int64_t n) {
-    const __mmask16 m = n >= VL ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1);
-    return _mm512_mask_blend_ps(m, V_SET1(-INFINITY), v);
-}
-
-/* 2^x = 2^n * 2^f, n = round(x), |f| <= 0.5, 2^f by a degree-6 polynomial fitted to its relative error
- * (< 1e-7, about an ulp), 2^n applied by vscalefps. x below -126 (keys masked with -inf) gives exactly 0. */
-AI vf exp2_v(vf x) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, V_SET1(-126.0f), _CMP_GE_OQ);
-    const vf n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vf f = V_SUB(x, n);
-    vf p = V_SET1(1.5345812e-4f);
-    p = V_FMA(p, f, V_SET1(1.3399931e-3f));
-    p = V_FMA(p, f, V_SET1(9.6184891e-3f));
-    p = V_FMA(p, f, V_SET1(5.5503286e-2f));
-    p = V_FMA(p, f, V_SET1(2.4022646e-1f));
-    p = V_FMA(p, f, V_SET1(6.9314718e-1f));
-    p = V_FMA(p, f, V_SET1(1.0f));
-    return _mm512_maskz_scalef_ps(keep, p, n);
-}
-
-AI float hmax(vf v) { return _mm512_reduce_max_ps(v); }
-AI float hsum(vf v) { return _mm512_reduce_add_ps(v); }
-#else
-#define VL 8
-#define NVK 2
-#define NVD 2
-typedef __m256 vf;
-#define V_ZERO() _mm256_setzero_ps()
-#define V_SET1(x) _mm256_set1_ps(x)
-#define V_LOAD(p) _mm256_load_ps(p)
-#define V_LOADU(p) _mm256_loadu_ps(p)
-#define V_STORE(p, v) _mm256_store_ps(p, v)
-#define V_STOREU(p, v) _mm256_storeu_ps(p, v)
-#define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define V_MUL(a, b) _mm256_mul_ps(a, b)
-#define V_ADD(a, b) _mm256_add_ps(a, b)
-#define V_SUB(a, b) _mm256_sub_ps(a, b)
-#define V_MAX(a, b) _mm256_max_ps(a, b)
-#define V_BCAST(p) _mm256_broadcast_ss(p)
-#define V_LOADN(p, n) _mm256_loadu_ps(p) /* n is always 8: head sizes are multiples of 8 */
-#define V_STOREN(p, n, v) _mm256_storeu_ps(p, v)
-
-AI vf keep_first(vf v, int64_t n) {
-    const __m256 idx = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256 in = _mm256_cmp_ps(idx, _mm256_set1_ps((float)n), _CMP_LT_OQ);
-    return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, in);
-}
-
-AI vf exp2_v(vf x) {
-    /* as the AVX-512 one above, lane for lane */
-    const __m256 lo = _mm256_set1_ps(-126.0f);
-    const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(x, n);
-    __m256 p = V_SET1(1.5345812e-4f);
-    p = V_FMA(p, f, V_SET1(1.3399931e-3f));
-    p = V_FMA(p, f, V_SET1(9.6184891e-3f));
-    p = V_FMA(p, f, V_SET1(5.5503286e-2f));
-    p = V_FMA(p, f, V_SET1(2.4022646e-1f));
-    p = V_FMA(p, f, V_SET1(6.9314718e-1f));
-    p = V_FMA(p, f, V_SET1(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
-}
-
-AI float hmax(vf v) {
-    __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_max_ss(a, _mm_shuffle_ps(a, a, 1));
-    return _mm_cvtss_f32(a);
-}
-
-AI float hsum(vf v) {
-    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
-    a = _mm_add_ss(a, _mm_shuffle_ps(a, a, 1));
-    return _mm_cvtss_f32(a);
-}
-#endif
 
 typedef struct {
     const float *q;
@@ -169,52 +64,6 @@ typedef struct {
     float *qs, *acc, *m, *l; /* [rows][hd], [rows][hd], [rows], [rows] */
     float *kts, *vts;        /* [SB / TK][hd][TK], [SB][hd] */
 } scratch_t;
-
-/* S pass: rows' scores over NV vectors of keys from column c0 of a tile kt [hd][TK], into p from column at + c0.
- * NR x NV chains. */
-AI void qk_pass(const int NR, const int NV, const float *qs, int64_t hd, const float *kt, int c0,
-                float p[MR][SB], int64_t at) {
-    vf s[MR][NVK];
-    for (int j = 0; j < NR; j++)
-        for (int v = 0; v < NV; v++) s[j][v] = V_ZERO();
-    for (int64_t d = 0; d < hd; d++) {
-        vf k[NVK];
-        for (int v = 0; v < NV; v++) k[v] = V_LOAD(kt + d * TK + c0 + v * VL);
-        for (int j = 0; j < NR; j++) {
-            const vf qd = V_BCAST(qs + j * hd + d);
-            for (int v = 0; v < NV; v++) s[j][v] = V_FMA(qd, k[v], s[j][v]);
-        }
-    }
-    for (int j = 0; j < NR; j++)
-        for (int v = 0; v < NV; v++) V_STORE(p[j] + at + c0 + v * VL, s[j][v]);
-}
-
-/* P V pass over dims d0 .. d0 + VL (NV - 1) + n of the rows' accumulators (n <= VL floats of the last vector):
- * acc = acc * alpha + sum over keys o < nk of p[o] v[o]. NR x NV chains. */
-AI void pv_pass(const int NR, const int NV, float *acc, int64_t hd, const float *alpha, float p[MR][SB],
-                const float *vt, int64_t nk, int64_t d0, int n) {
-    vf a[MR][NVD];
-    for (int j = 0; j < NR; j++) {
-        const vf al = V_SET1(alpha[j]);
-        for (int v = 0; v < NV; v++)
-            a[j][v] = V_MUL(v + 1 < NV || n == VL ? V_LOADU(acc + j * hd + d0 + v * VL)
-                                                  : V_LOADN(acc + j * hd + d0 + v * VL, n), al);
-    }
-    for (int64_t o = 0; o < nk; o++) {
-        vf x[NVD];
-        for (int v = 0; v < NV; v++)
-            x[v] = v + 1 < NV || n == VL ? V_LOADU(vt + o * hd + d0 + v * VL) : V_LOADN(vt + o * hd + d0 + v * VL, n);
-        for (int j = 0; j < NR; j++) {
-            const vf pj = V_BCAST(&p[j][o]);
-            for (int v = 0; v < NV; v++) a[j][v] = V_FMA(pj, x[v], a[j][v]);
-        }
-    }
-    for (int j = 0; j < NR; j++)
-        for (int v = 0; v < NV; v++) {
-            if (v + 1 < NV || n == VL) V_STOREU(acc + j * hd + d0 + v * VL, a[j][v]);
-            else V_STOREN(acc + j * hd + d0 + v * VL, n, a[j][v]);
-        }
-}
 
 /* One block of NR rows (local rows r0 ..) over one span (keys s0 .. s0 + nk of the sequence, widened into the
  * scratch's tiles): S tile by tile up to the block's last position, then one online softmax step per row over the
@@ -271,31 +120,6 @@ AI void block_span(const int NR, const item_t *it, scratch_t *sc, int64_t r0, in
     for (; d0 + NVD * VL <= hd; d0 += NVD * VL) pv_pass(NR, NVD, acc, hd, alpha, p, vt, seen, d0, VL);
     for (; d0 + VL <= hd; d0 += VL) pv_pass(NR, 1, acc, hd, alpha, p, vt, seen, d0, VL);
     if (d0 < hd) pv_pass(NR, 1, acc, hd, alpha, p, vt, seen, d0, (int)(hd - d0));
-}
-
-/* 8 x 8 transpose of r[0..8) (AVX, both builds) */
-static inline void transpose8(__m256 r[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
-}
-
-/* 8 elements of a cache row from element d, widened */
-static inline __m256 load8(const char *row, int64_t esize, int64_t d) {
-    if (esize == 4) return _mm256_loadu_ps((const float *)row + d);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + d)));
 }
 
 /* Tile t0 .. t0 + nk of the item's keys: transposed into kt [hd][TK] (zeros past nk), values widened into vt

@@ -44,6 +44,8 @@ from agentbox.kernels.cpu_gemv import Isa, compile_cached, cpu_flags, threads
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 AMX_SOURCE = Path(__file__).with_name("cpu_attention_amx.c")
 SPREAD = Path(__file__).with_name("omp_spread.h")  # both kernels' placing of their threads
+# cpu_attention.c's headers (its vectors at either width, its register tiles): in the build's digest with SPREAD
+HEADERS = tuple(SOURCE.with_name(h) for h in ("cpu_attention_vec.h", "cpu_attention_tiles.h"))
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", *Isa.AVX2.cc_flags)
 # The same source on 16-lane vectors where the CPU has AVX-512F: a warm 128k turn's attention (25 tokens over
 # 121k keys, head 16) took 11.5 ms of one core in the AVX2 build on this Xeon, 5-6 ms in this one.
@@ -76,7 +78,7 @@ KV_DTYPES = (torch.float32, torch.float16)
 
 def _build(avx512: bool) -> tuple[Path | None, str]:
     return compile_cached("cpu_attention-avx512" if avx512 else "cpu_attention", (SOURCE,),
-                          AVX512_FLAGS if avx512 else FLAGS, hashed=(SPREAD,))
+                          AVX512_FLAGS if avx512 else FLAGS, hashed=(SPREAD, *HEADERS))
 
 
 @functools.cache

@@ -16,7 +16,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Footer, Input, Static
 
-from agentbox.tui import DEFAULT_INTERVAL_S, panels
+from agentbox.tui import DEFAULT_INTERVAL_S, panels, session_table
 from agentbox.tui.snapshot import Poller
 
 
@@ -68,18 +68,19 @@ class DetailScreen(ModalScreen[None]):
                              id="detail")
             else:
                 app: Any = self.app  # TopApp: the device names a column, the width picks the columns
-                yield Static(panels.sessions_table([self.detail], device=panels.engine_device(app.snap or {}),
-                                                   width=int(app.size.width * 0.9) - 4,
-                                                   optional=panels.optional_columns(app.snap or {})),
+                yield Static(session_table.sessions_table([self.detail],
+                                                          device=session_table.engine_device(app.snap or {}),
+                                                          width=int(app.size.width * 0.9) - 4,
+                                                          optional=session_table.optional_columns(app.snap or {})),
                              id="detail-summary")
-                yield Static(panels.turns_table(self.detail), id="detail")
+                yield Static(session_table.turns_table(self.detail), id="detail")
             yield Static(Text("escape: back", style="dim"))
 
 
 # Layouts by terminal size. From SIDE_WIDTH columns the panels stand right of the table (RIGHT_WIDTH wide) and
 # the table keeps about 100 columns, every usual one; below it the table takes the whole width and the panels
 # stack under it: all three from TALL_HEIGHT rows (120x40 shows every column above them), else one at a time
-# (80x24: v shows the next). The table's columns are what fits its width (panels.session_columns).
+# (80x24: v shows the next). The table's columns are what fits its width (session_table.session_columns).
 SIDE_WIDTH = 160
 RIGHT_WIDTH = 58
 TALL_HEIGHT = 40
@@ -130,7 +131,7 @@ class TopApp(App[None]):
         self.stacked = False  # the panels under the table (below SIDE_WIDTH)
         self.cycling = False  # one panel at a time under it (stacked and below TALL_HEIGHT)
         self.panel_index = 0  # the panel shown when cycling
-        self.columns = panels.session_columns()
+        self.columns = session_table.session_columns()
         self._columns_for: tuple[Any, ...] | None = None  # (device, width, optional) the columns were built for
 
     # ---- layout ----
@@ -180,13 +181,13 @@ class TopApp(App[None]):
     def _build_columns(self, snap: dict[str, Any] | None = None) -> None:
         """(Re)build the table's columns when the device becomes known, the width changes or the server turns
         out to have an optional column's figures."""
-        device = panels.engine_device(snap) if snap else None
-        optional = panels.optional_columns(snap) if snap else frozenset()
+        device = session_table.engine_device(snap) if snap else None
+        optional = session_table.optional_columns(snap) if snap else frozenset()
         key = (device, self.table_width(), optional)
         if self._columns_for == key:
             return
         self._columns_for = key
-        self.columns = panels.session_columns(device, self.table_width(), optional)
+        self.columns = session_table.session_columns(device, self.table_width(), optional)
         self.sort_index = min(self.sort_index, len(self.columns) - 1)
         table = self.query_one("#sessions", DataTable)
         table.clear(columns=True)
@@ -243,7 +244,7 @@ class TopApp(App[None]):
         col = self.columns[self.sort_index]
         # Numbers sort largest first (the busiest session on top); names alphabetically.
         reverse = col.key not in ("id", "client", "state")
-        rows = panels.select_sessions(sessions or [], col.key, reverse, self.filter_text)
+        rows = session_table.select_sessions(sessions or [], col.key, reverse, self.filter_text)
         selected = self.selected_session()
         table.clear()
         for s in rows:

@@ -17,7 +17,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Footer, Static
 
 from agentbox import fleet
-from agentbox.tui import panels
+from agentbox.tui import panels, session_table
 from agentbox.tui.snapshot import Poller, snapshot
 
 
@@ -46,8 +46,8 @@ def backend_view(snap: dict[str, Any], healthy: bool | None) -> RenderableType:
     if not snap.get("up"):
         return Group(title, panels.down_message(snap))
     hist = {k: [v] for k, v in (snap.get("rates") or {}).items()}
-    return Group(title, panels.header(snap), panels.sessions_table(snap.get("sessions")), panels.pool_panel(snap),
-                 panels.rates_panel(snap, hist), panels.machine_panel(snap))
+    return Group(title, panels.header(snap), session_table.sessions_table(snap.get("sessions")),
+                 panels.pool_panel(snap), panels.rates_panel(snap, hist), panels.machine_panel(snap))
 
 
 def fleet_once(urls: list[str], api_key: str | None = None) -> tuple[list[dict[str, Any]], RenderableType]:

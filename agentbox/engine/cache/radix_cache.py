@@ -27,10 +27,8 @@ Reference discipline (the whole correctness argument):
   pool.num_shared - the match's GPU pages not yet shared.
 - Host pages carry a reference for the caller only inside `lock`, while they are being promoted.
 
-Tree shape: children are keyed by their first page of tokens, so siblings differ in the first page. The GPU
-nodes form a top-down closed subtree: a GPU node's parent is a GPU node or the root; demotion goes leaf-first
-and promotion top-down, so a path is always "GPU prefix, then host suffix". `lock` splits the last node at
-the match boundary, so a request's references always cover whole nodes.
+The tree itself (its shape, the pages on each tier, the epoch, `split` / `attach` / `remove` / `retier` /
+`locked`) is `RadixTree` (radix_tree.py), which this class extends.
 
 Eviction, demotion and promotion (`evict`, `evict_host`, `demote`; promotion inside `lock`) are an
 `Evictor` (radix_evict.py, with the priority classes and the heaps): the cache tells it which nodes became
@@ -53,12 +51,11 @@ from collections.abc import Sequence
 
 from agentbox.engine.cache.host_tier import HostTier
 from agentbox.engine.cache.kv_pool import PagePool
-from agentbox.engine.cache.page_cache import PageCache
 from agentbox.engine.cache.radix_check import check_integrity
 from agentbox.engine.cache.radix_disk import DiskLink
 from agentbox.engine.cache.radix_evict import Evictor, HeapEntry
 from agentbox.engine.cache.radix_node import Lock, Match, Node, Tier, as_key
-from agentbox.engine.cache.session_index import SessionIndex
+from agentbox.engine.cache.radix_tree import RadixTree
 from agentbox.engine.cache.sessions import Session, SessionTable
 from agentbox.engine.cache.state_units import StatePoints
 from agentbox.engine.cache.stats import CacheStats
@@ -66,8 +63,8 @@ from agentbox.engine.cache.turns import Turns
 from agentbox.layers.backends.base import KVCache
 
 
-class RadixCache(PageCache):
-    """The tree and its mechanics; a policy subclass (cache_policies.py) is what an engine runs."""
+class RadixCache(RadixTree):
+    """The cache API over the tree (radix_tree.py); a policy subclass (cache_policies.py) is what an engine runs."""
 
     def __init__(
         self,
@@ -81,17 +78,9 @@ class RadixCache(PageCache):
             raise ValueError("a host tier needs the GPU KVCache and the same page size")
         if disk is not None and kv is None:
             raise ValueError("a disk tier needs the GPU KVCache")
-        super().__init__(pool, Turns(sessions if sessions is not None else SessionTable()))
-        self.kv = kv
-        self.host = host
+        super().__init__(pool, Turns(sessions if sessions is not None else SessionTable()), kv, host)
         self.disk = disk  # the tier below memory (radix_disk.py), an object of its own
-        self.ps = pool.page_size
-        self.root = Node((), [], Tier.GPU, None, 0)
-        self.index = SessionIndex(self.turns)
-        self._epoch = 0  # bumped on every change of the tree's shape or tiers: a Match from before is stale
         self._hints: dict[str, Node] = {}  # session -> the deepest node its last sequence reached (a hint)
-        self.gpu_pages = 0
-        self.host_pages = 0
         self.evictor = Evictor(self)
 
     # ---- what a policy changes ----
@@ -256,15 +245,6 @@ class RadixCache(PageCache):
         self._touch(path, sid if path else None, now)
         return Lock(pages, len(pages) * self.ps, copied, sid)
 
-    def attach(self, parent: Node, tokens: tuple[int, ...], pages: list[int]) -> Node:
-        """A new device node under parent holding `tokens` on `pages` (read back from a slower tier: the tree
-        takes the caller's reference on them)."""
-        node = Node(tokens, pages, Tier.GPU, parent, parent.start + len(parent.key))
-        parent.children[tokens[: self.ps]] = node
-        self.gpu_pages += len(pages)
-        self._epoch += 1
-        return node
-
     # ---- the disk tier (radix_disk.py) ----
 
     def spill(self, n: Node) -> None:
@@ -282,25 +262,6 @@ class RadixCache(PageCache):
     def restore_sessions(self) -> int:
         """The sessions saved at the last stop, back under their ids ("on disk" until they return)."""
         return self.disk.restore_sessions(self.turns) if self.disk is not None else 0
-
-    def kv_of(self, n: Node) -> KVCache:
-        if n.tier is Tier.GPU:
-            assert self.kv is not None
-            return self.kv
-        assert self.host is not None
-        return self.host.kv
-
-    def _check_fresh(self, m: Match) -> None:
-        if m.epoch != self._epoch:
-            raise ValueError("a stale Match: the tree changed since the lookup; match again")
-
-    def _gpu_prefix_pages(self, m: Match) -> list[int]:
-        out: list[int] = []
-        for n in m.path:
-            if n.tier is not Tier.GPU:
-                break
-            out += n.pages[: min(len(n.key), m.num_tokens - n.start) // self.ps]
-        return out
 
     def insert(self, tokens: Sequence[int], pages: list[int], session: str | None = None) -> None:
         """Cache tokens[:n * page_size] on pages[:n], n = len(tokens) // page_size; pages[n:] stay the
@@ -396,65 +357,6 @@ class RadixCache(PageCache):
     def _enforce_cap(self) -> None:
         for sid in self.index.release_over_cap(self.leases_holding_pages(), self.pool.capacity):
             self.evictor.repush_session(sid)
-
-    # ---- tree mechanics (`remove`, `retier` and `locked` are also the evictor's view: radix_evict.Tree) ----
-
-    def split(self, n: Node, m: int) -> Node:
-        """Cut n after m tokens (page-aligned, 0 < m < len); returns the new prefix node (n keeps the rest)."""
-        k = m // self.ps
-        parent = n.parent
-        assert parent is not None and 0 < m < len(n.key) and m % self.ps == 0
-        first = n.key[: self.ps]
-        head, ids = n.split_at(m)
-        pre = Node(head, n.pages[:k], n.tier, parent, n.start, ids)
-        pre.sessions = set(n.sessions)
-        pre.last_access = n.last_access
-        parent.children[first] = pre
-        n.pages, n.start, n.parent = n.pages[k:], n.start + m, pre
-        pre.children[n.key[: self.ps]] = n
-        self.index.split(pre)
-        self._epoch += 1
-        return pre
-
-    def remove(self, n: Node) -> None:
-        """Detach n (no children, unlocked) and drop the tree's reference on its pages."""
-        if self.locked(n):
-            raise RuntimeError("removing a node a request still holds")
-        parent = n.parent
-        assert parent is not None
-        del parent.children[n.key[: self.ps]]
-        self._pool_of(n.tier).decref(n.pages)
-        self._count(n, -1)
-        self.index.removed(n)
-        self._epoch += 1
-        n.alive = False
-        n.version += 1
-
-    def retier(self, n: Node, pages: list[int], tier: Tier) -> None:
-        """n's tokens now live on `pages` of `tier`: the caller copied them and settled the old pages'
-        references. Its heap entries and every Match go stale."""
-        self._count(n, -1)
-        n.pages, n.tier = pages, tier
-        self._count(n, 1)
-        n.version += 1
-        self._epoch += 1
-
-    def locked(self, n: Node) -> bool:
-        """A running request holds a reference on one of n's pages (so n is never evicted, demoted or dropped)."""
-        rc = self._pool_of(n.tier).refcount
-        return any(rc[p] > 1 for p in n.pages)
-
-    def _pool_of(self, tier: Tier) -> PagePool:
-        if tier is Tier.GPU:
-            return self.pool
-        assert self.host is not None
-        return self.host.pool
-
-    def _count(self, n: Node, sign: int) -> None:
-        if n.tier is Tier.GPU:
-            self.gpu_pages += sign * len(n.pages)
-        else:
-            self.host_pages += sign * len(n.pages)
 
     # The tests' window on the heaps (snapshots, the compaction bound); the heaps are the evictor's.
     @property

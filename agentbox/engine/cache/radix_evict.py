@@ -1,8 +1,8 @@
-"""Eviction, demotion and promotion for the radix cache (radix_cache.py has the tree, the lookup/lock contract
-and the reference discipline): which leaf leaves next, and moving a node's pages between the tiers. The
-`Evictor` sees its cache only through `Tree`, the few members it needs: the pools, the page counts, `locked`,
-`eviction_key` (the policy's order), and the two tree mutations eviction makes (`remove` a node, `retier` its
-pages).
+"""Eviction, demotion and promotion for the radix cache (radix_tree.py has the tree, radix_cache.py the
+lookup/lock contract and the reference discipline): which leaf leaves next, and moving a node's pages between the
+tiers. The `Evictor` sees its cache only through `Tree`, the few members it needs: the pools, the page counts,
+`locked`, `eviction_key` (the policy's order), and the two tree mutations eviction makes (`remove` a node, `retier`
+its pages).
 
 Eviction (`evict(n)`): GPU leaves (nodes without GPU children) leave in priority-class order through an
 incremental heap with lazy invalidation (a node's `version` is bumped on each push; stale entries are

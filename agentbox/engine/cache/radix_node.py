@@ -1,6 +1,6 @@
 """The radix cache's nodes (a run of page-aligned tokens, the pages holding their KV on one tier, the sessions
 whose sequences pass through it) and the two results of using the tree: a `Match` (what a pure lookup found,
-nothing held) and a `Lock` (what locking a match gave the caller). The tree mechanics live in radix_cache.py,
+nothing held) and a `Lock` (what locking a match gave the caller). The tree mechanics live in radix_tree.py,
 eviction in radix_evict.py."""
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from agentbox.config import HOST_STATE_GB, PLAN_CONTEXT, PLAN_SESSIONS, EngineConfig
+from agentbox.config import EngineConfig
+from agentbox.engine.exec import memory_budget
 from agentbox.engine.exec.cpu_decode import CpuDecode
 from agentbox.engine.exec.cpu_hybrid import HybridCpuDecode
 from agentbox.engine.exec.cpu_threads import Spare, step_threads, torch_threads
@@ -32,8 +33,7 @@ from agentbox.layers.context import forward_context
 from agentbox.layers.experts.placement import ExpertPlacement, ExpertTimes
 from agentbox.layers.paged_entries import EntryStep, entry_slot_mapping
 from agentbox.layers.quant import int4, resident_weight_bytes
-from agentbox.layers.recurrent_state import StateCache, StateStep
-from agentbox.layers.window_kv import page_slack
+from agentbox.layers.recurrent_state import StateStep
 from agentbox.models.loader import LoadedModel, host_expert_bytes, load_model
 from agentbox.parallel.state import control_all_gather, tp_rank, tp_size
 
@@ -45,14 +45,6 @@ log = logging.getLogger(__name__)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Share of free GPU memory the KV pool takes when no size is given: most of it (weights are already loaded).
-# On CPU the pool holds what the plan counted (_auto_num_pages).
-GPU_KV_SHARE = 0.85
-# Share of free GPU memory (after the weights) that per-sequence state (hybrid states, Gemma 4's rings) may take
-# before the running requests and snapshots shrink to fit: the KV pool gets most of the rest.
-GPU_STATE_SHARE = 0.5
-HOST_STATE_SHARE = 0.25  # of available RAM: state snapshots that do not fit on the card (_fit_state_slots)
-HOST_HEADROOM = 1 << 30  # CPU: RAM left beside the KV pool (activations, the API process)
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -117,10 +109,11 @@ class ModelRunner:
         # Gemma 4 31B is 800 MiB: LLM.logits waits for a free row instead).
         self.num_rows = config.max_num_seqs + (0 if self.layout.has_state else 1)
         self.num_snapshots = self.num_rows if config.state_snapshots is None else config.state_snapshots
-        self.state_in_place = False  # sliding rings: the live slot is its own page-aligned copy (_state_cache)
-        self.max_num_seqs = config.max_num_seqs  # fewer when per-sequence state does not fit (_fit_state_slots)
+        self.state_in_place = False  # sliding rings: the live slot is its own page-aligned copy (memory_budget.py)
+        self.max_num_seqs = config.max_num_seqs  # fewer when per-sequence state does not fit (memory_budget.py)
         self.num_host_snapshots = 0  # snapshots demoted to host RAM; set with the state cache
-        self.state_cache = self._state_cache()  # before the KV pool, which takes a share of what is free after it
+        # Before the KV pool, which takes a share of what is free after it.
+        self.state_cache = memory_budget.state_cache(self)
         self.verifies = PendingVerifies(self.page_size) if self.state_cache is not None else None
         page_bytes = self._make_pool()
         self._make_execution()
@@ -157,7 +150,7 @@ class ModelRunner:
         layout = self.layout
         page_bytes = KVCache.bytes_per_page(layout.kv_specs, self.page_size, self.kv_dtype, layout.tokens_per_entry)
         # Page ids mean the same slots on every rank, so every rank's pool has the smallest rank's size.
-        self.num_pages = min(control_all_gather(config.num_pages or self._auto_num_pages(page_bytes)))
+        self.num_pages = min(control_all_gather(config.num_pages or memory_budget.auto_num_pages(self, page_bytes)))
         self.kv_cache = KVCache(layout.kv_specs, self.num_pages, self.page_size, self.kv_dtype, self.device,
                                 tokens_per_entry=layout.tokens_per_entry)
         # The pool must hold at least one full-length request, or such a request could never run.
@@ -203,100 +196,7 @@ class ModelRunner:
                     if lm.model.mtp is not None and config.speculative.uses_mtp else None)
         self._hidden: torch.Tensor | None = None  # the last step's hidden states, for the MTP head
 
-    def _state_cache(self) -> StateCache | None:
-        """Hybrid models (and Gemma 4's sliding-window rings): each running sequence's state lives in the slot
-        of its page-table row, its state at its last page boundary in the slot `num_rows` further (not for
-        rings: the live ring is that too), then the sessions' snapshots."""
-        group = self.layout.state
-        if group is None or not group.specs:
-            return None
-        rings = page_slack(group.specs, self.page_size)
-        self.state_in_place = rings is not None
-        specs = rings or list(group.specs)
-        # Live rows, their page-aligned copies (not for rings), then the snapshots (engine/cache/state_snapshots.py).
-        per_row, per_slot = 1 if self.state_in_place else 2, StateCache.bytes_per_slot(specs, self.dtype)
-        held = self._fit_state_slots(per_row, per_slot)
-        slots = per_row * self.num_rows + self.num_snapshots - held
-        if self.device.type == "cuda" and slots * per_slot > torch.cuda.mem_get_info(self.device)[0]:
-            raise ValueError(
-                f"per-sequence state takes {per_slot / 2**20:.0f} MiB x {slots} slots (per running request and "
-                f"snapshot), more than this GPU has free; lower it, e.g. --max-num-seqs 1 --state-snapshots 1"
-            )
-        host = self.config.host_state_snapshots
-        self.num_host_snapshots = min(self.num_snapshots, int(HOST_STATE_GB * 2**30 // per_slot)) if host is None else host
-        # Host slots: the snapshots a small card cannot hold (`held`, numbered as snapshots), then the demoted ones.
-        cache = StateCache(specs, slots, self.dtype, self.device, held + self.num_host_snapshots)
-        log.info("per-sequence state: %d layers, %.2f MiB per sequence, %d session snapshots (%d in host memory), "
-                 "%.1f MiB on the device, %d more in host RAM for demoted snapshots", len(cache.specs),
-                 per_slot / 2**20, self.num_snapshots, held, slots * per_slot / 2**20, self.num_host_snapshots)
-        return cache
-
-    def _fit_state_slots(self, per_row: int, per_slot: int) -> int:
-        """On a small card: running requests cut until their state takes at most GPU_STATE_SHARE of the smallest
-        rank's free memory and leaves the KV pool the plan's context (PLAN_CONTEXT x PLAN_SESSIONS, or
-        --kv-cache-gb); a Gemma 4 31B ring is 812 MiB, the default 32 rows would want 26 GiB. Snapshots (one per
-        running request unless set) stay on the device while they fit there, the rest go to host memory (at most
-        HOST_STATE_SHARE of what is available): a copy there at a turn's end and back at its next turn. Returns
-        how many snapshots are in host memory (none on CPU)."""
-        import psutil
-
-        if self.device.type != "cuda":
-            return 0
-        free = torch.cuda.mem_get_info(self.device)[0]
-        if self.config.kv_cache_gb is not None:
-            kv = int(self.config.kv_cache_gb * 2**30)
-        else:
-            tokens = min(self.config.max_model_len or self.loaded.max_model_len, PLAN_CONTEXT) * PLAN_SESSIONS
-            kv = int(tokens * self._bytes_per_token() / GPU_KV_SHARE)
-        budget = min(control_all_gather(int(min(free * GPU_STATE_SHARE, free - kv))))
-        host = min(control_all_gather(int(psutil.virtual_memory().available * HOST_STATE_SHARE / self.tp)))
-        rows = max(1, min(self.num_rows, budget // (per_row * per_slot)))
-        snaps = rows if self.config.state_snapshots is None else self.num_snapshots
-        on_device = max(0, min(snaps, (budget - per_row * rows * per_slot) // per_slot))
-        snaps = on_device + min(snaps - on_device, host // per_slot)
-        if (rows, snaps) != (self.num_rows, self.num_snapshots) or snaps > on_device:
-            log.warning("per-sequence state of %.0f MiB: %d running requests, %d snapshots on the GPU and %d in host "
-                        "memory (--max-num-seqs and --state-snapshots choose)", per_slot / 2**20, rows, on_device,
-                        snaps - on_device)
-            self.num_rows, self.num_snapshots, self.max_num_seqs = rows, snaps, min(self.max_num_seqs, rows)
-        return snaps - on_device
-
-    def _auto_num_pages(self, page_bytes: int) -> int:
-        if self.config.kv_cache_gb is not None:
-            budget = int(self.config.kv_cache_gb * 2**30)
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * GPU_KV_SHARE)
-        else:
-            # What the plan counted (config.PLAN_CONTEXT x PLAN_SESSIONS), or the context asked for: RAM is
-            # shared with everything else on the machine, so the pool takes what was promised, not a share of
-            # what is free now. What is free now bounds only a context asked for (the plan's was planned
-            # against the machine's RAM).
-            context = min(self.config.max_model_len or PLAN_CONTEXT, self.loaded.max_model_len)
-            pages = -(-context * PLAN_SESSIONS // self.page_size) + 1  # page 0 is the pool's null page
-            import psutil
-
-            room = psutil.virtual_memory().available - HOST_HEADROOM  # the weights are loaded by now
-            if not self.config.max_model_len and context < PLAN_CONTEXT:
-                # A model whose whole context is shorter than the plan's still gets the plan's tokens where RAM
-                # has twice that to spare: four agents at 5k tokens each on SmolLM2 (8k) stay resident instead
-                # of taking turns in one context's pages.
-                planned = -(-PLAN_CONTEXT * PLAN_SESSIONS // self.page_size) + 1
-                pages = planned if 2 * planned * page_bytes <= room else pages
-            if self.config.max_model_len and pages * page_bytes > room:
-                fits = max(0, room // page_bytes - 1) * self.page_size // PLAN_SESSIONS // 1024 * 1024
-                shorter = f"serve a shorter one (--max-model-len {fits}) or " if fits else ""
-                raise ValueError(f"a context of {context:,} tokens needs a KV pool of {pages * page_bytes / 2**30:.2f} GiB; "
-                                 f"this machine has {max(0, room) / 2**30:.2f} GiB of RAM to spare: {shorter}free memory")
-            return pages
-        return max(2, budget // page_bytes)
-
     # ---- rank 0: Requests -> StepInputs ----
-
-    def _bytes_per_token(self) -> float:
-        layout = self.layout
-        return KVCache.bytes_per_page(layout.kv_specs, self.page_size, self.kv_dtype,
-                                      layout.tokens_per_entry) / self.page_size
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         """The step's tensors. Work is proportional to the step's new tokens and new pages, never to a
