@@ -175,14 +175,13 @@ class _Plan:
     dims: _Dims
     cache_key: tuple[int, ...]  # the KV tensors the layer structs point into
     moes: list[_Moe | None]  # what the layer structs' moe point to (kept alive here)
-    seconds: list[ctypes.c_double]  # per layer: its routed experts' time in the last step
-    clocks: list[ExpertClock | None]  # per layer: the engine's expert clock, for host experts
+    timed: list[tuple[ctypes.c_double, ExpertClock]]  # host experts' layers: where C adds their time, their clock
 
 
 def _plan(model: nn.Module, kv: Any) -> _Plan:
     first = model.layers[0].self_attn
     rotary = model.rotary
-    layers, moes, seconds, clocks = [], [], [], []
+    layers, moes, timed = [], [], []
     dense = [layer.mlp for layer in model.layers if type(layer.mlp) is LlamaMLP]
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
@@ -191,19 +190,21 @@ def _plan(model: nn.Module, kv: Any) -> _Plan:
         bias = attn.qkv_proj.bias
         qn, kn = (attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()) if attn.qk_norm else (None, None)
         moes.append(moe)
-        seconds.append(ctypes.c_double(0.0))
         experts = layer.mlp.experts if moe is not None else None
-        clocks.append(experts.clock if experts is not None and experts.home is ExpertHome.HOST else None)
+        seconds = None  # where C adds the routed experts' time: host experts only, as FusedMoE's own path counts it
+        if experts is not None and experts.home is ExpertHome.HOST:
+            timed.append((ctypes.c_double(0.0), experts.clock))
+            seconds = ctypes.addressof(timed[-1][0])
         layers.append(_Layer(_linear(attn.qkv_proj), _linear(attn.o_proj), *mlp,
                              None if moe is None else ctypes.addressof(moe), layer.input_layernorm.weight.data_ptr(),
                              layer.post_attention_layernorm.weight.data_ptr(), None if bias is None else bias.data_ptr(),
                              qn, kn, kv.k[i].data_ptr(), kv.v[i].data_ptr(), int(kv.k[i].dtype == torch.float16),
-                             ctypes.addressof(seconds[-1])))
+                             seconds))
     inter = dense[0].down_proj.input_size if dense else 1  # the dense MLP's scratch (MoE layers use none)
     dims = _Dims(model.layers[0].input_layernorm.weight.numel(), first.num_heads, first.num_kv_heads, first.head_dim,
                  inter, rotary.cos_cached.data_ptr(), rotary.sin_cached.data_ptr(),
                  model.layers[0].input_layernorm.eps, first.attn.scale)
-    return _Plan(layers, dims, _cache_key(kv), moes, seconds, clocks)
+    return _Plan(layers, dims, _cache_key(kv), moes, timed)
 
 
 def _cache_key(kv: Any) -> tuple[int, ...]:
@@ -243,9 +244,8 @@ class CpuDecode:
             self._plan = _plan(model, kv)
         plan = self._plan
         hidden, residual = run_layers(plan, hidden, positions, ctx.meta)
-        for seconds, clock in zip(plan.seconds, plan.clocks, strict=True):
-            if clock is not None:  # host experts: the step's expert time, as FusedMoE's own path counts it
-                clock.add(seconds.value)
+        for seconds, clock in plan.timed:  # only host experts' layers: a dense model's step loops over nothing
+            clock.add(seconds.value)
             seconds.value = 0.0
         hidden, _ = model.norm(hidden, residual)
         return hidden
