@@ -11,8 +11,8 @@
  * position; k/v go to the cache before attention, so a token sees itself and the rows before it. The runner checks that a model fits (models/cpu_decode.py) and otherwise runs the torch path.
  * The KV cache is fp32 or fp16 (kv_f16, the default CPU pool: a decode step at a few thousand tokens of history is
  * bound by the keys and values it reads, and fp16 halves them, as llama.cpp's default f16 cache does): the store
- * rounds to nearest even as torch's .half() does, and attention widens each block of keys or values with F16C once for
- * every query that shares it.
+ * rounds to nearest even as torch's .half() does, and attention (cpu_decode_attention.h) widens each key and value
+ * vector with F16C once for every query that shares it.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -87,15 +87,6 @@ static void rope(float *x, const float *cos, const float *sin, int64_t d) {
     }
 }
 
-/* Attention, grouped: the rows of one sequence (a verify's 1 + k, a decode's one) and the query heads of a GQA group
- * read the same keys, so each block of keys is loaded once for all of them (one pass over a kv head's keys per
- * sequence, not one per row and head). A row's numbers do not depend on its group: every query's scores, softmax
- * and weighted sum run in the same order over its own keys (up to its own position) whatever else shares the
- * pass, so a verified row is bit for bit a one-row decode at that position. */
-#define GROUP_ROWS 32 /* rows of one group at most (the wrapper's MAX_QUERY): bounds the scores scratch */
-#define V_BLOCK 32    /* keys whose V rows stay in L1 while every query of the group adds them (8 KiB at 64) */
-#define KEYS_AHEAD 32 /* keys prefetched ahead of the block being scored */
-
 /* n values (a multiple of 8) into the cache at element `at`: copied, or (f16) rounded to nearest even, as torch's
  * .half() rounds; the torch layers' store (index_copy_ of k.to(cache.dtype)) writes the same bits. */
 void ab_store_kv(void *cache, int f16, int64_t at, const float *src, int64_t n) {
@@ -108,183 +99,7 @@ void ab_store_kv(void *cache, int f16, int64_t at, const float *src, int64_t n) 
         _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
 }
 
-/* pointers to cnt consecutive keys' rows of kv head kvh as fp32, from key j0 (one division per call, not per key):
- * into the cache, or (f16) rows widened into buf [cnt][hd] */
-static inline void kv_rows(const void *cache, int f16, const int32_t *pages, int64_t page_size, int64_t j0,
-                           int64_t cnt, int64_t hkv, int64_t kvh, int64_t hd, float *buf, const float **out) {
-    int64_t pg = j0 / page_size, off = j0 % page_size;
-    for (int64_t c = 0; c < cnt; c++) {
-        const int64_t at = (((int64_t)pages[pg] * page_size + off) * hkv + kvh) * hd;
-        if (f16) {
-            const uint16_t *h = (const uint16_t *)cache + at;
-            for (int64_t i = 0; i < hd; i += 8)
-                _mm256_storeu_ps(buf + c * hd + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
-            out[c] = buf + c * hd;
-        } else {
-            out[c] = (const float *)cache + at;
-        }
-        if (++off == page_size) off = 0, pg++;
-    }
-}
-
-/* Prefetch cnt keys' rows (of kv head kvh) from key j0: a sequence's pages lie anywhere in the pool, so the hardware
- * prefetcher loses the stream at every page, and without this a decode's attention waited on one block of keys at a
- * time: at 4k tokens of SmolLM2 an fp16 cache (half the lines) was no faster than fp32. */
-static inline void prefetch_rows(const void *cache, int64_t esize, const int32_t *pages, int64_t page_size, int64_t j0,
-                                 int64_t cnt, int64_t hkv, int64_t kvh, int64_t hd) {
-    int64_t pg = j0 / page_size, off = j0 % page_size;
-    for (int64_t c = 0; c < cnt; c++) {
-        const char *row = (const char *)cache + (((int64_t)pages[pg] * page_size + off) * hkv + kvh) * hd * esize;
-        for (int64_t b = 0; b < hd * esize; b += 64) /* asm: GCC 12 dropped _mm_prefetch here as dead code */
-            __asm__ volatile("prefetcht0 %0" : : "m"(row[b]));
-        if (++off == page_size) off = 0, pg++;
-    }
-}
-
-/* q . k for 8 keys at once: one accumulator per key, one horizontal reduction for all eight */
-static inline __m256 dot8(const float *q, const float *const *k, int64_t hd) {
-    const float *k0 = k[0], *k1 = k[1], *k2 = k[2], *k3 = k[3], *k4 = k[4], *k5 = k[5], *k6 = k[6], *k7 = k[7];
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    for (int64_t i = 0; i < hd; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + i), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + i), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + i), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k4 + i), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k5 + i), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k6 + i), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k7 + i), a7);
-    }
-    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3)); /* [0 1 2 3 | 0 1 2 3] */
-    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7)); /* [4 5 6 7 | 4 5 6 7] */
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-/* softmax over a query's n scores, in place, times the 1/sum: its weights */
-static void softmax(float *s, int64_t n) {
-    float top = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < n; j++) top = s[j] > top ? s[j] : top;
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) /* blocks from key 0: a row's numbers depend on its own n only */
-        _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(top))));
-    for (; j < n; j++) s[j] = expf(s[j] - top);
-    for (j = 0; j < n; j++) sum += s[j];
-    const float inv = 1.0f / sum;
-    for (j = 0; j < n; j++) s[j] *= inv;
-}
-
-/* out (+)= sum over len keys of p[j] v[j], 64 channels from c0 in registers; fresh: out starts at zero */
-static inline void add_values64(float *out, const float *p, const float *const *v, int64_t len, int64_t c0, int fresh) {
-    __m256 acc[8];
-    for (int c = 0; c < 8; c++) acc[c] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(out + c0 + 8 * c);
-    for (int64_t j = 0; j < len; j++) {
-        const __m256 pj = _mm256_set1_ps(p[j]);
-        const float *vj = v[j] + c0;
-        for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
-    }
-    for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + c0 + 8 * c, acc[c]);
-}
-
-/* queries i0 .. i1 - 1 of kv head kvh for a group's rows from t0 (query i: row t0 + i / group, its head i % group
- * of the kv head's); scores: [queries][stride] scratch; widened: [V_BLOCK][hd] scratch for an fp16 cache's rows */
-static void attend_group(const layer_t *L, const dims_t *d, const float *qkv, int64_t t0, int64_t i0, int64_t i1,
-                         int64_t kvh, const int32_t *pages, int64_t page_size, const int64_t *kv_lens, float *scores,
-                         int64_t stride, float *widened, float *attn) {
-    const int64_t hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, group = hq / hkv;
-    const int64_t qkv_n = (hq + 2 * hkv) * hd;
-    const __m256 scale = _mm256_set1_ps(d->scale);
-    int64_t n_max = 0;
-    for (int64_t i = i0; i < i1; i++) n_max = kv_lens[t0 + i / group] > n_max ? kv_lens[t0 + i / group] : n_max;
-    const float *rows_of[V_BLOCK];
-    const int64_t esize = L->kv_f16 ? 2 : 4;
-    for (int64_t j0 = 0; j0 < n_max; j0 += 8) { /* past n_max a block repeats its first key: scores never read */
-        const int64_t cnt = n_max - j0 < 8 ? n_max - j0 : 8;
-        if (j0 + KEYS_AHEAD < n_max) /* the block KEYS_AHEAD keys on */
-            prefetch_rows(L->k_cache, esize, pages, page_size, j0 + KEYS_AHEAD,
-                          n_max - j0 - KEYS_AHEAD < 8 ? n_max - j0 - KEYS_AHEAD : 8, hkv, kvh, hd);
-        kv_rows(L->k_cache, (int)L->kv_f16, pages, page_size, j0, cnt, hkv, kvh, hd, widened, rows_of);
-        for (int64_t c = cnt; c < 8; c++) rows_of[c] = rows_of[0];
-        for (int64_t i = i0; i < i1; i++) {
-            const int64_t t = t0 + i / group;
-            if (kv_lens[t] <= j0) continue; /* causal: this row's keys end before the block */
-            const float *q = qkv + t * qkv_n + (kvh * group + i % group) * hd;
-            _mm256_storeu_ps(scores + i * stride + j0, _mm256_mul_ps(dot8(q, rows_of, hd), scale));
-        }
-    }
-    for (int64_t i = i0; i < i1; i++) softmax(scores + i * stride, kv_lens[t0 + i / group]);
-    prefetch_rows(L->v_cache, esize, pages, page_size, 0, n_max < V_BLOCK ? n_max : V_BLOCK, hkv, kvh, hd);
-    for (int64_t j0 = 0; j0 < n_max; j0 += V_BLOCK) {
-        if (j0 + V_BLOCK < n_max) /* the next block's values, while this one's are added */
-            prefetch_rows(L->v_cache, esize, pages, page_size, j0 + V_BLOCK,
-                          n_max - j0 - V_BLOCK < V_BLOCK ? n_max - j0 - V_BLOCK : V_BLOCK, hkv, kvh, hd);
-        kv_rows(L->v_cache, (int)L->kv_f16, pages, page_size, j0, n_max - j0 < V_BLOCK ? n_max - j0 : V_BLOCK, hkv,
-                kvh, hd, widened, rows_of);
-        for (int64_t i = i0; i < i1; i++) {
-            const int64_t t = t0 + i / group, n = kv_lens[t];
-            if (n <= j0) continue;
-            const int64_t len = n - j0 < V_BLOCK ? n - j0 : V_BLOCK;
-            float *out = attn + t * hq * hd + (kvh * group + i % group) * hd;
-            const float *p = scores + i * stride + j0;
-            int64_t c0 = 0;
-            for (; c0 + 64 <= hd; c0 += 64) add_values64(out, p, rows_of, len, c0, j0 == 0);
-            for (; c0 < hd; c0 += 8) { /* a head that is not a multiple of 64 (80, 96): 8 channels at a time */
-                __m256 acc = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(out + c0);
-                for (int64_t j = 0; j < len; j++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(rows_of[j] + c0), acc);
-                _mm256_storeu_ps(out + c0, acc);
-            }
-        }
-    }
-}
-
-/* the rows from t that read the same pages (a sequence's rows: the wrapper repeats its page-table row) */
-static int64_t group_end(const int32_t *pt, int64_t stride, int64_t page_size, const int64_t *kv_lens, int64_t m,
-                         int64_t t) {
-    int64_t e = t + 1;
-    for (; e < m && e - t < GROUP_ROWS; e++) {
-        const int64_t n = kv_lens[e] > kv_lens[t] ? kv_lens[e] : kv_lens[t], used = (n + page_size - 1) / page_size;
-        if (used > stride || memcmp(pt + e * stride, pt + t * stride, sizeof(int32_t) * used)) break;
-    }
-    return e;
-}
-
-static int attention(const layer_t *L, const dims_t *d, const float *qkv, int64_t m, const int32_t *page_table,
-                     int64_t pt_stride, int64_t page_size, const int64_t *kv_lens, float *attn, int threads) {
-    const int64_t hkv = d->kv_heads, group = d->heads / d->kv_heads;
-    if (d->head_dim % 8) return -3; /* the wrapper's eligible() keeps such models on the torch layers */
-    int64_t *starts = malloc(sizeof(int64_t) * (m + 1)), ng = 0, max_rows = 1, stride = 8;
-    if (!starts) return -1;
-    for (int64_t t = 0; t < m; ng++) {
-        const int64_t e = group_end(page_table, pt_stride, page_size, kv_lens, m, t);
-        max_rows = e - t > max_rows ? e - t : max_rows;
-        starts[ng] = t, t = e;
-    }
-    starts[ng] = m;
-    for (int64_t t = 0; t < m; t++) stride = kv_lens[t] > stride ? kv_lens[t] : stride;
-    stride = (stride + 7) / 8 * 8;
-    const int64_t scores_n = max_rows * group * stride, per = scores_n + V_BLOCK * d->head_dim;
-    const int64_t nth = threads > 1 ? threads : 1;
-    float *scratch = malloc(sizeof(float) * per * nth);
-    if (!scratch) {
-        free(starts);
-        return -1;
-    }
-    /* fewer (group, kv head) units than threads (one sequence's decode): split a unit's queries among threads */
-    const int64_t units = ng * hkv, split = threads > units ? (threads + units - 1) / units : 1;
-#pragma omp parallel for schedule(dynamic) num_threads(threads) if (threads > 1)
-    for (int64_t u = 0; u < units * split; u++) {
-        const int64_t g = u / split / hkv, kvh = u / split % hkv, part = u % split, t0 = starts[g];
-        const int64_t nq = (starts[g + 1] - t0) * group, i0 = nq * part / split, i1 = nq * (part + 1) / split;
-        float *scores = scratch + (threads > 1 ? omp_get_thread_num() : 0) * per;
-        if (i0 < i1)
-            attend_group(L, d, qkv, t0, i0, i1, kvh, page_table + t0 * pt_stride, page_size, kv_lens, scores, stride,
-                         scores + scores_n, attn);
-    }
-    free(starts);
-    free(scratch);
-    return 0;
-}
+#include "cpu_decode_attention.h"
 
 /* The attention above for another layer's struct (cpu_hybrid.c's gated attention): q | k | v rows in, o rows out;
  * kv_f16: the cache is fp16 (else fp32). */

@@ -102,7 +102,8 @@ def cpu_model() -> str:
 def build(isa: Isa) -> tuple[Path | None, str]:
     """(the variant's shared library, "") or (None, why): compiled once per variant and source digest."""
     return compile_cached(f"cpu_gemv-{isa.value}", SOURCES, (*FLAGS, *isa.cc_flags),
-                          hashed=tuple(SOURCE.with_name(h) for h in ("cpu_gemv.h", "cpu_bits_layout.h")),
+                          hashed=tuple(SOURCE.with_name(h) for h in ("cpu_gemv.h", "cpu_bits_layout.h",
+                                                             "cpu_decode_attention.h")),
                           label=f"{SOURCE.name} ({isa.value})")
 
 
@@ -159,9 +160,13 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     # cpu_decode.c's KV store, for its test: (cache, f16, at, src fp32, n)
     lib.ab_store_kv.argtypes = [_c_ptr, _c_int, _c_i64, _c_ptr, _c_i64]
     lib.ab_store_kv.restype = None
+    # cpu_decode.c's paged attention (the hybrid's too), for its test: (k, v, kv_f16, heads, kv heads, head size, scale,
+    # qkv rows, m, page table, its stride, page size, kv lens, out, threads)
+    lib.ab_attend.argtypes = [_c_ptr, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64, ctypes.c_float, _c_ptr, _c_i64, _c_ptr,
+                              _c_i64, _c_i64, _c_ptr, _c_ptr, _c_int]
     lib.ab_argmax.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr]  # (logits fp32, rows, n, out int64)
     lib.ab_argmax.restype = None
-    for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_bits_matmul, lib.ab_bits_dequant,
+    for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_attend, lib.ab_bits_matmul, lib.ab_bits_dequant,
               lib.ab_f16_matmul, lib.ab_bf16_matmul, lib.ab_hybrid_layer):
         f.restype = _c_int
     return lib, ""
