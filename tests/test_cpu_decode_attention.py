@@ -68,3 +68,15 @@ def test_bits_do_not_depend_on_threads_or_the_rows_beside() -> None:
     assert torch.equal(one, _attend(q, k, v, table, lens, threads=3))
     for t in range(len(lens)):  # each row alone: a one-row decode at its position
         assert torch.equal(one[t], _attend(q[t:t + 1], k, v, table[t:t + 1], [lens[t]], threads=2)[0])
+
+
+def test_a_batch_past_the_partials_bound_runs_in_parts_with_the_same_bits() -> None:
+    """Sequences whose span partials exceed the kernel's bound (PARTIALS, 4M floats: 258 rows x spans at 64 heads of
+    256) are attended in batches of sequences; each row is still bit for bit its one-row call."""
+    seqs = [[22000], [21950], [22010]]
+    q, k, v, table, lens = _case(64, 1, 256, torch.float16, seqs, seed=2)
+    got = _attend(q, k, v, table, lens, threads=2)
+    for t in range(len(lens)):
+        assert torch.equal(got[t], _attend(q[t:t + 1], k, v, table[t:t + 1], [lens[t]], threads=2)[0])
+    want = paged_attention_ref(q[:1], k.float(), v.float(), table[:1], PAGE, [1], [lens[0]], 256 ** -0.5)
+    torch.testing.assert_close(got[0], want.view(64, 256), atol=2e-5, rtol=1e-4)

@@ -19,6 +19,7 @@
 
 #define GROUP_ROWS 32 /* rows of one group at most (the wrapper's MAX_QUERY): bounds the scores scratch */
 #define SPAN 256      /* keys per span: its fp16 keys and values of a kv head are 64 KB at head size 64 (L2) */
+#define PARTIALS (4 << 20) /* floats of span partials a batch of sequences holds at most (16 MB) */
 static inline float hsum8(__m256 v) { /* a fixed order: lanes (0+4, 1+5, 2+6, 3+7), then pairs */
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -46,9 +47,9 @@ static float span_softmax(float *s, int64_t n, float *sum) {
     return mx;
 }
 
-typedef struct { /* one call's spans: span s of query q (a row's head, row-major) at [s * queries + q] */
+typedef struct { /* a batch's spans: span s of query q (a head of row row0 + q / heads) at [s * queries + q] */
     float *top, *sum, *out; /* [spans][queries], [spans][queries], [spans][queries][hd] */
-    int64_t queries;
+    int64_t queries, row0;
 } partials_t;
 
 #define AI static inline __attribute__((always_inline))
@@ -191,7 +192,7 @@ static void attend_span(const layer_t *L, const dims_t *d, const float *qkv, int
     }
     if (next->len) prefetch_span(L->k_cache, esize, next->pages, page_size, next->a, next->len, hkv * hd);
     for (int64_t i = 0; i < rows * hq; i++) { /* zero past its own keys: a longer row's keys add nothing to it */
-        const int64_t t = t0 + i / hq, n = kv_lens[t] - a, q = t * hq + i % hq;
+        const int64_t t = t0 + i / hq, n = kv_lens[t] - a, q = (t - P->row0) * hq + i % hq;
         if (n <= 0) continue;
         P->top[s * P->queries + q] = span_softmax(scores + i * SPAN, n < len ? n : len, &P->sum[s * P->queries + q]);
         for (int64_t j = (n + 7) / 8 * 8; j < len; j++) scores[i * SPAN + j] = 0.0f;
@@ -205,7 +206,8 @@ static void attend_span(const layer_t *L, const dims_t *d, const float *qkv, int
             for (int64_t k = i; k < i + NQ && k < rows * group; k++) {
                 const int64_t t = t0 + k / group, h = kvh * group + k % group;
                 if (kv_lens[t] <= a) continue; /* no keys in this span */
-                o[nr] = P->out + (s * P->queries + t * hq + h) * hd, p[nr++] = scores + ((t - t0) * hq + h) * SPAN;
+                o[nr] = P->out + (s * P->queries + (t - P->row0) * hq + h) * hd;
+                p[nr++] = scores + ((t - t0) * hq + h) * SPAN;
             }
             if (nr) pv_any(nr, o, p, rows_of, (int)f16, hd, len);
         }
@@ -216,6 +218,10 @@ static void attend_span(const layer_t *L, const dims_t *d, const float *qkv, int
 static void merge_spans(const partials_t *P, int64_t q, int64_t n, int64_t hd, float *out) {
     const int64_t spans = (n + SPAN - 1) / SPAN;
     float top = -INFINITY, total = 0.0f;
+    if (spans <= 0) { /* a row that sees no key (none is sent: a token sees itself) */
+        memset(out, 0, sizeof(float) * hd);
+        return;
+    }
     for (int64_t s = 0; s < spans; s++) top = P->top[s * P->queries + q] > top ? P->top[s * P->queries + q] : top;
     for (int64_t s = 0; s < spans; s++) {
         const float w = spans == 1 ? 1.0f : expf(P->top[s * P->queries + q] - top);
@@ -242,23 +248,20 @@ static int64_t group_end(const int32_t *pt, int64_t stride, int64_t page_size, c
 }
 
 /* items: (group, span), a group's spans from its longest row; starts[g] its first row, first[g] its first
- * item. Returns the item count, or -1 without memory. */
-static int64_t span_items(const int32_t *page_table, int64_t pt_stride, int64_t page_size, const int64_t *kv_lens,
-                          int64_t m, int64_t *starts, int64_t *first, int64_t *ng, int64_t *max_rows,
-                          int64_t *max_spans) {
+ * item, first[ng] the item count */
+static void span_items(const int32_t *page_table, int64_t pt_stride, int64_t page_size, const int64_t *kv_lens,
+                       int64_t m, int64_t *starts, int64_t *first, int64_t *ng, int64_t *max_rows) {
     int64_t items = 0;
-    *ng = 0, *max_rows = 1, *max_spans = 1;
+    *ng = 0, *max_rows = 1;
     for (int64_t t = 0; t < m; (*ng)++) {
         const int64_t e = group_end(page_table, pt_stride, page_size, kv_lens, m, t);
         int64_t n = 0;
         for (int64_t r = t; r < e; r++) n = kv_lens[r] > n ? kv_lens[r] : n;
         const int64_t spans = (n + SPAN - 1) / SPAN;
         *max_rows = e - t > *max_rows ? e - t : *max_rows;
-        *max_spans = spans > *max_spans ? spans : *max_spans;
         starts[*ng] = t, first[*ng] = items, items += spans, t = e;
     }
     starts[*ng] = m, first[*ng] = items;
-    return items;
 }
 
 /* item u's span: its group's pages, its first key and its key count (up to the group's longest row) */
@@ -271,41 +274,71 @@ static span_t item_span(int64_t u, const int64_t *first, const int64_t *starts, 
     return (span_t){page_table + starts[g] * pt_stride, a, n - a < SPAN ? n - a : SPAN};
 }
 
-static int attention(const layer_t *L, const dims_t *d, const float *qkv, int64_t m, const int32_t *page_table,
-                     int64_t pt_stride, int64_t page_size, const int64_t *kv_lens, float *attn, int threads) {
-    const int64_t hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, group = hq / hkv;
-    if (hd % 8) return -3; /* the wrapper's eligible() keeps such models on the torch layers */
-    int64_t *starts = malloc(sizeof(int64_t) * 2 * (m + 1)), *first = starts + m + 1, ng, max_rows, max_spans;
-    if (!starts) return -1;
-    const int64_t items = span_items(page_table, pt_stride, page_size, kv_lens, m, starts, first, &ng, &max_rows,
-                                     &max_spans);
-    const int64_t nth = threads > 1 ? threads : 1, per = max_rows * hq * SPAN;
-    float *scratch = malloc(sizeof(float) * (per * nth + max_spans * m * hq * (hd + 2)));
-    if (!scratch) {
-        free(starts);
-        return -1;
-    }
-    partials_t P = {.queries = m * hq, .top = scratch + per * nth};
-    P.sum = P.top + max_spans * m * hq, P.out = P.sum + max_spans * m * hq;
+/* items u0 .. u1, round robin over the threads, so that each knows its next span and sends its keys to L2 while it
+ * adds this one's values (its first span's keys go first) */
+static void attend_batch(const layer_t *L, const dims_t *d, const float *qkv, const int32_t *page_table,
+                         int64_t pt_stride, int64_t page_size, const int64_t *kv_lens, const int64_t *starts,
+                         const int64_t *first, int64_t u0, int64_t u1, float *scratch, int64_t per,
+                         const partials_t *P, int threads) {
+    const int64_t row = d->kv_heads * d->head_dim, esize = L->kv_f16 ? 2 : 4;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const int64_t me = threads > 1 ? omp_get_thread_num() : 0, step = threads > 1 ? omp_get_num_threads() : 1;
         float *scores = scratch + me * per;
-        /* round robin, so that each thread knows its next span and sends its keys to L2 while it adds this one's
-         * values (its first span's keys go first) */
-        for (int64_t u = me; u < items; u += step) {
+        for (int64_t u = u0 + me; u < u1; u += step) {
             const span_t at = item_span(u, first, starts, page_table, pt_stride, kv_lens),
-                         next = u + step < items ? item_span(u + step, first, starts, page_table, pt_stride, kv_lens)
-                                                 : (span_t){0};
-            if (u == me) prefetch_span(L->k_cache, L->kv_f16 ? 2 : 4, at.pages, page_size, at.a, at.len, hkv * hd);
+                         next = u + step < u1 ? item_span(u + step, first, starts, page_table, pt_stride, kv_lens)
+                                              : (span_t){0};
+            if (u < u0 + step) prefetch_span(L->k_cache, esize, at.pages, page_size, at.a, at.len, row);
             int64_t g = 0;
             while (first[g + 1] <= u) g++;
             attend_span(L, d, qkv, starts[g], starts[g + 1] - starts[g], u - first[g], at.pages, page_size, kv_lens,
-                        scores, &P, &next);
+                        scores, P, &next);
         }
-#pragma omp barrier
-#pragma omp for schedule(static)
-        for (int64_t q = 0; q < m * hq; q++) merge_spans(&P, q, kv_lens[q / hq], hd, attn + q * hd);
+    }
+}
+
+/* the groups from g0 whose spans' partials fit PARTIALS floats together (one group at least), and their size */
+static int64_t batch_end(const int64_t *starts, const int64_t *first, int64_t ng, int64_t g0, int64_t hq, int64_t hd,
+                         int64_t *floats) {
+    int64_t g1 = g0, spans = 0;
+    *floats = 0;
+    for (; g1 < ng; g1++) {
+        const int64_t s = first[g1 + 1] - first[g1] > spans ? first[g1 + 1] - first[g1] : spans;
+        const int64_t need = (starts[g1 + 1] - starts[g0]) * hq * s * (hd + 2);
+        if (g1 > g0 && need > PARTIALS) break;
+        spans = s, *floats = need;
+    }
+    return g1;
+}
+
+static int attention(const layer_t *L, const dims_t *d, const float *qkv, int64_t m, const int32_t *page_table,
+                     int64_t pt_stride, int64_t page_size, const int64_t *kv_lens, float *attn, int threads) {
+    const int64_t hq = d->heads, hkv = d->kv_heads, hd = d->head_dim;
+    if (hd % 8) return -3; /* the wrapper's eligible() keeps such models on the torch layers */
+    int64_t *starts = malloc(sizeof(int64_t) * 2 * (m + 1)), *first = starts + m + 1, ng, max_rows, most = 0;
+    if (!starts) return -1;
+    span_items(page_table, pt_stride, page_size, kv_lens, m, starts, first, &ng, &max_rows);
+    for (int64_t g0 = 0, floats, g1; g0 < ng; g0 = g1) { /* the largest batch's partials */
+        g1 = batch_end(starts, first, ng, g0, hq, hd, &floats);
+        most = floats > most ? floats : most;
+    }
+    const int64_t nth = threads > 1 ? threads : 1, per = max_rows * hq * SPAN;
+    float *scratch = malloc(sizeof(float) * (per * nth + most));
+    if (!scratch) {
+        free(starts);
+        return -1;
+    }
+    for (int64_t g0 = 0, g1, floats; g0 < ng; g0 = g1) { /* batches of groups: bounded partials, any batch size */
+        g1 = batch_end(starts, first, ng, g0, hq, hd, &floats);
+        const int64_t rows = starts[g1] - starts[g0], spans = floats / (rows * hq * (hd + 2));
+        partials_t P = {.queries = rows * hq, .row0 = starts[g0], .top = scratch + per * nth};
+        P.sum = P.top + spans * P.queries, P.out = P.sum + spans * P.queries;
+        attend_batch(L, d, qkv, page_table, pt_stride, page_size, kv_lens, starts, first, first[g0], first[g1], scratch,
+                     per, &P, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+        for (int64_t q = 0; q < P.queries; q++)
+            merge_spans(&P, q, kv_lens[P.row0 + q / hq], hd, attn + (P.row0 * hq + q) * hd);
     }
     free(starts);
     free(scratch);
