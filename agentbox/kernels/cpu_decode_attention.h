@@ -163,12 +163,12 @@ static void span_rows(const void *cache, int64_t esize, const int32_t *pages, in
     }
 }
 
-/* Span s (keys a .. a + SPAN) of the rows t0 .. t0 + rows of one sequence, every kv head: each query's scores over
+/* Span s (keys a .. a + SPAN) of the rows t0 .. t0 + rows of one sequence, kv heads kv0 .. kv1: each query's scores over
  * its keys in the span (up to its own position), their exponentials from the span's maximum and the weighted values
  * into the partials, NQ queries of a kv head at a time. scores: [rows * hq][SPAN]. */
 static void attend_span(const layer_t *L, const dims_t *d, const float *qkv, int64_t t0, int64_t rows, int64_t s,
-                        const int32_t *pages, int64_t page_size, const int64_t *kv_lens, float *scores,
-                        const partials_t *P, const span_t *next) {
+                        int64_t kv0, int64_t kv1, const int32_t *pages, int64_t page_size, const int64_t *kv_lens,
+                        float *scores, const partials_t *P, const span_t *next) {
     const int64_t hq = d->heads, hkv = d->kv_heads, hd = d->head_dim, group = hq / hkv;
     const int64_t qkv_n = (hq + 2 * hkv) * hd, a = s * SPAN, esize = L->kv_f16 ? 2 : 4, f16 = L->kv_f16;
     int64_t end = a;
@@ -177,7 +177,7 @@ static void attend_span(const layer_t *L, const dims_t *d, const float *qkv, int
     const int64_t len = end - a;
     prefetch_span(L->v_cache, esize, pages, page_size, a, len, hkv * hd); /* needed after the scores */
     const void *rows_of[SPAN];
-    for (int64_t kvh = 0; kvh < hkv; kvh++) {
+    for (int64_t kvh = kv0; kvh < kv1; kvh++) {
         span_rows(L->k_cache, esize, pages, page_size, a, len, hkv, kvh, hd, rows_of);
         for (int64_t i = 0; i < rows * group; i += NQ) {
             const int nr = rows * group - i < NQ ? (int)(rows * group - i) : NQ;
@@ -193,11 +193,11 @@ static void attend_span(const layer_t *L, const dims_t *d, const float *qkv, int
     if (next->len) prefetch_span(L->k_cache, esize, next->pages, page_size, next->a, next->len, hkv * hd);
     for (int64_t i = 0; i < rows * hq; i++) { /* zero past its own keys: a longer row's keys add nothing to it */
         const int64_t t = t0 + i / hq, n = kv_lens[t] - a, q = (t - P->row0) * hq + i % hq;
-        if (n <= 0) continue;
+        if (n <= 0 || i % hq < kv0 * group || i % hq >= kv1 * group) continue;
         P->top[s * P->queries + q] = span_softmax(scores + i * SPAN, n < len ? n : len, &P->sum[s * P->queries + q]);
         for (int64_t j = (n + 7) / 8 * 8; j < len; j++) scores[i * SPAN + j] = 0.0f;
     }
-    for (int64_t kvh = 0; kvh < hkv; kvh++) {
+    for (int64_t kvh = kv0; kvh < kv1; kvh++) {
         span_rows(L->v_cache, esize, pages, page_size, a, len, hkv, kvh, hd, rows_of);
         for (int64_t i = 0; i < rows * group; i += NQ) {
             int nr = 0;
@@ -280,20 +280,24 @@ static void attend_batch(const layer_t *L, const dims_t *d, const float *qkv, co
                          int64_t pt_stride, int64_t page_size, const int64_t *kv_lens, const int64_t *starts,
                          const int64_t *first, int64_t u0, int64_t u1, float *scratch, int64_t per,
                          const partials_t *P, int threads) {
-    const int64_t row = d->kv_heads * d->head_dim, esize = L->kv_f16 ? 2 : 4;
+    const int64_t hkv = d->kv_heads, row = hkv * d->head_dim, esize = L->kv_f16 ? 2 : 4;
+    /* fewer spans than two a thread (a short decode: one span): a span's kv heads are items of their own, as many
+     * as there are kv heads (the same numbers: a query's work does not depend on the item it runs in) */
+    const int64_t split = u1 - u0 < 2 * threads ? hkv : 1, items = (u1 - u0) * split;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         const int64_t me = threads > 1 ? omp_get_thread_num() : 0, step = threads > 1 ? omp_get_num_threads() : 1;
         float *scores = scratch + me * per;
-        for (int64_t u = u0 + me; u < u1; u += step) {
+        for (int64_t i = me; i < items; i += step) {
+            const int64_t u = u0 + i / split, part = i % split, un = u0 + (i + step) / split;
             const span_t at = item_span(u, first, starts, page_table, pt_stride, kv_lens),
-                         next = u + step < u1 ? item_span(u + step, first, starts, page_table, pt_stride, kv_lens)
-                                              : (span_t){0};
-            if (u < u0 + step) prefetch_span(L->k_cache, esize, at.pages, page_size, at.a, at.len, row);
+                         next = i + step < items && un != u
+                                    ? item_span(un, first, starts, page_table, pt_stride, kv_lens) : (span_t){0};
+            if (i < step) prefetch_span(L->k_cache, esize, at.pages, page_size, at.a, at.len, row);
             int64_t g = 0;
             while (first[g + 1] <= u) g++;
-            attend_span(L, d, qkv, starts[g], starts[g + 1] - starts[g], u - first[g], at.pages, page_size, kv_lens,
-                        scores, P, &next);
+            attend_span(L, d, qkv, starts[g], starts[g + 1] - starts[g], u - first[g], part * hkv / split,
+                        (part + 1) * hkv / split, at.pages, page_size, kv_lens, scores, P, &next);
         }
     }
 }
