@@ -6,9 +6,10 @@
  * span an item of its own (group, span: every kv head) with the span's maximum, sum of exponentials and unnormalised
  * weighted values; the spans then merge in order by their maxima (as flash-decoding does). One sequence's decode thus
  * spreads over every thread (a kv head a thread left one of two threads idle a third of the time with SmolLM2's
- * three), a span reads its pages front to back, and its keys and values are sent to L2 ahead of use. On the Zen 4
+ * three; a step of fewer spans than two a thread runs a span's kv heads as items of their own), a span reads its pages
+ * front to back, and its keys and values are sent to L2 ahead of use. On the Zen 4
  * EPYC, SmolLM2's shape (9 heads on 3 of 64), fp16 cache, 4,096 keys, 30 layers out of cache: one row at two threads
- * 16.1 -> 8.5-9.0 ms, four rows 49.8 -> 30.4-32.9 ms (the kernel before: a unit per kv head, keys widened through a
+ * 16.1 -> 7.4-7.6 ms, four rows 49.8 -> 30.4-32.9 ms (the kernel before: a unit per kv head, keys widened through a
  * buffer in L1, scores of every key then one softmax pass).
  *
  * A row's numbers depend on its own keys only: its spans, their order and every sum in them are fixed by its
