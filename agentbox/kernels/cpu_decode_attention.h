@@ -134,9 +134,9 @@ static void pv_any(int nr, float *const *o, const float *const *p, const void *c
     else pv_rows(1, o, p, v, f16, hd, len);
 }
 
-typedef struct { /* a span's keys: from key a, len of them, on these pages */
+typedef struct { /* a span's keys: from key a, len of them, on these pages (group g's) */
     const int32_t *pages;
-    int64_t a, len;
+    int64_t a, len, g;
 } span_t;
 
 /* A span's keys or values, every kv head's (a key's row of `row` elements), on their way to L2: a sequence's pages lie
@@ -272,7 +272,7 @@ static span_t item_span(int64_t u, const int64_t *first, const int64_t *starts, 
     while (first[g + 1] <= u) g++;
     for (int64_t t = starts[g]; t < starts[g + 1]; t++) n = kv_lens[t] > n ? kv_lens[t] : n;
     const int64_t a = (u - first[g]) * SPAN;
-    return (span_t){page_table + starts[g] * pt_stride, a, n - a < SPAN ? n - a : SPAN};
+    return (span_t){page_table + starts[g] * pt_stride, a, n - a < SPAN ? n - a : SPAN, g};
 }
 
 /* items u0 .. u1, round robin over the threads, so that each knows its next span and sends its keys to L2 while it
@@ -295,8 +295,7 @@ static void attend_batch(const layer_t *L, const dims_t *d, const float *qkv, co
                          next = i + step < items && un != u
                                     ? item_span(un, first, starts, page_table, pt_stride, kv_lens) : (span_t){0};
             if (i < step) prefetch_span(L->k_cache, esize, at.pages, page_size, at.a, at.len, row);
-            int64_t g = 0;
-            while (first[g + 1] <= u) g++;
+            const int64_t g = at.g;
             attend_span(L, d, qkv, starts[g], starts[g + 1] - starts[g], u - first[g], part * hkv / split,
                         (part + 1) * hkv / split, at.pages, page_size, kv_lens, scores, P, &next);
         }
