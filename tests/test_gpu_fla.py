@@ -1,7 +1,8 @@
 """flash-linear-attention as the gated delta rule's backend (layers/delta_rule_backends.py): on CUDA, where `fla`
 imports, its chunked and fused-recurrent kernels against our torch reference at tiny shapes, each resumed from
 a state the other left (the layouts are shared, so snapshots move between them). Skipped without CUDA or fla:
-its autotuner needs a GPU even under TRITON_INTERPRET. On any machine: CPU always gets the torch path."""
+its autotuner needs a GPU even under TRITON_INTERPRET. On any machine: the CPU gets the C loop where the kernels
+build (tests/test_cpu_delta_rule.py), else torch."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from agentbox.layers import delta_rule
 from agentbox.layers.delta_rule_backends import DeltaRuleBackendName, FlaDeltaRule, delta_rule_for
 
 
-def test_cpu_uses_the_torch_reference() -> None:
-    assert delta_rule_for(torch.device("cpu")).name is DeltaRuleBackendName.TORCH
+def test_cpu_never_gets_fla() -> None:
+    from agentbox.kernels import cpu_gemv
+
+    expected = DeltaRuleBackendName.CPU if cpu_gemv.available() else DeltaRuleBackendName.TORCH
+    assert delta_rule_for(torch.device("cpu")).name is expected
 
 
 def _inputs(b: int, h: int, length: int, dk: int, dv: int, device: str) -> tuple[torch.Tensor, ...]:

@@ -38,12 +38,12 @@ def supported(w: torch.Tensor) -> bool:
 def f16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., k] fp32, w [n, k] fp16 or bf16 (`supported`) -> [..., n] fp32: the kernel up to MAX_ROWS rows, else
     the twin."""
-    from agentbox.kernels import cpu_gemv
+    from agentbox.kernels import cpu_dense, cpu_gemv
 
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
-    if rows.shape[0] > MAX_ROWS or x.dtype != torch.float32:
-        return f16_matmul_ref(x.float(), w).to(x.dtype)
+    if rows.shape[0] > MAX_ROWS or x.dtype != torch.float32:  # the twin's numbers, through oneDNN (cpu_dense)
+        return cpu_dense.linear(x.float(), w.float()).to(x.dtype)
     rows = rows.contiguous()
     out = torch.empty(rows.shape[0], w.shape[0], dtype=torch.float32)
     lib = cpu_gemv._lib()

@@ -137,16 +137,16 @@ def _bits(p: CpuProjection, data: torch.Tensor):  # noqa: ANN202 - cpu_bits.Bits
 
 
 def _linear(x: torch.Tensor, layer: ExpertLayer, w: str, e: int) -> torch.Tensor:
-    from agentbox.kernels import cpu_bits, cpu_gemv
+    from agentbox.kernels import cpu_bits, cpu_dense, cpu_gemv
 
     p, codes, so = _weights(layer, w, e)
     if p.bits == 4:
         if x.shape[0] <= int4.CPU_SIMD_MAX_ROWS:
             return cpu_gemv.q4_matmul(x, codes, so, p.n)
-        return F.linear(cpu_gemv.round_activations(x), cpu_gemv.q4_dequant(codes, so, p.n))
+        return cpu_dense.linear(cpu_gemv.round_activations(x), cpu_gemv.q4_dequant(codes, so, p.n))
     if x.shape[0] <= kbits.CPU_SIMD_MAX_ROWS:
         return cpu_bits.bits_matmul(x, _bits(p, codes))
-    return F.linear(cpu_gemv.round_activations(x), cpu_bits.bits_dequant(_bits(p, codes)))
+    return cpu_dense.linear(cpu_gemv.round_activations(x), cpu_bits.bits_dequant(_bits(p, codes)))
 
 
 def _linear_ref(x: torch.Tensor, layer: ExpertLayer, w: str, e: int) -> torch.Tensor:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from agentbox.kernels.cpu_bits import BitsCPU
@@ -58,12 +57,12 @@ class QuantRows:
         return self.dense(ids)
 
     def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
-        from agentbox.kernels import cpu_gemv
+        from agentbox.kernels import cpu_dense, cpu_gemv
 
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         if x.shape[0] > MAX_KERNEL_ROWS:
-            out = F.linear(cpu_gemv.round_activations(x), self.dense())  # the kernel's numbers, one sgemm
+            out = cpu_dense.linear(cpu_gemv.round_activations(x), self.dense())  # the kernel's numbers, one sgemm
         elif self.is_q8:
             out = cpu_gemv.q8_matmul(x, self.codes, self.scale, self.n)
         else:
@@ -88,13 +87,13 @@ class BitsRows:
         return cpu_bits.bits_rows(self.w, ids)
 
     def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
-        from agentbox.kernels import cpu_bits, cpu_gemv
+        from agentbox.kernels import cpu_bits, cpu_dense, cpu_gemv
         from agentbox.layers.quant.bits import CPU_SIMD_MAX_ROWS
 
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])
         if x.shape[0] > CPU_SIMD_MAX_ROWS:
-            out = F.linear(cpu_gemv.round_activations(x), cpu_bits.bits_dequant(self.w))
+            out = cpu_dense.linear(cpu_gemv.round_activations(x), cpu_bits.bits_dequant(self.w))
         else:
             out = cpu_bits.bits_matmul(x, self.w)
         return out.to(hidden.dtype).reshape(*shape[:-1], -1)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from agentbox.layers.quant.base import LinearMethod, QuantLayer, Sharding, quant_param, register
@@ -50,12 +49,12 @@ class UnquantizedLinearMethod(LinearMethod):
         super().load(layer, param, loaded, shard_id, name)
 
     def apply(self, layer: QuantLayer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        from agentbox.kernels import cpu_f16
+        from agentbox.kernels import cpu_dense, cpu_f16
 
         if layer.weight.dtype in cpu_f16.HALF_DTYPES and x.dtype == torch.float32 and x.device.type == "cpu":
             out = cpu_f16.f16_matmul(x, layer.weight)
             return out + bias if bias is not None else out
-        return F.linear(x, layer.weight, bias)
+        return cpu_dense.linear(x, layer.weight, bias)  # F.linear off the CPU
 
     def dequantized_weight(self, layer: QuantLayer) -> torch.Tensor:
         return layer.weight.float()
