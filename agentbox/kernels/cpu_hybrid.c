@@ -37,53 +37,60 @@ static inline __m256 bf16x8(const uint16_t *w) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)w)), 16));
 }
 
-/* out[t][j] = x[t] . w[j] for m rows of x [m][k] (fp32) and w [n][k] (fp16, or bf16: a function each, one macro);
- * k a multiple of 16. One weight row a pass, read front to back, so the whole matrix is one sequential stream (four rows read side by side, four streams
- * 1-3 KB apart, left the hardware prefetcher behind: 6.5-7 GB/s of weights on one core against 9-13 this way, on the
- * shared AMD EPYC); every activation row of the step reads the row while it sits in L1, four at a time. */
-#define HALF_MATMUL(NAME, WIDEN)                                                                                  \
+/* out[t][j] = x[t] . w[j] for m rows of x [m][k] (fp32) and one row j of w [n][k] (fp16, or bf16: a function each,
+ * one macro); k a multiple of 16. A weight row a pass, read front to back, so a matrix whose rows run in order is one
+ * sequential stream (four rows read side by side, four streams 1-3 KB apart, left the hardware prefetcher behind:
+ * 6.5-7 GB/s of weights on one core against 9-13 this way, on the shared AMD EPYC); every activation row of the step
+ * reads the row while it sits in L1, four at a time. */
+#define HALF_ROW(NAME, WIDEN)                                                                                     \
+static inline void NAME(const float *x, int64_t m, int64_t k, const uint16_t *wr, int64_t n, float *out,         \
+                        int64_t j) {                                                                              \
+    _mm_prefetch((const char *)(wr + 8 * k), _MM_HINT_T0); /* a few rows on: the stream's next pages */           \
+    if (m == 1) { /* a decode step's one sequence: four chains over the row */                                    \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                               \
+        int64_t i = 0;                                                                                            \
+        for (; i + 32 <= k; i += 32) {                                                                            \
+            a0 = _mm256_fmadd_ps(WIDEN(wr + i), _mm256_loadu_ps(x + i), a0);                                      \
+            a1 = _mm256_fmadd_ps(WIDEN(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);                              \
+            a2 = _mm256_fmadd_ps(WIDEN(wr + i + 16), _mm256_loadu_ps(x + i + 16), a2);                            \
+            a3 = _mm256_fmadd_ps(WIDEN(wr + i + 24), _mm256_loadu_ps(x + i + 24), a3);                            \
+        }                                                                                                         \
+        for (; i < k; i += 16) {                                                                                  \
+            a0 = _mm256_fmadd_ps(WIDEN(wr + i), _mm256_loadu_ps(x + i), a0);                                      \
+            a1 = _mm256_fmadd_ps(WIDEN(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);                              \
+        }                                                                                                         \
+        out[j] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));                              \
+        return;                                                                                                   \
+    }                                                                                                             \
+    for (int64_t t = 0; t < m; t += 4) { /* four activation rows (the last repeated), two chains each */          \
+        const float *xs[4];                                                                                       \
+        for (int r = 0; r < 4; r++) xs[r] = x + (t + r < m ? t + r : t) * k;                                      \
+        __m256 a[8];                                                                                              \
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();                                                   \
+        for (int64_t i = 0; i < k; i += 16) {                                                                     \
+            const __m256 u = WIDEN(wr + i), v = WIDEN(wr + i + 8);                                                \
+            for (int r = 0; r < 4; r++) {                                                                         \
+                a[r] = _mm256_fmadd_ps(u, _mm256_loadu_ps(xs[r] + i), a[r]);                                      \
+                a[4 + r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs[r] + i + 8), a[4 + r]);                          \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int r = 0; r < 4 && t + r < m; r++) out[(t + r) * n + j] = hsum8(_mm256_add_ps(a[r], a[4 + r]));     \
+    }                                                                                                             \
+}
+
+HALF_ROW(f16_row, f16x8)
+HALF_ROW(bf16_row, bf16x8)
+
+#define HALF_MATMUL(NAME, ROW)                                                                                    \
 int NAME(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *out, int threads) {           \
     if (k % 16) return -2;                                                                                        \
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                            \
-    for (int64_t j = 0; j < n; j++) {                                                                             \
-        const uint16_t *wr = w + j * k;                                                                           \
-        _mm_prefetch((const char *)(wr + 8 * k), _MM_HINT_T0); /* a few rows on: the stream's next pages */       \
-        if (m == 1) { /* a decode step's one sequence: four chains over the row */                                \
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                           \
-            int64_t i = 0;                                                                                        \
-            for (; i + 32 <= k; i += 32) {                                                                        \
-                a0 = _mm256_fmadd_ps(WIDEN(wr + i), _mm256_loadu_ps(x + i), a0);                                  \
-                a1 = _mm256_fmadd_ps(WIDEN(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);                          \
-                a2 = _mm256_fmadd_ps(WIDEN(wr + i + 16), _mm256_loadu_ps(x + i + 16), a2);                        \
-                a3 = _mm256_fmadd_ps(WIDEN(wr + i + 24), _mm256_loadu_ps(x + i + 24), a3);                        \
-            }                                                                                                     \
-            for (; i < k; i += 16) {                                                                              \
-                a0 = _mm256_fmadd_ps(WIDEN(wr + i), _mm256_loadu_ps(x + i), a0);                                  \
-                a1 = _mm256_fmadd_ps(WIDEN(wr + i + 8), _mm256_loadu_ps(x + i + 8), a1);                          \
-            }                                                                                                     \
-            out[j] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));                          \
-            continue;                                                                                             \
-        }                                                                                                         \
-        for (int64_t t = 0; t < m; t += 4) { /* four activation rows (the last repeated), two chains each */      \
-            const float *xs[4];                                                                                   \
-            for (int r = 0; r < 4; r++) xs[r] = x + (t + r < m ? t + r : t) * k;                                  \
-            __m256 a[8];                                                                                          \
-            for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();                                               \
-            for (int64_t i = 0; i < k; i += 16) {                                                                 \
-                const __m256 u = WIDEN(wr + i), v = WIDEN(wr + i + 8);                                            \
-                for (int r = 0; r < 4; r++) {                                                                     \
-                    a[r] = _mm256_fmadd_ps(u, _mm256_loadu_ps(xs[r] + i), a[r]);                                  \
-                    a[4 + r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs[r] + i + 8), a[4 + r]);                      \
-                }                                                                                                 \
-            }                                                                                                     \
-            for (int r = 0; r < 4 && t + r < m; r++) out[(t + r) * n + j] = hsum8(_mm256_add_ps(a[r], a[4 + r])); \
-        }                                                                                                         \
-    }                                                                                                             \
+    for (int64_t j = 0; j < n; j++) ROW(x, m, k, w + j * k, n, out, j);                                           \
     return 0;                                                                                                     \
 }
 
-HALF_MATMUL(ab_f16_matmul, f16x8)
-HALF_MATMUL(ab_bf16_matmul, bf16x8)
+HALF_MATMUL(ab_f16_matmul, f16_row)
+HALF_MATMUL(ab_bf16_matmul, bf16_row)
 
 typedef struct {
     const uint16_t *w; /* [n][k] fp16, or bf16 when bf16 is set */
@@ -128,6 +135,28 @@ typedef struct {
 
 static int mm(const f16w_t *w, const float *x, int64_t m, float *out, int threads) {
     return (w->bf16 ? ab_bf16_matmul : ab_f16_matmul)(x, m, w->k, w->w, w->n, out, threads);
+}
+
+/* Several weights that read the same x [m][k], in one parallel pass over all their rows (a delta-net layer's four
+ * in-projections, two of them 8 rows: alone each would cost a fork and a barrier of the threads); each output
+ * element is computed as mm computes it, so the bits are the same. */
+#define MM_MANY 4
+static int mm_many(const f16w_t *const *ws, float *const *outs, int count, const float *x, int64_t m, int threads) {
+    int64_t start[MM_MANY + 1] = {0};
+    if (count > MM_MANY) return -2;
+    for (int c = 0; c < count; c++) {
+        if (ws[c]->k % 16 || ws[c]->k != ws[0]->k) return -2;
+        start[c + 1] = start[c] + ws[c]->n;
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")
+    for (int64_t r = 0; r < start[count]; r++) {
+        int c = 0;
+        while (r >= start[c + 1]) c++;
+        const f16w_t *w = ws[c];
+        const int64_t j = r - start[c];
+        (w->bf16 ? bf16_row : f16_row)(x, m, w->k, w->w + j * w->k, w->n, outs[c], j);
+    }
+    return 0;
 }
 
 static void rmsnorm(const float *x, const float *w, int64_t h, float eps, float *out) {
@@ -203,9 +232,9 @@ static int delta_net(const hlayer_t *L, const hdims_t *d, const hstep_t *st, con
     float *scratch = malloc(sizeof(float) * 2 * d->dv);
     int rc = -1;
     if (!mixed || !z || !b || !a || !scratch) goto done;
-    if ((rc = mm(&L->in_qkv, normed, m, mixed, threads)) || (rc = mm(&L->in_z, normed, m, z, threads)) ||
-        (rc = mm(&L->in_b, normed, m, b, threads)) || (rc = mm(&L->in_a, normed, m, a, threads)))
-        goto done;
+    const f16w_t *ins[MM_MANY] = {&L->in_qkv, &L->in_z, &L->in_b, &L->in_a};
+    float *const in_outs[MM_MANY] = {mixed, z, b, a};
+    if ((rc = mm_many(ins, in_outs, MM_MANY, normed, m, threads))) goto done;
     for (int64_t t = 0; t < m; t++) { /* in order: a sequence's rows each read the state the row before left */
         float *x = mixed + t * c, *conv = L->conv_state + st->state_slots[t] * conv_n;
         float *S = L->matrix + st->state_slots[t] * mat_n;
