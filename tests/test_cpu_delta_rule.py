@@ -68,3 +68,38 @@ def test_per_channel_decay_runs_the_torch_form() -> None:
     out, final = CpuDeltaRule().recurrent(q[None], k[None], v[None], g[None], beta[None], state[None])
     ref, ref_final = delta_rule.recurrent(q[None], k[None], v[None], g[None], beta[None], state[None])
     assert torch.equal(out, ref) and torch.equal(final, ref_final)
+
+
+def _mixer_reference(mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_w: torch.Tensor,
+                     conv_state: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, hk: int,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch layer's steps (layers/gated_deltanet.py): conv, heads, prepare_qk, beta / decay, chunked rule."""
+    hv, dk, dv = state.shape
+    x, conv_next = delta_rule.causal_conv(mixed.t(), conv_w, conv_state)
+    q, k, v = x.t().split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k = (t.unflatten(-1, (hk, dk)).repeat_interleave(hv // hk, dim=-2) for t in (q, k))
+    q, k = delta_rule.prepare_qk(q.transpose(0, 1), k.transpose(0, 1))
+    g = -a_log.exp() * torch.nn.functional.softplus(a + dt_bias)
+    out, final = delta_rule.chunked(q, k, v.unflatten(-1, (hv, dv)).transpose(0, 1), g.t(), b.sigmoid().t(), state)
+    return out.transpose(0, 1), conv_next, final
+
+
+@pytest.mark.parametrize(("length", "hk", "hv", "kernel"), [(70, 2, 4, 4), (2, 2, 2, 4), (5, 1, 3, 3)])
+def test_mixer_chunk_matches_the_torch_layer_steps(length: int, hk: int, hv: int, kernel: int) -> None:
+    gen = torch.Generator().manual_seed(length)
+    dk, dv = 16, 32
+    channels = 2 * hk * dk + hv * dv
+    mixed = torch.randn(length, channels, generator=gen)
+    b, a = torch.randn(length, hv, generator=gen), torch.randn(length, hv, generator=gen)
+    conv_w = 0.5 * torch.randn(channels, kernel, generator=gen)
+    conv_state = torch.randn(channels, kernel - 1, generator=gen)  # a sequence that continues (length 2 < K-1 too)
+    a_log, dt_bias = torch.randn(hv, generator=gen), torch.randn(hv, generator=gen)
+    state = 0.1 * torch.randn(hv, dk, dv, generator=gen)
+    ref_out, ref_conv, ref_state = _mixer_reference(mixed, b, a, conv_w, conv_state, a_log, dt_bias, hk, state)
+    chunk = cpu_delta_rule.MixerChunk(mixed, b, a, conv_w, conv_state.clone(), a_log, dt_bias, hk, state.clone(),
+                                      torch.empty(length, hv, dv))
+    assert cpu_delta_rule.mixer_supported(chunk)
+    cpu_delta_rule.delta_net_chunk(chunk)
+    torch.testing.assert_close(chunk.out, ref_out, rtol=1e-4, atol=1e-5)
+    assert torch.equal(chunk.conv_state, ref_conv)  # the last K-1 inputs, copied
+    torch.testing.assert_close(chunk.state, ref_state, rtol=1e-4, atol=1e-5)

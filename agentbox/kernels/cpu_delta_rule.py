@@ -5,6 +5,8 @@ twins (fp32 both; they differ from it in the order of sums)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from agentbox.kernels import cpu_gemv
@@ -30,3 +32,43 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     if rc != 0:
         raise RuntimeError(f"ab_delta_rule failed (code {rc})")
     return out, final
+
+
+@dataclass(frozen=True)
+class MixerChunk:
+    """One sequence's prefill chunk of a delta-net layer, from its in-projections to its gated norm's input:
+    mixed [L, C] (q | k | v of every head), b, a [L, Hv]; conv_w [C, K]; conv_state [C, K-1] and state [Hv, Dk, Dv],
+    the sequence's slots (updated in place); out [L, Hv, Dv] (written)."""
+
+    mixed: torch.Tensor
+    b: torch.Tensor
+    a: torch.Tensor
+    conv_w: torch.Tensor
+    conv_state: torch.Tensor
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    key_heads: int
+    state: torch.Tensor
+    out: torch.Tensor
+
+
+def mixer_supported(c: MixerChunk) -> bool:
+    """fp32 CPU tensors, the slots and the output contiguous (written in place), a conv of 2-8 taps, Dv <= 512."""
+    tensors = (c.mixed, c.b, c.a, c.conv_w, c.conv_state, c.a_log, c.dt_bias, c.state, c.out)
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and c.conv_state.is_contiguous() and c.state.is_contiguous() and c.out.is_contiguous()
+            and 2 <= c.conv_w.shape[1] <= 8 and c.state.shape[-1] <= 512 and cpu_gemv.available())
+
+
+def delta_net_chunk(c: MixerChunk) -> None:
+    """kernels/cpu_hybrid.c's `ab_delta_net_chunk` (`mixer_supported` holds): the conv and its SiLU, the l2 norms,
+    beta and the decay, and the delta rule, as the torch layer computes them (its twin, to the order of sums)."""
+    length, channels = c.mixed.shape
+    hv, dk, dv = c.state.shape
+    mixed, b, a, conv_w, a_log, dt_bias = (t.contiguous() for t in (c.mixed, c.b, c.a, c.conv_w, c.a_log, c.dt_bias))
+    rc = cpu_gemv._lib().ab_delta_net_chunk(
+        mixed.data_ptr(), b.data_ptr(), a.data_ptr(), length, channels, conv_w.data_ptr(), conv_w.shape[1],
+        c.conv_state.data_ptr(), a_log.data_ptr(), dt_bias.data_ptr(), c.key_heads, hv, dk, dv, c.state.data_ptr(),
+        c.out.data_ptr(), cpu_gemv.threads())
+    if rc != 0:
+        raise RuntimeError(f"ab_delta_net_chunk failed (code {rc})")

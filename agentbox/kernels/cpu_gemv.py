@@ -159,6 +159,9 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     lib.ab_hybrid_layer.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_int]
     # (q, k, v, g, beta, state in / out, out, pairs, tokens, dk, dv, threads)
     lib.ab_delta_rule.argtypes = [*[_c_ptr] * 7, *[_c_i64] * 4, _c_int]
+    # (mixed, b, a, len, C, conv_w, K, conv_state, A_log, dt_bias, Hk, Hv, Dk, Dv, state, out, threads)
+    lib.ab_delta_net_chunk.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr,
+                                       *[_c_i64] * 4, _c_ptr, _c_ptr, _c_int]
     # cpu_decode.c's KV store, for its test: (cache, f16, at, src fp32, n)
     lib.ab_store_kv.argtypes = [_c_ptr, _c_int, _c_i64, _c_ptr, _c_i64]
     lib.ab_store_kv.restype = None
@@ -169,7 +172,8 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     lib.ab_argmax.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr]  # (logits fp32, rows, n, out int64)
     lib.ab_argmax.restype = None
     for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_attend, lib.ab_bits_matmul, lib.ab_bits_dequant,
-              lib.ab_f16_matmul, lib.ab_bf16_matmul, lib.ab_hybrid_layer, lib.ab_delta_rule):
+              lib.ab_f16_matmul, lib.ab_bf16_matmul, lib.ab_hybrid_layer, lib.ab_delta_rule,
+              lib.ab_delta_net_chunk):
         f.restype = _c_int
     return lib, ""
 

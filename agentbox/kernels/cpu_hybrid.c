@@ -222,6 +222,71 @@ int ab_delta_rule(const float *q, const float *k, const float *v, const float *g
     return 0;
 }
 
+/* One sequence's prefill chunk through a delta-net layer's mixer, between its in-projections and its gated norm (the
+ * torch layer's causal_conv, _heads, prepare_qk, beta / decay and the delta rule, whose temporaries and small ops
+ * cost more than the arithmetic on the CPU): the short causal conv over [conv_state | x] and SiLU (each output summed
+ * in the decode step's order), the l2 norms of q (times Dk^-1/2) and k, sigmoid(b) and -exp(A_log) softplus(a +
+ * dt_bias), then each value head's delta rule over its state, token by token (delta_step). mixed [len][C] (q | k | v
+ * of every head), b, a [len][Hv]; conv_w [C][K]; conv_state [C][K-1] and S [Hv][Dk][Dv] are read and left holding
+ * the chunk's end; out [len][Hv][Dv]. Rows, then heads, run in parallel. */
+int ab_delta_net_chunk(const float *mixed, const float *b, const float *a, int64_t len, int64_t c, const float *conv_w,
+                       int64_t kk, float *conv_state, const float *a_log, const float *dt_bias, int64_t hk, int64_t hv,
+                       int64_t dk, int64_t dv, float *S, float *out, int threads) {
+    const int64_t kd = hk * dk, r = hv / hk;
+    if (kk < 2 || kk > 8 || dv > 512 || c != 2 * kd + hv * dv || hv % hk) return -2;
+    float *y = malloc(sizeof(float) * len * c), *g = malloc(sizeof(float) * len * hv);
+    float *beta = malloc(sizeof(float) * len * hv);
+    if (!y || !g || !beta) {
+        free(y), free(g), free(beta);
+        return -1;
+    }
+    _Pragma("omp parallel num_threads(threads) if (threads > 1)")
+    {
+        _Pragma("omp for schedule(static)")
+        for (int64_t t = 0; t < len; t++) {
+            float *yt = y + t * c;
+            for (int64_t ch = 0; ch < c; ch++) { /* input t - (K-1) + j: the state's for j < K-1-t, else x's */
+                const float *wc = conv_w + ch * kk;
+                float acc = 0.0f;
+                for (int64_t j = 0; j < kk - 1; j++) {
+                    const int64_t at = t - (kk - 1) + j;
+                    acc += (at < 0 ? conv_state[ch * (kk - 1) + (kk - 1) + at] : mixed[at * c + ch]) * wc[j];
+                }
+                acc += mixed[t * c + ch] * wc[kk - 1];
+                yt[ch] = silu(acc);
+            }
+            for (int64_t h = 0; h < hk; h++) {
+                l2norm(yt + h * dk, dk, 1.0f / sqrtf((float)dk));
+                l2norm(yt + kd + h * dk, dk, 1.0f);
+            }
+            for (int64_t h = 0; h < hv; h++) {
+                beta[t * hv + h] = sigmoid(b[t * hv + h]);
+                g[t * hv + h] = -expf(a_log[h]) * softplus(a[t * hv + h] + dt_bias[h]);
+            }
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t h = 0; h < hv; h++) {
+            float pred[512];
+            for (int64_t t = 0; t < len; t++) {
+                const float *yt = y + t * c;
+                delta_step(S + h * dk * dv, yt + (h / r) * dk, yt + kd + (h / r) * dk, yt + 2 * kd + h * dv,
+                           g[t * hv + h], beta[t * hv + h], dk, dv, pred, out + (t * hv + h) * dv);
+            }
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t ch = 0; ch < c; ch++) { /* the state: the last K-1 inputs, older ones from the state itself */
+            float *cs = conv_state + ch * (kk - 1), keep[8];
+            for (int64_t j = 0; j < kk - 1; j++) {
+                const int64_t at = len - (kk - 1) + j;
+                keep[j] = at < 0 ? cs[(kk - 1) + at] : mixed[at * c + ch];
+            }
+            memcpy(cs, keep, sizeof(float) * (kk - 1));
+        }
+    }
+    free(y), free(g), free(beta);
+    return 0;
+}
+
 /* the delta-net mixer for m rows (normed [m][H]) into out [m][Hv * Dv] (before out_proj) */
 static int delta_net(const hlayer_t *L, const hdims_t *d, const hstep_t *st, const float *normed, int64_t m,
                      float *out, int threads) {

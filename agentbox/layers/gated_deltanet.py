@@ -3,7 +3,8 @@ rule (layers/delta_rule.py), a gated RMSNorm and the output projection.
 
 Its state lives in the step's `StateCache` slot (layers/recurrent_state.py): a sequence that starts in this
 step starts from zeros; one that continues reads and writes its slot. Decoding sequences (one token each)
-run the recurrent form together; prefill chunks run the chunked form one sequence at a time.
+run the recurrent form together; prefill chunks run the chunked form one sequence at a time (on the CPU, one C call
+from the in-projections to the gated norm: kernels/cpu_delta_rule.py).
 
 Tensor parallel: key heads and value heads are split across ranks like attention heads (each rank's value
 heads read the key heads they are grouped with), the conv's channels follow the q, k and v heads they carry,
@@ -24,7 +25,7 @@ from torch import nn
 
 from agentbox.layers import delta_rule
 from agentbox.layers.context import get_forward_context
-from agentbox.layers.delta_rule_backends import delta_rule_for
+from agentbox.layers.delta_rule_backends import DeltaRuleBackendName, delta_rule_for
 from agentbox.layers.linear import ColumnParallelLinear, RowParallelLinear
 from agentbox.layers.quant.lazy import materialize
 from agentbox.layers.recurrent_state import LinearStateSpec
@@ -149,6 +150,21 @@ class GatedDeltaNet(nn.Module):
         k = k.unflatten(-1, (self.hk, self.dk)).repeat_interleave(r, dim=-2)
         return q, k, v.unflatten(-1, (self.hv, self.dv))
 
+    def _mix_in_c(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
+                  state: torch.Tensor, out: torch.Tensor) -> bool:
+        """A prefill chunk from the in-projections to the gated norm's input in one C call (kernels/cpu_delta_rule.py)
+        where the CPU backend runs and the tensors suit it; the slots are updated in place. False: not taken."""
+        if delta_rule_for(mixed.device).name is not DeltaRuleBackendName.CPU:
+            return False
+        from agentbox.kernels import cpu_delta_rule
+
+        chunk = cpu_delta_rule.MixerChunk(mixed, b, a, self.conv1d.weight.squeeze(1), conv_state, self.A_log,
+                                          self.dt_bias, self.hk, state, out)
+        if not cpu_delta_rule.mixer_supported(chunk):
+            return False
+        cpu_delta_rule.delta_net_chunk(chunk)
+        return True
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         step = get_forward_context().state
         if step is None:
@@ -181,10 +197,12 @@ class GatedDeltaNet(nn.Module):
                 continue
             lo, hi = starts[i], starts[i + 1]
             conv_state = conv_cache[slot].zero_() if step.fresh[i] else conv_cache[slot]
+            state = matrix_cache[slot].zero_() if step.fresh[i] else matrix_cache[slot]
+            if not step.pending[i] and self._mix_in_c(mixed[lo:hi], b[lo:hi], a[lo:hi], conv_state, state, out[lo:hi]):
+                continue
             x, conv_next = delta_rule.causal_conv(mixed[lo:hi].t(), conv_w, conv_state)
             q, k, v = self._heads(x.t())  # [L, Hv, D]
             q, k = delta_rule.prepare_qk(q.transpose(0, 1), k.transpose(0, 1))
-            state = matrix_cache[slot].zero_() if step.fresh[i] else matrix_cache[slot]
             v, gi, bi = v.float().transpose(0, 1), g[lo:hi].t(), beta[lo:hi].t()
             if step.pending[i]:  # a verify: its slot waits for the positions the sampler keeps (commit)
                 o, last = rule.recurrent(q[None], k[None], v[None], gi[None], bi[None], state[None])
