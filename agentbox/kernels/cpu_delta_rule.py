@@ -53,11 +53,13 @@ class MixerChunk:
 
 
 def mixer_supported(c: MixerChunk) -> bool:
-    """fp32 CPU tensors, the slots and the output contiguous (written in place), a conv of 2-8 taps, Dv <= 512."""
+    """fp32 CPU tensors, the slots and the output contiguous (written in place), a conv of 2-8 taps over a multiple
+    of 8 channels, Dv <= 512."""
     tensors = (c.mixed, c.b, c.a, c.conv_w, c.conv_state, c.a_log, c.dt_bias, c.state, c.out)
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and c.conv_state.is_contiguous() and c.state.is_contiguous() and c.out.is_contiguous()
-            and 2 <= c.conv_w.shape[1] <= 8 and c.state.shape[-1] <= 512 and cpu_gemv.available())
+            and 2 <= c.conv_w.shape[1] <= 8 and c.conv_w.shape[0] % 8 == 0 and c.state.shape[-1] <= 512
+            and cpu_gemv.available())
 
 
 def delta_net_chunk(c: MixerChunk) -> None:

@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_gemv.h" /* exp8 */
+
 /* cpu_decode.c's paged attention over a sequence's pages (q | k | v rows of (heads + 2 kv_heads) * head_dim), and its
  * KV store (fp32, or fp16 rounded to nearest even) */
 void ab_store_kv(void *cache, int f16, int64_t at, const float *src, int64_t n);
@@ -178,22 +180,53 @@ static void l2norm(float *x, int64_t d, float mul) {
     for (int64_t i = 0; i < d; i++) x[i] *= r;
 }
 
-/* One token of one value head: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q. S [dk][dv] in place. */
-static void delta_step(float *S, const float *q, const float *k, const float *v, float g, float beta, int64_t dk,
-                       int64_t dv, float *pred, float *o) {
+/* One token of one value head: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q. S [dk][dv] in place. Columns
+ * are independent (column j's prediction and write touch only column j), so 32 of them at a time run both passes
+ * while their [dk][32] block sits in L1, the prediction and output held in registers; each element takes the same
+ * operations in the same order as the scalar tail (multiply, then add: the build does not contract them), so the
+ * bits do not depend on how many columns a pass holds or on the ISA build. */
+static void delta_step(float *restrict S, const float *restrict q, const float *restrict k, const float *restrict v,
+                       float g, float beta, int64_t dk, int64_t dv, float *restrict pred, float *restrict o) {
     const float decay = expf(g);
-    for (int64_t j = 0; j < dv; j++) pred[j] = 0.0f, o[j] = 0.0f;
+    const __m256 dec = _mm256_set1_ps(decay), bt = _mm256_set1_ps(beta);
+    int64_t j0 = 0;
+    for (; j0 + 32 <= dv; j0 += 32) {
+        __m256 p[4], acc[4];
+        for (int u = 0; u < 4; u++) p[u] = _mm256_setzero_ps(), acc[u] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < dk; i++) {
+            float *row = S + i * dv + j0;
+            const __m256 ki = _mm256_set1_ps(k[i]);
+            for (int u = 0; u < 4; u++) {
+                const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(row + 8 * u), dec);
+                _mm256_storeu_ps(row + 8 * u, r);
+                p[u] = _mm256_add_ps(p[u], _mm256_mul_ps(r, ki));
+            }
+        }
+        for (int u = 0; u < 4; u++) p[u] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(v + j0 + 8 * u), p[u]), bt);
+        for (int64_t i = 0; i < dk; i++) {
+            float *row = S + i * dv + j0;
+            const __m256 ki = _mm256_set1_ps(k[i]), qi = _mm256_set1_ps(q[i]);
+            for (int u = 0; u < 4; u++) {
+                const __m256 r = _mm256_add_ps(_mm256_loadu_ps(row + 8 * u), _mm256_mul_ps(ki, p[u]));
+                _mm256_storeu_ps(row + 8 * u, r);
+                acc[u] = _mm256_add_ps(acc[u], _mm256_mul_ps(r, qi));
+            }
+        }
+        for (int u = 0; u < 4; u++) _mm256_storeu_ps(o + j0 + 8 * u, acc[u]);
+    }
+    if (j0 == dv) return;
+    for (int64_t j = j0; j < dv; j++) pred[j] = 0.0f, o[j] = 0.0f;
     for (int64_t i = 0; i < dk; i++) {
         float *row = S + i * dv;
-        for (int64_t j = 0; j < dv; j++) {
+        for (int64_t j = j0; j < dv; j++) {
             row[j] *= decay;
             pred[j] += row[j] * k[i];
         }
     }
-    for (int64_t j = 0; j < dv; j++) pred[j] = (v[j] - pred[j]) * beta;
+    for (int64_t j = j0; j < dv; j++) pred[j] = (v[j] - pred[j]) * beta;
     for (int64_t i = 0; i < dk; i++) {
         float *row = S + i * dv;
-        for (int64_t j = 0; j < dv; j++) {
+        for (int64_t j = j0; j < dv; j++) {
             row[j] += k[i] * pred[j];
             o[j] += row[j] * q[i];
         }
@@ -224,36 +257,45 @@ int ab_delta_rule(const float *q, const float *k, const float *v, const float *g
 
 /* One sequence's prefill chunk through a delta-net layer's mixer, between its in-projections and its gated norm (the
  * torch layer's causal_conv, _heads, prepare_qk, beta / decay and the delta rule, whose temporaries and small ops
- * cost more than the arithmetic on the CPU): the short causal conv over [conv_state | x] and SiLU (each output summed
- * in the decode step's order), the l2 norms of q (times Dk^-1/2) and k, sigmoid(b) and -exp(A_log) softplus(a +
- * dt_bias), then each value head's delta rule over its state, token by token (delta_step). mixed [len][C] (q | k | v
- * of every head), b, a [len][Hv]; conv_w [C][K]; conv_state [C][K-1] and S [Hv][Dk][Dv] are read and left holding
- * the chunk's end; out [len][Hv][Dv]. Rows, then heads, run in parallel. */
+ * cost more than the arithmetic on the CPU): the short causal conv over [conv_state | x] (each output summed in the
+ * decode step's order, 8 channels a vector) and its SiLU (cpu_gemv.h's exp8), the l2 norms of q (times Dk^-1/2) and
+ * k, sigmoid(b) and -exp(A_log) softplus(a + dt_bias), then each value head's delta rule over its state, token by
+ * token (delta_step). mixed [len][C] (q | k | v of every head), b, a [len][Hv]; conv_w [C][K]; conv_state [C][K-1]
+ * and S [Hv][Dk][Dv] are read and left holding the chunk's end; out [len][Hv][Dv]. Rows, then heads, run in
+ * parallel. */
 int ab_delta_net_chunk(const float *mixed, const float *b, const float *a, int64_t len, int64_t c, const float *conv_w,
                        int64_t kk, float *conv_state, const float *a_log, const float *dt_bias, int64_t hk, int64_t hv,
                        int64_t dk, int64_t dv, float *S, float *out, int threads) {
     const int64_t kd = hk * dk, r = hv / hk;
-    if (kk < 2 || kk > 8 || dv > 512 || c != 2 * kd + hv * dv || hv % hk) return -2;
+    if (kk < 2 || kk > 8 || dv > 512 || c % 8 || c != 2 * kd + hv * dv || hv % hk) return -2;
+    /* the conv's taps and the state transposed ([K][C], [K-1][C]): each tap a contiguous row the channels vectorise over */
     float *y = malloc(sizeof(float) * len * c), *g = malloc(sizeof(float) * len * hv);
-    float *beta = malloc(sizeof(float) * len * hv);
-    if (!y || !g || !beta) {
-        free(y), free(g), free(beta);
+    float *beta = malloc(sizeof(float) * len * hv), *wt = malloc(sizeof(float) * kk * c);
+    float *hist = malloc(sizeof(float) * (kk - 1) * c);
+    if (!y || !g || !beta || !wt || !hist) {
+        free(y), free(g), free(beta), free(wt), free(hist);
         return -1;
+    }
+    for (int64_t ch = 0; ch < c; ch++) {
+        for (int64_t j = 0; j < kk; j++) wt[j * c + ch] = conv_w[ch * kk + j];
+        for (int64_t j = 0; j + 1 < kk; j++) hist[j * c + ch] = conv_state[ch * (kk - 1) + j];
     }
     _Pragma("omp parallel num_threads(threads) if (threads > 1)")
     {
         _Pragma("omp for schedule(static)")
         for (int64_t t = 0; t < len; t++) {
             float *yt = y + t * c;
-            for (int64_t ch = 0; ch < c; ch++) { /* input t - (K-1) + j: the state's for j < K-1-t, else x's */
-                const float *wc = conv_w + ch * kk;
-                float acc = 0.0f;
-                for (int64_t j = 0; j < kk - 1; j++) {
-                    const int64_t at = t - (kk - 1) + j;
-                    acc += (at < 0 ? conv_state[ch * (kk - 1) + (kk - 1) + at] : mixed[at * c + ch]) * wc[j];
-                }
-                acc += mixed[t * c + ch] * wc[kk - 1];
-                yt[ch] = silu(acc);
+            const float *in[8]; /* input t - (K-1) + j: the state's row for a tap before the chunk, else x's */
+            for (int64_t j = 0; j < kk; j++) {
+                const int64_t at = t - (kk - 1) + j;
+                in[j] = at < 0 ? hist + (kk - 1 + at) * c : mixed + at * c;
+            }
+            for (int64_t ch = 0; ch < c; ch += 8) { /* summed in the decode step's order, then SiLU */
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t j = 0; j < kk; j++)
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(in[j] + ch), _mm256_loadu_ps(wt + j * c + ch)));
+                const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), acc)));
+                _mm256_storeu_ps(yt + ch, _mm256_div_ps(acc, den));
             }
             for (int64_t h = 0; h < hk; h++) {
                 l2norm(yt + h * dk, dk, 1.0f / sqrtf((float)dk));
@@ -273,17 +315,13 @@ int ab_delta_net_chunk(const float *mixed, const float *b, const float *a, int64
                            g[t * hv + h], beta[t * hv + h], dk, dv, pred, out + (t * hv + h) * dv);
             }
         }
-        _Pragma("omp for schedule(static)")
-        for (int64_t ch = 0; ch < c; ch++) { /* the state: the last K-1 inputs, older ones from the state itself */
-            float *cs = conv_state + ch * (kk - 1), keep[8];
-            for (int64_t j = 0; j < kk - 1; j++) {
-                const int64_t at = len - (kk - 1) + j;
-                keep[j] = at < 0 ? cs[(kk - 1) + at] : mixed[at * c + ch];
-            }
-            memcpy(cs, keep, sizeof(float) * (kk - 1));
-        }
     }
-    free(y), free(g), free(beta);
+    for (int64_t ch = 0; ch < c; ch++) /* the state: the last K-1 inputs, older ones from the state itself */
+        for (int64_t j = 0; j + 1 < kk; j++) {
+            const int64_t at = len - (kk - 1) + j;
+            conv_state[ch * (kk - 1) + j] = at < 0 ? hist[(kk - 1 + at) * c + ch] : mixed[at * c + ch];
+        }
+    free(y), free(g), free(beta), free(wt), free(hist);
     return 0;
 }
 
