@@ -1,7 +1,9 @@
 """The gated delta rule on the CPU: kernels/cpu_hybrid.c's `ab_delta_rule` runs layers/delta_rule.py's recurrent
 form token by token for every (sequence, head) pair, the way the fused decode does, so a prompt prefilled here and
 then decoded gives the state a token-by-token decode would. `delta_rule.recurrent` and `delta_rule.chunked` are its
-twins (fp32 both; they differ from it in the order of sums)."""
+twins (fp32 both; they differ from it in the order of sums). `ab_delta_net_chunk` takes a Gated DeltaNet layer's
+prefill chunk further, from its in-projections (the conv, the norms, beta and the decay) to its gated norm's input,
+in one call (layers/gated_deltanet.py uses it where the CPU backend runs)."""
 
 from __future__ import annotations
 
