@@ -1,4 +1,5 @@
-"""kernels/cpu_dense.py: the many-row fp32 product through oneDNN gives F.linear's numbers to summation order."""
+"""kernels/cpu_dense.py: the many-row fp32 product through oneDNN gives F.linear's numbers to summation order; and
+the torch MLP's SiLU-and-mul in C (cpu_gemv.silu_mul_rows) gives torch's."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from agentbox.kernels import cpu_dense
+from agentbox.kernels import cpu_dense, cpu_gemv
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (37, 144), (2, 5, 96)])
@@ -31,3 +32,14 @@ def test_other_dtypes_run_f_linear() -> None:
     x, w = torch.randn(8, 32).to(torch.bfloat16), torch.randn(16, 32).to(torch.bfloat16)
     assert torch.equal(cpu_dense.linear(x, w), F.linear(x, w))
     assert cpu_dense.linear(torch.empty(0, 32), torch.randn(16, 32)).shape == (0, 16)
+
+
+@pytest.mark.skipif(not cpu_gemv.available(), reason="CPU kernels unavailable")
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (37, 2 * 20), (2, 3, 2 * 64)])
+def test_silu_mul_rows_matches_torch(shape: tuple[int, ...]) -> None:
+    gate_up = 4 * torch.randn(*shape, generator=torch.Generator().manual_seed(shape[-1]))
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = cpu_gemv.silu_mul_rows(gate_up)
+    assert got is not None and got.shape == up.shape
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    assert cpu_gemv.silu_mul_rows(gate_up.double()) is None  # not fp32: the caller runs torch

@@ -58,6 +58,14 @@ void ab_silu_mul(const float *gu, int64_t in, float *a) {
     for (; i < in; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * up[i];
 }
 
+/* ab_silu_mul over m rows of [gate | up] ([m][2 in]) into out [m][in], rows in parallel: the torch layers' MLP on the
+ * CPU (models/llama.py), where F.silu over the strided gate half and the product took two passes and two
+ * temporaries of [m][in]. */
+void ab_silu_mul_rows(const float *gu, int64_t m, int64_t in, float *out, int threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1)")
+    for (int64_t t = 0; t < m; t++) ab_silu_mul(gu + t * 2 * in, in, out + t * in);
+}
+
 static void rope(float *x, const float *cos, const float *sin, int64_t d) {
     int64_t half = d / 2;
     for (int64_t i = 0; i < half; i++) {

@@ -170,6 +170,8 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     lib.ab_attend.argtypes = [_c_ptr, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64, ctypes.c_float, _c_ptr, _c_i64, _c_ptr,
                               _c_i64, _c_i64, _c_ptr, _c_ptr, _c_int]
     lib.ab_argmax.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr]  # (logits fp32, rows, n, out int64)
+    lib.ab_silu_mul_rows.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_int]  # ([gate | up] rows, m, in, out, threads)
+    lib.ab_silu_mul_rows.restype = None
     lib.ab_argmax.restype = None
     for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_attend, lib.ab_bits_matmul, lib.ab_bits_dequant,
               lib.ab_f16_matmul, lib.ab_bf16_matmul, lib.ab_hybrid_layer, lib.ab_delta_rule,
@@ -360,6 +362,18 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int)
     rc = _lib().ab_q8_matmul(x.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(), n, out.data_ptr(), threads(), _half(scale))
     _check(rc, "q8_matmul")
     return out
+
+
+def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """SiLU(gate) * up of fp32 rows [..., 2 I] ([gate | up], as F.silu(gate) * up; exp8's e^x) on the CPU, or None
+    where the kernel does not take them (another device or dtype, no kernels): the caller runs torch."""
+    if gate_up.device.type != "cpu" or gate_up.dtype != torch.float32 or gate_up.shape[-1] % 2 or not available():
+        return None
+    x = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+    half = x.shape[1] // 2
+    out = torch.empty(x.shape[0], half, dtype=torch.float32)
+    _lib().ab_silu_mul_rows(x.data_ptr(), x.shape[0], half, out.data_ptr(), threads())
+    return out.reshape(*gate_up.shape[:-1], half)
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int] | None:

@@ -107,8 +107,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        from agentbox.kernels import cpu_gemv
+
+        gate_up = self.gate_up_proj(x)
+        act = cpu_gemv.silu_mul_rows(gate_up)  # one pass in C on the CPU; None elsewhere
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 MLPFactory = Callable[[Any, int], nn.Module]  # (config, layer_id) -> the layer's MLP
