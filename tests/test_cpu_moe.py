@@ -82,10 +82,20 @@ def test_host_experts_of_a_bf16_model_keep_float32_scales(qwen3moe) -> None:  # 
     weights = torch.rand(3, 2)
     out = layers[0].forward_routed(x, weights, ids)
     assert out.dtype is torch.bfloat16 and out.shape == x.shape
+    # The host computes in float32 with the file's scales: a float32 model's host experts on the same input, rounded
+    # to bf16 once on the way back.
+    fp32 = _experts(load_model(str(path), torch.float32, "cpu", ExpertPlacement.of(True, 0)))[0]
+    assert torch.equal(out, fp32.forward_routed(x.float(), weights, ids).to(torch.bfloat16))
     expected = hf_logits(hf)
     got = paged_logits(loaded).float()
-    # bf16 attention and dense layers against the fp32 twin: close, the same argmax where it is decided
-    assert (got - expected).abs().max() < 0.1 * expected.abs().max()
+    # bf16 attention and dense layers against the fp32 twin: close at most positions (torch's bf16 products differ
+    # by ISA: one position of this random model is off by 11 % of the largest logit on an AVX2 EPYC), the same
+    # argmax wherever it is decided.
+    scale = expected.abs().max()
+    assert ((got - expected).abs().amax(-1) / scale).median() < 0.05
+    top2 = expected.topk(2, dim=-1).values
+    decided = top2[..., 0] - top2[..., 1] > 0.03 * scale
+    assert decided.sum() >= 4 and torch.equal(got.argmax(-1)[decided], expected.argmax(-1)[decided])
 
 
 def test_engine_greedy_tokens_and_stats_with_cpu_moe(qwen3moe) -> None:  # noqa: ANN001
