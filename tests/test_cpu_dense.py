@@ -1,5 +1,5 @@
 """kernels/cpu_dense.py: the many-row fp32 product through oneDNN gives F.linear's numbers to summation order; and
-the torch MLP's SiLU-and-mul in C (cpu_gemv.silu_mul_rows) gives torch's."""
+the torch MLP's SiLU-and-mul in C (cpu_dense.silu_mul_rows) gives torch's."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_other_dtypes_run_f_linear() -> None:
 def test_silu_mul_rows_matches_torch(shape: tuple[int, ...]) -> None:
     gate_up = 4 * torch.randn(*shape, generator=torch.Generator().manual_seed(shape[-1]))
     gate, up = gate_up.chunk(2, dim=-1)
-    got = cpu_gemv.silu_mul_rows(gate_up)
+    got = cpu_dense.silu_mul_rows(gate_up)
     assert got is not None and got.shape == up.shape
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
-    assert cpu_gemv.silu_mul_rows(gate_up.double()) is None  # not fp32: the caller runs torch
+    assert cpu_dense.silu_mul_rows(gate_up.double()) is None  # not fp32: the caller runs torch

@@ -9,6 +9,9 @@ x 512 -> 1,024) ran at 120-184 GFLOP/s through MKL and 181-200 through oneDNN, n
 
 Numbers: both multiply fp32 by fp32 and sum in fp32; only the order of the sums differs, as between any two sgemms.
 Where oneDNN is missing (a torch built without it) or the op is absent, `F.linear` runs.
+
+The torch layers' other many-row pass, the MLP's SiLU-and-mul, is here too: one C pass over [gate | up] rows
+(`ab_silu_mul_rows`), where F.silu over the strided gate half and the product took two passes and two temporaries.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from agentbox.kernels import cpu_gemv
 
 
 @functools.cache
@@ -41,3 +46,15 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).contiguous(), w.contiguous(), bias, "none", [],
                                              "")
     return out.reshape(*shape[:-1], w.shape[0])
+
+
+def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """SiLU(gate) * up of fp32 rows [..., 2 I] ([gate | up], as F.silu(gate) * up; exp8's e^x) on the CPU, or None
+    where the kernel does not take them (another device or dtype, no kernels): the caller runs torch."""
+    if gate_up.device.type != "cpu" or gate_up.dtype != torch.float32 or gate_up.shape[-1] % 2 or not cpu_gemv.available():
+        return None
+    x = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+    half = x.shape[1] // 2
+    out = torch.empty(x.shape[0], half, dtype=torch.float32)
+    cpu_gemv._lib().ab_silu_mul_rows(x.data_ptr(), x.shape[0], half, out.data_ptr(), cpu_gemv.threads())
+    return out.reshape(*gate_up.shape[:-1], half)

@@ -364,18 +364,6 @@ def q8_matmul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, n: int)
     return out
 
 
-def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """SiLU(gate) * up of fp32 rows [..., 2 I] ([gate | up], as F.silu(gate) * up; exp8's e^x) on the CPU, or None
-    where the kernel does not take them (another device or dtype, no kernels): the caller runs torch."""
-    if gate_up.device.type != "cpu" or gate_up.dtype != torch.float32 or gate_up.shape[-1] % 2 or not available():
-        return None
-    x = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
-    half = x.shape[1] // 2
-    out = torch.empty(x.shape[0], half, dtype=torch.float32)
-    _lib().ab_silu_mul_rows(x.data_ptr(), x.shape[0], half, out.data_ptr(), threads())
-    return out.reshape(*gate_up.shape[:-1], half)
-
-
 def argmax_rows(logits: torch.Tensor) -> list[int] | None:
     """Each row's argmax of fp32 logits [B, V] on the CPU (the first index of its maximum), or None where a row
     holds a NaN (torch's max propagates it: the caller asks torch)."""

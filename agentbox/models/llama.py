@@ -107,10 +107,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from agentbox.kernels import cpu_gemv
+        from agentbox.kernels import cpu_dense
 
         gate_up = self.gate_up_proj(x)
-        act = cpu_gemv.silu_mul_rows(gate_up)  # one pass in C on the CPU; None elsewhere
+        act = cpu_dense.silu_mul_rows(gate_up)  # one pass in C on the CPU; None elsewhere
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
