@@ -158,3 +158,17 @@ def test_drafts_verified_through_kda_equal_plain_greedy(tiny: tuple[Path, torch.
     drafted, accepted = counts["suffix"]
     assert drafted > accepted >= 0  # drafts ran, and some were rejected: the partial commit ran
     assert got["suffix"] == got["off"]
+
+
+def test_earliest_top_k_is_a_stable_sorts_first_k() -> None:
+    """The indexers' selection (layers/kpool_indexer.earliest_top_k) against the stable descending sort it replaced:
+    rows full of exact ties (scores on a coarse grid, -inf where a pool is incomplete), every k up to the width."""
+    from agentbox.layers.kpool_indexer import earliest_top_k
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 4, (3, 17, 40), generator=g).float()
+    scores[torch.rand(scores.shape, generator=g) < 0.2] = float("-inf")
+    for k in range(scores.shape[-1] + 1):
+        want = torch.zeros_like(scores, dtype=torch.bool)
+        want.scatter_(-1, scores.sort(dim=-1, descending=True, stable=True).indices[..., :k], True)
+        assert torch.equal(earliest_top_k(scores, k), want), k

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentbox.layers.kpool_indexer import earliest_top_k
 from agentbox.layers.linear import ReplicatedLinear
 from agentbox.layers.rotary import RotaryEmbedding
 
@@ -81,15 +82,14 @@ class QSAIndexer(nn.Module):
             starts = torch.arange(blocks, device=q.device) * r
             keys = self._rope(starts.repeat(b), self.k_layernorm(pooled).view(b * blocks, 1, self.dim))
             keys = keys.view(b, blocks, self.dim).float()
-            scores = F.relu(torch.einsum("bqhd,bpd->bqhp", q.float(), keys)).sum(dim=2) / self.dim**0.5
+            # one batched product, ReLU'd in place (einsum's copies of the [B, Q, H, P] block were most of a step)
+            scores = torch.bmm(q.float().reshape(b, -1, self.dim), keys.transpose(1, 2)).relu_()
+            scores = scores.view(b, q.shape[1], -1, blocks).sum(dim=2) / self.dim**0.5
             complete = (starts + r - 1)[None, None, :] <= query_pos[..., None]  # every token of it is visible
             scores = scores.masked_fill(~complete, float("-inf"))
-            k = min(self.budget // r, blocks)
-            # A stable sort, not topk: ties (every head's ReLU off) go to the earlier block however the step's
-            # rows are shaped, so prefill, chunks and decode choose alike.
-            best = scores.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-            chosen.scatter_(-1, best, True)
-            chosen &= complete  # fewer complete blocks than k: the rest of the top-k are not blocks
+            # ties (every head's ReLU off) go to the earlier block however the step's rows are shaped, so
+            # prefill, chunks and decode choose alike
+            chosen = earliest_top_k(scores, min(self.budget // r, blocks)) & complete  # not past the complete ones
         tokens = torch.zeros(b, q.shape[1], max_kv, dtype=torch.bool, device=q.device)
         tokens[..., : blocks * r] = chosen.repeat_interleave(r, dim=-1)
         j = torch.arange(max_kv, device=q.device)
