@@ -49,6 +49,7 @@ from agentbox.layers.linear import (
     RowParallelLinear,
 )
 from agentbox.layers.norm import RMSNorm
+from agentbox.layers.selected_attention import selected_attention
 from agentbox.models.base import AttentionShape, CausalLM, per_expert_weights
 from agentbox.models.glm4_moe_lite import NoAuxRouter
 from agentbox.parallel.state import tp_size
@@ -124,11 +125,7 @@ class IndexedAttention(nn.Module):
         b, n = kv.shape[:2]
         up = self.kv_b_proj(kv.reshape(b * n, self.rank)).view(b, n, self.num_heads, self.nope + self.v_dim)
         keys, values = up.split([self.nope, self.v_dim], dim=-1)
-        out = F.scaled_dot_product_attention(
-            view.padded(q).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],
-            scale=self.scale,
-        )  # [B, H, max_q, v]
-        out = view.unpadded(out.transpose(1, 2))
+        out = view.unpadded(selected_attention(view.padded(q), keys, values, mask, self.scale))
         return self.o_proj(out.reshape(t, self.num_heads * self.v_dim)), selection
 
 

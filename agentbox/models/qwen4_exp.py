@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
@@ -49,6 +48,7 @@ from agentbox.layers.ngram_embedding import NGramIds, PLELayer
 from agentbox.layers.qsa_indexer import QSAIndexer
 from agentbox.layers.recurrent_state import StateSpec
 from agentbox.layers.rotary import RotaryEmbedding, rope_parameters
+from agentbox.layers.selected_attention import selected_attention
 from agentbox.models.base import CausalLM, head_dim_of, num_kv_heads_of, per_expert_weights
 from agentbox.models.glm5_next import StepView
 from agentbox.models.llama import LlamaForCausalLM
@@ -105,11 +105,8 @@ class QSAAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         keys = k_cache[lay.kv_slots].to(x.dtype).repeat_interleave(group, dim=2)  # [B, max_kv, H, d]
         values = v_cache[lay.kv_slots].to(x.dtype).repeat_interleave(group, dim=2)
-        out = F.scaled_dot_product_attention(
-            view.padded(q).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None],
-            scale=d**-0.5,
-        )  # [B, H, max_q, d]
-        out = view.unpadded(out.transpose(1, 2)).reshape(t, self.num_heads * d)
+        out = view.unpadded(selected_attention(view.padded(q), keys, values, mask, d**-0.5))
+        out = out.reshape(t, self.num_heads * d)
         return self.o_proj(out * torch.sigmoid(gate.reshape(t, -1)))
 
 
