@@ -33,7 +33,7 @@ def selected_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         return out.transpose(1, 2)
     # Each row's selected keys in its first `count` picks (nonzero runs in row order; the rest of a row's picks
     # are key 0, masked), then whether each pick is a selected key or filler.
-    rows, cols = mask.view(b * n_q, -1).nonzero(as_tuple=True)
+    rows, cols = mask.reshape(b * n_q, -1).nonzero(as_tuple=True)
     starts = counts.cumsum(0, dtype=torch.int64) - counts
     slots = torch.arange(rows.numel(), device=q.device) - starts[rows]
     picks = torch.zeros(b * n_q, width, dtype=torch.int64, device=q.device)
