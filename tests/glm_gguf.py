@@ -1,7 +1,7 @@
 """The tiny GLM-4.7-Flash written as llama.cpp's converter writes it (`deepseek2`, gguf's writer and its own
 tensor-name map): kv_b_proj split per head into `attn_k_b` (transposed) and `attn_v_b`, the router's correction
-bias as `exp_probs_b.bias`, experts stacked. Linear weights whose input is a multiple of 32 and the experts are
-Q8_0 (the transformers twin is rounded in place to what the file holds), the rest F32."""
+bias as `exp_probs_b.bias`, experts stacked. Linear weights and the vocabulary tables whose input is a multiple of 32,
+and the experts, are Q8_0 (the transformers twin is rounded in place to what the file holds), the rest F32."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
+
+VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # Q8_0 as the converter writes them
 
 
 def _q8(w: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
@@ -79,7 +81,7 @@ def write_glm_gguf(hf: torch.nn.Module, path: Path) -> Path:
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise KeyError(f"gguf has no name for {name}")
-        if w.dim() == 2 and w.shape[1] % 32 == 0 and name.endswith("proj.weight"):
+        if w.dim() == 2 and w.shape[1] % 32 == 0 and (name.endswith("proj.weight") or name in VOCAB_TABLES):
             raw, back = _q8(w)
             writer.add_tensor(gname, raw, raw_dtype=Q.Q8_0)
             with torch.no_grad():

@@ -21,7 +21,6 @@ from transformers import Glm4MoeLiteConfig, PretrainedConfig
 
 from agentbox.models.gguf_family import (
     GLOBAL_NAMES,
-    VOCAB_TABLES,
     GGUFFamily,
     Weights,
     blocks,
@@ -132,7 +131,7 @@ def mla_tensor_name(gguf_name: str) -> str | None:
 
 
 def mla_weights(reader: GGUFFile, config: PretrainedConfig, keep_quantised: bool) -> Weights:
-    """HF-named weights (the vocabulary tables dense), kv_b_proj joined back from its halves last."""
+    """HF-named weights, kv_b_proj joined back from its halves last."""
     split: dict[str, dict[str, GGUFTensor]] = {}
     for tensor in reader.tensors:
         m = _BLOCK_RE.match(tensor.name)
@@ -144,7 +143,7 @@ def mla_weights(reader: GGUFFile, config: PretrainedConfig, keep_quantised: bool
             continue
         if "{e}" in name:
             yield from stacked_experts(reader, tensor, name, keep_quantised)
-        elif keep_quantised and kept_quantised(name, tensor) and name not in VOCAB_TABLES:
+        elif keep_quantised and kept_quantised(name, tensor):
             yield name, blocks(tensor, reader.raw(tensor))
         else:
             yield name, dense(reader, tensor)
