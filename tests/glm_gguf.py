@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-VOCAB_TABLES = ("model.embed_tokens.weight", "lm_head.weight")  # Q8_0 as the converter writes them
+from agentbox.models.gguf_family import VOCAB_TABLES  # Q8_0 as the converter writes them
 
 
 def _q8(w: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:

@@ -134,12 +134,11 @@ def test_gguf_matches_transformers(tmp_path) -> None:  # noqa: ANN001
     runner = PagedRunner(ours, page_size=4)
     out = [runner.step({0: LONG[:40]})[0], runner.step({0: LONG[40:]})[0]]
     out += [runner.step({0: [t]})[0] for t in DECODE]
-    want = hf_logits(hf, LONG + DECODE)
-    torch.testing.assert_close(torch.cat(out), want, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(torch.cat(out), hf_logits(hf, LONG + DECODE), atol=ATOL, rtol=ATOL)
     # The default CPU path keeps the vocabulary tables as the file's Q8_0 rows, as every GGUF family does (a 151k
-    # x 2048 head widened to fp32 was 1.2 GB and most of a decode step), with int8-rounded activations.
-    # The head against the exact load's dequantised table on the same hidden states (the whole default path moves
-    # further: int8 activations flip the random model's expert choices).
+    # x 2048 head widened to fp32 was 1.2 GB and most of a decode step). Its head is checked against the exact
+    # load's dequantised table on the same hidden states: the whole default path moves further (int8 activations
+    # flip the random model's expert choices).
     default = load_model(str(path), torch.float32, "cpu")
     assert default.model.lm_head.quant is not None and default.model.model.embed_tokens.quant is not None
     hidden = torch.randn(6, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
