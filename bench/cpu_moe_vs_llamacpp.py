@@ -64,10 +64,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def llama_server(binary: str, gguf: str, threads: int, ctx: int, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def llama_server(binary: str, gguf: str, threads: int, ctx: int, log: Path,
+                 extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
     cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1",
-           "--host", "127.0.0.1", "--port", str(port), "-b", "2048", "-ub", "512"]
+           "--host", "127.0.0.1", "--port", str(port), "-b", "2048", "-ub", "512", *extra]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     import httpx
@@ -127,6 +128,9 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json-out", help="also write the JSON here")
+    ap.add_argument("--llama-arg", action="append", default=[],
+                    help="one more llama-server argument (repeatable), e.g. --llama-arg=--no-repack where its AMX "
+                         "Q8_0 kernel stops on SIGILL (llama.cpp of llama-cpp-python 0.3.36 on a Xeon with AMX)")
     args = ap.parse_args()
     from gguf import GGUFReader
 
@@ -135,7 +139,7 @@ def main() -> None:
     mine = ours(args.gguf, args.threads, prompts[0], args.new_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = llama_server(args.llama_server, args.gguf, args.threads, args.prompt + args.new_tokens + 64,
-                                 Path(tmp) / "llama-server.log")
+                                 Path(tmp) / "llama-server.log", args.llama_arg)
         try:
             theirs_rates(url, prompts[0][:16], 4)  # warm-up
             a, b = [], []
@@ -149,7 +153,7 @@ def main() -> None:
     report = {
         "gguf": args.gguf, "threads": args.threads, "prompt_tokens": args.prompt, "new_tokens": args.new_tokens,
         "agentbox": {**us, "load_s": mine["load_s"], "experts": mine["stats"]()},
-        "llama.cpp llama-server": them,
+        "llama.cpp llama-server": {**them, "extra_args": args.llama_arg},
         "ratio_prefill": us["prefill_tok_s"] / them["prefill_tok_s"],
         "ratio_decode": us["decode_tok_s"] / them["decode_tok_s"],
         "cpu": cpu(),

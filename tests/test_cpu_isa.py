@@ -59,7 +59,7 @@ def test_the_variant_is_picked_from_the_cpu_flags() -> None:
     zen4 = AVX2_EPYC | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}
     assert cg.pick_isa(zen4) is cg.Isa.AVX512_VNNI
     sapphire = zen4 | {"avx_vnni", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16"}
-    assert cg.pick_isa(sapphire) is cg.Isa.AVX512_VNNI  # AMX is not a variant (never measured faster)
+    assert cg.pick_isa(sapphire) is cg.Isa.AVX512_AMX  # its 8-bit many-row products on AMX tiles
     assert cg.pick_isa(AVX2_EPYC | {"avx512f", "avx512bw", "avx512vl"}) is cg.Isa.AVX2  # Skylake-X: no VNNI
     assert cg.pick_isa(AVX2_EPYC | {"avx512_vnni"}) is cg.Isa.AVX2  # VNNI without AVX512VL's 256-bit form
     assert cg.pick_isa(AVX2_EPYC - {"f16c"}) is None

@@ -18,6 +18,9 @@
 #include "cpu_bits_layout.h"
 #include "cpu_gemv.h"
 
+extern int ab_amx_min_rows; /* cpu_bits_amx.c */
+int64_t ab_bits_matmul_amx(const float *x, int64_t m, const uint8_t *w, const shape_t *s, float *out, int threads);
+
 /* Activations with a block's rows side by side, so the kernel's loop over rows reads at constant offsets from one
  * pointer, and each block as the four operands of transpose4's vectors (x's 32-bit lane t of each half in all four
  * lanes of that half), so a product's operand is a memory operand, not a shuffle per activation row. */
@@ -301,14 +304,14 @@ static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m
     if (i < m) rows(a, i, 1, s, w + j * rb, out + j, valid, bits, group);
 }
 
-/* One function and OpenMP region per (bits, group): GCC outlines a region before inlining, so a region in an
+/* Weight rows `first` (a multiple of NR) onwards. One function and OpenMP region per (bits, group): GCC outlines a region before inlining, so a region in an
  * inlined helper is one function for all six pairs, with bits and group as run-time values (2x slower). */
 #define SPECIALISE(B, G)                                                                                        \
     static void matmul_##B##_##G(const act_t *a, int64_t m, const shape_t *s, const uint8_t *w, float *out,  \
-                                 int threads) {                                                                \
+                                 int64_t first, int threads) {                                                 \
         const int64_t tiles = (s->n + NR - 1) / NR;                                                            \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                    \
-        for (int64_t t = 0; t < tiles; t++) tile(a, m, s, w, out, t * NR, B, G);                               \
+        for (int64_t t = first / NR; t < tiles; t++) tile(a, m, s, w, out, t * NR, B, G);                      \
     }
 SPECIALISE(5, 32) SPECIALISE(5, 16) SPECIALISE(6, 32) SPECIALISE(6, 16) SPECIALISE(8, 32) SPECIALISE(8, 16)
 SPECIALISE(2, 16) SPECIALISE(3, 16)
@@ -320,8 +323,13 @@ int ab_bits_matmul(const float *x, int64_t m, const uint8_t *w, int bits, int gr
     const shape_t s = {bits, group, form, off, k, n};
     int rc = check(&s);
     if (rc) return rc;
-    void (*const f[3][2])(const act_t *, int64_t, const shape_t *, const uint8_t *, float *, int) = {
+    void (*const f[3][2])(const act_t *, int64_t, const shape_t *, const uint8_t *, float *, int64_t, int) = {
         {matmul_5_16, matmul_5_32}, {matmul_6_16, matmul_6_32}, {matmul_8_16, matmul_8_32}};
+    int64_t first = 0; /* weight rows done on AMX tiles: the kernel below takes the rest */
+#ifdef __AMX_INT8__
+    if (m >= ab_amx_min_rows && (first = ab_bits_matmul_amx(x, m, w, &s, out, threads)) < 0) return -1;
+#endif
+    if (first == n) return 0;
     /* Many rows (prefill, a prompt's tokens routed to one expert) in slices whose quantised activations (4 bytes a
      * column a row, act_t) stay in the L2 cache while every tile passes over them: at K 2048 one row cost 50 us of
      * 1536 output columns up to 32 rows, and 115 us at 64 (their 512 KB out of the cache), so the kernel lost to
@@ -333,9 +341,9 @@ int ab_bits_matmul(const float *x, int64_t m, const uint8_t *w, int bits, int gr
         act_t a;
         if (quantize(x + i0 * k, mc, &s, &a)) return -1;
         if (bits <= 3)
-            (bits == 2 ? matmul_2_16 : matmul_3_16)(&a, mc, &s, w, out + i0 * n, threads);
+            (bits == 2 ? matmul_2_16 : matmul_3_16)(&a, mc, &s, w, out + i0 * n, first, threads);
         else
-            f[bits == 5 ? 0 : bits == 6 ? 1 : 2][group == 32](&a, mc, &s, w, out + i0 * n, threads);
+            f[bits == 5 ? 0 : bits == 6 ? 1 : 2][group == 32](&a, mc, &s, w, out + i0 * n, first, threads);
         release(&a);
     }
     return 0;

@@ -11,7 +11,10 @@
  * int32). Both sum the same elements into the same lanes, and integer sums are exact, so every variant
  * gives the same bits; the fp32 work around them is the same operations in the same order (the avx512-vnni
  * build's Q4 kernel does each lane's in 512-bit vectors of two tiles: q4_pair in cpu_gemv.c). */
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AMX_INT8__)
+#define AB_ISA "avx512-amx" /* the avx512-vnni kernels, and cpu_bits_amx.c's tiles for many-row 8-bit products */
+#define AB_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define AB_ISA "avx512-vnni"
 #define AB_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
 #elif defined(__AVXVNNI__)

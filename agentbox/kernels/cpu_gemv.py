@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 # one library; cpu_gemv.h: shared
 SOURCES = tuple(SOURCE.with_name(n) for n in ("cpu_gemv.c", "cpu_decode.c", "cpu_bits.c", "cpu_bits_dequant.c",
-                                              "cpu_hybrid.c", "cpu_moe.c"))
+                                              "cpu_hybrid.c", "cpu_moe.c", "cpu_bits_amx.c"))
 BLOCK = 32
 # fp-contract off: every variant must round the same products the same way (a fused a * b + c is one rounding)
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -48,6 +48,7 @@ _c_i64, _c_ptr, _c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 class Isa(enum.Enum):
     """The library's variants, best first; the value is the name the built library reports (AB_ISA)."""
 
+    AVX512_AMX = "avx512-amx"  # avx512-vnni, plus AMX int8 tiles for many-row 8-bit products (cpu_bits_amx.c)
     AVX512_VNNI = "avx512-vnni"  # vpdpbusd on 256-bit vectors (EVEX), 32 vector registers
     AVX_VNNI = "avx-vnni"  # vpdpbusd (VEX): AVX2 laptops and desktops since Alder Lake, Zen 5
     AVX2 = "avx2"  # vpmaddubsw + vpmaddwd, as llama.cpp's AVX2 dot products
@@ -55,20 +56,23 @@ class Isa(enum.Enum):
     @property
     def cc_flags(self) -> tuple[str, ...]:
         base = ("-mavx2", "-mfma", "-mf16c")
-        return base + {Isa.AVX2: (), Isa.AVX_VNNI: ("-mavxvnni",),
-                       Isa.AVX512_VNNI: ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")}[self]
+        avx512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+        return base + {Isa.AVX2: (), Isa.AVX_VNNI: ("-mavxvnni",), Isa.AVX512_VNNI: avx512,
+                       Isa.AVX512_AMX: (*avx512, "-mamx-tile", "-mamx-int8")}[self]
 
     @property
     def cpu_flags(self) -> frozenset[str]:
         """/proc/cpuinfo flags the variant needs."""
         base = {"avx2", "fma", "f16c"}
-        return frozenset(base | {Isa.AVX2: set(), Isa.AVX_VNNI: {"avx_vnni"},
-                                 Isa.AVX512_VNNI: {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}[self])
+        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+        return frozenset(base | {Isa.AVX2: set(), Isa.AVX_VNNI: {"avx_vnni"}, Isa.AVX512_VNNI: avx512,
+                                 Isa.AVX512_AMX: avx512 | {"amx_tile", "amx_int8"}}[self])
 
 
 def pick_isa(flags: set[str] | frozenset[str]) -> Isa | None:
-    """The best variant a CPU with these /proc/cpuinfo flags runs, or None (no AVX2 + FMA + F16C). AMX is left
-    out: llama.cpp's AMX build needs the OS's tile permission, and it was never measured faster here."""
+    """The best variant a CPU with these /proc/cpuinfo flags runs, or None (no AVX2 + FMA + F16C). The AMX variant
+    runs where the OS also grants the tile state; where it does not, its many-row 8-bit products take its VNNI
+    kernels (cpu_bits_amx.c), the same bits."""
     return next((isa for isa in Isa if isa.cpu_flags <= flags), None)
 
 
