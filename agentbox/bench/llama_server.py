@@ -82,6 +82,19 @@ def vendored_tree(cache: Path, converter_only: bool = False) -> Path | None:
     return tree if (tree / marker).is_file() else None
 
 
+def _without_amx() -> list[str]:
+    """CMake flags that keep llama.cpp's AMX kernels out of a native build on a CPU with AMX: in this tree they stop
+    on SIGILL at their first `tilezero` (its Q8_0 / Q4_K buffer type, on by default; seen on a 2-core KVM Xeon that
+    grants the tile state, where agentbox's own tiles run), so llama-server could not load a Q8_0 or Q4_K_M file.
+    `--no-repack` would avoid them too, but also turns off its x86 Q4_K repack."""
+    from agentbox.kernels.cpu_gemv import cpu_flags
+
+    if "amx_tile" not in cpu_flags():
+        return []
+    off = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return [f"-DCMAKE_C_FLAGS={off}", f"-DCMAKE_CXX_FLAGS={off}"]
+
+
 def build(cache: Path | None = None, jobs: int | None = None) -> Path:
     """Compile llama-server from the vendored tree, native to this CPU; returns the binary. Errors name what is
     missing (cmake, a compiler, the sdist) and where the build's output went."""
@@ -96,7 +109,7 @@ def build(cache: Path | None = None, jobs: int | None = None) -> Path:
     log = cache / "build.log"
     steps = (
         ["cmake", "-S", str(tree), "-B", str(tree / "build"), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
-         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
+         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *_without_amx()],
         ["cmake", "--build", str(tree / "build"), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 2)],
     )
     with open(log, "w") as out:
