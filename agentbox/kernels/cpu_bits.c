@@ -304,8 +304,9 @@ static inline __attribute__((always_inline)) void tile(const act_t *a, int64_t m
     if (i < m) rows(a, i, 1, s, w + j * rb, out + j, valid, bits, group);
 }
 
-/* Weight rows `first` (a multiple of NR) onwards. One function and OpenMP region per (bits, group): GCC outlines a region before inlining, so a region in an
- * inlined helper is one function for all six pairs, with bits and group as run-time values (2x slower). */
+/* Weight rows `first` (a multiple of NR) onwards. One function and OpenMP region per (bits, group): GCC outlines a
+ * region before inlining, so a region in an inlined helper is one function for all six pairs, with bits and group
+ * as run-time values (2x slower). */
 #define SPECIALISE(B, G)                                                                                        \
     static void matmul_##B##_##G(const act_t *a, int64_t m, const shape_t *s, const uint8_t *w, float *out,  \
                                  int64_t first, int threads) {                                                 \
