@@ -60,9 +60,9 @@ int ab_bits_amx_ready(void) {
     return granted > 0;
 }
 
-/* Tiles 0, 1 and 2, 3: the two halves' int32 sums (16 weight rows x 16 activation rows) of an even and an odd block (so one block's products
- * run while the previous one's are scaled); 4, 5: the weight halves (16 rows x 16 codes); 6, 7: the activation
- * halves (4 rows x 64 bytes). The configuration is per thread. */
+/* Tiles 0, 1 and 2, 3: the two halves' int32 sums (16 weight rows x 16 activation rows) of an even and an odd block
+ * (so one block's products run while the previous one's are scaled); 4, 5: the weight halves (16 rows x 16 codes);
+ * 6, 7: the activation halves (4 rows x 64 bytes). The configuration is per thread. */
 static void tiles_on(void) {
     amx_cfg_t cfg;
     memset(&cfg, 0, sizeof(cfg));
