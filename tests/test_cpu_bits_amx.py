@@ -62,3 +62,19 @@ def test_few_rows_and_other_formats_keep_the_vnni_kernel() -> None:
     cb.bits_matmul(torch.randn(min_rows - 1, 64, generator=g), q8)  # a decode step's few rows
     cb.bits_matmul(torch.randn(64, 64, generator=g), q6)  # Q6_K: not on the tiles
     assert calls.value == before
+
+
+def test_doctor_says_when_the_os_refuses_the_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = _amx()
+    assert "refused" not in cg.describe()
+
+    class Refused:  # the library as it answers on a kernel that refuses arch_prctl(ARCH_REQ_XCOMP_PERM)
+        def __getattr__(self, name: str) -> object:
+            return getattr(lib, name)
+
+        @staticmethod
+        def ab_bits_amx_ready() -> int:
+            return 0
+
+    monkeypatch.setattr(cg, "_lib", lambda: Refused())
+    assert "avx512-amx" in cg.describe() and "AMX tiles refused by the OS" in cg.describe()

@@ -241,6 +241,8 @@ def describe() -> str:
     picked = isa()
     flags = " ".join(f for f in ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni") if f in cpu_flags())
     why_not = "".join(f"; not {variant.value}: {why}" for variant, why in passed_over())
+    if picked is Isa.AVX512_AMX and not _lib().ab_bits_amx_ready():  # the request the first tile call makes anyway
+        why_not += "; AMX tiles refused by the OS (Linux 5.16+ grants them): its VNNI kernels run"
     if picked is None:
         return f"unavailable ({unavailable_reason()}): quantised layers are dequantised ({cpu_model()}; {flags or 'no AVX2'})"
     return f"{picked.value} ({cpu_model()}; {flags}{why_not})"
