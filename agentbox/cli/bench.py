@@ -269,7 +269,7 @@ def bench_spec(
 def bench_cpu_rows(
     threads: int = typer.Option(1, "--threads", min=1, help="CPU threads"),
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
-    isa: str | None = typer.Option(None, "--isa", help="kernel variant to run (avx512-vnni, avx-vnni, avx2; default: the picked one)"),  # noqa: UP007
+    isa: str | None = typer.Option(None, "--isa", help="kernel variant to run (avx512-amx, avx512-vnni, avx-vnni, avx2; default: the picked one)"),  # noqa: UP007
 ) -> None:
     """Per-row cost of the CPU kernels at 1 to 16 rows.
 
