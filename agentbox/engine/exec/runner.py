@@ -320,7 +320,8 @@ class ModelRunner:
             self._hidden = hidden
         if not step.sample_rows.numel():
             return None
-        return self.loaded.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()
+        with torch_threads(meta.cpu_threads):  # the LM head is a decode step's largest matrix: the step's cores
+            return self.loaded.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()
 
     # ---- rank 0: one whole step ----
 
