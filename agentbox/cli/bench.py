@@ -180,7 +180,7 @@ def bench_llamacpp(
     turns: int = typer.Option(8, "--turns", min=2, help="--server: turns per session"),
     convert: str | None = typer.Option(None, "--convert", help="an HF checkpoint folder to convert with llama.cpp's own converter (f16) and compare on"),  # noqa: UP007
     serve_arg: list[str] = typer.Option([], "--serve-arg", help="--server: an argument for agentbox serve (repeatable), e.g. --serve-arg=--speculative=off"),
-    out: str | None = typer.Option(None, "--out", help="--server: folder for the servers' logs and per-run records"),  # noqa: UP007
+    out: str | None = typer.Option(None, "--out", help="--server: folder for the servers' logs (default: a new one in the system's temporary folder)"),  # noqa: UP007
     json_out: Path | None = typer.Option(None, "--json-out", help="also write the JSON here"),  # noqa: UP007
 ) -> None:
     """Our engine against llama.cpp's llama-server on one GGUF.
@@ -188,6 +188,7 @@ def bench_llamacpp(
     Single stream: prefill and decode per kernel at the same thread count. With --server: the agent workload
     (1 and 4 sessions x 8 turns over a 2,000-token prompt) against llama-server with -np N, its default slot
     matching and -sps 0: wall time, history reused, later-turn first token, decode tok/s."""
+    import tempfile
     import time
 
     from agentbox.bench import llama_server
@@ -201,7 +202,8 @@ def bench_llamacpp(
         from agentbox.bench.llamacpp_agents import AgentWorkload, compare_agents
 
         workload = AgentWorkload(sessions=tuple(sorted(set(sessions))), turns=turns)
-        out_dir = Path(out or f"bench/results/llamacpp-agents-{time.strftime('%Y%m%d-%H%M%S')}")
+        # Not in the working tree: a run's logs are not results (several runs' logs were committed by mistake).
+        out_dir = Path(out or tempfile.mkdtemp(prefix=f"agentbox-llamacpp-agents-{time.strftime('%Y%m%d-%H%M%S')}-"))
         report = compare_agents(gguf, binary, out_dir, workload, threads=threads, serve_args=serve_arg)
     else:
         from agentbox.bench.llamacpp import compare_llamacpp
