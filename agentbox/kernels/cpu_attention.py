@@ -105,7 +105,8 @@ def _amx_library() -> tuple[ctypes.CDLL | None, str]:
     missing = AMX_CPU_FLAGS - cpu_flags()
     if missing:
         return None, f"this CPU lacks {', '.join(sorted(missing))}"
-    target, why = compile_cached("cpu_attention-amx", (AMX_SOURCE,), AMX_FLAGS, hashed=(SPREAD,))
+    target, why = compile_cached("cpu_attention-amx", (AMX_SOURCE,), AMX_FLAGS,
+                                 hashed=(SPREAD, AMX_SOURCE.with_name("amx_tiles.h")))
     if target is None:
         return None, why
     lib = ctypes.CDLL(str(target))

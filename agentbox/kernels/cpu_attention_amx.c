@@ -37,8 +37,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "amx_tiles.h"
 
 
 #define ASB 512        /* keys per span (a multiple of 32; 512 measured 4 % faster than 256, 1024 and 128 slower) */
@@ -53,24 +53,13 @@
  * 0.84 ms over 16k (fp32: 1.13). */
 #define AMX_MIN_RANGE 2048
 #define LOG2E_A 1.4426950408889634f
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
-/* Linux hands out the 8 KB tile state only on request, once per process; 0 when granted. */
-int ab_amx_init(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 0 : 1; }
+/* 0 when the OS granted the tile state (amx_tiles.h). */
+int ab_amx_init(void) { return amx_request() ? 0 : 1; }
 
 static void tiles_on(void) {
-    tilecfg_t cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 16 x 16 fp32, or 16 x 32 bf16 */
-    _tile_loadconfig(&cfg);
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64}; /* 16 x 16 fp32, or 16 x 32 bf16 */
+    amx_configure(rows, colsb);
 }
 
 /* x rounded to bf16 (nearest even), as an fp32 whose low 16 bits are zero. */

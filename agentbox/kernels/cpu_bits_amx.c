@@ -36,41 +36,23 @@ int64_t ab_amx_calls;
 
 #ifdef __AMX_INT8__
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
+#include "amx_tiles.h"
+
 #define TM 16 /* activation rows of a tile product */
 #define TN 16 /* weight rows of a tile product: 16 rows x 2 halves are 32 fp32 accumulators, more than the registers
                * hold beside the operands, so a few spill; 8 rows (none spill) took more tile loads and stores per
                * product and were slower (1536 x 2048, 128 rows, two threads: 258 GMAC/s against 293) */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_cfg_t;
-
-/* 1: granted, -1: refused, 0: not asked yet. A process-wide permission: two threads asking at once is harmless. */
-static int granted;
-
-int ab_bits_amx_ready(void) {
-    if (!granted) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return granted > 0;
-}
+int ab_bits_amx_ready(void) { return amx_request(); }
 
 /* Tiles 0, 1 and 2, 3: the two halves' int32 sums (16 weight rows x 16 activation rows) of an even and an odd block
  * (so one block's products run while the previous one's are scaled); 4, 5: the weight halves (16 rows x 16 codes);
  * 6, 7: the activation halves (4 rows x 64 bytes). The configuration is per thread. */
 static void tiles_on(void) {
-    amx_cfg_t cfg;
-    memset(&cfg, 0, sizeof(cfg));
-    cfg.palette = 1;
-    for (int t = 0; t < 4; t++) cfg.rows[t] = TN, cfg.colsb[t] = 64;
-    for (int t = 4; t < 6; t++) cfg.rows[t] = TN, cfg.colsb[t] = 16;
-    for (int t = 6; t < 8; t++) cfg.rows[t] = 4, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
+    static const uint8_t rows[8] = {TN, TN, TN, TN, TN, TN, 4, 4};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 16, 16, 64, 64};
+    amx_configure(rows, colsb);
 }
 
 /* The activations as B tiles: q [tiles][nb][2][4][16][4] (tile of 16 rows, block, half, then tdpbssd's B layout:

@@ -1,0 +1,40 @@
+/* What both AMX kernels (cpu_attention_amx.c, cpu_bits_amx.c) need from the OS and the tile unit: the permission
+ * to use the tile state, and a tile configuration. They build into different shared libraries, so each library
+ * asks once for itself; the permission is per process, so asking twice is harmless. */
+#ifndef AB_AMX_TILES_H
+#define AB_AMX_TILES_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux hands out the 8 KB tile state only on request (5.16+). 1: granted, -1: refused, 0: not asked yet; two
+ * threads asking at once both get the same answer. */
+static int amx_granted;
+
+static int amx_request(void) {
+    if (!amx_granted) amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return amx_granted > 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg_t;
+
+/* Loads palette 1 with tiles 0 .. 7 of rows[t] rows of colsb[t] bytes; the configuration is the calling thread's. */
+static void amx_configure(const uint8_t rows[8], const uint16_t colsb[8]) {
+    amx_cfg_t cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = rows[t], cfg.colsb[t] = colsb[t];
+    _tile_loadconfig(&cfg);
+}
+
+#endif
