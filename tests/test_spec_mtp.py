@@ -83,6 +83,26 @@ def _two_turns(path: Path, spec: Speculative) -> tuple[list[list[int]], int, dic
     return outs, cached, {"mode": spec_stats.mode, **spec_stats.drafters}
 
 
+def test_the_head_runs_on_the_steps_cores(checkpoint, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # noqa: ANN001
+    """The head's layer and LM head after each step take the step's cores (every core while they are spare),
+    not the engine's own count (all but one): on two cores they ran on one."""
+    import os
+
+    from agentbox.engine.exec.cpu_threads import Spare
+
+    path, _ = checkpoint
+    with _engine(path, Speculative.MTP, spec_mtp_tokens=2) as llm:
+        runner = llm.core.runner
+        runner.spare = Spare(tmp_path / "missing")  # no /proc/stat: every core counts as spare
+        seen: list[int] = []
+        real = runner.mtp.execute
+        monkeypatch.setattr(runner.mtp, "execute", lambda plan, hidden: (seen.append(torch.get_num_threads()),
+                                                                        real(plan, hidden))[1])
+        llm.generate([TRAIN[0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        cores = os.cpu_count() or 1
+        assert seen and set(seen) == {max(cores, torch.get_num_threads())}, (seen, cores)
+
+
 def test_greedy_is_the_same_with_mtp_suffix_both_and_off(checkpoint) -> None:  # noqa: ANN001
     path, _ = checkpoint
     plain, cached_plain, off = _two_turns(path, Speculative.OFF)

@@ -195,6 +195,7 @@ class ModelRunner:
                                self.max_model_len)
                     if lm.model.mtp is not None and config.speculative.uses_mtp else None)
         self._hidden: torch.Tensor | None = None  # the last step's hidden states, for the MTP head
+        self._mtp_threads: int | None = None  # and the step's CPU threads, which the head runs on too
 
     # ---- rank 0: Requests -> StepInputs ----
 
@@ -317,7 +318,7 @@ class ModelRunner:
             if ended:
                 self.state_cache.copy(ended, [row + self.num_rows for row in ended])
         if self.mtp is not None:
-            self._hidden = hidden
+            self._hidden, self._mtp_threads = hidden, meta.cpu_threads
         if not step.sample_rows.numel():
             return None
         with torch_threads(meta.cpu_threads):  # the LM head is a decode step's largest matrix: the step's cores
@@ -369,7 +370,8 @@ class ModelRunner:
         """Every rank: the MTP head's part of the last step (engine/exec/mtp.py); the drafts of its chains."""
         assert self.mtp is not None and self._hidden is not None, "an MTP step follows a step of a model with a head"
         hidden, self._hidden = self._hidden, None
-        return self.mtp.execute(plan, hidden)
+        with torch_threads(self._mtp_threads):  # a layer and the LM head: the step's cores, not the engine's one
+            return self.mtp.execute(plan, hidden)
 
 
 def _handle_of(s: ScheduledSeq) -> SeqCache:
