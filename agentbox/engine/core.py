@@ -72,7 +72,7 @@ class EngineCore:
             self.workers.watch(on_rank_death or self._note_death)
         r = self.runner
         self.cache = build_cache(config, CacheShape(
-            kv=r.kv_cache, num_pages=r.num_pages, page_size=r.page_size, num_rows=r.num_rows,
+            kv=r.kv_cache, num_pages=r.num_pages, page_size=config.page_size, num_rows=r.num_rows,
             state=r.state_cache, num_snapshots=r.num_snapshots, num_host_snapshots=r.num_host_snapshots,
             state_in_place=r.state_in_place,
         ))
@@ -131,7 +131,7 @@ class EngineCore:
             vocab_size=lm.vocab_size,
             eos_token_ids=sorted(self.eos_token_ids),
             num_pages=self.runner.num_pages,
-            page_size=self.runner.page_size,
+            page_size=self.config.page_size,
             attention_backend=self.runner.backend.name,
             device=str(self.runner.device),
             dtype=self.config.resolved_dtype,
