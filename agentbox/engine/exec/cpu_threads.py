@@ -7,8 +7,9 @@ many times slower (a 2,000-token prefill on two threads took 54 s instead of 2.3
 processes on the two cores; llama.cpp's threads fall from ~40 to ~4 tok/s the same way). On an otherwise idle
 2-core EPYC every core is worth it, decode included: the API process's own work a token (detokenize, stream) is
 a few percent of a core. Measured with the issue-52 agent workload, one session: the Qwen3.5 hybrid's decode 98
--> 126 tok/s and its wall 20.8 -> 17.3 s, SmolLM2's decode 42 -> 52 tok/s. The count covers the whole step, LM head and MTP head included (they ran
-on the engine's one thread until the ninth session: the hybrid's one-session wall 13.4 -> 12.1 s on a 2-core Xeon).
+-> 126 tok/s and its wall 20.8 -> 17.3 s, SmolLM2's decode 42 -> 52 tok/s. The count covers the whole step, the
+LM head and the MTP head included (they ran on the engine's one thread until the ninth session: the hybrid's
+one-session wall 13.4 -> 12.1 s on a 2-core Xeon).
 """
 
 from __future__ import annotations

@@ -307,21 +307,21 @@ class ModelRunner:
         entries = {t: EntryStep(t, self._entries_per_page(t), self.page_size, step.entry_slots[j].to(dev),
                                 meta.page_table, step.query_lens, step.kv_lens)
                    for j, t in enumerate(self.entry_groups)}
-        with forward_context(self.backend, meta, state=state, entries=entries), torch_threads(meta.cpu_threads):
-            if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.kv_cache):
-                hidden = self.cpu_decode.run(step.input_ids.to(dev), step.positions.to(dev))
-            else:
-                hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
-        if state is not None and not self.state_in_place:  # sequences ending on a page boundary: state kept aside
-            ended = [row for row, kv, verify in zip(state.slots, step.kv_lens, state.pending, strict=True)
-                     if kv % self.page_size == 0 and not verify]  # a verify's copy is taken at its commit
-            if ended:
-                self.state_cache.copy(ended, [row + self.num_rows for row in ended])
-        if self.mtp is not None:
-            self._hidden, self._mtp_threads = hidden, meta.cpu_threads
-        if not step.sample_rows.numel():
-            return None
-        with torch_threads(meta.cpu_threads):  # the LM head is a decode step's largest matrix: the step's cores
+        with torch_threads(meta.cpu_threads):  # the whole step, its largest matrix (the LM head) included
+            with forward_context(self.backend, meta, state=state, entries=entries):
+                if self.cpu_decode is not None and self.cpu_decode.fits(meta, self.kv_cache):
+                    hidden = self.cpu_decode.run(step.input_ids.to(dev), step.positions.to(dev))
+                else:
+                    hidden = self.loaded.model(step.input_ids.to(dev), step.positions.to(dev))
+            if state is not None and not self.state_in_place:  # sequences ending on a page boundary: state kept aside
+                ended = [row for row, kv, verify in zip(state.slots, step.kv_lens, state.pending, strict=True)
+                         if kv % self.page_size == 0 and not verify]  # a verify's copy is taken at its commit
+                if ended:
+                    self.state_cache.copy(ended, [row + self.num_rows for row in ended])
+            if self.mtp is not None:
+                self._hidden, self._mtp_threads = hidden, meta.cpu_threads
+            if not step.sample_rows.numel():
+                return None
             return self.loaded.model.compute_logits(hidden[step.sample_rows.to(dev)]).float()
 
     # ---- rank 0: one whole step ----
