@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from agentbox.config import CPU_PAGE_SIZE
 from agentbox.hub.embedded import INSTALL_HINT, embedded_model_path
 
 # Tests never read or write the user's state: agentbox's state directory (server.json, server.log, models and
@@ -124,7 +125,7 @@ def live_server(smollm2_path: Path, agentbox_home: Path):  # noqa: ANN201 - yiel
         "--port",
         str(port),
         "--num-pages",
-        "512",
+        str(8192 // CPU_PAGE_SIZE),
         "--max-num-seqs",
         "16",
         "--max-model-len",

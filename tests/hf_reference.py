@@ -61,7 +61,7 @@ def session_turns(llm: LLM, history: dict[str, list[int]], sp: SamplingParams, f
     """The sessions' turns, interleaved: each later turn re-sends its history, its answer and 2 + turn new ids
     (from `first_id` up, under 250 + first_id) and must resume from what the last turn left (at most a page and
     the new ids recomputed). Every (prompt, answer), in order; the cache is checked after each turn."""
-    page, asked = llm.core.config.page_size, []
+    page, asked = llm.core.runner.page_size, []
     for turn in range(turns):
         sids = list(history)
         outs = llm.generate(list(history.values()), sp, session_ids=sids)

@@ -14,6 +14,8 @@ from pathlib import Path
 import openai
 from agents import run_agents
 
+from agentbox.config import CPU_PAGE_SIZE
+
 TOOLS = "You are a coding agent. Tools: read_file(path), write_file(path, text), run(cmd). "  # ~20 tokens
 
 
@@ -25,12 +27,12 @@ def tool_result(k: int, turn: int) -> str:
     return "".join(f"test_{k}_{turn}_{i}: {'ok' if i % 3 else 'FAILED'}\n" for i in range(5 + (k + 2 * turn) % 7))
 
 
-def serve(model: Path, home: Path, *flags: str, pages: int = 2200) -> tuple[str, dict]:
+def serve(model: Path, home: Path, *flags: str, pool_tokens: int = 35200) -> tuple[str, dict]:
     port = int(subprocess.check_output([sys.executable, "-c", "import socket; s=socket.socket(); "
                                         "s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"]))
     env = {**os.environ, "AGENTBOX_HOME": str(home)}
     cmd = [sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(port),
-           "--num-pages", str(pages), "--max-model-len", "8192", "--exact-cpu", "--host-cache-gb", "0", *flags]
+           "--num-pages", str(pool_tokens // CPU_PAGE_SIZE), "--max-model-len", "8192", "--exact-cpu", "--host-cache-gb", "0", *flags]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     return f"http://127.0.0.1:{port}", env
@@ -75,13 +77,13 @@ def conversations(url: str, base: int = 60, step: int = 53) -> tuple[list[float]
 
 
 def cold_and_warm(model: Path, tmp: Path, base: int = 60, step: int = 53,
-                  pages: int = 2200) -> dict[str, tuple[list[float], list[int], Answers, list[int]]]:
+                  pool_tokens: int = 35200) -> dict[str, tuple[list[float], list[int], Answers, list[int]]]:
     """The conversations served twice: "off" with snapshots off (`--state-snapshots 0`: a later turn resumes
     nothing, as a stateful model must when no snapshot describes its state, so every answer is a cold run), "on"
     with them on."""
     results = {}
     for name, flags in (("off", ("--state-snapshots", "0")), ("on", ("--state-snapshots", "32"))):
-        url, env = serve(model, tmp / f"home-{name}", *flags, pages=pages)
+        url, env = serve(model, tmp / f"home-{name}", *flags, pool_tokens=pool_tokens)
         try:
             results[name] = conversations(url, base, step)
         finally:

@@ -13,6 +13,7 @@ import pytest
 from agentbox.bench import llama_server
 from agentbox.bench.llamacpp_agents import AgentWorkload, compare_agents, decode_tok_s, history_reuse, targets
 from agentbox.bench.stats import TurnRecord
+from agentbox.config import CPU_PAGE_SIZE
 
 
 def _rec(session: str, turn: int, prompt: int, cached: int | None, out: int = 5, ttft: float = 0.1,
@@ -73,7 +74,7 @@ def test_agent_workload_over_http(smollm2_path: Path, tmp_path: Path) -> None:
     binary = llama_server.find_binary()
     workload = AgentWorkload(sessions=(2,), turns=3, prefix_tokens=300, result_tokens=40, output_tokens=8, wait_s=0.0)
     report = compare_agents(str(smollm2_path), binary, tmp_path, workload, threads=os.cpu_count() or 1,
-                            serve_args=["--device", "cpu", "--num-pages", "256"])
+                            serve_args=["--device", "cpu", "--num-pages", str(4096 // CPU_PAGE_SIZE)])
     run = report["runs"]["2_sessions"]
     ours = run["rows"]["agentbox"]
     assert ours["errors"] == 0 and ours["turns"] == 6

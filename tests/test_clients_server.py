@@ -15,6 +15,8 @@ import anthropic
 import httpx
 import pytest
 
+from agentbox.config import CPU_PAGE_SIZE
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 pytestmark = pytest.mark.slow
 TOOL = {"name": "read_file", "description": "Read one file.",
@@ -67,7 +69,7 @@ def test_max_model_len_above_the_models_is_an_error(smollm2_path: Path, smollm2_
 
     with pytest.raises(ValueError, match="--max-model-len 32768 is above the 8192 positions this model supports"):
         EngineCore(EngineConfig(model=str(smollm2_path), max_model_len=32768, num_pages=64), loaded=smollm2_loaded)
-    assert EngineCore(EngineConfig(model=str(smollm2_path), max_model_len=4096, num_pages=512),
+    assert EngineCore(EngineConfig(model=str(smollm2_path), max_model_len=4096, num_pages=8192 // CPU_PAGE_SIZE),
                       loaded=smollm2_loaded).max_model_len == 4096
 
 
@@ -83,7 +85,7 @@ def keyed_server(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory): 
     env = {**os.environ, "AGENTBOX_HOME": str(home / "state"), "HOME": str(home / "home")}
     (home / "home").mkdir()
     r = subprocess.run([sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(smollm2_path), "--port", str(port),
-                        "--num-pages", "256", "--max-model-len", "2048", "--api-key", "sekrit"],
+                        "--num-pages", str(4096 // CPU_PAGE_SIZE), "--max-model-len", "2048", "--api-key", "sekrit"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     try:

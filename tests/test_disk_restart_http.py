@@ -16,6 +16,7 @@ import pytest
 from openai import OpenAI
 from rich.console import Console
 
+from agentbox.config import CPU_PAGE_SIZE
 from agentbox.tui import panels, session_table
 from tests.conftest import _free_port
 
@@ -32,7 +33,7 @@ def _agentbox(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[st
 
 
 def _serve(env: dict[str, str], model: Path, port: int) -> None:
-    r = _agentbox(env, "serve", "--model", str(model), "--port", str(port), "--num-pages", "400",
+    r = _agentbox(env, "serve", "--model", str(model), "--port", str(port), "--num-pages", str(6400 // CPU_PAGE_SIZE),
                   "--max-model-len", "8192", "--max-num-batched-tokens", "2048", "--disk-cache-gb", "2")
     assert r.returncode == 0, r.stderr + Path(env["AGENTBOX_HOME"], "server.log").read_text()
 

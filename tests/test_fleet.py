@@ -31,6 +31,7 @@ import pytest
 from agentbox import fleet as fleet_mod
 from agentbox.bench.tiny_models import save_turn_ending
 from agentbox.clients.routing import routing_headers
+from agentbox.config import CPU_PAGE_SIZE
 from agentbox.server.backend_header import HEADER
 from agentbox.tui.fleet_view import fleet_once
 
@@ -55,7 +56,7 @@ class Backend:
 
     def serve(self, model: Path) -> None:
         r = subprocess.run([sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(self.port),
-                            "--num-pages", "2048", "--max-model-len", "4096"],
+                            "--num-pages", str(32768 // CPU_PAGE_SIZE), "--max-model-len", "4096"],
                            env=self.env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
 

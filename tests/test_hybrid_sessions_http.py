@@ -21,6 +21,8 @@ from agents import run_agents
 from hybrid_models import TEXT, VISION
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
+from agentbox.config import CPU_PAGE_SIZE
+
 pytestmark = pytest.mark.slow
 SYSTEM = "You are a coding agent. Tools: read_file(path), write_file(path, text), run(cmd). " * 12
 
@@ -46,7 +48,7 @@ def _serve(model: Path, home: Path, snapshots: int | None) -> tuple[str, dict]:
                                         "s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"]))
     env = {**os.environ, "AGENTBOX_HOME": str(home)}
     cmd = [sys.executable, "-m", "agentbox.cli.main", "serve", "--model", str(model), "--port", str(port),
-           "--num-pages", "150", "--max-model-len", "2048", "--exact-cpu", "--host-cache-gb", "0"]
+           "--num-pages", str(2400 // CPU_PAGE_SIZE), "--max-model-len", "2048", "--exact-cpu", "--host-cache-gb", "0"]
     if snapshots is not None:
         cmd += ["--state-snapshots", str(snapshots)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

@@ -119,3 +119,18 @@ def test_a_ring_snapshot_taken_exactly_resumes_a_page_back() -> None:
     plain = SnapshotStore(num_rows=2, num_snapshots=4, slot_bytes=100)
     plain.save("a", SnapshotPoint.PROMPT, prompt, 0, exact=True)
     assert plain.find_any(diverged, 32) is None
+
+
+def test_prompt_snapshot_stands_before_the_generation_prompt(hybrid: tuple[LLM, torch.nn.Module]) -> None:
+    """A chat prompt ends in the template's generation prompt, which the next turn renders otherwise (its answer in
+    its place). The prompt snapshot is taken at the last page boundary before that tail (`history_end`), so the
+    next turn resumes there; at the prompt's last boundary (128, past the divergence at 125) it resumed at 0."""
+    llm, hf = hybrid
+    history = [(i * 29 + 3) % 256 for i in range(125)]
+    gen = [7, 8, 9, 10, 11]  # the generation prompt: 130 tokens in all
+    first = llm.generate([history + gen], SP, session_ids=["chat"], history_ends=[len(history)])[0]
+    second = history + [12, 13, *first.token_ids, 14, 15, 16]  # the answer rendered in the history, a tool result
+    out = llm.generate([second], SP, session_ids=["chat"])[0]
+    assert out.num_cached_tokens == 112  # 125 // 16 * 16
+    assert out.token_ids == hf_greedy(hf, second, 6)
+    llm.core.check_integrity()

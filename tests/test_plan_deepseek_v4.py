@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import DeepseekV4Config
 
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE
 from agentbox.hub.engine_support import engine_rejection
 from agentbox.hub.plan import PlanConfig, plan
 from agentbox.hub.profiles import find_profile
@@ -29,7 +29,7 @@ def test_profile_counts_what_the_engine_allocates() -> None:
     with torch.device("meta"):
         model = DeepseekV4ForCausalLM(DeepseekV4Config(architectures=["DeepseekV4ForCausalLM"]))
     layout = model.cache_layout()
-    page = EngineConfig.page_size
+    page = GPU_PAGE_SIZE
     per_page = KVCache.bytes_per_page(layout.kv_specs, page, torch.bfloat16, layout.tokens_per_entry)
     assert profile.kv_bytes_per_token(2) == per_page / page == 7872
     assert layout.state is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers import Gemma4UnifiedConfig
 
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE
 from agentbox.hub.plan import PlanConfig, plan
 from agentbox.hub.profiles import find_profile
 from agentbox.hw.hardware import load_hardware
@@ -64,7 +64,7 @@ def test_gemma4_12b_profile_counts_what_the_engine_allocates() -> None:
     with torch.device("meta"):
         model = Gemma4UnifiedForConditionalGeneration(config)
     layout = model.cache_layout()
-    page = EngineConfig.page_size
+    page = GPU_PAGE_SIZE
     per_page = KVCache.bytes_per_page(layout.kv_specs, page, torch.bfloat16, layout.tokens_per_entry)
     assert profile.kv_bytes_per_token(2) == per_page / page == 2 * 8 * 2 * 512 * 2
     assert layout.state is not None

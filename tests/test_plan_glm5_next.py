@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import Glm5NextConfig
 
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE
 from agentbox.hub.plan import PlanConfig, plan
 from agentbox.hub.profiles import find_profile
 from agentbox.hw.probe import Probe
@@ -32,7 +32,7 @@ def test_profile_counts_what_the_engine_allocates() -> None:
     with torch.device("meta"):
         model = Glm5NextForConditionalGeneration(Glm5NextConfig(architectures=["Glm5NextForConditionalGeneration"]))
     layout = model.cache_layout()
-    page = EngineConfig.page_size
+    page = GPU_PAGE_SIZE
     per_page = KVCache.bytes_per_page(layout.kv_specs, page, torch.bfloat16, layout.tokens_per_entry)
     # 11 latents of 512 and 11 indexer entries of 2 x 128, bf16
     assert profile.kv_bytes_per_token(2) == per_page / page == 11 * (512 + 256) * 2

@@ -16,7 +16,7 @@ from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpForCausalLM
 from typer.testing import CliRunner
 
 from agentbox.cli.main import app
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE
 from agentbox.hub.engine_support import engine_rejection
 from agentbox.hub.plan import Candidate, Plan, PlanConfig, plan
 from agentbox.hub.profiles import Profile, find_profile
@@ -63,7 +63,7 @@ def test_profile_counts_the_reference_shape(profile: Profile) -> None:
     assert qsa == profile.kv_layers_ == 12
     specs = ([KVLayerSpec(cfg.num_key_value_heads, cfg.head_dim)] * qsa
              + [KVLayerSpec(cfg.indexer_kv_heads, cfg.indexer_head_dim, tied=True)] * qsa)
-    page = EngineConfig.page_size
+    page = GPU_PAGE_SIZE
     assert profile.kv_bytes_per_token(2) == KVCache.bytes_per_page(specs, page, torch.bfloat16) / page == 27648
 
     # State a slot: each DeltaNet layer's conv inputs and matrices; each PLE layer's dilated conv inputs (the 4
@@ -167,7 +167,7 @@ def test_profile_counts_what_the_engine_allocates(profile: Profile) -> None:
     with torch.device("meta"):
         model = EngineModel(cfg)
     layout = model.cache_layout()
-    page = EngineConfig.page_size
+    page = GPU_PAGE_SIZE
     per_page = KVCache.bytes_per_page(layout.kv_specs, page, torch.bfloat16, layout.tokens_per_entry)
     assert profile.kv_bytes_per_token(2) == per_page / page
     assert layout.state is not None

@@ -31,7 +31,7 @@ def save_model(d: Path, tokenizer) -> Path:  # noqa: ANN001
 
 def test_qwen4_exp_sessions_over_http(tmp_path: Path, smollm2_tokenizer) -> None:  # noqa: ANN001
     model = save_model(tmp_path / "qwen4-exp-tiny", smollm2_tokenizer)
-    on, off, unlike, lengths = report(cold_and_warm(model, tmp_path, base=50, step=25, pages=900))  # ~1k to 2.5k
+    on, off, unlike, lengths = report(cold_and_warm(model, tmp_path, base=50, step=25, pool_tokens=14400))  # ~1k to 2.5k
     assert min(lengths) >= 1000 and max(lengths) >= 2500
     assert sum(n % 4 != 0 for n in lengths) >= len(lengths) // 2  # turns end off the 4-token block grid
     assert unlike == 0

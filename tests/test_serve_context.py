@@ -67,7 +67,7 @@ def test_a_context_past_free_ram_is_refused_with_one_that_fits(tiny_128k: Path, 
     # a machine with RAM to spare (this test's result must not hang on what else runs here)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: real._replace(available=64 << 30))
     with LLM(EngineConfig(model=str(tiny_128k), max_model_len=65536, device="cpu")) as llm:
-        assert llm.core.max_model_len == 65536 and (llm.core.runner.num_pages - 1) * 16 == 65536
+        assert llm.core.max_model_len == 65536 and (llm.core.runner.num_pages - 1) * llm.core.runner.page_size == 65536
     with LLM(EngineConfig(model=str(tiny_128k), device="cpu")) as llm:
         assert llm.core.max_model_len == 32768  # no flag: the plan's context on CPU, as the note says
 

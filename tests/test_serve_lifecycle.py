@@ -18,7 +18,9 @@ import psutil
 import pytest
 from test_cli_errors import agentbox
 
-SMALL = ["--max-model-len", "512", "--num-pages", "64", "--max-num-seqs", "4"]
+from agentbox.config import CPU_PAGE_SIZE
+
+SMALL = ["--max-model-len", "512", "--num-pages", str(1024 // CPU_PAGE_SIZE), "--max-num-seqs", "4"]
 
 
 def _free_port() -> int:

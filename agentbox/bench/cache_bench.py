@@ -34,7 +34,7 @@ def _timed(llm: LLM, prompt: list[int], session: str, sp: SamplingParams = FIRST
 def cache_report(
     model: str, prefix_tokens: int, question_tokens: int = 32, answer_tokens: int = 16, cpu_threads: int | None = None
 ) -> dict[str, Any]:
-    page = EngineConfig.page_size
+    page = EngineConfig(cpu_threads=cpu_threads).resolved_page_size
     # The pool holds a full 8k context (SmolLM2's) and the turns' tails, so nothing is evicted mid-run.
     need = max(8192, prefix_tokens + 4 * (question_tokens + answer_tokens))
     config = EngineConfig(

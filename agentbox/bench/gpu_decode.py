@@ -29,7 +29,7 @@ from agentbox.bench.throughput import (
     random_prompts,
     transformers_rates,
 )
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE, EngineConfig
 from agentbox.engine.llm import LLM
 from agentbox.layers.backends import ATTENTION_BACKENDS
 from agentbox.models.loader import LoadedModel
@@ -94,7 +94,7 @@ class Shape:
 
 
 def engine_decode(loaded: LoadedModel, shape: Shape, attention: str, enforce_eager: bool) -> dict[str, Any]:
-    pages = max(shape.batches) * -(-(shape.prompt_len + shape.new_tokens) // EngineConfig.page_size) + 8
+    pages = max(shape.batches) * -(-(shape.prompt_len + shape.new_tokens) // GPU_PAGE_SIZE) + 8
     config = EngineConfig(
         device=shape.device, dtype=str(shape.dtype).removeprefix("torch."), attention=attention,
         enforce_eager=enforce_eager, num_pages=pages, max_num_seqs=max(shape.batches), cache_policy="none",

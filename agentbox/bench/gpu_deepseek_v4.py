@@ -25,7 +25,7 @@ import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from agentbox.bench.throughput import built, compare_logits, engine_rates, random_prompts
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE, EngineConfig
 from agentbox.engine.llm import LLM
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
@@ -77,7 +77,7 @@ def report(device: str = "cuda", dtype: str = "bfloat16", config: DeepseekV4Conf
         del hf
         if device == "cuda":
             torch.cuda.empty_cache()
-        pages = -(-(max(prompts) + new_tokens) // EngineConfig.page_size) + 64
+        pages = -(-(max(prompts) + new_tokens) // GPU_PAGE_SIZE) + 64
         llm = LLM(EngineConfig(model=tmp, device=device, dtype=dtype, num_pages=pages, max_num_seqs=1,
                                cache_policy="none", speculative="off"))
         with llm:

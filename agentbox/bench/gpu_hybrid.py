@@ -22,7 +22,7 @@ import torch
 from transformers import PretrainedConfig, Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 from agentbox.bench.throughput import built, compare_logits, engine_rates, random_prompts
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE, EngineConfig
 from agentbox.engine.llm import LLM
 
 BATCHES = (1, 8)
@@ -73,7 +73,7 @@ def report(device: str = "cuda") -> dict[str, Any]:
             ref["fp32"] = [hf(torch.tensor([p], device=device)).logits[0, -1].float() for p in (short, long)]
         del hf
         torch.cuda.empty_cache()
-        pages = max(BATCHES) * -(-(128 + 64) // EngineConfig.page_size) + 64
+        pages = max(BATCHES) * -(-(128 + 64) // GPU_PAGE_SIZE) + 64
         llm = LLM(EngineConfig(model=tmp, device=device, dtype="bfloat16", num_pages=pages, max_num_seqs=max(BATCHES),
                                cache_policy="none"))
         got = [llm.logits(short), llm.logits(long)]

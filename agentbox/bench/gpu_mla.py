@@ -19,7 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, Glm4MoeLiteConfig
 
 from agentbox.bench.throughput import cuda_time, engine_rates, random_model, random_prompts
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE, EngineConfig
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 
@@ -64,7 +64,7 @@ def decode_kernel_check(batch: int, kv_len: int = 2000, heads: int = 20, rank: i
 def decode_check(attention: str, batches: tuple[int, ...] = (1, 8), prompt_len: int = 128, new_tokens: int = 64) -> dict[str, Any]:
     config = glm_flash_config()
     loaded = random_model(config, torch.bfloat16, "cuda")
-    pages = max(batches) * -(-(prompt_len + new_tokens) // EngineConfig.page_size) + 8
+    pages = max(batches) * -(-(prompt_len + new_tokens) // GPU_PAGE_SIZE) + 8
     llm = LLM(EngineConfig(device="cuda", dtype="bfloat16", num_pages=pages, max_num_seqs=max(batches),
                            cache_policy="none", attention=attention), loaded=loaded)
     engine_rates(llm, random_prompts(1, 8, config.vocab_size, 0), 4)  # warm-up (Triton compiles here)

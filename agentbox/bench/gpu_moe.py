@@ -20,7 +20,7 @@ import torch
 from transformers import GptOssConfig, PretrainedConfig, Qwen3MoeConfig
 
 from agentbox.bench.throughput import cuda_time, engine_rates, logits_check, random_model, random_prompts
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE, EngineConfig
 from agentbox.engine.llm import LLM
 
 
@@ -77,7 +77,7 @@ def decode_check(batches: tuple[int, ...] = (1, 16), prompt_len: int = 128, new_
     loaded = random_model(config, torch.bfloat16, "cuda")
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
-    pages = max(batches) * -(-(prompt_len + new_tokens) // EngineConfig.page_size) + 8
+    pages = max(batches) * -(-(prompt_len + new_tokens) // GPU_PAGE_SIZE) + 8
     llm = LLM(
         EngineConfig(device="cuda", dtype="bfloat16", num_pages=pages, max_num_seqs=max(batches), cache_policy="none"),
         loaded=loaded,

@@ -28,7 +28,7 @@ from transformers import PretrainedConfig, Qwen3_5Config, Qwen3_5ForConditionalG
 
 from agentbox.bench.mtp_head import train_head
 from agentbox.bench.throughput import built, engine_rates, random_prompts
-from agentbox.config import EngineConfig, Speculative
+from agentbox.config import GPU_PAGE_SIZE, EngineConfig, Speculative
 from agentbox.engine.llm import LLM
 from agentbox.engine.sampling import SamplingParams
 
@@ -84,7 +84,7 @@ def report(device: str = "cuda", dtype: str = "bfloat16", config: PretrainedConf
     text = config.get_text_config()
     torch_dtype = getattr(torch, dtype)
     ids = random_prompts(prompts, prompt_len, text.vocab_size, seed=3)
-    pages = 4 * -(-(prompt_len + new_tokens + 8) // EngineConfig.page_size) + 16
+    pages = 4 * -(-(prompt_len + new_tokens + 8) // GPU_PAGE_SIZE) + 16
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if device == "cuda" else device,
                            "layers": text.num_hidden_layers, "dtype": dtype}
     with tempfile.TemporaryDirectory(prefix="agentbox-mtp-") as tmp:

@@ -18,7 +18,7 @@ import torch
 from transformers import LlamaConfig
 
 from agentbox.bench.throughput import random_model
-from agentbox.config import EngineConfig
+from agentbox.config import CPU_PAGE_SIZE, EngineConfig
 from agentbox.engine.core import EngineCore
 from agentbox.engine.request import Request, Status
 from agentbox.engine.sampling import SamplingParams
@@ -62,7 +62,7 @@ def _small(max_len: int) -> LlamaConfig:
 
 def _decoding(core: EngineCore, batch: int, context: int) -> list[Request]:
     """`batch` requests as if their `context`-token prompts were prefilled: pages held, running."""
-    ps = core.config.page_size
+    ps = core.runner.page_size
     reqs = []
     for i in range(batch):
         params = SamplingParams(max_tokens=1 << 20, ignore_eos=True)
@@ -81,7 +81,7 @@ def _decoding(core: EngineCore, batch: int, context: int) -> list[Request]:
 
 def host_step_us(batch: int, context: int, steps: int = 200) -> dict[str, float]:
     """Median microseconds per decode step of schedule + prepare + pack, and of the legacy preparation."""
-    ps = EngineConfig.page_size
+    ps = CPU_PAGE_SIZE
     pages = batch * (-(-(context + 2 * steps + 2) // ps) + 1) + 8
     config = EngineConfig(model="random", device="cpu", dtype="float32", cache_policy="none", num_pages=pages,
                           max_num_seqs=batch, max_num_batched_tokens=max(batch, 64), cpu_threads=1)
@@ -127,7 +127,7 @@ def step_report(contexts: tuple[int, int] = (1024, 32768), batches: tuple[int, .
 def decode_step_ms(context: int, steps: int = 12) -> dict[str, float]:
     """Median milliseconds of a whole batch-1 decode step (core.step) at `context` tokens, torch backend's
     view path and gather path alternating step by step on the same engine."""
-    ps = EngineConfig.page_size
+    ps = CPU_PAGE_SIZE
     config = EngineConfig(model="random", device="cpu", dtype="float32", cache_policy="none",
                           num_pages=-(-(context + 2 * steps + 8) // ps) + 4, max_num_seqs=1, attention="torch",
                           cpu_threads=1)

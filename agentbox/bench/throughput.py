@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList, PretrainedConfig
 
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE, EngineConfig
 from agentbox.engine.exec.runner import DTYPES
 from agentbox.engine.ipc.messages import AddRequest
 from agentbox.engine.llm import LLM
@@ -179,7 +179,7 @@ def compare_throughput(
         cpu_threads=cpu_threads,
         cache_policy="none",
         max_num_seqs=max(batches),
-        num_pages=max(batches) * -(-(prompt_len + new_tokens) // EngineConfig.page_size) + 8,
+        num_pages=max(batches) * -(-(prompt_len + new_tokens) // EngineConfig(device=device).resolved_page_size) + 8,
     )
     llm = LLM(config)  # sets the torch thread count on CPU; transformers runs under the same setting
     torch_dtype = DTYPES[config.resolved_dtype]
@@ -228,7 +228,7 @@ def tp_comparison(
         config = EngineConfig(
             model=model, device=device, dtype=dtype, cache_policy="none", tensor_parallel_size=size,
             max_num_seqs=max(batches),
-            num_pages=max(batches) * -(-(prompt_len + new_tokens) // EngineConfig.page_size) + 8,
+            num_pages=max(batches) * -(-(prompt_len + new_tokens) // EngineConfig(device=device).resolved_page_size) + 8,
         )
         with LLM(config) as llm:
             vocab = llm.loaded.vocab_size
@@ -364,7 +364,7 @@ def gpu_report(batches: tuple[int, ...] = (1, 32), prompt_len: int = 128, new_to
     loaded = random_model(config, torch.bfloat16, device)
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
-    pages = max(batches) * -(-(prompt_len + new_tokens) // EngineConfig.page_size) + 8
+    pages = max(batches) * -(-(prompt_len + new_tokens) // GPU_PAGE_SIZE) + 8
     llm = LLM(
         EngineConfig(device=device, dtype="bfloat16", num_pages=pages, max_num_seqs=max(batches), cache_policy="none"),
         loaded=loaded,

@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from agentbox.config import CPU_PAGE_SIZE
 from agentbox.kernels.cpu_gemv import cpu_model
 
 WORDS = ("the file function returns value error test module import class config path line index request "
@@ -237,18 +238,19 @@ def host_stages(model_dir: Path, contexts: tuple[int, ...]) -> dict[int, dict[st
         t_inc, id_array = _timed(lambda inc=incremental, t=text: inc.copy().encode_ids(t))
         ids = id_array.tolist()
         assert ids == full_ids, "incremental tokenization differs from full tokenization"
-        pages = -(-(len(ids) + 64) // 16) * 2 + 64
+        ps = CPU_PAGE_SIZE
+        pages = -(-(len(ids) + 64) // ps) * 2 + 64
         config = EngineConfig(model="random", device="cpu", dtype="float32", num_pages=pages,
                               max_model_len=cfg.max_position_embeddings, cpu_threads=1)
         core = EngineCore(config, random_model(cfg, torch.float32, "cpu"))
-        cached = len(ids_before) // 16 * 16
+        cached = len(ids_before) // ps * ps
         warmup = list(range(100, 300))  # the first forward of a process pays one-time costs: not a stage
         core.add(AddRequest("w", warmup, SamplingParams(max_tokens=1, temperature=0.0), "w"))
         while not any(o.finished for o in core.step()):
             pass
         # as the server: the history inserted and the prompt looked up as the int32 arrays the API process sends
         pages = core.cache.page_cache
-        pages.insert(array("i", ids_before[:cached]), pages.pool.alloc(cached // 16), "s")
+        pages.insert(array("i", ids_before[:cached]), pages.pool.alloc(cached // ps), "s")
         t_lookup, m = _timed(core.cache.match, id_array, "s")  # resumes at the session's node
         t_walk, walk = _timed(core.cache.match, id_array, None)  # keyless: the walk from the root
         assert m.num_tokens == walk.num_tokens == cached
@@ -304,7 +306,7 @@ def warm_report(contexts: tuple[int, ...] = CONTEXTS, warm_turns: int = 5, http:
         model_dir = save_long_context_qwen3(Path(d) / "tiny-qwen3-long", tok, max_len)
         report["host_stages"] = host_stages(model_dir, contexts)
         if http:
-            pages = 2 * (max_len // 16) + 256
+            pages = 2 * (max_len // CPU_PAGE_SIZE) + 256
             args = ["--device", "cpu", "--max-model-len", str(max_len), "--num-pages", str(pages),
                     "--max-num-batched-tokens", "2048"]
             with serve_subprocess(str(model_dir), args) as (base, _):

@@ -17,6 +17,8 @@ from agentbox.cli.common import DEBUG_ENV, fail, run_cli
 from agentbox.cli.fleet import fleet_app, top_fleet
 from agentbox.cli.workstation import check_app, workstation_app
 from agentbox.config import (
+    CPU_PAGE_SIZE,
+    GPU_PAGE_SIZE,
     PLAN_CONTEXT,
     SERVE_DISK_CACHE_GB,
     CachePolicy,
@@ -132,7 +134,7 @@ def serve(
     exact_cpu: bool = typer.Option(
         _E.exact_cpu, "--exact-cpu", help="CPU: dequantise 4-bit layers (exact fp32, slower) instead of the int8 kernels"
     ),
-    page_size: int = typer.Option(_E.page_size, help="tokens per KV page"),
+    page_size: int | None = typer.Option(None, help=f"tokens per KV page (GPU {GPU_PAGE_SIZE}, CPU {CPU_PAGE_SIZE})"),  # noqa: UP007
     num_pages: int | None = typer.Option(None, help="KV pool size in pages (default: from --kv-cache-gb)"),  # noqa: UP007
     kv_cache_gb: float | None = typer.Option(None, help="KV pool size in GiB (default: GPU: a share of free memory; CPU: what the context needs)"),  # noqa: UP007
     max_num_seqs: int = typer.Option(_E.max_num_seqs, help="cap on running requests"),
@@ -158,7 +160,7 @@ def serve(
 
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)} (got {dtype!r})")
-    if page_size < 1 or (page_size & (page_size - 1)):
+    if page_size is not None and (page_size < 1 or (page_size & (page_size - 1))):
         fail(f"--page-size must be a power of two (got {page_size})")
     if n_cpu_moe < 0:
         fail(f"--n-cpu-moe must be 0 or more (got {n_cpu_moe})")

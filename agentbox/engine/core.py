@@ -72,7 +72,7 @@ class EngineCore:
             self.workers.watch(on_rank_death or self._note_death)
         r = self.runner
         self.cache = build_cache(config, CacheShape(
-            kv=r.kv_cache, num_pages=r.num_pages, page_size=config.page_size, num_rows=r.num_rows,
+            kv=r.kv_cache, num_pages=r.num_pages, page_size=r.page_size, num_rows=r.num_rows,
             state=r.state_cache, num_snapshots=r.num_snapshots, num_host_snapshots=r.num_host_snapshots,
             state_in_place=r.state_in_place,
         ))
@@ -131,7 +131,7 @@ class EngineCore:
             vocab_size=lm.vocab_size,
             eos_token_ids=sorted(self.eos_token_ids),
             num_pages=self.runner.num_pages,
-            page_size=self.config.page_size,
+            page_size=self.runner.page_size,
             attention_backend=self.runner.backend.name,
             device=str(self.runner.device),
             dtype=self.config.resolved_dtype,
@@ -177,7 +177,7 @@ class EngineCore:
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=why,
                                  error_code="prompt_too_long")
         req = Request(msg.request_id, list(msg.prompt_token_ids) if rebuilt is None else rebuilt.ids, msg.sampling,
-                      msg.session_id, namespace=msg.namespace)
+                      msg.session_id, namespace=msg.namespace, history_end=msg.history_end if 0 < msg.history_end < n else 0)
         req.prompt_ids = None if rebuilt is None else rebuilt.array
         try:
             req.grammar_state = self._grammar_state(req)

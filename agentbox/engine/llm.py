@@ -54,7 +54,9 @@ class LLM:
         prompt_token_ids: list[list[int]],
         sampling: SamplingParams | list[SamplingParams],
         session_ids: list[str | None] | None = None,
+        history_ends: list[int] | None = None,
     ) -> list[Completion]:
+        """Runs the prompts to completion. `history_ends`: each prompt's AddRequest.history_end (chat renders)."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompt_token_ids)
         done: dict[str, Completion] = {}
         order: list[str] = []
@@ -62,7 +64,8 @@ class LLM:
             rid = f"llm-{next(self._ids)}"
             order.append(rid)
             done[rid] = Completion(rid, list(ids), [], None, 0, [] if sp.logprobs is not None else None)
-            err = self.core.add(AddRequest(rid, list(ids), sp.validate(), session_ids[i] if session_ids else None))
+            err = self.core.add(AddRequest(rid, list(ids), sp.validate(), session_ids[i] if session_ids else None,
+                                           history_end=history_ends[i] if history_ends else 0))
             if err is not None:
                 done[rid].finish_reason, done[rid].error = "error", err.error
         while self.core.has_work():

@@ -45,6 +45,7 @@ class Request:
     session_id: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     namespace: str = ""  # see AddRequest.namespace
+    history_end: int = 0  # see AddRequest.history_end (0 < history_end < the prompt's length, or 0)
 
     num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0

@@ -11,7 +11,7 @@ from typing import Any
 import tomllib
 
 from agentbox.chat.effort import ReasoningEffort
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE
 
 # Formats whose bytes on disk are the bytes resident on the device (quantised kernels run them as stored).
 # Everything else the engine converts at load: safetensors to the compute dtype, GGUF dequantised.
@@ -180,7 +180,7 @@ class Profile:
         head's layers (a variant that carries the head, Variant.carries_mtp)."""
         layers = (self.kv_layers_ or self.layers) + (self.mtp_layers if mtp else 0)
         if self.paged_groups:
-            page = EngineConfig.page_size
+            page = GPU_PAGE_SIZE  # plans place models on GPUs
             return round(sum(g.values_per_token(page) for g in self.paged_groups) * dtype_bytes)
         if self.mla:
             return layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes

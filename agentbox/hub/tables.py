@@ -9,7 +9,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from agentbox.config import EngineConfig
+from agentbox.config import GPU_PAGE_SIZE
 from agentbox.hub.engine_support import engine_runs
 from agentbox.hub.plan import Plan, describe_machine
 from agentbox.hub.profiles import Profile
@@ -138,7 +138,7 @@ def _kv_formula(prof: Profile, dtype_bytes: int, mtp: bool = True) -> str:
     if prof.mtp_layers and mtp:
         layers = f"({layers} + {prof.mtp_layers} MTP)"
     if prof.paged_groups:
-        page = EngineConfig.page_size
+        page = GPU_PAGE_SIZE  # plans place models on GPUs
         groups = " + ".join(f"{g.layers} layers x {g.values} / {min(g.tokens_per_entry, page)} tokens"
                             for g in prof.paged_groups)
         # Groups of one entry a token (GLM-5.3's latents and indexer keys, Qwen3.8-Flash-Next's K, V and indexer

@@ -317,7 +317,8 @@ async def messages(request: Request) -> Any:
         body = CreateBody.model_validate(parse_json_body(await request.body()))
         state, chat, sp, sid = await _prepare(request, body)
         mid = "msg_" + new_id("a")[2:]
-        events = generate(state, chat.prompt_ids, sp, sid, mid, record=(chat.conv.messages, chat.conv.tools))
+        events = generate(state, chat.prompt_ids, sp, sid, mid, record=(chat.conv.messages, chat.conv.tools),
+                      history_end=chat.history_end)
         proc = chat.output()
         head = {"id": mid, "type": "message", "role": "assistant", "model": state.model_name}
         out_ids: list[int] = []

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agentbox.chat.effort import ReasoningEffort
+from agentbox.chat.generation_prompt import generation_suffix, history_end
 from agentbox.chat.grammar import forced_name, grammar_spec
 from agentbox.chat.harmony import is_harmony_template
 from agentbox.chat.incremental import incremental_for
@@ -170,6 +171,7 @@ class PreparedChat:
     tool_parser: str | None  # None: tool calls are not parsed (no tools, or tool_choice none)
     reasoning_style: str  # qwen3 | harmony | none
     starts_inside: bool  # the prompt ends inside an open <think>
+    history_end: int = 0  # the prompt's tokens before the generation prompt (chat/generation_prompt.py), or 0
 
     def output(self) -> OutputProcessor:
         c = self.conv
@@ -269,10 +271,9 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
                     state.model_name, syntax)
     try:
         # Only what this turn appended is rendered when the template allows (chat/incremental_render.py).
+        effort = conv.reasoning_effort if conv.reasoning_effort is not None else state.default_effort
         text = renderer_for(tok, state.config.tokenize_cache_texts).render(
-            conv.messages, tools, enable_thinking=conv.enable_thinking,
-            reasoning_effort=conv.reasoning_effort if conv.reasoning_effort is not None else state.default_effort,
-            tool_parser=syntax)
+            conv.messages, tools, enable_thinking=conv.enable_thinking, reasoning_effort=effort, tool_parser=syntax)
     except ValueError as e:  # unsupported content parts
         raise APIError(400, str(e), param=param) from e
     except Exception as e:  # a template error is the request's fault (roles out of order, etc.)
@@ -288,8 +289,9 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
     ids = incremental_for(tok, state.config.tokenize_cache_texts).encode_ids(text)
     if check_length:
         state.check_prompt(len(ids), param)
+    end = history_end(tok, text, ids, generation_suffix(tok, conv.enable_thinking, effort, syntax))
     return PreparedChat(conv, text, ids, tools, parser, style,
-                        starts_inside=prompt_opens_reasoning(text, style) if style != "none" else False)
+                        starts_inside=prompt_opens_reasoning(text, style) if style != "none" else False, history_end=end)
 
 
 def _blame_tools(e: APIError, conv: Conversation, tools: list[dict] | None, chars: int) -> APIError:

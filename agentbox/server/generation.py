@@ -71,10 +71,11 @@ def new_id(prefix: str) -> str:
 
 async def generate(
     state: ServerState, prompt_ids: Sequence[int], sampling: SamplingParams, session_id: str | None,
-    request_id: str | None = None, record: tuple[list[dict], list[dict] | None] | None = None,
+    request_id: str | None = None, record: tuple[list[dict], list[dict] | None] | None = None, history_end: int = 0,
 ) -> AsyncIterator[GenEvent]:
     """Yields text deltas; the last event has finished=True. Abandoning the iterator aborts the request.
-    `record` (messages, tools): the conversation as the client sent it, for `serve --record-trace`."""
+    `record` (messages, tools): the conversation as the client sent it, for `serve --record-trace`. `history_end`:
+    PreparedChat.history_end."""
     rid = request_id or new_id("req")
     state.warn_if_greedy_thinking(sampling.temperature)
     hidden = hidden_special_ids(state.tokenizer)  # Gemma 4: special tokens kept but its end of turn
@@ -84,7 +85,8 @@ async def generate(
     usage = Usage(prompt_tokens=len(prompt_ids))
     started, produced = time.monotonic(), []
     ns = CLIENT_NAMESPACE.get()
-    stream = state.engine.generate(rid, prompt_ids, sampling, ns + session_id if session_id else None, ns)
+    stream = state.engine.generate(rid, prompt_ids, sampling, ns + session_id if session_id else None, ns,
+                                   history_end=history_end)
     async with contextlib.aclosing(stream):
         async for o in stream:
             if o.error and o.finish_reason == "error":

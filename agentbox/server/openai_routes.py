@@ -132,7 +132,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     sp.grammar = await grammar_of(state, chat)
     sid = session_key(request.headers, body)
     cid, created = new_id("chatcmpl"), int(time.time())
-    events = generate(state, prompt, sp, sid, cid, record=(chat.conv.messages, chat.conv.tools))
+    events = generate(state, prompt, sp, sid, cid, record=(chat.conv.messages, chat.conv.tools),
+                      history_end=chat.history_end)
     proc = chat.output()
     if not body.stream:
         return await until_disconnect(request, _chat_answer(state, events, proc, cid, created, logprobs))

@@ -251,7 +251,8 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
     sid = session_key(request.headers, body)
     rid = "resp_" + new_id("r")[2:]
     created = int(time.time())
-    events = generate(state, chat.prompt_ids, sp, sid, rid, record=(chat.conv.messages, chat.conv.tools))
+    events = generate(state, chat.prompt_ids, sp, sid, rid, record=(chat.conv.messages, chat.conv.tools),
+                      history_end=chat.history_end)
     proc = chat.output()
     builder = OutputBuilder()
 

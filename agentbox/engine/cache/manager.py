@@ -191,9 +191,10 @@ class CacheManager:
         without touching m or another request's lock). Pure."""
         return need_pages <= self._pool.num_free or need_pages <= self._pages.reclaimable(m.pages)
 
-    def lock(self, m: Match, tokens: Sequence[int]) -> Lock:
+    def lock(self, m: Match, tokens: Sequence[int], history_end: int = 0) -> Lock:
         """Commit m for a request of `tokens`: its pages, a row, and for a model with state its seed (all or
-        nothing, see the module notes)."""
+        nothing, see the module notes). `history_end` (> 0): where its prompt's history ends (Request.history_end),
+        so its prompt snapshot is taken before the generation prompt."""
         state = self._state
         pm, seed = m.pages, None
         if state is not None and m.resume is not None and m.resume.num_tokens:
@@ -211,6 +212,7 @@ class CacheManager:
         h = SeqCache(list(lock.pages), self._rows.take(lock.session))
         h.seed = seed
         h.share_at = m.share_at  # past any position the lock can resume at (it is only set so)
+        h.prompt_at = history_end // self.ps * self.ps
         return Lock(h, lock.num_tokens, lock)
 
     def unlock(self, lock: Lock) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 
 class SeqCache:
-    __slots__ = ("pages", "row", "generation", "seed", "aligned_at", "prompt_saved", "share_at", "published")
+    __slots__ = ("pages", "row", "generation", "seed", "aligned_at", "prompt_saved", "prompt_at", "share_at",
+                 "published")
 
     def __init__(self, pages: list[int], row: int) -> None:
         # One device page per page_size tokens: the request's locked prefix, then what it reserved since. Every
@@ -24,6 +25,9 @@ class SeqCache:
         # The position the row's page-aligned state copy holds, as the runner reported it (0: none yet).
         self.aligned_at = 0
         self.prompt_saved = False  # its prompt snapshot is taken
+        # > 0: where the prompt snapshot is taken, the last page boundary at or before the history's end (the prompt
+        # less the chat template's generation prompt, which the next turn re-renders otherwise); 0: the prompt's last.
+        self.prompt_at = 0
         self.share_at = 0  # > 0: keep the state at this position as a shared-prefix snapshot
         self.published = 0  # leading pages already in the tree while the request runs (CacheManager.publish)
 

@@ -94,11 +94,13 @@ class StateGroupCache:
 
     def chunk(self, h: SeqCache, start: int, n: int, num_tokens: int) -> int:
         """A prefill chunk of up to n tokens from `start` cut to end on a page boundary when it can, and at the
-        shared point and the last page boundary of the sequence's tokens always."""
+        shared point, the prompt snapshot's point and the last page boundary of the sequence's tokens always."""
         ps = self.ps
         end = start + n
         if start < h.share_at < end:
             return h.share_at - start
+        if start < h.prompt_at < end:
+            return h.prompt_at - start
         last_boundary = num_tokens // ps * ps
         if end < num_tokens and end // ps * ps > start:
             return end // ps * ps - start
@@ -119,8 +121,8 @@ class StateGroupCache:
 
     def save_prompt(self, h: SeqCache, session: str | None, tokens: Sequence[int], num_prompt: int,
                     computed: int) -> None:
-        """A running sequence whose last step ended on its prompt's last page boundary: that state becomes the
-        session's prompt snapshot (copied before the next step can overwrite it); one whose last step ended at
+        """A running sequence whose last step ended on its prompt snapshot's point (`SeqCache.prompt_at`, else the
+        prompt's last page boundary): that state becomes the session's prompt snapshot (copied before the next step can overwrite it); one whose last step ended at
         its shared point: a shared snapshot. `computed`: where the sequence stands (a ring's state is exactly at
         the snapshot's position when it is that position)."""
         store = self.store
@@ -128,7 +130,7 @@ class StateGroupCache:
         if at and h.aligned_at == at:
             h.share_at = 0
             store.save_shared(tokens[:at], store.aligned_slot(h.row), computed == at)
-        boundary = num_prompt // self.ps * self.ps
+        boundary = h.prompt_at or num_prompt // self.ps * self.ps
         if h.prompt_saved or boundary == 0 or h.aligned_at != boundary:
             return
         h.prompt_saved = True

@@ -104,7 +104,7 @@ class ModelRunner:
         self.layout: CacheLayout = loaded.layout
         self.weight_bytes = resident_weight_bytes(loaded.model)
         self.weight_bytes_per_rank = control_all_gather(self.weight_bytes)
-        self.page_size = config.page_size
+        self.page_size = config.resolved_page_size
         # One page-table row per running request, and one for LLM.logits unless a row carries state (a ring of
         # Gemma 4 31B is 800 MiB: LLM.logits waits for a free row instead).
         self.num_rows = config.max_num_seqs + (0 if self.layout.has_state else 1)

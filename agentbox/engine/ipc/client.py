@@ -247,7 +247,7 @@ class EngineClient:
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams, session_id: str | None = None,
-        namespace: str = "",
+        namespace: str = "", history_end: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes. Closing the iterator early aborts the request,
         so a client that disconnects mid-stream gives its pages back."""
@@ -255,11 +255,12 @@ class EngineClient:
         self._queues[request_id] = q
         finished = False
         try:
-            self._send_add(AddRequest(request_id, prompt_token_ids, sampling, session_id, namespace))
+            msg = AddRequest(request_id, prompt_token_ids, sampling, session_id, namespace, history_end=history_end)
+            self._send_add(msg)
             while True:
                 o = await q.get()
                 if o.error_code == RESEND:  # the engine lacks the base of the delta: the full ids, once
-                    self._send_add(AddRequest(request_id, prompt_token_ids, sampling, session_id, namespace), False)
+                    self._send_add(msg, False)
                     continue
                 # Set before the yield: a caller that stops reading after the last output closes this generator
                 # at the yield, and an abort sent then would cut the engine's flush step (the turn's last KV).
