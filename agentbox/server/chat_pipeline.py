@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from agentbox.chat.effort import ReasoningEffort
-from agentbox.chat.generation_prompt import generation_suffix, history_end
+from agentbox.chat.generation_prompt import history_end, unrepeated_tail
 from agentbox.chat.grammar import forced_name, grammar_spec
 from agentbox.chat.harmony import is_harmony_template
 from agentbox.chat.incremental import incremental_for
@@ -289,7 +289,7 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
     ids = incremental_for(tok, state.config.tokenize_cache_texts).encode_ids(text)
     if check_length:
         state.check_prompt(len(ids), param)
-    end = history_end(tok, text, ids, generation_suffix(tok, conv.enable_thinking, effort, syntax))
+    end = history_end(ids, unrepeated_tail(tok, conv.enable_thinking, effort, syntax))
     return PreparedChat(conv, text, ids, tools, parser, style,
                         starts_inside=prompt_opens_reasoning(text, style) if style != "none" else False, history_end=end)
 
