@@ -197,7 +197,10 @@ class EngineConfig:
         """Tokens per KV page (see `page_size`). On the CPU the Qwen3.5 hybrid's agent replay (bench/results/
         llamacpp-agents) resumed at most 15 tokens short of each turn's history at 16 and 3 at 4 (history reused,
         min over 32 turns: 0.9935 -> 0.9987), its wall unchanged (24.5 / 25.1 s, 1 session 11.4-12.1 / 11.8 s);
-        llama-server resumes within 4 tokens. GPUs keep 16, the size their kernels and CUDA graphs were measured at."""
+        llama-server resumes within 4 tokens. SmolLM2's batched decode step at 3k tokens of context: the same at 4
+        and 16. A hybrid's prompt snapshot stands before the tail of the prompt a next turn does not repeat
+        (chat/generation_prompt.py); without that, a small page put it past the tail on a quarter of GLM's turns.
+        GPUs keep 16, the size their kernels and CUDA graphs were measured at."""
         if self.page_size is not None:
             return self.page_size
         return GPU_PAGE_SIZE if self.resolved_device.startswith("cuda") else CPU_PAGE_SIZE
