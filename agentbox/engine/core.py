@@ -177,7 +177,8 @@ class EngineCore:
             return RequestOutput(msg.request_id, [], finished=True, finish_reason="error", error=why,
                                  error_code="prompt_too_long")
         req = Request(msg.request_id, list(msg.prompt_token_ids) if rebuilt is None else rebuilt.ids, msg.sampling,
-                      msg.session_id, namespace=msg.namespace, history_end=msg.history_end if 0 < msg.history_end < n else 0)
+                      msg.session_id, namespace=msg.namespace,
+                      history_end=msg.history_end if 0 < msg.history_end < n else 0)
         req.prompt_ids = None if rebuilt is None else rebuilt.array
         try:
             req.grammar_state = self._grammar_state(req)

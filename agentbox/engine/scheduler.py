@@ -224,7 +224,8 @@ class Scheduler:
         if not self.cache.fits(m, self._admission_need(req, m, min(req.num_tokens - m.num_tokens, budget))):
             return None
         shown = self.cache.visible_tokens(m, req.namespace) if req.namespace else m.num_tokens
-        return self._admit(req, self.cache.lock(m, req.all_token_ids, req.history_end), budget, shown, toks[: req.num_prompt_tokens])
+        lock = self.cache.lock(m, req.all_token_ids, req.history_end)
+        return self._admit(req, lock, budget, shown, toks[: req.num_prompt_tokens])
 
     def _admit(self, req: Request, lock: Lock, budget: int, shown: int | None, prompt: Sequence[int]) -> int | None:
         """Start req on its locked prefix and reserve its first chunk; returns the chunk's size, or None when the

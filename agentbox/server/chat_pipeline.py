@@ -171,7 +171,7 @@ class PreparedChat:
     tool_parser: str | None  # None: tool calls are not parsed (no tools, or tool_choice none)
     reasoning_style: str  # qwen3 | harmony | none
     starts_inside: bool  # the prompt ends inside an open <think>
-    history_end: int = 0  # the prompt's tokens before the generation prompt (chat/generation_prompt.py), or 0
+    history_end: int = 0  # the prompt's tokens the next turn will repeat (chat/generation_prompt.py), or 0
 
     def output(self) -> OutputProcessor:
         c = self.conv
@@ -291,7 +291,8 @@ def prepare_chat(state: ServerState, conv: Conversation, *, param: str = "messag
         state.check_prompt(len(ids), param)
     end = history_end(ids, unrepeated_tail(tok, conv.enable_thinking, effort, syntax))
     return PreparedChat(conv, text, ids, tools, parser, style,
-                        starts_inside=prompt_opens_reasoning(text, style) if style != "none" else False, history_end=end)
+                        starts_inside=prompt_opens_reasoning(text, style) if style != "none" else False,
+                        history_end=end)
 
 
 def _blame_tools(e: APIError, conv: Conversation, tools: list[dict] | None, chars: int) -> APIError:

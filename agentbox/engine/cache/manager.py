@@ -194,7 +194,7 @@ class CacheManager:
     def lock(self, m: Match, tokens: Sequence[int], history_end: int = 0) -> Lock:
         """Commit m for a request of `tokens`: its pages, a row, and for a model with state its seed (all or
         nothing, see the module notes). `history_end` (> 0): where its prompt's history ends (Request.history_end),
-        so its prompt snapshot is taken before the generation prompt."""
+        so its prompt snapshot is taken where the next turn can resume."""
         state = self._state
         pm, seed = m.pages, None
         if state is not None and m.resume is not None and m.resume.num_tokens:

@@ -26,7 +26,7 @@ class SeqCache:
         self.aligned_at = 0
         self.prompt_saved = False  # its prompt snapshot is taken
         # > 0: where the prompt snapshot is taken, the last page boundary at or before the history's end (the prompt
-        # less the chat template's generation prompt, which the next turn re-renders otherwise); 0: the prompt's last.
+        # less the tail of the generation prompt the next turn renders otherwise); 0: the prompt's last boundary.
         self.prompt_at = 0
         self.share_at = 0  # > 0: keep the state at this position as a shared-prefix snapshot
         self.published = 0  # leading pages already in the tree while the request runs (CacheManager.publish)

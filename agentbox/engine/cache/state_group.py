@@ -122,9 +122,9 @@ class StateGroupCache:
     def save_prompt(self, h: SeqCache, session: str | None, tokens: Sequence[int], num_prompt: int,
                     computed: int) -> None:
         """A running sequence whose last step ended on its prompt snapshot's point (`SeqCache.prompt_at`, else the
-        prompt's last page boundary): that state becomes the session's prompt snapshot (copied before the next step can overwrite it); one whose last step ended at
-        its shared point: a shared snapshot. `computed`: where the sequence stands (a ring's state is exactly at
-        the snapshot's position when it is that position)."""
+        prompt's last page boundary): that state becomes the session's prompt snapshot (copied before the next step
+        can overwrite it); one whose last step ended at its shared point: a shared snapshot. `computed`: where the
+        sequence stands (a ring's state is exactly at the snapshot's position when it is that position)."""
         store = self.store
         at = h.share_at
         if at and h.aligned_at == at:

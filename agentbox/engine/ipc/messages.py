@@ -27,8 +27,9 @@ class AddRequest:
     # The API key's namespace ("" without several keys): sessions are inferred only among its own, and the
     # cached tokens reported count only prefixes its own sessions computed.
     namespace: str = ""
-    # > 0: the prompt's tokens before the chat template's generation prompt (chat/generation_prompt.py). A hybrid
-    # model's prompt snapshot is taken at or before it: the next turn re-sends the history but not that tail.
+    # > 0: how many of the prompt's tokens the conversation's next turn will repeat: all but the part of the
+    # template's generation prompt it renders otherwise (chat/generation_prompt.py). A hybrid model's prompt
+    # snapshot is taken at or before it, where the next turn can resume.
     history_end: int = 0
     # A session's prompt as a delta (engine/ipc/prompt_delta.py): with shared_tokens > 0, prompt_token_ids are
     # the ids after the first shared_tokens of the prompt of version base_version (checked by prompt_check).
