@@ -19,20 +19,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentbox.chat.effort import ReasoningEffort
+from agentbox.chat.incremental_render import PROBE_TOOLS
 from agentbox.chat.render import render_prompt
 from agentbox.chat.template import template_text
 from agentbox.prefix import common_prefix
 
 _USER = {"role": "user", "content": "List the files."}
-_TOOL = {"type": "function", "function": {"name": "probe_ls", "description": "list files",
-                                          "parameters": {"type": "object", "properties": {}}}}
-_CALL = {"id": "c1", "type": "function", "function": {"name": "probe_ls", "arguments": "{}"}}
+_CALL = {"id": "c1", "type": "function", "function": {"name": "probe_read", "arguments": '{"path": "."}'}}
 _NEXT_TURNS: list[tuple[list[dict], list[dict] | None]] = [
     ([_USER, {"role": "assistant", "content": "main.py"}, {"role": "user", "content": "Read it."}], None),
     ([_USER, {"role": "assistant", "content": "main.py", "reasoning_content": "One file."},
       {"role": "user", "content": "Read it."}], None),
     ([_USER, {"role": "assistant", "content": "", "tool_calls": [_CALL]},
-      {"role": "tool", "tool_call_id": "c1", "content": "main.py"}], [_TOOL]),
+      {"role": "tool", "tool_call_id": "c1", "content": "main.py"}], PROBE_TOOLS),
 ]
 # (templates, options) -> (how many of a prompt's last tokens the next turn does not repeat, the generation prompt)
 _tails: dict[tuple[Any, ...], tuple[int, list[int]] | None] = {}
@@ -55,21 +54,19 @@ def _probe(tokenizer: Any, opts: dict[str, Any]) -> tuple[int, list[int]] | None
         text = render_prompt(tokenizer, msgs, tools, add_generation_prompt=gen, **opts)
         return list(tokenizer.encode(text, add_special_tokens=False))
 
+    try:
+        first = ids([_USER], None)
+        gen = first[common_prefix(first, ids([_USER], None, gen=False)):]  # the generation prompt's tokens
+    except Exception:  # noqa: BLE001 - a template that rejects even this tells nothing
+        return None
     tails = []
     for msgs, tools in _NEXT_TURNS:
         try:
-            first, second = ids(msgs[:1], tools), ids(msgs, tools)
+            start = first if tools is None else ids(msgs[:1], tools)
+            tails.append(len(start) - common_prefix(start, ids(msgs, tools)))
         except Exception:  # noqa: BLE001 - a probe the template rejects (no reasoning, no tools) tells nothing
             continue
-        tails.append(len(first) - common_prefix(first, second))
-    if not tails:
-        return None
-    try:
-        gen = ids([_USER], None)
-        gen = gen[common_prefix(gen, ids([_USER], None, gen=False)):]
-    except Exception:  # noqa: BLE001
-        return None
-    return (max(tails), gen) if gen else None
+    return (max(tails), gen) if tails and gen else None
 
 
 def history_end(ids: Sequence[int], tail: tuple[int, list[int]] | None) -> int:
