@@ -36,13 +36,13 @@ def _prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 def ours(gguf: str, threads: int, prompt: list[int], new_tokens: int) -> dict[str, Any]:
     from agentbox.bench.throughput import engine_rates
-    from agentbox.config import EngineConfig
+    from agentbox.config import CPU_PAGE_SIZE, EngineConfig
     from agentbox.engine.llm import LLM
     from agentbox.engine.stats import to_json
 
     config = EngineConfig(
         model=gguf, cpu_threads=threads, cpu_moe=True, speculative="off", cache_policy="none", max_num_seqs=1,
-        max_num_batched_tokens=len(prompt), num_pages=-(-(len(prompt) + new_tokens) // 16) + 4,
+        max_num_batched_tokens=len(prompt), num_pages=-(-(len(prompt) + new_tokens) // CPU_PAGE_SIZE) + 4,
     )
     t0 = time.perf_counter()
     llm = LLM(config)

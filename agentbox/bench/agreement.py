@@ -247,10 +247,10 @@ def compare(default: torch.Tensor, exact: torch.Tensor) -> dict[str, Any]:
 
 def forced_run(model: str, tokens: list[int], exact: bool) -> tuple[torch.Tensor, dict[str, Any]]:
     """`model` loaded on the CPU for one path, `tokens` teacher-forced: (logits, what ran and how fast)."""
-    from agentbox.config import EngineConfig
+    from agentbox.config import CPU_PAGE_SIZE, EngineConfig
     from agentbox.engine.llm import LLM
 
-    pages = -(-len(tokens) // 16) + 4
+    pages = -(-len(tokens) // CPU_PAGE_SIZE) + 4
     with LLM(EngineConfig(model=model, device="cpu", exact_cpu=exact, num_pages=pages, max_num_seqs=1,
                           state_snapshots=0)) as llm:
         llm.forced_logits(tokens[:8])  # warm-up: first-call allocations and kernel builds are not timed

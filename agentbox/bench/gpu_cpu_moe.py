@@ -84,7 +84,8 @@ def decode(gguf: str, device: str, prompt_len: int = 128, new_tokens: int = 64) 
     for name, cpu_moe in (("cpu_moe", True), ("experts_on_device", False)):
         t0 = time.perf_counter()
         try:
-            llm = LLM(EngineConfig(model=gguf, device=device, num_pages=-(-(prompt_len + new_tokens) // 16) + 8,
+            page = EngineConfig(device=device).resolved_page_size
+            llm = LLM(EngineConfig(model=gguf, device=device, num_pages=-(-(prompt_len + new_tokens) // page) + 8,
                                    max_num_seqs=1, cpu_moe=cpu_moe, speculative="off", cache_policy="none"))
         except Exception as e:  # noqa: BLE001 - the baseline may not fit or load: say so, keep the other side
             out[name] = {"error": f"{type(e).__name__}: {e}"}

@@ -41,7 +41,7 @@ def prefill_seconds(tokens: int, layers: int, chunk: int, use_views: bool = True
     from transformers import LlamaConfig
 
     from agentbox.bench.throughput import random_model
-    from agentbox.config import EngineConfig
+    from agentbox.config import CPU_PAGE_SIZE, EngineConfig
     from agentbox.engine.core import EngineCore
     from agentbox.engine.ipc.messages import AddRequest
     from agentbox.engine.sampling import SamplingParams
@@ -50,7 +50,7 @@ def prefill_seconds(tokens: int, layers: int, chunk: int, use_views: bool = True
     cfg = LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=1024, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=layers,
                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                       max_position_embeddings=tokens + 64, tie_word_embeddings=True)
-    config = EngineConfig(model="random", device="cpu", dtype="float32", num_pages=tokens // 16 + 64,
+    config = EngineConfig(model="random", device="cpu", dtype="float32", num_pages=tokens // CPU_PAGE_SIZE + 64,
                           max_num_batched_tokens=chunk, cache_policy="none", cpu_threads=threads, attention="torch")
     torch_threads = torch.get_num_threads()  # the engine sets the process's; given back after
     core = EngineCore(config, random_model(cfg, torch.float32, "cpu"))
