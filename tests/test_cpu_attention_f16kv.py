@@ -1,6 +1,7 @@
 """cpu_attention.c over an fp16 KV cache (the default CPU pool) against its torch twin over the same cache widened:
 the kernel widens each tile's keys and values with F16C, so it must match the twin as tightly as over fp32, and
-reading the fp16 bits as fp32 (or the fp32 pool as fp16) could not come near it. The AMX kernel reads fp32 only."""
+reading the fp16 bits as fp32 (or the fp32 pool as fp16) could not come near it. The AMX kernel (prefill chunks and
+warm turns) widens them as it repacks them into its split-bf16 tiles."""
 
 from __future__ import annotations
 
@@ -47,20 +48,41 @@ def test_fp16_cache_is_supported_and_mixed_caches_are_refused() -> None:
     assert not cpu_attention.supports(q, k.bfloat16())
     with pytest.raises(ValueError, match="fp32 or fp16"):
         paged_attention(q, k.half(), v, table, 16, [1], [40], 0.25)
-    with pytest.raises(RuntimeError, match="fp32 cache only"):
-        paged_attention(q, k.half(), v.half(), table, 16, [1], [40], 0.25, amx=True)
 
 
-def test_fp16_cache_never_takes_the_amx_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prefill chunk (many rows) over an fp16 cache stays on the widening kernel even where AMX runs."""
-    seen: list[bool | None] = []
-    real = cpu_attention._tiled
+needs_amx = pytest.mark.skipif(not cpu_attention.amx_available(),
+                               reason=f"no AMX attention here: {cpu_attention.amx_unavailable_reason()}")
 
-    def spy(query_lens: list[int], group: int, head_dim: int, amx: bool | None) -> list[bool]:
-        seen.append(amx)
-        return real(query_lens, group, head_dim, amx)
 
-    monkeypatch.setattr(cpu_attention, "_tiled", spy)
-    q, k, v, table = _case(4, [64], [64], 4, 1, 16, 16)
-    paged_attention(q, k.half(), v.half(), table, 16, [64], [64], 0.25)
-    assert seen == [False]
+@needs_amx
+@pytest.mark.parametrize(
+    ("query_lens", "kv_lens", "hq", "hkv", "hd", "page_size", "threads"),
+    [
+        ([100], [3000], 9, 3, 64, 16, 1),  # a chunk over cached keys, GQA 3:1
+        ([70, 200, 33], [70, 1000, 533], 9, 3, 64, 4, 2),  # ragged, 4-token pages, rows split in groups
+        ([30], [5000], 2, 1, 16, 16, 1),  # a warm turn of head 16
+        ([50, 21], [50, 700], 9, 3, 48, 16, 2),  # head 48: padded to 64 inside
+        ([30, 2], [20000, 17000], 2, 1, 16, 8, 2),  # few rows: keys split into ranges and merged
+    ],
+)
+def test_amx_kernel_over_fp16_cache_matches_twin(query_lens, kv_lens, hq, hkv, hd, page_size, threads) -> None:
+    """The tiles over the fp16 pool against the fp64-summing twin over the same cache widened: the bound of
+    test_cpu_attention's fp32 case (1e-4 of the output's largest value; measured ~1e-5). Reading the fp16 bits as
+    fp32, or at the fp32 pool's strides, lands nowhere near it, and neither does dropping the keys' lo parts."""
+    q, k, v, table = _case(len(kv_lens) * 5 + hd, query_lens, kv_lens, hq, hkv, hd, page_size)
+    k16, v16 = k.half(), v.half()
+    scale = hd ** -0.5
+    got = paged_attention(q, k16, v16, table, page_size, query_lens, kv_lens, scale, n_threads=threads, amx=True)
+    want = paged_attention_ref(q, k16.float(), v16.float(), table, page_size, query_lens, kv_lens, scale)
+    torch.testing.assert_close(got, want, rtol=0.0, atol=1e-4 * want.abs().max().item())
+
+
+@needs_amx
+def test_fp16_cache_sends_a_chunk_to_the_tiles_and_keeps_decode_off_them() -> None:
+    """With amx=None a prefill chunk over the fp16 pool takes the tiles (its result is the forced-AMX one, bit for
+    bit) and a decode row in the same call stays on the widening kernel (bit for bit amx=False's)."""
+    q, k, v, table = _case(4, [64, 1], [64, 900], 4, 1, 16, 16)
+    args = (q, k.half(), v.half(), table, 16, [64, 1], [64, 900], 0.25)
+    mixed, tiles, fp32 = (paged_attention(*args, amx=a) for a in (None, True, False))
+    assert torch.equal(mixed[:64], tiles[:64]) and not torch.equal(mixed[:64], fp32[:64])
+    assert torch.equal(mixed[64:], fp32[64:])

@@ -25,9 +25,10 @@ On CPUs with AMX (amx_tile + amx_bf16) whose OS grants the tile state, the seque
 AMX_MIN_TOKENS new tokens and AMX_MIN_ROWS query rows a kv head (prefill chunks and warm turns) and a head size a
 multiple of 16 go to cpu_attention_amx.c instead: the same attention with split-bf16 ("bf16x3") tile products,
 ~16 significant bits a product, 2.4x / 2.7x the fp32 kernel on a 1024-token chunk at 2k / 32k context on one
-Xeon core, 1.3x on a 30-token warm turn at 121k. Decode and spec verify (few tokens) stay on the fp32 kernel, and
-so does every call with `amx=False` (the engine's --exact-cpu) and every call over an fp16 cache (the AMX kernel
-reads fp32 keys only; not measured on fp16, as no AMX machine is at hand).
+Xeon core, 1.3x on a 30-token warm turn at 121k. Over the default fp16 cache it widens keys and values as it
+repacks them (their split into bf16 hi + lo is then exact): SmolLM2's heads, 650 new tokens over 5,000 fp16 keys at
+two threads, 12.1 ms against the fp32 kernel's 30.1 (a later agent turn's extend, issue 52). Decode and spec verify
+(few tokens) stay on the fp32 kernel, and so does every call with `amx=False` (the engine's --exact-cpu).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ _c_i64, _c_ptr, _c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # (q, seqs, q_starts, q_lens, kv_lens, page_table, its stride, page size, k, v, hq, hkv, hd, scale, out, threads)
 _ARGS = [_c_ptr, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64,
          ctypes.c_float, _c_ptr, _c_int]
-# The cache's element types the fp32-arithmetic kernel reads (passed as its last argument, kv_f16); AMX: fp32 only.
+# The cache's element types both kernels read (passed as their last argument, kv_f16).
 KV_DTYPES = (torch.float32, torch.float16)
 
 
@@ -112,7 +113,7 @@ def _amx_library() -> tuple[ctypes.CDLL | None, str]:
     lib = ctypes.CDLL(str(target))
     if lib.ab_amx_init() != 0:  # Linux before 5.16, or a kernel that refuses arch_prctl(ARCH_REQ_XCOMP_PERM)
         return None, "the OS did not grant the AMX tile state"
-    lib.ab_paged_attention_amx.argtypes = _ARGS
+    lib.ab_paged_attention_amx.argtypes = [*_ARGS, _c_int]  # kv_f16
     lib.ab_paged_attention_amx.restype = _c_int
     return lib, ""
 
@@ -162,12 +163,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     hkv = k_cache.shape[1]
     q_lens = torch.tensor(query_lens, dtype=torch.int64)
     starts = torch.cumsum(q_lens, 0) - q_lens
-    if kv_f16 and amx:
-        raise RuntimeError("the AMX attention kernel reads an fp32 cache only")
-    tiled = _tiled(query_lens, h // hkv, d, False if kv_f16 else amx)
+    tiled = _tiled(query_lens, h // hkv, d, amx)
     parts = [(lambda *args: lib.ab_paged_attention(*args, int(kv_f16)), [s for s, t in enumerate(tiled) if not t])]
     if any(tiled):
-        parts.append((_amx_library()[0].ab_paged_attention_amx, [s for s, t in enumerate(tiled) if t]))
+        amx_lib = _amx_library()[0]
+        parts.append((lambda *args: amx_lib.ab_paged_attention_amx(*args, int(kv_f16)),
+                      [s for s, t in enumerate(tiled) if t]))
     for kernel, seqs in parts:
         if not seqs:
             continue

@@ -8,8 +8,8 @@
  * reaches ~110-130 GFLOP/s on one core of this Xeon, which held cold prefill at 32k to ~0.2 of 2k's tok/s.
  * One tile product (TDPBF16PS, 16 x 16 x 32 bf16 multiply-adds into fp32) takes ~4.5 ns here: ~3.5 TFLOP/s.
  *
- * Precision: the cache and the queries are fp32, and one bf16 rounding (8 bits) would be coarser than the f16
- * K/V llama.cpp keeps. Each operand is split x = hi + lo, hi = bf16(x), lo = bf16(x - hi), and x.y is taken as
+ * Precision: the queries are fp32 and the cache fp32 or fp16 (the default CPU pool, widened as it is read); one
+ * bf16 rounding (8 bits) would be coarser than either. Each operand is split x = hi + lo, hi = bf16(x), lo = bf16(x - hi), and x.y is taken as
  * hi.hi + hi.lo + lo.hi (oneDNN's "bf16x3"): ~16 significant bits a product for 3 tile products. Scores come
  * out of the tiles in fp32; the online softmax is fp32 AVX-512 (base 2, as cpu_attention.c's); probabilities
  * are split the same way for P V. Against an fp64 twin: ~1.5e-5 of the output's largest value (the fp32
@@ -100,28 +100,38 @@ static inline void transpose16(__m512i r[16]) {
 }
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const char *k, *v; /* the cache's bytes: fp32, or fp16 where f16 (each read widened by kv_load) */
     const int32_t *pages;
     /* hd: the cache's head size (its strides); hp: hd padded to the tiles' 32 dims, the size of every buffer here */
     int64_t page_size, hq, hkv, hd, hp, g, q_start, n_q, kv_len, kvh, r_lo, r_hi;
     float scale2;
+    int f16;
 } aitem_t;
+
+/* 16 of a key's or value's dims from d on, widened to fp32 where the cache is fp16. An fp16 value has 11
+ * significant bits, so its split below (hi = bf16(x), lo = x - hi) is exact: the tiles see the cache's own numbers. */
+static inline __m512 kv_load(const char *row, int64_t d, int f16) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * d)))
+               : _mm512_loadu_ps((const float *)row + d);
+}
 
 /* A line into L2. Not _mm_prefetch: GCC takes a function whose only effect is __builtin_prefetch for one without
  * effects and drops its calls (prefetch_span's never ran: no prefetcht1 in the build). */
-static inline void prefetch_l2(const float *p) { __asm__ __volatile__("prefetcht1 %0" : : "m"(*(const char *)p)); }
+static inline void prefetch_l2(const char *p) { __asm__ __volatile__("prefetcht1 %0" : : "m"(*(const char *)p)); }
 
 /* Keys t0 .. t0 + n of the item into L2 while the span before them runs (run_item spreads the calls): a sequence's pages lie anywhere in the
  * pool, so the hardware prefetcher loses the stream at every page (cpu_attention.c's load_tile does the same). */
 static void prefetch_span(const aitem_t *it, int64_t t0, int64_t n) {
-    const int64_t hd = it->hd, kv_stride = it->hkv * hd, head = it->kvh * hd, ps = it->page_size;
+    const int64_t es = it->f16 ? 2 : 4, hd = it->hd, kv_stride = it->hkv * hd * es, head = it->kvh * hd * es;
+    const int64_t ps = it->page_size;
     int64_t pg = t0 / ps, off = t0 % ps;
     for (int64_t o = 0; o < n; o++) {
         const int64_t slot = (int64_t)it->pages[pg] * ps + off;
         if (++off == ps) pg++, off = 0;
-        for (int64_t d = 0; d < hd; d += 16) {
-            prefetch_l2(it->k + slot * kv_stride + head + d);
-            prefetch_l2(it->v + slot * kv_stride + head + d);
+        for (int64_t b = 0; b < hd * es; b += 64) {
+            prefetch_l2(it->k + slot * kv_stride + head + b);
+            prefetch_l2(it->v + slot * kv_stride + head + b);
         }
     }
 }
@@ -131,9 +141,10 @@ static void prefetch_span(const aitem_t *it, int64_t t0, int64_t n) {
  * V as B operands of P V: tile (key block of 32, dim block of 16) row p = keys 2p, 2p + 1 at the 16 dims. */
 static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint32_t *kl, uint32_t *vh, uint32_t *vl) {
     const int64_t hd = it->hd, hp = it->hp, ndh = hp / 32, nd16 = hd / 16;
-    const int64_t kv_stride = it->hkv * hd, head = it->kvh * hd;
+    const int64_t es = it->f16 ? 2 : 4, kv_stride = it->hkv * hd * es, head = it->kvh * hd * es;
     const int64_t ps = it->page_size;
-    const float *rows_k[ASB], *rows_v[ASB];
+    const int f16 = it->f16;
+    const char *rows_k[ASB], *rows_v[ASB];
     int64_t pg = t0 / ps, off = t0 % ps;
     for (int64_t o = 0; o < ASB; o++) {
         if (o >= n) {
@@ -159,8 +170,8 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
                  * (run_item) the block takes 2 products a row tile (Qh Kh + Ql Kh, Qh Kl), not 3 over zero dims. */
                 __m512i x[16];
                 for (int64_t j = 0; j < 16; j++) {
-                    const float *key = rows_k[kb * 16 + j];
-                    const __m512 a = key ? _mm512_loadu_ps(key + d) : _mm512_setzero_ps(), ah = bf16_round(a);
+                    const char *key = rows_k[kb * 16 + j];
+                    const __m512 a = key ? kv_load(key, d, f16) : _mm512_setzero_ps(), ah = bf16_round(a);
                     x[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(a, ah), ah);
                 }
                 transpose16(x);
@@ -172,9 +183,9 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
             }
             __m512i h[16], l[16];
             for (int64_t j = 0; j < 16; j++) {
-                const float *key = rows_k[kb * 16 + j];
-                const __m512 a = key ? _mm512_loadu_ps(key + d) : _mm512_setzero_ps();
-                const __m512 b = key ? _mm512_loadu_ps(key + d + 16) : _mm512_setzero_ps();
+                const char *key = rows_k[kb * 16 + j];
+                const __m512 a = key ? kv_load(key, d, f16) : _mm512_setzero_ps();
+                const __m512 b = key ? kv_load(key, d + 16, f16) : _mm512_setzero_ps();
                 const __m512 ah = bf16_round(a), bh = bf16_round(b);
                 h[j] = (__m512i)_mm512_cvtne2ps_pbh(bh, ah);
                 l[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, bh), _mm512_sub_ps(a, ah));
@@ -187,9 +198,9 @@ static void repack(const aitem_t *it, int64_t t0, int64_t n, uint32_t *kh, uint3
         for (int64_t db = 0; db < nd16; db++) {
             uint32_t *th = vh + (kb * nd16 + db) * 256, *tl = vl + (kb * nd16 + db) * 256;
             for (int64_t p = 0; p < 16; p++) {
-                const float *ra = rows_v[kb * 32 + 2 * p], *rb = rows_v[kb * 32 + 2 * p + 1];
-                const __m512 a = ra ? _mm512_loadu_ps(ra + db * 16) : _mm512_setzero_ps();
-                const __m512 b = rb ? _mm512_loadu_ps(rb + db * 16) : _mm512_setzero_ps();
+                const char *ra = rows_v[kb * 32 + 2 * p], *rb = rows_v[kb * 32 + 2 * p + 1];
+                const __m512 a = ra ? kv_load(ra, db * 16, f16) : _mm512_setzero_ps();
+                const __m512 b = rb ? kv_load(rb, db * 16, f16) : _mm512_setzero_ps();
                 const __m512 ah = bf16_round(a), bh = bf16_round(b);
                 _mm512_store_si512(th + p * 16, pair(ah, bh));
                 _mm512_store_si512(tl + p * 16, pair(bf16_round(_mm512_sub_ps(a, ah)), bf16_round(_mm512_sub_ps(b, bh))));
@@ -480,8 +491,8 @@ done:
  * Returns 0, 1 for shapes it does not take, 2 when out of memory. ab_amx_init must have returned 0 in this process. */
 int ab_paged_attention_amx(const float *q, int64_t n_seqs, const int64_t *q_starts, const int64_t *q_lens,
                            const int64_t *kv_lens, const int32_t *page_table, int64_t pt_stride, int64_t page_size,
-                           const float *k_cache, const float *v_cache, int64_t hq, int64_t hkv, int64_t hd, float scale,
-                           float *out, int threads) {
+                           const void *k_cache, const void *v_cache, int64_t hq, int64_t hkv, int64_t hd, float scale,
+                           float *out, int threads, int kv_f16) {
     if (hd % 16 || hd < 16 || hd > 256 || hkv < 1 || hq % hkv || page_size < 1) return 1;
     const int64_t g = hq / hkv;
     threads = threads < 1 ? 1 : threads;
@@ -536,7 +547,7 @@ int ab_paged_attention_amx(const float *q, int64_t n_seqs, const int64_t *q_star
         float *st = ranges[s] > 1 ? state + state_at[s] + (kvh * ranges[s] + rg) * rows * (2 + hd) : NULL;
         const aitem_t it = {q, k_cache, v_cache, page_table + s * pt_stride, page_size, hq, hkv, hd,
                             (hd + 31) / 32 * 32, g, q_starts[s], q_lens[s], kv_lens[s], kvh, r_lo, r_hi,
-                            scale * LOG2E_A};
+                            scale * LOG2E_A, kv_f16 != 0};
         if (st && a == b) { /* a range past the keys (rounding): no weight */
             for (int64_t r = 0; r < rows; r++) st[r * (2 + hd)] = -INFINITY;
             continue;
