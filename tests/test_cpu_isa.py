@@ -7,6 +7,7 @@ and the ones it cannot run at least compile (with their VNNI dot products in the
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -59,7 +60,7 @@ def test_the_variant_is_picked_from_the_cpu_flags() -> None:
     zen4 = AVX2_EPYC | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}
     assert cg.pick_isa(zen4) is cg.Isa.AVX512_VNNI
     sapphire = zen4 | {"avx_vnni", "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16"}
-    assert cg.pick_isa(sapphire) is cg.Isa.AVX512_AMX  # its 8-bit many-row products on AMX tiles
+    assert cg.pick_isa(sapphire) is cg.Isa.AVX512_AMX  # its 8- and 4-bit many-row products on AMX tiles
     assert cg.pick_isa(AVX2_EPYC | {"avx512f", "avx512bw", "avx512vl"}) is cg.Isa.AVX2  # Skylake-X: no VNNI
     assert cg.pick_isa(AVX2_EPYC | {"avx512_vnni"}) is cg.Isa.AVX2  # VNNI without AVX512VL's 256-bit form
     assert cg.pick_isa(AVX2_EPYC - {"f16c"}) is None
@@ -80,9 +81,17 @@ def test_a_row_gets_the_same_bits_in_any_batch(kind: str) -> None:
     for i in (0, 5, 9, 15):
         assert torch.equal(mm(x[i:i + 1]), whole[i:i + 1])
     assert torch.equal(mm(x[3:11]), whole[3:11])
-    # a prefill-sized step (Q4 keeps its activations in slices of 64 rows): the same bits as one row alone
+    # a prefill-sized step (Q4 keeps its activations in slices of 64 rows): the same bits as one row alone, except
+    # where the avx512-amx build's tiles take it (one fp32 accumulator a block, cpu_bits_amx.c says why): there
+    # within fp32 rounding of them
     many = torch.cat([x] * 5)  # 80 rows
-    assert torch.equal(mm(many), torch.cat([whole] * 5))
+    calls = ctypes.c_int64.in_dll(cg._lib(), "ab_amx_calls") if cg.isa() is cg.Isa.AVX512_AMX else None
+    before = calls.value if calls is not None else 0
+    got, want = mm(many), torch.cat([whole] * 5)
+    if calls is not None and calls.value > before:
+        torch.testing.assert_close(got, want, rtol=0.0, atol=2e-6 * want.abs().max().item())
+    else:
+        assert torch.equal(got, want)
 
 
 def _runnable() -> list[cg.Isa]:

@@ -320,7 +320,7 @@ SPECIALISE(2, 16) SPECIALISE(3, 16)
 
 /* x [M][K] fp32 times the k-bit weight w ([N] rows of row_bytes) transposed: out [M][N]. */
 int ab_bits_matmul(const float *x, int64_t m, const uint8_t *w, int bits, int group, int form, int off, int64_t k,
-                   int64_t n, float *out, int threads) {
+                   int64_t n, float *out, int threads, int tiles) {
     const shape_t s = {bits, group, form, off, k, n};
     int rc = check(&s);
     if (rc) return rc;
@@ -328,7 +328,7 @@ int ab_bits_matmul(const float *x, int64_t m, const uint8_t *w, int bits, int gr
         {matmul_5_16, matmul_5_32}, {matmul_6_16, matmul_6_32}, {matmul_8_16, matmul_8_32}};
     int64_t first = 0; /* weight rows done on AMX tiles: the kernel below takes the rest */
 #ifdef __AMX_INT8__
-    if (m >= ab_amx_min_rows && (first = ab_bits_matmul_amx(x, m, w, &s, out, threads)) < 0) return -1;
+    if (tiles && m >= ab_amx_min_rows && (first = ab_bits_matmul_amx(x, m, w, &s, out, threads)) < 0) return -1;
 #endif
     if (first == n) return 0;
     /* Many rows (prefill, a prompt's tokens routed to one expert) in slices whose quantised activations (4 bytes a

@@ -309,7 +309,7 @@ def bits_matmul(x: torch.Tensor, w: BitsCPU) -> torch.Tensor:
     if x.shape[0] == 0:
         return out
     rc = cpu_gemv._lib().ab_bits_matmul(x.data_ptr(), x.shape[0], w.data.data_ptr(), *_args(w), out.data_ptr(),
-                                        cpu_gemv.threads())
+                                        cpu_gemv.threads(), 1)
     _check(rc, "bits_matmul")
     return out
 

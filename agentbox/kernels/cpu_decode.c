@@ -40,13 +40,6 @@ typedef struct {
     float eps, scale;
 } dims_t;
 
-static void rmsnorm(const float *x, const float *w, int64_t h, float eps, float *out) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
-    float r = 1.0f / sqrtf(ss / (float)h + eps);
-    for (int64_t i = 0; i < h; i++) out[i] = w[i] * (x[i] * r);
-}
-
 void ab_silu_mul(const float *gu, int64_t in, float *a) {
     const float *g = gu, *up = gu + in;
     int64_t i = 0;
@@ -64,15 +57,6 @@ void ab_silu_mul(const float *gu, int64_t in, float *a) {
 void ab_silu_mul_rows(const float *gu, int64_t m, int64_t in, float *out, int threads) {
     _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 1)")
     for (int64_t t = 0; t < m; t++) ab_silu_mul(gu + t * 2 * in, in, out + t * in);
-}
-
-static void rope(float *x, const float *cos, const float *sin, int64_t d) {
-    int64_t half = d / 2;
-    for (int64_t i = 0; i < half; i++) {
-        float a = x[i], b = x[i + half];
-        x[i] = a * cos[i] - b * sin[i];
-        x[i + half] = b * cos[i + half] + a * sin[i + half];
-    }
 }
 
 /* n values (a multiple of 8) into the cache at element `at`: copied, or (f16) rounded to nearest even, as torch's
@@ -146,7 +130,7 @@ int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *res
     for (int64_t t = 0; t < m; t++) {
         float *res = residual + t * h, *hid = hidden + t * h;
         for (int64_t i = 0; i < h; i++) res[i] = first ? hid[i] : hid[i] + res[i];
-        rmsnorm(res, L->ln1, h, d->eps, normed + t * h);
+        ab_rmsnorm(res, L->ln1, h, d->eps, normed + t * h);
     }
     if ((rc = ab_linear(&L->qkv, normed, m, qkv, threads))) goto done;
     for (int64_t t = 0; t < m; t++) {
@@ -156,8 +140,8 @@ int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *res
             for (int64_t i = 0; i < qkv_n; i++) row[i] += L->qkv_bias[i];
         if (L->q_norm) /* in place: rmsnorm reads a head's sum of squares before it writes */
             for (int64_t head = 0; head < hq + hkv; head++)
-                rmsnorm(row + head * hd, head < hq ? L->q_norm : L->k_norm, hd, d->eps, row + head * hd);
-        for (int64_t head = 0; head < hq + hkv; head++) rope(row + head * hd, c, s, hd); /* q and k heads */
+                ab_rmsnorm(row + head * hd, head < hq ? L->q_norm : L->k_norm, hd, d->eps, row + head * hd);
+        for (int64_t head = 0; head < hq + hkv; head++) ab_rope(row + head * hd, c, s, hd, row + head * hd); /* q and k heads */
         if (slots[t] >= 0) {
             ab_store_kv(L->k_cache, (int)L->kv_f16, slots[t] * hkv * hd, row + hq * hd, hkv * hd);
             ab_store_kv(L->v_cache, (int)L->kv_f16, slots[t] * hkv * hd, row + (hq + hkv) * hd, hkv * hd);
@@ -168,7 +152,7 @@ int ab_decode_layer(const layer_t *L, const dims_t *d, float *hidden, float *res
     for (int64_t t = 0; t < m; t++) {
         float *res = residual + t * h;
         for (int64_t i = 0; i < h; i++) res[i] += o[t * h + i];
-        rmsnorm(res, L->ln2, h, d->eps, normed + t * h);
+        ab_rmsnorm(res, L->ln2, h, d->eps, normed + t * h);
     }
     if (L->moe) {
         double seconds = 0.0;

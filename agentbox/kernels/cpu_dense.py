@@ -10,8 +10,9 @@ x 512 -> 1,024) ran at 120-184 GFLOP/s through MKL and 181-200 through oneDNN, n
 Numbers: both multiply fp32 by fp32 and sum in fp32; only the order of the sums differs, as between any two sgemms.
 Where oneDNN is missing (a torch built without it) or the op is absent, `F.linear` runs.
 
-The torch layers' other many-row pass, the MLP's SiLU-and-mul, is here too: one C pass over [gate | up] rows
-(`ab_silu_mul_rows`), where F.silu over the strided gate half and the product took two passes and two temporaries.
+The torch layers' other many-row passes are here too: the MLP's SiLU-and-mul, one C pass over [gate | up] rows
+(`ab_silu_mul_rows`), where F.silu over the strided gate half and the product took two passes and two temporaries;
+RMSNorm and the rotary embedding (cpu_rows.c says why, and what numbers they give).
 """
 
 from __future__ import annotations
@@ -58,3 +59,36 @@ def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], half, dtype=torch.float32)
     cpu_gemv._lib().ab_silu_mul_rows(x.data_ptr(), x.shape[0], half, out.data_ptr(), cpu_gemv.threads())
     return out.reshape(*gate_up.shape[:-1], half)
+
+
+def _fp32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and cpu_gemv.available()
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """F.rms_norm(x, weight.shape, weight, eps) of fp32 rows [T, H] or [T, heads, H] (any token and head strides,
+    channels contiguous: q or k heads read in place from a qkv row) on the CPU, the fused decode's arithmetic
+    (cpu_gemv.h's ab_rmsnorm); None where the kernel does not take them: the caller runs torch."""
+    h = weight.shape[-1]
+    if not (_fp32_cpu(x, weight) and x.dim() in (2, 3) and x.shape[-1] == h and x.stride(-1) == 1
+            and weight.dim() == 1 and x.numel()):
+        return None
+    heads, s_head = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, h)
+    out = torch.empty(x.shape, dtype=torch.float32)
+    rc = cpu_gemv._lib().ab_rmsnorm_rows(x.data_ptr(), x.shape[0], heads, h, x.stride(0), s_head,
+                                         weight.contiguous().data_ptr(), eps, out.data_ptr(), cpu_gemv.threads())
+    return out if rc == 0 else None
+
+
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """x * cos + rotate_half(x) * sin of x [T, heads, D] fp32 (any token and head strides, channels contiguous),
+    cos / sin [T, 1, D], bit for bit torch's, on the CPU; None where the kernel does not take them."""
+    if not (_fp32_cpu(x, cos, sin) and x.dim() == 3 and x.stride(2) == 1 and x.shape[-1] % 2 == 0
+            and cos.shape == sin.shape == (x.shape[0], 1, x.shape[2])):
+        return None
+    t, heads, d = x.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty((t, heads, d), dtype=torch.float32)
+    cpu_gemv._lib().ab_rope_rows(x.data_ptr(), t, heads, d, x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                                 out.data_ptr(), cpu_gemv.threads())
+    return out

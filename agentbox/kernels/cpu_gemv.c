@@ -570,12 +570,25 @@ const char *ab_isa(void) { return AB_ISA; }
         const int64_t mc = m - i0 < MC ? m - i0 : MC;                                                          \
         const act_t v = {a.q + i0 * k * 2, a.d + i0 * (k / QB), a.gsum + i0 * (k / group), mc};               \
         _Pragma("omp parallel for schedule(static) num_threads(threads) if (threads > 1)")                   \
-        for (int64_t u = 0; u < units; u++) q4_tile_rows(&v, 0, mc, k, codes, s, n, group, out + i0 * n, u, HALF, G32); \
+        for (int64_t u = u0; u < units; u++) q4_tile_rows(&v, 0, mc, k, codes, s, n, group, out + i0 * n, u, HALF, G32); \
     }
 
+#ifdef __AMX_INT8__
+extern int ab_amx_min_rows; /* cpu_bits_amx.c */
+int64_t ab_q4_matmul_amx(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *so, int64_t n,
+                         int64_t group, float *out, int threads, int half);
+#endif
+
 int ab_q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *so, int64_t n,
-                 int64_t group, float *out, int threads, int half) {
+                 int64_t group, float *out, int threads, int half, int tiles) {
     if (k % QB || group % QB || k % group) return -2;
+    int64_t first = 0; /* weight rows done on AMX tiles (cpu_q4_amx.c): the passes below take the rest */
+#ifdef __AMX_INT8__
+    if (tiles && m >= ab_amx_min_rows && (first = ab_q4_matmul_amx(x, m, k, codes, so, n, group, out, threads, half)) < 0)
+        return -1;
+#endif
+    if (first == n) return 0;
+    const int64_t u0 = first / (Q4_UNIT * NR);
     act_t a;
     if (quantize_activations(x, m, k, group, 1, &a)) return -1;
     const int64_t units = (n + Q4_UNIT * NR - 1) / (Q4_UNIT * NR);

@@ -12,7 +12,7 @@
  * gives the same bits; the fp32 work around them is the same operations in the same order (the avx512-vnni
  * build's Q4 kernel does each lane's in 512-bit vectors of two tiles: q4_pair in cpu_gemv.c). */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AMX_INT8__)
-#define AB_ISA "avx512-amx" /* the avx512-vnni kernels, and cpu_bits_amx.c's tiles for many-row 8-bit products */
+#define AB_ISA "avx512-amx" /* the avx512-vnni kernels, and AMX tiles for many-row 8- and 4-bit products */
 #define AB_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
 #elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define AB_ISA "avx512-vnni"
@@ -86,10 +86,13 @@ static inline float ab_round_block(const float *v, int8_t *q, int sums[2]) {
     return d;
 }
 
+/* `tiles`: whether a call of ab_amx_min_rows rows or more may take the avx512-amx build's tiles (cpu_*_amx.c), whose
+ * fp32 sums are not the VNNI kernels' bits; the fused decode passes 0, so a sequence's step does not depend on how
+ * many others share it. */
 int ab_q4_matmul(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *so, int64_t n,
-                 int64_t group, float *out, int threads, int half);
+                 int64_t group, float *out, int threads, int half, int tiles);
 int ab_bits_matmul(const float *x, int64_t m, const uint8_t *w, int bits, int group, int form, int off, int64_t k,
-                   int64_t n, float *out, int threads);
+                   int64_t n, float *out, int threads, int tiles);
 
 /* One run of a linear layer's output rows as a CPU kernel holds it: bits 4, cpu_gemv.c's tiles (w: codes, so: their
  * scales and offsets, fp16 where `half`); 2, 3, 5, 6, 8, cpu_bits.c's rows (w; `form` its ScaleForm, `off` whether
@@ -146,4 +149,27 @@ static inline __m256 exp8(__m256 x) {
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* RMSNorm of one row, w * (x * r) with r = 1 / sqrt(mean(x^2) + eps): the fused decode's norm (cpu_decode.c,
+ * cpu_hybrid.c), and cpu_rows.c's many-row pass sums each row the same way, so a row's numbers do not depend on how
+ * many rows came with it. The squares are exact in fp64 and summed there, so the fp32 sum is the correctly rounded
+ * one (F.rms_norm's cascade sum nearly always gives it too; an fp32 sum in order drifted far enough from it to move a
+ * tiny Q4_K_M model's logits by 3e-4). out may be x (the sum is read before the writes). */
+static inline void ab_rmsnorm(const float *x, const float *w, int64_t h, float eps, float *out) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < h; i++) ss += (double)x[i] * (double)x[i];
+    const float r = 1.0f / sqrtf((float)ss / (float)h + eps);
+    for (int64_t i = 0; i < h; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* The rotary embedding of one head's first d channels (HF's rotate_half form: cos / sin [d] = cat(freqs, freqs)),
+ * from x into out (may be x): torch's x * cos + rotate_half(x) * sin, the same products and sums in the same order. */
+static inline void ab_rope(const float *x, const float *cos, const float *sin, int64_t d, float *out) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        out[i] = a * cos[i] - b * sin[i];
+        out[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
 }

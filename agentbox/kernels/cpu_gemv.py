@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemv.c")
 # one library; cpu_gemv.h: shared
 SOURCES = tuple(SOURCE.with_name(n) for n in ("cpu_gemv.c", "cpu_decode.c", "cpu_bits.c", "cpu_bits_dequant.c",
-                                              "cpu_hybrid.c", "cpu_moe.c", "cpu_bits_amx.c"))
+                                              "cpu_hybrid.c", "cpu_moe.c", "cpu_bits_amx.c",
+                                              "cpu_q4_amx.c", "cpu_rows.c"))
 BLOCK = 32
 # fp-contract off: every variant must round the same products the same way (a fused a * b + c is one rounding)
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -48,7 +49,7 @@ _c_i64, _c_ptr, _c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 class Isa(enum.Enum):
     """The library's variants, best first; the value is the name the built library reports (AB_ISA)."""
 
-    AVX512_AMX = "avx512-amx"  # avx512-vnni, plus AMX int8 tiles for many-row 8-bit products (cpu_bits_amx.c)
+    AVX512_AMX = "avx512-amx"  # avx512-vnni, plus AMX int8 tiles for many-row 8- and 4-bit products (cpu_*_amx.c)
     AVX512_VNNI = "avx512-vnni"  # vpdpbusd on 256-bit vectors (EVEX), 32 vector registers
     AVX_VNNI = "avx-vnni"  # vpdpbusd (VEX): AVX2 laptops and desktops since Alder Lake, Zen 5
     AVX2 = "avx2"  # vpmaddubsw + vpmaddwd, as llama.cpp's AVX2 dot products
@@ -71,8 +72,8 @@ class Isa(enum.Enum):
 
 def pick_isa(flags: set[str] | frozenset[str]) -> Isa | None:
     """The best variant a CPU with these /proc/cpuinfo flags runs, or None (no AVX2 + FMA + F16C). The AMX variant
-    runs where the OS also grants the tile state; where it does not, its many-row 8-bit products take its VNNI
-    kernels (cpu_bits_amx.c), the same bits."""
+    runs where the OS also grants the tile state; where it does not, its many-row 8- and 4-bit products take its
+    VNNI kernels (cpu_bits_amx.c, cpu_q4_amx.c)."""
     return next((isa for isa in Isa if isa.cpu_flags <= flags), None)
 
 
@@ -144,7 +145,7 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
         return None, why
     lib = ctypes.CDLL(str(target))
     lib.ab_isa.restype = ctypes.c_char_p
-    lib.ab_q4_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
+    lib.ab_q4_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_int, _c_int, _c_int]
     lib.ab_q8_matmul.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_i64, _c_ptr, _c_int, _c_int]
     lib.ab_q4_dequant.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
     lib.ab_q8_rows.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_ptr, _c_i64, _c_ptr, _c_int]
@@ -153,7 +154,7 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     lib.ab_decode_layer.argtypes = [_c_ptr, _c_ptr, _c_ptr, _c_ptr, _c_int, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_i64,
                                     _c_i64, _c_ptr, _c_int]
     # cpu_bits.c: (x, m, w, bits, group, form, offset, k, n, out, threads) / (w, ..., n, out, threads)
-    lib.ab_bits_matmul.argtypes = [_c_ptr, _c_i64, _c_ptr, *[_c_int] * 4, _c_i64, _c_i64, _c_ptr, _c_int]
+    lib.ab_bits_matmul.argtypes = [_c_ptr, _c_i64, _c_ptr, *[_c_int] * 4, _c_i64, _c_i64, _c_ptr, _c_int, _c_int]
     lib.ab_bits_dequant.argtypes = [_c_ptr, *[_c_int] * 4, _c_i64, _c_i64, _c_ptr, _c_int]
     lib.ab_bits_row_bytes.argtypes = [*[_c_int] * 4, _c_i64]
     lib.ab_bits_row_bytes.restype = _c_i64
@@ -176,6 +177,13 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     lib.ab_argmax.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr]  # (logits fp32, rows, n, out int64)
     lib.ab_silu_mul_rows.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_int]  # ([gate | up] rows, m, in, out, threads)
     lib.ab_silu_mul_rows.restype = None
+    # cpu_rows.c: (x, t, heads, h, token / head strides, w, eps, out, threads) and (x, t, heads, d, token / head
+    # strides, cos, sin, out, threads)
+    lib.ab_rmsnorm_rows.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, ctypes.c_float, _c_ptr,
+                                    _c_int]
+    lib.ab_rmsnorm_rows.restype = _c_int
+    lib.ab_rope_rows.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_int]
+    lib.ab_rope_rows.restype = None
     lib.ab_argmax.restype = None
     for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_attend, lib.ab_bits_matmul, lib.ab_bits_dequant,
               lib.ab_f16_matmul, lib.ab_bf16_matmul, lib.ab_hybrid_layer, lib.ab_delta_rule,
@@ -355,7 +363,7 @@ def q4_matmul(x: torch.Tensor, codes: torch.Tensor, so: torch.Tensor, n: int) ->
     m, k = x.shape
     out = torch.empty(m, n, dtype=torch.float32)
     group = k // so.shape[1]
-    rc = _lib().ab_q4_matmul(x.data_ptr(), m, k, codes.data_ptr(), so.data_ptr(), n, group, out.data_ptr(), threads(), _half(so))
+    rc = _lib().ab_q4_matmul(x.data_ptr(), m, k, codes.data_ptr(), so.data_ptr(), n, group, out.data_ptr(), threads(), _half(so), 1)
     _check(rc, "q4_matmul")
     return out
 

@@ -161,13 +161,6 @@ static int mm_many(const f16w_t *const *ws, float *const *outs, int count, const
     return 0;
 }
 
-static void rmsnorm(const float *x, const float *w, int64_t h, float eps, float *out) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < h; i++) ss += x[i] * x[i];
-    const float r = 1.0f / sqrtf(ss / (float)h + eps);
-    for (int64_t i = 0; i < h; i++) out[i] = w[i] * (x[i] * r);
-}
-
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 static inline float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); } /* torch's threshold */
@@ -387,15 +380,6 @@ done:
     return rc;
 }
 
-static void rope(float *x, const float *cos, const float *sin, int64_t d) {
-    const int64_t half = d / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const float a = x[i], b = x[i + half];
-        x[i] = a * cos[i] - b * sin[i];
-        x[i + half] = b * cos[i + half] + a * sin[i + half];
-    }
-}
-
 /* the gated attention mixer: out [m][Hq * D] (attention times sigmoid of its gate, before o_proj) */
 static int gated_attention(const hlayer_t *L, const hdims_t *d, const hstep_t *st, const float *normed, int64_t m,
                            float *out, int threads) {
@@ -410,11 +394,11 @@ static int gated_attention(const hlayer_t *L, const hdims_t *d, const hstep_t *s
         const float *src = raw + t * raw_n;
         float *row = qkv + t * qkv_n;
         const float *c = d->cos + positions[t] * rd, *s = d->sin + positions[t] * rd;
-        for (int64_t h = 0; h < hq; h++) rmsnorm(src + 2 * h * hd, L->q_norm, hd, d->eps, row + h * hd);
+        for (int64_t h = 0; h < hq; h++) ab_rmsnorm(src + 2 * h * hd, L->q_norm, hd, d->eps, row + h * hd);
         for (int64_t h = 0; h < hkv; h++)
-            rmsnorm(src + 2 * hq * hd + h * hd, L->k_norm, hd, d->eps, row + (hq + h) * hd);
+            ab_rmsnorm(src + 2 * hq * hd + h * hd, L->k_norm, hd, d->eps, row + (hq + h) * hd);
         memcpy(row + (hq + hkv) * hd, src + (2 * hq + hkv) * hd, sizeof(float) * hkv * hd);
-        for (int64_t h = 0; h < hq + hkv; h++) rope(row + h * hd, c, s, rd); /* the first rd channels of a head */
+        for (int64_t h = 0; h < hq + hkv; h++) ab_rope(row + h * hd, c, s, rd, row + h * hd); /* the first rd channels of a head */
         if (kv_slots[t] >= 0) {
             ab_store_kv(L->k_cache, (int)L->kv_f16, kv_slots[t] * hkv * hd, row + hq * hd, hkv * hd);
             ab_store_kv(L->v_cache, (int)L->kv_f16, kv_slots[t] * hkv * hd, row + (hq + hkv) * hd, hkv * hd);
@@ -446,14 +430,14 @@ int ab_hybrid_layer(const hlayer_t *L, const hdims_t *d, const hstep_t *st, floa
     for (int64_t t = 0; t < m; t++) {
         float *res = residual + t * h, *hid = hidden + t * h;
         for (int64_t i = 0; i < h; i++) res[i] = first ? hid[i] : hid[i] + res[i];
-        rmsnorm(res, L->ln1, h, d->eps, normed + t * h);
+        ab_rmsnorm(res, L->ln1, h, d->eps, normed + t * h);
     }
     rc = L->linear ? delta_net(L, d, st, normed, m, mixed, threads) : gated_attention(L, d, st, normed, m, mixed, threads);
     if (rc || (rc = mm(L->linear ? &L->out : &L->o, mixed, m, o, threads))) goto done;
     for (int64_t t = 0; t < m; t++) {
         float *res = residual + t * h;
         for (int64_t i = 0; i < h; i++) res[i] += o[t * h + i];
-        rmsnorm(res, L->ln2, h, d->eps, normed + t * h);
+        ab_rmsnorm(res, L->ln2, h, d->eps, normed + t * h);
     }
     if ((rc = mm(&L->gate_up, normed, m, gu, threads))) goto done;
     for (int64_t t = 0; t < m; t++) { /* SiLU(gate) * up, into the gate half (down reads [m][in] rows of it) */

@@ -21,9 +21,9 @@
 
 static int part_matmul(const ab_part_t *p, const float *x, int64_t m, float *out, int threads) {
     if (p->bits == 4)
-        return ab_q4_matmul(x, m, p->k, (const uint8_t *)p->w, p->so, p->n, p->group, out, threads, (int)p->half);
+        return ab_q4_matmul(x, m, p->k, (const uint8_t *)p->w, p->so, p->n, p->group, out, threads, (int)p->half, 0);
     return ab_bits_matmul(x, m, (const uint8_t *)p->w, (int)p->bits, (int)p->group, (int)p->form, (int)p->off, p->k,
-                          p->n, out, threads);
+                          p->n, out, threads, 0);
 }
 
 int ab_linear(const ab_linear_t *l, const float *x, int64_t m, float *out, int threads) {

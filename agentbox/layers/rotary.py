@@ -135,7 +135,10 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._cos, self._sin
         else:
             cos, sin = self._gather(positions, x.dtype)
-        return x * cos + _rotate_half(x) * sin
+        from agentbox.kernels import cpu_dense
+
+        out = cpu_dense.rope_rows(x, cos, sin)  # fp32 on the CPU: one C pass, torch's bits
+        return x * cos + _rotate_half(x) * sin if out is None else out
 
     def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return (

@@ -1,0 +1,215 @@
+/* cpu_gemv.c's 4-bit product (GGUF Q4_0 / Q4_1, and the Q4_K experts: unsigned codes, a scale and an offset per
+ * group) on AMX int8 tiles, for many activation rows (a prefill chunk, a warm turn's new tokens, a prompt's tokens
+ * routed to one expert). Built only into the avx512-amx variant (cpu_gemv.py); ab_q4_matmul sends it calls of
+ * ab_amx_min_rows rows or more that allow tiles.
+ *
+ * As cpu_bits_amx.c (which says why, and where callers keep the VNNI kernel): one tile product a block (tdpbusd, K
+ * 32: unsigned codes times signed activations, exact in int32) for 16 weight rows x 16 activation rows, stored,
+ * converted and FMA'd with (the group's weight scale x the block's activation scale) into one accumulator, block
+ * after block; then the offsets' term (offset x the group's sum of the rounded activations, a chain of FMAs over the
+ * groups) added as the VNNI kernels add it. Those keep each block's two halves apart (q4_dot's lanes), so the two
+ * differ by fp32 rounding.
+ *
+ * Layout: the codes are unpacked per 16 weight rows (four of cpu_gemv.c's tiles) into the A tiles, [block][16
+ * rows][32 codes] in element order, once for every activation tile they meet; the activations are the B tiles as
+ * cpu_bits_amx.c packs them (per 16 rows and block, 8 rows of 64 bytes: 16 activation rows x 4 consecutive columns).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_gemv.h"
+
+#ifdef __AMX_INT8__
+#include <omp.h>
+
+#include "amx_tiles.h"
+
+#define QB 32 /* elements per block */
+#define NR 4  /* weight rows of one of cpu_gemv.c's Q4 tiles */
+#define TM 16 /* activation rows of a tile product */
+#define TN 16 /* weight rows of a tile product (four Q4 tiles) */
+#define SLICE_BYTES (1 << 20) /* activation rows packed at a time (cpu_bits_amx.c's reason) */
+
+extern int64_t ab_amx_calls; /* cpu_bits_amx.c */
+int ab_bits_amx_ready(void);
+
+/* Tiles 0, 1: the sums of an even and an odd block (one's product runs while the other's are scaled); 4, 5: their
+ * weights (16 rows x 32 codes); 6, 7: their activations (8 rows x 64 bytes). */
+static void tiles_on(void) {
+    static const uint8_t rows[8] = {TN, TN, TN, TN, TN, TN, 8, 8};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 32, 32, 64, 64};
+    amx_configure(rows, colsb);
+}
+
+/* Activations as B tiles: q [tiles][nb][8][16][4], d [tiles][nb][16] (the block scales), gs [tiles][gk][16] (the
+ * groups' sums of the rounded activations, summed as quantize_activations in cpu_gemv.c does); rows past m are zero
+ * and never stored. */
+static int pack(const float *x, int64_t m, int64_t k, int64_t group, int8_t **q, float **d, float **gs) {
+    const int64_t nb = k / QB, gk = k / group, per = group / QB, tiles = (m + TM - 1) / TM;
+    *q = aligned_alloc(64, (size_t)(tiles * nb * TM * QB));
+    *d = aligned_alloc(64, sizeof(float) * (size_t)(tiles * nb * TM));
+    *gs = aligned_alloc(64, sizeof(float) * (size_t)(tiles * gk * TM));
+    if (!*q || !*d || !*gs) return -1;
+    memset(*q, 0, (size_t)(tiles * nb * TM * QB));
+    memset(*d, 0, sizeof(float) * (size_t)(tiles * nb * TM));
+    memset(*gs, 0, sizeof(float) * (size_t)(tiles * gk * TM));
+    for (int64_t i = 0; i < m; i++) {
+        const int64_t t = i / TM, j = i % TM;
+        for (int64_t g = 0, b = 0; g < gk; g++) {
+            float sum = 0.0f;
+            for (int64_t e = 0; e < per; e++, b++) {
+                int8_t c[QB];
+                int sums[2];
+                const float db = ab_round_block(x + i * k + b * QB, c, sums);
+                (*d)[(t * nb + b) * TM + j] = db;
+                sum += db * (float)(sums[0] + sums[1]);
+                int8_t *dst = *q + (t * nb + b) * TM * QB;
+                for (int p = 0; p < QB / 4; p++) memcpy(dst + p * 64 + j * 4, c + 4 * p, 4);
+            }
+            (*gs)[(t * gk + g) * TM + j] = sum;
+        }
+    }
+    return 0;
+}
+
+/* Weight rows n0 .. n0 + 15 as A tiles a [nb][16][32], their scales sc and offsets of [gk][16]. A Q4 tile's block is
+ * 64 bytes [half h][row r][8]: byte i holds elements e = 16 h + (i < 4 ? i : i + 4) and e + 4, e in the low nibble
+ * for even rows and in the high one for odd rows (cpu_gemv.c). So int32 lane (h, r, s) of the low nibbles holds
+ * quadword 4 h + 2 s of an even row (elements 16 h + 8 s ..+ 3) and of the high nibbles quadword 4 h + 2 s + 1;
+ * odd rows the other way round. */
+static void unpack(const uint8_t *codes, const char *so, int64_t k, int64_t group, int64_t n0, int half, uint8_t *a,
+                   float *sc, float *of) {
+    const int64_t nb = k / QB, gk = k / group, es = half ? 2 : 4;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    /* output lane 8 rr + u of vector z (row r = 2 z + rr, quadword u: elements 4 u .. 4 u + 3) <- lane of (lo | hi) */
+    __m512i idx[2];
+    for (int z = 0; z < 2; z++) {
+        int32_t v[16];
+        for (int rr = 0; rr < 2; rr++)
+            for (int u = 0; u < 8; u++) {
+                const int r = 2 * z + rr, h = u / 4, s = u % 4 / 2, nib = (u % 2) ^ (r % 2); /* nib 1: high nibbles */
+                v[8 * rr + u] = nib * 16 + h * 8 + r * 2 + s;
+            }
+        idx[z] = _mm512_loadu_si512(v);
+    }
+    for (int64_t tt = 0; tt < TN / NR; tt++) {
+        const int64_t t = n0 / NR + tt;
+        const uint8_t *c = codes + t * NR * k / 2;
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512i w = _mm512_loadu_si512(c + b * 64);
+            const __m512i lo = _mm512_and_si512(w, low), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+            for (int z = 0; z < 2; z++)
+                _mm512_store_si512(a + (b * TN + tt * NR + 2 * z) * QB, _mm512_permutex2var_epi32(lo, idx[z], hi));
+        }
+        const char *st = so + t * gk * 2 * NR * es;
+        for (int64_t g = 0; g < gk; g++)
+            for (int r = 0; r < NR; r++) {
+                const int64_t at = (g * 2 * NR + r) * es;
+                sc[g * TN + tt * NR + r] = half ? _cvtsh_ss(*(const uint16_t *)(st + at)) : *(const float *)(st + at);
+                of[g * TN + tt * NR + r] = half ? _cvtsh_ss(*(const uint16_t *)(st + at + NR * es))
+                                                : *(const float *)(st + at + NR * es);
+            }
+    }
+}
+
+/* Block b's product into tile C (the weights into tile A, the activations into B: literals, tile numbers are
+ * immediates). */
+#define PRODUCT(C, A, B, b)                                                                                      \
+    do {                                                                                                         \
+        _tile_zero(C);                                                                                           \
+        _tile_loadd(A, a + (b) * TN * QB, QB);                                                                   \
+        _tile_loadd(B, xq + (t * nb + (b)) * TM * QB, 64);                                                       \
+        _tile_dpbusd(C, A, B);                                                                                   \
+    } while (0)
+
+/* Block b's sums scaled into the accumulators: (the weight row's scale x each activation row's), then one convert
+ * and FMA. */
+static inline __attribute__((always_inline)) void scale_block(const int32_t *c, const float *xd, const float *sc,
+                                                              __m512 *acc) {
+    const __m512 xv = _mm512_loadu_ps(xd);
+#pragma GCC unroll 16
+    for (int r = 0; r < TN; r++) {
+        const __m512 sv = _mm512_mul_ps(_mm512_set1_ps(sc[r]), xv);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + r * TM)), sv, acc[r]);
+    }
+}
+
+/* Activation tile t against the unpacked weight rows: out[i][n0 + r]. Blocks in pairs: the odd block's product is
+ * issued before the even one's sums are stored and scaled, and the next even one's before the odd one's. */
+static void tile_pair(const int8_t *xq, const float *xd, const float *xs, int64_t t, int64_t m, int64_t k,
+                      int64_t group, const uint8_t *a, const float *sc, const float *of, int64_t n0, int64_t n,
+                      float *out) {
+    const int64_t nb = k / QB, gk = k / group, per = group / QB;
+    __m512 acc[TN];
+#pragma GCC unroll 16
+    for (int r = 0; r < TN; r++) acc[r] = _mm512_setzero_ps();
+    int32_t c[2][TN * TM] __attribute__((aligned(64)));
+    const float *xt = xd + t * nb * TM;
+    PRODUCT(0, 4, 6, 0);
+    for (int64_t b = 0; b < nb; b += 2) {
+        if (b + 1 < nb) PRODUCT(1, 5, 7, b + 1);
+        _tile_stored(0, c[0], 64);
+        scale_block(c[0], xt + b * TM, sc + b / per * TN, acc);
+        if (b + 1 >= nb) break;
+        if (b + 2 < nb) PRODUCT(0, 4, 6, b + 2);
+        _tile_stored(1, c[1], 64);
+        scale_block(c[1], xt + (b + 1) * TM, sc + (b + 1) / per * TN, acc);
+    }
+    float o[TN][TM];
+    const float *st = xs + t * gk * TM;
+    for (int r = 0; r < TN; r++) { /* the offsets' chain of FMAs over the groups, as the VNNI kernels' */
+        __m512 off = _mm512_setzero_ps();
+        for (int64_t g = 0; g < gk; g++)
+            off = _mm512_fmadd_ps(_mm512_set1_ps(of[g * TN + r]), _mm512_load_ps(st + g * TM), off);
+        _mm512_storeu_ps(o[r], _mm512_add_ps(acc[r], off));
+    }
+    const int64_t rows = m - t * TM < TM ? m - t * TM : TM;
+    for (int64_t i = 0; i < rows; i++)
+        for (int r = 0; r < TN; r++) out[(t * TM + i) * n + n0 + r] = o[r][i];
+}
+
+/* The weight rows done, the first N / 16 x 16 (ab_q4_matmul's VNNI kernel does the rest): 0 where the tiles do not
+ * take the call (no tile state); -1 out of memory. */
+int64_t ab_q4_matmul_amx(const float *x, int64_t m, int64_t k, const uint8_t *codes, const void *so, int64_t n,
+                         int64_t group, float *out, int threads, int half) {
+    if (n < TN || m < 1 || !ab_bits_amx_ready()) return 0;
+    threads = threads < 1 ? 1 : threads;
+    const int64_t nb = k / QB, gk = k / group, ntiles = n / TN, per = SLICE_BYTES / k / TM * TM;
+    const int64_t slice = per < TM ? TM : per;
+    /* each thread's unpacked weights and their scales and offsets */
+    const int64_t own = nb * TN * QB + 2 * gk * TN * (int64_t)sizeof(float);
+    uint8_t *scratch = aligned_alloc(64, (size_t)(threads * own));
+    if (!scratch) return -1;
+    int rc = 0;
+#pragma omp atomic
+    ab_amx_calls++;
+    for (int64_t i0 = 0; i0 < m && !rc; i0 += slice) {
+        const int64_t mc = m - i0 < slice ? m - i0 : slice, tiles = (mc + TM - 1) / TM;
+        int8_t *xq = NULL;
+        float *xd = NULL, *xs = NULL;
+        if (pack(x + i0 * k, mc, k, group, &xq, &xd, &xs)) {
+            rc = -1;
+        } else {
+#pragma omp parallel num_threads(threads) if (threads > 1)
+            {
+                uint8_t *a = scratch + omp_get_thread_num() * own;
+                float *sc = (float *)(a + nb * TN * QB), *of = sc + gk * TN;
+                tiles_on();
+#pragma omp for schedule(static)
+                for (int64_t nt = 0; nt < ntiles; nt++) {
+                    unpack(codes, so, k, group, nt * TN, half, a, sc, of);
+                    for (int64_t t = 0; t < tiles; t++)
+                        tile_pair(xq, xd, xs, t, mc, k, group, a, sc, of, nt * TN, n, out + i0 * n);
+                }
+                _tile_release();
+            }
+        }
+        free(xq);
+        free(xd);
+        free(xs);
+    }
+    free(scratch);
+    return rc ? -1 : ntiles * TN;
+}
+#endif
