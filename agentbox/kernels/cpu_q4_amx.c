@@ -73,14 +73,14 @@ static int pack(const float *x, int64_t m, int64_t k, int64_t group, int8_t **q,
     return 0;
 }
 
-/* Weight rows n0 .. n0 + 15 as A tiles a [nb][16][32], their scales sc and offsets of [gk][16]. A Q4 tile's block is
- * 64 bytes [half h][row r][8]: byte i holds elements e = 16 h + (i < 4 ? i : i + 4) and e + 4, e in the low nibble
- * for even rows and in the high one for odd rows (cpu_gemv.c). So int32 lane (h, r, s) of the low nibbles holds
- * quadword 4 h + 2 s of an even row (elements 16 h + 8 s ..+ 3) and of the high nibbles quadword 4 h + 2 s + 1;
- * odd rows the other way round. */
+/* Weight rows n0 .. n0 + 15 as A tiles a [nb][16][32], their scales sc [nb][16] (each block its group's, so the
+ * block loop indexes without a division) and offsets of [gk][16]. A Q4 tile's block is 64 bytes [half h][row r][8]:
+ * byte i holds elements e = 16 h + (i < 4 ? i : i + 4) and e + 4, e in the low nibble for even rows and in the high
+ * one for odd rows (cpu_gemv.c). So int32 lane (h, r, s) of the low nibbles holds quadword 4 h + 2 s of an even row
+ * (elements 16 h + 8 s ..+ 3) and of the high nibbles quadword 4 h + 2 s + 1; odd rows the other way round. */
 static void unpack(const uint8_t *codes, const char *so, int64_t k, int64_t group, int64_t n0, int half, uint8_t *a,
                    float *sc, float *of) {
-    const int64_t nb = k / QB, gk = k / group, es = half ? 2 : 4;
+    const int64_t nb = k / QB, gk = k / group, per = group / QB, es = half ? 2 : 4;
     const __m512i low = _mm512_set1_epi8(0x0F);
     /* output lane 8 rr + u of vector z (row r = 2 z + rr, quadword u: elements 4 u .. 4 u + 3) <- lane of (lo | hi) */
     __m512i idx[2];
@@ -106,7 +106,8 @@ static void unpack(const uint8_t *codes, const char *so, int64_t k, int64_t grou
         for (int64_t g = 0; g < gk; g++)
             for (int r = 0; r < NR; r++) {
                 const int64_t at = (g * 2 * NR + r) * es;
-                sc[g * TN + tt * NR + r] = half ? _cvtsh_ss(*(const uint16_t *)(st + at)) : *(const float *)(st + at);
+                const float scale = half ? _cvtsh_ss(*(const uint16_t *)(st + at)) : *(const float *)(st + at);
+                for (int64_t b = g * per; b < (g + 1) * per; b++) sc[b * TN + tt * NR + r] = scale;
                 of[g * TN + tt * NR + r] = half ? _cvtsh_ss(*(const uint16_t *)(st + at + NR * es))
                                                 : *(const float *)(st + at + NR * es);
             }
@@ -140,7 +141,7 @@ static inline __attribute__((always_inline)) void scale_block(const int32_t *c, 
 static void tile_pair(const int8_t *xq, const float *xd, const float *xs, int64_t t, int64_t m, int64_t k,
                       int64_t group, const uint8_t *a, const float *sc, const float *of, int64_t n0, int64_t n,
                       float *out) {
-    const int64_t nb = k / QB, gk = k / group, per = group / QB;
+    const int64_t nb = k / QB, gk = k / group;
     __m512 acc[TN];
 #pragma GCC unroll 16
     for (int r = 0; r < TN; r++) acc[r] = _mm512_setzero_ps();
@@ -150,19 +151,27 @@ static void tile_pair(const int8_t *xq, const float *xd, const float *xs, int64_
     for (int64_t b = 0; b < nb; b += 2) {
         if (b + 1 < nb) PRODUCT(1, 5, 7, b + 1);
         _tile_stored(0, c[0], 64);
-        scale_block(c[0], xt + b * TM, sc + b / per * TN, acc);
+        scale_block(c[0], xt + b * TM, sc + b * TN, acc);
         if (b + 1 >= nb) break;
         if (b + 2 < nb) PRODUCT(0, 4, 6, b + 2);
         _tile_stored(1, c[1], 64);
-        scale_block(c[1], xt + (b + 1) * TM, sc + (b + 1) / per * TN, acc);
+        scale_block(c[1], xt + (b + 1) * TM, sc + (b + 1) * TN, acc);
     }
     float o[TN][TM];
     const float *st = xs + t * gk * TM;
-    for (int r = 0; r < TN; r++) { /* the offsets' chain of FMAs over the groups, as the VNNI kernels' */
-        __m512 off = _mm512_setzero_ps();
-        for (int64_t g = 0; g < gk; g++)
-            off = _mm512_fmadd_ps(_mm512_set1_ps(of[g * TN + r]), _mm512_load_ps(st + g * TM), off);
-        _mm512_storeu_ps(o[r], _mm512_add_ps(acc[r], off));
+    /* The offsets' chains of FMAs over the groups (as the VNNI kernels'), eight rows' side by side: one row's chain
+     * after another waited on each FMA's latency, 30-45 % of the kernel's time at K 576-2048. */
+    for (int r0 = 0; r0 < TN; r0 += 8) {
+        __m512 off[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) off[j] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < gk; g++) {
+            const __m512 xs_g = _mm512_load_ps(st + g * TM);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) off[j] = _mm512_fmadd_ps(_mm512_set1_ps(of[g * TN + r0 + j]), xs_g, off[j]);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) _mm512_storeu_ps(o[r0 + j], _mm512_add_ps(acc[r0 + j], off[j]));
     }
     const int64_t rows = m - t * TM < TM ? m - t * TM : TM;
     for (int64_t i = 0; i < rows; i++)
@@ -178,7 +187,7 @@ int64_t ab_q4_matmul_amx(const float *x, int64_t m, int64_t k, const uint8_t *co
     const int64_t nb = k / QB, gk = k / group, ntiles = n / TN, per = SLICE_BYTES / k / TM * TM;
     const int64_t slice = per < TM ? TM : per;
     /* each thread's unpacked weights and their scales and offsets */
-    const int64_t own = nb * TN * QB + 2 * gk * TN * (int64_t)sizeof(float);
+    const int64_t own = nb * TN * QB + (nb + gk) * TN * (int64_t)sizeof(float);
     uint8_t *scratch = aligned_alloc(64, (size_t)(threads * own));
     if (!scratch) return -1;
     int rc = 0;
@@ -194,7 +203,7 @@ int64_t ab_q4_matmul_amx(const float *x, int64_t m, int64_t k, const uint8_t *co
 #pragma omp parallel num_threads(threads) if (threads > 1)
             {
                 uint8_t *a = scratch + omp_get_thread_num() * own;
-                float *sc = (float *)(a + nb * TN * QB), *of = sc + gk * TN;
+                float *sc = (float *)(a + nb * TN * QB), *of = sc + nb * TN;
                 tiles_on();
 #pragma omp for schedule(static)
                 for (int64_t nt = 0; nt < ntiles; nt++) {
