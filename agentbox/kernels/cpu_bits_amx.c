@@ -39,21 +39,9 @@ int64_t ab_amx_calls;
 #ifdef __AMX_INT8__
 #include <omp.h>
 
-#include "amx_tiles.h"
-
-#define TM 16 /* activation rows of a tile product */
-#define TN 16 /* weight rows of a tile product: 16 fp32 accumulators */
+#include "amx_blocks.h"
 
 int ab_bits_amx_ready(void) { return amx_request(); }
-
-/* Tiles 0 and 1: the int32 sums (16 weight rows x 16 activation rows) of an even and an odd block (so one block's
- * products run while the previous one's are scaled); 4, 5: their weights (16 rows x 32 codes); 6, 7: their
- * activations (8 rows x 64 bytes). The configuration is per thread. */
-static void tiles_on(void) {
-    static const uint8_t rows[8] = {TN, TN, TN, TN, TN, TN, 8, 8};
-    static const uint16_t colsb[8] = {64, 64, 64, 64, 32, 32, 64, 64};
-    amx_configure(rows, colsb);
-}
 
 /* The activations as B tiles: q [tiles][nb][8][16][4] (tile of 16 rows, block, then tdpbssd's B layout: row r holds
  * columns 4r .. 4r + 3 for each of the 16 activation rows), d [tiles][nb][16]; rows past m are zero (their outputs
@@ -101,38 +89,12 @@ static void scales(const uint8_t *w, int64_t n0, const shape_t *s, float *sc) {
         _tile_dpbssd(C, A, B);                                                                                   \
     } while (0)
 
-/* Block b's sums (c: [weight row][activation row]) scaled into the accumulators: (the weight row's scale x each
- * activation row's), then one convert and FMA. */
-static inline __attribute__((always_inline)) void scale_block(const int32_t *c, const float *xd, const float *sc,
-                                                              __m512 *acc) {
-    const __m512 xv = _mm512_loadu_ps(xd);
-#pragma GCC unroll 16
-    for (int r = 0; r < TN; r++) {
-        const __m512 sv = _mm512_mul_ps(_mm512_set1_ps(sc[r]), xv);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + r * TM)), sv, acc[r]);
-    }
-}
-
-/* Activation tile t against weight rows n0 .. n0 + TN - 1: out[i][n0 + r]. Blocks in pairs: the odd block's product
- * is issued before the even one's sums are stored and scaled, and the next even one's before the odd one's. */
+/* Activation tile t against weight rows n0 .. n0 + TN - 1: out[i][n0 + r]. */
 static void tile_pair(const int8_t *xq, const float *xd, int64_t t, int64_t m, const uint8_t *w, int64_t n0,
                       const shape_t *s, const float *sc, float *out) {
     const int64_t nb = s->k / QB, rb = row_bytes(s), full = record_bytes(s, PB, QB);
     __m512 acc[TN];
-#pragma GCC unroll 16
-    for (int r = 0; r < TN; r++) acc[r] = _mm512_setzero_ps();
-    int32_t c[2][TN * TM] __attribute__((aligned(64)));
-    const float *xt = xd + t * nb * TM;
-    PRODUCT(0, 4, 6, 0);
-    for (int64_t b = 0; b < nb; b += 2) {
-        if (b + 1 < nb) PRODUCT(1, 5, 7, b + 1);
-        _tile_stored(0, c[0], 64);
-        scale_block(c[0], xt + b * TM, sc + b * TN, acc);
-        if (b + 1 >= nb) break;
-        if (b + 2 < nb) PRODUCT(0, 4, 6, b + 2);
-        _tile_stored(1, c[1], 64);
-        scale_block(c[1], xt + (b + 1) * TM, sc + (b + 1) * TN, acc);
-    }
+    BLOCKS(PRODUCT, nb, xd + t * nb * TM, sc, acc);
     float o[TN][TM];
 #pragma GCC unroll 16
     for (int r = 0; r < TN; r++) _mm512_storeu_ps(o[r], acc[r]);
@@ -167,7 +129,7 @@ int64_t ab_bits_matmul_amx(const float *x, int64_t m, const uint8_t *w, const sh
 #pragma omp parallel num_threads(threads) if (threads > 1)
             {
                 float *mine = sc + omp_get_thread_num() * nb * TN;
-                tiles_on();
+                blocks_on();
 #pragma omp for schedule(static)
                 for (int64_t nt = 0; nt < ntiles; nt++) {
                     scales(w, nt * TN, s, mine);

@@ -108,7 +108,7 @@ def build(isa: Isa) -> tuple[Path | None, str]:
     """(the variant's shared library, "") or (None, why): compiled once per variant and source digest."""
     return compile_cached(f"cpu_gemv-{isa.value}", SOURCES, (*FLAGS, *isa.cc_flags),
                           hashed=tuple(SOURCE.with_name(h) for h in ("cpu_gemv.h", "cpu_bits_layout.h",
-                                                             "cpu_decode_attention.h", "amx_tiles.h")),
+                                                             "cpu_decode_attention.h", "amx_tiles.h", "amx_blocks.h")),
                           label=f"{SOURCE.name} ({isa.value})")
 
 

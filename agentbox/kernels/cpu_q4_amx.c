@@ -23,24 +23,14 @@
 #ifdef __AMX_INT8__
 #include <omp.h>
 
-#include "amx_tiles.h"
+#include "amx_blocks.h"
 
 #define QB 32 /* elements per block */
 #define NR 4  /* weight rows of one of cpu_gemv.c's Q4 tiles */
-#define TM 16 /* activation rows of a tile product */
-#define TN 16 /* weight rows of a tile product (four Q4 tiles) */
 #define SLICE_BYTES (1 << 20) /* activation rows packed at a time (cpu_bits_amx.c's reason) */
 
 extern int64_t ab_amx_calls; /* cpu_bits_amx.c */
 int ab_bits_amx_ready(void);
-
-/* Tiles 0, 1: the sums of an even and an odd block (one's product runs while the other's are scaled); 4, 5: their
- * weights (16 rows x 32 codes); 6, 7: their activations (8 rows x 64 bytes). */
-static void tiles_on(void) {
-    static const uint8_t rows[8] = {TN, TN, TN, TN, TN, TN, 8, 8};
-    static const uint16_t colsb[8] = {64, 64, 64, 64, 32, 32, 64, 64};
-    amx_configure(rows, colsb);
-}
 
 /* Activations as B tiles: q [tiles][nb][8][16][4], d [tiles][nb][16] (the block scales), gs [tiles][gk][16] (the
  * groups' sums of the rounded activations, summed as quantize_activations in cpu_gemv.c does); rows past m are zero
@@ -124,39 +114,13 @@ static void unpack(const uint8_t *codes, const char *so, int64_t k, int64_t grou
         _tile_dpbusd(C, A, B);                                                                                   \
     } while (0)
 
-/* Block b's sums scaled into the accumulators: (the weight row's scale x each activation row's), then one convert
- * and FMA. */
-static inline __attribute__((always_inline)) void scale_block(const int32_t *c, const float *xd, const float *sc,
-                                                              __m512 *acc) {
-    const __m512 xv = _mm512_loadu_ps(xd);
-#pragma GCC unroll 16
-    for (int r = 0; r < TN; r++) {
-        const __m512 sv = _mm512_mul_ps(_mm512_set1_ps(sc[r]), xv);
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + r * TM)), sv, acc[r]);
-    }
-}
-
-/* Activation tile t against the unpacked weight rows: out[i][n0 + r]. Blocks in pairs: the odd block's product is
- * issued before the even one's sums are stored and scaled, and the next even one's before the odd one's. */
+/* Activation tile t against the unpacked weight rows (TN: four Q4 tiles): out[i][n0 + r]. */
 static void tile_pair(const int8_t *xq, const float *xd, const float *xs, int64_t t, int64_t m, int64_t k,
                       int64_t group, const uint8_t *a, const float *sc, const float *of, int64_t n0, int64_t n,
                       float *out) {
     const int64_t nb = k / QB, gk = k / group;
     __m512 acc[TN];
-#pragma GCC unroll 16
-    for (int r = 0; r < TN; r++) acc[r] = _mm512_setzero_ps();
-    int32_t c[2][TN * TM] __attribute__((aligned(64)));
-    const float *xt = xd + t * nb * TM;
-    PRODUCT(0, 4, 6, 0);
-    for (int64_t b = 0; b < nb; b += 2) {
-        if (b + 1 < nb) PRODUCT(1, 5, 7, b + 1);
-        _tile_stored(0, c[0], 64);
-        scale_block(c[0], xt + b * TM, sc + b * TN, acc);
-        if (b + 1 >= nb) break;
-        if (b + 2 < nb) PRODUCT(0, 4, 6, b + 2);
-        _tile_stored(1, c[1], 64);
-        scale_block(c[1], xt + (b + 1) * TM, sc + (b + 1) * TN, acc);
-    }
+    BLOCKS(PRODUCT, nb, xd + t * nb * TM, sc, acc);
     float o[TN][TM];
     const float *st = xs + t * gk * TM;
     /* The offsets' chains of FMAs over the groups (as the VNNI kernels'), eight rows' side by side: one row's chain
@@ -204,7 +168,7 @@ int64_t ab_q4_matmul_amx(const float *x, int64_t m, int64_t k, const uint8_t *co
             {
                 uint8_t *a = scratch + omp_get_thread_num() * own;
                 float *sc = (float *)(a + nb * TN * QB), *of = sc + nb * TN;
-                tiles_on();
+                blocks_on();
 #pragma omp for schedule(static)
                 for (int64_t nt = 0; nt < ntiles; nt++) {
                     unpack(codes, so, k, group, nt * TN, half, a, sc, of);

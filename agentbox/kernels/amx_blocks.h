@@ -1,0 +1,53 @@
+/* What the int8 tile products (cpu_bits_amx.c's 8-bit, cpu_q4_amx.c's 4-bit) share: one tile product a block (K 32)
+ * for TN weight rows x TM activation rows, their tile configuration, and the loop that stores each block's int32
+ * sums and scales them into one fp32 accumulator per output. Each file brings its PRODUCT(C, A, B, b): block b's
+ * weights into tile A, activations into B, and their product into C (literals: tile numbers are immediates). */
+#ifndef AB_AMX_BLOCKS_H
+#define AB_AMX_BLOCKS_H
+
+#include "amx_tiles.h"
+
+#define TM 16 /* activation rows of a tile product */
+#define TN 16 /* weight rows of a tile product: TN fp32 accumulators of TM lanes */
+
+/* Tiles 0, 1: the sums of an even and an odd block (one block's product runs while the other's sums are scaled);
+ * 4, 5: their weights (16 rows x 32 codes); 6, 7: their activations (8 rows x 64 bytes: 16 activation rows x 4
+ * consecutive columns, tdpbssd's and tdpbusd's B layout). The configuration is per thread. */
+static void blocks_on(void) {
+    static const uint8_t rows[8] = {TN, TN, TN, TN, TN, TN, 8, 8};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 32, 32, 64, 64};
+    amx_configure(rows, colsb);
+}
+
+/* Block sums c [weight row][activation row] scaled into the accumulators: (the weight row's scale x each activation
+ * row's), then one convert and FMA. */
+static inline __attribute__((always_inline)) void scale_block(const int32_t *c, const float *xd, const float *sc,
+                                                              __m512 *acc) {
+    const __m512 xv = _mm512_loadu_ps(xd);
+#pragma GCC unroll 16
+    for (int r = 0; r < TN; r++) {
+        const __m512 sv = _mm512_mul_ps(_mm512_set1_ps(sc[r]), xv);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + r * TM)), sv, acc[r]);
+    }
+}
+
+/* nb blocks into acc (zeroed here): xt [nb][TM] the activation scales, sc [nb][TN] the weight scales. In pairs: the
+ * odd block's product is issued before the even one's sums are stored and scaled, the next even one's before the
+ * odd one's (storing a tile waits for its product; the wait then overlaps the other's). */
+#define BLOCKS(PRODUCT, nb, xt, sc, acc)                                                                       \
+    do {                                                                                                       \
+        int32_t c_[2][TN * TM] __attribute__((aligned(64)));                                                   \
+        for (int r_ = 0; r_ < TN; r_++) (acc)[r_] = _mm512_setzero_ps();                                       \
+        PRODUCT(0, 4, 6, 0);                                                                                   \
+        for (int64_t b_ = 0; b_ < (nb); b_ += 2) {                                                             \
+            if (b_ + 1 < (nb)) PRODUCT(1, 5, 7, b_ + 1);                                                       \
+            _tile_stored(0, c_[0], 64);                                                                        \
+            scale_block(c_[0], (xt) + b_ * TM, (sc) + b_ * TN, acc);                                           \
+            if (b_ + 1 >= (nb)) break;                                                                         \
+            if (b_ + 2 < (nb)) PRODUCT(0, 4, 6, b_ + 2);                                                       \
+            _tile_stored(1, c_[1], 64);                                                                        \
+            scale_block(c_[1], (xt) + (b_ + 1) * TM, (sc) + (b_ + 1) * TN, acc);                               \
+        }                                                                                                      \
+    } while (0)
+
+#endif
