@@ -12,6 +12,11 @@
 
 #include "cpu_gemv.h"
 
+/* Fewest values a call splits over its threads (torch's own grain for elementwise work): a small model's or a short
+ * chunk's rows run on the calling thread, where a team's barrier per call cost more than the pass (two engines on
+ * two cores, as the test suite runs them, waited on each other's descheduled workers at every norm). */
+#define PAR_GRAIN 32768
+
 /* w * (x * r) of one row for a given r: ab_rmsnorm's second loop, eight lanes at a time. */
 static inline void scale_row(const float *x, const float *w, int64_t h, float r, float *out) {
     const __m256 rv = _mm256_set1_ps(r);
@@ -45,7 +50,7 @@ int ab_rmsnorm_rows(const float *x, int64_t t, int64_t heads, int64_t h, int64_t
                     const float *w, float eps, float *out, int threads) {
     if (7 * (s_tok > s_head ? s_tok : s_head) >= (int64_t)1 << 31) return -2;
     const int64_t m = t * heads, blocks = (m + 7) / 8;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 8)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && m > 8 && m * h >= PAR_GRAIN)
     for (int64_t b = 0; b < blocks; b++) {
         int64_t at[8];
         const int n = m - b * 8 < 8 ? (int)(m - b * 8) : 8;
@@ -64,7 +69,7 @@ int ab_rmsnorm_rows(const float *x, int64_t t, int64_t heads, int64_t h, int64_t
  * out [t][heads][d] contiguous. */
 void ab_rope_rows(const float *x, int64_t t, int64_t heads, int64_t d, int64_t s_tok, int64_t s_head,
                   const float *cos, const float *sin, float *out, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && t > 1)
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && t > 1 && t * heads * d >= PAR_GRAIN)
     for (int64_t i = 0; i < t; i++)
         for (int64_t h = 0; h < heads; h++)
             ab_rope(x + i * s_tok + h * s_head, cos + i * d, sin + i * d, d, out + (i * heads + h) * d);
