@@ -17,6 +17,7 @@ RMSNorm and the rotary embedding (cpu_rows.c says why, and what numbers they giv
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
@@ -61,6 +62,23 @@ def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor | None:
     return out.reshape(*gate_up.shape[:-1], half)
 
 
+def _rows_lib() -> ctypes.CDLL:
+    """cpu_gemv's library (the variant in use) with cpu_rows.c's two entry points declared."""
+    return _declare_rows(cpu_gemv._lib())
+
+
+@functools.cache
+def _declare_rows(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """(x, t, heads, h, token / head strides, w, eps, out, threads) and (x, t, heads, d, token / head strides, cos,
+    sin, out, threads): once per library."""
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.ab_rmsnorm_rows.argtypes = [ptr, *[i64] * 5, ptr, ctypes.c_float, ptr, ctypes.c_int]
+    lib.ab_rmsnorm_rows.restype = ctypes.c_int
+    lib.ab_rope_rows.argtypes = [ptr, *[i64] * 5, ptr, ptr, ptr, ctypes.c_int]
+    lib.ab_rope_rows.restype = None
+    return lib
+
+
 def _fp32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors) and cpu_gemv.available()
 
@@ -75,7 +93,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
         return None
     heads, s_head = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, h)
     out = torch.empty(x.shape, dtype=torch.float32)
-    rc = cpu_gemv._lib().ab_rmsnorm_rows(x.data_ptr(), x.shape[0], heads, h, x.stride(0), s_head,
+    rc = _rows_lib().ab_rmsnorm_rows(x.data_ptr(), x.shape[0], heads, h, x.stride(0), s_head,
                                          weight.contiguous().data_ptr(), eps, out.data_ptr(), cpu_gemv.threads())
     return out if rc == 0 else None
 
@@ -89,6 +107,6 @@ def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     t, heads, d = x.shape
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty((t, heads, d), dtype=torch.float32)
-    cpu_gemv._lib().ab_rope_rows(x.data_ptr(), t, heads, d, x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+    _rows_lib().ab_rope_rows(x.data_ptr(), t, heads, d, x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
                                  out.data_ptr(), cpu_gemv.threads())
     return out

@@ -177,13 +177,6 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     lib.ab_argmax.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr]  # (logits fp32, rows, n, out int64)
     lib.ab_silu_mul_rows.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_int]  # ([gate | up] rows, m, in, out, threads)
     lib.ab_silu_mul_rows.restype = None
-    # cpu_rows.c: (x, t, heads, h, token / head strides, w, eps, out, threads) and (x, t, heads, d, token / head
-    # strides, cos, sin, out, threads)
-    lib.ab_rmsnorm_rows.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, ctypes.c_float, _c_ptr,
-                                    _c_int]
-    lib.ab_rmsnorm_rows.restype = _c_int
-    lib.ab_rope_rows.argtypes = [_c_ptr, _c_i64, _c_i64, _c_i64, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_int]
-    lib.ab_rope_rows.restype = None
     lib.ab_argmax.restype = None
     for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_attend, lib.ab_bits_matmul, lib.ab_bits_dequant,
               lib.ab_f16_matmul, lib.ab_bf16_matmul, lib.ab_hybrid_layer, lib.ab_delta_rule,
