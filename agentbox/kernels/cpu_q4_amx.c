@@ -35,7 +35,7 @@ int ab_bits_amx_ready(void);
 /* Activations as B tiles: q [tiles][nb][8][16][4], d [tiles][nb][16] (the block scales), gs [tiles][gk][16] (the
  * groups' sums of the rounded activations, summed as quantize_activations in cpu_gemv.c does); rows past m are zero
  * and never stored. */
-static int pack(const float *x, int64_t m, int64_t k, int64_t group, int8_t **q, float **d, float **gs) {
+static int pack(const float *x, int64_t m, int64_t k, int64_t group, int8_t **q, float **d, float **gs, int threads) {
     const int64_t nb = k / QB, gk = k / group, per = group / QB, tiles = (m + TM - 1) / TM;
     *q = aligned_alloc(64, (size_t)(tiles * nb * TM * QB));
     *d = aligned_alloc(64, sizeof(float) * (size_t)(tiles * nb * TM));
@@ -44,6 +44,7 @@ static int pack(const float *x, int64_t m, int64_t k, int64_t group, int8_t **q,
     memset(*q, 0, (size_t)(tiles * nb * TM * QB));
     memset(*d, 0, sizeof(float) * (size_t)(tiles * nb * TM));
     memset(*gs, 0, sizeof(float) * (size_t)(tiles * gk * TM));
+#pragma omp parallel for schedule(static, TM) num_threads(threads) if (threads > 1 && m > TM) /* cpu_bits_amx.c's */
     for (int64_t i = 0; i < m; i++) {
         const int64_t t = i / TM, j = i % TM;
         for (int64_t g = 0, b = 0; g < gk; g++) {
@@ -121,7 +122,6 @@ static void tile_pair(const int8_t *xq, const float *xd, const float *xs, int64_
     const int64_t nb = k / QB, gk = k / group;
     __m512 acc[TN];
     BLOCKS(PRODUCT, nb, xd + t * nb * TM, sc, acc);
-    float o[TN][TM];
     const float *st = xs + t * gk * TM;
     /* The offsets' chains of FMAs over the groups (as the VNNI kernels'), eight rows' side by side: one row's chain
      * after another waited on each FMA's latency, 30-45 % of the kernel's time at K 576-2048. */
@@ -135,11 +135,9 @@ static void tile_pair(const int8_t *xq, const float *xd, const float *xs, int64_
             for (int j = 0; j < 8; j++) off[j] = _mm512_fmadd_ps(_mm512_set1_ps(of[g * TN + r0 + j]), xs_g, off[j]);
         }
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) _mm512_storeu_ps(o[r0 + j], _mm512_add_ps(acc[r0 + j], off[j]));
+        for (int j = 0; j < 8; j++) acc[r0 + j] = _mm512_add_ps(acc[r0 + j], off[j]);
     }
-    const int64_t rows = m - t * TM < TM ? m - t * TM : TM;
-    for (int64_t i = 0; i < rows; i++)
-        for (int r = 0; r < TN; r++) out[(t * TM + i) * n + n0 + r] = o[r][i];
+    store_rows(acc, m - t * TM < TM ? m - t * TM : TM, out + t * TM * n + n0, n);
 }
 
 /* The weight rows done, the first N / 16 x 16 (ab_q4_matmul's VNNI kernel does the rest): 0 where the tiles do not
@@ -161,7 +159,7 @@ int64_t ab_q4_matmul_amx(const float *x, int64_t m, int64_t k, const uint8_t *co
         const int64_t mc = m - i0 < slice ? m - i0 : slice, tiles = (mc + TM - 1) / TM;
         int8_t *xq = NULL;
         float *xd = NULL, *xs = NULL;
-        if (pack(x + i0 * k, mc, k, group, &xq, &xd, &xs)) {
+        if (pack(x + i0 * k, mc, k, group, &xq, &xd, &xs, threads)) {
             rc = -1;
         } else {
 #pragma omp parallel num_threads(threads) if (threads > 1)
