@@ -86,6 +86,10 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # None: a share of free memory (see engine/exec/runner.py)
     max_num_seqs: int = 32  # cap on running requests
     max_num_batched_tokens: int = 1024  # per-step token budget (chunked prefill falls out of it)
+    # Once a prompt finishes in a step, other prompts add at most this many tokens to it (the rest waits a step):
+    # the first prompt's first token is not held back by the next one's chunk, which gets its first token no
+    # later for it (the scheduler says why); prompts this short still share a step and its fixed cost.
+    prefill_join_tokens: int = 256
     max_model_len: int | None = None  # None: the model's own context length
     attention: str = "auto"  # auto | a name in layers/backends' registry (auto: flashinfer, triton, torch)
     enforce_eager: bool = False  # True: no CUDA graphs for decode (engine/exec/graph_runner.py)

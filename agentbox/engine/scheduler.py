@@ -3,7 +3,8 @@
 The idea, written where it is used: every running request wants `num_tokens - num_computed_tokens` more
 tokens computed (1 when decoding, the rest of its prompt when prefilling). Running requests are served
 first, oldest first, each taking what it needs from the step's token budget (a long prompt takes a chunk
-and continues next step: chunked prefill). Then waiting requests are admitted while the budget, the
+and continues next step: chunked prefill; once a prompt finishes in a step, other prompts add at most
+prefill_join_tokens to it, see _Join). Then waiting requests are admitted while the budget, the
 running cap and the pool allow: first requests of sessions coming back from a tool (and preempted ones),
 then requests that start a new session. A new session is admitted only while running work plus the
 sessions' leased working sets leave room for its prompt; otherwise it waits (FIFO, bounded), and past the
@@ -55,6 +56,27 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.seqs)
+
+
+class _Join:
+    """What other prompts may still add to a step once a prompt finishes in it (EngineConfig.prefill_join_tokens).
+    A step's prompts finish together: a 650-token turn sharing its step with the next turn's 374 tokens got its
+    first token as late as that turn, which then still had tokens to go. Held to `join`, the next turn's chunk
+    moves to the following step; the total work, and so that turn's own first token, stays where it was."""
+
+    def __init__(self, join: int) -> None:
+        self.join = join
+        self.rest: int | None = None  # None until a prompt finishes in the step
+
+    def left(self, budget: int) -> int:
+        return budget if self.rest is None else min(budget, self.rest)
+
+    def took(self, n: int, finishes: bool) -> None:
+        """A prompt chunk of n tokens joined the step; `finishes`: it completes its prompt."""
+        if self.rest is not None:
+            self.rest -= n
+        elif finishes:
+            self.rest = self.join
 
 
 def _handle(req: Request) -> SeqCache:
@@ -292,10 +314,15 @@ class Scheduler:
         failed: list[tuple[Request, str, str]] = []
         self._finish_needless_flushes()
         self.cache.before_schedule(self.running)
+        join = _Join(self.config.prefill_join_tokens)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n, draft = self._chunk(req, budget)
+            prompt = req.num_tokens - req.num_computed_tokens > 1
+            if prompt and join.left(budget) <= 0:
+                i += 1
+                continue  # a prompt finishes in this step: this one's chunk waits for the next
+            n, draft = self._chunk(req, join.left(budget) if prompt else budget)
             while not self._reserve(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 if victim is req and len(self.running) == 1:
@@ -313,16 +340,18 @@ class Scheduler:
             seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens + len(draft)
                                      and not req.flushing, draft))
             budget -= n
+            if prompt:
+                join.took(n, seqs[-1].sample)
             i += 1
         self._expire_admissions(failed)
         for queue in (self.waiting, self.waiting_new):
-            while queue and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while queue and join.left(budget) > 0 and len(self.running) < self.config.max_num_seqs:
                 req = queue[0]
                 if queue is self.waiting_new and not self.new_session_fits(req):
                     break  # FIFO: later new sessions wait behind it
                 if self._behind_its_flush(req):
                     break  # its session's last turn reaches the cache when this step ends: match after that
-                n = self._admit_first(req, budget)
+                n = self._admit_first(req, join.left(budget))
                 if n is None:
                     break  # nothing was taken: it looks again next step
                 queue.popleft()
@@ -330,4 +359,5 @@ class Scheduler:
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
                 budget -= n
+                join.took(n, seqs[-1].sample)
         return SchedulerOutput(seqs, failed, self.cache.step_copies([_handle(s.request) for s in seqs]))
