@@ -4,7 +4,7 @@ The idea, written where it is used: every running request wants `num_tokens - nu
 tokens computed (1 when decoding, the rest of its prompt when prefilling). Running requests are served
 first, oldest first, each taking what it needs from the step's token budget (a long prompt takes a chunk
 and continues next step: chunked prefill; once a prompt finishes in a step, other prompts add at most
-prefill_join_tokens to it, see _Join). Then waiting requests are admitted while the budget, the
+prefill_join_tokens to it, see _Budget). Then waiting requests are admitted while the budget, the
 running cap and the pool allow: first requests of sessions coming back from a tool (and preempted ones),
 then requests that start a new session. A new session is admitted only while running work plus the
 sessions' leased working sets leave room for its prompt; otherwise it waits (FIFO, bounded), and past the
@@ -58,24 +58,27 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.seqs)
 
 
-class _Join:
-    """What other prompts may still add to a step once a prompt finishes in it (EngineConfig.prefill_join_tokens).
-    A step's prompts finish together: a 650-token turn sharing its step with the next turn's 374 tokens got its
-    first token as late as that turn, which then still had tokens to go. Held to `join`, the next turn's chunk
-    moves to the following step; the total work, and so that turn's own first token, stays where it was."""
+class _Budget:
+    """A step's tokens, and what other prompts may still add once a prompt finishes in it
+    (EngineConfig.prefill_join_tokens). A step's prompts finish together: a 650-token turn sharing its step with the
+    next turn's 374 tokens got its first token as late as that turn, which then still had tokens to go. Held to
+    `join`, the next turn's chunk moves to the following step; the total work, and so that turn's own first token,
+    stays where it was. Decodes are not held."""
 
-    def __init__(self, join: int) -> None:
+    def __init__(self, tokens: int, join: int) -> None:
+        self.tokens = tokens
         self.join = join
         self.rest: int | None = None  # None until a prompt finishes in the step
 
-    def left(self, budget: int) -> int:
-        return budget if self.rest is None else min(budget, self.rest)
+    def left(self, prompt: bool) -> int:
+        return self.tokens if not prompt or self.rest is None else min(self.tokens, self.rest)
 
-    def took(self, n: int, finishes: bool) -> None:
-        """A prompt chunk of n tokens joined the step; `finishes`: it completes its prompt."""
-        if self.rest is not None:
+    def took(self, n: int, prompt: bool, finishes: bool) -> None:
+        """n tokens joined the step; `prompt`: a prompt's chunk, `finishes`: it completes its prompt."""
+        self.tokens -= n
+        if prompt and self.rest is not None:
             self.rest -= n
-        elif finishes:
+        elif prompt and finishes:
             self.rest = self.join
 
 
@@ -309,20 +312,19 @@ class Scheduler:
             self.finish(req, req.finish_reason or "stop")
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.prefill_join_tokens)
         seqs: list[ScheduledSeq] = []
         failed: list[tuple[Request, str, str]] = []
         self._finish_needless_flushes()
         self.cache.before_schedule(self.running)
-        join = _Join(self.config.prefill_join_tokens)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
             prompt = req.num_tokens - req.num_computed_tokens > 1
-            if prompt and join.left(budget) <= 0:
+            if budget.left(prompt) <= 0:
                 i += 1
                 continue  # a prompt finishes in this step: this one's chunk waits for the next
-            n, draft = self._chunk(req, join.left(budget) if prompt else budget)
+            n, draft = self._chunk(req, budget.left(prompt))
             while not self._reserve(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 if victim is req and len(self.running) == 1:
@@ -339,25 +341,22 @@ class Scheduler:
                 continue
             seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens + len(draft)
                                      and not req.flushing, draft))
-            budget -= n
-            if prompt:
-                join.took(n, seqs[-1].sample)
+            budget.took(n, prompt, seqs[-1].sample)
             i += 1
         self._expire_admissions(failed)
         for queue in (self.waiting, self.waiting_new):
-            while queue and join.left(budget) > 0 and len(self.running) < self.config.max_num_seqs:
+            while queue and budget.left(True) > 0 and len(self.running) < self.config.max_num_seqs:
                 req = queue[0]
                 if queue is self.waiting_new and not self.new_session_fits(req):
                     break  # FIFO: later new sessions wait behind it
                 if self._behind_its_flush(req):
                     break  # its session's last turn reaches the cache when this step ends: match after that
-                n = self._admit_first(req, join.left(budget))
+                n = self._admit_first(req, budget.left(True))
                 if n is None:
                     break  # nothing was taken: it looks again next step
                 queue.popleft()
                 req.status = Status.RUNNING
                 self.running.append(req)
                 seqs.append(ScheduledSeq(req, n, req.num_computed_tokens + n == req.num_tokens))
-                budget -= n
-                join.took(n, seqs[-1].sample)
+                budget.took(n, True, seqs[-1].sample)
         return SchedulerOutput(seqs, failed, self.cache.step_copies([_handle(s.request) for s in seqs]))
