@@ -32,24 +32,12 @@ static inline __attribute__((always_inline)) void scale_block(const int32_t *c, 
 }
 
 /* v[r] lane i (weight row r, activation row i) out to out + i * stride + r for the first `rows` activation rows: a
- * 16 x 16 transpose in registers (four rounds of 16 shuffles), then one store a row. The compiler's element-wise
- * scatter through a buffer was ~10 % of tile_pair's samples. v is clobbered. */
+ * 16 x 16 transpose in registers (amx_tiles.h), then one store a row. The compiler's element-wise
+ * scatter through a buffer was ~10 % of tile_pair's samples. */
 static inline void store_rows(__m512 *v, int64_t rows, float *out, int64_t stride) {
-    __m512i r[16], t[16];
+    __m512i r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_castps_si512(v[i]);
-    for (int i = 0; i < 16; i += 2)
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
-    }
-    for (int i = 0; i < 8; i++)
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    transpose16(r);
     for (int64_t i = 0; i < rows; i++) _mm512_storeu_si512(out + i * stride, r[i]);
 }
 

@@ -1,5 +1,5 @@
 /* What the AMX kernels (cpu_attention_amx.c; cpu_bits_amx.c and cpu_q4_amx.c) need from the OS and the tile unit:
- * the permission to use the tile state, and a tile configuration. They build into two shared libraries, so each
+ * the permission to use the tile state, and a tile configuration; and the 16 x 16 register transpose both use. They build into two shared libraries, so each
  * library asks once for itself; the permission is per process, so asking twice is harmless. */
 #ifndef AB_AMX_TILES_H
 #define AB_AMX_TILES_H
@@ -35,6 +35,24 @@ static void amx_configure(const uint8_t rows[8], const uint16_t colsb[8]) {
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = rows[t], cfg.colsb[t] = colsb[t];
     _tile_loadconfig(&cfg);
+}
+
+/* r[i] lane j -> r[j] lane i: a 16 x 16 transpose of 32-bit lanes in four rounds of 16 shuffles. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
 }
 
 #endif
