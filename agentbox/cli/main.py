@@ -139,7 +139,6 @@ def serve(
     kv_cache_gb: float | None = typer.Option(None, help="KV pool size in GiB (default: GPU: a share of free memory; CPU: what the context needs)"),  # noqa: UP007
     max_num_seqs: int = typer.Option(_E.max_num_seqs, help="cap on running requests"),
     max_num_batched_tokens: int = typer.Option(_E.max_num_batched_tokens, help="tokens per engine step"),
-    prefill_join_tokens: int = typer.Option(_E.prefill_join_tokens, min=0, help="tokens other prompts may add to a step in which a prompt finishes (the rest waits a step: the first one's first token comes sooner)"),
     max_model_len: int | None = typer.Option(None, help=f"context length (default: the model's, on CPU at most {PLAN_CONTEXT}; on CPU the KV pool fits it)"),  # noqa: UP007
     cache_policy: CachePolicy = typer.Option(_E.cache_policy, help="what the cache keeps between turns"),
     host_cache_gb: float | None = typer.Option(None, help="host-RAM KV tier size in GiB"),  # noqa: UP007
@@ -187,8 +186,7 @@ def serve(
         model=str(Path(model_path).resolve()), dtype=dtype, device=device, attention=attention,
         enforce_eager=enforce_eager, exact_cpu=exact_cpu, page_size=page_size,
         num_pages=num_pages, kv_cache_gb=kv_cache_gb, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, prefill_join_tokens=prefill_join_tokens,
-        max_model_len=max_model_len, cache_policy=cache_policy,
+        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, cache_policy=cache_policy,
         host_cache_gb=host_cache_gb, disk_cache_gb=disk_cache_gb, disk_restore=restore, seed=seed,
         tensor_parallel_size=tp, loop_guard=loop_guard, state_snapshots=state_snapshots, speculative=speculative,
         cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, cpu_threads=threads,
