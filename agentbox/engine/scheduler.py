@@ -321,10 +321,10 @@ class Scheduler:
         while i < len(self.running) and budget.tokens > 0:
             req = self.running[i]
             prompt = req.num_tokens - req.num_computed_tokens > 1
-            if budget.left(prompt) <= 0:
+            if (room := budget.left(prompt)) <= 0:
                 i += 1
                 continue  # a prompt finishes in this step: this one's chunk waits for the next
-            n, draft = self._chunk(req, budget.left(prompt))
+            n, draft = self._chunk(req, room)
             while not self._reserve(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 if victim is req and len(self.running) == 1:

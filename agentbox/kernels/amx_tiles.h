@@ -1,6 +1,7 @@
 /* What the AMX kernels (cpu_attention_amx.c; cpu_bits_amx.c and cpu_q4_amx.c) need from the OS and the tile unit:
- * the permission to use the tile state, and a tile configuration; and the 16 x 16 register transpose both use. They build into two shared libraries, so each
- * library asks once for itself; the permission is per process, so asking twice is harmless. */
+ * the permission to use the tile state, a tile configuration, and the 16 x 16 register transpose both use. They
+ * build into two shared libraries, so each library asks once for itself; the permission is per process, so asking
+ * twice is harmless. */
 #ifndef AB_AMX_TILES_H
 #define AB_AMX_TILES_H
 
