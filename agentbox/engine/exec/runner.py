@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from agentbox import allocator
 from agentbox.config import EngineConfig
 from agentbox.engine.exec import memory_budget
 from agentbox.engine.exec.cpu_decode import CpuDecode
@@ -90,6 +91,7 @@ class ModelRunner:
         self.dtype = DTYPES[config.resolved_dtype]
         torch.manual_seed(config.seed)
         self._set_threads()
+        allocator.keep_freed_memory()  # steps reuse the memory they free (allocator.py)
         if loaded is None:
             exact = int4.cpu_kernel(int4.Int4Kernel.DENSE) if config.exact_cpu else contextlib.nullcontext()
             with exact:
