@@ -45,11 +45,13 @@ static void tiles_on(void) {
 }
 
 /* 32 fp32 values (v0: columns 0-15, v1: 16-31) as hi and lo, 32 bf16 each in column order. */
+static inline __m512 widen16(__m256i bf) { /* 16 bf16 to fp32: the top half of each */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf), 16));
+}
+
 static inline void split32(__m512 v0, __m512 v1, __m512i *hi, __m512i *lo) {
-    const __m512bh h = _mm512_cvtne2ps_pbh(v1, v0);
-    const __m512i hb = (__m512i)h;
-    const __m512 h0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(hb)), 16));
-    const __m512 h1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(hb, 1)), 16));
+    const __m512i hb = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+    const __m512 h0 = widen16(_mm512_castsi512_si256(hb)), h1 = widen16(_mm512_extracti64x4_epi64(hb, 1));
     *hi = hb;
     *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(v1, h1), _mm512_sub_ps(v0, h0));
 }
@@ -123,7 +125,16 @@ static inline void store_tile(const float *c, float *out, int64_t stride, int64_
     for (int64_t i = 0; i < rows; i++) _mm512_mask_storeu_epi32(out + i * stride, mask, r[i]);
 }
 
-/* One block: weights wp (pack_w), activation tiles xa and xa + 1 (pack_x's tiles, nks blocks each). */
+/* Tiles 4, 5 (two weight tiles) times 6, 7 (two activation tiles) into the sums 0-3: tile numbers are immediates. */
+#define PRODUCTS()                                                                                                  \
+    do {                                                                                                            \
+        _tile_dpbf16ps(0, 4, 6);                                                                                    \
+        _tile_dpbf16ps(1, 4, 7);                                                                                    \
+        _tile_dpbf16ps(2, 5, 6);                                                                                    \
+        _tile_dpbf16ps(3, 5, 7);                                                                                    \
+    } while (0)
+
+/* One block: weights wp (pack_w), activation tiles xp0 and xp1 (pack_x's, nks blocks each); its four sums out to c. */
 static void block(const uint16_t *wp, const uint16_t *xp0, const uint16_t *xp1, int64_t nks, int bf16, float *c) {
     const int parts = bf16 ? 1 : 2;
     _tile_zero(0);
@@ -132,29 +143,20 @@ static void block(const uint16_t *wp, const uint16_t *xp0, const uint16_t *xp1, 
     _tile_zero(3);
     for (int64_t s = 0; s < nks; s++) {
         const uint16_t *wh = wp + s * parts * NB * KS, *x0 = xp0 + s * 2 * TILE, *x1 = xp1 + s * 2 * TILE;
-        _tile_loadd(4, wh, 64);
+        _tile_loadd(4, wh, 64); /* hi . hi */
         _tile_loadd(5, wh + 16 * KS, 64);
         _tile_loadd(6, x0, 64);
         _tile_loadd(7, x1, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        PRODUCTS();
         _tile_loadd(6, x0 + TILE, 64); /* hi . lo */
         _tile_loadd(7, x1 + TILE, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        PRODUCTS();
         if (bf16) continue;
         _tile_loadd(4, wh + NB * KS, 64); /* lo . hi */
         _tile_loadd(5, wh + NB * KS + 16 * KS, 64);
         _tile_loadd(6, x0, 64);
         _tile_loadd(7, x1, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        PRODUCTS();
     }
     _tile_stored(0, c, 64);
     _tile_stored(1, c + 256, 64);
