@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import torch
 
+from agentbox import collector
 from agentbox.bench import llama_server
 from agentbox.bench.cpu_rows import cpu_info
 from agentbox.bench.spawn import spawned
@@ -43,6 +44,7 @@ def _load(gguf: str, kernel: int4.Int4Kernel, threads: int, context: int = 1008)
         llm = LLM(EngineConfig(model=gguf, device="cpu", cpu_threads=threads, cache_policy="none", num_pages=pages,
                                page_size=PAGE, speculative=Speculative.OFF))
     engine_rates(llm, random_prompts(1, 8, llm.loaded.vocab_size, 0), 2)  # warm-up
+    collector.after_startup()  # as the server's engine does: no collection walks the model's objects mid-decode
     return llm
 
 
