@@ -14,7 +14,8 @@ whenever the checkout is on `sys.path`. pyproject.toml ships the C sources with 
   8-bit GEMV (cpu_gemv.c, cpu_gemv.h; twins in cpu_gemv.py), k-bit weights (cpu_bits.c's matmul, cpu_bits_dequant.c,
   their layout in cpu_bits_layout.h; cpu_bits.py) and the fused decode layers (cpu_decode.c, with cpu_moe.c's
   linears of either form and routed experts; the Qwen3.5 hybrid's and the fp16 matmul in cpu_hybrid.c, twin in
-  cpu_f16.py and the torch layers; its many-row form on AMX bf16 tiles in cpu_f16_amx.c, its own small library). Attention over the paged cache (cpu_attention.c, its vectors and register
-  tiles in cpu_attention_vec.h and cpu_attention_tiles.h, its own small library; twin and loader in
-  cpu_attention.py). docs/cpu-kernels.md has the numbers.
+  cpu_f16.py and the torch layers; its many-row form on AMX bf16 tiles in cpu_f16_amx.c, its own small library).
+  Attention over the paged cache (cpu_attention.c, its vectors and register tiles in cpu_attention_vec.h and
+  cpu_attention_tiles.h, its own small library; twin and loader in cpu_attention.py). docs/cpu-kernels.md has the
+  numbers.
 """

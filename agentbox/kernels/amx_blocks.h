@@ -37,8 +37,7 @@ static inline __attribute__((always_inline)) void scale_block(const int32_t *c, 
 static inline void store_rows(__m512 *v, int64_t rows, float *out, int64_t stride) {
     __m512i r[16];
     for (int i = 0; i < 16; i++) r[i] = _mm512_castps_si512(v[i]);
-    transpose16(r);
-    for (int64_t i = 0; i < rows; i++) _mm512_storeu_si512(out + i * stride, r[i]);
+    store_transposed(r, rows, 16, out, stride);
 }
 
 /* nb blocks into acc (zeroed here): xt [nb][TM] the activation scales, sc [nb][TN] the weight scales. In pairs: the

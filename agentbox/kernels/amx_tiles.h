@@ -1,7 +1,7 @@
-/* What the AMX kernels (cpu_attention_amx.c; cpu_bits_amx.c and cpu_q4_amx.c) need from the OS and the tile unit:
- * the permission to use the tile state, a tile configuration, and the 16 x 16 register transpose both use. They
- * build into two shared libraries, so each library asks once for itself; the permission is per process, so asking
- * twice is harmless. */
+/* What the AMX kernels (cpu_attention_amx.c; cpu_bits_amx.c and cpu_q4_amx.c; cpu_f16_amx.c) need from the OS and
+ * the tile unit: the permission to use the tile state, a tile configuration, and the 16 x 16 register transpose
+ * they use. They build into three shared libraries, so each library asks once for itself; the permission is per
+ * process, so asking twice is harmless. */
 #ifndef AB_AMX_TILES_H
 #define AB_AMX_TILES_H
 
@@ -54,6 +54,14 @@ static inline void transpose16(__m512i r[16]) {
     }
     for (int i = 0; i < 8; i++)
         r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+}
+
+/* r[i] lane j (a tile's row i, column j) out to out + j * stride + i: the first `rows` columns become rows of out,
+ * their first `cols` lanes stored. r is clobbered. */
+static inline void store_transposed(__m512i r[16], int64_t rows, int64_t cols, float *out, int64_t stride) {
+    const __mmask16 mask = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+    transpose16(r);
+    for (int64_t i = 0; i < rows; i++) _mm512_mask_storeu_epi32(out + i * stride, mask, r[i]);
 }
 
 #endif

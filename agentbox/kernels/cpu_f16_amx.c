@@ -44,11 +44,12 @@ static void tiles_on(void) {
     amx_configure(rows, colsb);
 }
 
-/* 32 fp32 values (v0: columns 0-15, v1: 16-31) as hi and lo, 32 bf16 each in column order. */
-static inline __m512 widen16(__m256i bf) { /* 16 bf16 to fp32: the top half of each */
+/* 16 bf16 to fp32: the top half of each. */
+static inline __m512 widen16(__m256i bf) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf), 16));
 }
 
+/* 32 fp32 values (v0: columns 0-15, v1: 16-31) as hi and lo, 32 bf16 each in column order. */
 static inline void split32(__m512 v0, __m512 v1, __m512i *hi, __m512i *lo) {
     const __m512i hb = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
     const __m512 h0 = widen16(_mm512_castsi512_si256(hb)), h1 = widen16(_mm512_extracti64x4_epi64(hb, 1));
@@ -65,9 +66,9 @@ static inline void load32(const float *row, int64_t c, int64_t k, __m512 *v0, __
 }
 
 /* The activations as B tiles: xp [tiles of 16 rows][nks][hi, lo][16 pair rows][16 activation rows][2]. Row i's
- * 16 pairs of a block are one vector; 16 rows' vectors transposed are the tile. Rows past m are zero. */
-static void pack_x(const float *x, int64_t m, int64_t k, int64_t nks, uint16_t *xp, int threads) {
-    const int64_t tiles = (m + 15) / 16;
+ * 16 pairs of a block are one vector; 16 rows' vectors transposed are the tile. Rows past m are zero (the last
+ * block's second tile may hold none of them). */
+static void pack_x(const float *x, int64_t m, int64_t k, int64_t nks, int64_t tiles, uint16_t *xp, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tiles > 1)
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t s = 0; s < nks; s++) {
@@ -113,16 +114,6 @@ static void pack_w(const uint16_t *w, int64_t n0, int64_t n, int64_t k, int64_t 
             _mm512_store_si512(hi, h);
             _mm512_store_si512(hi + NB * KS, l);
         }
-}
-
-/* A 16 x 16 fp32 tile c [weight row][activation row] out to out[a][w] for `rows` activation rows and `cols` weight
- * rows. */
-static inline void store_tile(const float *c, float *out, int64_t stride, int64_t rows, int64_t cols) {
-    __m512i r[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(c + i * 16);
-    transpose16(r);
-    const __mmask16 mask = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
-    for (int64_t i = 0; i < rows; i++) _mm512_mask_storeu_epi32(out + i * stride, mask, r[i]);
 }
 
 /* Tiles 4, 5 (two weight tiles) times 6, 7 (two activation tiles) into the sums 0-3: tile numbers are immediates. */
@@ -173,9 +164,7 @@ int ab_half_amx_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, 
     const int parts = bf16 ? 1 : 2;
     uint16_t *xp = aligned_alloc(64, (size_t)(xtiles * nks * 2 * TILE * 2));
     if (!xp) return -1;
-    pack_x(x, m, k, nks, xp, threads);
-    if (m % MB && m % MB <= 16) /* the last block's second tile: rows past m, zero */
-        memset(xp + (xtiles - 1) * nks * 2 * TILE, 0, (size_t)(nks * 2 * TILE * 2));
+    pack_x(x, m, k, nks, xtiles, xp, threads);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
@@ -195,11 +184,12 @@ int ab_half_amx_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, 
                 for (int64_t i0 = m0; i0 < m && i0 < m0 + MC; i0 += MB) {
                     const uint16_t *x0 = xp + (i0 / 16) * nks * 2 * TILE;
                     block(wp, x0, x0 + nks * 2 * TILE, nks, bf16, c);
-                    for (int q = 0; q < 4; q++) { /* tile q: weight tile q / 2, activation tile q % 2 */
-                        const int64_t rows = m - (i0 + (q % 2) * 16), cols = n - (n0 + (q / 2) * 16);
-                        if (rows > 0 && cols > 0)
-                            store_tile(c + q * 256, out + (i0 + (q % 2) * 16) * n + n0 + (q / 2) * 16, n,
-                                       rows < 16 ? rows : 16, cols);
+                    for (int q = 0; q < 4; q++) { /* tile q [weight row][activation row]: weights q / 2, rows q % 2 */
+                        const int64_t i = i0 + (q % 2) * 16, j = n0 + (q / 2) * 16;
+                        __m512i r[16];
+                        if (i >= m || j >= n) continue;
+                        for (int t = 0; t < 16; t++) r[t] = _mm512_load_si512(c + q * 256 + t * 16);
+                        store_transposed(r, m - i < 16 ? m - i : 16, n - j, out + i * n + j, n);
                     }
                 }
             }
@@ -210,7 +200,6 @@ int ab_half_amx_matmul(const float *x, int64_t m, int64_t k, const uint16_t *w, 
     }
     free(xp);
     if (failed) return -1;
-#pragma omp atomic update
     ab_half_amx_calls++;
     return 0;
 }
