@@ -205,8 +205,9 @@ def test_smollm2_q8_0_embedding_rows(smollm2_path: Path) -> None:
 
 @pytest.mark.parametrize("bits,group", [(8, 32), (6, 16)])
 def test_many_rows_run_in_slices_with_each_rows_own_numbers(bits: int, group: int) -> None:
-    # ab_bits_matmul takes many rows in slices (K 2048: 32 rows; K 576: 112), each a full pass over the tiles: 75
-    # rows at K 2048 are slices of 32, 32 and 11, 120 at K 576 of 112 and 8; every row's result is its result alone
+    # ab_bits_matmul takes many rows in slices (K 2048: 32 rows; K 576: 112; AVX-512 VNNI's 8-bit kernel,
+    # cpu_bits_q8z.c, 64 and 224), each a full pass over the tiles: 75 rows at K 2048 are slices of 32, 32 and 11
+    # (64 and an odd 11), 120 at K 576 of 112 and 8 (one); every row's result is its result alone
     for k, m in ((2048, 75), (576, 120)):
         form = cb.ScaleForm.I8 if bits == 6 else cb.ScaleForm.F16
         codes, scale, _ = _weight(9, k, bits, group, False, form, seed=k + bits)

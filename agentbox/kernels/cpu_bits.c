@@ -20,6 +20,7 @@
 
 extern int ab_amx_min_rows; /* cpu_bits_amx.c */
 int64_t ab_bits_matmul_amx(const float *x, int64_t m, const uint8_t *w, const shape_t *s, float *out, int threads);
+int ab_bits_q8z(const float *x, int64_t m, const uint8_t *w, const shape_t *s, float *out, int64_t first, int threads);
 
 /* Activations with a block's rows side by side, so the kernel's loop over rows reads at constant offsets from one
  * pointer, and each block as the four operands of transpose4's vectors (x's 32-bit lane t of each half in all four
@@ -331,6 +332,10 @@ int ab_bits_matmul(const float *x, int64_t m, const uint8_t *w, int bits, int gr
     if (tiles && m >= ab_amx_min_rows && (first = ab_bits_matmul_amx(x, m, w, &s, out, threads)) < 0) return -1;
 #endif
     if (first == n) return 0;
+#ifdef __AVX512VNNI__
+    if (bits == 8 && group == QB && !off && m > 1) /* Q8_0: two rows a 512-bit vector, the same bits (cpu_bits_q8z.c) */
+        return ab_bits_q8z(x, m, w, &s, out, first, threads) ? -1 : 0;
+#endif
     /* Many rows (prefill, a prompt's tokens routed to one expert) in slices whose quantised activations (4 bytes a
      * column a row, act_t) stay in the L2 cache while every tile passes over them: at K 2048 one row cost 50 us of
      * 1536 output columns up to 32 rows, and 115 us at 64 (their 512 KB out of the cache), so the kernel lost to

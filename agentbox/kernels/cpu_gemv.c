@@ -426,14 +426,6 @@ static inline __attribute__((always_inline)) void q8_tile_rows(const act_t *a, i
  * q8_tile. */
 #define MR8 8 /* activation rows one pass over a Q8 tile serves here (AVX-512VL: 32 vector registers) */
 
-/* A block's codes q[32] as four 32-byte operands out[j * step], j = 0..3: dwords (j j j j 4+j 4+j 4+j 4+j), each
- * byte + 128. */
-static inline void q8_expand(const int8_t *q, int8_t *out, int64_t step) {
-    const __m256i x = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), _mm256_set1_epi8((char)0x80));
-    for (int j = 0; j < 4; j++)
-        _mm256_store_si256((__m256i *)(out + step * j), _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(j, j, j, j, 4 + j, 4 + j, 4 + j, 4 + j)));
-}
-
 static inline __attribute__((always_inline)) void q8v_tile(const int8_t *xe, const float *xd, int64_t m0, const int mr,
                                                            int64_t k, const int8_t *codes, const void *scale, float *out,
                                                            int64_t n, const int nr, const int half) {

@@ -24,6 +24,15 @@
 #define AB_ISA "avx2"
 #endif
 
+/* A block's codes q[32] as four 32-byte operands out[j * step], j = 0..3: dwords (j j j j 4+j 4+j 4+j 4+j), each
+ * byte + 128 (the u8 side of vpdpbusd against a tile's transposed signed codes: cpu_gemv.c's q8v_tile, q8z_tile,
+ * cpu_bits_q8z.c). */
+static inline void q8_expand(const int8_t *q, int8_t *out, int64_t step) {
+    const __m256i x = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), _mm256_set1_epi8((char)0x80));
+    for (int j = 0; j < 4; j++)
+        _mm256_store_si256((__m256i *)(out + step * j), _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(j, j, j, j, 4 + j, 4 + j, 4 + j, 4 + j)));
+}
+
 /* A tile's four weight rows of one block against one activation block, 4-bit codes in the layout of cpu_gemv.c:
  * v[t] holds, at int32 lane j, four codes of row j / 2 (j even: of elements 0..7 and 16..23, j odd: 8..15 and
  * 24..31) and x[t] the four activations each lane multiplies (q4_expand in cpu_gemv.c). Lane j of the result is that half-row's sum: four vertical sums, no horizontal

@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("cpu_gemv.c")
 # one library; cpu_gemv.h: shared
 SOURCES = tuple(SOURCE.with_name(n) for n in ("cpu_gemv.c", "cpu_decode.c", "cpu_bits.c", "cpu_bits_dequant.c",
                                               "cpu_hybrid.c", "cpu_moe.c", "cpu_bits_amx.c",
-                                              "cpu_q4_amx.c", "cpu_rows.c"))
+                                              "cpu_q4_amx.c", "cpu_rows.c", "cpu_bits_q8z.c"))
 BLOCK = 32
 # fp-contract off: every variant must round the same products the same way (a fused a * b + c is one rounding)
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
