@@ -11,9 +11,8 @@
  *
  * On a 2-core KVM Xeon (Emerald Rapids, AMX not exposed; kernels avx512-vnni), against the record loop it replaces
  * (runs before and after, two threads, a noisy host): 1536 x 2048 and 2048 x 768 at 16-128 rows 114-177 GMAC/s
- * against 79-116, the same
- * bits. On the AVX-512 EPYC (Zen 4), a two-rows-a-vector rewrite of the record loop itself gained nothing
- * (bench/results/cpu-rows/README.md); not remeasured there.
+ * against 79-116, the same bits. On the AVX-512 EPYC (Zen 4), a two-rows-a-vector rewrite of the record loop
+ * itself gained nothing (bench/results/cpu-rows/README.md); not remeasured there.
  */
 #include <immintrin.h>
 #include <stdint.h>
