@@ -31,7 +31,6 @@ static inline __attribute__((always_inline)) void pairs(const int8_t *xe, const 
                                                         int64_t m, const shape_t *s, const uint8_t *w, float *out,
                                                         const int valid) {
     const int64_t nb = s->k / QB, rb = row_bytes(s), full = record_bytes(s, PB, QB);
-    const __m256i bias = _mm256_set1_epi8((char)0x80), z = _mm256_setzero_si256();
     __m512 acc[MP];
     for (int i = 0; i < mp; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t rec = 0; rec < nrecords(s); rec++) {
@@ -48,29 +47,12 @@ static inline __attribute__((always_inline)) void pairs(const int8_t *xe, const 
         for (int b = 0; b < p; b++)
             for (int r = 0; r < NR; r++) st[b][r] = sc[r][b];
         for (int b = 0; b < p; b++) {
-            const uint8_t *c = h[0] + hb + 32 * b;
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)c);
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(h[1] + hb + 32 * b));
-            const __m256i w2 = _mm256_loadu_si256((const __m256i *)(h[2] + hb + 32 * b));
-            const __m256i w3 = _mm256_loadu_si256((const __m256i *)(h[3] + hb + 32 * b));
-            const __m256i t0 = _mm256_unpacklo_epi32(w0, w1), t1 = _mm256_unpackhi_epi32(w0, w1);
-            const __m256i t2 = _mm256_unpacklo_epi32(w2, w3), t3 = _mm256_unpackhi_epi32(w2, w3);
-            const __m256i v0 = _mm256_unpacklo_epi64(t0, t2), v1 = _mm256_unpackhi_epi64(t0, t2);
-            const __m256i v2 = _mm256_unpacklo_epi64(t1, t3), v3 = _mm256_unpackhi_epi64(t1, t3);
-            const __m256i base = _mm256_sub_epi32(z, AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(z, bias, v0), bias, v1), bias, v2), bias, v3));
-            const __m512i v[4] = {_mm512_inserti64x4(_mm512_castsi256_si512(v0), v0, 1), _mm512_inserti64x4(_mm512_castsi256_si512(v1), v1, 1),
-                                  _mm512_inserti64x4(_mm512_castsi256_si512(v2), v2, 1), _mm512_inserti64x4(_mm512_castsi256_si512(v3), v3, 1)};
-            const __m512i base2 = _mm512_inserti64x4(_mm512_castsi256_si512(base), base, 1);
-            const __m512 s16 = _mm512_broadcast_f32x4(_mm_loadu_ps(st[b]));
             const int64_t blk = rec * PB + b;
-#pragma GCC unroll 8
-            for (int i = 0; i < mp; i++) {
-                const __m512i *x = (const __m512i *)(xe + ((p0 + i) * nb + blk) * 8 * QB);
-                const __m512i d = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(
-                    base2, _mm512_load_si512(x), v[0]), _mm512_load_si512(x + 1), v[1]), _mm512_load_si512(x + 2), v[2]),
-                    _mm512_load_si512(x + 3), v[3]);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(s16, _mm512_load_ps(xd + ((p0 + i) * nb + blk) * 16)), acc[i]);
-            }
+            q8z_block(_mm256_loadu_si256((const __m256i *)(h[0] + hb + 32 * b)),
+                      _mm256_loadu_si256((const __m256i *)(h[1] + hb + 32 * b)),
+                      _mm256_loadu_si256((const __m256i *)(h[2] + hb + 32 * b)),
+                      _mm256_loadu_si256((const __m256i *)(h[3] + hb + 32 * b)), _mm512_broadcast_f32x4(_mm_loadu_ps(st[b])),
+                      xe + (p0 * nb + blk) * 8 * QB, nb * 8 * QB, xd + (p0 * nb + blk) * 16, nb * 16, mp, acc);
         }
     }
     for (int i = 0; i < mp; i++) { /* each row's two half sums, as cpu_bits.c's rows */

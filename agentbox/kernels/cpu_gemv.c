@@ -469,7 +469,6 @@ static inline __attribute__((always_inline)) void q8z_tile(const int8_t *xe, con
                                                            int64_t m, int64_t k, const int8_t *codes, const void *scale,
                                                            float *out, int64_t n, const int nr, const int half) {
     const int64_t nb = k / QB;
-    const __m256i bias = _mm256_set1_epi8((char)0x80);
     __m512 acc[MP];
     for (int i = 0; i < mp; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -478,25 +477,9 @@ static inline __attribute__((always_inline)) void q8z_tile(const int8_t *xe, con
         _mm_prefetch((const char *)(codes + NR * k + b * NR * QB), _MM_HINT_T0);
         _mm_prefetch((const char *)(codes + NR * k + b * NR * QB + 64), _MM_HINT_T0);
         const int8_t *c = codes + b * NR * QB;
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)c), w1 = _mm256_loadu_si256((const __m256i *)(c + 32));
-        const __m256i w2 = _mm256_loadu_si256((const __m256i *)(c + 64)), w3 = _mm256_loadu_si256((const __m256i *)(c + 96));
-        const __m256i t0 = _mm256_unpacklo_epi32(w0, w1), t1 = _mm256_unpackhi_epi32(w0, w1);
-        const __m256i t2 = _mm256_unpacklo_epi32(w2, w3), t3 = _mm256_unpackhi_epi32(w2, w3);
-        const __m256i v0 = _mm256_unpacklo_epi64(t0, t2), v1 = _mm256_unpackhi_epi64(t0, t2);
-        const __m256i v2 = _mm256_unpacklo_epi64(t1, t3), v3 = _mm256_unpackhi_epi64(t1, t3);
-        const __m256i z = _mm256_setzero_si256();
-        const __m256i base = _mm256_sub_epi32(z, AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(z, bias, v0), bias, v1), bias, v2), bias, v3));
-        const __m512i v[4] = {_mm512_inserti64x4(_mm512_castsi256_si512(v0), v0, 1), _mm512_inserti64x4(_mm512_castsi256_si512(v1), v1, 1),
-                              _mm512_inserti64x4(_mm512_castsi256_si512(v2), v2, 1), _mm512_inserti64x4(_mm512_castsi256_si512(v3), v3, 1)};
-        const __m512i base2 = _mm512_inserti64x4(_mm512_castsi256_si512(base), base, 1);
-#pragma GCC unroll 8
-        for (int i = 0; i < mp; i++) {
-            const __m512i *x = (const __m512i *)(xe + ((p0 + i) * nb + b) * 8 * QB);
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(
-                base2, _mm512_load_si512(x), v[0]), _mm512_load_si512(x + 1), v[1]), _mm512_load_si512(x + 2), v[2]),
-                _mm512_load_si512(x + 3), v[3]);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s16, _mm512_load_ps(xd + ((p0 + i) * nb + b) * 16)), acc[i]);
-        }
+        q8z_block(_mm256_loadu_si256((const __m256i *)c), _mm256_loadu_si256((const __m256i *)(c + 32)),
+                  _mm256_loadu_si256((const __m256i *)(c + 64)), _mm256_loadu_si256((const __m256i *)(c + 96)), s16,
+                  xe + (p0 * nb + b) * 8 * QB, nb * 8 * QB, xd + (p0 * nb + b) * 16, nb * 16, mp, acc);
     }
     for (int i = 0; i < mp; i++) {
         const int64_t r = 2 * (p0 + i);

@@ -33,6 +33,35 @@ static inline void q8_expand(const int8_t *q, int8_t *out, int64_t step) {
         _mm256_store_si256((__m256i *)(out + step * j), _mm256_permutevar8x32_epi32(x, _mm256_setr_epi32(j, j, j, j, 4 + j, 4 + j, 4 + j, 4 + j)));
 }
 
+#ifdef __AVX512VNNI__
+/* One block of a Q8 tile against mp pairs of activation rows, two rows a 512-bit vector (cpu_gemv.c's q8z_tile,
+ * cpu_bits_q8z.c): the tile's four rows' signed codes w0..w3 transposed so that int32 lane 4 h + r holds row r's
+ * dword 4 h + q in vector q (both halves alike); pair i's expanded block (q8_expand, + 128) at xe + i * xstride, its
+ * two rows' d (8 copies each) at xd + i * dstride. The + 128 comes back out as -128 x the codes' sums (`base`, once
+ * for all pairs); a pair is then four vpdpbusd, one conversion, one multiply by s16 (the rows' scales) and an FMA. */
+static inline __attribute__((always_inline)) void q8z_block(__m256i w0, __m256i w1, __m256i w2, __m256i w3, __m512 s16,
+                                                            const int8_t *xe, int64_t xstride, const float *xd,
+                                                            int64_t dstride, const int mp, __m512 *acc) {
+    const __m256i bias = _mm256_set1_epi8((char)0x80), z = _mm256_setzero_si256();
+    const __m256i t0 = _mm256_unpacklo_epi32(w0, w1), t1 = _mm256_unpackhi_epi32(w0, w1);
+    const __m256i t2 = _mm256_unpacklo_epi32(w2, w3), t3 = _mm256_unpackhi_epi32(w2, w3);
+    const __m256i v0 = _mm256_unpacklo_epi64(t0, t2), v1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i v2 = _mm256_unpacklo_epi64(t1, t3), v3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i base = _mm256_sub_epi32(z, AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(AB_DPBUSD(z, bias, v0), bias, v1), bias, v2), bias, v3));
+    const __m512i v[4] = {_mm512_inserti64x4(_mm512_castsi256_si512(v0), v0, 1), _mm512_inserti64x4(_mm512_castsi256_si512(v1), v1, 1),
+                          _mm512_inserti64x4(_mm512_castsi256_si512(v2), v2, 1), _mm512_inserti64x4(_mm512_castsi256_si512(v3), v3, 1)};
+    const __m512i base2 = _mm512_inserti64x4(_mm512_castsi256_si512(base), base, 1);
+#pragma GCC unroll 8
+    for (int i = 0; i < mp; i++) {
+        const __m512i *x = (const __m512i *)(xe + i * xstride);
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(
+            base2, _mm512_load_si512(x), v[0]), _mm512_load_si512(x + 1), v[1]), _mm512_load_si512(x + 2), v[2]),
+            _mm512_load_si512(x + 3), v[3]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(s16, _mm512_load_ps(xd + i * dstride)), acc[i]);
+    }
+}
+#endif
+
 /* A tile's four weight rows of one block against one activation block, 4-bit codes in the layout of cpu_gemv.c:
  * v[t] holds, at int32 lane j, four codes of row j / 2 (j even: of elements 0..7 and 16..23, j odd: 8..15 and
  * 24..31) and x[t] the four activations each lane multiplies (q4_expand in cpu_gemv.c). Lane j of the result is that half-row's sum: four vertical sums, no horizontal
