@@ -12,9 +12,11 @@ from typing import Any
 LIST_FILES = {"type": "function", "function": {
     "name": "list_files", "description": "List the files in the working directory.",
     "parameters": {"type": "object", "properties": {}}}}
+# maxLength 32: the longest bound the grammar enforces (engine/grammar.py MAX_STRING_BOUND), so a small model's
+# forced path ends there
 READ_FILE = {"type": "function", "function": {
     "name": "read_file", "description": "Read one file.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 40}}, "required": ["path"]}}}
+    "parameters": {"type": "object", "properties": {"path": {"type": "string", "maxLength": 32}}, "required": ["path"]}}}
 TOOLS = [LIST_FILES, READ_FILE]
 THINK_TAGS = ("<think>", "</think>")
 
