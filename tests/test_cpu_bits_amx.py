@@ -1,6 +1,6 @@
-"""cpu_bits_amx.c and cpu_q4_amx.c: the 8-bit (GGUF Q8_0) and 4-bit (Q4_0 / Q4_1 / Q4_K) many-row products on AMX
-int8 tiles. Their integer sums are the VNNI kernels', their fp32 sums one accumulator a block where the VNNI kernels
-keep two halves, so the two agree to fp32 rounding and both match the dequantised twin; calls that should take the
+"""cpu_bits_amx.c, cpu_q4_amx.c and cpu_kbits_amx.c: the 8-bit (GGUF Q8_0), 4-bit (Q4_0 / Q4_1 / Q4_K) and 2- to
+6-bit (Q6_K, Q5_K, Q5_0, Q3_K, Q2_K) many-row products on AMX int8 tiles. Their integer sums are the VNNI kernels',
+their fp32 sums one accumulator a scale group where the VNNI kernels keep two halves, so the two agree to fp32 rounding and both match the dequantised twin; calls that should take the
 tiles do, and the fused decode's calls (tiles 0) and a speculative verify's few rows never do. Skips where the
 kernels' variant is not avx512-amx or the OS refuses the tile state; the variant's sources compile on every machine
 (test_cpu_isa)."""
@@ -125,12 +125,40 @@ def test_few_rows_and_other_formats_keep_the_vnni_kernel() -> None:
     g = torch.Generator().manual_seed(8)
     q8 = cb.pack_bits_cpu(torch.randint(0, 256, (32, 64), generator=g, dtype=torch.uint8),
                           8, torch.full((32, 2), 0.01), None)
+    q8_16 = cb.pack_bits_cpu(torch.randint(0, 256, (32, 64), generator=g, dtype=torch.uint8),
+                             8, torch.full((32, 4), 0.01), None)
     q6 = cb.pack_bits_cpu(torch.randint(0, 64, (32, 64), generator=g, dtype=torch.uint8),
                           6, torch.full((32, 4), 0.01), None)
     before = calls.value
     cb.bits_matmul(torch.randn(min_rows - 1, 64, generator=g), q8)  # a decode step's few rows
-    cb.bits_matmul(torch.randn(64, 64, generator=g), q6)  # Q6_K: not on the tiles
+    cb.bits_matmul(torch.randn(min_rows - 1, 64, generator=g), q6)
+    cb.bits_matmul(torch.randn(64, 64, generator=g), q8_16)  # 8 bits in groups of 16: no tile kernel
     assert calls.value == before
+
+
+@pytest.mark.parametrize(("bits", "group", "offsets"), [(6, 16, False), (5, 32, True), (5, 32, False), (3, 16, False),
+                                                        (2, 16, True), (6, 32, False), (5, 16, True)],
+                         ids=["Q6_K", "Q5_K", "Q5_0", "Q3_K", "Q2_K", "6-bit-g32", "5-bit-g16-offsets"])
+def test_amx_kbit_tiles_agree_with_the_vnni_kernel(bits: int, group: int, offsets: bool, vnni) -> None:
+    """cpu_kbits_amx.c: codes unpacked to bytes (centred without offsets), a tile product per scale group (two K 16
+    products a block for groups of 16)."""
+    calls = ctypes.c_int64.in_dll(cg._lib(), "ab_amx_calls")
+    min_rows = ctypes.c_int.in_dll(cg._lib(), "ab_amx_min_rows").value
+    g = torch.Generator().manual_seed(bits * 100 + group)
+    # (rows, N, K): a record of 8 blocks; a short last row tile and a short record (K 288); the floor with N 22 (16
+    # rows on tiles, 6 on the VNNI kernel); two records and a short one
+    for m, n, k in [(32, 16, 256), (37, 48, 288), (min_rows, 22, 320), (70, 64, 576)]:
+        codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
+        scale = torch.randint(-60, 60, (n, k // group), generator=g).float() / 1024
+        offset = torch.randint(-60, 60, (n, k // group), generator=g).float() / 512 if offsets else None
+        w = cb.pack_bits_cpu(codes, bits, scale, offset)
+        x = torch.randn(m, k, generator=g) * 3
+        x[m // 2] = 0.0  # an all-zero row: its blocks' d is 0
+        before = calls.value
+        tiles = cb.bits_matmul(x, w)
+        assert calls.value == before + 1, (m, n, k)
+        _agree(tiles, vnni(lambda x=x, w=w: cb.bits_matmul(x, w)), cb.bits_matmul_ref(x, w))
+        assert torch.equal(tiles[m // 2], torch.zeros(n))
 
 
 def test_doctor_says_when_the_os_refuses_the_tiles(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -43,6 +43,8 @@ int64_t ab_amx_calls;
 
 int ab_bits_amx_ready(void) { return amx_request(); }
 
+int64_t ab_kbits_matmul_amx(const float *x, int64_t m, const uint8_t *w, const shape_t *s, float *out, int threads);
+
 /* The activations as B tiles: q [tiles][nb][8][16][4] (tile of 16 rows, block, then tdpbssd's B layout: row r holds
  * columns 4r .. 4r + 3 for each of the 16 activation rows), d [tiles][nb][16]; rows past m are zero (their outputs
  * are not written). */
@@ -105,9 +107,10 @@ static void tile_pair(const int8_t *xq, const float *xd, int64_t t, int64_t m, c
 #define SLICE_BYTES (1 << 20)
 
 /* The weight rows done, the first N / 16 x 16 (the caller's VNNI kernel does the rest): 0 where the tiles do not
- * take the call (another format, no tile state); -1 out of memory. */
+ * take the call (8 bits with offsets or groups of 16, no tile state); -1 out of memory. */
 int64_t ab_bits_matmul_amx(const float *x, int64_t m, const uint8_t *w, const shape_t *s, float *out, int threads) {
-    if (s->bits != 8 || s->group != QB || s->off || s->n < TN || m < 1 || !ab_bits_amx_ready()) return 0;
+    if (s->bits != 8) return ab_kbits_matmul_amx(x, m, w, s, out, threads); /* unpacked to bytes (cpu_kbits_amx.c) */
+    if (s->group != QB || s->off || s->n < TN || m < 1 || !ab_bits_amx_ready()) return 0;
     threads = threads < 1 ? 1 : threads;
     const int64_t nb = s->k / QB, ntiles = s->n / TN, per = SLICE_BYTES / s->k / TM * TM;
     const int64_t slice = per < TM ? TM : per;

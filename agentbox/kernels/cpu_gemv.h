@@ -161,6 +161,8 @@ typedef struct {
 } ab_moe_t;
 
 int ab_moe(const ab_moe_t *e, const float *x, int64_t m, int64_t h, float *out, double *seconds, int threads);
+int ab_moe_routed(const ab_moe_t *e, const float *x, int64_t m, int64_t h, const int64_t *ids, const float *weights,
+                  float *out, int threads);
 
 /* a[i] = silu(gu[i]) * gu[in + i] for i < in: SiLU-and-mul of one row of [gate | up] (cpu_decode.c). */
 void ab_silu_mul(const float *gu, int64_t in, float *a);

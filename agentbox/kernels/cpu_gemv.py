@@ -39,7 +39,7 @@ SOURCE = Path(__file__).with_name("cpu_gemv.c")
 # one library; cpu_gemv.h: shared
 SOURCES = tuple(SOURCE.with_name(n) for n in ("cpu_gemv.c", "cpu_decode.c", "cpu_bits.c", "cpu_bits_dequant.c",
                                               "cpu_hybrid.c", "cpu_moe.c", "cpu_bits_amx.c",
-                                              "cpu_q4_amx.c", "cpu_rows.c", "cpu_bits_q8z.c"))
+                                              "cpu_q4_amx.c", "cpu_rows.c", "cpu_bits_q8z.c", "cpu_kbits_amx.c"))
 BLOCK = 32
 # fp-contract off: every variant must round the same products the same way (a fused a * b + c is one rounding)
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -174,13 +174,14 @@ def load(isa: Isa) -> tuple[ctypes.CDLL | None, str]:
     # qkv rows, m, page table, its stride, page size, kv lens, out, threads)
     lib.ab_attend.argtypes = [_c_ptr, _c_ptr, _c_int, _c_i64, _c_i64, _c_i64, ctypes.c_float, _c_ptr, _c_i64, _c_ptr,
                               _c_i64, _c_i64, _c_ptr, _c_ptr, _c_int]
+    lib.ab_moe_routed.argtypes = [_c_ptr, _c_ptr, _c_i64, _c_i64, _c_ptr, _c_ptr, _c_ptr, _c_int]  # cpu_moe.c
     lib.ab_argmax.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr]  # (logits fp32, rows, n, out int64)
     lib.ab_silu_mul_rows.argtypes = [_c_ptr, _c_i64, _c_i64, _c_ptr, _c_int]  # ([gate | up] rows, m, in, out, threads)
     lib.ab_silu_mul_rows.restype = None
     lib.ab_argmax.restype = None
     for f in (lib.ab_q4_matmul, lib.ab_q8_matmul, lib.ab_decode_layer, lib.ab_attend, lib.ab_bits_matmul, lib.ab_bits_dequant,
               lib.ab_f16_matmul, lib.ab_bf16_matmul, lib.ab_hybrid_layer, lib.ab_delta_rule,
-              lib.ab_delta_net_chunk):
+              lib.ab_delta_net_chunk, lib.ab_moe_routed):
         f.restype = _c_int
     return lib, ""
 

@@ -19,15 +19,15 @@
 
 #include "cpu_gemv.h"
 
-static int part_matmul(const ab_part_t *p, const float *x, int64_t m, float *out, int threads) {
+static int part_matmul(const ab_part_t *p, const float *x, int64_t m, float *out, int threads, int tiles) {
     if (p->bits == 4)
-        return ab_q4_matmul(x, m, p->k, (const uint8_t *)p->w, p->so, p->n, p->group, out, threads, (int)p->half, 0);
+        return ab_q4_matmul(x, m, p->k, (const uint8_t *)p->w, p->so, p->n, p->group, out, threads, (int)p->half, tiles);
     return ab_bits_matmul(x, m, (const uint8_t *)p->w, (int)p->bits, (int)p->group, (int)p->form, (int)p->off, p->k,
-                          p->n, out, threads, 0);
+                          p->n, out, threads, tiles);
 }
 
 int ab_linear(const ab_linear_t *l, const float *x, int64_t m, float *out, int threads) {
-    if (l->parts == 1) return part_matmul(&l->part[0], x, m, out, threads);
+    if (l->parts == 1) return part_matmul(&l->part[0], x, m, out, threads, 0);
     if (l->parts < 1 || l->parts > AB_PARTS) return -2;
     int64_t n = 0, widest = 0;
     for (int64_t i = 0; i < l->parts; i++) {
@@ -40,10 +40,10 @@ int ab_linear(const ab_linear_t *l, const float *x, int64_t m, float *out, int t
     for (int64_t i = 0, col = 0; i < l->parts && !rc; col += l->part[i].n, i++) {
         const int64_t pn = l->part[i].n;
         if (m == 1) { /* one row: the run's columns are contiguous in it */
-            rc = part_matmul(&l->part[i], x, 1, out + col, threads);
+            rc = part_matmul(&l->part[i], x, 1, out + col, threads, 0);
             continue;
         }
-        if ((rc = part_matmul(&l->part[i], x, m, tmp, threads))) break;
+        if ((rc = part_matmul(&l->part[i], x, m, tmp, threads, 0))) break;
         for (int64_t t = 0; t < m; t++) memcpy(out + t * n + col, tmp + t * pn, sizeof(float) * pn);
     }
     free(tmp);
@@ -111,50 +111,87 @@ static double now(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-int ab_moe(const ab_moe_t *e, const float *x, int64_t m, int64_t h, float *out, double *seconds, int threads) {
-    const double t0 = now();
-    const int64_t k = e->top_k, in = e->inter;
-    int64_t *ids = malloc(sizeof(int64_t) * m * k), *rows = malloc(sizeof(int64_t) * m);
-    float *weights = malloc(sizeof(float) * m * k), *probs = malloc(sizeof(float) * e->experts);
-    float *xs = malloc(sizeof(float) * m * h), *gu = malloc(sizeof(float) * m * 2 * in);
-    float *act = malloc(sizeof(float) * m * in), *y = malloc(sizeof(float) * m * h), *ws = malloc(sizeof(float) * m);
+/* Each routed expert, in expert order, over its rows (ids [m][k], weights [m][k]): gate_up, SiLU-and-mul, down, and
+ * each row's output adds the expert's times its weight. Many rows gather, activate and add in parallel (a row is routed
+ * to an expert once, so an expert's rows are distinct outputs); tiles: the products may take AMX tiles (prefill). */
+static int run_experts(const ab_moe_t *e, const float *x, int64_t m, int64_t h, const int64_t *ids,
+                       const float *weights, float *out, int threads, int tiles) {
+    const int64_t k = e->top_k, in = e->inter, n = e->experts;
+    int64_t *start = calloc((size_t)(n + 1), sizeof(int64_t)), *rows = malloc(sizeof(int64_t) * m * k);
+    float *ws = malloc(sizeof(float) * m * k), *xs = m > 1 ? malloc(sizeof(float) * m * h) : NULL;
+    float *gu = malloc(sizeof(float) * m * 2 * in), *act = malloc(sizeof(float) * m * in);
+    float *y = malloc(sizeof(float) * m * h);
     int rc = -1;
-    if (!ids || !rows || !weights || !probs || !xs || !gu || !act || !y || !ws) goto done;
-    for (int64_t t = 0; t < m; t++) route(e, x + t * h, h, ids + t * k, weights + t * k, probs);
+    if (!start || !rows || !ws || (m > 1 && !xs) || !gu || !act || !y) goto done;
+    rc = -2;
+    for (int64_t i = 0; i < m * k; i++) {
+        if (ids[i] < 0 || ids[i] >= n) goto done;
+        start[ids[i] + 1]++;
+    }
+    for (int64_t ex = 0; ex < n; ex++) start[ex + 1] += start[ex];
+    for (int64_t i = 0; i < m * k; i++) { /* each expert's rows in token order: a counting sort */
+        const int64_t at = start[ids[i]]++;
+        rows[at] = i / k, ws[at] = weights[i];
+    }
+    for (int64_t ex = n; ex > 0; ex--) start[ex] = start[ex - 1];
+    start[0] = 0;
     memset(out, 0, sizeof(float) * m * h);
     rc = 0;
-    for (int64_t ex = 0; ex < e->experts && !rc; ex++) {
-        int64_t r = 0;
-        for (int64_t t = 0; t < m; t++)
-            for (int64_t c = 0; c < k; c++)
-                if (ids[t * k + c] == ex) rows[r] = t, ws[r++] = weights[t * k + c];
+    for (int64_t ex = 0; ex < n && !rc; ex++) {
+        const int64_t r = start[ex + 1] - start[ex], *rw = rows + start[ex];
+        const float *wr = ws + start[ex];
         if (!r) continue;
+        const int par = threads > 1 && r >= 16;
         const float *xe = x;
         if (m > 1) { /* the rows routed here, gathered (a one-row step reads x in place) */
-            for (int64_t i = 0; i < r; i++) memcpy(xs + i * h, x + rows[i] * h, sizeof(float) * h);
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+            for (int64_t i = 0; i < r; i++) memcpy(xs + i * h, x + rw[i] * h, sizeof(float) * h);
             xe = xs;
         }
         const ab_part_t w13 = expert(&e->w13, ex, e->w13_stride, e->w13_so_stride);
         const ab_part_t w2 = expert(&e->w2, ex, e->w2_stride, e->w2_so_stride);
-        if ((rc = part_matmul(&w13, xe, r, gu, threads))) break;
+        if ((rc = part_matmul(&w13, xe, r, gu, threads, tiles))) break;
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
         for (int64_t i = 0; i < r; i++) ab_silu_mul(gu + i * 2 * in, in, act + i * in);
-        if ((rc = part_matmul(&w2, act, r, y, threads))) break;
+        if ((rc = part_matmul(&w2, act, r, y, threads, tiles))) break;
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
         for (int64_t i = 0; i < r; i++) { /* y * w, then the add: the torch loop's two roundings */
-            float *o = out + rows[i] * h;
-            const float *yi = y + i * h, w = ws[i];
+            float *o = out + rw[i] * h;
+            const float *yi = y + i * h, w = wr[i];
             for (int64_t j = 0; j < h; j++) o[j] += yi[j] * w;
         }
     }
 done:
-    free(ids);
+    free(start);
     free(rows);
-    free(weights);
-    free(probs);
+    free(ws);
     free(xs);
     free(gu);
     free(act);
     free(y);
-    free(ws);
+    return rc;
+}
+
+int ab_moe(const ab_moe_t *e, const float *x, int64_t m, int64_t h, float *out, double *seconds, int threads) {
+    const double t0 = now();
+    const int64_t k = e->top_k;
+    int64_t *ids = malloc(sizeof(int64_t) * m * k);
+    float *weights = malloc(sizeof(float) * m * k), *probs = malloc(sizeof(float) * e->experts);
+    int rc = -1;
+    if (ids && weights && probs) {
+        for (int64_t t = 0; t < m; t++) route(e, x + t * h, h, ids + t * k, weights + t * k, probs);
+        rc = run_experts(e, x, m, h, ids, weights, out, threads, 0);
+    }
+    free(ids);
+    free(weights);
+    free(probs);
     if (seconds) *seconds += now() - t0;
     return rc;
+}
+
+/* The torch layers' routed experts of many rows (a prefill; layers/experts/cpu.py): routed by the caller (ids, its
+ * weights), the products on AMX tiles where the CPU has them. -2: an id out of range. */
+int ab_moe_routed(const ab_moe_t *e, const float *x, int64_t m, int64_t h, const int64_t *ids, const float *weights,
+                  float *out, int threads) {
+    return run_experts(e, x, m, h, ids, weights, out, threads, 1);
 }

@@ -35,7 +35,7 @@ from agentbox.layers.context import get_forward_context
 from agentbox.layers.experts import FusedMoE
 from agentbox.layers.experts.base import MoEActivation
 from agentbox.layers.experts.placement import ExpertClock, ExpertHome
-from agentbox.layers.quant.cpu_parts import CpuPart, cpu_parts
+from agentbox.layers.quant.cpu_parts import MoeStruct, PartStruct, cpu_parts, moe_struct, part_struct
 from agentbox.models.base import CausalLM
 from agentbox.models.llama import LlamaDecoderLayer, LlamaMLP
 from agentbox.models.qwen3_moe import Qwen3MoeSparseBlock
@@ -48,22 +48,11 @@ _enabled = True
 MAX_QUERY = 32
 
 
-class _Part(ctypes.Structure):  # cpu_gemv.h's ab_part_t
-    _fields_ = [("w", _ptr), ("so", _ptr), ("n", _i64), ("k", _i64), ("group", _i64), ("bits", _i64), ("half", _i64),
-                ("form", _i64), ("off", _i64)]
-
-
 PARTS = 3  # AB_PARTS: runs of rows a linear may have
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("part", _Part * PARTS), ("parts", _i64)]
-
-
-class _Moe(ctypes.Structure):  # ab_moe_t
-    _fields_ = [("router", _ptr), ("experts", _i64), ("top_k", _i64), ("renorm", _i64), ("inter", _i64),
-                ("w13", _Part), ("w2", _Part), ("w13_stride", _i64), ("w13_so_stride", _i64), ("w2_stride", _i64),
-                ("w2_so_stride", _i64)]
+    _fields_ = [("part", PartStruct * PARTS), ("parts", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -90,17 +79,12 @@ def disabled() -> Iterator[None]:
         _enabled = previous
 
 
-def _part(p: CpuPart) -> _Part:
-    return _Part(p.w.data_ptr(), None if p.so is None else p.so.data_ptr(), p.n, p.k, p.group, p.bits, int(p.half),
-                 p.form, int(p.off))
-
-
 def _linear(linear: nn.Module) -> _Linear:
     parts = cpu_parts(linear)
     assert parts is not None and len(parts) <= PARTS  # eligible() checked
     out = _Linear()
     for i, p in enumerate(parts):
-        out.part[i] = _part(p)
+        out.part[i] = part_struct(p)
     out.parts = len(parts)
     return out
 
@@ -108,11 +92,6 @@ def _linear(linear: nn.Module) -> _Linear:
 def _linears(layer: nn.Module) -> list[nn.Module]:
     attn = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
     return attn if type(layer.mlp) is Qwen3MoeSparseBlock else [*attn, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-
-
-def _stride(t: torch.Tensor | None) -> int:
-    """Bytes from one expert's tensor to the next's."""
-    return 0 if t is None else t[0].numel() * t.element_size()
 
 
 def _experts_eligible(mlp: Qwen3MoeSparseBlock) -> bool:
@@ -126,14 +105,12 @@ def _experts_eligible(mlp: Qwen3MoeSparseBlock) -> bool:
             and mlp.gate.bias is None and router.is_contiguous())
 
 
-def _moe(mlp: Qwen3MoeSparseBlock) -> _Moe:
+def _moe(mlp: Qwen3MoeSparseBlock) -> MoeStruct:
     experts: FusedMoE = mlp.experts
     parts = experts.method.cpu_parts(experts)
     assert parts is not None  # eligible() checked
-    w13, w2 = parts
-    return _Moe(mlp.gate.weight.data_ptr(), experts.num_experts, experts.top_k, int(experts.renormalize),
-                experts.intermediate_local, _part(w13), _part(w2), _stride(w13.w), _stride(w13.so), _stride(w2.w),
-                _stride(w2.so))
+    return moe_struct(*parts, experts.num_experts, experts.top_k, experts.renormalize, experts.intermediate_local,
+                      mlp.gate.weight)
 
 
 def eligible(model: nn.Module) -> bool:
@@ -174,7 +151,7 @@ class _Plan:
     layers: list[_Layer]
     dims: _Dims
     cache_key: tuple[int, ...]  # the KV tensors the layer structs point into
-    moes: list[_Moe | None]  # what the layer structs' moe point to (kept alive here)
+    moes: list[MoeStruct | None]  # what the layer structs' moe point to (kept alive here)
     timed: list[tuple[ctypes.c_double, ExpertClock]]  # host experts' layers: where C adds their time, their clock
 
 

@@ -14,6 +14,7 @@ of each projection's input.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,12 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentbox.kernels.huge_pages import huge
-from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, activate
+from agentbox.layers.experts.base import ExpertLayer, ExpertMethod, MoEActivation, activate
 from agentbox.layers.experts.bits import BitsExperts
 from agentbox.layers.experts.int4 import Int4Experts, unpack_rows_bytes
 from agentbox.layers.quant import bits as kbits
 from agentbox.layers.quant import int4
-from agentbox.layers.quant.cpu_parts import CpuPart
+from agentbox.layers.quant.cpu_parts import CpuPart, moe_struct
 
 PROJECTIONS = ("w13", "w2")
 
@@ -171,7 +172,30 @@ class CpuExperts(ExpertMethod):
         linear: Linear = _linear,
     ) -> torch.Tensor:
         """Each routed expert over its tokens; `linear=_linear_ref` is the twin (dequantised weights)."""
+        if linear is _linear and _in_c(layer):
+            return self._routed_in_c(layer, x, topk_weights, topk_ids)
         return run_routed(layer, x, topk_weights, topk_ids, linear)
+
+    def _routed_in_c(self, layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+        """run_routed's loop in one C call (kernels/cpu_moe.c's ab_moe_routed): a prefill's gathers, SiLU and
+        weighted adds in torch cost a seventh of a 2,048-token Qwen3-30B-A3B-shaped prefill (issue 44), and its
+        products may take the AMX tiles. The same experts in the same order, the same products and the same two
+        roundings of each add; the SiLU is cpu_gemv.h's exp (~1 ulp of torch's), so one token takes this path too
+        and keeps a batch's numbers."""
+        from agentbox.kernels import cpu_gemv
+
+        w13, w2 = self.cpu_parts(layer)
+        moe = moe_struct(w13, w2, layer.num_experts, topk_ids.shape[1], False, layer.intermediate_local, None)
+        xf = x.float().contiguous()
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.float().contiguous()
+        out = torch.empty_like(xf)
+        rc = cpu_gemv._lib().ab_moe_routed(ctypes.addressof(moe), xf.data_ptr(), xf.shape[0], xf.shape[1],
+                                           ids.data_ptr(), weights.data_ptr(), out.data_ptr(), cpu_gemv.threads())
+        if rc:
+            raise RuntimeError(f"ab_moe_routed failed (code {rc}: -1 out of memory, -2 an expert id out of range)")
+        return out.to(x.dtype)
 
     def cpu_parts(self, layer: ExpertLayer) -> tuple[CpuPart, CpuPart]:
         parts = []
@@ -184,6 +208,11 @@ class CpuExperts(ExpertMethod):
             else:
                 parts.append(CpuPart(codes, None, p.n, p.k, p.group, p.bits, form=p.scale_form, off=p.has_offset))
         return parts[0], parts[1]
+
+
+def _in_c(layer: ExpertLayer) -> bool:
+    """The C loop runs gated SiLU experts without biases (Qwen3-MoE's); others keep run_routed."""
+    return layer.activation is MoEActivation.SILU and layer.w13_bias is None and layer.w2_bias is None
 
 
 def run_routed(layer: ExpertLayer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
