@@ -31,6 +31,26 @@ static inline __attribute__((always_inline)) void scale_block(const int32_t *c, 
     }
 }
 
+/* x as three bf16 parts in fp32 lanes (low 16 bits zero), each rounded to nearest even from what the ones before
+ * left: h + m + l holds x's 24 significant bits (each residual is exact in fp32). */
+static inline void split3(__m512 x, __m512 p[3]) {
+    for (int i = 0; i < 3; i++) {
+        const __m512i b = _mm512_castps_si512(x);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+        const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+        p[i] = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+        x = _mm512_sub_ps(x, p[i]);
+    }
+}
+
+/* 16 bf16 parts (split3's lanes) as 16 consecutive bf16. */
+static inline __m256i bf16_bits(__m512 p) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(p), 16)); }
+
+/* Two vectors of bf16 parts interleaved lane by lane: lane i = (hi[i] << 16) | lo[i], a bf16 B tile's row. */
+static inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+    return _mm512_or_si512(_mm512_castps_si512(hi), _mm512_srli_epi32(_mm512_castps_si512(lo), 16));
+}
+
 /* v[r] lane i (weight row r, activation row i) out to out + i * stride + r for the first `rows` activation rows: a
  * 16 x 16 transpose in registers (amx_tiles.h), then one store a row. The compiler's element-wise
  * scatter through a buffer was ~10 % of tile_pair's samples. */

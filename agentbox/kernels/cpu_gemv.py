@@ -59,7 +59,7 @@ class Isa(enum.Enum):
         base = ("-mavx2", "-mfma", "-mf16c")
         avx512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
         return base + {Isa.AVX2: (), Isa.AVX_VNNI: ("-mavxvnni",), Isa.AVX512_VNNI: avx512,
-                       Isa.AVX512_AMX: (*avx512, "-mamx-tile", "-mamx-int8")}[self]
+                       Isa.AVX512_AMX: (*avx512, "-mamx-tile", "-mamx-int8", "-mamx-bf16")}[self]
 
     @property
     def cpu_flags(self) -> frozenset[str]:
@@ -67,7 +67,7 @@ class Isa(enum.Enum):
         base = {"avx2", "fma", "f16c"}
         avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
         return frozenset(base | {Isa.AVX2: set(), Isa.AVX_VNNI: {"avx_vnni"}, Isa.AVX512_VNNI: avx512,
-                                 Isa.AVX512_AMX: avx512 | {"amx_tile", "amx_int8"}}[self])
+                                 Isa.AVX512_AMX: avx512 | {"amx_tile", "amx_int8", "amx_bf16"}}[self])
 
 
 def pick_isa(flags: set[str] | frozenset[str]) -> Isa | None:
