@@ -103,14 +103,13 @@ static void unpack(const uint8_t *codes, const char *so, int64_t k, int64_t grou
                 _mm512_store_si512(a + (b * TN + tt * NR + 2 * z) * QB, _mm512_permutex2var_epi32(lo, idx[z], hi));
         }
         const char *st = so + t * gk * 2 * NR * es;
-        for (int64_t g = 0; g < gk; g++)
-            for (int r = 0; r < NR; r++) {
-                const int64_t at = (g * 2 * NR + r) * es;
-                const float scale = half ? _cvtsh_ss(*(const uint16_t *)(st + at)) : *(const float *)(st + at);
-                for (int64_t b = g * per; b < (g + 1) * per; b++) sc[b * TN + tt * NR + r] = scale;
-                of[g * TN + tt * NR + r] = half ? _cvtsh_ss(*(const uint16_t *)(st + at + NR * es))
-                                                : *(const float *)(st + at + NR * es);
-            }
+        for (int64_t g = 0; g < gk; g++) { /* a group's 4 scales, then its 4 offsets: one vector each */
+            const char *at = st + g * 2 * NR * es;
+            const __m128 scale = half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)at)) : _mm_loadu_ps((const float *)at);
+            for (int64_t b = g * per; b < (g + 1) * per; b++) _mm_storeu_ps(sc + b * TN + tt * NR, scale);
+            _mm_storeu_ps(of + g * TN + tt * NR, half ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(at + NR * es)))
+                                                       : _mm_loadu_ps((const float *)(at + NR * es)));
+        }
     }
     /* the offsets as the B tiles of their product, in three bf16 parts: ob [3][steps][8][16 rows][2] (B row e:
      * groups 2e, 2e + 1 of each weight row), past gk zero */
