@@ -60,6 +60,17 @@ static inline void store_rows(__m512 *v, int64_t rows, float *out, int64_t strid
     store_transposed(r, rows, 16, out, stride);
 }
 
+/* Block b's product into tile C for kernels that unpack their weights to bytes (cpu_q4_amx.c, cpu_kbits_amx.c): the
+ * weights a [nb][TN][32] through tile A, the activations xq (activation tile t's blocks) through B, DP the product
+ * (tdpbusd for unsigned codes, tdpbssd for signed); tile numbers are immediates, so literals. */
+#define UNPACKED_PRODUCT(C, A, B, b, DP)                                                                         \
+    do {                                                                                                         \
+        _tile_zero(C);                                                                                           \
+        _tile_loadd(A, a + (b) * TN * QB, QB);                                                                   \
+        _tile_loadd(B, xq + (t * nb + (b)) * TM * QB, 64);                                                       \
+        DP(C, A, B);                                                                                             \
+    } while (0)
+
 /* nb blocks into acc (zeroed here): xt [nb][TM] the activation scales, sc [nb][TN] the weight scales. In pairs: the
  * odd block's product is issued before the even one's sums are stored, the next even one's before the odd one's
  * (storing a tile waits for its product; the wait then overlaps the other's). A block's sums are scaled one store

@@ -98,13 +98,7 @@ static inline __attribute__((always_inline)) void unpack(const uint8_t *w, int64
 /* Unit u's product into tile C (weights through tile A, activations through B; literals: tile numbers are
  * immediates): a block's whole 32 codes, or half h = u % 2 of them (K 16: 16 codes of each weight row, 4 of the
  * activations' B rows). */
-#define WHOLE(C, A, B, u, DP)                                                                                    \
-    do {                                                                                                         \
-        _tile_zero(C);                                                                                           \
-        _tile_loadd(A, a + (u) * TN * QB, QB);                                                                   \
-        _tile_loadd(B, xq + (t * nb + (u)) * TM * QB, 64);                                                       \
-        DP(C, A, B);                                                                                             \
-    } while (0)
+#define WHOLE(C, A, B, u, DP) UNPACKED_PRODUCT(C, A, B, u, DP)
 #define HALF(C, A, B, u, DP)                                                                                     \
     do {                                                                                                         \
         _tile_zero(C);                                                                                           \

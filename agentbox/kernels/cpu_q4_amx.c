@@ -124,15 +124,7 @@ static void unpack(const uint8_t *codes, const char *so, int64_t k, int64_t grou
         }
 }
 
-/* Block b's product into tile C (the weights into tile A, the activations into B: literals, tile numbers are
- * immediates). */
-#define PRODUCT(C, A, B, b)                                                                                      \
-    do {                                                                                                         \
-        _tile_zero(C);                                                                                           \
-        _tile_loadd(A, a + (b) * TN * QB, QB);                                                                   \
-        _tile_loadd(B, xq + (t * nb + (b)) * TM * QB, 64);                                                       \
-        _tile_dpbusd(C, A, B);                                                                                   \
-    } while (0)
+#define PRODUCT(C, A, B, b) UNPACKED_PRODUCT(C, A, B, b, _tile_dpbusd) /* unsigned codes */
 
 /* Activation tile t against the unpacked weight rows (TN: four Q4 tiles): out[i][n0 + r]. The offsets' term (the
  * sum over the groups of offset x the group's activation sum) is a bf16 tile product of their three-part splits
