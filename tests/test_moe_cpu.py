@@ -96,3 +96,24 @@ def test_the_model_predicts_as_the_exact_path(tiny_gguf) -> None:  # noqa: ANN00
     # (measured 6.7 % of the range at worst on this random model), the same top tokens
     # same top tokens wherever the top two are further apart than the difference (measured: 9 of 18 positions)
     assert_top_tokens_agree(fast, expected, max_err=0.1 * expected.abs().max().item(), min_decided=0.25)
+
+
+@pytest.mark.parametrize("index", [3, 4], ids=["q4_k+q6_k", "q8_0"])
+def test_the_c_expert_loop_is_the_torch_loop(tiny_gguf, index: int) -> None:  # noqa: ANN001
+    # kernels/cpu_moe.c's ab_moe_routed (every CpuExperts call) against run_routed's torch loop over the same kernels,
+    # at enough rows an expert for the AMX tiles where the CPU has them: the same experts, weights, order and roundings
+    # of the adds; only the SiLU's exp differs (~1 ulp), which can move one int8-rounded activation of down by a step.
+    ours = load_model(str(tiny_gguf[0]), torch.float32, "cpu")
+    layer = _experts(ours)[index]
+    gen = torch.Generator().manual_seed(11)
+    tokens = 24 * layer.num_experts  # ~48 rows an expert at top-2
+    x = torch.randn(tokens, layer.hidden_size, generator=gen)
+    topk_ids = torch.stack([torch.randperm(layer.num_experts, generator=gen)[:2] for _ in range(tokens)])
+    topk_weights = torch.rand(tokens, 2, generator=gen)
+    got = layer.method.apply(layer, x, topk_weights, topk_ids)
+    loop = moe_cpu.run_routed(layer, x, topk_weights, topk_ids, moe_cpu._linear)
+    scale = loop.abs().max()
+    assert (got - loop).abs().max() <= 1e-3 * scale
+    assert (got - loop).abs().max(dim=1).values.median() <= 1e-6 * scale  # most rows bit for bit or an ulp
+    swapped = layer.method.apply(layer, x, topk_weights.flip(1), topk_ids)  # each weight on the other expert
+    assert (swapped - loop).abs().max() > 0.05 * scale
