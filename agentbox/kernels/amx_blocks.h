@@ -60,6 +60,13 @@ static inline void store_rows(__m512 *v, int64_t rows, float *out, int64_t strid
     store_transposed(r, rows, 16, out, stride);
 }
 
+/* Activation rows a call packs at a time (a whole number of tiles, at least one): their tiles (K bytes a row, 1 MB in
+ * all) stay in the L2 cache while every weight tile passes over them; each slice rereads the weights. */
+static inline int64_t slice_rows(int64_t k) {
+    const int64_t per = (1 << 20) / k / TM * TM;
+    return per < TM ? TM : per;
+}
+
 /* Block b's product into tile C for kernels that unpack their weights to bytes (cpu_q4_amx.c, cpu_kbits_amx.c): the
  * weights a [nb][TN][32] through tile A, the activations xq (activation tile t's blocks) through B, DP the product
  * (tdpbusd for unsigned codes, tdpbssd for signed); tile numbers are immediates, so literals. */

@@ -102,18 +102,13 @@ static void tile_pair(const int8_t *xq, const float *xd, int64_t t, int64_t m, c
     store_rows(acc, m - t * TM < TM ? m - t * TM : TM, out + t * TM * s->n + n0, s->n);
 }
 
-/* Activation rows a slice packs at a time: their tiles (K bytes a row) stay in the L2 cache while every weight tile
- * passes over them; each slice rereads the weights. */
-#define SLICE_BYTES (1 << 20)
-
 /* The weight rows done, the first N / 16 x 16 (the caller's VNNI kernel does the rest): 0 where the tiles do not
  * take the call (8 bits with offsets or groups of 16, no tile state); -1 out of memory. */
 int64_t ab_bits_matmul_amx(const float *x, int64_t m, const uint8_t *w, const shape_t *s, float *out, int threads) {
     if (s->bits != 8) return ab_kbits_matmul_amx(x, m, w, s, out, threads); /* unpacked to bytes (cpu_kbits_amx.c) */
     if (s->group != QB || s->off || s->n < TN || m < 1 || !ab_bits_amx_ready()) return 0;
     threads = threads < 1 ? 1 : threads;
-    const int64_t nb = s->k / QB, ntiles = s->n / TN, per = SLICE_BYTES / s->k / TM * TM;
-    const int64_t slice = per < TM ? TM : per;
+    const int64_t nb = s->k / QB, ntiles = s->n / TN, slice = slice_rows(s->k);
     float *sc = aligned_alloc(64, sizeof(float) * (size_t)(threads * nb * TN)); /* each thread's weight scales */
     if (!sc) return -1;
     int rc = 0;

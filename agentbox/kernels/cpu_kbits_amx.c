@@ -26,7 +26,6 @@
 
 #include "amx_blocks.h"
 
-#define SLICE_BYTES (1 << 20) /* activation rows packed at a time (cpu_bits_amx.c's reason) */
 
 extern int64_t ab_amx_calls; /* cpu_bits_amx.c */
 int ab_bits_amx_ready(void);
@@ -168,8 +167,7 @@ SPECIALISE(2) SPECIALISE(3) SPECIALISE(5) SPECIALISE(6)
 int64_t ab_kbits_matmul_amx(const float *x, int64_t m, const uint8_t *w, const shape_t *s, float *out, int threads) {
     if (s->bits == 8 || s->n < TN || m < 1 || !ab_bits_amx_ready()) return 0;
     threads = threads < 1 ? 1 : threads;
-    const int64_t nb = s->k / QB, units = nb * (QB / s->group), per = SLICE_BYTES / s->k / TM * TM;
-    const int64_t slice = per < TM ? TM : per;
+    const int64_t nb = s->k / QB, units = nb * (QB / s->group), slice = slice_rows(s->k);
     const int64_t own = nb * TN * QB + 2 * units * TN * (int64_t)sizeof(float); /* a thread's weights and scales */
     uint8_t *scratch = aligned_alloc(64, (size_t)(threads * own));
     if (!scratch) return -1;

@@ -27,7 +27,6 @@
 
 #define QB 32 /* elements per block */
 #define NR 4  /* weight rows of one of cpu_gemv.c's Q4 tiles */
-#define SLICE_BYTES (1 << 20) /* activation rows packed at a time (cpu_bits_amx.c's reason) */
 
 extern int64_t ab_amx_calls; /* cpu_bits_amx.c */
 int ab_bits_amx_ready(void);
@@ -169,8 +168,7 @@ int64_t ab_q4_matmul_amx(const float *x, int64_t m, int64_t k, const uint8_t *co
                          int64_t group, float *out, int threads, int half) {
     if (n < TN || m < 1 || !ab_bits_amx_ready()) return 0;
     threads = threads < 1 ? 1 : threads;
-    const int64_t nb = k / QB, gk = k / group, ntiles = n / TN, per = SLICE_BYTES / k / TM * TM;
-    const int64_t slice = per < TM ? TM : per, steps = (gk + 15) / 16;
+    const int64_t nb = k / QB, gk = k / group, ntiles = n / TN, slice = slice_rows(k), steps = (gk + 15) / 16;
     /* each thread's unpacked weights, their scales and offsets, and the offsets' bf16 parts */
     const int64_t own = nb * TN * QB + (nb + gk) * TN * (int64_t)sizeof(float) + 3 * steps * 256 * 2;
     uint8_t *scratch = aligned_alloc(64, (size_t)(threads * own));
